@@ -1,0 +1,18 @@
+//! The binary contract between the eBPF programs (`memscope-ebpf`) and the userspace tracer
+//! (`memscope-user`).
+//!
+//! Everything here is `#[repr(C)]` with fixed-width fields and no implicit padding, because the
+//! same bytes are written by BPF code and read back by userspace: a field moved on one side only
+//! would silently corrupt every event. The `const` assertions below pin each size so such a change
+//! fails to compile instead.
+//!
+//! - [`record`]: what travels through the ring buffer (one header, then a payload per kind).
+//! - [`spec`]: what one attach point means to the generic call probes (which argument is an
+//!   out-pointer, which carries a config struct, what it does to the thread's device).
+#![no_std]
+
+pub mod record;
+pub mod spec;
+
+#[cfg(feature = "user")]
+mod user;

@@ -1,0 +1,101 @@
+//! Ring-buffer records. Every record starts with a [`RecordHeader`]; its `kind` says which
+//! payload struct the whole record is. Userspace checks the length against the kind's size before
+//! reading anything (see `memscope-user/src/record/decode.rs`).
+
+/// Arguments captured at function entry. Six is every integer register of the x86-64 and arm64
+/// calling conventions that the traced APIs use.
+pub const MAX_ARGS: usize = 6;
+
+/// Which payload follows the header. The ids are part of the ABI: never renumber, only append.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    /// A traced function returned: [`CallRecord`].
+    Call = 1,
+    /// A traced process forked: [`ForkRecord`].
+    Fork = 2,
+    /// A traced process exited: [`ExitRecord`].
+    Exit = 3,
+}
+
+impl RecordKind {
+    /// Maps a raw header value back to a kind; `None` for ids this build does not know.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(Self::Call),
+            2 => Some(Self::Fork),
+            3 => Some(Self::Exit),
+            _ => None,
+        }
+    }
+}
+
+/// Common to every record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RecordHeader {
+    /// A [`RecordKind`] id.
+    pub kind: u32,
+    /// CPU that produced the record (for drop accounting and ordering diagnostics).
+    pub cpu: u32,
+    /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC nanoseconds when the record was produced.
+    pub ts_ns: u64,
+    /// Process id (kernel tgid).
+    pub tgid: u32,
+    /// Thread id (kernel pid of the task).
+    pub tid: u32,
+}
+
+/// One traced call, emitted when the outermost traced function of its layer returns on a thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallRecord {
+    pub hdr: RecordHeader,
+    /// The attach cookie: index of the [`crate::spec::ProbeSpec`] that describes this API.
+    pub spec_id: u32,
+    /// The device the thread last set with a successful set-device call, or -1 if none was seen.
+    pub thread_device: i32,
+    /// CLOCK_MONOTONIC nanoseconds at function entry (the header's `ts_ns` is the return).
+    pub entry_ns: u64,
+    /// Integer argument registers at entry.
+    pub args: [u64; MAX_ARGS],
+    /// The return register.
+    pub ret: u64,
+    /// The value read through the spec's out-pointer argument at return (0 if none or unreadable).
+    pub out: u64,
+    /// 1 if `out` was read successfully, 0 otherwise.
+    pub out_ok: u32,
+    /// Device id found in the call's config struct (malloc config attribute or physical-memory
+    /// property), or -1.
+    pub cfg_device: i32,
+    /// Module id found in the call's malloc config, or -1.
+    pub cfg_module: i32,
+    /// Keeps the struct free of implicit tail padding.
+    pub _reserved: u32,
+}
+
+/// A traced process created a task. Threads trigger it too; userspace tells them apart.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForkRecord {
+    pub hdr: RecordHeader,
+    /// The new task's id (its tgid when it is a process).
+    pub child: u32,
+    pub _reserved: u32,
+}
+
+/// The last thread of a traced process exited.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExitRecord {
+    pub hdr: RecordHeader,
+    /// The process's exit code as the kernel reports it in `task->exit_code` is not available to
+    /// the tracepoint, so this only says the whole thread group is gone (always 1 today).
+    pub group_dead: u32,
+    pub _reserved: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
+const _: () = assert!(core::mem::size_of::<CallRecord>() == 24 + 16 + 48 + 16 + 16);
+const _: () = assert!(core::mem::size_of::<ForkRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<ExitRecord>() == 32);

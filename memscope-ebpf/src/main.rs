@@ -1,0 +1,23 @@
+//! memscope eBPF programs.
+//!
+//! - `probes::call`: the generic entry/return pair attached to every traced API symbol. What each
+//!   symbol means comes from a [`memscope_common::spec::ProbeSpec`] chosen by the attach cookie.
+//! - `probes::process`: fork/exit tracepoints that keep the set of traced processes current.
+//! - `maps`: the maps shared between them and userspace, and the ring-buffer output path.
+#![no_std]
+#![no_main]
+
+mod maps;
+mod probes;
+
+// Only for the BPF target: a host build (clippy on the workspace) gets std's handler.
+#[cfg(all(not(test), target_arch = "bpf"))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any reachable panic path, so this is never executed.
+    loop {}
+}
+
+#[link_section = "license"]
+#[no_mangle]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

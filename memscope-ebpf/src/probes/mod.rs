@@ -1,0 +1,3 @@
+//! Probe families; one file each.
+pub mod call;
+pub mod process;

@@ -1,0 +1,88 @@
+//! Process lifecycle: `sched_process_fork` grows the traced set in launch mode (children of the
+//! launched program), `sched_process_exit` shrinks it and forgets per-thread state, so a reused
+//! thread id never inherits a dead thread's device or half a call.
+//!
+//! Field offsets come from the tracepoint's format file at load time (they moved between kernel
+//! versions: `parent_comm` became a `__data_loc` string in 6.x).
+
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns},
+    macros::tracepoint,
+    programs::TracePointContext,
+    Global,
+};
+use memscope_common::record::{ExitRecord, ForkRecord, RecordHeader, RecordKind};
+
+use crate::maps::{follow_forks, is_traced, output, TRACED};
+use crate::probes::call::THREADS;
+
+/// Offset of `child_pid` in `sched/sched_process_fork`.
+#[no_mangle]
+static FORK_CHILD_PID_OFFSET: Global<u32> = Global::new(20);
+
+/// Offset of `group_dead` in `sched/sched_process_exit`.
+#[no_mangle]
+static EXIT_GROUP_DEAD_OFFSET: Global<u32> = Global::new(32);
+
+fn header(kind: RecordKind, pid_tgid: u64) -> RecordHeader {
+    RecordHeader {
+        kind: kind as u32,
+        // SAFETY: helpers without arguments.
+        cpu: unsafe { bpf_get_smp_processor_id() },
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        tgid: (pid_tgid >> 32) as u32,
+        tid: pid_tgid as u32,
+    }
+}
+
+#[tracepoint]
+pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
+    let _ = try_fork(&ctx);
+    0
+}
+
+fn try_fork(ctx: &TracePointContext) -> Option<()> {
+    if !follow_forks() {
+        return None;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if !is_traced((pid_tgid >> 32) as u32) {
+        return None;
+    }
+    // SAFETY: offset from the format file, read through the tracepoint helper.
+    let child: i32 = unsafe { ctx.read_at(FORK_CHILD_PID_OFFSET.load() as usize) }.ok()?;
+    let child = child as u32;
+    // A new thread also lands here with its tid; as a key it is harmless (the filter looks up
+    // tgids) and the exit probe removes it again.
+    TRACED.insert(child, 1, 0).ok()?;
+    output(&ForkRecord { hdr: header(RecordKind::Fork, pid_tgid), child, _reserved: 0 });
+    Some(())
+}
+
+#[tracepoint]
+pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
+    let _ = try_exit(&ctx);
+    0
+}
+
+fn try_exit(ctx: &TracePointContext) -> Option<()> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+    if !is_traced(tgid) {
+        return None;
+    }
+    // Its device and any call it died inside go with it.
+    let _ = THREADS.remove(tid);
+    if tid != tgid {
+        let _ = TRACED.remove(tid);
+    }
+    // SAFETY: offset from the format file.
+    let group_dead: u8 = unsafe { ctx.read_at(EXIT_GROUP_DEAD_OFFSET.load() as usize) }.ok()?;
+    if group_dead == 0 {
+        return Some(());
+    }
+    let _ = TRACED.remove(tgid);
+    output(&ExitRecord { hdr: header(RecordKind::Exit, pid_tgid), group_dead: 1, _reserved: 0 });
+    Some(())
+}

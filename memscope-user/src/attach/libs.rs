@@ -1,0 +1,192 @@
+//! Which library files carry the traced APIs.
+//!
+//! Sources, in the order a user would expect them to win:
+//! 1. `--lib PATH` (a file of any name, or a folder to scan);
+//! 2. what the process has mapped (`/proc/PID/maps`), opened through `/proc/PID/root` so a
+//!    containerised target's files resolve in its own mount namespace;
+//! 3. `$ASCEND_HOME_PATH/lib64` (and `runtime/lib64`) of the target's environment, so libraries
+//!    it will dlopen later are probed before their first call; in launch mode also the
+//!    `LD_LIBRARY_PATH` folders the program will search.
+//!
+//! Files are identified by (device, inode): the same file reached through two paths (symlinks,
+//! `/proc/PID/root`) is one library, and uprobing it twice would double every event.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use crate::apis::{Api, Family};
+
+/// Where a library was found (shown to the user and stored with the probes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Origin {
+    UserPath,
+    Mapped { pid: u32 },
+    AscendHome,
+    LibraryPath,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Library {
+    /// A path this process can open and attach to.
+    pub path: PathBuf,
+    /// The path as the target sees it.
+    pub shown: String,
+    /// (st_dev, st_ino).
+    pub file_id: (u64, u64),
+    pub origin: Origin,
+}
+
+/// Whether a file name is one of the traced families' libraries (`libascendcl.so`,
+/// `libascendcl.so.1`, ...).
+pub fn is_known_name(name: &OsStr) -> bool {
+    let name = name.as_bytes();
+    let mut families: Vec<Family> = Api::all().map(|d| d.family).collect();
+    families.dedup();
+    families.iter().flat_map(|f| f.library_names()).any(|known| {
+        let known = known.as_bytes();
+        name == known || (name.starts_with(known) && name.get(known.len()) == Some(&b'.'))
+    })
+}
+
+/// Every symbol name worth looking up: each API's public name and its `...Impl`.
+pub fn wanted_symbols() -> std::collections::HashSet<String> {
+    Api::all().flat_map(|d| [d.symbol.to_owned(), d.api.impl_symbol()]).collect()
+}
+
+fn library(path: PathBuf, shown: String, origin: Origin) -> Option<Library> {
+    let meta = std::fs::metadata(&path).ok()?;
+    meta.is_file().then(|| Library { path, shown, file_id: (meta.dev(), meta.ino()), origin })
+}
+
+/// Known libraries in one folder (not recursive).
+pub fn in_dir(dir: &Path, origin: &Origin) -> Vec<Library> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut found: Vec<Library> = entries
+        .filter_map(Result::ok)
+        .filter(|e| is_known_name(&e.file_name()))
+        .filter_map(|e| library(e.path(), e.path().display().to_string(), origin.clone()))
+        .collect();
+    found.sort_by(|a, b| a.path.cmp(&b.path));
+    found
+}
+
+/// `--lib PATH`: a file (any name: it is looked into for the API symbols) or a folder.
+pub fn from_user_path(path: &Path) -> std::io::Result<Vec<Library>> {
+    let meta = std::fs::metadata(path)?;
+    if meta.is_dir() {
+        return Ok(in_dir(path, &Origin::UserPath));
+    }
+    Ok(library(path.to_owned(), path.display().to_string(), Origin::UserPath).into_iter().collect())
+}
+
+/// Known libraries mapped executable in a process.
+pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut found = Vec::new();
+    for line in maps.lines() {
+        // address perms offset dev inode path; the path may contain spaces.
+        let perms = line.split_ascii_whitespace().nth(1).unwrap_or("");
+        let Some(at) = line.find(" /") else { continue };
+        let path = &line[at + 1..];
+        if !perms.contains('x') || path.ends_with(" (deleted)") {
+            continue;
+        }
+        let file = Path::new(path);
+        if !file.file_name().is_some_and(is_known_name) {
+            continue;
+        }
+        let through_root = PathBuf::from(format!("/proc/{pid}/root{path}"));
+        if let Some(lib) = library(through_root, path.to_owned(), Origin::Mapped { pid }) {
+            found.push(lib);
+        }
+    }
+    Ok(dedup(found))
+}
+
+/// The runtime folders under an `ASCEND_HOME_PATH`.
+pub fn ascend_home_dirs(home: &Path) -> Vec<PathBuf> {
+    vec![home.join("lib64"), home.join("runtime").join("lib64")]
+}
+
+/// A process's environment (`/proc/PID/environ`).
+pub fn process_env(pid: u32) -> std::io::Result<HashMap<String, String>> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ"))?;
+    Ok(raw
+        .split(|b| *b == 0)
+        .filter_map(|kv| {
+            let kv = String::from_utf8_lossy(kv);
+            let (k, v) = kv.split_once('=')?;
+            Some((k.to_owned(), v.to_owned()))
+        })
+        .collect())
+}
+
+/// Libraries under `ASCEND_HOME_PATH` and, if given, the `LD_LIBRARY_PATH` folders, of an
+/// environment. `root` prefixes the paths (a target's `/proc/PID/root`).
+pub fn from_env(env: &HashMap<String, String>, root: &Path, include_ld_path: bool) -> Vec<Library> {
+    let rooted = |p: &str| root.join(p.trim_start_matches('/'));
+    let mut found = Vec::new();
+    if let Some(home) = env.get("ASCEND_HOME_PATH").filter(|h| h.starts_with('/')) {
+        for dir in ascend_home_dirs(Path::new(home)) {
+            found.extend(in_dir(&rooted(&dir.to_string_lossy()), &Origin::AscendHome));
+        }
+    }
+    if include_ld_path {
+        for dir in
+            env.get("LD_LIBRARY_PATH").map(String::as_str).unwrap_or("").split(':').filter(|d| d.starts_with('/'))
+        {
+            found.extend(in_dir(&rooted(dir), &Origin::LibraryPath));
+        }
+    }
+    dedup(found)
+}
+
+/// Keeps the first library per file.
+pub fn dedup(libs: Vec<Library>) -> Vec<Library> {
+    let mut seen = std::collections::HashSet::new();
+    libs.into_iter().filter(|l| seen.insert(l.file_id)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_names_include_versioned_files_only() {
+        assert!(is_known_name(OsStr::new("libascendcl.so")));
+        assert!(is_known_name(OsStr::new("libascendcl.so.1")));
+        assert!(is_known_name(OsStr::new("libacl_rt_impl.so")));
+        assert!(!is_known_name(OsStr::new("libascendcl.so_backup")));
+        assert!(!is_known_name(OsStr::new("libascendclx.so")));
+        assert!(!is_known_name(OsStr::new("libc.so.6")));
+    }
+
+    #[test]
+    fn same_file_through_a_symlink_is_one_library() {
+        let dir = std::env::temp_dir().join(format!("memscope-libs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("lib64")).unwrap();
+        std::fs::write(dir.join("lib64/libascendcl.so"), b"x").unwrap();
+        std::os::unix::fs::symlink("libascendcl.so", dir.join("lib64/libascendcl.so.1")).unwrap();
+        std::fs::write(dir.join("lib64/libother.so"), b"x").unwrap();
+        let env: HashMap<String, String> = [("ASCEND_HOME_PATH".to_owned(), dir.display().to_string())].into();
+        let libs = from_env(&env, Path::new("/"), false);
+        assert_eq!(libs.len(), 1, "{libs:?}");
+        assert_eq!(libs[0].origin, Origin::AscendHome);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn maps_of_this_process_have_no_ascend_library() {
+        assert!(from_maps(std::process::id()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn wanted_symbols_cover_public_and_impl_names() {
+        let w = wanted_symbols();
+        assert!(w.contains("aclrtMalloc") && w.contains("aclrtMallocImpl") && w.contains("aclrtUnmapMemImpl"));
+    }
+}

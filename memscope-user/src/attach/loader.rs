@@ -1,0 +1,239 @@
+//! Loading the eBPF object and attaching it.
+//!
+//! Order matters for correctness, not just tidiness:
+//! - the probe specs are written before anything is attached, so no probe fires with an empty
+//!   spec;
+//! - per library, every return probe is attached before any entry probe: a return probe is armed
+//!   at function entry, so an entry we record always has its return, and a call already running
+//!   when we attach is skipped whole instead of producing half a record.
+
+use std::collections::HashSet;
+use std::num::NonZeroU32;
+use std::path::Path;
+
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf};
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+use aya::programs::{ProgramError, TracePoint, UProbe};
+use aya::{Ebpf, EbpfError, EbpfLoader};
+use thiserror::Error;
+
+use super::elf::{ElfError, ElfSymbols, SymbolSource};
+use super::libs::{wanted_symbols, Library};
+use crate::apis::Api;
+
+/// The compiled eBPF object, built by build.rs with aya-build.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memscope"));
+
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("the kernel refused the eBPF object: {0}")]
+    Load(#[from] EbpfError),
+    #[error("the eBPF object has no program or map named `{0}` (build mismatch; rebuild with `cargo xtask build`)")]
+    Missing(&'static str),
+    #[error("cannot load or attach `{name}`: {source}")]
+    Program { name: &'static str, source: ProgramError },
+    #[error("cannot use map `{name}`: {source}")]
+    Map { name: &'static str, source: MapError },
+    #[error("tracefs is not available ({0}); mount it with `mount -t tracefs nodev /sys/kernel/tracing`")]
+    Tracefs(String),
+}
+
+#[derive(Debug, Error)]
+pub enum AttachError {
+    #[error(transparent)]
+    Elf(#[from] ElfError),
+    #[error("cannot attach {kind} to `{symbol}` in {library}: {source}")]
+    Probe { kind: &'static str, symbol: String, library: String, source: Box<ProgramError> },
+}
+
+/// Which symbols to probe in a library that has both `aclrtX` and `aclrtXImpl`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProbeSet {
+    /// The `...Impl` symbol where the library exports it (every front end funnels through it),
+    /// else the public one.
+    Default,
+    /// Both. The kernel side still reports one call per logical call (nesting on the thread).
+    All,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttachedProbe {
+    pub library: String,
+    pub symbol: String,
+    pub api: Api,
+    pub file_offset: u64,
+    pub source: SymbolSource,
+}
+
+pub struct LoadOptions {
+    pub ring_bytes: u32,
+    pub wakeup_bytes: u64,
+    pub follow_forks: bool,
+}
+
+pub struct Tracer {
+    ebpf: Ebpf,
+    attached_files: HashSet<(u64, u64)>,
+    scope: UProbeScope,
+}
+
+fn tracefs_root() -> Result<&'static Path, LoadError> {
+    for root in ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"] {
+        if Path::new(root).join("events").is_dir() {
+            return Ok(Path::new(root));
+        }
+    }
+    // A fresh machine may not have tracefs mounted; as root we can.
+    let target = c"/sys/kernel/tracing";
+    // SAFETY: constant, NUL-terminated arguments.
+    let rc = unsafe { libc::mount(c"nodev".as_ptr(), target.as_ptr(), c"tracefs".as_ptr(), 0, std::ptr::null()) };
+    if rc == 0 && Path::new("/sys/kernel/tracing/events").is_dir() {
+        return Ok(Path::new("/sys/kernel/tracing"));
+    }
+    Err(LoadError::Tracefs(std::io::Error::last_os_error().to_string()))
+}
+
+/// Offset of a field in a tracepoint's format file.
+fn field_offset(root: &Path, event: &str, field: &str) -> Result<u32, LoadError> {
+    let path = root.join("events").join(event).join("format");
+    let text = std::fs::read_to_string(&path).map_err(|e| LoadError::Tracefs(format!("{}: {e}", path.display())))?;
+    text.lines()
+        .find(|l| l.contains(&format!(" {field};")))
+        .and_then(|l| l.split("offset:").nth(1))
+        .and_then(|rest| rest.split(';').next())
+        .and_then(|n| n.trim().parse().ok())
+        .ok_or_else(|| LoadError::Tracefs(format!("no field `{field}` in {}", path.display())))
+}
+
+impl Tracer {
+    /// Loads the programs, writes the specs and attaches the process tracepoints.
+    /// `target` is the process traced first (also added to the traced set by
+    /// [`Tracer::trace_process`]); `scope_pid` limits the uprobes to one process (attach mode).
+    pub fn load(opts: &LoadOptions, target: u32, scope_pid: Option<u32>) -> Result<Self, LoadError> {
+        let tracefs = tracefs_root()?;
+        let child_pid_offset = field_offset(tracefs, "sched/sched_process_fork", "child_pid")?;
+        let group_dead_offset = field_offset(tracefs, "sched/sched_process_exit", "group_dead")?;
+        let follow = u32::from(opts.follow_forks);
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries("EVENTS", opts.ring_bytes)
+            .override_global("WAKEUP_BYTES", &opts.wakeup_bytes, true)
+            .override_global("FOLLOW_FORKS", &follow, true)
+            .override_global("TARGET_TGID", &target, true)
+            .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
+            .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
+            .load(EBPF_OBJECT)?;
+
+        {
+            let map = ebpf.map_mut("SPECS").ok_or(LoadError::Missing("SPECS"))?;
+            let mut specs: Array<_, memscope_common::spec::ProbeSpec> =
+                Array::try_from(map).map_err(|source| LoadError::Map { name: "SPECS", source })?;
+            for def in Api::all() {
+                specs.set(def.api.spec_id(), def.spec, 0).map_err(|source| LoadError::Map { name: "SPECS", source })?;
+            }
+        }
+
+        for (name, event) in
+            [("sched_process_fork", "sched_process_fork"), ("sched_process_exit", "sched_process_exit")]
+        {
+            let name: &'static str = name;
+            let prog: &mut TracePoint = ebpf
+                .program_mut(name)
+                .ok_or(LoadError::Missing(name))?
+                .try_into()
+                .map_err(|source| LoadError::Program { name, source })?;
+            prog.load().map_err(|source| LoadError::Program { name, source })?;
+            prog.attach("sched", event).map_err(|source| LoadError::Program { name, source })?;
+        }
+        for name in ["call_enter", "call_exit"] {
+            let prog: &mut UProbe = ebpf
+                .program_mut(name)
+                .ok_or(LoadError::Missing(name))?
+                .try_into()
+                .map_err(|source| LoadError::Program { name, source })?;
+            prog.load().map_err(|source| LoadError::Program { name, source })?;
+        }
+        let scope = scope_pid.and_then(NonZeroU32::new).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
+        Ok(Self { ebpf, attached_files: HashSet::new(), scope })
+    }
+
+    /// Starts recording calls of process `pid`.
+    pub fn trace_process(&mut self, pid: u32) -> Result<(), LoadError> {
+        let map = self.ebpf.map_mut("TRACED").ok_or(LoadError::Missing("TRACED"))?;
+        let mut traced: BpfHashMap<_, u32, u32> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
+        traced.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "TRACED", source })
+    }
+
+    /// Whether this file is already probed.
+    pub fn is_attached(&self, lib: &Library) -> bool {
+        self.attached_files.contains(&lib.file_id)
+    }
+
+    /// Probes the traced APIs in one library. Returns what was attached (empty if the file was
+    /// already probed or exports none of the APIs).
+    pub fn attach(&mut self, lib: &Library, set: ProbeSet) -> Result<Vec<AttachedProbe>, AttachError> {
+        if !self.attached_files.insert(lib.file_id) {
+            return Ok(Vec::new());
+        }
+        let symbols = ElfSymbols::load(&lib.path, &wanted_symbols())?;
+        let plan = plan(&symbols, set, &lib.shown);
+        for (program, kind) in [("call_exit", "return probe"), ("call_enter", "entry probe")] {
+            let prog: &mut UProbe =
+                self.ebpf.program_mut(program).expect("loaded in Tracer::load").try_into().expect("a uprobe program");
+            for probe in &plan {
+                let point = UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
+                    cookie: Some(memscope_common::spec::cookie(probe.api.spec_id(), probe.api.def().spec.layer)),
+                };
+                prog.attach(point, &lib.path, self.scope).map_err(|source| AttachError::Probe {
+                    kind,
+                    symbol: probe.symbol.clone(),
+                    library: lib.shown.clone(),
+                    source: Box::new(source),
+                })?;
+            }
+        }
+        Ok(plan)
+    }
+
+    /// The ring buffer, handed to the consumer once.
+    pub fn take_ring(&mut self) -> Result<RingBuf<MapData>, LoadError> {
+        let map = self.ebpf.take_map("EVENTS").ok_or(LoadError::Missing("EVENTS"))?;
+        RingBuf::try_from(map).map_err(|source| LoadError::Map { name: "EVENTS", source })
+    }
+
+    /// Records lost because the ring was full, per CPU.
+    pub fn lost_per_cpu(&self) -> Result<Vec<u64>, LoadError> {
+        let map = self.ebpf.map("DROPS").ok_or(LoadError::Missing("DROPS"))?;
+        let drops: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(map).map_err(|source| LoadError::Map { name: "DROPS", source })?;
+        let values = drops.get(&0, 0).map_err(|source| LoadError::Map { name: "DROPS", source })?;
+        Ok(values.iter().copied().collect())
+    }
+}
+
+/// Which symbols of a library to attach, per [`ProbeSet`].
+pub fn plan(symbols: &ElfSymbols, set: ProbeSet, library: &str) -> Vec<AttachedProbe> {
+    let mut plan = Vec::new();
+    for def in Api::all() {
+        let public = def.symbol.to_owned();
+        let implementation = def.api.impl_symbol();
+        let chosen: Vec<&String> = match (set, symbols.get(&implementation).is_some()) {
+            (ProbeSet::Default, true) => vec![&implementation],
+            (ProbeSet::Default, false) => vec![&public],
+            (ProbeSet::All, _) => vec![&public, &implementation],
+        };
+        for name in chosen {
+            if let Some(found) = symbols.get(name) {
+                plan.push(AttachedProbe {
+                    library: library.to_owned(),
+                    symbol: name.clone(),
+                    api: def.api,
+                    file_offset: found.file_offset,
+                    source: found.source,
+                });
+            }
+        }
+    }
+    plan
+}

@@ -1,0 +1,79 @@
+//! Command line: one module per verb, each owning its arguments and its `run`.
+
+pub mod probes;
+pub mod trace;
+
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+/// Traces accelerator (Ascend NPU) memory of AI training and inference jobs with eBPF uprobes,
+/// without modifying or restarting the traced process, and writes MindStudio Insight databases.
+#[derive(Debug, Parser)]
+#[command(name = "memscope-bpf", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    Trace(trace::Args),
+    Probes(probes::Args),
+}
+
+impl Cli {
+    pub fn run(self) -> anyhow::Result<()> {
+        match self.command {
+            Command::Trace(args) => trace::run(args),
+            Command::Probes(args) => probes::run(args),
+        }
+    }
+}
+
+/// Parses `30`, `30s`, `500ms`, `5m`, `1h`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 =
+        number.parse().map_err(|_| format!("`{text}` is not a duration (examples: 30, 30s, 500ms, 5m, 1h)"))?;
+    let seconds = match unit {
+        "" | "s" => value,
+        "ms" => value / 1e3,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{text}` (use ms, s, m or h)")),
+    };
+    if !(seconds.is_finite() && seconds > 0.0) {
+        return Err(format!("`{text}` must be a positive duration"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("0").is_err());
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("x").is_err());
+    }
+
+    #[test]
+    fn cli_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn pid_and_command_are_exclusive() {
+        let r = Cli::try_parse_from(["memscope-bpf", "trace", "--pid", "1", "--", "true"]);
+        assert!(r.is_err());
+    }
+}

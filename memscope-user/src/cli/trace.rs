@@ -1,0 +1,160 @@
+//! `memscope-bpf trace`: record a running job (`--pid`) or a program launched under the tracer
+//! (`-- COMMAND`). Privileged.
+//!
+//! This module turns arguments into a checked plan (target, libraries, output) and hands it to
+//! `session`; everything that can be checked before loading BPF is checked here, so a mistake
+//! costs one clear line and no half-made output.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+
+use super::parse_duration;
+use crate::attach::libs::{self, Library};
+use crate::attach::ProbeSet;
+use crate::launch;
+use crate::preflight::{self, PreflightError};
+use crate::session::{self, Plan, Target};
+use crate::store::Format;
+
+/// Record accelerator memory events of a running job or of a program launched under the tracer.
+///
+/// Attach:  memscope-bpf trace --pid 4242 --output ./msout
+/// Launch:  memscope-bpf trace --output ./msout -- python train.py
+///
+/// Stops on Ctrl-C, SIGTERM, --duration, or when the target exits; then writes one DB per device
+/// under OUTPUT/memscope_<pid>_<time>_ascend/ and prints a summary. Needs root.
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// Attach to this running process. Only calls made after the probes are live are recorded.
+    #[arg(short, long, value_name = "PID", conflicts_with = "command")]
+    pub pid: Option<u32>,
+
+    /// Folder for the results; each run gets its own folder inside it.
+    #[arg(short, long, value_name = "DIR", default_value = "memscopeDumpResults")]
+    pub output: PathBuf,
+
+    /// Stop after this long (e.g. 30, 30s, 5m). Default: until Ctrl-C, SIGTERM or target exit.
+    #[arg(short, long, value_name = "TIME", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+
+    /// Also probe this library: a file of any name (e.g. a copy of libascendcl.so) or a folder.
+    /// Repeatable. By default libraries come from the target's maps and ASCEND_HOME_PATH.
+    #[arg(long = "lib", value_name = "PATH")]
+    pub libs: Vec<PathBuf>,
+
+    /// Output format: db (SQLite, what MindStudio Insight opens) or csv (msMemScope's CSV).
+    #[arg(long, value_enum, default_value_t = Format::Db)]
+    pub format: Format,
+
+    /// Where a library exports both aclrtX and aclrtXImpl: probe the Impl only (default, one
+    /// trap per call) or both (all: each call still recorded once).
+    #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
+    pub probe_set: ProbeSet,
+
+    /// Ring buffer size in MiB, a power of two. Larger rides out longer bursts without losses
+    /// (64 MiB holds about 440k calls; see docs/benchmarks.md).
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    pub ring_mb: u32,
+
+    /// Print only errors and the final summary.
+    #[arg(short, long)]
+    pub quiet: bool,
+
+    /// The program to launch, after `--`. Its probes are live before its first instruction.
+    #[arg(last = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+/// Libraries for a launched program: `--lib`, then the `ASCEND_HOME_PATH` and `LD_LIBRARY_PATH`
+/// folders of the environment it inherits from us.
+fn launch_libraries(user: &[Library]) -> Vec<Library> {
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let mut all = user.to_vec();
+    all.extend(libs::from_env(&env, Path::new("/"), true));
+    libs::dedup(all)
+}
+
+/// Libraries for a running process: `--lib`, what it has mapped, and its `ASCEND_HOME_PATH`.
+fn attach_libraries(pid: u32, user: &[Library]) -> Vec<Library> {
+    let mut all = user.to_vec();
+    all.extend(libs::from_maps(pid).unwrap_or_default());
+    if let Ok(env) = libs::process_env(pid) {
+        all.extend(libs::from_env(&env, Path::new(&format!("/proc/{pid}/root")), false));
+    }
+    libs::dedup(all)
+}
+
+fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> {
+    let mut found = Vec::new();
+    for path in paths {
+        let libs = libs::from_user_path(path).with_context(|| format!("--lib {}: cannot read it", path.display()))?;
+        if libs.is_empty() {
+            bail!("--lib {}: no Ascend runtime library in this folder (looked for libascendcl.so, libacl_rt.so, libacl_rt_impl.so)", path.display());
+        }
+        found.extend(libs);
+    }
+    Ok(found)
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let target_given = args.pid.is_some() || !args.command.is_empty();
+    if !target_given {
+        bail!("nothing to trace: give --pid PID to attach to a running job, or `-- COMMAND` to launch one");
+    }
+    if !args.ring_mb.is_power_of_two() || args.ring_mb > 1024 {
+        bail!("--ring-mb {} must be a power of two between 1 and 1024", args.ring_mb);
+    }
+    preflight::check_privileges()?;
+    preflight::check_uprobes()?;
+    preflight::check_output(&args.output)?;
+    let user = user_libraries(&args.libs)?;
+
+    let (target, libraries) = match args.pid {
+        Some(pid) => {
+            preflight::check_pid(pid)?;
+            let libraries = attach_libraries(pid, &user);
+            if libraries.is_empty() {
+                return Err(PreflightError::NoLibrary {
+                    where_: format!("in process {pid} (its maps and ASCEND_HOME_PATH)"),
+                }
+                .into());
+            }
+            (Target::Pid(pid), libraries)
+        }
+        None => {
+            let libraries = launch_libraries(&user);
+            if libraries.is_empty() {
+                return Err(PreflightError::NoLibrary {
+                    where_: "for the command (ASCEND_HOME_PATH, LD_LIBRARY_PATH and --lib)".into(),
+                }
+                .into());
+            }
+            // Fork now, before any thread exists; the child waits for the probes.
+            let launched = launch::spawn_held(&args.command)?;
+            (Target::Launched(launched), libraries)
+        }
+    };
+
+    let command = args.command.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
+    let plan = Plan {
+        command: (!command.is_empty()).then_some(command),
+        target,
+        libraries,
+        output: args.output,
+        duration: args.duration,
+        format: args.format,
+        probe_set: args.probe_set,
+        ring_bytes: args.ring_mb * 1024 * 1024,
+        quiet: args.quiet,
+    };
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;
+    let summary = runtime.block_on(session::run(plan))?;
+    eprint!("{summary}");
+    Ok(())
+}

@@ -1,0 +1,40 @@
+//! `memscope-bpf`: where accelerator memory goes in AI jobs, traced with eBPF uprobes from outside
+//! the process.
+//!
+//! Module map (arrows point down only):
+//! ```text
+//! cli (one module per verb) ─┬─ attach   find libraries and symbols, load and attach BPF
+//!                            ├─ record   drain the ring buffer, decode records into events
+//!                            ├─ store    per-device SQLite/CSV in msMemScope's layout
+//!                            └─ session  the trace loop tying them together
+//!                                  └─ model   events, live blocks per device (no I/O)
+//!                                        └─ apis   what each traced API means
+//! ```
+
+mod apis;
+mod attach;
+mod cli;
+mod clock;
+mod launch;
+mod model;
+mod preflight;
+mod record;
+mod session;
+mod store;
+mod summary;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    match cli.run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // One line: what failed, then why (anyhow's alternate form joins the chain).
+            eprintln!("memscope-bpf: error: {err:#}");
+            ExitCode::from(1)
+        }
+    }
+}

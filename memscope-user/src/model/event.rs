@@ -1,0 +1,114 @@
+//! Typed events. Everything the store and the analyses know about a call is here; raw registers
+//! do not travel further than `record`.
+
+use crate::apis::Api;
+
+/// Where memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Space {
+    /// Accelerator memory (one device's HBM).
+    Device,
+    /// Host memory handed out by the runtime (`aclrtMallocHost`, pinned).
+    Host,
+}
+
+/// Which per-device output an event belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DeviceKey {
+    /// An accelerator, by the runtime's device id.
+    Npu(u32),
+    /// Host memory.
+    Cpu,
+    /// Device memory whose device the trace could not learn: the thread selected its device
+    /// before the tracer attached and has not called set/get-device since.
+    Unknown,
+}
+
+/// What one runtime call did, decoded from its arguments and results.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// An allocation. `ptr` is `None` when it failed. `device` is set when the call names its
+    /// device itself (a malloc config's DEVICE_ID attribute); otherwise the thread's device counts.
+    Malloc {
+        space: Space,
+        size: u64,
+        ptr: Option<u64>,
+        policy: Option<u64>,
+        device: Option<u32>,
+        module: Option<u16>,
+    },
+    Free {
+        space: Space,
+        ptr: u64,
+    },
+    /// Virtual address space only: not memory until something is mapped into it.
+    Reserve {
+        size: u64,
+        va: Option<u64>,
+        alignment: u64,
+        flags: u64,
+    },
+    Release {
+        va: u64,
+    },
+    /// Physical memory behind a handle; it becomes addressable (and counted) when mapped.
+    MallocPhysical {
+        size: u64,
+        handle: Option<u64>,
+        device: Option<u32>,
+        flags: u64,
+    },
+    FreePhysical {
+        handle: u64,
+    },
+    Map {
+        va: u64,
+        size: u64,
+        offset: u64,
+        handle: u64,
+        flags: u64,
+    },
+    Unmap {
+        va: u64,
+    },
+    SetDevice {
+        device: i32,
+    },
+    GetDevice {
+        device: Option<i32>,
+    },
+}
+
+/// A traced call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Call {
+    pub api: Api,
+    /// Wall-clock ns at function entry (the event's own time is the return).
+    pub entry_wall_ns: u64,
+    /// The API's status (`aclError`; 0 is success).
+    pub status: i32,
+    /// The thread's device at return, as set by its last successful set/get-device call.
+    pub thread_device: Option<u32>,
+    pub op: Op,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Call(Call),
+    /// A traced process created a child process.
+    Fork {
+        child: u32,
+    },
+    /// A traced process exited.
+    Exit,
+}
+
+/// One event. `wall_ns` is nanoseconds since the Unix epoch (converted from the kernel's
+/// monotonic clock), `pid` the process (tgid) and `tid` the kernel thread id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub wall_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub kind: EventKind,
+}

@@ -1,0 +1,13 @@
+//! The event model and the live state built from it. No I/O and nothing of BPF or SQLite here,
+//! so the same code serves the live trace and (later) offline analysis, and tests feed it events
+//! directly.
+//!
+//! - [`event`]: what happened, as typed events ([`Event`], [`Op`]).
+//! - [`tracker`]: what is alive where — blocks per device, physical handles, reservations — and
+//!   the per-block facts the store writes ([`Output`]).
+
+pub mod event;
+pub mod tracker;
+
+pub use event::{Call, DeviceKey, Event, EventKind, Op, Space};
+pub use tracker::{Origin, Output, Site, Tracker, VmmStep};

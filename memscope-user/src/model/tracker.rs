@@ -1,0 +1,541 @@
+//! Live memory state, updated one event at a time, and the facts each event adds ([`Output`]).
+//!
+//! Accounting rules:
+//! - A device block counts from its successful allocation to its successful free. A failed call
+//!   changes nothing and is reported as [`Output::Failed`], never as a block (so it is no leak).
+//! - Virtual memory: a reserved range is address space, not memory; a physical handle is memory
+//!   that becomes a block when mapped. A mapping therefore counts as one block from map to unmap,
+//!   on the device of its physical handle, so "used" equals what is mapped.
+//! - Keys include the process id: in launch mode several processes can reuse the same address.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::event::{Call, DeviceKey, Event, EventKind, Op, Space};
+use crate::apis::Api;
+
+/// Who did it and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Site {
+    pub api: Api,
+    pub wall_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+}
+
+/// How a block came to exist.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// A malloc-style call.
+    Direct { policy: Option<u64>, module: Option<u16> },
+    /// Physical memory mapped at a virtual address (expandable segments).
+    Mapped { handle: u64, offset: u64 },
+}
+
+/// Steps of the virtual-memory family that are not blocks themselves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmmStep {
+    Reserve,
+    Release,
+    MallocPhysical,
+    FreePhysical,
+}
+
+/// A fact for the store, in the order events happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    Malloc {
+        site: Site,
+        device: DeviceKey,
+        space: Space,
+        ptr: u64,
+        size: u64,
+        allocation_id: u64,
+        /// Bytes live on this device right after the allocation.
+        used: u64,
+        origin: Origin,
+    },
+    Free {
+        site: Site,
+        device: DeviceKey,
+        space: Space,
+        ptr: u64,
+        /// `None` when the block was allocated before the trace started.
+        size: Option<u64>,
+        allocation_id: Option<u64>,
+        used: u64,
+        /// Written by [`Tracker::finish`] for blocks still alive at the end, so that every MALLOC
+        /// has a FREE (as msMemScope does); not a real call.
+        shadow: bool,
+    },
+    /// A call that returned an error status. `size` is the request for allocations.
+    Failed {
+        site: Site,
+        device: DeviceKey,
+        status: i32,
+        size: Option<u64>,
+        ptr: Option<u64>,
+    },
+    Vmm {
+        site: Site,
+        device: DeviceKey,
+        step: VmmStep,
+        addr: u64,
+        size: Option<u64>,
+    },
+}
+
+/// Per-device totals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    pub used: u64,
+    pub peak: u64,
+    pub live_blocks: u64,
+    pub mallocs: u64,
+    pub frees: u64,
+    pub failures: u64,
+    next_allocation_id: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Live {
+    device: DeviceKey,
+    size: u64,
+    allocation_id: u64,
+    api: Api,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Physical {
+    device: DeviceKey,
+}
+
+/// The live state of everything traced.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    blocks: HashMap<(u32, Space, u64), Live>,
+    physical: HashMap<(u32, u64), Physical>,
+    reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
+    devices: BTreeMap<DeviceKey, DeviceStats>,
+    last_wall_ns: u64,
+}
+
+fn space_device(space: Space, device: DeviceKey) -> DeviceKey {
+    match space {
+        Space::Host => DeviceKey::Cpu,
+        Space::Device => device,
+    }
+}
+
+impl Tracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Per-device totals, in device order.
+    pub fn devices(&self) -> impl Iterator<Item = (DeviceKey, &DeviceStats)> {
+        self.devices.iter().map(|(k, v)| (*k, v))
+    }
+
+    /// Applies one event, appending what it adds to `out`.
+    pub fn apply(&mut self, event: &Event, out: &mut Vec<Output>) {
+        self.last_wall_ns = self.last_wall_ns.max(event.wall_ns);
+        if let EventKind::Call(call) = &event.kind {
+            let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid };
+            self.apply_call(site, call, out);
+        }
+    }
+
+    fn thread_device(call: &Call) -> DeviceKey {
+        call.thread_device.map_or(DeviceKey::Unknown, DeviceKey::Npu)
+    }
+
+    fn stats(&mut self, device: DeviceKey) -> &mut DeviceStats {
+        self.devices.entry(device).or_default()
+    }
+
+    fn apply_call(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
+        let failed = call.status != 0;
+        match call.op {
+            Op::Malloc { space, size, ptr, policy, device, module } => {
+                let device = space_device(space, device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu));
+                match ptr {
+                    Some(ptr) if !failed => {
+                        self.add_block(site, device, space, ptr, size, Origin::Direct { policy, module }, out);
+                    }
+                    _ => self.fail(site, device, call.status, Some(size), None, out),
+                }
+            }
+            Op::Free { space, ptr } => {
+                let fallback = space_device(space, Self::thread_device(call));
+                if failed {
+                    let device = self.blocks.get(&(site.pid, space, ptr)).map_or(fallback, |b| b.device);
+                    self.fail(site, device, call.status, None, Some(ptr), out);
+                } else {
+                    self.remove_block(site, space, ptr, fallback, false, out);
+                }
+            }
+            Op::Reserve { size, va, .. } => {
+                let device = Self::thread_device(call);
+                match va {
+                    Some(va) if !failed => {
+                        self.reserved.insert((site.pid, va), (device, size));
+                        out.push(Output::Vmm { site, device, step: VmmStep::Reserve, addr: va, size: Some(size) });
+                    }
+                    _ => self.fail(site, device, call.status, Some(size), None, out),
+                }
+            }
+            Op::Release { va } => {
+                let (device, size) = match self.reserved.get(&(site.pid, va)) {
+                    Some(&(device, size)) => (device, Some(size)),
+                    None => (Self::thread_device(call), None),
+                };
+                if failed {
+                    self.fail(site, device, call.status, None, Some(va), out);
+                } else {
+                    self.reserved.remove(&(site.pid, va));
+                    out.push(Output::Vmm { site, device, step: VmmStep::Release, addr: va, size });
+                }
+            }
+            Op::MallocPhysical { size, handle, device, .. } => {
+                let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                match handle {
+                    Some(handle) if !failed => {
+                        self.physical.insert((site.pid, handle), Physical { device });
+                        out.push(Output::Vmm {
+                            site,
+                            device,
+                            step: VmmStep::MallocPhysical,
+                            addr: handle,
+                            size: Some(size),
+                        });
+                    }
+                    _ => self.fail(site, device, call.status, Some(size), None, out),
+                }
+            }
+            Op::FreePhysical { handle } => {
+                let device =
+                    self.physical.get(&(site.pid, handle)).map_or_else(|| Self::thread_device(call), |p| p.device);
+                if failed {
+                    self.fail(site, device, call.status, None, Some(handle), out);
+                } else {
+                    self.physical.remove(&(site.pid, handle));
+                    out.push(Output::Vmm { site, device, step: VmmStep::FreePhysical, addr: handle, size: None });
+                }
+            }
+            Op::Map { va, size, offset, handle, .. } => {
+                let device =
+                    self.physical.get(&(site.pid, handle)).map_or_else(|| Self::thread_device(call), |p| p.device);
+                if failed {
+                    self.fail(site, device, call.status, Some(size), Some(va), out);
+                } else {
+                    self.add_block(site, device, Space::Device, va, size, Origin::Mapped { handle, offset }, out);
+                }
+            }
+            Op::Unmap { va } => {
+                let fallback = Self::thread_device(call);
+                if failed {
+                    self.fail(site, fallback, call.status, None, Some(va), out);
+                } else {
+                    self.remove_block(site, Space::Device, va, fallback, false, out);
+                }
+            }
+            Op::SetDevice { .. } | Op::GetDevice { .. } => {
+                // The kernel keeps the thread's device; nothing is stored for these calls.
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "one call site per origin; a struct would only rename them")]
+    fn add_block(
+        &mut self,
+        site: Site,
+        device: DeviceKey,
+        space: Space,
+        ptr: u64,
+        size: u64,
+        origin: Origin,
+        out: &mut Vec<Output>,
+    ) {
+        // The runtime handed out an address we still consider live: the free was missed (it
+        // happened before an attach, or its record was dropped). Retire the stale block first so
+        // the totals stay true to what the runtime says is allocated.
+        if self.blocks.contains_key(&(site.pid, space, ptr)) {
+            self.remove_block(site, space, ptr, device, true, out);
+        }
+        let stats = self.stats(device);
+        stats.next_allocation_id += 1;
+        stats.used += size;
+        stats.peak = stats.peak.max(stats.used);
+        stats.live_blocks += 1;
+        stats.mallocs += 1;
+        let (allocation_id, used) = (stats.next_allocation_id, stats.used);
+        self.blocks.insert((site.pid, space, ptr), Live { device, size, allocation_id, api: site.api });
+        out.push(Output::Malloc { site, device, space, ptr, size, allocation_id, used, origin });
+    }
+
+    fn remove_block(
+        &mut self,
+        site: Site,
+        space: Space,
+        ptr: u64,
+        fallback: DeviceKey,
+        shadow: bool,
+        out: &mut Vec<Output>,
+    ) {
+        match self.blocks.remove(&(site.pid, space, ptr)) {
+            Some(block) => {
+                let stats = self.stats(block.device);
+                stats.used -= block.size;
+                stats.live_blocks -= 1;
+                stats.frees += 1;
+                let used = stats.used;
+                out.push(Output::Free {
+                    site,
+                    device: block.device,
+                    space,
+                    ptr,
+                    size: Some(block.size),
+                    allocation_id: Some(block.allocation_id),
+                    used,
+                    shadow,
+                });
+            }
+            None => {
+                let stats = self.stats(fallback);
+                stats.frees += 1;
+                let used = stats.used;
+                out.push(Output::Free {
+                    site,
+                    device: fallback,
+                    space,
+                    ptr,
+                    size: None,
+                    allocation_id: None,
+                    used,
+                    shadow,
+                });
+            }
+        }
+    }
+
+    fn fail(
+        &mut self,
+        site: Site,
+        device: DeviceKey,
+        status: i32,
+        size: Option<u64>,
+        ptr: Option<u64>,
+        out: &mut Vec<Output>,
+    ) {
+        self.stats(device).failures += 1;
+        out.push(Output::Failed { site, device, status, size, ptr });
+    }
+
+    /// Ends the trace at `wall_ns`: every block still alive gets a shadow free one nanosecond
+    /// later, in allocation order per device. Totals (`used`, `live_blocks`) are left as they
+    /// were at the end, for the summary.
+    pub fn finish(&mut self, wall_ns: u64, out: &mut Vec<Output>) {
+        let at = wall_ns.max(self.last_wall_ns) + 1;
+        let mut live: Vec<((u32, Space, u64), Live)> = self.blocks.iter().map(|(k, v)| (*k, *v)).collect();
+        live.sort_by_key(|(_, b)| (b.device, b.allocation_id));
+        let mut used: BTreeMap<DeviceKey, u64> = self.devices.iter().map(|(k, v)| (*k, v.used)).collect();
+        for ((pid, space, ptr), block) in live {
+            let remaining = used.entry(block.device).or_default();
+            *remaining -= block.size;
+            out.push(Output::Free {
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid },
+                device: block.device,
+                space,
+                ptr,
+                size: Some(block.size),
+                allocation_id: Some(block.allocation_id),
+                used: *remaining,
+                shadow: true,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(api: Api, tid: u32, device: Option<u32>, status: i32, op: Op) -> Event {
+        Event {
+            wall_ns: 1_000 + u64::from(tid),
+            pid: 100,
+            tid,
+            kind: EventKind::Call(Call { api, entry_wall_ns: 900, status, thread_device: device, op }),
+        }
+    }
+
+    fn malloc(ptr: Option<u64>, size: u64, device: Option<u32>, status: i32) -> Event {
+        call(
+            Api::AclrtMalloc,
+            1,
+            device,
+            status,
+            Op::Malloc { space: Space::Device, size, ptr, policy: Some(0), device: None, module: None },
+        )
+    }
+
+    fn free(ptr: u64, device: Option<u32>) -> Event {
+        call(Api::AclrtFree, 1, device, 0, Op::Free { space: Space::Device, ptr })
+    }
+
+    fn run(events: &[Event]) -> (Tracker, Vec<Output>) {
+        let mut t = Tracker::new();
+        let mut out = Vec::new();
+        for e in events {
+            t.apply(e, &mut out);
+        }
+        (t, out)
+    }
+
+    #[test]
+    fn malloc_then_free_pairs_with_size_and_id() {
+        let (t, out) = run(&[malloc(Some(0x1000), 64, Some(1), 0), free(0x1000, Some(0))]);
+        assert!(matches!(
+            out[0],
+            Output::Malloc { device: DeviceKey::Npu(1), size: 64, allocation_id: 1, used: 64, .. }
+        ));
+        // The free goes to the block's device even though the thread has moved to device 0.
+        assert!(matches!(
+            out[1],
+            Output::Free {
+                device: DeviceKey::Npu(1),
+                size: Some(64),
+                allocation_id: Some(1),
+                used: 0,
+                shadow: false,
+                ..
+            }
+        ));
+        let stats: Vec<_> = t.devices().collect();
+        assert_eq!(stats[0].1.peak, 64);
+        assert_eq!(stats[0].1.used, 0);
+    }
+
+    #[test]
+    fn failed_malloc_is_no_block_and_no_leak() {
+        let mut t = Tracker::new();
+        let mut out = Vec::new();
+        t.apply(&malloc(None, 1 << 40, Some(0), 207_001), &mut out);
+        assert!(matches!(out[0], Output::Failed { status: 207_001, size: Some(s), .. } if s == 1 << 40));
+        out.clear();
+        t.finish(5_000, &mut out);
+        assert!(out.is_empty(), "a failed allocation must not get a shadow free: {out:?}");
+    }
+
+    #[test]
+    fn failed_free_keeps_the_block_alive() {
+        let fail_free = call(Api::AclrtFree, 1, Some(0), 100_000, Op::Free { space: Space::Device, ptr: 0x10 });
+        let (t, out) = run(&[malloc(Some(0x10), 8, Some(0), 0), fail_free]);
+        assert!(matches!(out[1], Output::Failed { status: 100_000, ptr: Some(0x10), .. }));
+        assert_eq!(t.devices().next().unwrap().1.live_blocks, 1);
+    }
+
+    #[test]
+    fn unknown_free_is_recorded_without_size() {
+        let (_, out) = run(&[free(0x99, None)]);
+        assert!(matches!(out[0], Output::Free { device: DeviceKey::Unknown, size: None, allocation_id: None, .. }));
+    }
+
+    #[test]
+    fn config_device_wins_over_thread_device() {
+        let e = call(
+            Api::AclrtMallocWithCfg,
+            1,
+            Some(0),
+            0,
+            Op::Malloc {
+                space: Space::Device,
+                size: 4,
+                ptr: Some(0x40),
+                policy: Some(0),
+                device: Some(1),
+                module: Some(3),
+            },
+        );
+        let (_, out) = run(&[e]);
+        assert!(matches!(
+            out[0],
+            Output::Malloc { device: DeviceKey::Npu(1), origin: Origin::Direct { module: Some(3), .. }, .. }
+        ));
+    }
+
+    #[test]
+    fn vmm_counts_mapped_memory_on_the_handles_device() {
+        let events = [
+            call(
+                Api::AclrtReserveMemAddress,
+                1,
+                None,
+                0,
+                Op::Reserve { size: 1 << 30, va: Some(0x7000_0000), alignment: 0, flags: 1 },
+            ),
+            call(
+                Api::AclrtMallocPhysical,
+                1,
+                None,
+                0,
+                Op::MallocPhysical { size: 2 << 20, handle: Some(0xabc), device: Some(1), flags: 0 },
+            ),
+            call(
+                Api::AclrtMapMem,
+                1,
+                None,
+                0,
+                Op::Map { va: 0x7000_0000, size: 2 << 20, offset: 0, handle: 0xabc, flags: 0 },
+            ),
+        ];
+        let (t, out) = run(&events);
+        assert!(matches!(out[0], Output::Vmm { step: VmmStep::Reserve, device: DeviceKey::Unknown, .. }));
+        assert!(matches!(out[1], Output::Vmm { step: VmmStep::MallocPhysical, device: DeviceKey::Npu(1), .. }));
+        assert!(matches!(
+            out[2],
+            Output::Malloc { device: DeviceKey::Npu(1), size, origin: Origin::Mapped { handle: 0xabc, offset: 0 }, .. } if size == 2 << 20
+        ));
+        let npu1 = t.devices().find(|(k, _)| *k == DeviceKey::Npu(1)).unwrap().1;
+        assert_eq!(npu1.used, 2 << 20, "reserved address space is not memory; the mapping is");
+        let (_, out) =
+            run(&[&events[..], &[call(Api::AclrtUnmapMem, 1, None, 0, Op::Unmap { va: 0x7000_0000 })]].concat());
+        assert!(matches!(out[3], Output::Free { device: DeviceKey::Npu(1), used: 0, .. }));
+    }
+
+    #[test]
+    fn host_memory_goes_to_cpu() {
+        let e = call(
+            Api::AclrtMallocHost,
+            1,
+            Some(1),
+            0,
+            Op::Malloc { space: Space::Host, size: 10, ptr: Some(0x5), policy: None, device: None, module: None },
+        );
+        let (_, out) = run(&[e]);
+        assert!(matches!(out[0], Output::Malloc { device: DeviceKey::Cpu, space: Space::Host, .. }));
+    }
+
+    #[test]
+    fn finish_writes_shadow_frees_after_the_last_event() {
+        let (mut t, _) = run(&[malloc(Some(0x1), 10, Some(0), 0), malloc(Some(0x2), 20, Some(0), 0)]);
+        let mut out = Vec::new();
+        t.finish(0, &mut out);
+        assert_eq!(out.len(), 2);
+        for o in &out {
+            let Output::Free { shadow, site, .. } = o else { panic!("{o:?}") };
+            assert!(*shadow);
+            assert!(site.wall_ns > 1_001, "shadow frees come after the last real event");
+        }
+        assert!(matches!(out[1], Output::Free { used: 0, .. }));
+        // Summary totals still show what was live at the end.
+        assert_eq!(t.devices().next().unwrap().1.used, 30);
+    }
+
+    #[test]
+    fn reused_address_retires_the_stale_block() {
+        let (t, out) = run(&[malloc(Some(0x1), 10, Some(0), 0), malloc(Some(0x1), 20, Some(0), 0)]);
+        assert!(matches!(out[1], Output::Free { shadow: true, size: Some(10), .. }));
+        assert_eq!(t.devices().next().unwrap().1.used, 20);
+    }
+}

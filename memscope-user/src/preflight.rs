@@ -1,0 +1,129 @@
+//! Checks made before touching the kernel, each failing with one sentence that names the problem
+//! and the fix. They exist because the raw failures (EPERM from bpf(2), ENOENT from
+//! perf_event_open) say neither.
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum PreflightError {
+    #[error(
+        "loading eBPF programs needs root, or the CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE capabilities; \
+         run it with sudo"
+    )]
+    NotPrivileged,
+    #[error("no process with pid {0}; check the pid (`ps -p {0}`), or launch the program under the tracer: `memscope-bpf trace -- <command>`")]
+    NoSuchProcess(u32),
+    #[error("this kernel has no uprobe support ({0} is missing); memscope-bpf needs a kernel built with CONFIG_UPROBE_EVENTS=y")]
+    NoUprobes(PathBuf),
+    #[error(
+        "no Ascend runtime library found {where_}: looked for libascendcl.so, libacl_rt.so and libacl_rt_impl.so; \
+         pass --lib /path/to/libascendcl.so (or set ASCEND_HOME_PATH), or start tracing once the job has initialised ACL"
+    )]
+    NoLibrary { where_: String },
+    #[error("output folder {path} is not writable ({reason}); pass --output with a folder you can write to")]
+    OutputNotWritable { path: PathBuf, reason: String },
+}
+
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+
+/// The effective capability mask from a `/proc/PID/status` text.
+pub fn effective_caps(status: &str) -> Option<u64> {
+    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim();
+    u64::from_str_radix(hex, 16).ok()
+}
+
+/// Whether a capability mask is enough to load and attach our programs.
+pub fn caps_suffice(caps: u64) -> bool {
+    let has = |bit: u32| caps & (1 << bit) != 0;
+    has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON))
+}
+
+pub fn check_privileges() -> Result<(), PreflightError> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    match effective_caps(&status) {
+        Some(caps) if caps_suffice(caps) => Ok(()),
+        _ => Err(PreflightError::NotPrivileged),
+    }
+}
+
+pub fn check_uprobes() -> Result<(), PreflightError> {
+    check_uprobes_in(Path::new("/"))
+}
+
+/// The uprobe PMU (what perf_event_open attaches through) or the tracefs interface, under `root`.
+fn check_uprobes_in(root: &Path) -> Result<(), PreflightError> {
+    let pmu = root.join("sys/bus/event_source/devices/uprobe");
+    if pmu.exists() || root.join("sys/kernel/tracing/uprobe_events").exists() {
+        Ok(())
+    } else {
+        Err(PreflightError::NoUprobes(pmu))
+    }
+}
+
+pub fn check_pid(pid: u32) -> Result<(), PreflightError> {
+    // A thread id also has a /proc entry; only a thread-group leader is a process.
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|_| PreflightError::NoSuchProcess(pid))?;
+    let tgid = status.lines().find_map(|l| l.strip_prefix("Tgid:")).map(str::trim);
+    if pid == 0 || tgid != Some(&pid.to_string()) {
+        return Err(PreflightError::NoSuchProcess(pid));
+    }
+    Ok(())
+}
+
+pub fn check_output(dir: &Path) -> Result<(), PreflightError> {
+    crate::store::layout::ensure_writable(dir).map_err(|e| PreflightError::OutputNotWritable {
+        path: dir.to_owned(),
+        reason: match e {
+            crate::store::StoreError::Io { source, .. } => source.to_string(),
+            other => other.to_string(),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capability_rules() {
+        assert!(caps_suffice(1 << CAP_SYS_ADMIN));
+        assert!(caps_suffice((1 << CAP_BPF) | (1 << CAP_PERFMON)));
+        assert!(!caps_suffice(1 << CAP_BPF));
+        assert!(!caps_suffice(0));
+        assert_eq!(effective_caps("Name:\tx\nCapEff:\t000001ffffffffff\n"), Some(0x1ff_ffff_ffff));
+        assert_eq!(effective_caps("CapEff:\t0000000000000000\n").map(caps_suffice), Some(false));
+    }
+
+    #[test]
+    fn pid_checks() {
+        assert!(check_pid(std::process::id()).is_ok());
+        assert!(matches!(check_pid(0), Err(PreflightError::NoSuchProcess(0))));
+        // pid_max is at most 2^22, so this pid cannot exist.
+        assert!(matches!(check_pid(u32::MAX - 1), Err(PreflightError::NoSuchProcess(_))));
+    }
+
+    #[test]
+    fn kernel_without_uprobes_is_named() {
+        let empty = std::env::temp_dir().join(format!("memscope-noprobes-{}", std::process::id()));
+        std::fs::create_dir_all(&empty).unwrap();
+        let err = check_uprobes_in(&empty).unwrap_err();
+        assert!(err.to_string().contains("CONFIG_UPROBE_EVENTS"), "{err}");
+        std::fs::create_dir_all(empty.join("sys/bus/event_source/devices/uprobe")).unwrap();
+        assert!(check_uprobes_in(&empty).is_ok());
+        std::fs::remove_dir_all(&empty).unwrap();
+    }
+
+    #[test]
+    fn output_that_is_a_file_is_refused_with_the_fix() {
+        let file = std::env::temp_dir().join(format!("memscope-preflight-{}", std::process::id()));
+        std::fs::write(&file, b"").unwrap();
+        let err = check_output(&file).unwrap_err();
+        assert!(err.to_string().contains("--output"), "{err}");
+        std::fs::remove_file(&file).unwrap();
+    }
+}

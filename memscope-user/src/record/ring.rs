@@ -1,0 +1,147 @@
+//! Draining the ring buffer into events.
+//!
+//! The BPF side wakes us only when a lot is waiting (see `maps::output`), so the consumer also
+//! drains on a short timer; both paths call [`Consumer::drain`].
+
+use aya::maps::{MapData, RingBuf};
+
+use super::decode::{decode, Record};
+use crate::apis::Api;
+use crate::clock::Clock;
+use crate::model::{Call, Event, EventKind};
+
+/// Counts of what the consumer saw.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ConsumerStats {
+    pub records: u64,
+    pub undecodable: u64,
+    /// Calls whose cookie names no API of this build.
+    pub unknown_api: u64,
+}
+
+pub struct Consumer {
+    ring: RingBuf<MapData>,
+    clock: Clock,
+    pub stats: ConsumerStats,
+}
+
+impl Consumer {
+    pub fn new(ring: RingBuf<MapData>, clock: Clock) -> Self {
+        Self { ring, clock, stats: ConsumerStats::default() }
+    }
+
+    pub fn ring(&self) -> &RingBuf<MapData> {
+        &self.ring
+    }
+
+    /// Reads everything waiting, in ring order (per thread, that is call order).
+    pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
+        while let Some(item) = self.ring.next() {
+            self.stats.records += 1;
+            match decode(&item) {
+                Ok(record) => match to_event(record, self.clock) {
+                    Some(event) => sink(event),
+                    None => self.stats.unknown_api += 1,
+                },
+                Err(_) => self.stats.undecodable += 1,
+            }
+        }
+    }
+}
+
+/// A decoded record as a model event; `None` for a call of an API this build does not know.
+pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
+    Some(match record {
+        Record::Call(raw) => {
+            let api = Api::from_spec_id(raw.spec_id)?;
+            Event {
+                wall_ns: clock.to_wall(raw.return_mono_ns),
+                pid: raw.tgid,
+                tid: raw.tid,
+                kind: EventKind::Call(Call {
+                    api,
+                    entry_wall_ns: clock.to_wall(raw.entry_mono_ns),
+                    status: raw.status(),
+                    thread_device: raw.thread_device,
+                    op: (api.def().decode)(&raw),
+                }),
+            }
+        }
+        Record::Fork { mono_ns, parent, child } => {
+            Event { wall_ns: clock.to_wall(mono_ns), pid: parent, tid: parent, kind: EventKind::Fork { child } }
+        }
+        Record::Exit { mono_ns, tgid } => {
+            Event { wall_ns: clock.to_wall(mono_ns), pid: tgid, tid: tgid, kind: EventKind::Exit }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Op, Space};
+    use crate::record::RawCall;
+
+    fn raw(spec_id: u32, args: [u64; 6], ret: u64, out: Option<u64>) -> RawCall {
+        RawCall {
+            spec_id,
+            tgid: 7,
+            tid: 8,
+            cpu: 0,
+            entry_mono_ns: 100,
+            return_mono_ns: 200,
+            args,
+            ret,
+            out,
+            cfg_device: None,
+            cfg_module: None,
+            thread_device: Some(1),
+        }
+    }
+
+    #[test]
+    fn malloc_call_becomes_a_malloc_event_in_wall_time() {
+        let r = raw(Api::AclrtMallocAlign32 as u32, [0x10, 4096, 0, 0, 0, 0], 0, Some(0xabc0));
+        let e = to_event(Record::Call(r), Clock::with_offset(1_000)).unwrap();
+        assert_eq!((e.wall_ns, e.pid, e.tid), (1_200, 7, 8));
+        let EventKind::Call(c) = e.kind else { panic!() };
+        assert_eq!(c.api, Api::AclrtMallocAlign32);
+        assert_eq!(c.entry_wall_ns, 1_100);
+        assert_eq!(
+            c.op,
+            Op::Malloc {
+                space: Space::Device,
+                size: 4096,
+                ptr: Some(0xabc0),
+                policy: Some(0),
+                device: None,
+                module: None
+            }
+        );
+    }
+
+    #[test]
+    fn free_uses_arg0_and_host_calls_are_host() {
+        let e = to_event(
+            Record::Call(raw(Api::AclrtFreeHost as u32, [0x55, 0, 0, 0, 0, 0], 0, None)),
+            Clock::with_offset(0),
+        );
+        let EventKind::Call(c) = e.unwrap().kind else { panic!() };
+        assert_eq!(c.op, Op::Free { space: Space::Host, ptr: 0x55 });
+    }
+
+    #[test]
+    fn map_mem_decodes_all_arguments() {
+        let e = to_event(
+            Record::Call(raw(Api::AclrtMapMem as u32, [0x7000, 2 << 20, 4096, 0xfeed, 0, 0], 0, None)),
+            Clock::with_offset(0),
+        );
+        let EventKind::Call(c) = e.unwrap().kind else { panic!() };
+        assert_eq!(c.op, Op::Map { va: 0x7000, size: 2 << 20, offset: 4096, handle: 0xfeed, flags: 0 });
+    }
+
+    #[test]
+    fn unknown_cookie_is_dropped() {
+        assert!(to_event(Record::Call(raw(250, [0; 6], 0, None)), Clock::with_offset(0)).is_none());
+    }
+}

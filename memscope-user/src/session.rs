@@ -1,0 +1,366 @@
+//! One trace, from loading the probes to the closed DBs.
+//!
+//! The loop drains the ring buffer (on wakeup and on a 20 ms timer), feeds each event to the
+//! model and each resulting fact to the store, commits at least every second, and looks for newly
+//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, `--duration` or the target's exit,
+//! then drains what is left, writes shadow frees for live blocks and closes every file.
+
+use std::collections::BTreeSet;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::oneshot;
+
+use crate::attach::libs::{self, Library};
+use crate::attach::loader::LoadOptions;
+use crate::attach::{AttachedProbe, ProbeSet, Tracer};
+use crate::clock::{self, Clock};
+use crate::launch::{self, Launched};
+use crate::model::{Event, EventKind, Output, Tracker};
+use crate::record::ring::Consumer;
+use crate::store::{insight, Format, Meta, ProbeRow, RunLayout, Store, Writer};
+use crate::summary::{DeviceLine, Summary};
+
+const DRAIN_EVERY: Duration = Duration::from_millis(20);
+const COMMIT_EVERY: Duration = Duration::from_secs(1);
+const RESCAN_EVERY: Duration = Duration::from_millis(250);
+/// The consumer wakes up early once this much is waiting.
+const WAKEUP_FRACTION: u64 = 4;
+
+pub enum Target {
+    Pid(u32),
+    Launched(Launched),
+}
+
+impl Target {
+    fn pid(&self) -> u32 {
+        match self {
+            Self::Pid(pid) => *pid,
+            Self::Launched(l) => l.pid,
+        }
+    }
+}
+
+pub struct Plan {
+    /// The launched command line (launch mode); in attach mode it is read from /proc.
+    pub command: Option<String>,
+    pub target: Target,
+    pub libraries: Vec<Library>,
+    pub output: PathBuf,
+    pub duration: Option<Duration>,
+    pub format: Format,
+    pub probe_set: ProbeSet,
+    pub ring_bytes: u32,
+    pub quiet: bool,
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
+fn command_line(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            raw.split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
+    probes
+        .iter()
+        .map(|p| ProbeRow {
+            library: p.library.clone(),
+            symbol: p.symbol.clone(),
+            api: p.api.name().to_owned(),
+            file_offset: p.file_offset,
+            source: p.source.as_str().to_owned(),
+            attached_wall_ns: at,
+        })
+        .collect()
+}
+
+/// Resolves when the target process ends, with a description of how.
+async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::Result<i32>>>) -> String {
+    if let Some(rx) = waiter {
+        return match rx.await {
+            Ok(Ok(code)) => format!("target exited with status {code}"),
+            _ => "target exited".to_owned(),
+        };
+    }
+    // SAFETY: plain syscall; returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, target_pid as libc::c_int, 0) };
+    if fd >= 0 {
+        // SAFETY: fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // SAFETY: the AsyncFd owns the descriptor, so it stays open and the same while registered.
+        if let Ok(async_fd) = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) } {
+            // A pidfd becomes readable when the process exits.
+            let _ = async_fd.readable().await;
+            return "target exited".to_owned();
+        }
+    }
+    // No pidfd (kernel < 5.3): poll.
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // SAFETY: signal 0 only checks existence.
+        if unsafe { libc::kill(target_pid as i32, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        {
+            return "target exited".to_owned();
+        }
+    }
+}
+
+struct Recorder {
+    tracker: Tracker,
+    store: Writer,
+    outputs: Vec<Output>,
+    calls: u64,
+    children: BTreeSet<u32>,
+    error: Option<anyhow::Error>,
+}
+
+impl Recorder {
+    fn on_event(&mut self, event: Event) {
+        match &event.kind {
+            EventKind::Call(_) => self.calls += 1,
+            EventKind::Fork { child } => {
+                self.children.insert(*child);
+            }
+            EventKind::Exit => {
+                self.children.remove(&event.pid);
+            }
+        }
+        self.tracker.apply(&event, &mut self.outputs);
+        self.flush_outputs();
+    }
+
+    fn flush_outputs(&mut self) {
+        for output in self.outputs.drain(..) {
+            if self.error.is_some() {
+                continue;
+            }
+            if let Err(e) = self.store.write(insight::to_row(&output)) {
+                self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));
+            }
+        }
+    }
+}
+
+fn note(quiet: bool, msg: impl AsRef<str>) {
+    if !quiet {
+        eprintln!("memscope-bpf: {}", msg.as_ref());
+    }
+}
+
+fn describe_libraries(probes: &[AttachedProbe]) -> String {
+    let libs: BTreeSet<&str> = probes.iter().map(|p| p.library.as_str()).collect();
+    libs.into_iter().collect::<Vec<_>>().join(", ")
+}
+
+/// Attaches newly mapped libraries of the traced processes; returns the new probes.
+fn rescan(tracer: &mut Tracer, pids: impl Iterator<Item = u32>, set: ProbeSet) -> anyhow::Result<Vec<AttachedProbe>> {
+    let mut added = Vec::new();
+    for pid in pids {
+        for lib in libs::from_maps(pid).unwrap_or_default() {
+            if !tracer.is_attached(&lib) {
+                added.extend(tracer.attach(&lib, set)?);
+            }
+        }
+    }
+    Ok(added)
+}
+
+pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
+    let Plan { command, mut target, libraries, output, duration, format, probe_set, ring_bytes, quiet } = plan;
+    let pid = target.pid();
+    let clock = Clock::calibrate();
+    let started = Instant::now();
+    let start_wall = clock::wall_ns();
+
+    let launch_mode = matches!(target, Target::Launched(_));
+    let opts =
+        LoadOptions { ring_bytes, wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION, follow_forks: launch_mode };
+    let mut tracer =
+        Tracer::load(&opts, pid, (!launch_mode).then_some(pid)).context("cannot load the eBPF programs")?;
+    tracer.trace_process(pid).context("cannot register the target process")?;
+
+    let mut probes = Vec::new();
+    for lib in &libraries {
+        probes.extend(tracer.attach(lib, probe_set).with_context(|| format!("cannot probe {}", lib.shown))?);
+    }
+    if probes.is_empty() {
+        let shown: Vec<&str> = libraries.iter().map(|l| l.shown.as_str()).collect();
+        bail!(
+            "none of {} exports the ACL memory API (aclrtMalloc, aclrtFree, ...); pass --lib with the right library",
+            shown.join(", ")
+        );
+    }
+
+    let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
+    let meta: Meta = vec![
+        ("tool".into(), "memscope-bpf".into()),
+        ("tool_version".into(), env!("CARGO_PKG_VERSION").into()),
+        ("kernel".into(), kernel_release()),
+        ("mode".into(), if launch_mode { "launch" } else { "attach" }.into()),
+        ("target_pid".into(), pid.to_string()),
+        ("command".into(), command.unwrap_or_else(|| command_line(pid))),
+        ("start_ns".into(), start_wall.to_string()),
+        ("clock".into(), format!("CLOCK_MONOTONIC + {} ns offset measured at start", clock.offset().as_nanos())),
+        ("ring_bytes".into(), ring_bytes.to_string()),
+        ("format".into(), format!("{format:?}").to_lowercase()),
+    ];
+    let run_dir = layout.root().to_owned();
+    let mut store = Writer::start(Store::new(layout, format, start_wall, meta));
+    store.add_probes(probe_rows(&probes, start_wall))?;
+
+    let mut consumer = Consumer::new(tracer.take_ring()?, clock);
+    // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd` (both live
+    // until the end of this function, and `ring_fd` is declared later so it is dropped first).
+    let ring_fd = unsafe {
+        AsyncFd::register_with_interest(std::os::fd::AsRawFd::as_raw_fd(consumer.ring()), Interest::READABLE)
+    }
+    .map_err(|e| e.into_parts().1)
+    .context("cannot poll the ring buffer")?;
+
+    eprintln!(
+        "memscope-bpf: live: {} probes on {} ({}); tracing pid {pid}{}",
+        probes.len(),
+        if libraries.len() == 1 { "1 library".to_owned() } else { format!("{} libraries", libraries.len()) },
+        describe_libraries(&probes),
+        if launch_mode { " and its children" } else { "" },
+    );
+
+    let waiter = if let Target::Launched(launched) = &mut target {
+        launched.release()?;
+        let (tx, rx) = oneshot::channel();
+        let child = launched.pid;
+        std::thread::spawn(move || {
+            let _ = tx.send(launch::wait(child));
+        });
+        Some(rx)
+    } else {
+        None
+    };
+
+    let mut recorder = Recorder {
+        tracker: Tracker::new(),
+        store,
+        outputs: Vec::new(),
+        calls: 0,
+        children: BTreeSet::new(),
+        error: None,
+    };
+    let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let deadline = async {
+        match duration {
+            Some(d) => {
+                tokio::time::sleep(d).await;
+                format!("--duration {:.1} s reached", d.as_secs_f64())
+            }
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(deadline);
+    let exited = target_exit(pid, waiter);
+    tokio::pin!(exited);
+    let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
+    let mut last_commit = Instant::now();
+    let mut last_rescan = Instant::now();
+
+    let stop_reason = loop {
+        tokio::select! {
+            _ = sigint.recv() => break "interrupted (SIGINT)".to_owned(),
+            _ = sigterm.recv() => break "terminated (SIGTERM)".to_owned(),
+            reason = &mut deadline => break reason,
+            reason = &mut exited => break reason,
+            guard = ring_fd.readable() => {
+                if let Ok(mut guard) = guard {
+                    guard.clear_ready();
+                }
+                consumer.drain(|e| recorder.on_event(e));
+            }
+            _ = drain_tick.tick() => {
+                consumer.drain(|e| recorder.on_event(e));
+                if last_commit.elapsed() >= COMMIT_EVERY {
+                    recorder.store.commit()?;
+                    last_commit = Instant::now();
+                }
+                if last_rescan.elapsed() >= RESCAN_EVERY {
+                    last_rescan = Instant::now();
+                    let pids = std::iter::once(pid).chain(recorder.children.iter().copied()).collect::<Vec<_>>();
+                    let added = rescan(&mut tracer, pids.into_iter(), probe_set)?;
+                    if !added.is_empty() {
+                        note(quiet, format!("attached {} more probes in {} (loaded after the trace started)", added.len(), describe_libraries(&added)));
+                        recorder.store.add_probes(probe_rows(&added, clock::wall_ns()))?;
+                    }
+                }
+            }
+        }
+        if let Some(err) = recorder.error.take() {
+            return Err(err);
+        }
+    };
+
+    // Everything the target did before we stopped is in the ring already.
+    consumer.drain(|e| recorder.on_event(e));
+    if let Some(err) = recorder.error.take() {
+        return Err(err);
+    }
+    let stop_wall = clock::wall_ns();
+    let lost_per_cpu = tracer.lost_per_cpu().unwrap_or_default();
+    let lost: u64 = lost_per_cpu.iter().sum();
+    drop(tracer);
+
+    let Recorder { mut tracker, mut store, mut outputs, calls, .. } = recorder;
+    let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
+    tracker.finish(stop_wall, &mut outputs);
+    for output in &outputs {
+        store.write(insight::to_row(output))?;
+    }
+    let final_meta: Meta = vec![
+        ("stop_ns".into(), stop_wall.to_string()),
+        ("stop_reason".into(), stop_reason.clone()),
+        ("calls_recorded".into(), calls.to_string()),
+        ("records_lost".into(), lost.to_string()),
+        ("records_undecodable".into(), consumer.stats.undecodable.to_string()),
+    ];
+    let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
+    if written.is_empty() {
+        let _ = std::fs::remove_dir(&run_dir);
+    }
+
+    let devices = device_stats
+        .into_iter()
+        .map(|(device, s)| DeviceLine {
+            device,
+            peak: s.peak,
+            live_bytes: s.used,
+            live_blocks: s.live_blocks,
+            mallocs: s.mallocs,
+            frees: s.frees,
+            failures: s.failures,
+            file: written.iter().find(|w| w.device == device).map(|w| w.path.clone()),
+        })
+        .collect();
+    Ok(Summary {
+        stop_reason,
+        elapsed: started.elapsed(),
+        calls,
+        lost,
+        undecodable: consumer.stats.undecodable,
+        run_dir,
+        devices,
+    })
+}

@@ -1,0 +1,260 @@
+//! Model outputs to `memscope_dump` rows, in msMemScope's vocabulary
+//! (shared/reference/msmemscope-and-insight.md §2):
+//!
+//! | output | Event | Event Type | Ptr |
+//! |---|---|---|---|
+//! | device block allocated / freed | `MALLOC` / `FREE` | `HAL` | `0x%016x` |
+//! | host block allocated / freed | `MALLOC` / `FREE` | `HOST` (Attr `pinned`) | `0x%016x` |
+//! | allocation failed for lack of memory | `OOM_DETAIL` | `OOM_TRIGGER` | `N/A` |
+//! | any other failed call | `API_ERROR` | `HAL` / `HOST` | `N/A` |
+//! | address reserve/release, physical alloc/free | `VMM` | `RESERVE` / `RELEASE` / `PHYSICAL_MALLOC` / `PHYSICAL_FREE` | `N/A` |
+//! | trace start / stop | `SYSTEM` | `START_TRACE` / `STOP_TRACE` | `N/A` |
+//!
+//! `API_ERROR` and `VMM` are ours; Insight ignores Events it does not know.
+
+use super::attr::Attr;
+use super::Meta;
+use crate::model::{DeviceKey, Origin, Output, Site, Space, VmmStep};
+
+/// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
+pub const ACL_ERROR_RT_MEMORY_ALLOCATION: i32 = 207_001;
+
+/// One `memscope_dump` row, before its per-file `ID`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Row {
+    pub event: &'static str,
+    pub event_type: &'static str,
+    pub name: &'static str,
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub device: DeviceKey,
+    pub ptr: Option<u64>,
+    pub attr: Attr,
+}
+
+impl Row {
+    /// Appends the `Device Id` column: the device number, `cpu`, or `N/A`.
+    pub fn write_device_id(&self, out: &mut String) {
+        match self.device {
+            DeviceKey::Npu(n) => out.push_str(itoa::Buffer::new().format(n)),
+            DeviceKey::Cpu => out.push_str("cpu"),
+            DeviceKey::Unknown => out.push_str("N/A"),
+        }
+    }
+
+    /// Appends the `Ptr` column: `0x%016x`, or `N/A`.
+    pub fn write_ptr(&self, out: &mut String) {
+        match self.ptr {
+            Some(p) => super::attr::push_addr(out, p),
+            None => out.push_str("N/A"),
+        }
+    }
+
+    pub fn device_id(&self) -> String {
+        let mut s = String::new();
+        self.write_device_id(&mut s);
+        s
+    }
+
+    pub fn ptr_text(&self) -> String {
+        let mut s = String::new();
+        self.write_ptr(&mut s);
+        s
+    }
+}
+
+fn block_type(space: Space) -> &'static str {
+    match space {
+        Space::Device => "HAL",
+        Space::Host => "HOST",
+    }
+}
+
+fn row(
+    site: &Site,
+    event: &'static str,
+    event_type: &'static str,
+    device: DeviceKey,
+    ptr: Option<u64>,
+    attr: Attr,
+) -> Row {
+    Row {
+        event,
+        event_type,
+        name: site.api.name(),
+        ts_ns: site.wall_ns,
+        pid: site.pid,
+        tid: site.tid,
+        device,
+        ptr,
+        attr,
+    }
+}
+
+/// The row for one model output.
+pub fn to_row(output: &Output) -> Row {
+    match output {
+        Output::Malloc { site, device, space, ptr, size, allocation_id, used, origin } => {
+            let mut attr = Attr::new()
+                .addr("addr", *ptr)
+                .with("size", *size)
+                .with("allocation_id", *allocation_id)
+                .with("api", site.api.name())
+                .with("used", *used);
+            if *space == Space::Host {
+                attr = attr.with("pinned", "true");
+            }
+            attr = match origin {
+                Origin::Direct { policy, module } => attr.with_opt("policy", *policy).with_opt("module_id", *module),
+                Origin::Mapped { handle, offset } => {
+                    attr.with("vmm", "true").addr("handle", *handle).with("offset", *offset)
+                }
+            };
+            row(site, "MALLOC", block_type(*space), *device, Some(*ptr), attr)
+        }
+        Output::Free { site, device, space, ptr, size, allocation_id, used, shadow } => {
+            let mut attr = Attr::new()
+                .addr("addr", *ptr)
+                // A free of a block allocated before the trace has no known size: "0" makes
+                // Insight skip it instead of pairing it with something else.
+                .with("size", size.unwrap_or(0))
+                .with_opt("allocation_id", *allocation_id)
+                .with("api", site.api.name())
+                .with("used", *used);
+            if *space == Space::Host {
+                attr = attr.with("pinned", "true");
+            }
+            if size.is_none() {
+                attr = attr.with("unmatched", "true");
+            }
+            if *shadow {
+                attr = attr.with("shadow", "true");
+            }
+            row(site, "FREE", block_type(*space), *device, Some(*ptr), attr)
+        }
+        Output::Failed { site, device, status, size, ptr } => {
+            let space_type = if *device == DeviceKey::Cpu { "HOST" } else { "HAL" };
+            if *status == ACL_ERROR_RT_MEMORY_ALLOCATION && size.is_some() {
+                let attr =
+                    Attr::new().with("func", site.api.name()).with_opt("req_size", *size).with("status", *status);
+                row(site, "OOM_DETAIL", "OOM_TRIGGER", *device, None, attr)
+            } else {
+                let attr = Attr::new()
+                    .with("api", site.api.name())
+                    .with("status", *status)
+                    .with_opt("size", *size)
+                    .with_opt("addr", ptr.map(super::attr::Value::Addr));
+                row(site, "API_ERROR", space_type, *device, None, attr)
+            }
+        }
+        Output::Vmm { site, device, step, addr, size } => {
+            let (event_type, key) = match step {
+                VmmStep::Reserve => ("RESERVE", "addr"),
+                VmmStep::Release => ("RELEASE", "addr"),
+                VmmStep::MallocPhysical => ("PHYSICAL_MALLOC", "handle"),
+                VmmStep::FreePhysical => ("PHYSICAL_FREE", "handle"),
+            };
+            let attr = Attr::new().addr(key, *addr).with_opt("size", *size).with("api", site.api.name());
+            row(site, "VMM", event_type, *device, None, attr)
+        }
+    }
+}
+
+/// A `SYSTEM` row opening or closing one device's trace.
+pub fn system_row(event_type: &'static str, ts_ns: u64, device: DeviceKey, meta: &Meta) -> Row {
+    let get = |key: &str| meta.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+    let pid: u32 = get("target_pid").and_then(|p| p.parse().ok()).unwrap_or(0);
+    let attr = Attr::new()
+        .with("tool", "memscope-bpf")
+        .with_opt("version", get("tool_version"))
+        .with_opt("mode", get("mode"))
+        .with_opt("stop_reason", if event_type == "STOP_TRACE" { get("stop_reason") } else { None });
+    Row { event: "SYSTEM", event_type, name: event_type, ts_ns, pid, tid: pid, device, ptr: None, attr }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::apis::Api;
+
+    fn site(api: Api) -> Site {
+        Site { api, wall_ns: 5, pid: 1, tid: 2 }
+    }
+
+    #[test]
+    fn device_malloc_is_hal_with_insight_keys() {
+        let r = to_row(&Output::Malloc {
+            site: site(Api::AclrtMalloc),
+            device: DeviceKey::Npu(1),
+            space: Space::Device,
+            ptr: 0xabc,
+            size: 512,
+            allocation_id: 3,
+            used: 1024,
+            origin: Origin::Direct { policy: Some(0), module: None },
+        });
+        assert_eq!((r.event, r.event_type, r.name), ("MALLOC", "HAL", "aclrtMalloc"));
+        assert_eq!(r.ptr_text(), "0x0000000000000abc");
+        assert_eq!(r.device_id(), "1");
+        for key in ["addr", "size", "allocation_id", "used"] {
+            assert!(r.attr.get(key).is_some(), "missing {key}");
+        }
+        assert_eq!(r.attr.get("size").as_deref(), Some("512"));
+    }
+
+    #[test]
+    fn free_carries_size_and_shadow_mark() {
+        let r = to_row(&Output::Free {
+            site: site(Api::AclrtFree),
+            device: DeviceKey::Npu(0),
+            space: Space::Device,
+            ptr: 0x1,
+            size: Some(64),
+            allocation_id: Some(1),
+            used: 0,
+            shadow: true,
+        });
+        assert_eq!((r.event, r.event_type), ("FREE", "HAL"));
+        assert_eq!(r.attr.get("size").as_deref(), Some("64"));
+        assert_eq!(r.attr.get("shadow").as_deref(), Some("true"));
+    }
+
+    #[test]
+    fn host_blocks_are_host_and_pinned() {
+        let r = to_row(&Output::Malloc {
+            site: site(Api::AclrtMallocHost),
+            device: DeviceKey::Cpu,
+            space: Space::Host,
+            ptr: 0x1,
+            size: 1,
+            allocation_id: 1,
+            used: 1,
+            origin: Origin::Direct { policy: None, module: None },
+        });
+        assert_eq!((r.event_type, r.device_id().as_str()), ("HOST", "cpu"));
+        assert_eq!(r.attr.get("pinned").as_deref(), Some("true"));
+    }
+
+    #[test]
+    fn out_of_memory_is_an_oom_trigger_and_other_errors_are_api_errors() {
+        let oom = to_row(&Output::Failed {
+            site: site(Api::AclrtMalloc),
+            device: DeviceKey::Npu(0),
+            status: 207_001,
+            size: Some(10),
+            ptr: None,
+        });
+        assert_eq!((oom.event, oom.event_type), ("OOM_DETAIL", "OOM_TRIGGER"));
+        assert_eq!(oom.attr.get("req_size").as_deref(), Some("10"));
+        assert_eq!(oom.ptr_text(), "N/A");
+        let err = to_row(&Output::Failed {
+            site: site(Api::AclrtFree),
+            device: DeviceKey::Npu(0),
+            status: 100_000,
+            size: None,
+            ptr: Some(0x5),
+        });
+        assert_eq!((err.event, err.event_type), ("API_ERROR", "HAL"));
+    }
+}

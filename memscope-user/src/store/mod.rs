@@ -1,0 +1,168 @@
+//! Writing the trace: one output per device, in msMemScope's layout and formats so MindStudio
+//! Insight opens it (shared/reference/msmemscope-and-insight.md §3), plus our own tables beside
+//! the Insight one (docs/db-schema.md).
+//!
+//! - [`insight`]: model outputs to `memscope_dump` rows (Event / Event Type / Attr vocabulary).
+//! - [`attr`]: the Attr column, as compact JSON with string values (DB) or msMemScope's CSV form.
+//! - [`schema`]: table and column definitions.
+//! - [`layout`]: where files go.
+//! - [`sqlite`], [`csv`]: the two sinks. The store creates one per device on first use.
+//!
+//! Durability: rows go into an open transaction that [`Store::commit`] closes at least every
+//! second; a SIGKILLed tracer therefore loses at most the last second, and the WAL-mode DB still
+//! opens. [`Store::finish`] writes the closing rows and checkpoints the WAL into the single file
+//! Insight expects.
+
+pub mod attr;
+pub mod csv;
+pub mod insight;
+pub mod layout;
+pub mod schema;
+pub mod sqlite;
+mod sqlite_raw;
+pub mod writer;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+#[cfg(test)]
+pub use attr::Attr;
+pub use insight::Row;
+pub use layout::RunLayout;
+pub use writer::Writer;
+
+use crate::model::DeviceKey;
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("cannot write {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("SQLite error on {path}: {source}")]
+    Sqlite { path: PathBuf, source: rusqlite::Error },
+}
+
+/// Output format, as msMemScope's `--format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// SQLite, one `memscope_dump_<digits>.db` per device (what Insight opens).
+    Db,
+    /// msMemScope's CSV layout, one `memscope_dump_<digits>.csv` per device.
+    Csv,
+}
+
+/// An attached probe, as recorded in `ms_probes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeRow {
+    pub library: String,
+    pub symbol: String,
+    pub api: String,
+    pub file_offset: u64,
+    pub source: String,
+    pub attached_wall_ns: u64,
+}
+
+/// Run-level facts written to every device's `ms_meta`.
+pub type Meta = Vec<(String, String)>;
+
+/// What a finished sink reports.
+#[derive(Clone, Debug)]
+pub struct Written {
+    pub device: DeviceKey,
+    pub path: PathBuf,
+}
+
+/// One device's output.
+pub trait Sink: Send {
+    /// Appends a row; `id` is the row's `ID` (1-based, per file).
+    fn insert(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
+    /// Makes everything inserted so far durable.
+    fn commit(&mut self) -> Result<(), StoreError>;
+    fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError>;
+    /// Final metadata and per-CPU losses, then close.
+    fn finish(self: Box<Self>, meta: &Meta, lost_per_cpu: &[u64]) -> Result<PathBuf, StoreError>;
+}
+
+struct Open {
+    sink: Box<dyn Sink>,
+    next_id: u64,
+}
+
+/// Routes rows to per-device sinks, creating them lazily.
+pub struct Store {
+    layout: RunLayout,
+    format: Format,
+    start_wall_ns: u64,
+    meta: Meta,
+    probes: Vec<ProbeRow>,
+    open: BTreeMap<DeviceKey, Open>,
+}
+
+impl Store {
+    pub fn new(layout: RunLayout, format: Format, start_wall_ns: u64, meta: Meta) -> Self {
+        Self { layout, format, start_wall_ns, meta, probes: Vec::new(), open: BTreeMap::new() }
+    }
+
+    fn sink(&mut self, device: DeviceKey) -> Result<&mut Open, StoreError> {
+        if !self.open.contains_key(&device) {
+            let dir = self.layout.dump_dir(device);
+            std::fs::create_dir_all(&dir).map_err(|source| StoreError::Io { path: dir.clone(), source })?;
+            let mut sink: Box<dyn Sink> = match self.format {
+                Format::Db => Box::new(sqlite::DbSink::create(&self.layout.dump_file(device, "db"), &self.meta)?),
+                Format::Csv => Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"))?),
+            };
+            sink.add_probes(&self.probes)?;
+            let mut open = Open { sink, next_id: 1 };
+            let start = insight::system_row("START_TRACE", self.start_wall_ns, device, &self.meta);
+            open.sink.insert(open.next_id, &start)?;
+            open.next_id += 1;
+            self.open.insert(device, open);
+        }
+        Ok(self.open.get_mut(&device).expect("inserted above"))
+    }
+
+    pub fn write(&mut self, row: &Row) -> Result<(), StoreError> {
+        let open = self.sink(row.device)?;
+        open.sink.insert(open.next_id, row)?;
+        open.next_id += 1;
+        Ok(())
+    }
+
+    pub fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError> {
+        for open in self.open.values_mut() {
+            open.sink.add_probes(probes)?;
+        }
+        self.probes.extend_from_slice(probes);
+        Ok(())
+    }
+
+    pub fn commit(&mut self) -> Result<(), StoreError> {
+        for open in self.open.values_mut() {
+            open.sink.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Writes STOP_TRACE and the final metadata into every output and closes them.
+    pub fn finish(
+        mut self,
+        stop_wall_ns: u64,
+        final_meta: &Meta,
+        lost_per_cpu: &[u64],
+    ) -> Result<Vec<Written>, StoreError> {
+        let mut meta = self.meta.clone();
+        for (k, v) in final_meta {
+            meta.retain(|(key, _)| key != k);
+            meta.push((k.clone(), v.clone()));
+        }
+        let mut written = Vec::new();
+        for (device, mut open) in std::mem::take(&mut self.open) {
+            let stop = insight::system_row("STOP_TRACE", stop_wall_ns, device, &meta);
+            open.sink.insert(open.next_id, &stop)?;
+            let path = open.sink.finish(&meta, lost_per_cpu)?;
+            written.push(Written { device, path });
+        }
+        Ok(written)
+    }
+}

@@ -1,0 +1,54 @@
+//! Table definitions. `memscope_dump` is msMemScope's table, byte for byte: Insight reads its
+//! columns by position. Our own tables carry an `ms_` prefix and never use the names Insight
+//! creates in the file itself (`memory_allocation`, `memory_block`, `status_info`).
+
+/// Version of our own tables (`ms_meta.schema_version`); bump on any change to them.
+pub const SCHEMA_VERSION: u32 = 1;
+
+pub const DUMP_TABLE: &str = "memscope_dump";
+
+/// The 12 columns of `memscope_dump`, in order, with their SQLite types.
+pub const DUMP_COLUMNS: [(&str, &str); 12] = [
+    ("ID", "INTEGER"),
+    ("Event", "TEXT"),
+    ("Event Type", "TEXT"),
+    ("Name", "TEXT"),
+    ("Timestamp(ns)", "INTEGER"),
+    ("Process Id", "INTEGER"),
+    ("Thread Id", "INTEGER"),
+    ("Device Id", "TEXT"),
+    ("Ptr", "TEXT"),
+    ("Attr", "TEXT"),
+    ("Call Stack(Python)", "TEXT"),
+    ("Call Stack(C)", "TEXT"),
+];
+
+/// Tables Insight adds to an imported DB; creating them ourselves would break its import.
+#[cfg(test)]
+pub const INSIGHT_OWNED_TABLES: [&str; 3] = ["memory_allocation", "memory_block", "status_info"];
+
+pub fn create_dump_table() -> String {
+    let columns: Vec<String> = DUMP_COLUMNS.iter().map(|(name, ty)| format!("\"{name}\" {ty}")).collect();
+    format!("CREATE TABLE IF NOT EXISTS {DUMP_TABLE} ({})", columns.join(", "))
+}
+
+/// An INSERT of `rows` rows into `memscope_dump`, parameters in column order, row after row.
+pub fn insert_dump_rows(rows: usize) -> String {
+    let names: Vec<String> = DUMP_COLUMNS.iter().map(|(name, _)| format!("\"{name}\"")).collect();
+    let one = format!("({})", vec!["?"; DUMP_COLUMNS.len()].join(","));
+    format!("INSERT INTO {DUMP_TABLE} ({}) VALUES {}", names.join(", "), vec![one; rows].join(","))
+}
+
+/// Our own tables (documented in docs/db-schema.md).
+pub const OWN_TABLES: &str = "
+CREATE TABLE IF NOT EXISTS ms_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS ms_probes (
+    library TEXT NOT NULL, symbol TEXT NOT NULL, api TEXT NOT NULL,
+    file_offset INTEGER NOT NULL, source TEXT NOT NULL, attached_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS ms_lost (cpu INTEGER PRIMARY KEY, lost INTEGER NOT NULL);
+";
+
+/// The CSV header of the dump, as msMemScope writes it.
+pub fn csv_header() -> String {
+    DUMP_COLUMNS.iter().map(|(name, _)| *name).collect::<Vec<_>>().join(",")
+}

@@ -1,0 +1,105 @@
+//! The hot insert path of the SQLite sink, on SQLite's C API.
+//!
+//! rusqlite copies every bound string (`SQLITE_TRANSIENT`), which with five text columns per row
+//! made allocation the largest cost of the store thread at high event rates. Here text is bound
+//! `SQLITE_STATIC` from a buffer that outlives the statement's execution, and the statement is
+//! prepared once. All unsafe code of the store is in this file.
+
+use std::ffi::{c_char, c_int, CString};
+use std::ptr;
+
+use rusqlite::ffi;
+use rusqlite::Connection;
+
+/// A prepared statement owned outside rusqlite. Finalized on drop, so it must be dropped before
+/// its connection is closed (`DbSink` declares it first).
+pub struct RawStatement {
+    db: *mut ffi::sqlite3,
+    stmt: *mut ffi::sqlite3_stmt,
+}
+
+// SAFETY: the statement is used only by the thread that owns the sink, and SQLite is built
+// threadsafe; moving it between threads with its connection is allowed.
+unsafe impl Send for RawStatement {}
+
+fn error(db: *mut ffi::sqlite3, rc: c_int) -> rusqlite::Error {
+    // SAFETY: `db` is a live connection; sqlite3_errmsg returns a NUL-terminated string it owns.
+    let msg = unsafe {
+        let p = ffi::sqlite3_errmsg(db);
+        (!p.is_null()).then(|| std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned())
+    };
+    rusqlite::Error::SqliteFailure(ffi::Error::new(rc), msg)
+}
+
+/// Turns off SQLite's allocation statistics before its first use in this process. With them on,
+/// every allocation takes a global mutex, which showed up in the store thread's profile.
+pub fn tune_sqlite_once() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: called before any connection exists (the store opens the first one); a failure
+        // (SQLITE_MISUSE if already initialised) only leaves the default in place.
+        unsafe {
+            ffi::sqlite3_config(ffi::SQLITE_CONFIG_MEMSTATUS, 0 as c_int);
+        }
+    });
+}
+
+/// A value for one parameter.
+pub enum Param<'a> {
+    Int(i64),
+    Text(&'a str),
+}
+
+impl RawStatement {
+    pub fn prepare(conn: &Connection, sql: &str) -> rusqlite::Result<Self> {
+        let sql = CString::new(sql).map_err(|_| rusqlite::Error::InvalidQuery)?;
+        // SAFETY: the handle is valid while `conn` lives; the statement is finalized before the
+        // connection closes (see the type's doc).
+        let db = unsafe { conn.handle() };
+        let mut stmt = ptr::null_mut();
+        // SAFETY: valid db handle, NUL-terminated SQL, out pointer.
+        let rc = unsafe { ffi::sqlite3_prepare_v2(db, sql.as_ptr(), -1, &mut stmt, ptr::null_mut()) };
+        if rc != ffi::SQLITE_OK {
+            return Err(error(db, rc));
+        }
+        Ok(Self { db, stmt })
+    }
+
+    /// Binds `params` (1-based, in order) and runs the statement once.
+    ///
+    /// Text is bound without copying; the borrow of `params` ensures the strings live until the
+    /// statement has run and been reset, after which SQLite no longer reads them.
+    pub fn execute<'a>(&mut self, params: impl IntoIterator<Item = Param<'a>>) -> rusqlite::Result<()> {
+        for (index, p) in (1..).zip(params) {
+            // SAFETY: valid statement; for text, pointer and length describe a live &str that
+            // outlives the step below (SQLITE_STATIC: SQLite does not free or copy it).
+            let rc = unsafe {
+                match p {
+                    Param::Int(v) => ffi::sqlite3_bind_int64(self.stmt, index, v),
+                    Param::Text(s) => {
+                        let len = c_int::try_from(s.len()).map_err(|_| rusqlite::Error::InvalidQuery)?;
+                        ffi::sqlite3_bind_text(self.stmt, index, s.as_ptr().cast::<c_char>(), len, ffi::SQLITE_STATIC())
+                    }
+                }
+            };
+            if rc != ffi::SQLITE_OK {
+                return Err(error(self.db, rc));
+            }
+        }
+        // SAFETY: valid, fully bound statement.
+        let rc = unsafe { ffi::sqlite3_step(self.stmt) };
+        // SAFETY: as above. Resetting drops SQLite's references to the bound text.
+        let reset = unsafe { ffi::sqlite3_reset(self.stmt) };
+        if rc != ffi::SQLITE_DONE {
+            return Err(error(self.db, if rc == ffi::SQLITE_ROW { reset } else { rc }));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RawStatement {
+    fn drop(&mut self) {
+        // SAFETY: the statement was prepared by us and is finalized exactly once.
+        unsafe { ffi::sqlite3_finalize(self.stmt) };
+    }
+}

@@ -1,0 +1,108 @@
+//! The end-of-trace report printed to stderr: why it stopped, what was recorded and lost, and per
+//! device the peak, what is still live and where its file is.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::model::DeviceKey;
+
+#[derive(Clone, Debug)]
+pub struct DeviceLine {
+    pub device: DeviceKey,
+    pub peak: u64,
+    pub live_bytes: u64,
+    pub live_blocks: u64,
+    pub mallocs: u64,
+    pub frees: u64,
+    pub failures: u64,
+    pub file: Option<PathBuf>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Summary {
+    pub stop_reason: String,
+    pub elapsed: Duration,
+    pub calls: u64,
+    pub lost: u64,
+    pub undecodable: u64,
+    pub run_dir: PathBuf,
+    pub devices: Vec<DeviceLine>,
+}
+
+/// Bytes in binary units with one decimal.
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+fn device_name(d: DeviceKey) -> String {
+    match d {
+        DeviceKey::Npu(n) => format!("device {n}"),
+        DeviceKey::Cpu => "host (cpu)".into(),
+        DeviceKey::Unknown => "device ?".into(),
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "memscope-bpf: stopped ({}) after {:.1} s", self.stop_reason, self.elapsed.as_secs_f64())?;
+        writeln!(f, "memscope-bpf: {} calls recorded, {} lost (ring buffer full, all CPUs)", self.calls, self.lost)?;
+        if self.undecodable > 0 {
+            writeln!(f, "memscope-bpf: {} records could not be decoded", self.undecodable)?;
+        }
+        if self.devices.is_empty() {
+            writeln!(
+                f,
+                "memscope-bpf: no memory calls were seen; nothing was written under {}",
+                self.run_dir.display()
+            )?;
+        }
+        for d in &self.devices {
+            writeln!(
+                f,
+                "  {:<11} peak {:>10}  live at end {:>10} in {} blocks  ({} allocs, {} frees, {} failed)",
+                device_name(d.device),
+                human(d.peak),
+                human(d.live_bytes),
+                d.live_blocks,
+                d.mallocs,
+                d.frees,
+                d.failures
+            )?;
+            if let Some(file) = &d.file {
+                writeln!(f, "              {}", file.display())?;
+            }
+        }
+        if self.devices.iter().any(|d| d.device == DeviceKey::Unknown) {
+            writeln!(
+                f,
+                "  (device ?: threads that chose their device before the trace started; their device shows once they call aclrtSetDevice/aclrtGetDevice)"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_units() {
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(1023), "1023 B");
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human(3 << 30), "3.0 GiB");
+    }
+}

@@ -1,0 +1,688 @@
+//! Helpers for the privileged test tier: run the stand-in workload and the tracer, read the
+//! workload's ledger (ground truth) and the tracer's output, and compare them.
+//!
+//! These tests load BPF, so they run only through `cargo xtask test` (as root), which builds the
+//! stand-ins and the release binary and sets `MEMSCOPE_PRIVILEGED_TIER=1` plus the paths below.
+//! Run any other way they fail with that instruction instead of passing silently.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Deserialize;
+
+/// Paths handed over by `cargo xtask test`.
+pub struct TestEnv {
+    pub bin: PathBuf,
+    pub ascend_home: PathBuf,
+    pub libascendcl: PathBuf,
+    pub late_lib: PathBuf,
+    pub workload: PathBuf,
+    pub scratch: PathBuf,
+}
+
+fn var(name: &str) -> PathBuf {
+    PathBuf::from(
+        std::env::var(name)
+            .unwrap_or_else(|_| panic!("{name} is not set; run the privileged tier with `cargo xtask test`")),
+    )
+}
+
+/// The environment, or a panic that says how to run these tests.
+pub fn env(test: &str) -> TestEnv {
+    assert_eq!(
+        std::env::var("MEMSCOPE_PRIVILEGED_TIER").as_deref(),
+        Ok("1"),
+        "privileged tests load BPF and need the stand-ins: run them with `cargo xtask test`"
+    );
+    // SAFETY: no arguments.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the privileged tier must run as root");
+    let scratch = var("MEMSCOPE_SCRATCH").join(test);
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    TestEnv {
+        bin: var("MEMSCOPE_BIN"),
+        ascend_home: var("MEMSCOPE_ASCEND_HOME"),
+        libascendcl: var("MEMSCOPE_ASCEND_HOME").join("lib64/libascendcl.so"),
+        late_lib: var("MEMSCOPE_LATE_LIB"),
+        workload: var("MEMSCOPE_WORKLOAD"),
+        scratch,
+    }
+}
+
+pub fn wall_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+// ---------------------------------------------------------------- ledger
+
+/// One call the workload made, as it logged it.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Entry {
+    pub api: String,
+    pub rc: i64,
+    pub tid: u32,
+    pub t0: u64,
+    pub t1: u64,
+    #[serde(default)]
+    pub device: Option<serde_json::Value>,
+    #[serde(default)]
+    pub size: Option<u64>,
+    #[serde(default)]
+    pub ptr: Option<u64>,
+    #[serde(default)]
+    pub handle: Option<u64>,
+    #[serde(default)]
+    pub via: Option<String>,
+    #[serde(default)]
+    pub lib: Option<String>,
+}
+
+impl Entry {
+    /// The device as the DB's `Device Id` column writes it.
+    pub fn device_id(&self) -> Option<String> {
+        match &self.device {
+            Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            _ => None,
+        }
+    }
+}
+
+pub fn read_ledger(path: &Path) -> Vec<Entry> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("ledger {}: {e}", path.display()));
+    text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad ledger line {l}: {e}"))).collect()
+}
+
+// ---------------------------------------------------------------- output
+
+/// One `memscope_dump` row.
+#[derive(Clone, Debug)]
+pub struct DbRow {
+    pub id: i64,
+    pub event: String,
+    pub event_type: String,
+    pub name: String,
+    pub ts: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub device: String,
+    pub ptr: String,
+    pub attr: BTreeMap<String, String>,
+    /// Folder the row was found in (`device_0`, `device_cpu`, ...).
+    pub folder: String,
+}
+
+impl DbRow {
+    pub fn ptr_value(&self) -> Option<u64> {
+        self.ptr.strip_prefix("0x").and_then(|h| u64::from_str_radix(h, 16).ok())
+    }
+    pub fn attr_u64(&self, key: &str) -> Option<u64> {
+        let v = self.attr.get(key)?;
+        v.strip_prefix("0x").map_or_else(|| v.parse().ok(), |h| u64::from_str_radix(h, 16).ok())
+    }
+    pub fn is_shadow(&self) -> bool {
+        self.attr.get("shadow").map(String::as_str) == Some("true")
+    }
+}
+
+/// Everything one trace wrote.
+pub struct Output {
+    pub run_dir: PathBuf,
+    /// Per device folder, its file and rows in ID order.
+    pub files: BTreeMap<String, (PathBuf, Vec<DbRow>)>,
+}
+
+impl Output {
+    pub fn rows(&self) -> impl Iterator<Item = &DbRow> {
+        self.files.values().flat_map(|(_, rows)| rows.iter())
+    }
+    /// MALLOC/FREE/VMM/OOM/API_ERROR rows, without SYSTEM rows and shadow frees.
+    pub fn call_rows(&self) -> Vec<&DbRow> {
+        self.rows().filter(|r| r.event != "SYSTEM" && !r.is_shadow()).collect()
+    }
+    pub fn db(&self, folder: &str) -> &Path {
+        &self.files.get(folder).unwrap_or_else(|| panic!("no {folder} in {:?}", self.files.keys())).0
+    }
+}
+
+/// The single run folder under `output`.
+pub fn run_dir(output: &Path) -> PathBuf {
+    let dirs: Vec<PathBuf> = std::fs::read_dir(output)
+        .unwrap_or_else(|e| panic!("{}: {e}", output.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(dirs.len(), 1, "expected one run folder in {}: {dirs:?}", output.display());
+    dirs[0].clone()
+}
+
+fn parse_attr_json(text: &str) -> BTreeMap<String, String> {
+    let v: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("Attr is not JSON: {text}: {e}"));
+    v.as_object()
+        .unwrap_or_else(|| panic!("Attr is not an object: {text}"))
+        .iter()
+        .map(|(k, v)| {
+            (k.clone(), v.as_str().unwrap_or_else(|| panic!("Attr value of {k} is not a string: {text}")).to_owned())
+        })
+        .collect()
+}
+
+pub fn read_db(path: &Path, folder: &str) -> Vec<DbRow> {
+    let conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT \"ID\", \"Event\", \"Event Type\", \"Name\", \"Timestamp(ns)\", \"Process Id\", \"Thread Id\", \"Device Id\", \"Ptr\", \"Attr\" \
+             FROM memscope_dump ORDER BY \"ID\"",
+        )
+        .unwrap();
+    stmt.query_map([], |r| {
+        Ok(DbRow {
+            id: r.get(0)?,
+            event: r.get(1)?,
+            event_type: r.get(2)?,
+            name: r.get(3)?,
+            ts: r.get::<_, i64>(4)? as u64,
+            pid: r.get(5)?,
+            tid: r.get(6)?,
+            device: r.get(7)?,
+            ptr: r.get(8)?,
+            attr: parse_attr_json(&r.get::<_, String>(9)?),
+            folder: folder.to_owned(),
+        })
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// msMemScope's CSV Attr form `{k:v,...}` to a map.
+fn parse_attr_csv(text: &str) -> BTreeMap<String, String> {
+    let inner =
+        text.strip_prefix('{').and_then(|t| t.strip_suffix('}')).unwrap_or_else(|| panic!("bad CSV Attr {text}"));
+    inner
+        .split(',')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once(':').unwrap_or_else(|| panic!("bad CSV Attr pair {kv}"));
+            (k.to_owned(), v.to_owned())
+        })
+        .collect()
+}
+
+/// RFC 4180 fields of one line.
+fn csv_fields(line: &str) -> Vec<String> {
+    let mut fields = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                cur.push('"');
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => fields.push(std::mem::take(&mut cur)),
+            c => cur.push(c),
+        }
+    }
+    fields.push(cur);
+    fields
+}
+
+pub const CSV_HEADER: &str =
+    "ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id,Ptr,Attr,Call Stack(Python),Call Stack(C)";
+
+pub fn read_csv(path: &Path, folder: &str) -> Vec<DbRow> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(CSV_HEADER), "CSV header of {}", path.display());
+    lines
+        .map(|l| {
+            let f = csv_fields(l);
+            assert_eq!(f.len(), 12, "CSV line has {} fields: {l}", f.len());
+            DbRow {
+                id: f[0].parse().unwrap(),
+                event: f[1].clone(),
+                event_type: f[2].clone(),
+                name: f[3].clone(),
+                ts: f[4].parse().unwrap(),
+                pid: f[5].parse().unwrap(),
+                tid: f[6].parse().unwrap(),
+                device: f[7].clone(),
+                ptr: f[8].clone(),
+                attr: parse_attr_csv(&f[9]),
+                folder: folder.to_owned(),
+            }
+        })
+        .collect()
+}
+
+/// Reads every device file of the run under `output` (DB or CSV).
+pub fn read_output(output: &Path) -> Output {
+    let run_dir = run_dir(output);
+    let mut files = BTreeMap::new();
+    for entry in std::fs::read_dir(&run_dir).unwrap() {
+        let dev_dir = entry.unwrap().path();
+        let folder = dev_dir.file_name().unwrap().to_string_lossy().into_owned();
+        let dump = dev_dir.join("dump");
+        let mut found: Vec<PathBuf> = std::fs::read_dir(&dump)
+            .unwrap_or_else(|e| panic!("{}: {e}", dump.display()))
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "db" || x == "csv"))
+            .collect();
+        assert_eq!(found.len(), 1, "one dump file per device folder: {found:?}");
+        let file = found.pop().unwrap();
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        let digits = name.trim_start_matches("memscope_dump_").trim_end_matches(".db").trim_end_matches(".csv");
+        assert!(
+            name.starts_with("memscope_dump_") && digits.bytes().all(|b| b.is_ascii_digit()),
+            "Insight needs memscope_dump_<digits>: {name}"
+        );
+        let rows = if name.ends_with(".db") { read_db(&file, &folder) } else { read_csv(&file, &folder) };
+        files.insert(folder, (file, rows));
+    }
+    Output { run_dir, files }
+}
+
+// ---------------------------------------------------------------- processes
+
+/// A running tracer with its stderr collected line by line (with arrival times).
+pub struct Tracer {
+    pub child: Child,
+    lines: Arc<Mutex<Vec<(u64, String)>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Tracer {
+    pub fn spawn(env: &TestEnv, args: &[&str], extra_env: &[(&str, &Path)]) -> Self {
+        let mut cmd = Command::new(&env.bin);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start memscope-bpf");
+        let stderr = child.stderr.take().unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&lines);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push((wall_ns(), line));
+            }
+        });
+        Self { child, lines, reader: Some(reader) }
+    }
+
+    /// Waits for the "live:" line; returns when it arrived (wall ns).
+    pub fn wait_live(&mut self, timeout: Duration) -> u64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some((at, _)) = self.lines.lock().unwrap().iter().find(|(_, l)| l.contains(": live:")) {
+                return *at;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                std::thread::sleep(Duration::from_millis(100));
+                panic!("tracer exited ({status}) before going live:\n{}", self.stderr());
+            }
+            assert!(Instant::now() < deadline, "tracer not live after {timeout:?}:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        self.lines.lock().unwrap().iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n")
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+
+    /// Waits for exit (with a deadline) and returns (exit code, stderr).
+    pub fn finish(mut self, timeout: Duration) -> (Option<i32>, String) {
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("tracer did not exit within {timeout:?}:\n{}", self.stderr());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        (status.code(), self.stderr())
+    }
+}
+
+/// The workload command line (for launch mode or a plain spawn).
+pub fn workload_args(env: &TestEnv, ledger: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v =
+        vec!["python3".to_owned(), env.workload.display().to_string(), "--ledger".into(), ledger.display().to_string()];
+    v.extend(extra.iter().map(|s| (*s).to_owned()));
+    v
+}
+
+/// Starts the workload directly (for attach mode).
+pub fn spawn_workload(env: &TestEnv, ledger: &Path, extra: &[&str]) -> Child {
+    let args = workload_args(env, ledger, extra);
+    Command::new(&args[0]).args(&args[1..]).env("ASCEND_HOME_PATH", &env.ascend_home).spawn().expect("start workload")
+}
+
+pub fn wait_child(child: &mut Child, timeout: Duration) -> i32 {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s.code().unwrap_or(-1);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("workload did not finish within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---------------------------------------------------------------- comparison
+
+/// How a ledger entry must appear in the output.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Expect {
+    pub event: &'static str,
+    pub event_type: &'static str,
+    /// `None`: any device folder (address reservations are not device memory).
+    pub device: Option<String>,
+    /// The `Ptr` column for MALLOC/FREE rows.
+    pub ptr: Option<u64>,
+    /// An Attr key that must hold this value (addresses and handles of VMM rows, sizes).
+    pub attrs: Vec<(&'static str, u64)>,
+}
+
+const OOM: i64 = 207_001;
+
+/// The row a ledger entry must produce, or `None` for calls the tracer does not record.
+pub fn expect(e: &Entry) -> Option<Expect> {
+    let device = e.device_id();
+    let malloc_api = matches!(
+        e.api.as_str(),
+        "aclrtMalloc" | "aclrtMallocAlign32" | "aclrtMallocCached" | "aclrtMallocWithCfg" | "aclrtMallocHost"
+    );
+    if e.rc != 0 {
+        if malloc_api && e.rc == OOM {
+            return Some(Expect {
+                event: "OOM_DETAIL",
+                event_type: "OOM_TRIGGER",
+                device,
+                ptr: None,
+                attrs: vec![("req_size", e.size?)],
+            });
+        }
+        let recorded = !matches!(e.api.as_str(), "aclrtSetDevice" | "aclrtGetDevice" | "aclrtMemcpy" | "aclrtMemset");
+        return recorded.then(|| Expect {
+            event: "API_ERROR",
+            event_type: if e.api.ends_with("Host") { "HOST" } else { "HAL" },
+            device,
+            ptr: None,
+            attrs: vec![],
+        });
+    }
+    let size = |v: &mut Vec<(&'static str, u64)>| {
+        if let Some(s) = e.size {
+            v.push(("size", s));
+        }
+    };
+    Some(match e.api.as_str() {
+        "aclrtMallocHost" => Expect {
+            event: "MALLOC",
+            event_type: "HOST",
+            device: Some("cpu".into()),
+            ptr: e.ptr,
+            attrs: vec![("size", e.size?)],
+        },
+        "aclrtFreeHost" => Expect {
+            event: "FREE",
+            event_type: "HOST",
+            device: Some("cpu".into()),
+            ptr: e.ptr,
+            attrs: vec![("size", e.size?)],
+        },
+        _ if malloc_api => {
+            Expect { event: "MALLOC", event_type: "HAL", device, ptr: e.ptr, attrs: vec![("size", e.size?)] }
+        }
+        "aclrtFree" => {
+            let mut attrs = vec![];
+            size(&mut attrs);
+            Expect { event: "FREE", event_type: "HAL", device, ptr: e.ptr, attrs }
+        }
+        "aclrtMapMem" => Expect {
+            event: "MALLOC",
+            event_type: "HAL",
+            device,
+            ptr: e.ptr,
+            attrs: vec![("size", e.size?), ("handle", e.handle?)],
+        },
+        "aclrtUnmapMem" => {
+            let mut attrs = vec![];
+            size(&mut attrs);
+            Expect { event: "FREE", event_type: "HAL", device, ptr: e.ptr, attrs }
+        }
+        "aclrtReserveMemAddress" => Expect {
+            event: "VMM",
+            event_type: "RESERVE",
+            device: None,
+            ptr: None,
+            attrs: vec![("addr", e.ptr?), ("size", e.size?)],
+        },
+        "aclrtReleaseMemAddress" => {
+            Expect { event: "VMM", event_type: "RELEASE", device: None, ptr: None, attrs: vec![("addr", e.ptr?)] }
+        }
+        "aclrtMallocPhysical" => Expect {
+            event: "VMM",
+            event_type: "PHYSICAL_MALLOC",
+            device,
+            ptr: None,
+            attrs: vec![("handle", e.handle?), ("size", e.size?)],
+        },
+        "aclrtFreePhysical" => {
+            Expect { event: "VMM", event_type: "PHYSICAL_FREE", device, ptr: None, attrs: vec![("handle", e.handle?)] }
+        }
+        _ => return None,
+    })
+}
+
+/// Wall-clock tolerance between the workload's clock reads and the tracer's converted timestamps.
+pub const CLOCK_TOLERANCE_NS: u64 = 3_000_000;
+
+/// Why a row does not match an entry, or `None` if it does. `unknown_device_ok` lets the row sit
+/// in the unknown-device output; `size_zero_ok` accepts the "unmatched free" form (size 0).
+pub fn mismatch(e: &Entry, x: &Expect, r: &DbRow, unknown_device_ok: bool, size_zero_ok: bool) -> Option<String> {
+    let mut why = Vec::new();
+    if r.event != x.event || r.event_type != x.event_type {
+        why.push(format!("event {}/{} != {}/{}", r.event, r.event_type, x.event, x.event_type));
+    }
+    if r.name != e.api {
+        why.push(format!("name {} != {}", r.name, e.api));
+    }
+    if r.tid != e.tid {
+        why.push(format!("tid {} != {}", r.tid, e.tid));
+    }
+    if let Some(d) = &x.device {
+        if &r.device != d && !(unknown_device_ok && r.device == "N/A") {
+            why.push(format!("device {} != {d}", r.device));
+        }
+    }
+    if x.event == "MALLOC" || x.event == "FREE" {
+        if r.ptr_value() != x.ptr {
+            why.push(format!("ptr {} != {:?}", r.ptr, x.ptr.map(|p| format!("{p:#x}"))));
+        }
+    } else if r.ptr != "N/A" {
+        why.push(format!("Ptr {} should be N/A", r.ptr));
+    }
+    for (k, v) in &x.attrs {
+        let got = r.attr_u64(k);
+        if got != Some(*v) && !(size_zero_ok && *k == "size" && got == Some(0)) {
+            why.push(format!("attr {k} {got:?} != {v}"));
+        }
+    }
+    if r.ts + CLOCK_TOLERANCE_NS < e.t0 || r.ts > e.t1 + CLOCK_TOLERANCE_NS {
+        why.push(format!("timestamp {} outside the call [{}, {}]", r.ts, e.t0, e.t1));
+    }
+    (!why.is_empty()).then(|| why.join("; "))
+}
+
+fn per_tid<'a>(rows: &[&'a DbRow]) -> HashMap<u32, Vec<&'a DbRow>> {
+    let mut by: HashMap<u32, Vec<&DbRow>> = HashMap::new();
+    for r in rows {
+        by.entry(r.tid).or_default().push(r);
+    }
+    for v in by.values_mut() {
+        v.sort_by_key(|r| (r.ts, r.id));
+    }
+    by
+}
+
+fn expected_per_tid(ledger: &[Entry]) -> HashMap<u32, Vec<(&Entry, Expect)>> {
+    let mut by: HashMap<u32, Vec<(&Entry, Expect)>> = HashMap::new();
+    for e in ledger {
+        if let Some(x) = expect(e) {
+            by.entry(e.tid).or_default().push((e, x));
+        }
+    }
+    for v in by.values_mut() {
+        v.sort_by_key(|(e, _)| e.t0);
+    }
+    by
+}
+
+/// Launch mode: every recordable call is in the output exactly once, in order per thread, with
+/// the right values; nothing else is.
+pub fn assert_exact(ledger: &[Entry], out: &Output) {
+    let rows = out.call_rows();
+    let got = per_tid(&rows);
+    let want = expected_per_tid(ledger);
+    let mut tids: Vec<u32> = got.keys().chain(want.keys()).copied().collect();
+    tids.sort_unstable();
+    tids.dedup();
+    for tid in tids {
+        let g = got.get(&tid).map_or(&[][..], Vec::as_slice);
+        let w = want.get(&tid).map_or(&[][..], Vec::as_slice);
+        for (i, ((e, x), r)) in w.iter().zip(g).enumerate() {
+            if let Some(why) = mismatch(e, x, r, false, false) {
+                panic!("thread {tid}, call {i}: {why}\n  ledger: {e:?}\n  row:    {r:?}");
+            }
+        }
+        assert_eq!(g.len(), w.len(), "thread {tid}: {} rows for {} ledger calls", g.len(), w.len());
+    }
+}
+
+/// Attach mode: rows are the ledger's calls in order (a subsequence per thread), every call that
+/// started after `live_ns` and ended before `until_ns` is there, none that ended before
+/// `start_ns`. A row may be in the unknown-device output only for calls before the thread
+/// revealed its device after `live_ns`.
+pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u64, until_ns: u64) {
+    let rows = out.call_rows();
+    let got = per_tid(&rows);
+    let want = expected_per_tid(ledger);
+    // When each thread's device became known to the tracer.
+    let mut known_from: HashMap<u32, u64> = HashMap::new();
+    for e in ledger {
+        if (e.api == "aclrtSetDevice" || e.api == "aclrtGetDevice") && e.rc == 0 && e.t0 > live_ns {
+            known_from.entry(e.tid).and_modify(|t| *t = (*t).min(e.t1)).or_insert(e.t1);
+        }
+    }
+    // Allocations the tracer saw, by pointer: a free of anything else has no known size.
+    let seen_allocs: std::collections::HashSet<u64> =
+        rows.iter().filter(|r| r.event == "MALLOC").filter_map(|r| r.ptr_value()).collect();
+    let mut unknown_ok_ptrs = std::collections::HashSet::new();
+    for r in &rows {
+        if r.event == "MALLOC" && r.device == "N/A" {
+            unknown_ok_ptrs.insert(r.ptr_value());
+        }
+    }
+    let mut total = 0;
+    for (tid, w) in &want {
+        let g = got.get(tid).map_or(&[][..], Vec::as_slice);
+        let mut gi = 0;
+        for (e, x) in w {
+            let must = e.t0 > live_ns && e.t1 < until_ns;
+            let Some(r) = g.get(gi) else {
+                assert!(!must, "thread {tid}: call after the probes were live is missing: {e:?}");
+                continue;
+            };
+            let before_known = e.t0 < known_from.get(tid).copied().unwrap_or(u64::MAX);
+            let unknown_ok = before_known || (x.event == "FREE" && unknown_ok_ptrs.contains(&x.ptr));
+            let size_zero_ok = x.event == "FREE" && x.ptr.is_some_and(|p| !seen_allocs.contains(&p));
+            match mismatch(e, x, r, unknown_ok, size_zero_ok) {
+                None => {
+                    assert!(
+                        e.t1 >= start_ns,
+                        "thread {tid}: recorded a call that ended before the tracer started: {e:?}"
+                    );
+                    gi += 1;
+                    total += 1;
+                }
+                Some(why) => {
+                    assert!(!must, "thread {tid}: call after the probes were live does not match ({why})\n  ledger: {e:?}\n  row: {r:?}");
+                }
+            }
+        }
+        assert_eq!(gi, g.len(), "thread {tid}: rows that match no ledger call: {:?}", &g[gi.min(g.len())..]);
+    }
+    for tid in got.keys() {
+        assert!(want.contains_key(tid), "rows for thread {tid}, which the ledger never mentions");
+    }
+    assert!(total > 0, "nothing was recorded");
+}
+
+/// Blocks the ledger says were never freed, as (device, ptr, size).
+pub fn live_at_end(ledger: &[Entry]) -> Vec<(String, u64, u64)> {
+    let mut live: BTreeMap<u64, (String, u64)> = BTreeMap::new();
+    let mut sorted: Vec<&Entry> = ledger.iter().collect();
+    sorted.sort_by_key(|e| e.t0);
+    for e in sorted {
+        let Some(x) = expect(e) else { continue };
+        match (x.event, x.ptr) {
+            ("MALLOC", Some(p)) => {
+                live.insert(p, (x.device.unwrap_or_default(), e.size.unwrap_or(0)));
+            }
+            ("FREE", Some(p)) => {
+                live.remove(&p);
+            }
+            _ => {}
+        }
+    }
+    live.into_iter().map(|(p, (d, s))| (d, p, s)).collect()
+}
+
+/// Shadow frees in the output, as (device, ptr, size).
+pub fn shadow_frees(out: &Output) -> Vec<(String, u64, u64)> {
+    let mut v: Vec<_> = out
+        .rows()
+        .filter(|r| r.event == "FREE" && r.is_shadow())
+        .map(|r| (r.device.clone(), r.ptr_value().unwrap(), r.attr_u64("size").unwrap()))
+        .collect();
+    v.sort_by_key(|(_, p, _)| *p);
+    v
+}
+
+/// `PRAGMA integrity_check` and the row count of a DB file.
+pub fn db_health(path: &Path) -> (String, i64) {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+    let n: i64 = conn.query_row("SELECT count(*) FROM memscope_dump", [], |r| r.get(0)).unwrap();
+    (check, n)
+}
+
+/// A value from `ms_meta`.
+pub fn meta(path: &Path, key: &str) -> Option<String> {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    conn.query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get(0)).ok()
+}

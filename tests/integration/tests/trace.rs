@@ -1,0 +1,260 @@
+//! Privileged tests of `memscope-bpf trace` against the stand-in runtime. Ground truth is the
+//! workload's own ledger; every test fails if the behaviour it names breaks.
+
+use std::path::Path;
+use std::time::Duration;
+
+use memscope_integration::*;
+
+const LIVE_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn launch(env: &TestEnv, out: &Path, ledger: &Path, tracer_args: &[&str], workload: &[&str]) -> Tracer {
+    let out_s = out.display().to_string();
+    let mut args = vec!["trace", "--output", out_s.as_str()];
+    args.extend_from_slice(tracer_args);
+    args.push("--");
+    let w = workload_args(env, ledger, workload);
+    let mut all: Vec<&str> = args;
+    all.extend(w.iter().map(String::as_str));
+    Tracer::spawn(env, &all, &[("ASCEND_HOME_PATH", &env.ascend_home)])
+}
+
+const FULL_WORKLOAD: &[&str] = &[
+    "--steps",
+    "6",
+    "--host",
+    "--vmm",
+    "--with-cfg",
+    "--leak",
+    "--fail-step",
+    "2",
+    "--keep-weights",
+    "--step-sleep-ms",
+    "5",
+];
+
+#[test]
+fn launch_mode_matches_the_ledger_exactly() {
+    let env = env("launch_exact");
+    let out = env.scratch.join("out");
+    let ledger = env.scratch.join("ledger.jsonl");
+    let mut tracer = launch(&env, &out, &ledger, &[], FULL_WORKLOAD);
+    tracer.wait_live(LIVE_TIMEOUT);
+    let (code, stderr) = tracer.finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+
+    let ledger = read_ledger(&ledger);
+    let out = read_output(&out);
+    assert_exact(&ledger, &out);
+
+    // Two devices give two DBs (plus host memory), each starting and ending with SYSTEM rows.
+    let folders: Vec<&str> = out.files.keys().map(String::as_str).collect();
+    assert_eq!(folders, ["device_0", "device_1", "device_cpu"], "{stderr}");
+    for (folder, (_, rows)) in &out.files {
+        assert_eq!(rows.first().unwrap().event_type, "START_TRACE", "{folder}");
+        assert_eq!(rows.last().unwrap().event_type, "STOP_TRACE", "{folder}");
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        assert_eq!(ids, (1..=rows.len() as i64).collect::<Vec<_>>(), "{folder}: IDs are 1..n");
+    }
+
+    // The failed allocations are there as OOM triggers (one per device), not as blocks.
+    let ooms = out.rows().filter(|r| r.event == "OOM_DETAIL").count();
+    assert_eq!(ooms, ledger.iter().filter(|e| e.rc == 207_001).count());
+    assert!(ooms >= 2);
+
+    // Leaked blocks and kept weights get shadow frees; nothing else does.
+    let mut expected_live = live_at_end(&ledger);
+    expected_live.sort_by_key(|(_, p, _)| *p);
+    assert!(!expected_live.is_empty());
+    assert_eq!(shadow_frees(&out), expected_live);
+
+    // Summary: where the files are, what was recorded and lost.
+    assert!(stderr.contains(": live: "), "{stderr}");
+    for (path, _) in out.files.values() {
+        assert!(stderr.contains(&path.display().to_string()), "summary lacks {}:\n{stderr}", path.display());
+    }
+    assert!(stderr.contains(" 0 lost"), "{stderr}");
+    let db0 = out.db("device_0");
+    assert_eq!(meta(db0, "mode").as_deref(), Some("launch"));
+    assert_eq!(meta(db0, "records_lost").as_deref(), Some("0"));
+    assert!(meta(db0, "stop_reason").unwrap().contains("target exited"));
+    let (check, _) = db_health(db0);
+    assert_eq!(check, "ok");
+}
+
+#[test]
+fn attach_by_pid_mid_run_records_every_call_after_attach_and_stops_at_target_exit() {
+    let env = env("attach_mid_run");
+    let out = env.scratch.join("out");
+    let ledger_path = env.scratch.join("ledger.jsonl");
+    let mut workload = spawn_workload(
+        &env,
+        &ledger_path,
+        &[
+            "--duration",
+            "5",
+            "--step-sleep-ms",
+            "10",
+            "--set-device-every-step",
+            "--host",
+            "--vmm",
+            "--with-cfg",
+            "--leak",
+            "--keep-weights",
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let start = wall_ns();
+    let pid = workload.id().to_string();
+    let out_s = out.display().to_string();
+    let mut tracer = Tracer::spawn(&env, &["trace", "--pid", &pid, "--output", &out_s], &[]);
+    let live = tracer.wait_live(LIVE_TIMEOUT);
+    assert_eq!(wait_child(&mut workload, Duration::from_secs(60)), 0);
+    let (code, stderr) = tracer.finish(Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("target exited"), "the tracer stops when the target exits:\n{stderr}");
+
+    let ledger = read_ledger(&ledger_path);
+    let out = read_output(&out);
+    assert_attached(&ledger, &out, start, live, u64::MAX);
+    // Calls before the attach are absent: the first recorded call ended after the tracer started.
+    let first = out.call_rows().iter().map(|r| r.ts).min().unwrap();
+    assert!(first + CLOCK_TOLERANCE_NS >= start);
+    // Both devices were seen once threads revealed their device.
+    assert!(out.files.contains_key("device_0") && out.files.contains_key("device_1"), "{:?}", out.files.keys());
+    assert_eq!(meta(out.db("device_0"), "mode").as_deref(), Some("attach"));
+}
+
+#[test]
+fn impl_forwarders_give_one_event_per_call_whichever_symbols_are_probed() {
+    for set in ["default", "all"] {
+        let env = env(&format!("impl_forwarders_{set}"));
+        let out = env.scratch.join("out");
+        let ledger = env.scratch.join("ledger.jsonl");
+        let tracer =
+            launch(&env, &out, &ledger, &["--probe-set", set], &["--steps", "4", "--impl-direct", "--with-cfg"]);
+        let (code, stderr) = tracer.finish(Duration::from_secs(60));
+        assert_eq!(code, Some(0), "{stderr}");
+        let ledger = read_ledger(&ledger);
+        assert!(ledger.iter().any(|e| e.via.as_deref() == Some("impl")), "the workload called Impl symbols directly");
+        let out = read_output(&out);
+        assert_exact(&ledger, &out);
+        // What was attached is recorded; in `all` both the public and the Impl symbol are.
+        let conn = rusqlite::Connection::open(out.db("device_0")).unwrap();
+        let symbols: Vec<String> = conn
+            .prepare("SELECT symbol FROM ms_probes WHERE api = 'aclrtMalloc' ORDER BY symbol")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let want: &[&str] = if set == "all" { &["aclrtMalloc", "aclrtMallocImpl"] } else { &["aclrtMallocImpl"] };
+        assert_eq!(symbols, want);
+    }
+}
+
+#[test]
+fn sigint_stops_cleanly_with_a_complete_db() {
+    let env = env("sigint");
+    let out = env.scratch.join("out");
+    let ledger_path = env.scratch.join("ledger.jsonl");
+    let mut tracer =
+        launch(&env, &out, &ledger_path, &[], &["--duration", "6", "--step-sleep-ms", "10", "--keep-weights"]);
+    tracer.wait_live(LIVE_TIMEOUT);
+    std::thread::sleep(Duration::from_secs(2));
+    let stop = wall_ns();
+    tracer.signal(libc::SIGINT);
+    let (code, stderr) = tracer.finish(Duration::from_secs(20));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    // The workload was not in our signal's way: it finishes and writes its ledger.
+    std::thread::sleep(Duration::from_secs(6));
+    let ledger = read_ledger(&ledger_path);
+    let out = read_output(&out);
+    // Everything up to the stop is recorded, in order; nothing after it.
+    assert_attached(&ledger, &out, 0, 0, stop - CLOCK_TOLERANCE_NS);
+    assert!(out.call_rows().iter().all(|r| r.ts <= stop + 1_000_000_000), "rows after the stop");
+    for (folder, (path, rows)) in &out.files {
+        assert_eq!(db_health(path).0, "ok");
+        assert_eq!(rows.last().unwrap().event_type, "STOP_TRACE", "{folder}");
+        assert!(meta(path, "stop_reason").unwrap().contains("SIGINT"));
+    }
+    assert!(!shadow_frees(&out).is_empty(), "weights alive at the stop get shadow frees");
+}
+
+#[test]
+fn sigkill_of_the_tracer_leaves_a_db_that_opens_and_holds_what_was_committed() {
+    let env = env("sigkill");
+    let out = env.scratch.join("out");
+    let ledger_path = env.scratch.join("ledger.jsonl");
+    let mut tracer = launch(&env, &out, &ledger_path, &[], &["--duration", "6", "--step-sleep-ms", "10"]);
+    tracer.wait_live(LIVE_TIMEOUT);
+    std::thread::sleep(Duration::from_secs(3));
+    let kill = wall_ns();
+    tracer.signal(libc::SIGKILL);
+    let (code, _) = tracer.finish(Duration::from_secs(10));
+    assert_eq!(code, None, "killed by a signal");
+    std::thread::sleep(Duration::from_secs(5));
+    let ledger = read_ledger(&ledger_path);
+    let out = read_output(&out);
+    for (path, _) in out.files.values() {
+        let (check, rows) = db_health(path);
+        assert_eq!(check, "ok", "{}", path.display());
+        assert!(rows > 0);
+    }
+    // Every row is a real call in order, and calls that ended over 1.5 s before the kill (one
+    // commit period plus margin) are all there.
+    assert_attached(&ledger, &out, 0, 0, kill - 1_500_000_000);
+    assert!(out.call_rows().len() > 100);
+}
+
+#[test]
+fn csv_format_holds_the_same_calls() {
+    let env = env("csv");
+    let out = env.scratch.join("out");
+    let ledger = env.scratch.join("ledger.jsonl");
+    let tracer = launch(&env, &out, &ledger, &["--format", "csv"], FULL_WORKLOAD);
+    let (code, stderr) = tracer.finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    let ledger = read_ledger(&ledger);
+    let out = read_output(&out);
+    assert!(out.files.values().all(|(p, _)| p.extension().unwrap() == "csv"));
+    assert_exact(&ledger, &out);
+}
+
+#[test]
+fn a_library_loaded_after_the_trace_started_is_picked_up() {
+    let env = env("late_library");
+    let out = env.scratch.join("out");
+    let ledger_path = env.scratch.join("ledger.jsonl");
+    let late = env.late_lib.display().to_string();
+    let tracer = launch(
+        &env,
+        &out,
+        &ledger_path,
+        &[],
+        &["--steps", "40", "--step-sleep-ms", "40", "--late-lib", &late, "--late-lib-step", "5"],
+    );
+    let (code, stderr) = tracer.finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("libacl_rt.so (loaded after the trace started)"), "{stderr}");
+    let ledger = read_ledger(&ledger_path);
+    let first_late =
+        ledger.iter().filter(|e| e.lib.is_some()).map(|e| e.t0).min().expect("the workload used the late library");
+    let out = read_output(&out);
+    // Calls through the late copy, from a rescan period (250 ms) plus margin after it was loaded.
+    let settled = first_late + 1_000_000_000;
+    let late_calls: Vec<&Entry> =
+        ledger.iter().filter(|e| e.lib.is_some() && e.t0 > settled && expect(e).is_some()).collect();
+    assert!(late_calls.len() > 20, "too few late calls to judge: {}", late_calls.len());
+    let rows = out.call_rows();
+    for e in late_calls {
+        let x = expect(e).unwrap();
+        assert!(
+            rows.iter().any(|r| mismatch(e, &x, r, false, false).is_none()),
+            "late-library call not recorded: {e:?}"
+        );
+    }
+    // And everything recorded is still exactly the ledger's calls.
+    assert_attached(&ledger, &out, 0, settled, u64::MAX);
+}

@@ -1,0 +1,170 @@
+//! `cargo xtask bench`: what tracing costs the traced program, per aclrtMalloc + aclrtFree pair,
+//! untraced, under memscope-bpf, and under bpftrace probing the same symbols (the peer), in the
+//! same run and interleaved so machine noise hits all three alike.
+//!
+//! The loop (`tests/bench/alloc_bench.c`) times itself inside the process, so process start and
+//! probe attach are not counted. The bpftrace script does the work a leak tracer must do at
+//! minimum: save the out-pointer at entry, read the result at return and keep a live-block map,
+//! and drop the block on free. Results go to target/bench/results.md; copy them into
+//! docs/benchmarks.md with the command line.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context as _};
+
+use crate::util::{output, privileged, root};
+use crate::{build, setup};
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// Allocation+free pairs per run.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub pairs: u64,
+    /// Runs per configuration (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Skip `cargo xtask setup`.
+    #[arg(long)]
+    pub no_setup: bool,
+}
+
+struct Sample {
+    ns_per_pair: f64,
+    detail: String,
+}
+
+fn parse_ns(stdout: &str) -> anyhow::Result<f64> {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("ns_per_pair "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no ns_per_pair in output:\n{stdout}"))
+}
+
+fn run_capture(cmd: &mut Command) -> anyhow::Result<(String, String)> {
+    let out = cmd.stdin(Stdio::null()).output().with_context(|| format!("cannot run {cmd:?}"))?;
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    if !out.status.success() {
+        bail!("{cmd:?} failed ({}):\n{stdout}\n{stderr}", out.status);
+    }
+    Ok((stdout, stderr))
+}
+
+fn untraced(bench: &Path, pairs: u64) -> anyhow::Result<Sample> {
+    let (stdout, _) = run_capture(Command::new(bench).arg(pairs.to_string()))?;
+    Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: String::new() })
+}
+
+fn memscope(binary: &Path, lib: &Path, bench: &Path, pairs: u64, out: &Path) -> anyhow::Result<Sample> {
+    let _ = std::fs::remove_dir_all(out);
+    let (stdout, stderr) = run_capture(
+        privileged(binary.to_str().expect("utf-8 path"))
+            .args(["trace", "--quiet", "--output"])
+            .arg(out)
+            .arg("--lib")
+            .arg(lib)
+            .arg("--")
+            .arg(bench)
+            .arg(pairs.to_string()),
+    )?;
+    let recorded = stderr
+        .lines()
+        .find(|l| l.contains("calls recorded"))
+        .unwrap_or("")
+        .trim_start_matches("memscope-bpf: ")
+        .to_owned();
+    Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: recorded })
+}
+
+fn bpftrace_script(lib: &Path) -> String {
+    let l = lib.display();
+    format!(
+        "uprobe:{l}:aclrtMallocImpl {{ @p[tid] = arg0; }} \
+         uretprobe:{l}:aclrtMallocImpl /@p[tid]/ {{ @live[*(uint64 *)uptr(@p[tid])] = 1; delete(@p[tid]); }} \
+         uprobe:{l}:aclrtFreeImpl {{ @f[tid] = arg0; }} \
+         uretprobe:{l}:aclrtFreeImpl /@f[tid]/ {{ delete(@live[@f[tid]]); delete(@f[tid]); }} \
+         END {{ clear(@live); clear(@p); clear(@f); }}"
+    )
+}
+
+fn bpftrace(lib: &Path, bench: &Path, pairs: u64) -> anyhow::Result<Sample> {
+    let (stdout, _) = run_capture(
+        privileged("bpftrace")
+            .arg("-e")
+            .arg(bpftrace_script(lib))
+            .arg("-c")
+            .arg(format!("{} {pairs}", bench.display())),
+    )?;
+    Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: String::new() })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    if !opts.no_setup {
+        setup::run(&setup::Options { check: false })?;
+    }
+    let built = build::run()?;
+    let root = root();
+    let dir = root.join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
+    let (mut base, mut ours, mut peer) = (Vec::new(), Vec::new(), Vec::new());
+    let mut details = Vec::new();
+    for round in 1..=opts.rounds {
+        eprintln!("xtask bench: round {round}/{}", opts.rounds);
+        base.push(untraced(&built.alloc_bench, opts.pairs)?.ns_per_pair);
+        let s = memscope(&built.binary, &built.libascendcl, &built.alloc_bench, opts.pairs, &dir.join("out"))?;
+        ours.push(s.ns_per_pair);
+        details.push(s.detail);
+        if have_bpftrace {
+            peer.push(bpftrace(&built.libascendcl, &built.alloc_bench, opts.pairs)?.ns_per_pair);
+        }
+    }
+    let (b, o) = (median(base.clone()), median(ours.clone()));
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
+    let mut md = String::new();
+    md.push_str(&format!(
+        "Command: `cargo xtask bench --pairs {} --rounds {}` (kernel {}, {cpus} CPUs). Median of {} runs; \
+         each run times {} aclrtMalloc+aclrtFree pairs on the stand-in runtime inside the process.\n\n",
+        opts.pairs,
+        opts.rounds,
+        kernel.trim(),
+        opts.rounds,
+        opts.pairs
+    ));
+    md.push_str("| configuration | ns per pair (median) | added by tracing | runs |\n|---|---|---|---|\n");
+    let fmt_runs = |v: &[f64]| v.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ");
+    md.push_str(&format!("| untraced | {b:.0} | – | {} |\n", fmt_runs(&base)));
+    md.push_str(&format!(
+        "| memscope-bpf trace (4 probes, ring buffer, SQLite) | {o:.0} | {:.0} | {} |\n",
+        o - b,
+        fmt_runs(&ours)
+    ));
+    if have_bpftrace {
+        let p = median(peer.clone());
+        md.push_str(&format!(
+            "| bpftrace, same 4 probes, live map only | {p:.0} | {:.0} | {} |\n",
+            p - b,
+            fmt_runs(&peer)
+        ));
+        md.push_str(&format!(
+            "\nmemscope-bpf / bpftrace: {:.3}x per traced pair, {:.3}x of the added cost (target: at most 1.05x).\n",
+            o / p,
+            (o - b) / (p - b)
+        ));
+    } else {
+        md.push_str("\nbpftrace is not installed (`cargo xtask setup` installs it): no peer comparison.\n");
+    }
+    md.push_str(&format!("\nmemscope-bpf per run: {}\n", details.join("; ")));
+    std::fs::write(dir.join("results.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}

@@ -1,0 +1,36 @@
+//! `cargo xtask demo`: the README's first command. Sets up, builds, then launches the stand-in
+//! training job (2 devices, 4 threads, host and virtual memory, a deliberate leak and one
+//! out-of-memory) under `memscope-bpf trace`, which prints the summary and the DB paths.
+
+use crate::util::{privileged, root, run as sh};
+use crate::{build, setup};
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// Training steps to simulate.
+    #[arg(long, default_value_t = 20)]
+    pub steps: u32,
+    /// Where the run folder goes.
+    #[arg(long, default_value = "target/demo")]
+    pub output: String,
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    setup::run(&setup::Options { check: false })?;
+    let built = build::run()?;
+    let root = root();
+    let ledger = root.join("target/demo-ledger.jsonl");
+    eprintln!("xtask demo: tracing the stand-in training job (stand-in libascendcl.so, not the real CANN runtime)");
+    sh(privileged(built.binary.to_str().expect("utf-8 path"))
+        .current_dir(&root)
+        .env("ASCEND_HOME_PATH", &built.ascend_home)
+        .args(["trace", "--output", &opts.output, "--"])
+        .arg("python3")
+        .arg(root.join("tests/workloads/standin_train.py"))
+        .arg("--ledger")
+        .arg(&ledger)
+        .args(["--steps", &opts.steps.to_string(), "--step-sleep-ms", "20"])
+        .args(["--host", "--vmm", "--with-cfg", "--leak", "--fail-step", "3"]))?;
+    eprintln!("xtask demo: open the .db files above in MindStudio Insight, or query them with sqlite3");
+    Ok(())
+}

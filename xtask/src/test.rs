@@ -1,0 +1,50 @@
+//! `cargo xtask test`: the README's test command. Setup, build, the unprivileged tests (plain
+//! `cargo test`), then the privileged tier (tests/integration, which loads BPF) as root.
+
+use std::process::Command;
+
+use crate::util::{privileged, root, run as sh};
+use crate::{build, setup};
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// Skip `cargo xtask setup` (for quick reruns on a machine already set up).
+    #[arg(long)]
+    pub no_setup: bool,
+    /// Run only the unprivileged tests.
+    #[arg(long)]
+    pub unprivileged_only: bool,
+    /// Only privileged tests whose name contains this.
+    #[arg(long)]
+    pub filter: Option<String>,
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    if !opts.no_setup {
+        setup::run(&setup::Options { check: false })?;
+    }
+    let built = build::run()?;
+    let root = root();
+    eprintln!("xtask test: unprivileged tier");
+    sh(Command::new("cargo").current_dir(&root).arg("test"))?;
+    if opts.unprivileged_only {
+        return Ok(());
+    }
+    eprintln!("xtask test: privileged tier (loads BPF, as root)");
+    let scratch = root.join("target/privileged-tests");
+    let mut cmd = privileged("cargo");
+    cmd.current_dir(&root)
+        .env("MEMSCOPE_PRIVILEGED_TIER", "1")
+        .env("MEMSCOPE_BIN", &built.binary)
+        .env("MEMSCOPE_ASCEND_HOME", &built.ascend_home)
+        .env("MEMSCOPE_LATE_LIB", &built.late_lib)
+        .env("MEMSCOPE_WORKLOAD", root.join("tests/workloads/standin_train.py"))
+        .env("MEMSCOPE_SCRATCH", &scratch)
+        .args(["test", "-p", "memscope-integration", "--"])
+        // One at a time: the attach tests time their steps, and 2 cores are shared.
+        .arg("--test-threads=1");
+    if let Some(filter) = &opts.filter {
+        cmd.arg(filter);
+    }
+    sh(&mut cmd)
+}
