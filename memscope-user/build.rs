@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 
 const SETUP_HINT: &str = "run `cargo xtask setup` (installs llvm-22, bpf-linker and nightly's rust-src)";
 
@@ -33,9 +33,10 @@ fn main() -> anyhow::Result<()> {
     println!("cargo:rerun-if-changed=../memscope-common/src");
     println!("cargo:rerun-if-env-changed=PATH");
     if let Err(e) = check_toolchain() {
-        // Shown by cargo as the build script's error, then the build stops.
+        // Shown by cargo as a warning and as the build script's stderr; exit without a backtrace.
         println!("cargo:warning=memscope-bpf: {e}");
-        return Err(e).context("the eBPF toolchain is incomplete");
+        eprintln!("error: the eBPF toolchain is incomplete: {e}");
+        std::process::exit(1);
     }
     let ebpf = aya_build::Package {
         name: "memscope-ebpf",
