@@ -598,15 +598,22 @@ pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u
             known_from.entry(e.tid).and_modify(|t| *t = (*t).min(e.t1)).or_insert(e.t1);
         }
     }
-    // Allocations the tracer saw, by pointer: a free of anything else has no known size.
-    let seen_allocs: std::collections::HashSet<u64> =
-        rows.iter().filter(|r| r.event == "MALLOC").filter_map(|r| r.ptr_value()).collect();
-    let mut unknown_ok_ptrs = std::collections::HashSet::new();
-    for r in &rows {
-        if r.event == "MALLOC" && r.device == "N/A" {
-            unknown_ok_ptrs.insert(r.ptr_value());
+    // Each free's allocation in the ledger (addresses are reused, so by time, not by address
+    // alone). A free whose allocation may have been missed has no known size (the "unmatched"
+    // form) and may sit in the unknown-device output.
+    let mut allocs: HashMap<u64, Vec<&Entry>> = HashMap::new();
+    for e in ledger {
+        if let (Some(Expect { event: "MALLOC", ptr: Some(p), .. }), true) = (expect(e), e.rc == 0) {
+            allocs.entry(p).or_default().push(e);
         }
     }
+    for v in allocs.values_mut() {
+        v.sort_by_key(|e| e.t0);
+    }
+    let origin_unseen = |free: &Entry, ptr: u64| -> bool {
+        let origin = allocs.get(&ptr).and_then(|v| v.iter().rev().find(|a| a.t0 < free.t0));
+        origin.is_none_or(|a| a.t1 < live_ns || a.t0 < known_from.get(&a.tid).copied().unwrap_or(u64::MAX))
+    };
     let mut total = 0;
     for (tid, w) in &want {
         let g = got.get(tid).map_or(&[][..], Vec::as_slice);
@@ -618,8 +625,9 @@ pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u
                 continue;
             };
             let before_known = e.t0 < known_from.get(tid).copied().unwrap_or(u64::MAX);
-            let unknown_ok = before_known || (x.event == "FREE" && unknown_ok_ptrs.contains(&x.ptr));
-            let size_zero_ok = x.event == "FREE" && x.ptr.is_some_and(|p| !seen_allocs.contains(&p));
+            let free_of_unseen = x.event == "FREE" && x.ptr.is_some_and(|p| origin_unseen(e, p));
+            let unknown_ok = before_known || free_of_unseen;
+            let size_zero_ok = free_of_unseen;
             match mismatch(e, x, r, unknown_ok, size_zero_ok) {
                 None => {
                     assert!(

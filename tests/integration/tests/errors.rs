@@ -120,3 +120,18 @@ fn probes_lists_what_the_stand_in_exports() {
     }
     assert!(!text.contains("missing"), "{text}");
 }
+
+#[test]
+fn probes_by_pid_lists_the_library_the_process_mapped() {
+    let env = env("probes_pid");
+    let ledger = env.scratch.join("ledger.jsonl");
+    let mut workload = spawn_workload(&env, &ledger, &["--start-delay", "3", "--steps", "1"]);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let out = Command::new(&env.bin).args(["probes", "--pid", &workload.id().to_string()]).output().unwrap();
+    let _ = wait_child(&mut workload, std::time::Duration::from_secs(30));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lib = env.libascendcl.canonicalize().unwrap();
+    assert!(text.contains(&format!("{} (mapped by pid", lib.display())), "{text}");
+    assert!(text.contains("attach aclrtMallocImpl"), "{text}");
+}

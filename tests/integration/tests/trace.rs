@@ -154,32 +154,34 @@ fn impl_forwarders_give_one_event_per_call_whichever_symbols_are_probed() {
 }
 
 #[test]
-fn sigint_stops_cleanly_with_a_complete_db() {
-    let env = env("sigint");
-    let out = env.scratch.join("out");
-    let ledger_path = env.scratch.join("ledger.jsonl");
-    let mut tracer =
-        launch(&env, &out, &ledger_path, &[], &["--duration", "6", "--step-sleep-ms", "10", "--keep-weights"]);
-    tracer.wait_live(LIVE_TIMEOUT);
-    std::thread::sleep(Duration::from_secs(2));
-    let stop = wall_ns();
-    tracer.signal(libc::SIGINT);
-    let (code, stderr) = tracer.finish(Duration::from_secs(20));
-    assert_eq!(code, Some(0), "{stderr}");
-    assert!(stderr.contains("interrupted"), "{stderr}");
-    // The workload was not in our signal's way: it finishes and writes its ledger.
-    std::thread::sleep(Duration::from_secs(6));
-    let ledger = read_ledger(&ledger_path);
-    let out = read_output(&out);
-    // Everything up to the stop is recorded, in order; nothing after it.
-    assert_attached(&ledger, &out, 0, 0, stop - CLOCK_TOLERANCE_NS);
-    assert!(out.call_rows().iter().all(|r| r.ts <= stop + 1_000_000_000), "rows after the stop");
-    for (folder, (path, rows)) in &out.files {
-        assert_eq!(db_health(path).0, "ok");
-        assert_eq!(rows.last().unwrap().event_type, "STOP_TRACE", "{folder}");
-        assert!(meta(path, "stop_reason").unwrap().contains("SIGINT"));
+fn sigint_and_sigterm_stop_cleanly_with_a_complete_db() {
+    for (sig, name) in [(libc::SIGINT, "SIGINT"), (libc::SIGTERM, "SIGTERM")] {
+        let env = env(&format!("stop_{name}"));
+        let out = env.scratch.join("out");
+        let ledger_path = env.scratch.join("ledger.jsonl");
+        let mut tracer =
+            launch(&env, &out, &ledger_path, &[], &["--duration", "5", "--step-sleep-ms", "10", "--keep-weights"]);
+        tracer.wait_live(LIVE_TIMEOUT);
+        std::thread::sleep(Duration::from_secs(2));
+        let stop = wall_ns();
+        tracer.signal(sig);
+        let (code, stderr) = tracer.finish(Duration::from_secs(20));
+        assert_eq!(code, Some(0), "{name}: {stderr}");
+        assert!(stderr.contains(name), "{name}: {stderr}");
+        // The workload was not in our signal's way: it finishes and writes its ledger.
+        std::thread::sleep(Duration::from_secs(5));
+        let ledger = read_ledger(&ledger_path);
+        let out = read_output(&out);
+        // Everything up to the stop is recorded, in order; nothing after it.
+        assert_attached(&ledger, &out, 0, 0, stop - CLOCK_TOLERANCE_NS);
+        assert!(out.call_rows().iter().all(|r| r.ts <= stop + 1_000_000_000), "{name}: rows after the stop");
+        for (folder, (path, rows)) in &out.files {
+            assert_eq!(db_health(path).0, "ok");
+            assert_eq!(rows.last().unwrap().event_type, "STOP_TRACE", "{folder}");
+            assert!(meta(path, "stop_reason").unwrap().contains(name));
+        }
+        assert!(!shadow_frees(&out).is_empty(), "weights alive at the stop get shadow frees");
     }
-    assert!(!shadow_frees(&out).is_empty(), "weights alive at the stop get shadow frees");
 }
 
 #[test]
