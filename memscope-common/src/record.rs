@@ -6,6 +6,9 @@
 /// calling conventions that the traced APIs use.
 pub const MAX_ARGS: usize = 6;
 
+/// Bytes of a C string argument kept in a record (domain names, markers), NUL included.
+pub const TEXT_LEN: usize = 32;
+
 /// Which payload follows the header. The ids are part of the ABI: never renumber, only append.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,7 +51,7 @@ pub struct RecordHeader {
 
 /// One traced call, emitted when the outermost traced function of its layer returns on a thread.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct CallRecord {
     pub hdr: RecordHeader,
     /// The attach cookie: index of the [`crate::spec::ProbeSpec`] that describes this API.
@@ -61,17 +64,18 @@ pub struct CallRecord {
     pub args: [u64; MAX_ARGS],
     /// The return register.
     pub ret: u64,
-    /// The value read through the spec's out-pointer argument at return (0 if none or unreadable).
-    pub out: u64,
-    /// 1 if `out` was read successfully, 0 otherwise.
-    pub out_ok: u32,
-    /// Device id found in the call's config struct (malloc config attribute or physical-memory
-    /// property), or -1.
+    /// Values of the spec's field reads (out-pointers, struct fields), in spec order.
+    pub fields: [u64; crate::spec::MAX_FIELDS],
+    /// Bit i set: `fields[i]` was read successfully.
+    pub fields_ok: u32,
+    /// The spec id of the call open in the spec's outer layer on this thread, or 0.
+    pub outer_spec: u32,
+    /// Device id found in the call's malloc config, or -1.
     pub cfg_device: i32,
     /// Module id found in the call's malloc config, or -1.
     pub cfg_module: i32,
-    /// Keeps the struct free of implicit tail padding.
-    pub _reserved: u32,
+    /// The spec's text argument, NUL-terminated (empty if none).
+    pub text: [u8; TEXT_LEN],
 }
 
 /// A traced process created a task. Threads trigger it too; userspace tells them apart.
@@ -96,6 +100,6 @@ pub struct ExitRecord {
 }
 
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
-const _: () = assert!(core::mem::size_of::<CallRecord>() == 24 + 16 + 48 + 16 + 16);
+const _: () = assert!(core::mem::size_of::<CallRecord>() == 24 + 16 + 48 + 8 + 32 + 16 + TEXT_LEN);
 const _: () = assert!(core::mem::size_of::<ForkRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<ExitRecord>() == 32);

@@ -1,17 +1,24 @@
 //! Probe specs: what the generic call probes must capture for one API.
 //!
 //! The BPF side never knows API names. Userspace writes one [`ProbeSpec`] per API into an array map
-//! and attaches every symbol with the spec's index as its cookie; the probes read the spec and act
-//! on it. Adding an API is a table row in userspace, not new BPF code.
+//! and attaches every symbol with a cookie naming the spec and its layer; the probes read the spec
+//! and act on it. Adding an API is a table row in userspace, not new BPF code.
 
 /// Size of the spec array map. Cookies at or above it are ignored by the probes.
 pub const MAX_SPECS: u32 = 256;
 
 /// Nesting domains. Calls of the same layer nested on one thread (a public forwarder calling its
-/// `...Impl`, or one allocation API calling another) produce one record for the outermost call.
+/// `...Impl`, one allocation API calling another) produce one record for the outermost call.
+/// Calls of different layers each produce a record; a record names the call open in its spec's
+/// `outer_layer` on the same thread, so userspace can merge a driver allocation into the runtime
+/// call that made it.
 pub mod layer {
     /// The ACL runtime (`aclrt*`).
     pub const RUNTIME: u32 = 1;
+    /// The driver (`hal*` in libascend_hal.so).
+    pub const HAL: u32 = 2;
+    /// Framework memory pools (torch_npu's caching and workspace allocators, mstx regions).
+    pub const POOL: u32 = 3;
     /// Layers a thread can have calls open in at once; layer ids run 1..=SLOTS.
     pub const SLOTS: usize = 4;
 }
@@ -29,20 +36,18 @@ pub const fn split_cookie(cookie: u64) -> (u32, u32) {
 
 /// How the return register is interpreted.
 pub mod ret_kind {
-    /// An `aclError`-style status: 0 is success.
+    /// An `aclError`/`drvError_t`-style status: 0 is success.
     pub const STATUS: u32 = 0;
-    /// The return value carries no status.
+    /// The return value carries no status (void functions, or a pointer/handle result).
     pub const NONE: u32 = 1;
 }
 
-/// Extra structures read at return through a pointer argument.
+/// Structures read with a loop the generic field reads cannot express.
 pub mod cfg_kind {
     pub const NONE: u32 = 0;
     /// `aclrtMallocConfig { aclrtMallocAttribute *attrs; size_t numAttrs; }`, scanned for the
     /// DEVICE_ID and MODULE_ID attributes.
     pub const MALLOC_CONFIG: u32 = 1;
-    /// `aclrtPhysicalMemProp`, whose `location.id` is the device.
-    pub const PHYSICAL_PROP: u32 = 2;
 }
 
 /// What a successful call does to the thread's current device, tracked in the kernel so that
@@ -51,8 +56,8 @@ pub mod device_effect {
     pub const NONE: u32 = 0;
     /// Argument 0 is the new device (`aclrtSetDevice(int32_t deviceId)`).
     pub const SET_FROM_ARG0: u32 = 1;
-    /// The out-pointer's value is the current device (`aclrtGetDevice(int32_t *deviceId)`).
-    pub const SET_FROM_OUT: u32 = 2;
+    /// Field 0 is the current device (`aclrtGetDevice(int32_t *deviceId)`).
+    pub const SET_FROM_FIELD0: u32 = 2;
 }
 
 /// Layout facts of the ACL structures the probes read (from `acl_rt.h`; see
@@ -64,8 +69,64 @@ pub mod acl_layout {
     pub const MALLOC_ATTR_MAX: u64 = 8;
     pub const ATTR_MODULE_ID: u32 = 1;
     pub const ATTR_DEVICE_ID: u32 = 2;
-    /// `aclrtPhysicalMemProp.location.id`.
-    pub const PHYS_PROP_DEVICE_OFFSET: u64 = 12;
+}
+
+/// Where a field read starts.
+pub mod field_source {
+    pub const NONE: u8 = 0;
+    /// The value of argument `arg`.
+    pub const ARG: u8 = 1;
+    /// The return value.
+    pub const RET: u8 = 2;
+}
+
+/// Reads one value through pointers: start from an argument or the return value, follow up to
+/// [`MAX_HOPS`] pointers (`p = *(u64 *)(p + hop_offset[i])`), then read `width` bytes at
+/// `p + offset`. Covers out-pointers (`*arg0`), struct fields (`prop->devid`), fields of a
+/// returned object (`block->size`) and of an array behind a pointer (`batch->descs[0].ptr`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FieldRead {
+    /// A [`field_source`] value.
+    pub source: u8,
+    pub arg: u8,
+    /// 1, 2, 4 or 8.
+    pub width: u8,
+    /// 1: read at function entry (the object may be gone at return, e.g. a block being freed).
+    pub at_entry: u8,
+    pub hops: u8,
+    pub _pad: [u8; 3],
+    pub hop_offset: [u16; MAX_HOPS],
+    pub offset: u32,
+}
+
+pub const MAX_HOPS: usize = 2;
+/// Field reads per spec (and values per record).
+pub const MAX_FIELDS: usize = 4;
+
+impl FieldRead {
+    pub const NONE: Self =
+        Self { source: 0, arg: 0, width: 0, at_entry: 0, hops: 0, _pad: [0; 3], hop_offset: [0; MAX_HOPS], offset: 0 };
+
+    /// `*(T *)(arg + offset)` read at return (out-pointers and structs the call filled in).
+    pub const fn arg_at_exit(arg: u8, offset: u32, width: u8) -> Self {
+        Self { source: field_source::ARG, arg, width, offset, ..Self::NONE }
+    }
+
+    /// `*(T *)(arg + offset)` read at entry.
+    pub const fn arg_at_entry(arg: u8, offset: u32, width: u8) -> Self {
+        Self { at_entry: 1, ..Self::arg_at_exit(arg, offset, width) }
+    }
+
+    /// `*(T *)(ret + offset)`: a field of a returned object.
+    pub const fn ret_field(offset: u32, width: u8) -> Self {
+        Self { source: field_source::RET, width, offset, ..Self::NONE }
+    }
+
+    /// `*(T *)(*(u64 *)(arg + hop) + offset)`, read at entry.
+    pub const fn arg_via_at_entry(arg: u8, hop: u16, offset: u32, width: u8) -> Self {
+        Self { source: field_source::ARG, arg, width, at_entry: 1, hops: 1, offset, hop_offset: [hop, 0], _pad: [0; 3] }
+    }
 }
 
 /// One API's capture rules, indexed by attach cookie.
@@ -74,19 +135,41 @@ pub mod acl_layout {
 pub struct ProbeSpec {
     /// Nesting domain ([`layer`]). 0 marks an unused slot: probes with that cookie do nothing.
     pub layer: u32,
+    /// The layer whose open call this one is reported inside of (0: none).
+    pub outer_layer: u32,
     /// A [`ret_kind`] value.
     pub ret_kind: u32,
-    /// Index of the argument whose pointee is read at return, or -1.
-    pub out_arg: i32,
-    /// Width in bytes of that pointee: 4 or 8.
-    pub out_width: u32,
     /// A [`cfg_kind`] value.
     pub cfg_kind: u32,
     /// Index of the argument that points to the config struct.
     pub cfg_arg: u32,
     /// A [`device_effect`] value.
     pub device_effect: u32,
+    /// Argument holding a C string copied into the record (up to [`crate::record::TEXT_LEN`]
+    /// bytes), or -1.
+    pub text_arg: i32,
     pub _reserved: u32,
+    pub fields: [FieldRead; MAX_FIELDS],
 }
 
-const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 32);
+impl ProbeSpec {
+    pub const EMPTY: Self = Self {
+        layer: 0,
+        outer_layer: 0,
+        ret_kind: ret_kind::STATUS,
+        cfg_kind: cfg_kind::NONE,
+        cfg_arg: 0,
+        device_effect: device_effect::NONE,
+        text_arg: -1,
+        _reserved: 0,
+        fields: [FieldRead::NONE; MAX_FIELDS],
+    };
+
+    /// Whether any field is read at entry (the entry probe only looks at the spec then).
+    pub fn reads_at_entry(&self) -> bool {
+        self.fields.iter().any(|f| f.source != field_source::NONE && f.at_entry == 1)
+    }
+}
+
+const _: () = assert!(core::mem::size_of::<FieldRead>() == 16);
+const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 32 + 16 * MAX_FIELDS);

@@ -4,7 +4,7 @@ use aya_ebpf::{
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::bpf_ktime_get_ns,
     macros::map,
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{ring_buf::RingBufEntry, Array, HashMap, PerCpuArray, RingBuf},
     Global,
 };
 use memscope_common::spec::{ProbeSpec, MAX_SPECS};
@@ -57,25 +57,33 @@ pub fn is_traced(tgid: u32) -> bool {
     tgid == TARGET_TGID.load() || unsafe { TRACED.get(tgid) }.is_some()
 }
 
-/// Writes `record` to the ring buffer, waking the consumer only past the threshold; counts a drop
-/// when the ring is full.
+/// Reserves a record in the ring buffer, counting a drop when it is full.
+pub fn reserve<T: 'static>() -> Option<RingBufEntry<T>> {
+    let entry = EVENTS.reserve::<T>(0);
+    if entry.is_none() {
+        if let Some(count) = DROPS.get_ptr_mut(0) {
+            // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+            unsafe { *count += 1 };
+        }
+    }
+    entry
+}
+
+/// Publishes a reserved record, waking the consumer only past the threshold.
+pub fn submit<T>(entry: RingBufEntry<T>) {
+    let flags = if EVENTS.query(BPF_RB_AVAIL_DATA.into()) >= WAKEUP_BYTES.load() && wakeup_due() {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    entry.submit(flags.into());
+}
+
+/// Writes a small `record` (built on the stack) to the ring buffer.
 pub fn output<T: Copy + 'static>(record: &T) {
-    match EVENTS.reserve::<T>(0) {
-        Some(mut entry) => {
-            entry.write(*record);
-            let flags = if EVENTS.query(BPF_RB_AVAIL_DATA.into()) >= WAKEUP_BYTES.load() && wakeup_due() {
-                BPF_RB_FORCE_WAKEUP
-            } else {
-                BPF_RB_NO_WAKEUP
-            };
-            entry.submit(flags.into());
-        }
-        None => {
-            if let Some(count) = DROPS.get_ptr_mut(0) {
-                // SAFETY: per-CPU slot, no concurrent writer on this CPU.
-                unsafe { *count += 1 };
-            }
-        }
+    if let Some(mut entry) = reserve::<T>() {
+        entry.write(*record);
+        submit(entry);
     }
 }
 

@@ -57,6 +57,23 @@ assert ctypes.sizeof(MallocAttribute) == 12
 assert PhysicalMemProp.location.offset + MemLocation.id.offset == 12
 
 
+def load_hal(runtime_path):
+    """The stand-in driver next to the runtime (as the runtime itself finds it)."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(runtime_path), "libascend_hal.so"))
+    vpp = ctypes.POINTER(ctypes.c_void_p)
+    for name, args in {
+        "halMemAlloc": [vpp, ctypes.c_ulonglong, ctypes.c_ulonglong],
+        "halMemFree": [ctypes.c_void_p],
+    }.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    return lib
+
+
+MODULE_HCCP = 28  # what a direct driver allocation (communication buffers) is attributed to
+
+
 def load(path):
     lib = ctypes.CDLL(path)
     vpp = ctypes.POINTER(ctypes.c_void_p)
@@ -98,14 +115,14 @@ class Ledger:
         self.main_lib = main_lib
 
     def call(self, lib, api, *args, via_impl=False, **fields):
-        fn = getattr(lib, api + "Impl" if via_impl else api)
+        fn = getattr(lib, api + ("Inner" if getattr(lib, "is_hal", False) else "Impl") if via_impl else api)
         t0 = time.time_ns()
         rc = fn(*args)
         t1 = time.time_ns()
         entry = {"api": api, "rc": rc, "tid": threading.get_native_id(), "t0": t0, "t1": t1}
         if via_impl:
             entry["via"] = "impl"
-        if lib is not self.main_lib:
+        if lib is not self.main_lib and not getattr(lib, "is_hal", False):
             entry["lib"] = "late"
         entry.update(fields)
         with self.lock:
@@ -123,6 +140,8 @@ class Job:
         self.args = args
         self.lib = lib
         self.ledger = Ledger(lib)
+        self.hal = load_hal(args.lib)
+        self.hal.is_hal = True
         self.stop_at = time.monotonic() + args.duration if args.duration else None
         self.errors = []
 
@@ -211,6 +230,8 @@ class Job:
                 self.malloc(use, "aclrtMalloc", args.fail_size, device)
             if args.leak and index == 0:
                 self.malloc(use, "aclrtMalloc", 64 << 10, device)  # never freed
+            if args.driver_direct and index == 0:
+                self.driver_cycle(device)
             got = ctypes.c_int32(-1)
             self.ledger.call(use, "aclrtGetDevice", ctypes.byref(got), device=device)
             rng.shuffle(acts)
@@ -225,6 +246,17 @@ class Job:
         if not args.keep_weights:
             for ptr, size in weights:
                 self.free(lib, ptr, size, device)
+
+    def driver_cycle(self, device):
+        """A direct driver allocation and free, as HCCL makes for its buffers."""
+        hal = self.hal
+        p = ctypes.c_void_p(0)
+        size = 256 << 10
+        flag = device | (1 << 10) | (1 << 17) | (MODULE_HCCP << 56)
+        rc, e = self.ledger.call(hal, "halMemAlloc", ctypes.byref(p), size, flag, size=size, device=device, flag=flag)
+        e["ptr"] = p.value if rc == 0 else None
+        if rc == 0:
+            self.ledger.call(hal, "halMemFree", p, ptr=p.value, size=size, device=device)
 
     def late_lib(self, device):
         """Loads a second copy of the runtime (as HCCL dlopens libacl_rt.so) and selects the
@@ -310,6 +342,7 @@ def main():
     ap.add_argument("--with-cfg", action="store_true", help="aclrtMallocWithCfg with DEVICE_ID and MODULE_ID")
     ap.add_argument("--impl-direct", action="store_true", help="some calls go straight to aclrtXImpl")
     ap.add_argument("--set-device-every-step", action="store_true")
+    ap.add_argument("--driver-direct", action="store_true", help="thread 0 of each device also calls the driver directly")
     ap.add_argument("--late-lib", help="a second copy of the library, loaded at --late-lib-step")
     ap.add_argument("--late-lib-step", type=int, default=3)
     ap.add_argument("--ready-file", help="write the pid here once started")

@@ -3,9 +3,10 @@
 //! same run and interleaved so machine noise hits all three alike.
 //!
 //! The loop (`tests/bench/alloc_bench.c`) times itself inside the process, so process start and
-//! probe attach are not counted. The bpftrace script does the work a leak tracer must do at
-//! minimum: save the out-pointer at entry, read the result at return and keep a live-block map,
-//! and drop the block on free. Results go to target/bench/results.md; copy them into
+//! probe attach are not counted. Each aclrtMalloc/aclrtFree of the stand-in runtime calls the
+//! stand-in driver, so a full trace probes 8 functions per pair. The bpftrace script does the work
+//! a leak tracer must do at minimum on the same 8: save the out-pointer at entry, read the result
+//! at return and keep a live-block map, and drop the block on free. Results go to target/bench/results.md; copy them into
 //! docs/benchmarks.md with the command line.
 
 use std::path::Path;
@@ -79,14 +80,22 @@ fn memscope(binary: &Path, lib: &Path, bench: &Path, pairs: u64, out: &Path) -> 
     Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: recorded })
 }
 
+/// The same 8 probes memscope-bpf attaches for this loop: entry and return of the runtime's and
+/// the driver's allocation and free implementations.
 fn bpftrace_script(lib: &Path) -> String {
     let l = lib.display();
+    let hal = lib.with_file_name("libascend_hal.so");
+    let h = hal.display();
     format!(
         "uprobe:{l}:aclrtMallocImpl {{ @p[tid] = arg0; }} \
          uretprobe:{l}:aclrtMallocImpl /@p[tid]/ {{ @live[*(uint64 *)uptr(@p[tid])] = 1; delete(@p[tid]); }} \
          uprobe:{l}:aclrtFreeImpl {{ @f[tid] = arg0; }} \
          uretprobe:{l}:aclrtFreeImpl /@f[tid]/ {{ delete(@live[@f[tid]]); delete(@f[tid]); }} \
-         END {{ clear(@live); clear(@p); clear(@f); }}"
+         uprobe:{h}:halMemAllocInner {{ @hp[tid] = arg0; }} \
+         uretprobe:{h}:halMemAllocInner /@hp[tid]/ {{ @hlive[*(uint64 *)uptr(@hp[tid])] = 1; delete(@hp[tid]); }} \
+         uprobe:{h}:halMemFreeInner {{ @hf[tid] = arg0; }} \
+         uretprobe:{h}:halMemFreeInner /@hf[tid]/ {{ delete(@hlive[@hf[tid]]); delete(@hf[tid]); }} \
+         END {{ clear(@live); clear(@p); clear(@f); clear(@hlive); clear(@hp); clear(@hf); }}"
     )
 }
 
@@ -144,14 +153,14 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let fmt_runs = |v: &[f64]| v.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ");
     md.push_str(&format!("| untraced | {b:.0} | – | {} |\n", fmt_runs(&base)));
     md.push_str(&format!(
-        "| memscope-bpf trace (4 probes, ring buffer, SQLite) | {o:.0} | {:.0} | {} |\n",
+        "| memscope-bpf trace (8 probes: runtime + driver, merged rows, SQLite) | {o:.0} | {:.0} | {} |\n",
         o - b,
         fmt_runs(&ours)
     ));
     if have_bpftrace {
         let p = median(peer.clone());
         md.push_str(&format!(
-            "| bpftrace, same 4 probes, live map only | {p:.0} | {:.0} | {} |\n",
+            "| bpftrace, same 8 probes, live maps only | {p:.0} | {:.0} | {} |\n",
             p - b,
             fmt_runs(&peer)
         ));

@@ -14,18 +14,24 @@
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_get_attach_cookie},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+        generated::bpf_get_attach_cookie,
+    },
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray},
     programs::{ProbeContext, RetProbeContext},
     EbpfContext,
 };
 use memscope_common::{
-    record::{CallRecord, RecordHeader, RecordKind, MAX_ARGS},
-    spec::{acl_layout, cfg_kind, device_effect, layer, ret_kind, split_cookie, ProbeSpec},
+    record::{CallRecord, RecordHeader, RecordKind, MAX_ARGS, TEXT_LEN},
+    spec::{
+        acl_layout, cfg_kind, device_effect, field_source, layer, ret_kind, split_cookie, FieldRead, ProbeSpec,
+        MAX_FIELDS,
+    },
 };
 
-use crate::maps::{is_traced, output, SPECS};
+use crate::maps::{is_traced, reserve, submit, SPECS};
 
 /// A call in flight on one thread and layer.
 #[repr(C)]
@@ -40,6 +46,10 @@ pub struct Pending {
     /// through our probe (longjmp, exception), so it is replaced.
     entry_sp: u64,
     args: [u64; MAX_ARGS],
+    /// Values of the spec's entry-time field reads.
+    fields: [u64; MAX_FIELDS],
+    fields_ok: u32,
+    _pad: u32,
 }
 
 /// Everything the probes keep per thread.
@@ -144,6 +154,12 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     for (i, arg) in open.args.iter_mut().enumerate() {
         *arg = ctx.arg::<u64>(i).unwrap_or(0);
     }
+    open.fields_ok = 0;
+    let spec: &ProbeSpec = SPECS.get(spec_id)?;
+    if spec.reads_at_entry() {
+        let args = open.args;
+        read_fields(spec, &args, 0, true, &mut open.fields, &mut open.fields_ok);
+    }
     Some(())
 }
 
@@ -158,10 +174,10 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     let tid = pid_tgid as u32;
     // SAFETY: helper on our own context.
     let (_, layer) = split_cookie(unsafe { bpf_get_attach_cookie(ctx.as_ptr()) });
-    let state = THREADS.get_ptr_mut(tid)?;
-    // SAFETY: map value pointer from a successful lookup; only this thread touches it.
-    let state = unsafe { &mut *state };
-    let open = slot(state, layer)?;
+    let state: *mut ThreadState = THREADS.get_ptr_mut(tid)?;
+    // SAFETY: map value pointer from a successful lookup; only this thread touches it, and the
+    // references below never overlap (different slots, or the device field).
+    let open = slot(unsafe { &mut *state }, layer)?;
     if open.depth == 0 {
         return None;
     }
@@ -169,83 +185,137 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     if open.depth > 0 {
         return Some(());
     }
-    let call = *open;
 
     // The outermost call's spec decides what to read: an inner `...Impl` shares its arguments.
-    let spec: &ProbeSpec = SPECS.get(call.spec_id)?;
+    let spec: &ProbeSpec = SPECS.get(open.spec_id)?;
     let ret: u64 = ctx.ret();
     let succeeded = spec.ret_kind == ret_kind::NONE || ret as u32 == 0;
 
-    let mut record = CallRecord {
-        hdr: RecordHeader {
-            kind: RecordKind::Call as u32,
-            cpu: 0,
-            // SAFETY: helper without arguments.
-            ts_ns: unsafe { bpf_ktime_get_ns() },
-            tgid: (pid_tgid >> 32) as u32,
-            tid,
-        },
-        spec_id: call.spec_id,
-        thread_device: -1,
-        entry_ns: call.entry_ns,
-        args: call.args,
-        ret,
-        out: 0,
-        out_ok: 0,
-        cfg_device: -1,
-        cfg_module: -1,
-        _reserved: 0,
+    // The record is built in place in the ring buffer: it and the open call together would not
+    // fit the 512-byte BPF stack.
+    let mut entry = reserve::<CallRecord>()?;
+    // SAFETY: `entry` is a reserved, exclusively owned CallRecord-sized slot; every field is
+    // written below before submit.
+    let record = unsafe { &mut *entry.as_mut_ptr() };
+    record.hdr = RecordHeader {
+        kind: RecordKind::Call as u32,
+        cpu: 0,
+        // SAFETY: helper without arguments.
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        tgid: (pid_tgid >> 32) as u32,
+        tid,
     };
+    record.spec_id = open.spec_id;
+    record.entry_ns = open.entry_ns;
+    record.args = open.args;
+    record.ret = ret;
+    record.fields = open.fields;
+    record.fields_ok = open.fields_ok;
+    record.outer_spec = 0;
+    record.cfg_device = -1;
+    record.cfg_module = -1;
+    record.text = [0; TEXT_LEN];
+    read_fields(spec, &record.args, ret, false, &mut record.fields, &mut record.fields_ok);
 
-    if let Some(ptr) = arg_at(&call.args, spec.out_arg) {
-        let value = if spec.out_width == 4 {
-            // SAFETY: bpf_probe_read_user checks the user address.
-            unsafe { bpf_probe_read_user(ptr as *const u32) }.map(u64::from)
-        } else {
-            // SAFETY: as above.
-            unsafe { bpf_probe_read_user(ptr as *const u64) }
-        };
-        if let Ok(value) = value {
-            record.out = value;
-            record.out_ok = 1;
+    if spec.cfg_kind == cfg_kind::MALLOC_CONFIG {
+        if let Some(cfg) = arg_value(&record.args, spec.cfg_arg) {
+            read_malloc_config(cfg, record);
         }
     }
-
-    match spec.cfg_kind {
-        cfg_kind::MALLOC_CONFIG => {
-            if let Some(cfg) = arg_at(&call.args, spec.cfg_arg as i32) {
-                read_malloc_config(cfg, &mut record);
-            }
+    if let Ok(index) = u32::try_from(spec.text_arg) {
+        if let Some(text) = arg_value(&record.args, index) {
+            // SAFETY: bounded, checked user read; the buffer stays NUL-terminated on failure.
+            let _ = unsafe { bpf_probe_read_user_str_bytes(text as *const u8, &mut record.text) };
         }
-        cfg_kind::PHYSICAL_PROP => {
-            if let Some(prop) = arg_at(&call.args, spec.cfg_arg as i32) {
-                let at = prop.wrapping_add(acl_layout::PHYS_PROP_DEVICE_OFFSET);
-                // SAFETY: checked user read.
-                if let Ok(device) = unsafe { bpf_probe_read_user(at as *const u32) } {
-                    record.cfg_device = device as i32;
-                }
-            }
-        }
-        _ => {}
     }
-
+    // SAFETY: as above (another slot of the same state).
+    let state = unsafe { &mut *state };
+    if spec.outer_layer != 0 {
+        if let Some(outer) = slot(state, spec.outer_layer) {
+            if outer.depth > 0 {
+                record.outer_spec = outer.spec_id;
+            }
+        }
+    }
     if succeeded {
         match spec.device_effect {
-            device_effect::SET_FROM_ARG0 => state.device = call.args[0] as i32,
-            device_effect::SET_FROM_OUT if record.out_ok == 1 => state.device = record.out as i32,
+            device_effect::SET_FROM_ARG0 => state.device = record.args[0] as i32,
+            device_effect::SET_FROM_FIELD0 if record.fields_ok & 1 == 1 => state.device = record.fields[0] as i32,
             _ => {}
         }
     }
     record.thread_device = state.device;
-
-    output(&record);
+    submit(entry);
     Some(())
 }
 
-/// The argument at `index`, if the index names one and the value is a non-null pointer.
-fn arg_at(args: &[u64; MAX_ARGS], index: i32) -> Option<u64> {
-    let value = *args.get(usize::try_from(index).ok()?)?;
+/// The argument at `index` if it is non-zero. Spelled as a match so each access is at a constant
+/// stack offset, which the verifier accepts without bounds tracking.
+fn arg_value(args: &[u64; MAX_ARGS], index: u32) -> Option<u64> {
+    let value = match index {
+        0 => args[0],
+        1 => args[1],
+        2 => args[2],
+        3 => args[3],
+        4 => args[4],
+        5 => args[5],
+        _ => return None,
+    };
     (value != 0).then_some(value)
+}
+
+fn read_user(at: u64, width: u8) -> Option<u64> {
+    // SAFETY: bpf_probe_read_user checks the user address.
+    unsafe {
+        match width {
+            1 => bpf_probe_read_user(at as *const u8).ok().map(u64::from),
+            2 => bpf_probe_read_user(at as *const u16).ok().map(u64::from),
+            4 => bpf_probe_read_user(at as *const u32).ok().map(u64::from),
+            _ => bpf_probe_read_user(at as *const u64).ok(),
+        }
+    }
+}
+
+fn read_field(field: &FieldRead, args: &[u64; MAX_ARGS], ret: u64) -> Option<u64> {
+    let mut at = match field.source {
+        field_source::ARG => arg_value(args, u32::from(field.arg))?,
+        field_source::RET => ret,
+        _ => return None,
+    };
+    if at == 0 {
+        return None;
+    }
+    if field.hops >= 1 {
+        at = read_user(at.wrapping_add(u64::from(field.hop_offset[0])), 8).filter(|p| *p != 0)?;
+    }
+    if field.hops >= 2 {
+        at = read_user(at.wrapping_add(u64::from(field.hop_offset[1])), 8).filter(|p| *p != 0)?;
+    }
+    read_user(at.wrapping_add(u64::from(field.offset)), field.width)
+}
+
+/// Performs the spec's field reads of one phase (entry or return) into `values`. Inlined: BPF
+/// calls take at most five arguments.
+#[inline(always)]
+fn read_fields(
+    spec: &ProbeSpec,
+    args: &[u64; MAX_ARGS],
+    ret: u64,
+    at_entry: bool,
+    values: &mut [u64; MAX_FIELDS],
+    ok: &mut u32,
+) {
+    #[expect(clippy::needless_range_loop, reason = "the index is also the bit in `ok`")]
+    for i in 0..MAX_FIELDS {
+        let field = &spec.fields[i];
+        if field.source == field_source::NONE || (field.at_entry == 1) != at_entry {
+            continue;
+        }
+        if let Some(value) = read_field(field, args, ret) {
+            values[i] = value;
+            *ok |= 1 << i;
+        }
+    }
 }
 
 /// Scans `aclrtMallocConfig { aclrtMallocAttribute *attrs; size_t numAttrs; }` for the device and

@@ -2,53 +2,63 @@
 //!
 //! Argument positions follow the C signatures: `aclrtMalloc(void **devPtr, size_t size,
 //! aclrtMemMallocPolicy policy)` has the out-pointer at 0, the size at 1, the policy at 2. The
-//! size recorded is the one the caller asked for; the runtime's own padding is not visible here.
+//! size recorded is the one the caller asked for; what the driver really allocated (with the
+//! runtime's padding) comes from the nested HAL call when libascend_hal.so is probed too.
 
-use memscope_common::spec::{cfg_kind, device_effect, layer, ret_kind, ProbeSpec};
+use memscope_common::spec::{cfg_kind, device_effect, layer, FieldRead, ProbeSpec};
 
-use super::{Api, ApiDef, Family};
+use super::{spec, Api, ApiDef, Family};
 use crate::model::{Op, Space};
 use crate::record::RawCall;
 
-const fn spec(out_arg: i32, out_width: u32, cfg: u32, cfg_arg: u32, effect: u32) -> ProbeSpec {
-    ProbeSpec {
-        layer: layer::RUNTIME,
-        ret_kind: ret_kind::STATUS,
-        out_arg,
-        out_width,
-        cfg_kind: cfg,
-        cfg_arg,
-        device_effect: effect,
-        _reserved: 0,
-    }
-}
+/// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
+pub const ACL_ERROR_RT_MEMORY_ALLOCATION: i32 = 207_001;
+
+/// `aclrtPhysicalMemProp.location.id`.
+const PHYS_PROP_DEVICE_OFFSET: u32 = 12;
 
 /// No pointer reads: the arguments say everything.
-const PLAIN: ProbeSpec = spec(-1, 0, cfg_kind::NONE, 0, device_effect::NONE);
+const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
 /// `*arg0` is the result (a pointer or a handle).
-const OUT0: ProbeSpec = spec(0, 8, cfg_kind::NONE, 0, device_effect::NONE);
+const OUT0: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[FieldRead::arg_at_exit(0, 0, 8)]);
+
+const fn with_cfg(mut s: ProbeSpec, cfg_arg: u32) -> ProbeSpec {
+    s.cfg_kind = cfg_kind::MALLOC_CONFIG;
+    s.cfg_arg = cfg_arg;
+    s
+}
+
+const fn with_effect(mut s: ProbeSpec, effect: u32) -> ProbeSpec {
+    s.device_effect = effect;
+    s
+}
+
+fn oom(status: i32) -> bool {
+    status == ACL_ERROR_RT_MEMORY_ALLOCATION
+}
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef { api, symbol, family: Family::AclRuntime, spec, decode }
+    ApiDef { api, symbol, family: Family::AclRuntime, spec, decode, out_of_memory: oom }
 }
 
 pub(super) static TABLE: [ApiDef; 15] = [
-    row(Api::AclrtSetDevice, "aclrtSetDevice", spec(-1, 0, cfg_kind::NONE, 0, device_effect::SET_FROM_ARG0), |c| {
-        Op::SetDevice { device: c.args[0] as i32 }
+    row(Api::AclrtSetDevice, "aclrtSetDevice", with_effect(PLAIN, device_effect::SET_FROM_ARG0), |c| Op::SetDevice {
+        device: c.args[0] as i32,
     }),
-    row(Api::AclrtGetDevice, "aclrtGetDevice", spec(0, 4, cfg_kind::NONE, 0, device_effect::SET_FROM_OUT), |c| {
-        Op::GetDevice { device: c.result().map(|v| v as i32) }
-    }),
+    row(
+        Api::AclrtGetDevice,
+        "aclrtGetDevice",
+        with_effect(
+            spec(layer::RUNTIME, layer::POOL, &[FieldRead::arg_at_exit(0, 0, 4)]),
+            device_effect::SET_FROM_FIELD0,
+        ),
+        |c| Op::GetDevice { device: c.result().map(|v| v as i32) },
+    ),
     row(Api::AclrtMalloc, "aclrtMalloc", OUT0, device_malloc),
     row(Api::AclrtMallocAlign32, "aclrtMallocAlign32", OUT0, device_malloc),
     row(Api::AclrtMallocCached, "aclrtMallocCached", OUT0, device_malloc),
-    row(
-        Api::AclrtMallocWithCfg,
-        "aclrtMallocWithCfg",
-        spec(0, 8, cfg_kind::MALLOC_CONFIG, 3, device_effect::NONE),
-        device_malloc,
-    ),
-    row(Api::AclrtFree, "aclrtFree", PLAIN, |c| Op::Free { space: Space::Device, ptr: c.args[0] }),
+    row(Api::AclrtMallocWithCfg, "aclrtMallocWithCfg", with_cfg(OUT0, 3), device_malloc),
+    row(Api::AclrtFree, "aclrtFree", PLAIN, |c| Op::Free { space: Space::Device, ptr: c.args[0], driver: None }),
     row(Api::AclrtMallocHost, "aclrtMallocHost", OUT0, |c| Op::Malloc {
         space: Space::Host,
         size: c.args[1],
@@ -56,8 +66,9 @@ pub(super) static TABLE: [ApiDef; 15] = [
         policy: None,
         device: None,
         module: None,
+        driver: None,
     }),
-    row(Api::AclrtFreeHost, "aclrtFreeHost", PLAIN, |c| Op::Free { space: Space::Host, ptr: c.args[0] }),
+    row(Api::AclrtFreeHost, "aclrtFreeHost", PLAIN, |c| Op::Free { space: Space::Host, ptr: c.args[0], driver: None }),
     row(Api::AclrtReserveMemAddress, "aclrtReserveMemAddress", OUT0, |c| Op::Reserve {
         size: c.args[1],
         va: c.result(),
@@ -68,10 +79,20 @@ pub(super) static TABLE: [ApiDef; 15] = [
     row(
         Api::AclrtMallocPhysical,
         "aclrtMallocPhysical",
-        spec(0, 8, cfg_kind::PHYSICAL_PROP, 2, device_effect::NONE),
-        |c| Op::MallocPhysical { size: c.args[1], handle: c.result(), device: c.cfg_device, flags: c.args[3] },
+        spec(
+            layer::RUNTIME,
+            layer::POOL,
+            &[FieldRead::arg_at_exit(0, 0, 8), FieldRead::arg_at_entry(2, PHYS_PROP_DEVICE_OFFSET, 4)],
+        ),
+        |c| Op::MallocPhysical {
+            size: c.args[1],
+            handle: c.result(),
+            device: c.field(1).map(|d| d as u32),
+            flags: c.args[3],
+            driver: None,
+        },
     ),
-    row(Api::AclrtFreePhysical, "aclrtFreePhysical", PLAIN, |c| Op::FreePhysical { handle: c.args[0] }),
+    row(Api::AclrtFreePhysical, "aclrtFreePhysical", PLAIN, |c| Op::FreePhysical { handle: c.args[0], driver: None }),
     row(Api::AclrtMapMem, "aclrtMapMem", PLAIN, |c| Op::Map {
         va: c.args[0],
         size: c.args[1],
@@ -90,5 +111,6 @@ fn device_malloc(c: &RawCall) -> Op {
         policy: Some(c.args[2]),
         device: c.cfg_device,
         module: c.cfg_module,
+        driver: None,
     }
 }

@@ -3,16 +3,18 @@
 //!
 //! This table is the only place that knows API semantics. The BPF side is generic, and the model
 //! works on [`Op`]s, so adding an API is a row here plus a stand-in function and a ledger test.
+//! One file per family: [`acl`] (runtime), [`hal`] (driver).
 
 mod acl;
+pub mod hal;
 
-use memscope_common::spec::ProbeSpec;
+use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS};
 
 use crate::model::Op;
 use crate::record::RawCall;
 
-/// A traced API. The discriminant is the attach cookie and the index of its spec in the BPF
-/// `SPECS` map, so it must stay below `MAX_SPECS` and never be renumbered within one build.
+/// A traced API. The discriminant is the spec index in the BPF `SPECS` map (and part of the
+/// attach cookie), so it must stay below `MAX_SPECS` and never be renumbered within one build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u32)]
 pub enum Api {
@@ -31,20 +33,46 @@ pub enum Api {
     AclrtFreePhysical = 13,
     AclrtMapMem = 14,
     AclrtUnmapMem = 15,
+    HalMemAlloc = 16,
+    HalMemFree = 17,
+    HalMemCreate = 18,
+    HalMemRelease = 19,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
     /// The ACL runtime: `libascendcl.so`, or `libacl_rt.so` + `libacl_rt_impl.so` in newer CANN.
     AclRuntime,
+    /// The driver: `libascend_hal.so`.
+    Hal,
 }
 
 impl Family {
+    pub const ALL: [Family; 2] = [Family::AclRuntime, Family::Hal];
+
     /// Library file names (without version suffixes) that carry this family's symbols.
     pub fn library_names(self) -> &'static [&'static str] {
         match self {
             Self::AclRuntime => &["libascendcl.so", "libacl_rt.so", "libacl_rt_impl.so"],
+            Self::Hal => &["libascend_hal.so"],
+        }
+    }
+
+    /// The suffix of the implementation symbol a public function forwards to (`aclrtMallocImpl`,
+    /// `halMemAllocInner`).
+    pub fn impl_suffix(self) -> &'static str {
+        match self {
+            Self::AclRuntime => "Impl",
+            Self::Hal => "Inner",
+        }
+    }
+
+    /// What a user calls this layer.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::AclRuntime => "ACL runtime",
+            Self::Hal => "driver (HAL)",
         }
     }
 }
@@ -52,17 +80,32 @@ impl Family {
 /// One row of the table.
 pub struct ApiDef {
     pub api: Api,
-    /// The public symbol; the runtime's implementation symbol is this plus `Impl`.
+    /// The public symbol.
     pub symbol: &'static str,
     pub family: Family,
     pub spec: ProbeSpec,
     pub decode: fn(&RawCall) -> Op,
+    /// Whether a failure status means "out of memory" (msMemScope's OOM trigger).
+    pub out_of_memory: fn(i32) -> bool,
+}
+
+/// Builds a spec: layer, outer layer and field reads; everything else as in [`ProbeSpec::EMPTY`].
+pub const fn spec(layer: u32, outer_layer: u32, fields: &[FieldRead]) -> ProbeSpec {
+    let mut s = ProbeSpec::EMPTY;
+    s.layer = layer;
+    s.outer_layer = outer_layer;
+    let mut i = 0;
+    while i < fields.len() && i < MAX_FIELDS {
+        s.fields[i] = fields[i];
+        i += 1;
+    }
+    s
 }
 
 impl Api {
-    /// Every API, in cookie order.
+    /// Every API, in spec-id order.
     pub fn all() -> impl Iterator<Item = &'static ApiDef> {
-        acl::TABLE.iter()
+        acl::TABLE.iter().chain(hal::TABLE.iter())
     }
 
     pub fn def(self) -> &'static ApiDef {
@@ -77,13 +120,17 @@ impl Api {
         self as u32
     }
 
-    /// The public name, used in the DB whichever symbol (public or `...Impl`) was hit.
+    /// The public name, used in the DB whichever symbol (public or implementation) was hit.
     pub fn name(self) -> &'static str {
         self.def().symbol
     }
 
+    pub fn family(self) -> Family {
+        self.def().family
+    }
+
     pub fn impl_symbol(self) -> String {
-        format!("{}Impl", self.def().symbol)
+        format!("{}{}", self.def().symbol, self.family().impl_suffix())
     }
 }
 
@@ -105,9 +152,8 @@ mod tests {
             assert_ne!(def.spec.layer, 0, "{} has no layer: its probes would do nothing", def.symbol);
             assert_eq!(Api::from_spec_id(def.api.spec_id()), Some(def.api));
         }
-        // Every variant up to the last one is in the table.
-        for id in 1..=Api::AclrtUnmapMem as u32 {
-            assert!(Api::from_spec_id(id).is_some(), "cookie {id} has no row");
+        for id in 1..=Api::HalMemRelease as u32 {
+            assert!(Api::from_spec_id(id).is_some(), "spec id {id} has no row");
         }
     }
 }

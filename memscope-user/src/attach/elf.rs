@@ -125,3 +125,37 @@ mod tests {
         assert!(ElfSymbols::parse(b"", &wanted).is_err());
     }
 }
+
+/// The `DT_NEEDED` names and the `DT_RUNPATH`/`DT_RPATH` folders of an ELF file, as written (with
+/// `$ORIGIN` unexpanded).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Dependencies {
+    pub needed: Vec<String>,
+    pub search: Vec<String>,
+}
+
+pub fn dependencies(data: &[u8]) -> Result<Dependencies, object::Error> {
+    use object::elf::{DT_NEEDED, DT_RPATH, DT_RUNPATH};
+    use object::read::elf::{Dyn, ElfFile64};
+
+    let elf = ElfFile64::<object::Endianness>::parse(data)?;
+    let endian = elf.endian();
+    let sections = elf.elf_section_table();
+    let mut deps = Dependencies::default();
+    let Some((entries, link)) = sections.dynamic(endian, data)? else { return Ok(deps) };
+    let strings = sections.strings(endian, data, link)?;
+    for entry in entries {
+        let tag = entry.tag32(endian);
+        if !matches!(tag, Some(DT_NEEDED | DT_RPATH | DT_RUNPATH)) {
+            continue;
+        }
+        let Ok(text) = entry.string(endian, strings) else { continue };
+        let text = String::from_utf8_lossy(text).into_owned();
+        if tag == Some(DT_NEEDED) {
+            deps.needed.push(text);
+        } else {
+            deps.search.extend(text.split(':').filter(|s| !s.is_empty()).map(str::to_owned));
+        }
+    }
+    Ok(deps)
+}

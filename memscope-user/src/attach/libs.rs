@@ -23,9 +23,13 @@ use crate::apis::{Api, Family};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Origin {
     UserPath,
-    Mapped { pid: u32 },
+    Mapped {
+        pid: u32,
+    },
     AscendHome,
     LibraryPath,
+    /// Named in another traced library's `DT_NEEDED` (the runtime needs the driver).
+    Dependency,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,9 +47,7 @@ pub struct Library {
 /// `libascendcl.so.1`, ...).
 pub fn is_known_name(name: &OsStr) -> bool {
     let name = name.as_bytes();
-    let mut families: Vec<Family> = Api::all().map(|d| d.family).collect();
-    families.dedup();
-    families.iter().flat_map(|f| f.library_names()).any(|known| {
+    Family::ALL.iter().flat_map(|f| f.library_names()).any(|known| {
         let known = known.as_bytes();
         name == known || (name.starts_with(known) && name.get(known.len()) == Some(&b'.'))
     })
@@ -106,6 +108,36 @@ pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
     Ok(dedup(found))
 }
 
+/// Known libraries that `lib` declares it needs, found the way the dynamic loader would look
+/// first: its `DT_RUNPATH`/`DT_RPATH` folders (with `$ORIGIN` expanded), then its own folder.
+/// Probing them before the program loads them means their first calls are seen too.
+pub fn dependencies(lib: &Library) -> Vec<Library> {
+    let Ok(data) = std::fs::read(&lib.path) else { return Vec::new() };
+    let Ok(deps) = crate::attach::elf::dependencies(&data) else { return Vec::new() };
+    let origin = lib.path.parent().unwrap_or(Path::new("/")).to_owned();
+    let mut dirs: Vec<PathBuf> = deps
+        .search
+        .iter()
+        .map(|d| PathBuf::from(d.replace("${ORIGIN}", "$ORIGIN").replace("$ORIGIN", &origin.to_string_lossy())))
+        .collect();
+    dirs.push(origin);
+    let mut found = Vec::new();
+    for name in deps.needed.iter().filter(|n| is_known_name(OsStr::new(n))) {
+        if let Some(dep) =
+            dirs.iter().find_map(|d| library(d.join(name), d.join(name).display().to_string(), Origin::Dependency))
+        {
+            found.push(dep);
+        }
+    }
+    found
+}
+
+/// Adds the known dependencies of every library (one level: the runtime needs the driver).
+pub fn with_dependencies(libs: Vec<Library>) -> Vec<Library> {
+    let deps: Vec<Library> = libs.iter().flat_map(dependencies).collect();
+    dedup(libs.into_iter().chain(deps).collect())
+}
+
 /// The runtime folders under an `ASCEND_HOME_PATH`.
 pub fn ascend_home_dirs(home: &Path) -> Vec<PathBuf> {
     vec![home.join("lib64"), home.join("runtime").join("lib64")]
@@ -144,10 +176,27 @@ pub fn from_env(env: &HashMap<String, String>, root: &Path, include_ld_path: boo
     dedup(found)
 }
 
-/// Keeps the first library per file.
+/// Keeps the first library per file, ordered outer layer first.
+///
+/// Probes of an outer layer (the runtime) must be live before those of an inner one (the driver):
+/// a driver call is reported inside the runtime call that made it only if that call's entry was
+/// seen. Attaching in this order keeps the window where inner calls look standalone to the few
+/// calls already running at attach time.
 pub fn dedup(libs: Vec<Library>) -> Vec<Library> {
     let mut seen = std::collections::HashSet::new();
-    libs.into_iter().filter(|l| seen.insert(l.file_id)).collect()
+    let mut libs: Vec<Library> = libs.into_iter().filter(|l| seen.insert(l.file_id)).collect();
+    libs.sort_by_key(|l| std::path::Path::new(&l.shown).file_name().map_or(u8::MAX, layer_rank));
+    libs
+}
+
+/// 0 for the outermost layer's libraries; unknown names (a `--lib` file) go first, as they may
+/// hold anything.
+fn layer_rank(name: &OsStr) -> u8 {
+    let name = name.as_bytes();
+    Family::ALL
+        .iter()
+        .position(|f| f.library_names().iter().any(|known| name.starts_with(known.as_bytes())))
+        .map_or(0, |i| i as u8 + 1)
 }
 
 #[cfg(test)]

@@ -36,6 +36,7 @@ fn origin(o: &Origin) -> String {
         Origin::Mapped { pid } => format!("mapped by pid {pid}"),
         Origin::AscendHome => "ASCEND_HOME_PATH".into(),
         Origin::LibraryPath => "LD_LIBRARY_PATH".into(),
+        Origin::Dependency => "needed by a traced library".into(),
     }
 }
 
@@ -57,7 +58,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             found.extend(libs::from_env(&env, Path::new(&format!("/proc/{pid}/root")), false));
         }
     }
-    let found = libs::dedup(found);
+    let found = libs::with_dependencies(found);
     if found.is_empty() {
         let where_ = args.pid.map_or_else(|| "in the given paths".to_owned(), |p| format!("in process {p}"));
         return Err(PreflightError::NoLibrary { where_ }.into());
@@ -74,7 +75,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         };
         let chosen: HashSet<String> =
             plan(&symbols, args.probe_set, &lib.shown).into_iter().map(|p| p.symbol).collect();
-        for def in Api::all() {
+        // Only the families this file carries: a runtime library is not missing the driver's API.
+        let families: HashSet<_> = Api::all()
+            .filter(|d| symbols.get(d.symbol).is_some() || symbols.get(&d.api.impl_symbol()).is_some())
+            .map(|d| d.family)
+            .collect();
+        if families.is_empty() {
+            println!("  none of the traced symbols is defined here");
+        }
+        for def in Api::all().filter(|d| families.contains(&d.family)) {
             let mut line = format!("  {:<24}", def.symbol);
             let mut any = false;
             for name in [def.symbol.to_owned(), def.api.impl_symbol()] {

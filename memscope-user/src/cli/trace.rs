@@ -76,7 +76,7 @@ fn launch_libraries(user: &[Library]) -> Vec<Library> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let mut all = user.to_vec();
     all.extend(libs::from_env(&env, Path::new("/"), true));
-    libs::dedup(all)
+    libs::with_dependencies(all)
 }
 
 /// Libraries for a running process: `--lib`, what it has mapped, and its `ASCEND_HOME_PATH`.
@@ -86,7 +86,7 @@ fn attach_libraries(pid: u32, user: &[Library]) -> Vec<Library> {
     if let Ok(env) = libs::process_env(pid) {
         all.extend(libs::from_env(&env, Path::new(&format!("/proc/{pid}/root")), false));
     }
-    libs::dedup(all)
+    libs::with_dependencies(all)
 }
 
 fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> {

@@ -24,11 +24,43 @@ pub enum DeviceKey {
     Unknown,
 }
 
-/// What one runtime call did, decoded from its arguments and results.
+/// Page size class of driver memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageType {
+    Normal,
+    Huge,
+    Giant,
+}
+
+impl PageType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Normal => "normal",
+            Self::Huge => "huge",
+            Self::Giant => "giant",
+        }
+    }
+}
+
+/// What the driver call behind an allocation said: set on a driver call itself, and on a runtime
+/// call that a driver call ran inside of (merged into one fact, as one row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverInfo {
+    pub api: Api,
+    /// `halMemAlloc`'s flag, or `halMemCreate`'s.
+    pub flag: Option<u64>,
+    /// Bytes the driver was asked for (the runtime pads requests).
+    pub size: u64,
+    pub module: Option<u16>,
+    pub page: Option<PageType>,
+}
+
+/// What one call did, decoded from its arguments and results.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
     /// An allocation. `ptr` is `None` when it failed. `device` is set when the call names its
-    /// device itself (a malloc config's DEVICE_ID attribute); otherwise the thread's device counts.
+    /// device itself (a malloc config's DEVICE_ID attribute, a driver flag); otherwise the
+    /// thread's device counts. `size` is what this API was asked for.
     Malloc {
         space: Space,
         size: u64,
@@ -36,10 +68,12 @@ pub enum Op {
         policy: Option<u64>,
         device: Option<u32>,
         module: Option<u16>,
+        driver: Option<DriverInfo>,
     },
     Free {
         space: Space,
         ptr: u64,
+        driver: Option<DriverInfo>,
     },
     /// Virtual address space only: not memory until something is mapped into it.
     Reserve {
@@ -57,9 +91,11 @@ pub enum Op {
         handle: Option<u64>,
         device: Option<u32>,
         flags: u64,
+        driver: Option<DriverInfo>,
     },
     FreePhysical {
         handle: u64,
+        driver: Option<DriverInfo>,
     },
     Map {
         va: u64,
@@ -85,8 +121,12 @@ pub struct Call {
     pub api: Api,
     /// Wall-clock ns at function entry (the event's own time is the return).
     pub entry_wall_ns: u64,
-    /// The API's status (`aclError`; 0 is success).
+    /// The API's status (`aclError`, `drvError_t`; 0 is success).
     pub status: i32,
+    /// The status means the callee ran out of memory.
+    pub out_of_memory: bool,
+    /// The call of the next layer out that this one ran inside of, on the same thread.
+    pub outer: Option<Api>,
     /// The thread's device at return, as set by its last successful set/get-device call.
     pub thread_device: Option<u32>,
     pub op: Op,

@@ -9,5 +9,5 @@
 pub mod event;
 pub mod tracker;
 
-pub use event::{Call, DeviceKey, Event, EventKind, Op, Space};
+pub use event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, PageType, Space};
 pub use tracker::{Origin, Output, Site, Tracker, VmmStep};

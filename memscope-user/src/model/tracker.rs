@@ -7,11 +7,15 @@
 //!   that becomes a block when mapped. A mapping therefore counts as one block from map to unmap,
 //!   on the device of its physical handle, so "used" equals what is mapped.
 //! - Keys include the process id: in launch mode several processes can reuse the same address.
+//! - A driver call that ran inside a runtime call (`aclrtMalloc` -> `halMemAlloc`) is one fact:
+//!   the driver's record arrives first and waits for the runtime's, which then carries the
+//!   driver's device, flag, module and size (the memory really taken). A driver call on its own
+//!   is a fact of its own.
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::event::{Call, DeviceKey, Event, EventKind, Op, Space};
-use crate::apis::Api;
+use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Space};
+use crate::apis::{Api, Family};
 
 /// Who did it and when.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,8 +29,8 @@ pub struct Site {
 /// How a block came to exist.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {
-    /// A malloc-style call.
-    Direct { policy: Option<u64>, module: Option<u16> },
+    /// A malloc-style call; `driver` when the driver call behind it was seen.
+    Direct { policy: Option<u64>, module: Option<u16>, driver: Option<DriverInfo> },
     /// Physical memory mapped at a virtual address (expandable segments).
     Mapped { handle: u64, offset: u64 },
 }
@@ -48,7 +52,10 @@ pub enum Output {
         device: DeviceKey,
         space: Space,
         ptr: u64,
+        /// Bytes taken: the driver's size when its call was seen, else the request.
         size: u64,
+        /// Bytes the API was asked for.
+        req_size: u64,
         allocation_id: u64,
         /// Bytes live on this device right after the allocation.
         used: u64,
@@ -66,14 +73,18 @@ pub enum Output {
         /// Written by [`Tracker::finish`] for blocks still alive at the end, so that every MALLOC
         /// has a FREE (as msMemScope does); not a real call.
         shadow: bool,
+        /// The driver call behind the free, when seen.
+        driver: Option<DriverInfo>,
     },
     /// A call that returned an error status. `size` is the request for allocations.
     Failed {
         site: Site,
         device: DeviceKey,
         status: i32,
+        out_of_memory: bool,
         size: Option<u64>,
         ptr: Option<u64>,
+        driver: Option<DriverInfo>,
     },
     Vmm {
         site: Site,
@@ -81,6 +92,7 @@ pub enum Output {
         step: VmmStep,
         addr: u64,
         size: Option<u64>,
+        driver: Option<DriverInfo>,
     },
 }
 
@@ -112,6 +124,8 @@ struct Physical {
 /// The live state of everything traced.
 #[derive(Debug, Default)]
 pub struct Tracker {
+    /// Driver calls waiting for the runtime call they ran inside of, per thread.
+    inner: HashMap<u32, Vec<Event>>,
     blocks: HashMap<(u32, Space, u64), Live>,
     physical: HashMap<(u32, u64), Physical>,
     reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
@@ -139,6 +153,50 @@ impl Tracker {
     /// Applies one event, appending what it adds to `out`.
     pub fn apply(&mut self, event: &Event, out: &mut Vec<Output>) {
         self.last_wall_ns = self.last_wall_ns.max(event.wall_ns);
+        let EventKind::Call(call) = &event.kind else {
+            if event.kind == EventKind::Exit {
+                let tids: Vec<u32> =
+                    self.inner.iter().filter(|(_, v)| v.iter().any(|e| e.pid == event.pid)).map(|(t, _)| *t).collect();
+                for tid in tids {
+                    self.flush_inner(tid, out);
+                }
+            }
+            return;
+        };
+        if call.outer.is_some() && call.api.family() == Family::Hal {
+            self.inner.entry(event.tid).or_default().push(event.clone());
+            return;
+        }
+        let held = self.inner.remove(&event.tid).unwrap_or_default();
+        let (merged, standalone): (Vec<Event>, Vec<Event>) = held.into_iter().partition(|e| match &e.kind {
+            EventKind::Call(inner) => inner.outer == Some(call.api),
+            _ => false,
+        });
+        for e in &standalone {
+            self.apply_one(e, out);
+        }
+        if merged.is_empty() {
+            self.apply_one(event, out);
+            return;
+        }
+        let mut call = call.clone();
+        for e in &merged {
+            if let EventKind::Call(inner) = &e.kind {
+                merge_driver(&mut call, inner);
+            }
+        }
+        self.apply_one(&Event { kind: EventKind::Call(call), ..event.clone() }, out);
+    }
+
+    /// Applies the held driver calls of a thread whose runtime call never came (its record was
+    /// lost, or the process ended).
+    fn flush_inner(&mut self, tid: u32, out: &mut Vec<Output>) {
+        for e in self.inner.remove(&tid).unwrap_or_default() {
+            self.apply_one(&e, out);
+        }
+    }
+
+    fn apply_one(&mut self, event: &Event, out: &mut Vec<Output>) {
         if let EventKind::Call(call) = &event.kind {
             let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid };
             self.apply_call(site, call, out);
@@ -153,25 +211,50 @@ impl Tracker {
         self.devices.entry(device).or_default()
     }
 
+    #[allow(clippy::too_many_arguments, reason = "a failure carries whatever the call had")]
+    fn fail(
+        &mut self,
+        site: Site,
+        call: &Call,
+        device: DeviceKey,
+        size: Option<u64>,
+        ptr: Option<u64>,
+        driver: Option<DriverInfo>,
+        out: &mut Vec<Output>,
+    ) {
+        self.stats(device).failures += 1;
+        out.push(Output::Failed {
+            site,
+            device,
+            status: call.status,
+            out_of_memory: call.out_of_memory,
+            size,
+            ptr,
+            driver,
+        });
+    }
+
     fn apply_call(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
         let failed = call.status != 0;
         match call.op {
-            Op::Malloc { space, size, ptr, policy, device, module } => {
+            Op::Malloc { space, size, ptr, policy, device, module, driver } => {
                 let device = space_device(space, device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu));
                 match ptr {
                     Some(ptr) if !failed => {
-                        self.add_block(site, device, space, ptr, size, Origin::Direct { policy, module }, out);
+                        let taken = driver.map_or(size, |d| d.size);
+                        let origin = Origin::Direct { policy, module, driver };
+                        self.add_block(site, device, space, ptr, (taken, size), origin, out);
                     }
-                    _ => self.fail(site, device, call.status, Some(size), None, out),
+                    _ => self.fail(site, call, device, Some(size), None, driver, out),
                 }
             }
-            Op::Free { space, ptr } => {
+            Op::Free { space, ptr, driver } => {
                 let fallback = space_device(space, Self::thread_device(call));
                 if failed {
                     let device = self.blocks.get(&(site.pid, space, ptr)).map_or(fallback, |b| b.device);
-                    self.fail(site, device, call.status, None, Some(ptr), out);
+                    self.fail(site, call, device, None, Some(ptr), driver, out);
                 } else {
-                    self.remove_block(site, space, ptr, fallback, false, out);
+                    self.remove_block(site, space, ptr, fallback, false, driver, out);
                 }
             }
             Op::Reserve { size, va, .. } => {
@@ -179,9 +262,10 @@ impl Tracker {
                 match va {
                     Some(va) if !failed => {
                         self.reserved.insert((site.pid, va), (device, size));
-                        out.push(Output::Vmm { site, device, step: VmmStep::Reserve, addr: va, size: Some(size) });
+                        let step = VmmStep::Reserve;
+                        out.push(Output::Vmm { site, device, step, addr: va, size: Some(size), driver: None });
                     }
-                    _ => self.fail(site, device, call.status, Some(size), None, out),
+                    _ => self.fail(site, call, device, Some(size), None, None, out),
                 }
             }
             Op::Release { va } => {
@@ -190,53 +274,57 @@ impl Tracker {
                     None => (Self::thread_device(call), None),
                 };
                 if failed {
-                    self.fail(site, device, call.status, None, Some(va), out);
+                    self.fail(site, call, device, None, Some(va), None, out);
                 } else {
                     self.reserved.remove(&(site.pid, va));
-                    out.push(Output::Vmm { site, device, step: VmmStep::Release, addr: va, size });
+                    out.push(Output::Vmm { site, device, step: VmmStep::Release, addr: va, size, driver: None });
                 }
             }
-            Op::MallocPhysical { size, handle, device, .. } => {
+            Op::MallocPhysical { size, handle, device, driver, .. } => {
                 let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
                 match handle {
                     Some(handle) if !failed => {
                         self.physical.insert((site.pid, handle), Physical { device });
-                        out.push(Output::Vmm {
-                            site,
-                            device,
-                            step: VmmStep::MallocPhysical,
-                            addr: handle,
-                            size: Some(size),
-                        });
+                        let step = VmmStep::MallocPhysical;
+                        out.push(Output::Vmm { site, device, step, addr: handle, size: Some(size), driver });
                     }
-                    _ => self.fail(site, device, call.status, Some(size), None, out),
+                    _ => self.fail(site, call, device, Some(size), None, driver, out),
                 }
             }
-            Op::FreePhysical { handle } => {
+            Op::FreePhysical { handle, driver } => {
                 let device =
                     self.physical.get(&(site.pid, handle)).map_or_else(|| Self::thread_device(call), |p| p.device);
                 if failed {
-                    self.fail(site, device, call.status, None, Some(handle), out);
+                    self.fail(site, call, device, None, Some(handle), driver, out);
                 } else {
                     self.physical.remove(&(site.pid, handle));
-                    out.push(Output::Vmm { site, device, step: VmmStep::FreePhysical, addr: handle, size: None });
+                    let step = VmmStep::FreePhysical;
+                    out.push(Output::Vmm { site, device, step, addr: handle, size: None, driver });
                 }
             }
             Op::Map { va, size, offset, handle, .. } => {
                 let device =
                     self.physical.get(&(site.pid, handle)).map_or_else(|| Self::thread_device(call), |p| p.device);
                 if failed {
-                    self.fail(site, device, call.status, Some(size), Some(va), out);
+                    self.fail(site, call, device, Some(size), Some(va), None, out);
                 } else {
-                    self.add_block(site, device, Space::Device, va, size, Origin::Mapped { handle, offset }, out);
+                    self.add_block(
+                        site,
+                        device,
+                        Space::Device,
+                        va,
+                        (size, size),
+                        Origin::Mapped { handle, offset },
+                        out,
+                    );
                 }
             }
             Op::Unmap { va } => {
                 let fallback = Self::thread_device(call);
                 if failed {
-                    self.fail(site, fallback, call.status, None, Some(va), out);
+                    self.fail(site, call, fallback, None, Some(va), None, out);
                 } else {
-                    self.remove_block(site, Space::Device, va, fallback, false, out);
+                    self.remove_block(site, Space::Device, va, fallback, false, None, out);
                 }
             }
             Op::SetDevice { .. } | Op::GetDevice { .. } => {
@@ -245,6 +333,7 @@ impl Tracker {
         }
     }
 
+    /// `sizes` is (bytes taken, bytes requested).
     #[allow(clippy::too_many_arguments, reason = "one call site per origin; a struct would only rename them")]
     fn add_block(
         &mut self,
@@ -252,15 +341,16 @@ impl Tracker {
         device: DeviceKey,
         space: Space,
         ptr: u64,
-        size: u64,
+        sizes: (u64, u64),
         origin: Origin,
         out: &mut Vec<Output>,
     ) {
+        let (size, req_size) = sizes;
         // The runtime handed out an address we still consider live: the free was missed (it
         // happened before an attach, or its record was dropped). Retire the stale block first so
         // the totals stay true to what the runtime says is allocated.
         if self.blocks.contains_key(&(site.pid, space, ptr)) {
-            self.remove_block(site, space, ptr, device, true, out);
+            self.remove_block(site, space, ptr, device, true, None, out);
         }
         let stats = self.stats(device);
         stats.next_allocation_id += 1;
@@ -270,9 +360,10 @@ impl Tracker {
         stats.mallocs += 1;
         let (allocation_id, used) = (stats.next_allocation_id, stats.used);
         self.blocks.insert((site.pid, space, ptr), Live { device, size, allocation_id, api: site.api });
-        out.push(Output::Malloc { site, device, space, ptr, size, allocation_id, used, origin });
+        out.push(Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin });
     }
 
+    #[allow(clippy::too_many_arguments, reason = "the fallback device and driver only matter for some callers")]
     fn remove_block(
         &mut self,
         site: Site,
@@ -280,6 +371,7 @@ impl Tracker {
         ptr: u64,
         fallback: DeviceKey,
         shadow: bool,
+        driver: Option<DriverInfo>,
         out: &mut Vec<Output>,
     ) {
         match self.blocks.remove(&(site.pid, space, ptr)) {
@@ -298,43 +390,37 @@ impl Tracker {
                     allocation_id: Some(block.allocation_id),
                     used,
                     shadow,
+                    driver,
                 });
             }
             None => {
                 let stats = self.stats(fallback);
                 stats.frees += 1;
                 let used = stats.used;
+                let (size, allocation_id) = (None, None);
                 out.push(Output::Free {
                     site,
                     device: fallback,
                     space,
                     ptr,
-                    size: None,
-                    allocation_id: None,
+                    size,
+                    allocation_id,
                     used,
                     shadow,
+                    driver,
                 });
             }
         }
     }
 
-    fn fail(
-        &mut self,
-        site: Site,
-        device: DeviceKey,
-        status: i32,
-        size: Option<u64>,
-        ptr: Option<u64>,
-        out: &mut Vec<Output>,
-    ) {
-        self.stats(device).failures += 1;
-        out.push(Output::Failed { site, device, status, size, ptr });
-    }
-
-    /// Ends the trace at `wall_ns`: every block still alive gets a shadow free one nanosecond
-    /// later, in allocation order per device. Totals (`used`, `live_blocks`) are left as they
-    /// were at the end, for the summary.
+    /// Ends the trace at `wall_ns`: held driver calls are applied, then every block still alive
+    /// gets a shadow free one nanosecond later, in allocation order per device. Totals (`used`,
+    /// `live_blocks`) are left as they were at the end, for the summary.
     pub fn finish(&mut self, wall_ns: u64, out: &mut Vec<Output>) {
+        let tids: Vec<u32> = self.inner.keys().copied().collect();
+        for tid in tids {
+            self.flush_inner(tid, out);
+        }
         let at = wall_ns.max(self.last_wall_ns) + 1;
         let mut live: Vec<((u32, Space, u64), Live)> = self.blocks.iter().map(|(k, v)| (*k, *v)).collect();
         live.sort_by_key(|(_, b)| (b.device, b.allocation_id));
@@ -351,8 +437,34 @@ impl Tracker {
                 allocation_id: Some(block.allocation_id),
                 used: *remaining,
                 shadow: true,
+                driver: None,
             });
         }
+    }
+}
+
+/// Folds a driver call into the runtime call it ran inside of: the driver's device (from its flag
+/// or property) and module are the truth, and its size is what the memory really took.
+fn merge_driver(outer: &mut Call, inner: &Call) {
+    match (&mut outer.op, &inner.op) {
+        (
+            Op::Malloc { device, module, driver, .. },
+            Op::Malloc { device: inner_device, module: inner_module, driver: inner_driver, .. },
+        ) => {
+            *device = inner_device.or(*device);
+            *module = inner_module.or(*module);
+            *driver = *inner_driver;
+        }
+        (Op::Free { driver, .. }, Op::Free { driver: inner_driver, .. })
+        | (Op::FreePhysical { driver, .. }, Op::FreePhysical { driver: inner_driver, .. }) => *driver = *inner_driver,
+        (
+            Op::MallocPhysical { device, driver, .. },
+            Op::MallocPhysical { device: inner_device, driver: inner_driver, .. },
+        ) => {
+            *device = device.or(*inner_device);
+            *driver = *inner_driver;
+        }
+        _ => {}
     }
 }
 
@@ -365,7 +477,15 @@ mod tests {
             wall_ns: 1_000 + u64::from(tid),
             pid: 100,
             tid,
-            kind: EventKind::Call(Call { api, entry_wall_ns: 900, status, thread_device: device, op }),
+            kind: EventKind::Call(Call {
+                api,
+                entry_wall_ns: 900,
+                status,
+                out_of_memory: status == 207_001,
+                outer: None,
+                thread_device: device,
+                op,
+            }),
         }
     }
 
@@ -375,12 +495,12 @@ mod tests {
             1,
             device,
             status,
-            Op::Malloc { space: Space::Device, size, ptr, policy: Some(0), device: None, module: None },
+            Op::Malloc { space: Space::Device, size, ptr, policy: Some(0), device: None, module: None, driver: None },
         )
     }
 
     fn free(ptr: u64, device: Option<u32>) -> Event {
-        call(Api::AclrtFree, 1, device, 0, Op::Free { space: Space::Device, ptr })
+        call(Api::AclrtFree, 1, device, 0, Op::Free { space: Space::Device, ptr, driver: None })
     }
 
     fn run(events: &[Event]) -> (Tracker, Vec<Output>) {
@@ -429,7 +549,8 @@ mod tests {
 
     #[test]
     fn failed_free_keeps_the_block_alive() {
-        let fail_free = call(Api::AclrtFree, 1, Some(0), 100_000, Op::Free { space: Space::Device, ptr: 0x10 });
+        let fail_free =
+            call(Api::AclrtFree, 1, Some(0), 100_000, Op::Free { space: Space::Device, ptr: 0x10, driver: None });
         let (t, out) = run(&[malloc(Some(0x10), 8, Some(0), 0), fail_free]);
         assert!(matches!(out[1], Output::Failed { status: 100_000, ptr: Some(0x10), .. }));
         assert_eq!(t.devices().next().unwrap().1.live_blocks, 1);
@@ -455,6 +576,7 @@ mod tests {
                 policy: Some(0),
                 device: Some(1),
                 module: Some(3),
+                driver: None,
             },
         );
         let (_, out) = run(&[e]);
@@ -479,7 +601,7 @@ mod tests {
                 1,
                 None,
                 0,
-                Op::MallocPhysical { size: 2 << 20, handle: Some(0xabc), device: Some(1), flags: 0 },
+                Op::MallocPhysical { size: 2 << 20, handle: Some(0xabc), device: Some(1), flags: 0, driver: None },
             ),
             call(
                 Api::AclrtMapMem,
@@ -510,7 +632,15 @@ mod tests {
             1,
             Some(1),
             0,
-            Op::Malloc { space: Space::Host, size: 10, ptr: Some(0x5), policy: None, device: None, module: None },
+            Op::Malloc {
+                space: Space::Host,
+                size: 10,
+                ptr: Some(0x5),
+                policy: None,
+                device: None,
+                module: None,
+                driver: None,
+            },
         );
         let (_, out) = run(&[e]);
         assert!(matches!(out[0], Output::Malloc { device: DeviceKey::Cpu, space: Space::Host, .. }));

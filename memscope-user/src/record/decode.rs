@@ -7,6 +7,7 @@
 use std::mem::size_of;
 
 use memscope_common::record::{CallRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind};
+use memscope_common::spec::MAX_FIELDS;
 use thiserror::Error;
 
 /// A record that could not be decoded. The consumer counts these and keeps going.
@@ -30,16 +31,19 @@ pub struct RawCall {
     pub spec_id: u32,
     pub tgid: u32,
     pub tid: u32,
-    pub cpu: u32,
     pub entry_mono_ns: u64,
     pub return_mono_ns: u64,
     pub args: [u64; 6],
     pub ret: u64,
-    /// Value read through the out-pointer at return, if the spec has one and the read succeeded.
-    pub out: Option<u64>,
+    /// The spec's field reads, `None` where the spec has none or the read failed.
+    pub fields: [Option<u64>; MAX_FIELDS],
+    /// The spec id of the call this one ran inside of (the spec's outer layer), if any.
+    pub outer_spec: Option<u32>,
     pub cfg_device: Option<u32>,
     pub cfg_module: Option<u16>,
     pub thread_device: Option<u32>,
+    /// The spec's text argument, if it has one.
+    pub text: Option<String>,
 }
 
 impl RawCall {
@@ -49,11 +53,16 @@ impl RawCall {
         self.ret as u32 as i32
     }
 
-    /// The out-pointer's value when the call succeeded: on failure the runtime writes nothing, so
-    /// whatever the caller left there is not a result.
+    /// Field `i`, if it was read.
+    pub fn field(&self, i: usize) -> Option<u64> {
+        self.fields.get(i).copied().flatten()
+    }
+
+    /// Field 0 (the out-pointer's value) when the call succeeded: on failure the callee writes
+    /// nothing, so whatever the caller left there is not a result.
     pub fn result(&self) -> Option<u64> {
         if self.status() == 0 {
-            self.out
+            self.field(0)
         } else {
             None
         }
@@ -96,19 +105,22 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         RecordKind::Call => {
             need::<CallRecord>(kind, bytes)?;
             let r: CallRecord = read(bytes);
+            let fields = std::array::from_fn(|i| (r.fields_ok & (1 << i) != 0).then_some(r.fields[i]));
+            let text_len = r.text.iter().position(|b| *b == 0).unwrap_or(r.text.len());
             Ok(Record::Call(RawCall {
                 spec_id: r.spec_id,
                 tgid: r.hdr.tgid,
                 tid: r.hdr.tid,
-                cpu: r.hdr.cpu,
                 entry_mono_ns: r.entry_ns,
                 return_mono_ns: r.hdr.ts_ns,
                 args: r.args,
                 ret: r.ret,
-                out: (r.out_ok == 1).then_some(r.out),
+                fields,
+                outer_spec: (r.outer_spec != 0).then_some(r.outer_spec),
                 cfg_device: non_negative(r.cfg_device),
                 cfg_module: u16::try_from(r.cfg_module).ok(),
                 thread_device: non_negative(r.thread_device),
+                text: (text_len > 0).then(|| String::from_utf8_lossy(&r.text[..text_len]).into_owned()),
             }))
         }
         RecordKind::Fork => {
@@ -145,25 +157,28 @@ mod tests {
             entry_ns: 1_000,
             args: [0x7fff_0000, 4096, 2, 0, 0, 0],
             ret: 0,
-            out: 0xdead_beef_0000,
-            out_ok: 1,
+            fields: [0xdead_beef_0000, 0, 0, 77],
+            fields_ok: 0b1001,
+            outer_spec: 0,
             cfg_device: -1,
             cfg_module: 7,
-            _reserved: 0,
+            text: *b"ptaCaching\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
         }
     }
 
     #[test]
     fn call_round_trips_with_absent_values_as_none() {
         let Record::Call(c) = decode(&encode(&call())).unwrap() else { panic!("not a call") };
-        assert_eq!((c.tgid, c.tid, c.cpu), (42, 43, 1));
+        assert_eq!((c.tgid, c.tid), (42, 43));
         assert_eq!((c.entry_mono_ns, c.return_mono_ns), (1_000, 2_000));
         assert_eq!(c.args[1], 4096);
-        assert_eq!(c.out, Some(0xdead_beef_0000));
+        assert_eq!(c.fields, [Some(0xdead_beef_0000), None, None, Some(77)], "only fields with their ok bit");
         assert_eq!(c.result(), Some(0xdead_beef_0000));
+        assert_eq!(c.outer_spec, None, "0 means not nested");
         assert_eq!(c.cfg_device, None, "-1 means absent");
         assert_eq!(c.cfg_module, Some(7));
         assert_eq!(c.thread_device, Some(1));
+        assert_eq!(c.text.as_deref(), Some("ptaCaching"));
     }
 
     #[test]
@@ -185,11 +200,15 @@ mod tests {
     }
 
     #[test]
-    fn unread_out_pointer_is_none() {
+    fn unread_out_pointer_is_none_and_text_is_bounded() {
         let mut r = call();
-        r.out_ok = 0;
+        r.fields_ok = 0;
+        r.text = [b'x'; 32];
+        r.outer_spec = 5;
         let Record::Call(c) = decode(&encode(&r)).unwrap() else { panic!() };
-        assert_eq!(c.out, None);
+        assert_eq!(c.result(), None);
+        assert_eq!(c.text.as_deref().map(str::len), Some(32), "an unterminated text stops at the buffer end");
+        assert_eq!(c.outer_spec, Some(5));
     }
 
     #[test]

@@ -62,6 +62,8 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
                     api,
                     entry_wall_ns: clock.to_wall(raw.entry_mono_ns),
                     status: raw.status(),
+                    out_of_memory: raw.status() != 0 && (api.def().out_of_memory)(raw.status()),
+                    outer: raw.outer_spec.and_then(Api::from_spec_id),
                     thread_device: raw.thread_device,
                     op: (api.def().decode)(&raw),
                 }),
@@ -87,15 +89,16 @@ mod tests {
             spec_id,
             tgid: 7,
             tid: 8,
-            cpu: 0,
             entry_mono_ns: 100,
             return_mono_ns: 200,
             args,
             ret,
-            out,
+            fields: [out, None, None, None],
+            outer_spec: None,
             cfg_device: None,
             cfg_module: None,
             thread_device: Some(1),
+            text: None,
         }
     }
 
@@ -115,7 +118,8 @@ mod tests {
                 ptr: Some(0xabc0),
                 policy: Some(0),
                 device: None,
-                module: None
+                module: None,
+                driver: None
             }
         );
     }
@@ -127,7 +131,7 @@ mod tests {
             Clock::with_offset(0),
         );
         let EventKind::Call(c) = e.unwrap().kind else { panic!() };
-        assert_eq!(c.op, Op::Free { space: Space::Host, ptr: 0x55 });
+        assert_eq!(c.op, Op::Free { space: Space::Host, ptr: 0x55, driver: None });
     }
 
     #[test]
@@ -138,6 +142,24 @@ mod tests {
         );
         let EventKind::Call(c) = e.unwrap().kind else { panic!() };
         assert_eq!(c.op, Op::Map { va: 0x7000, size: 2 << 20, offset: 4096, handle: 0xfeed, flags: 0 });
+    }
+
+    #[test]
+    fn driver_flag_gives_device_and_out_of_memory_is_per_family() {
+        let mut r = raw(Api::HalMemAlloc as u32, [0x10, 4096, 3 | (1 << 10) | (3 << 56), 0, 0, 0], 6, None);
+        r.outer_spec = Some(Api::AclrtMalloc as u32);
+        let EventKind::Call(c) = to_event(Record::Call(r), Clock::with_offset(0)).unwrap().kind else { panic!() };
+        assert!(c.out_of_memory, "DRV_ERROR_OUT_OF_MEMORY");
+        assert_eq!(c.outer, Some(Api::AclrtMalloc));
+        let Op::Malloc { device, module, ptr, .. } = c.op else { panic!() };
+        assert_eq!((device, module, ptr), (Some(3), Some(3), None));
+        // 6 from the runtime is not out of memory; 207001 is.
+        let EventKind::Call(c) =
+            to_event(Record::Call(raw(Api::AclrtMalloc as u32, [0; 6], 6, None)), Clock::with_offset(0)).unwrap().kind
+        else {
+            panic!()
+        };
+        assert!(!c.out_of_memory);
     }
 
     #[test]

@@ -5,19 +5,17 @@
 //! |---|---|---|---|
 //! | device block allocated / freed | `MALLOC` / `FREE` | `HAL` | `0x%016x` |
 //! | host block allocated / freed | `MALLOC` / `FREE` | `HOST` (Attr `pinned`) | `0x%016x` |
-//! | allocation failed for lack of memory | `OOM_DETAIL` | `OOM_TRIGGER` | `N/A` |
+//! | allocation failed for lack of memory (runtime 207001, driver 6) | `OOM_DETAIL` | `OOM_TRIGGER` | `N/A` |
 //! | any other failed call | `API_ERROR` | `HAL` / `HOST` | `N/A` |
 //! | address reserve/release, physical alloc/free | `VMM` | `RESERVE` / `RELEASE` / `PHYSICAL_MALLOC` / `PHYSICAL_FREE` | `N/A` |
 //! | trace start / stop | `SYSTEM` | `START_TRACE` / `STOP_TRACE` | `N/A` |
 //!
 //! `API_ERROR` and `VMM` are ours; Insight ignores Events it does not know.
 
-use super::attr::Attr;
+use super::attr::{Attr, Value};
 use super::Meta;
-use crate::model::{DeviceKey, Origin, Output, Site, Space, VmmStep};
-
-/// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
-pub const ACL_ERROR_RT_MEMORY_ALLOCATION: i32 = 207_001;
+use crate::apis::{hal, Api};
+use crate::model::{DeviceKey, DriverInfo, Origin, Output, PageType, Site, Space, VmmStep};
 
 /// One `memscope_dump` row, before its per-file `ID`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,13 +90,36 @@ fn row(
     }
 }
 
+/// Attr keys for the driver call behind a fact: the driver API when it differs from the row's
+/// (a merged runtime + driver call), its flag, module and page class.
+fn with_driver(mut attr: Attr, site: &Site, driver: Option<&DriverInfo>) -> Attr {
+    let Some(d) = driver else { return attr };
+    if d.api != site.api {
+        attr = attr.with("hal_api", d.api.name());
+    }
+    attr = attr.with_opt("flag", d.flag.map(Value::Addr)).with_opt("page_type", d.page.map(PageType::as_str));
+    match d.api {
+        Api::HalMemAlloc => attr.with("alloc_type", "alloc"),
+        Api::HalMemCreate => attr.with("alloc_type", "create"),
+        _ => attr,
+    }
+}
+
+fn with_module(attr: Attr, module: Option<u16>) -> Attr {
+    match module {
+        Some(m) => attr.with("module_id", m).with("owner", hal::owner(m)),
+        None => attr,
+    }
+}
+
 /// The row for one model output.
 pub fn to_row(output: &Output) -> Row {
     match output {
-        Output::Malloc { site, device, space, ptr, size, allocation_id, used, origin } => {
+        Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin } => {
             let mut attr = Attr::new()
                 .addr("addr", *ptr)
                 .with("size", *size)
+                .with("req_size", *req_size)
                 .with("allocation_id", *allocation_id)
                 .with("api", site.api.name())
                 .with("used", *used);
@@ -106,14 +127,17 @@ pub fn to_row(output: &Output) -> Row {
                 attr = attr.with("pinned", "true");
             }
             attr = match origin {
-                Origin::Direct { policy, module } => attr.with_opt("policy", *policy).with_opt("module_id", *module),
+                Origin::Direct { policy, module, driver } => {
+                    let attr = with_module(attr.with_opt("policy", *policy), driver.and_then(|d| d.module).or(*module));
+                    with_driver(attr, site, driver.as_ref())
+                }
                 Origin::Mapped { handle, offset } => {
                     attr.with("vmm", "true").addr("handle", *handle).with("offset", *offset)
                 }
             };
             row(site, "MALLOC", block_type(*space), *device, Some(*ptr), attr)
         }
-        Output::Free { site, device, space, ptr, size, allocation_id, used, shadow } => {
+        Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } => {
             let mut attr = Attr::new()
                 .addr("addr", *ptr)
                 // A free of a block allocated before the trace has no known size: "0" makes
@@ -131,24 +155,28 @@ pub fn to_row(output: &Output) -> Row {
             if *shadow {
                 attr = attr.with("shadow", "true");
             }
+            attr = with_driver(attr, site, driver.as_ref());
             row(site, "FREE", block_type(*space), *device, Some(*ptr), attr)
         }
-        Output::Failed { site, device, status, size, ptr } => {
+        Output::Failed { site, device, status, out_of_memory, size, ptr, driver } => {
             let space_type = if *device == DeviceKey::Cpu { "HOST" } else { "HAL" };
-            if *status == ACL_ERROR_RT_MEMORY_ALLOCATION && size.is_some() {
-                let attr =
-                    Attr::new().with("func", site.api.name()).with_opt("req_size", *size).with("status", *status);
-                row(site, "OOM_DETAIL", "OOM_TRIGGER", *device, None, attr)
+            if *out_of_memory && size.is_some() {
+                let attr = Attr::new()
+                    .with("func", site.api.name())
+                    .with_opt("req_size", *size)
+                    .with_opt("flag", driver.and_then(|d| d.flag).map(Value::Addr))
+                    .with("status", *status);
+                row(site, "OOM_DETAIL", "OOM_TRIGGER", *device, None, with_module(attr, driver.and_then(|d| d.module)))
             } else {
                 let attr = Attr::new()
                     .with("api", site.api.name())
                     .with("status", *status)
                     .with_opt("size", *size)
-                    .with_opt("addr", ptr.map(super::attr::Value::Addr));
-                row(site, "API_ERROR", space_type, *device, None, attr)
+                    .with_opt("addr", ptr.map(Value::Addr));
+                row(site, "API_ERROR", space_type, *device, None, with_driver(attr, site, driver.as_ref()))
             }
         }
-        Output::Vmm { site, device, step, addr, size } => {
+        Output::Vmm { site, device, step, addr, size, driver } => {
             let (event_type, key) = match step {
                 VmmStep::Reserve => ("RESERVE", "addr"),
                 VmmStep::Release => ("RELEASE", "addr"),
@@ -156,6 +184,7 @@ pub fn to_row(output: &Output) -> Row {
                 VmmStep::FreePhysical => ("PHYSICAL_FREE", "handle"),
             };
             let attr = Attr::new().addr(key, *addr).with_opt("size", *size).with("api", site.api.name());
+            let attr = with_driver(with_module(attr, driver.and_then(|d| d.module)), site, driver.as_ref());
             row(site, "VMM", event_type, *device, None, attr)
         }
     }
@@ -192,7 +221,8 @@ mod tests {
             size: 512,
             allocation_id: 3,
             used: 1024,
-            origin: Origin::Direct { policy: Some(0), module: None },
+            origin: Origin::Direct { policy: Some(0), module: None, driver: None },
+            req_size: 512,
         });
         assert_eq!((r.event, r.event_type, r.name), ("MALLOC", "HAL", "aclrtMalloc"));
         assert_eq!(r.ptr_text(), "0x0000000000000abc");
@@ -214,6 +244,7 @@ mod tests {
             allocation_id: Some(1),
             used: 0,
             shadow: true,
+            driver: None,
         });
         assert_eq!((r.event, r.event_type), ("FREE", "HAL"));
         assert_eq!(r.attr.get("size").as_deref(), Some("64"));
@@ -230,7 +261,8 @@ mod tests {
             size: 1,
             allocation_id: 1,
             used: 1,
-            origin: Origin::Direct { policy: None, module: None },
+            origin: Origin::Direct { policy: None, module: None, driver: None },
+            req_size: 1,
         });
         assert_eq!((r.event_type, r.device_id().as_str()), ("HOST", "cpu"));
         assert_eq!(r.attr.get("pinned").as_deref(), Some("true"));
@@ -242,8 +274,10 @@ mod tests {
             site: site(Api::AclrtMalloc),
             device: DeviceKey::Npu(0),
             status: 207_001,
+            out_of_memory: true,
             size: Some(10),
             ptr: None,
+            driver: None,
         });
         assert_eq!((oom.event, oom.event_type), ("OOM_DETAIL", "OOM_TRIGGER"));
         assert_eq!(oom.attr.get("req_size").as_deref(), Some("10"));
@@ -252,8 +286,10 @@ mod tests {
             site: site(Api::AclrtFree),
             device: DeviceKey::Npu(0),
             status: 100_000,
+            out_of_memory: false,
             size: None,
             ptr: Some(0x5),
+            driver: None,
         });
         assert_eq!((err.event, err.event_type), ("API_ERROR", "HAL"));
     }

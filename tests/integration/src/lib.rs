@@ -79,6 +79,8 @@ pub struct Entry {
     pub via: Option<String>,
     #[serde(default)]
     pub lib: Option<String>,
+    #[serde(default)]
+    pub flag: Option<u64>,
 }
 
 impl Entry {
@@ -371,10 +373,20 @@ pub fn workload_args(env: &TestEnv, ledger: &Path, extra: &[&str]) -> Vec<String
     v
 }
 
+/// Where the stand-in driver logs, next to a workload ledger.
+pub fn driver_ledger_path(ledger: &Path) -> PathBuf {
+    ledger.with_extension("driver.jsonl")
+}
+
 /// Starts the workload directly (for attach mode).
 pub fn spawn_workload(env: &TestEnv, ledger: &Path, extra: &[&str]) -> Child {
     let args = workload_args(env, ledger, extra);
-    Command::new(&args[0]).args(&args[1..]).env("ASCEND_HOME_PATH", &env.ascend_home).spawn().expect("start workload")
+    Command::new(&args[0])
+        .args(&args[1..])
+        .env("ASCEND_HOME_PATH", &env.ascend_home)
+        .env("STANDIN_HAL_LEDGER", driver_ledger_path(ledger))
+        .spawn()
+        .expect("start workload")
 }
 
 pub fn wait_child(child: &mut Child, timeout: Duration) -> i32 {
@@ -413,7 +425,12 @@ pub fn expect(e: &Entry) -> Option<Expect> {
     let device = e.device_id();
     let malloc_api = matches!(
         e.api.as_str(),
-        "aclrtMalloc" | "aclrtMallocAlign32" | "aclrtMallocCached" | "aclrtMallocWithCfg" | "aclrtMallocHost"
+        "aclrtMalloc"
+            | "aclrtMallocAlign32"
+            | "aclrtMallocCached"
+            | "aclrtMallocWithCfg"
+            | "aclrtMallocHost"
+            | "halMemAlloc"
     );
     if e.rc != 0 {
         if malloc_api && e.rc == OOM {
@@ -454,14 +471,12 @@ pub fn expect(e: &Entry) -> Option<Expect> {
             ptr: e.ptr,
             attrs: vec![("size", e.size?)],
         },
+        // Device memory is taken by the driver: the row's size is the driver's (checked against
+        // the driver's ledger by `assert_driver_truth`), the request is `req_size`.
         _ if malloc_api => {
-            Expect { event: "MALLOC", event_type: "HAL", device, ptr: e.ptr, attrs: vec![("size", e.size?)] }
+            Expect { event: "MALLOC", event_type: "HAL", device, ptr: e.ptr, attrs: vec![("req_size", e.size?)] }
         }
-        "aclrtFree" => {
-            let mut attrs = vec![];
-            size(&mut attrs);
-            Expect { event: "FREE", event_type: "HAL", device, ptr: e.ptr, attrs }
-        }
+        "aclrtFree" | "halMemFree" => Expect { event: "FREE", event_type: "HAL", device, ptr: e.ptr, attrs: vec![] },
         "aclrtMapMem" => Expect {
             event: "MALLOC",
             event_type: "HAL",
@@ -588,7 +603,11 @@ pub fn assert_exact(ledger: &[Entry], out: &Output) {
 /// `start_ns`. A row may be in the unknown-device output only for calls before the thread
 /// revealed its device after `live_ns`.
 pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u64, until_ns: u64) {
-    let rows = out.call_rows();
+    // Before everything is live, a driver call can be seen while the runtime call that made it
+    // is not (its library was not probed yet): such rows are real driver calls, checked against
+    // the driver's own ledger by `assert_driver_truth`, not against the workload's.
+    let rows: Vec<&DbRow> =
+        out.call_rows().into_iter().filter(|r| !(r.name.starts_with("hal") && r.ts < live_ns)).collect();
     let got = per_tid(&rows);
     let want = expected_per_tid(ledger);
     // When each thread's device became known to the tracer.
@@ -650,16 +669,16 @@ pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u
     assert!(total > 0, "nothing was recorded");
 }
 
-/// Blocks the ledger says were never freed, as (device, ptr, size).
-pub fn live_at_end(ledger: &[Entry]) -> Vec<(String, u64, u64)> {
-    let mut live: BTreeMap<u64, (String, u64)> = BTreeMap::new();
+/// Blocks the ledger says were never freed, as (device, ptr).
+pub fn live_at_end(ledger: &[Entry]) -> Vec<(String, u64)> {
+    let mut live: BTreeMap<u64, String> = BTreeMap::new();
     let mut sorted: Vec<&Entry> = ledger.iter().collect();
     sorted.sort_by_key(|e| e.t0);
     for e in sorted {
         let Some(x) = expect(e) else { continue };
         match (x.event, x.ptr) {
             ("MALLOC", Some(p)) => {
-                live.insert(p, (x.device.unwrap_or_default(), e.size.unwrap_or(0)));
+                live.insert(p, x.device.unwrap_or_default());
             }
             ("FREE", Some(p)) => {
                 live.remove(&p);
@@ -667,17 +686,18 @@ pub fn live_at_end(ledger: &[Entry]) -> Vec<(String, u64, u64)> {
             _ => {}
         }
     }
-    live.into_iter().map(|(p, (d, s))| (d, p, s)).collect()
+    live.into_iter().map(|(p, d)| (d, p)).collect()
 }
 
-/// Shadow frees in the output, as (device, ptr, size).
-pub fn shadow_frees(out: &Output) -> Vec<(String, u64, u64)> {
+/// Shadow frees in the output, as (device, ptr). Their sizes are their blocks' (see
+/// `assert_frees_carry_block_sizes`).
+pub fn shadow_frees(out: &Output) -> Vec<(String, u64)> {
     let mut v: Vec<_> = out
         .rows()
         .filter(|r| r.event == "FREE" && r.is_shadow())
-        .map(|r| (r.device.clone(), r.ptr_value().unwrap(), r.attr_u64("size").unwrap()))
+        .map(|r| (r.device.clone(), r.ptr_value().unwrap()))
         .collect();
-    v.sort_by_key(|(_, p, _)| *p);
+    v.sort_by_key(|(_, p)| *p);
     v
 }
 
@@ -693,4 +713,91 @@ pub fn db_health(path: &Path) -> (String, i64) {
 pub fn meta(path: &Path, key: &str) -> Option<String> {
     let conn = rusqlite::Connection::open(path).unwrap();
     conn.query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get(0)).ok()
+}
+
+// ---------------------------------------------------------------- driver ledger
+
+/// One call the stand-in driver logged (STANDIN_HAL_LEDGER): its own truth, below the runtime.
+#[derive(Clone, Debug, Deserialize)]
+pub struct DriverEntry {
+    pub api: String,
+    pub tid: u32,
+    pub t0: u64,
+    pub t1: u64,
+    pub size: u64,
+    pub flag: u64,
+    pub ptr: u64,
+    pub rc: i64,
+    pub device: i64,
+}
+
+pub fn read_driver_ledger(path: &Path) -> Vec<DriverEntry> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("driver ledger {}: {e}", path.display()));
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad driver ledger line {l}: {e}")))
+        .collect()
+}
+
+fn within(ts: u64, e: &DriverEntry) -> bool {
+    ts + CLOCK_TOLERANCE_NS >= e.t0 && ts <= e.t1 + CLOCK_TOLERANCE_NS
+}
+
+/// Rows of device memory against what the driver itself logged: every driver allocation made
+/// after `live_ns` is exactly one MALLOC row (merged into its runtime call or on its own), with
+/// the driver's size, flag and device; every driver-backed row is a real driver allocation; out-of-
+/// memory rows carry the failing driver call's flag; physical memory rows carry the handle's
+/// device.
+pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
+    let rows = out.call_rows();
+    let backed: Vec<&&DbRow> = rows
+        .iter()
+        .filter(|r| r.event == "MALLOC" && r.attr.get("alloc_type").map(String::as_str) == Some("alloc"))
+        .collect();
+    for r in &backed {
+        let hits: Vec<&DriverEntry> = driver
+            .iter()
+            .filter(|e| {
+                e.api == "halMemAlloc" && e.rc == 0 && e.tid == r.tid && Some(e.ptr) == r.ptr_value() && within(r.ts, e)
+            })
+            .collect();
+        assert_eq!(hits.len(), 1, "driver-backed row matches {} driver calls: {r:?}", hits.len());
+        let e = hits[0];
+        assert_eq!(r.attr_u64("size"), Some(e.size), "size is the driver's: {r:?} {e:?}");
+        assert_eq!(r.attr_u64("flag"), Some(e.flag), "flag: {r:?} {e:?}");
+        assert_eq!(r.device, e.device.to_string(), "device from the flag: {r:?} {e:?}");
+        assert_eq!(r.attr_u64("module_id"), Some(e.flag >> 56), "module: {r:?}");
+    }
+    for e in driver.iter().filter(|e| e.api == "halMemAlloc" && e.rc == 0 && e.t0 > live_ns) {
+        let n = backed.iter().filter(|r| r.tid == e.tid && r.ptr_value() == Some(e.ptr) && within(r.ts, e)).count();
+        assert_eq!(n, 1, "driver allocation recorded {n} times (must be once): {e:?}");
+    }
+    for e in driver.iter().filter(|e| e.api == "halMemAlloc" && e.rc == 6 && e.t0 > live_ns) {
+        let oom = rows.iter().find(|r| r.event == "OOM_DETAIL" && r.tid == e.tid && within(r.ts, e));
+        let oom = oom.unwrap_or_else(|| panic!("failed driver allocation without an OOM row: {e:?}"));
+        assert_eq!(oom.attr_u64("flag"), Some(e.flag), "{oom:?}");
+    }
+    for e in driver.iter().filter(|e| e.api == "halMemCreate" && e.rc == 0 && e.t0 > live_ns) {
+        let row = rows
+            .iter()
+            .find(|r| r.event_type == "PHYSICAL_MALLOC" && r.attr_u64("handle") == Some(e.ptr) && within(r.ts, e))
+            .unwrap_or_else(|| panic!("physical allocation missing: {e:?}"));
+        assert_eq!(row.attr.get("alloc_type").map(String::as_str), Some("create"));
+        assert_eq!(row.device, e.device.to_string(), "{row:?}");
+    }
+}
+
+/// Every FREE of a known block has its MALLOC's size (Insight pairs them and needs both).
+pub fn assert_frees_carry_block_sizes(out: &Output) {
+    for (folder, (_, rows)) in &out.files {
+        let mut mallocs: HashMap<(String, String), &DbRow> = HashMap::new();
+        for r in rows.iter().filter(|r| r.event == "MALLOC") {
+            mallocs.insert((r.ptr.clone(), r.attr.get("allocation_id").cloned().unwrap_or_default()), r);
+        }
+        for f in rows.iter().filter(|r| r.event == "FREE" && !r.attr.contains_key("unmatched")) {
+            let key = (f.ptr.clone(), f.attr.get("allocation_id").cloned().unwrap_or_default());
+            let m = mallocs.get(&key).unwrap_or_else(|| panic!("{folder}: FREE without its MALLOC: {f:?}"));
+            assert_eq!(f.attr.get("size"), m.attr.get("size"), "{folder}: {f:?} vs {m:?}");
+            assert_eq!(f.event_type, m.event_type);
+        }
+    }
 }

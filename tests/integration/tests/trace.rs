@@ -16,7 +16,8 @@ fn launch(env: &TestEnv, out: &Path, ledger: &Path, tracer_args: &[&str], worklo
     let w = workload_args(env, ledger, workload);
     let mut all: Vec<&str> = args;
     all.extend(w.iter().map(String::as_str));
-    Tracer::spawn(env, &all, &[("ASCEND_HOME_PATH", &env.ascend_home)])
+    let driver_ledger = driver_ledger_path(ledger);
+    Tracer::spawn(env, &all, &[("ASCEND_HOME_PATH", &env.ascend_home), ("STANDIN_HAL_LEDGER", &driver_ledger)])
 }
 
 const FULL_WORKLOAD: &[&str] = &[
@@ -29,6 +30,7 @@ const FULL_WORKLOAD: &[&str] = &[
     "--fail-step",
     "2",
     "--keep-weights",
+    "--driver-direct",
     "--step-sleep-ms",
     "5",
 ];
@@ -43,9 +45,16 @@ fn launch_mode_matches_the_ledger_exactly() {
     let (code, stderr) = tracer.finish(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{stderr}");
 
+    let driver = read_driver_ledger(&driver_ledger_path(&ledger));
     let ledger = read_ledger(&ledger);
     let out = read_output(&out);
     assert_exact(&ledger, &out);
+    // The driver calls behind runtime calls are merged into them, one row each, with the driver's
+    // size, flag and device; direct driver calls are rows of their own.
+    assert_driver_truth(&driver, &out, 0);
+    assert_frees_carry_block_sizes(&out);
+    assert!(out.call_rows().iter().any(|r| r.name == "halMemAlloc"), "direct driver calls are recorded");
+    assert!(out.call_rows().iter().any(|r| r.attr.get("hal_api").map(String::as_str) == Some("halMemAlloc")));
 
     // Two devices give two DBs (plus host memory), each starting and ending with SYSTEM rows.
     let folders: Vec<&str> = out.files.keys().map(String::as_str).collect();
@@ -64,7 +73,7 @@ fn launch_mode_matches_the_ledger_exactly() {
 
     // Leaked blocks and kept weights get shadow frees; nothing else does.
     let mut expected_live = live_at_end(&ledger);
-    expected_live.sort_by_key(|(_, p, _)| *p);
+    expected_live.sort_by_key(|(_, p)| *p);
     assert!(!expected_live.is_empty());
     assert_eq!(shadow_frees(&out), expected_live);
 
@@ -101,6 +110,7 @@ fn attach_by_pid_mid_run_records_every_call_after_attach_and_stops_at_target_exi
             "--with-cfg",
             "--leak",
             "--keep-weights",
+            "--driver-direct",
         ],
     );
     std::thread::sleep(Duration::from_millis(1500));
@@ -114,9 +124,17 @@ fn attach_by_pid_mid_run_records_every_call_after_attach_and_stops_at_target_exi
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stderr.contains("target exited"), "the tracer stops when the target exits:\n{stderr}");
 
+    let driver = read_driver_ledger(&driver_ledger_path(&ledger_path));
     let ledger = read_ledger(&ledger_path);
     let out = read_output(&out);
     assert_attached(&ledger, &out, start, live, u64::MAX);
+    assert_driver_truth(&driver, &out, live);
+    // The driver's flag names the device of every allocation, also on threads that chose their
+    // device before the attach: no allocation lands in the unknown-device output.
+    assert!(
+        out.call_rows().iter().filter(|r| r.event == "MALLOC" && r.event_type == "HAL").all(|r| r.device != "N/A"),
+        "allocations with an unknown device despite the driver flag"
+    );
     // Calls before the attach are absent: the first recorded call ended after the tracer started.
     let first = out.call_rows().iter().map(|r| r.ts).min().unwrap();
     assert!(first + CLOCK_TOLERANCE_NS >= start);
@@ -218,10 +236,12 @@ fn csv_format_holds_the_same_calls() {
     let tracer = launch(&env, &out, &ledger, &["--format", "csv"], FULL_WORKLOAD);
     let (code, stderr) = tracer.finish(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{stderr}");
+    let driver = read_driver_ledger(&driver_ledger_path(&ledger));
     let ledger = read_ledger(&ledger);
     let out = read_output(&out);
     assert!(out.files.values().all(|(p, _)| p.extension().unwrap() == "csv"));
     assert_exact(&ledger, &out);
+    assert_driver_truth(&driver, &out, 0);
 }
 
 #[test]
@@ -252,9 +272,14 @@ fn a_library_loaded_after_the_trace_started_is_picked_up() {
     let rows = out.call_rows();
     for e in late_calls {
         let x = expect(e).unwrap();
+        let same_ptr: Vec<String> = rows
+            .iter()
+            .filter(|r| r.ptr_value() == e.ptr && r.tid == e.tid)
+            .map(|r| format!("{r:?}: {:?}", mismatch(e, &x, r, false, false)))
+            .collect();
         assert!(
             rows.iter().any(|r| mismatch(e, &x, r, false, false).is_none()),
-            "late-library call not recorded: {e:?}"
+            "late-library call not recorded: {e:?}\n{same_ptr:#?}"
         );
     }
     // And everything recorded is still exactly the ledger's calls.

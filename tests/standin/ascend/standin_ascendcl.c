@@ -6,142 +6,112 @@
  *
  * - Every public aclrtX forwards to an exported aclrtXImpl, as newer CANN does (libacl_rt.so ->
  *   libacl_rt_impl.so), so a tracer that probes both must still report one call.
- * - Device memory is real host memory, so copies and memsets work; each device has a capacity
- *   (STANDIN_ACL_DEVICE_MEM, default 8G; suffixes K/M/G) and STANDIN_ACL_DEVICE_COUNT devices
- *   (default 2). Exhaustion returns ACL_ERROR_RT_MEMORY_ALLOCATION and leaves *devPtr untouched.
+ * - Device memory comes from the stand-in driver (libascend_hal.so), as the real runtime's does:
+ *   aclrtMalloc asks the driver for size+32 rounded up to 32 bytes, the other mallocs for size
+ *   rounded up to 32; the driver flag carries the device, device memory type, page class (from
+ *   the policy) and module (APP, or the MODULE_ID attribute of aclrtMallocWithCfg). Driver
+ *   exhaustion becomes ACL_ERROR_RT_MEMORY_ALLOCATION, with *devPtr untouched.
  * - The device is per thread (aclrtSetDevice), or the DEVICE_ID attribute of aclrtMallocWithCfg,
  *   or the location of a physical-memory property.
- * - The virtual-memory family reserves address space (PROT_NONE), backs physical handles with
- *   memfds, and maps/unmaps them with MAP_FIXED, so mapped memory is usable.
+ * - The virtual-memory family reserves address space (PROT_NONE), creates physical memory with
+ *   halMemCreate, and maps it with MAP_FIXED, so mapped memory is usable.
  *
  * Built by `cargo xtask build` with -fno-ipa-icf (no two functions folded into one address) and
  * noinline, so each symbol is its own uprobe target.
  */
 #define _GNU_SOURCE
 #include "acl_standin.h"
+#include "hal_standin.h"
 
-#include <errno.h>
 #include <pthread.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <unistd.h>
 
 #define STANDIN_EXPORT __attribute__((visibility("default"), noinline, used))
-#define MAX_DEVICES 64
 #define BUCKETS 4096
+#define MODULE_APP 33
 
-enum block_kind { BLOCK_DEVICE = 1, BLOCK_HOST = 2, BLOCK_RESERVED = 3, BLOCK_MAPPED = 4 };
+enum block_kind { BLOCK_HOST = 2, BLOCK_RESERVED = 3, BLOCK_MAPPED = 4 };
 
 struct block {
     uintptr_t addr;
     size_t size;
-    int32_t device;
     enum block_kind kind;
     struct block *next;
 };
 
-struct physical {
-    int fd;
-    size_t size;
-    int32_t device;
-};
-
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct block *table[BUCKETS];
-static size_t used[MAX_DEVICES];
-static size_t capacity;
-static int32_t device_count;
-static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static __thread int32_t current_device = -1;
-
-static size_t parse_size(const char *text, size_t fallback) {
-    if (text == NULL || *text == '\0') {
-        return fallback;
-    }
-    char *end = NULL;
-    unsigned long long value = strtoull(text, &end, 10);
-    switch (end ? *end : '\0') {
-    case 'k': case 'K': value <<= 10; break;
-    case 'm': case 'M': value <<= 20; break;
-    case 'g': case 'G': value <<= 30; break;
-    default: break;
-    }
-    return (size_t)value;
-}
-
-static void init(void) {
-    capacity = parse_size(getenv("STANDIN_ACL_DEVICE_MEM"), (size_t)8 << 30);
-    device_count = (int32_t)parse_size(getenv("STANDIN_ACL_DEVICE_COUNT"), 2);
-    if (device_count < 1 || device_count > MAX_DEVICES) {
-        device_count = 2;
-    }
-}
 
 static size_t bucket_of(uintptr_t addr) { return (addr >> 5) % BUCKETS; }
 
-/* Caller holds the lock. */
-static void insert_block(uintptr_t addr, size_t size, int32_t device, enum block_kind kind) {
+static void insert_block(uintptr_t addr, size_t size, enum block_kind kind) {
     struct block *b = malloc(sizeof *b);
     b->addr = addr;
     b->size = size;
-    b->device = device;
     b->kind = kind;
+    pthread_mutex_lock(&lock);
     size_t i = bucket_of(addr);
     b->next = table[i];
     table[i] = b;
+    pthread_mutex_unlock(&lock);
 }
 
-/* Caller holds the lock. Unlinks and returns the block, or NULL. */
+/* Unlinks and returns the block, or NULL. */
 static struct block *take_block(uintptr_t addr, enum block_kind kind) {
-    struct block **at = &table[bucket_of(addr)];
-    for (; *at != NULL; at = &(*at)->next) {
+    struct block *found = NULL;
+    pthread_mutex_lock(&lock);
+    for (struct block **at = &table[bucket_of(addr)]; *at != NULL; at = &(*at)->next) {
         if ((*at)->addr == addr && (*at)->kind == kind) {
-            struct block *found = *at;
+            found = *at;
             *at = found->next;
-            return found;
+            break;
         }
     }
-    return NULL;
-}
-
-static int valid_device(int32_t device) { return device >= 0 && device < device_count; }
-
-/* Reserves capacity on a device; 0 on success. */
-static int charge(int32_t device, size_t size) {
-    int ok = 0;
-    pthread_mutex_lock(&lock);
-    if (size > capacity - used[device]) {
-        ok = -1;
-    } else {
-        used[device] += size;
-    }
     pthread_mutex_unlock(&lock);
-    return ok;
+    return found;
 }
 
-static aclError device_malloc(void **devPtr, size_t size, int32_t device) {
-    pthread_once(&init_once, init);
+static int valid_device(int32_t device) { return device >= 0 && (uint32_t)device < standin_hal_device_count(); }
+
+static size_t round32(size_t n) { return (n + 31) & ~(size_t)31; }
+
+static unsigned long long page_bits(aclrtMemMallocPolicy policy) {
+    switch ((int)policy & 0xff) {
+    case ACL_MEM_MALLOC_HUGE_FIRST:
+    case ACL_MEM_MALLOC_HUGE_ONLY:
+    case ACL_MEM_MALLOC_HUGE_FIRST_P2P:
+    case ACL_MEM_MALLOC_HUGE_ONLY_P2P:
+        return MEM_PAGE_HUGE;
+    case ACL_MEM_MALLOC_HUGE1G_ONLY:
+    case ACL_MEM_MALLOC_HUGE1G_ONLY_P2P:
+        return MEM_PAGE_GIANT;
+    default:
+        return 0;
+    }
+}
+
+static aclError device_malloc(void **devPtr, size_t size, int32_t device, aclrtMemMallocPolicy policy,
+                              unsigned module, int padded) {
     if (devPtr == NULL || size == 0) {
         return ACL_ERROR_INVALID_PARAM;
     }
     if (!valid_device(device)) {
         return device < 0 ? ACL_ERROR_RT_CONTEXT_NULL : ACL_ERROR_INVALID_PARAM;
     }
-    if (charge(device, size) != 0) {
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    }
+    size_t driver_size = padded ? round32(size + 32) : round32(size);
+    unsigned long long flag = (unsigned long long)device | (MEM_DEV_VAL << MEM_VIRT_BIT) | page_bits(policy) |
+                              ((unsigned long long)module << MEM_MODULE_SHIFT);
     void *p = NULL;
-    if (posix_memalign(&p, 512, size) != 0) {
-        pthread_mutex_lock(&lock);
-        used[device] -= size;
-        pthread_mutex_unlock(&lock);
+    drvError_t rc = halMemAlloc(&p, driver_size, flag);
+    if (rc == DRV_ERROR_OUT_OF_MEMORY) {
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    pthread_mutex_lock(&lock);
-    insert_block((uintptr_t)p, size, device, BLOCK_DEVICE);
-    pthread_mutex_unlock(&lock);
+    if (rc != DRV_ERROR_NONE) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
     *devPtr = p;
     return ACL_SUCCESS;
 }
@@ -149,7 +119,6 @@ static aclError device_malloc(void **devPtr, size_t size, int32_t device) {
 /* ---- device selection ---- */
 
 STANDIN_EXPORT aclError aclrtSetDeviceImpl(int32_t deviceId) {
-    pthread_once(&init_once, init);
     if (!valid_device(deviceId)) {
         return ACL_ERROR_INVALID_PARAM;
     }
@@ -171,50 +140,36 @@ STANDIN_EXPORT aclError aclrtGetDeviceImpl(int32_t *deviceId) {
 /* ---- device memory ---- */
 
 STANDIN_EXPORT aclError aclrtMallocImpl(void **devPtr, size_t size, aclrtMemMallocPolicy policy) {
-    (void)policy;
-    /* The real runtime pads by 32 bytes plus alignment; callers see only what they asked for. */
-    return device_malloc(devPtr, size, current_device);
+    return device_malloc(devPtr, size, current_device, policy, MODULE_APP, 1);
 }
 
 STANDIN_EXPORT aclError aclrtMallocAlign32Impl(void **devPtr, size_t size, aclrtMemMallocPolicy policy) {
-    (void)policy;
-    return device_malloc(devPtr, size, current_device);
+    return device_malloc(devPtr, size, current_device, policy, MODULE_APP, 0);
 }
 
 STANDIN_EXPORT aclError aclrtMallocCachedImpl(void **devPtr, size_t size, aclrtMemMallocPolicy policy) {
-    (void)policy;
-    return device_malloc(devPtr, size, current_device);
+    aclError rc = device_malloc(devPtr, size, current_device, policy, MODULE_APP, 0);
+    return rc;
 }
 
 STANDIN_EXPORT aclError aclrtMallocWithCfgImpl(void **devPtr, size_t size, aclrtMemMallocPolicy policy,
                                                aclrtMallocConfig *cfg) {
-    (void)policy;
     int32_t device = current_device;
+    unsigned module = MODULE_APP;
     if (cfg != NULL && cfg->attrs != NULL) {
         for (size_t i = 0; i < cfg->numAttrs; i++) {
             if (cfg->attrs[i].attr == ACL_RT_MEM_ATTR_DEVICE_ID) {
                 device = (int32_t)cfg->attrs[i].value.deviceId;
+            } else if (cfg->attrs[i].attr == ACL_RT_MEM_ATTR_MODULE_ID) {
+                module = cfg->attrs[i].value.moduleId;
             }
-            /* MODULE_ID only labels the owner on a real machine; nothing to do here. */
         }
     }
-    return device_malloc(devPtr, size, device);
+    return device_malloc(devPtr, size, device, policy, module, 0);
 }
 
 STANDIN_EXPORT aclError aclrtFreeImpl(void *devPtr) {
-    pthread_once(&init_once, init);
-    pthread_mutex_lock(&lock);
-    struct block *b = take_block((uintptr_t)devPtr, BLOCK_DEVICE);
-    if (b != NULL) {
-        used[b->device] -= b->size;
-    }
-    pthread_mutex_unlock(&lock);
-    if (b == NULL) {
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    free(devPtr);
-    free(b);
-    return ACL_SUCCESS;
+    return halMemFree(devPtr) == DRV_ERROR_NONE ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM;
 }
 
 /* ---- host memory ---- */
@@ -227,17 +182,13 @@ STANDIN_EXPORT aclError aclrtMallocHostImpl(void **hostPtr, size_t size) {
     if (p == NULL) {
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    pthread_mutex_lock(&lock);
-    insert_block((uintptr_t)p, size, -1, BLOCK_HOST);
-    pthread_mutex_unlock(&lock);
+    insert_block((uintptr_t)p, size, BLOCK_HOST);
     *hostPtr = p;
     return ACL_SUCCESS;
 }
 
 STANDIN_EXPORT aclError aclrtFreeHostImpl(void *hostPtr) {
-    pthread_mutex_lock(&lock);
     struct block *b = take_block((uintptr_t)hostPtr, BLOCK_HOST);
-    pthread_mutex_unlock(&lock);
     if (b == NULL) {
         return ACL_ERROR_INVALID_PARAM;
     }
@@ -250,14 +201,9 @@ STANDIN_EXPORT aclError aclrtFreeHostImpl(void *hostPtr) {
 
 STANDIN_EXPORT aclError aclrtGetMemInfoImpl(aclrtMemAttr attr, size_t *free_bytes, size_t *total) {
     (void)attr;
-    pthread_once(&init_once, init);
-    if (!valid_device(current_device) || free_bytes == NULL || total == NULL) {
+    if (!valid_device(current_device) || standin_hal_mem_info((uint32_t)current_device, free_bytes, total) != 0) {
         return ACL_ERROR_RT_CONTEXT_NULL;
     }
-    pthread_mutex_lock(&lock);
-    *free_bytes = capacity - used[current_device];
-    pthread_mutex_unlock(&lock);
-    *total = capacity;
     return ACL_SUCCESS;
 }
 
@@ -292,17 +238,13 @@ STANDIN_EXPORT aclError aclrtReserveMemAddressImpl(void **virPtr, size_t size, s
     if (p == MAP_FAILED) {
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    pthread_mutex_lock(&lock);
-    insert_block((uintptr_t)p, size, -1, BLOCK_RESERVED);
-    pthread_mutex_unlock(&lock);
+    insert_block((uintptr_t)p, size, BLOCK_RESERVED);
     *virPtr = p;
     return ACL_SUCCESS;
 }
 
 STANDIN_EXPORT aclError aclrtReleaseMemAddressImpl(void *virPtr) {
-    pthread_mutex_lock(&lock);
     struct block *b = take_block((uintptr_t)virPtr, BLOCK_RESERVED);
-    pthread_mutex_unlock(&lock);
     if (b == NULL) {
         return ACL_ERROR_INVALID_PARAM;
     }
@@ -314,69 +256,50 @@ STANDIN_EXPORT aclError aclrtReleaseMemAddressImpl(void *virPtr) {
 STANDIN_EXPORT aclError aclrtMallocPhysicalImpl(aclrtDrvMemHandle *handle, size_t size,
                                                 const aclrtPhysicalMemProp *prop, uint64_t flags) {
     (void)flags;
-    pthread_once(&init_once, init);
     if (handle == NULL || prop == NULL || size == 0) {
         return ACL_ERROR_INVALID_PARAM;
     }
-    int32_t device = (int32_t)prop->location.id;
-    if (!valid_device(device)) {
+    struct drv_mem_prop drv = {0};
+    drv.side = MEM_DEV_SIDE;
+    drv.devid = prop->location.id;
+    drv.module_id = MODULE_APP;
+    drv.pg_type = prop->memAttr == ACL_HBM_MEM_HUGE1G ? MEM_GIANT_PAGE_TYPE
+                  : prop->memAttr == ACL_HBM_MEM_HUGE  ? MEM_HUGE_PAGE_TYPE
+                                                       : MEM_NORMAL_PAGE_TYPE;
+    drv_mem_handle_t *h = NULL;
+    drvError_t rc = halMemCreate(&h, size, &drv, 0);
+    if (rc == DRV_ERROR_OUT_OF_MEMORY) {
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    if (rc != DRV_ERROR_NONE) {
         return ACL_ERROR_INVALID_PARAM;
     }
-    if (charge(device, size) != 0) {
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    }
-    int fd = memfd_create("standin-acl-physical", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
-        if (fd >= 0) {
-            close(fd);
-        }
-        pthread_mutex_lock(&lock);
-        used[device] -= size;
-        pthread_mutex_unlock(&lock);
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    }
-    struct physical *phys = malloc(sizeof *phys);
-    phys->fd = fd;
-    phys->size = size;
-    phys->device = device;
-    *handle = phys;
+    *handle = h;
     return ACL_SUCCESS;
 }
 
 STANDIN_EXPORT aclError aclrtFreePhysicalImpl(aclrtDrvMemHandle handle) {
-    struct physical *phys = handle;
-    if (phys == NULL) {
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    pthread_mutex_lock(&lock);
-    used[phys->device] -= phys->size;
-    pthread_mutex_unlock(&lock);
-    close(phys->fd);
-    free(phys);
-    return ACL_SUCCESS;
+    return halMemRelease(handle) == DRV_ERROR_NONE ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM;
 }
 
 STANDIN_EXPORT aclError aclrtMapMemImpl(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle,
                                         uint64_t flags) {
     (void)flags;
-    struct physical *phys = handle;
-    if (virPtr == NULL || phys == NULL || offset + size > phys->size) {
+    size_t physical = 0;
+    int fd = standin_hal_handle_fd(handle, &physical);
+    if (virPtr == NULL || fd < 0 || offset + size > physical) {
         return ACL_ERROR_INVALID_PARAM;
     }
-    void *p = mmap(virPtr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, phys->fd, (off_t)offset);
+    void *p = mmap(virPtr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, (off_t)offset);
     if (p == MAP_FAILED) {
         return ACL_ERROR_INVALID_PARAM;
     }
-    pthread_mutex_lock(&lock);
-    insert_block((uintptr_t)virPtr, size, phys->device, BLOCK_MAPPED);
-    pthread_mutex_unlock(&lock);
+    insert_block((uintptr_t)virPtr, size, BLOCK_MAPPED);
     return ACL_SUCCESS;
 }
 
 STANDIN_EXPORT aclError aclrtUnmapMemImpl(void *virPtr) {
-    pthread_mutex_lock(&lock);
     struct block *b = take_block((uintptr_t)virPtr, BLOCK_MAPPED);
-    pthread_mutex_unlock(&lock);
     if (b == NULL) {
         return ACL_ERROR_INVALID_PARAM;
     }
