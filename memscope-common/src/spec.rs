@@ -17,8 +17,10 @@ pub mod layer {
     pub const RUNTIME: u32 = 1;
     /// The driver (`hal*` in libascend_hal.so).
     pub const HAL: u32 = 2;
-    /// Framework memory pools (torch_npu's caching and workspace allocators, mstx regions).
+    /// Framework memory pools (torch_npu's caching and workspace allocators).
     pub const POOL: u32 = 3;
+    /// mstx memory-region reports (a pool describing its blocks; usually from inside a pool call).
+    pub const MSTX: u32 = 4;
     /// Layers a thread can have calls open in at once; layer ids run 1..=SLOTS.
     pub const SLOTS: usize = 4;
 }

@@ -24,7 +24,7 @@ use crate::launch::{self, Launched};
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::record::ring::Consumer;
 use crate::store::{insight, Format, Meta, ProbeRow, RunLayout, Store, Writer};
-use crate::summary::{DeviceLine, Summary};
+use crate::summary::{DeviceLine, PoolLine, Summary};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
@@ -51,6 +51,7 @@ pub struct Plan {
     pub command: Option<String>,
     pub target: Target,
     pub libraries: Vec<Library>,
+    pub debug_dirs: Vec<PathBuf>,
     pub output: PathBuf,
     pub duration: Option<Duration>,
     pub format: Format,
@@ -182,15 +183,20 @@ fn rescan(tracer: &mut Tracer, pids: impl Iterator<Item = u32>, set: ProbeSet) -
 }
 
 pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
-    let Plan { command, mut target, libraries, output, duration, format, probe_set, ring_bytes, quiet } = plan;
+    let Plan { command, mut target, libraries, debug_dirs, output, duration, format, probe_set, ring_bytes, quiet } =
+        plan;
     let pid = target.pid();
     let clock = Clock::calibrate();
     let started = Instant::now();
     let start_wall = clock::wall_ns();
 
     let launch_mode = matches!(target, Target::Launched(_));
-    let opts =
-        LoadOptions { ring_bytes, wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION, follow_forks: launch_mode };
+    let opts = LoadOptions {
+        ring_bytes,
+        wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION,
+        follow_forks: launch_mode,
+        debug_dirs,
+    };
     let mut tracer =
         Tracer::load(&opts, pid, (!launch_mode).then_some(pid)).context("cannot load the eBPF programs")?;
     tracer.trace_process(pid).context("cannot register the target process")?;
@@ -325,6 +331,18 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
 
     let Recorder { mut tracker, mut store, mut outputs, calls, .. } = recorder;
     let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
+    let pools: Vec<PoolLine> = tracker
+        .pools()
+        .map(|((device, pool), s)| PoolLine {
+            device,
+            pool: pool.as_str(),
+            peak_used: s.peak_used,
+            peak_total: s.peak_total,
+            used: s.used,
+            total: s.total,
+            live_blocks: s.live_blocks,
+        })
+        .collect();
     tracker.finish(stop_wall, &mut outputs);
     for output in &outputs {
         store.write(insight::to_row(output))?;
@@ -362,5 +380,6 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         undecodable: consumer.stats.undecodable,
         run_dir,
         devices,
+        pools,
     })
 }

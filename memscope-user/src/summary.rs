@@ -19,6 +19,19 @@ pub struct DeviceLine {
     pub file: Option<PathBuf>,
 }
 
+/// One framework pool (torch_npu's caching or workspace allocator) on one device: allocated
+/// (`used`) and reserved (`total`) bytes, as the PTA rows carry them.
+#[derive(Clone, Debug)]
+pub struct PoolLine {
+    pub device: DeviceKey,
+    pub pool: &'static str,
+    pub peak_used: u64,
+    pub peak_total: u64,
+    pub used: u64,
+    pub total: u64,
+    pub live_blocks: u64,
+}
+
 #[derive(Clone, Debug)]
 pub struct Summary {
     pub stop_reason: String,
@@ -28,6 +41,7 @@ pub struct Summary {
     pub undecodable: u64,
     pub run_dir: PathBuf,
     pub devices: Vec<DeviceLine>,
+    pub pools: Vec<PoolLine>,
 }
 
 /// Bytes in binary units with one decimal.
@@ -80,6 +94,18 @@ impl fmt::Display for Summary {
                 d.frees,
                 d.failures
             )?;
+            for p in self.pools.iter().filter(|p| p.device == d.device) {
+                writeln!(
+                    f,
+                    "              torch_npu {:<9} peak allocated {:>10} / reserved {:>10}; at end {} / {} in {} blocks",
+                    p.pool,
+                    human(p.peak_used),
+                    human(p.peak_total),
+                    human(p.used),
+                    human(p.total),
+                    p.live_blocks
+                )?;
+            }
             if let Some(file) = &d.file {
                 writeln!(f, "              {}", file.display())?;
             }

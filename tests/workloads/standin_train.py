@@ -74,6 +74,76 @@ def load_hal(runtime_path):
 MODULE_HCCP = 28  # what a direct driver allocation (communication buffers) is attributed to
 
 
+def load_torch(path):
+    """The stand-in libtorch_npu.so: its tensor front end (what torch's tensor code calls)."""
+    lib = ctypes.CDLL(path)
+    sz = ctypes.c_size_t
+    vp = ctypes.c_void_p
+    for name, args, res in [
+        ("standin_tensor_alloc", [sz, ctypes.c_int], vp),
+        ("standin_tensor_free", [vp], None),
+        ("standin_empty_cache", [], None),
+        ("standin_external_alloc", [sz, ctypes.c_int, ctypes.POINTER(vp)], vp),
+        ("standin_external_free", [vp], None),
+        ("standin_workspace_alloc", [sz, ctypes.c_int], vp),
+        ("standin_workspace_ptr", [vp], vp),
+        ("standin_workspace_free", [vp, ctypes.c_int], None),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
+    return lib
+
+
+class TensorJob:
+    """A training loop's tensors on the stand-in caching allocator. The allocator writes the
+    ledger of its blocks and segments itself (STANDIN_TORCH_LEDGER)."""
+
+    def __init__(self, torch, device, rng, args):
+        self.torch = torch
+        self.device = device
+        self.rng = rng
+        self.args = args
+        self.weights = []
+        self.optimizer_state = []
+        self.grads = []
+
+    def tensor(self, size):
+        return self.torch.standin_tensor_alloc(size, self.device)
+
+    def free(self, ptr):
+        if ptr:
+            self.torch.standin_tensor_free(ptr)
+
+    def step(self, step):
+        t = self.torch
+        if step == 0:
+            self.weights = [self.tensor(n) for n in (4 << 20, 1536 << 10, 300 << 10, 12 << 10)]
+        for g in self.grads:  # zero_grad(set_to_none=True)
+            self.free(g)
+        activations = [self.tensor(self.rng.choice([700, 64 << 10, 900 << 10, 3 << 20, 11 << 20])) for _ in range(6)]
+        ws = t.standin_workspace_alloc(self.rng.choice([1 << 20, 3 << 20, 5 << 20]), self.device)
+        t.standin_workspace_free(ws, self.device)
+        for a in reversed(activations):  # backward frees activations
+            self.free(a)
+        self.grads = [self.tensor(n) for n in (4 << 20, 1536 << 10, 300 << 10, 12 << 10)]
+        if step == 0:
+            self.optimizer_state = [self.tensor(n) for n in (4 << 20, 4 << 20, 1536 << 10, 1536 << 10)]
+        handle = ctypes.c_void_p(0)
+        if t.standin_external_alloc(256 << 10, self.device, ctypes.byref(handle)):
+            t.standin_external_free(handle)
+        if self.args.pta_oom_step == step:
+            t.standin_tensor_alloc(self.args.fail_size, self.device)  # the allocator gives up: null
+        if self.args.empty_cache_every and step % self.args.empty_cache_every == self.args.empty_cache_every - 1:
+            t.standin_empty_cache()
+
+    def finish(self):
+        if self.args.keep_weights:
+            return
+        for p in self.weights + self.optimizer_state + self.grads:
+            self.free(p)
+
+
 def load(path):
     lib = ctypes.CDLL(path)
     vpp = ctypes.POINTER(ctypes.c_void_p)
@@ -142,6 +212,7 @@ class Job:
         self.ledger = Ledger(lib)
         self.hal = load_hal(args.lib)
         self.hal.is_hal = True
+        self.torch = load_torch(args.torch_lib) if args.torch_lib else None
         self.stop_at = time.monotonic() + args.duration if args.duration else None
         self.errors = []
 
@@ -197,6 +268,7 @@ class Job:
         step = 0
         late_lib = None
         peer_bufs = []
+        tensors = TensorJob(self.torch, device, rng, args) if self.torch is not None and index == 0 else None
         while self.running(step):
             if args.set_device_every_step:
                 self.ledger.call(lib, "aclrtSetDevice", device, device=device)
@@ -232,6 +304,8 @@ class Job:
                 self.malloc(use, "aclrtMalloc", 64 << 10, device)  # never freed
             if args.driver_direct and index == 0:
                 self.driver_cycle(device)
+            if tensors is not None:
+                tensors.step(step)
             got = ctypes.c_int32(-1)
             self.ledger.call(use, "aclrtGetDevice", ctypes.byref(got), device=device)
             rng.shuffle(acts)
@@ -243,6 +317,8 @@ class Job:
             step += 1
             if args.step_sleep_ms:
                 time.sleep(args.step_sleep_ms / 1000)
+        if tensors is not None:
+            tensors.finish()
         if not args.keep_weights:
             for ptr, size in weights:
                 self.free(lib, ptr, size, device)
@@ -343,6 +419,9 @@ def main():
     ap.add_argument("--impl-direct", action="store_true", help="some calls go straight to aclrtXImpl")
     ap.add_argument("--set-device-every-step", action="store_true")
     ap.add_argument("--driver-direct", action="store_true", help="thread 0 of each device also calls the driver directly")
+    ap.add_argument("--torch-lib", help="stand-in libtorch_npu.so: thread 0 of each device runs tensors on its allocator")
+    ap.add_argument("--empty-cache-every", type=int, default=0, help="torch_npu.npu.empty_cache() every N steps")
+    ap.add_argument("--pta-oom-step", type=int, default=-1, help="at this step, a tensor of --fail-size bytes")
     ap.add_argument("--late-lib", help="a second copy of the library, loaded at --late-lib-step")
     ap.add_argument("--late-lib-step", type=int, default=3)
     ap.add_argument("--ready-file", help="write the pid here once started")

@@ -20,6 +20,19 @@ pub struct Built {
     pub libascendcl: PathBuf,
     pub late_lib: PathBuf,
     pub alloc_bench: PathBuf,
+    pub torch: TorchBuild,
+}
+
+/// The stand-in torch_npu, stripped like the wheels, in three arrangements of its debug file.
+pub struct TorchBuild {
+    /// `libtorch_npu.so` with `libtorch_npu.so.debug` beside it (found through .gnu_debuglink).
+    pub with_debug: PathBuf,
+    /// The same stripped file with no debug file anywhere it would be looked for.
+    pub without_debug: PathBuf,
+    /// A debug folder holding the debug file under `.build-id/xx/yyyy.debug` (for --debug-dir).
+    pub debug_store: PathBuf,
+    /// An empty library named like msLeaks' kernel hook (preloading it turns torch_npu's mstx on).
+    pub kernel_hook: PathBuf,
 }
 
 const CFLAGS: &[&str] = &["-O2", "-g", "-fno-omit-frame-pointer", "-fno-ipa-icf", "-Wall", "-Wextra", "-Werror"];
@@ -48,6 +61,13 @@ pub fn standins() -> anyhow::Result<Built> {
     compile_library(&runtime, &libascendcl, "libascendcl.so", &[(&lib64, "ascend_hal")])?;
     let late_lib = standin.join("late/libacl_rt.so");
     compile_library(&runtime, &late_lib, "libacl_rt.so", &[(&lib64, "ascend_hal")])?;
+    compile_library(
+        &sources.join("standin_ms_tools_ext.c"),
+        &lib64.join("libms_tools_ext.so"),
+        "libms_tools_ext.so",
+        &[],
+    )?;
+    let torch = torch_npu(&root, &standin, &lib64)?;
     let alloc_bench = standin.join("bin/alloc_bench");
     std::fs::create_dir_all(alloc_bench.parent().expect("has a parent"))?;
     sh(Command::new("gcc")
@@ -61,7 +81,80 @@ pub fn standins() -> anyhow::Result<Built> {
         .arg(libascendcl.parent().expect("has a parent"))
         .arg(format!("-Wl,-rpath,{}", libascendcl.parent().expect("has a parent").display()))
         .arg("-lascendcl"))?;
-    Ok(Built { binary: root.join("target/release/memscope-bpf"), ascend_home, libascendcl, late_lib, alloc_bench })
+    Ok(Built {
+        binary: root.join("target/release/memscope-bpf"),
+        ascend_home,
+        libascendcl,
+        late_lib,
+        alloc_bench,
+        torch,
+    })
+}
+
+/// The build id of an ELF file, as `readelf -n` prints it.
+fn build_id(file: &Path) -> anyhow::Result<String> {
+    let out = Command::new("readelf").arg("-n").arg(file).output().context("readelf")?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Build ID: ").map(str::to_owned))
+        .with_context(|| format!("{} has no build id", file.display()))
+}
+
+fn torch_npu(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchBuild> {
+    let dir = standin.join("torch_npu");
+    let build = dir.join("build");
+    std::fs::create_dir_all(&build)?;
+    let full = build.join("libtorch_npu.so");
+    sh(Command::new("g++")
+        .args([
+            "-std=c++17",
+            "-O2",
+            "-g",
+            "-fPIC",
+            "-shared",
+            "-fvisibility=hidden",
+            "-fno-omit-frame-pointer",
+            "-fno-ipa-icf",
+        ])
+        .args(["-Wall", "-Wextra", "-Werror", "-Wl,--build-id=sha1", "-Wl,-soname,libtorch_npu.so"])
+        .arg("-I")
+        .arg(root.join("tests/standin/ascend"))
+        .arg("-o")
+        .arg(&full)
+        .arg(root.join("tests/standin/torch_npu/standin_torch_npu.cpp"))
+        .arg("-L")
+        .arg(lib64)
+        .arg("-lascendcl")
+        .arg(format!("-Wl,-rpath,{}", lib64.display()))
+        .args(["-ldl", "-lpthread"]))?;
+    // As the wheels are made: the debug info goes to its own file, the library keeps .dynsym and a
+    // .gnu_debuglink naming that file.
+    let debug = build.join("libtorch_npu.so.debug");
+    sh(Command::new("objcopy").arg("--only-keep-debug").arg(&full).arg(&debug))?;
+    let with_debug = dir.join("with-debug/libtorch_npu.so");
+    let without_debug = dir.join("no-debug/libtorch_npu.so");
+    for target in [&with_debug, &without_debug] {
+        std::fs::create_dir_all(target.parent().expect("has a parent"))?;
+        sh(Command::new("objcopy")
+            .arg("--strip-all")
+            .arg(format!("--add-gnu-debuglink={}", debug.display()))
+            .arg(&full)
+            .arg(target))?;
+    }
+    std::fs::copy(&debug, dir.join("with-debug/libtorch_npu.so.debug"))?;
+    let id = build_id(&with_debug)?;
+    let debug_store = dir.join("debug-store");
+    let in_store = debug_store.join(".build-id").join(&id[..2]).join(format!("{}.debug", &id[2..]));
+    std::fs::create_dir_all(in_store.parent().expect("has a parent"))?;
+    std::fs::copy(&debug, &in_store)?;
+    let kernel_hook = standin.join("msleaks/libascend_kernel_hook.so");
+    compile_library(
+        &root.join("tests/standin/ascend/standin_kernel_hook.c"),
+        &kernel_hook,
+        "libascend_kernel_hook.so",
+        &[],
+    )?;
+    Ok(TorchBuild { with_debug, without_debug, debug_store, kernel_hook })
 }
 
 pub fn run() -> anyhow::Result<Built> {

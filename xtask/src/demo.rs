@@ -1,6 +1,7 @@
 //! `cargo xtask demo`: the README's first command. Sets up, builds, then launches the stand-in
 //! training job (2 devices, 4 threads, host and virtual memory, a deliberate leak and one
-//! out-of-memory) under `memscope-bpf trace`, which prints the summary and the DB paths.
+//! out-of-memory, tensors on the stand-in torch_npu caching allocator) under `memscope-bpf
+//! trace`, which prints the summary and the DB paths.
 
 use crate::util::{privileged, root, run as sh};
 use crate::{build, setup};
@@ -20,17 +21,22 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let built = build::run()?;
     let root = root();
     let ledger = root.join("target/demo-ledger.jsonl");
-    eprintln!("xtask demo: tracing the stand-in training job (stand-in libascendcl.so, not the real CANN runtime)");
+    eprintln!("xtask demo: tracing the stand-in training job (stand-in libascendcl.so, libascend_hal.so and libtorch_npu.so, not the real CANN or torch_npu)");
     sh(privileged(built.binary.to_str().expect("utf-8 path"))
         .current_dir(&root)
         .env("ASCEND_HOME_PATH", &built.ascend_home)
-        .args(["trace", "--output", &opts.output, "--"])
+        .args(["trace", "--output", &opts.output, "--lib"])
+        .arg(&built.torch.with_debug)
+        .arg("--")
         .arg("python3")
         .arg(root.join("tests/workloads/standin_train.py"))
         .arg("--ledger")
         .arg(&ledger)
         .args(["--steps", &opts.steps.to_string(), "--step-sleep-ms", "20"])
-        .args(["--host", "--vmm", "--with-cfg", "--leak", "--fail-step", "3"]))?;
+        .args(["--host", "--vmm", "--with-cfg", "--leak", "--fail-step", "3"])
+        .arg("--torch-lib")
+        .arg(&built.torch.with_debug)
+        .args(["--empty-cache-every", "5"]))?;
     eprintln!("xtask demo: open the .db files above in MindStudio Insight, or query them with sqlite3");
     Ok(())
 }

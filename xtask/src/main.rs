@@ -12,6 +12,7 @@ mod demo;
 mod setup;
 mod test;
 mod util;
+mod wheel;
 
 use clap::{Parser, Subcommand};
 

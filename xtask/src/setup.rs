@@ -4,7 +4,8 @@
 //! The eBPF build chain (shared/reference/toolchain-recipe.md): Debian's llvm-22 (from
 //! bookworm-security), bpf-linker 0.13 built against it, and nightly Rust with rust-src for
 //! `-Z build-std=core`. Plus gcc for the stand-in libraries, bpftrace as the benchmark's peer and
-//! Python's development headers for the markers package's C extension.
+//! Python's development headers for the markers package's C extension, and pip to fetch the
+//! real torch_npu wheel a test reads.
 
 use std::process::Command;
 use std::time::Instant;
@@ -20,8 +21,17 @@ pub struct Options {
     pub check: bool,
 }
 
-const APT_PACKAGES: &[&str] =
-    &["llvm-22-dev", "libzstd-dev", "zlib1g-dev", "systemtap-sdt-dev", "python3-dev", "bpftrace", "gcc", "util-linux"];
+const APT_PACKAGES: &[&str] = &[
+    "llvm-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    "systemtap-sdt-dev",
+    "python3-dev",
+    "python3-pip",
+    "bpftrace",
+    "gcc",
+    "util-linux",
+];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 

@@ -38,7 +38,7 @@ fn oom(status: i32) -> bool {
 }
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef { api, symbol, family: Family::AclRuntime, spec, decode, out_of_memory: oom }
+    ApiDef { api, name: symbol, symbol, family: Family::AclRuntime, spec, decode, out_of_memory: oom, layout: None }
 }
 
 pub(super) static TABLE: [ApiDef; 15] = [

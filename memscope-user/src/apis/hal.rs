@@ -135,7 +135,7 @@ const fn row(
     spec: memscope_common::spec::ProbeSpec,
     decode: fn(&RawCall) -> Op,
 ) -> ApiDef {
-    ApiDef { api, symbol, family: Family::Hal, spec, decode, out_of_memory: oom }
+    ApiDef { api, name: symbol, symbol, family: Family::Hal, spec, decode, out_of_memory: oom, layout: None }
 }
 
 pub(super) static TABLE: [ApiDef; 4] = [

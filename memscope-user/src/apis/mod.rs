@@ -7,6 +7,8 @@
 
 mod acl;
 pub mod hal;
+mod mstx;
+pub mod torch_npu;
 
 use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS};
 
@@ -37,6 +39,21 @@ pub enum Api {
     HalMemFree = 17,
     HalMemCreate = 18,
     HalMemRelease = 19,
+    DeviceCachingAllocatorMalloc = 20,
+    DeviceCachingAllocatorFree = 21,
+    NpuCachingAllocatorMalloc = 22,
+    NpuCachingAllocatorFree = 23,
+    WorkspaceMalloc = 24,
+    WorkspaceFree = 25,
+    MallocBlock = 26,
+    FreeBlock = 27,
+    GetBlockPtr = 28,
+    GetBlockSize = 29,
+    AllocateWorkspace = 30,
+    MstxDomainCreateA = 31,
+    MstxMemHeapRegister = 32,
+    MstxMemRegionsRegister = 33,
+    MstxMemRegionsUnregister = 34,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.
@@ -46,25 +63,33 @@ pub enum Family {
     AclRuntime,
     /// The driver: `libascend_hal.so`.
     Hal,
+    /// torch_npu's allocators: `libtorch_npu.so`.
+    TorchNpu,
+    /// MindStudio's tool extension (markers, memory regions): `libms_tools_ext.so`.
+    Mstx,
 }
 
 impl Family {
-    pub const ALL: [Family; 2] = [Family::AclRuntime, Family::Hal];
+    /// Outer layer first: the order libraries are attached in.
+    pub const ALL: [Family; 4] = [Family::TorchNpu, Family::Mstx, Family::AclRuntime, Family::Hal];
 
     /// Library file names (without version suffixes) that carry this family's symbols.
     pub fn library_names(self) -> &'static [&'static str] {
         match self {
             Self::AclRuntime => &["libascendcl.so", "libacl_rt.so", "libacl_rt_impl.so"],
             Self::Hal => &["libascend_hal.so"],
+            Self::TorchNpu => &["libtorch_npu.so"],
+            Self::Mstx => &["libms_tools_ext.so"],
         }
     }
 
     /// The suffix of the implementation symbol a public function forwards to (`aclrtMallocImpl`,
-    /// `halMemAllocInner`).
-    pub fn impl_suffix(self) -> &'static str {
+    /// `halMemAllocInner`), for the families that have one.
+    pub fn impl_suffix(self) -> Option<&'static str> {
         match self {
-            Self::AclRuntime => "Impl",
-            Self::Hal => "Inner",
+            Self::AclRuntime => Some("Impl"),
+            Self::Hal => Some("Inner"),
+            Self::TorchNpu | Self::Mstx => None,
         }
     }
 
@@ -73,20 +98,40 @@ impl Family {
         match self {
             Self::AclRuntime => "ACL runtime",
             Self::Hal => "driver (HAL)",
+            Self::TorchNpu => "torch_npu allocators (PTA)",
+            Self::Mstx => "mstx memory regions",
         }
     }
+}
+
+/// A struct whose field offsets a spec needs, found in the library's DWARF at attach time.
+pub struct Layout {
+    /// A namespace the struct is nested in (anonymous namespaces in between are allowed).
+    pub namespace: &'static str,
+    pub name: &'static str,
+    pub members: &'static [&'static str],
 }
 
 /// One row of the table.
 pub struct ApiDef {
     pub api: Api,
-    /// The public symbol.
+    /// The name written to the DB (`aclrtMalloc`, `DeviceCachingAllocator::malloc`).
+    pub name: &'static str,
+    /// The symbol attached to (mangled for C++).
     pub symbol: &'static str,
     pub family: Family,
     pub spec: ProbeSpec,
     pub decode: fn(&RawCall) -> Op,
     /// Whether a failure status means "out of memory" (msMemScope's OOM trigger).
     pub out_of_memory: fn(i32) -> bool,
+    /// Field reads that need a struct layout: the spec's fields `0..members.len()` read those
+    /// members, at offsets filled in from DWARF when attaching.
+    pub layout: Option<&'static Layout>,
+}
+
+/// Never out of memory: APIs without a status.
+pub fn no_status(_: i32) -> bool {
+    false
 }
 
 /// Builds a spec: layer, outer layer and field reads; everything else as in [`ProbeSpec::EMPTY`].
@@ -105,7 +150,7 @@ pub const fn spec(layer: u32, outer_layer: u32, fields: &[FieldRead]) -> ProbeSp
 impl Api {
     /// Every API, in spec-id order.
     pub fn all() -> impl Iterator<Item = &'static ApiDef> {
-        acl::TABLE.iter().chain(hal::TABLE.iter())
+        acl::TABLE.iter().chain(hal::TABLE.iter()).chain(torch_npu::TABLE.iter()).chain(mstx::TABLE.iter())
     }
 
     pub fn def(self) -> &'static ApiDef {
@@ -122,15 +167,21 @@ impl Api {
 
     /// The public name, used in the DB whichever symbol (public or implementation) was hit.
     pub fn name(self) -> &'static str {
-        self.def().symbol
+        self.def().name
     }
 
     pub fn family(self) -> Family {
         self.def().family
     }
 
-    pub fn impl_symbol(self) -> String {
-        format!("{}{}", self.def().symbol, self.family().impl_suffix())
+    /// The implementation symbol the public one forwards to, for families that have one.
+    pub fn impl_symbol(self) -> Option<String> {
+        self.family().impl_suffix().map(|suffix| format!("{}{suffix}", self.def().symbol))
+    }
+
+    /// The symbols that may stand for this API in a library.
+    pub fn symbols(self) -> impl Iterator<Item = String> {
+        std::iter::once(self.def().symbol.to_owned()).chain(self.impl_symbol())
     }
 }
 
@@ -152,7 +203,7 @@ mod tests {
             assert_ne!(def.spec.layer, 0, "{} has no layer: its probes would do nothing", def.symbol);
             assert_eq!(Api::from_spec_id(def.api.spec_id()), Some(def.api));
         }
-        for id in 1..=Api::HalMemRelease as u32 {
+        for id in 1..=Api::MstxMemRegionsUnregister as u32 {
             assert!(Api::from_spec_id(id).is_some(), "spec id {id} has no row");
         }
     }

@@ -6,7 +6,7 @@
 //! offsets in most shared libraries built with separate code/data alignment.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
 use thiserror::Error;
@@ -24,6 +24,8 @@ pub enum ElfError {
 pub enum SymbolSource {
     Dynsym,
     Symtab,
+    /// The `.symtab` of the library's separate debug file (hidden symbols of stripped builds).
+    DebugFile,
 }
 
 impl SymbolSource {
@@ -31,6 +33,7 @@ impl SymbolSource {
         match self {
             Self::Dynsym => "dynsym",
             Self::Symtab => "symtab",
+            Self::DebugFile => "debug file",
         }
     }
 }
@@ -50,47 +53,71 @@ pub struct ElfSymbols {
 
 impl ElfSymbols {
     /// Reads `path` and keeps the functions named in `wanted`.
-    pub fn load(path: &Path, wanted: &HashSet<String>) -> Result<Self, ElfError> {
+    #[cfg(test)]
+    pub fn load(path: &std::path::Path, wanted: &HashSet<String>) -> Result<Self, ElfError> {
         let data = std::fs::read(path).map_err(|source| ElfError::Read { path: path.to_owned(), source })?;
         Self::parse(&data, wanted).map_err(|source| ElfError::Parse { path: path.to_owned(), source })
     }
 
+    /// As [`ElfSymbols::parse`], then adds the wanted functions of `debug`'s `.symtab` that the
+    /// library itself does not define. Their addresses are the library's, so file offsets are
+    /// computed with the library's segments (a debug-only file has no loadable bytes).
+    pub fn parse_with_debug(data: &[u8], debug: &[u8], wanted: &HashSet<String>) -> Result<Self, object::Error> {
+        let mut symbols = Self::parse(data, wanted)?;
+        let segments = segments(&object::File::parse(data)?);
+        let debug = object::File::parse(debug)?;
+        collect(&mut symbols.symbols, debug.symbols(), &segments, wanted, SymbolSource::DebugFile);
+        Ok(symbols)
+    }
+
     pub fn parse(data: &[u8], wanted: &HashSet<String>) -> Result<Self, object::Error> {
         let file = object::File::parse(data)?;
-        let segments: Vec<(u64, u64, u64)> = file
-            .segments()
-            .map(|s| {
-                let (offset, size) = s.file_range();
-                (s.address(), size, offset)
-            })
-            .collect();
-        let to_offset = |vaddr: u64| {
-            segments
-                .iter()
-                .find(|(addr, size, _)| vaddr >= *addr && vaddr < addr + size)
-                .map(|(addr, _, offset)| vaddr - addr + offset)
-        };
+        let segments = segments(&file);
         let mut symbols = HashMap::new();
-        let tables = [(SymbolSource::Dynsym, file.dynamic_symbols()), (SymbolSource::Symtab, file.symbols())];
-        for (source, table) in tables {
-            for sym in table {
-                if sym.is_undefined() || sym.kind() != SymbolKind::Text || sym.address() == 0 {
-                    continue;
-                }
-                let Ok(name) = sym.name() else { continue };
-                if !wanted.contains(name) || symbols.contains_key(name) {
-                    continue;
-                }
-                if let Some(file_offset) = to_offset(sym.address()) {
-                    symbols.insert(name.to_owned(), FoundSymbol { vaddr: sym.address(), file_offset, source });
-                }
-            }
-        }
+        collect(&mut symbols, file.dynamic_symbols(), &segments, wanted, SymbolSource::Dynsym);
+        collect(&mut symbols, file.symbols(), &segments, wanted, SymbolSource::Symtab);
         Ok(Self { symbols })
     }
 
     pub fn get(&self, name: &str) -> Option<&FoundSymbol> {
         self.symbols.get(name)
+    }
+}
+
+/// (address, file size, file offset) of each loadable segment.
+fn segments(file: &object::File<'_>) -> Vec<(u64, u64, u64)> {
+    file.segments()
+        .map(|s| {
+            let (offset, size) = s.file_range();
+            (s.address(), size, offset)
+        })
+        .collect()
+}
+
+fn collect<'data: 'file, 'file>(
+    into: &mut HashMap<String, FoundSymbol>,
+    table: impl Iterator<Item = object::Symbol<'data, 'file>>,
+    segments: &[(u64, u64, u64)],
+    wanted: &HashSet<String>,
+    source: SymbolSource,
+) {
+    let to_offset = |vaddr: u64| {
+        segments
+            .iter()
+            .find(|(addr, size, _)| vaddr >= *addr && vaddr < addr + size)
+            .map(|(addr, _, offset)| vaddr - addr + offset)
+    };
+    for sym in table {
+        if sym.is_undefined() || sym.kind() != SymbolKind::Text || sym.address() == 0 {
+            continue;
+        }
+        let Ok(name) = sym.name() else { continue };
+        if !wanted.contains(name) || into.contains_key(name) {
+            continue;
+        }
+        if let Some(file_offset) = to_offset(sym.address()) {
+            into.insert(name.to_owned(), FoundSymbol { vaddr: sym.address(), file_offset, source });
+        }
     }
 }
 

@@ -55,7 +55,7 @@ pub fn is_known_name(name: &OsStr) -> bool {
 
 /// Every symbol name worth looking up: each API's public name and its `...Impl`.
 pub fn wanted_symbols() -> std::collections::HashSet<String> {
-    Api::all().flat_map(|d| [d.symbol.to_owned(), d.api.impl_symbol()]).collect()
+    Api::all().flat_map(|d| d.api.symbols()).collect()
 }
 
 fn library(path: PathBuf, shown: String, origin: Origin) -> Option<Library> {
@@ -171,6 +171,12 @@ pub fn from_env(env: &HashMap<String, String>, root: &Path, include_ld_path: boo
             env.get("LD_LIBRARY_PATH").map(String::as_str).unwrap_or("").split(':').filter(|d| d.starts_with('/'))
         {
             found.extend(in_dir(&rooted(dir), &Origin::LibraryPath));
+        }
+    }
+    // Shown as the target sees it, not through our view of its root.
+    for lib in &mut found {
+        if let Ok(inside) = lib.path.strip_prefix(root) {
+            lib.shown = Path::new("/").join(inside).display().to_string();
         }
     }
     dedup(found)

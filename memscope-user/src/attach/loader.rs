@@ -9,16 +9,18 @@
 
 use std::collections::HashSet;
 use std::num::NonZeroU32;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
+use memscope_common::spec::ProbeSpec;
 use thiserror::Error;
 
-use super::elf::{ElfError, ElfSymbols, SymbolSource};
-use super::libs::{wanted_symbols, Library};
+use super::elf::{ElfError, SymbolSource};
+use super::libs::Library;
+use super::plan::plan;
 use crate::apis::Api;
 
 /// The compiled eBPF object, built by build.rs with aya-build.
@@ -44,6 +46,8 @@ pub enum AttachError {
     Elf(#[from] ElfError),
     #[error("cannot attach {kind} to `{symbol}` in {library}: {source}")]
     Probe { kind: &'static str, symbol: String, library: String, source: Box<ProgramError> },
+    #[error("cannot write a probe spec: {0}")]
+    Spec(Box<MapError>),
 }
 
 /// Which symbols to probe in a library that has both `aclrtX` and `aclrtXImpl`.
@@ -69,12 +73,15 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
     pub wakeup_bytes: u64,
     pub follow_forks: bool,
+    /// Extra folders to look for separate debug files in (`--debug-dir`).
+    pub debug_dirs: Vec<PathBuf>,
 }
 
 pub struct Tracer {
     ebpf: Ebpf,
     attached_files: HashSet<(u64, u64)>,
     scope: UProbeScope,
+    debug_dirs: Vec<PathBuf>,
 }
 
 fn tracefs_root() -> Result<&'static Path, LoadError> {
@@ -125,7 +132,7 @@ impl Tracer {
 
         {
             let map = ebpf.map_mut("SPECS").ok_or(LoadError::Missing("SPECS"))?;
-            let mut specs: Array<_, memscope_common::spec::ProbeSpec> =
+            let mut specs: Array<_, ProbeSpec> =
                 Array::try_from(map).map_err(|source| LoadError::Map { name: "SPECS", source })?;
             for def in Api::all() {
                 specs.set(def.api.spec_id(), def.spec, 0).map_err(|source| LoadError::Map { name: "SPECS", source })?;
@@ -153,7 +160,7 @@ impl Tracer {
             prog.load().map_err(|source| LoadError::Program { name, source })?;
         }
         let scope = scope_pid.and_then(NonZeroU32::new).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
-        Ok(Self { ebpf, attached_files: HashSet::new(), scope })
+        Ok(Self { ebpf, attached_files: HashSet::new(), scope, debug_dirs: opts.debug_dirs.clone() })
     }
 
     /// Starts recording calls of process `pid`.
@@ -169,18 +176,25 @@ impl Tracer {
         self.attached_files.contains(&lib.file_id)
     }
 
-    /// Probes the traced APIs in one library. Returns what was attached (empty if the file was
-    /// already probed or exports none of the APIs).
+    /// Probes the traced APIs in one library, as [`plan`] decides. Returns what was attached
+    /// (empty if the file was already probed or holds none of the APIs).
     pub fn attach(&mut self, lib: &Library, set: ProbeSet) -> Result<Vec<AttachedProbe>, AttachError> {
         if !self.attached_files.insert(lib.file_id) {
             return Ok(Vec::new());
         }
-        let symbols = ElfSymbols::load(&lib.path, &wanted_symbols())?;
-        let plan = plan(&symbols, set, &lib.shown);
+        let plan = plan(lib, set, &self.debug_dirs)?;
+        if !plan.specs.is_empty() {
+            let map = self.ebpf.map_mut("SPECS").expect("loaded in Tracer::load");
+            let mut specs: Array<_, ProbeSpec> =
+                Array::try_from(map).map_err(|source| AttachError::Spec(Box::new(source)))?;
+            for (api, spec) in &plan.specs {
+                specs.set(api.spec_id(), *spec, 0).map_err(|source| AttachError::Spec(Box::new(source)))?;
+            }
+        }
         for (program, kind) in [("call_exit", "return probe"), ("call_enter", "entry probe")] {
             let prog: &mut UProbe =
                 self.ebpf.program_mut(program).expect("loaded in Tracer::load").try_into().expect("a uprobe program");
-            for probe in &plan {
+            for probe in &plan.probes {
                 let point = UProbeAttachPoint {
                     location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
                     cookie: Some(memscope_common::spec::cookie(probe.api.spec_id(), probe.api.def().spec.layer)),
@@ -193,7 +207,7 @@ impl Tracer {
                 })?;
             }
         }
-        Ok(plan)
+        Ok(plan.probes)
     }
 
     /// The ring buffer, handed to the consumer once.
@@ -210,30 +224,4 @@ impl Tracer {
         let values = drops.get(&0, 0).map_err(|source| LoadError::Map { name: "DROPS", source })?;
         Ok(values.iter().copied().collect())
     }
-}
-
-/// Which symbols of a library to attach, per [`ProbeSet`].
-pub fn plan(symbols: &ElfSymbols, set: ProbeSet, library: &str) -> Vec<AttachedProbe> {
-    let mut plan = Vec::new();
-    for def in Api::all() {
-        let public = def.symbol.to_owned();
-        let implementation = def.api.impl_symbol();
-        let chosen: Vec<&String> = match (set, symbols.get(&implementation).is_some()) {
-            (ProbeSet::Default, true) => vec![&implementation],
-            (ProbeSet::Default, false) => vec![&public],
-            (ProbeSet::All, _) => vec![&public, &implementation],
-        };
-        for name in chosen {
-            if let Some(found) = symbols.get(name) {
-                plan.push(AttachedProbe {
-                    library: library.to_owned(),
-                    symbol: name.clone(),
-                    api: def.api,
-                    file_offset: found.file_offset,
-                    source: found.source,
-                });
-            }
-        }
-    }
-    plan
 }

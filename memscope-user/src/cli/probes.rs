@@ -1,20 +1,22 @@
-//! `memscope-bpf probes`: what a trace would attach to, without attaching anything. With `--lib`
-//! only it reads files and needs no privileges.
+//! `memscope-bpf probes`: what a trace would attach to, layer by layer, without attaching
+//! anything. With `--lib` only it reads files and needs no privileges.
 
 use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
 
-use crate::apis::Api;
-use crate::attach::elf::ElfSymbols;
+use crate::apis::{Api, Family};
 use crate::attach::libs::{self, Library, Origin};
-use crate::attach::loader::plan;
+use crate::attach::plan::{describe_debug, plan, DebugStatus};
 use crate::attach::ProbeSet;
 use crate::preflight::{self, PreflightError};
 
-/// List the traced API symbols found in a process's libraries or in given files: where each one
-/// is, which would be attached, and which are missing. Attaches nothing.
+/// List the traced API symbols found in a process's libraries or in given files, per layer:
+/// where each one is (dynsym, symtab, debug file), which would be attached, which are missing and
+/// why, and how each layer will be seen. Attaches nothing.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Look at the libraries this process has mapped (and its ASCEND_HOME_PATH).
@@ -24,6 +26,11 @@ pub struct Args {
     /// A library file (any name) or folder to inspect. Repeatable.
     #[arg(long = "lib", value_name = "PATH")]
     pub libs: Vec<PathBuf>,
+
+    /// Also look for separate debug files (hidden symbols of stripped libraries) here: a folder
+    /// with `<name>.debug` files or a `.build-id/` tree. Repeatable.
+    #[arg(long = "debug-dir", value_name = "DIR")]
+    pub debug_dirs: Vec<PathBuf>,
 
     /// As for `trace`: probe the Impl symbols only (default) or both public and Impl.
     #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
@@ -40,10 +47,23 @@ fn origin(o: &Origin) -> String {
     }
 }
 
+pub fn check_debug_dirs(dirs: &[PathBuf]) -> anyhow::Result<()> {
+    for dir in dirs {
+        if !dir.is_dir() {
+            bail!(
+                "--debug-dir {}: not a folder; pass the folder that holds the .debug files (or their .build-id/ tree)",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.pid.is_none() && args.libs.is_empty() {
         bail!("nothing to inspect: give --pid PID or --lib PATH");
     }
+    check_debug_dirs(&args.debug_dirs)?;
     let mut found: Vec<Library> = Vec::new();
     for path in &args.libs {
         found.extend(libs::from_user_path(path).with_context(|| format!("--lib {}: cannot read it", path.display()))?);
@@ -63,45 +83,58 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let where_ = args.pid.map_or_else(|| "in the given paths".to_owned(), |p| format!("in process {p}"));
         return Err(PreflightError::NoLibrary { where_ }.into());
     }
-    let wanted = libs::wanted_symbols();
+    // Built whole, then written once: a reader that stops early (`| head`) is not an error.
+    let mut text = String::new();
     for lib in &found {
-        println!("{} ({})", lib.shown, origin(&lib.origin));
-        let symbols = match ElfSymbols::load(&lib.path, &wanted) {
-            Ok(s) => s,
+        let _ = writeln!(text, "{} ({})", lib.shown, origin(&lib.origin));
+        let plan = match plan(lib, args.probe_set, &args.debug_dirs) {
+            Ok(p) => p,
             Err(e) => {
-                println!("  unreadable: {e}");
+                let _ = writeln!(text, "  unreadable: {e}");
                 continue;
             }
         };
-        let chosen: HashSet<String> =
-            plan(&symbols, args.probe_set, &lib.shown).into_iter().map(|p| p.symbol).collect();
-        // Only the families this file carries: a runtime library is not missing the driver's API.
-        let families: HashSet<_> = Api::all()
-            .filter(|d| symbols.get(d.symbol).is_some() || symbols.get(&d.api.impl_symbol()).is_some())
-            .map(|d| d.family)
-            .collect();
-        if families.is_empty() {
-            println!("  none of the traced symbols is defined here");
+        if plan.debug != DebugStatus::NotNeeded {
+            let _ = writeln!(text, "  debug file: {}", describe_debug(&plan.debug));
         }
-        for def in Api::all().filter(|d| families.contains(&d.family)) {
-            let mut line = format!("  {:<24}", def.symbol);
-            let mut any = false;
-            for name in [def.symbol.to_owned(), def.api.impl_symbol()] {
-                if let Some(sym) = symbols.get(&name) {
-                    any = true;
-                    let mark = if chosen.contains(&name) { "attach" } else { "skip  " };
-                    line.push_str(&format!("  {mark} {name} ({}, offset {:#x})", sym.source.as_str(), sym.file_offset));
+        if plan.families.is_empty() {
+            let _ = writeln!(text, "  none of the traced symbols is defined here");
+        }
+        let chosen: HashSet<&str> = plan.probes.iter().map(|p| p.symbol.as_str()).collect();
+        for family in &plan.families {
+            let _ = writeln!(text, "  [{}]", family.describe());
+            for def in Api::all().filter(|d| d.family == *family) {
+                let mut shown = false;
+                for symbol in def.api.symbols() {
+                    if let Some(sym) = plan.symbols.get(&symbol) {
+                        shown = true;
+                        let mark = if chosen.contains(symbol.as_str()) { "attach " } else { "skip   " };
+                        let _ = writeln!(
+                            text,
+                            "    {mark} {:<34} {} ({}, offset {:#x})",
+                            def.name,
+                            symbol,
+                            sym.source.as_str(),
+                            sym.file_offset
+                        );
+                    }
+                }
+                if !shown {
+                    let why = if *family == Family::TorchNpu && matches!(plan.debug, DebugStatus::Missing { .. }) {
+                        "hidden: not exported, and no debug file"
+                    } else {
+                        "not defined in this library"
+                    };
+                    let _ = writeln!(text, "    missing {:<34} {} ({why})", def.name, def.symbol);
                 }
             }
-            if !any {
-                line.push_str(&format!(
-                    "  missing: neither {} nor {} is defined here",
-                    def.symbol,
-                    def.api.impl_symbol()
-                ));
+            for note in plan.notes.iter().filter(|n| n.family == *family) {
+                let _ = writeln!(text, "    => {}", note.text);
             }
-            println!("{line}");
         }
     }
-    Ok(())
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("cannot write to stdout"),
+        _ => Ok(()),
+    }
 }

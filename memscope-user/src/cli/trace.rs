@@ -47,6 +47,11 @@ pub struct Args {
     #[arg(long = "lib", value_name = "PATH")]
     pub libs: Vec<PathBuf>,
 
+    /// Also look for separate debug files here (torch_npu's hidden allocator symbols live in
+    /// them): a folder with `<name>.debug` files or a `.build-id/` tree. Repeatable.
+    #[arg(long = "debug-dir", value_name = "DIR")]
+    pub debug_dirs: Vec<PathBuf>,
+
     /// Output format: db (SQLite, what MindStudio Insight opens) or csv (msMemScope's CSV).
     #[arg(long, value_enum, default_value_t = Format::Db)]
     pub format: Format,
@@ -112,6 +117,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
     preflight::check_output(&args.output)?;
+    super::probes::check_debug_dirs(&args.debug_dirs)?;
     let user = user_libraries(&args.libs)?;
 
     let (target, libraries) = match args.pid {
@@ -145,6 +151,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         command: (!command.is_empty()).then_some(command),
         target,
         libraries,
+        debug_dirs: args.debug_dirs,
         output: args.output,
         duration: args.duration,
         format: args.format,

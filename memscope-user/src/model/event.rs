@@ -55,6 +55,24 @@ pub struct DriverInfo {
     pub page: Option<PageType>,
 }
 
+/// A framework allocator's pool (msMemScope's PTA and PTA workspace).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Pool {
+    /// torch_npu's caching allocator (tensors; also the external MallocBlock path).
+    Caching,
+    /// torch_npu's workspace allocator (operator scratch memory).
+    Workspace,
+}
+
+impl Pool {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Caching => "caching",
+            Self::Workspace => "workspace",
+        }
+    }
+}
+
 /// What one call did, decoded from its arguments and results.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -106,6 +124,51 @@ pub enum Op {
     },
     Unmap {
         va: u64,
+    },
+    /// A framework allocator handed out a block. `ptr` is `None` when it failed or is not known
+    /// yet (an external block known by its handle until `GetBlockPtr`). `size` is the block's
+    /// size when the probe could read it, `req` what was asked for.
+    PoolMalloc {
+        pool: Pool,
+        ptr: Option<u64>,
+        size: Option<u64>,
+        req: Option<u64>,
+        device: Option<u32>,
+        handle: Option<u64>,
+    },
+    /// A framework allocator took a block back, by address or by handle.
+    PoolFree {
+        pool: Pool,
+        ptr: Option<u64>,
+        handle: Option<u64>,
+        size: Option<u64>,
+        device: Option<u32>,
+    },
+    /// What an external block handle stands for (`GetBlockPtr`, `GetBlockSize`).
+    PoolHandle {
+        handle: u64,
+        ptr: Option<u64>,
+        size: Option<u64>,
+    },
+    /// An mstx domain was created; pools report their blocks in their own domain.
+    MstxDomain {
+        handle: Option<u64>,
+        name: Option<String>,
+    },
+    /// A pool reported its reserved bytes on a device (`mstxMemHeapRegister`).
+    MstxHeap {
+        domain: u64,
+        device: Option<u32>,
+        total: Option<u64>,
+    },
+    /// A pool reported a block handed out or taken back (`mstxMemRegions(Un)Register`).
+    MstxRegion {
+        domain: u64,
+        register: bool,
+        count: Option<u64>,
+        device: Option<u32>,
+        ptr: Option<u64>,
+        size: Option<u64>,
     },
     SetDevice {
         device: i32,

@@ -9,5 +9,5 @@
 pub mod event;
 pub mod tracker;
 
-pub use event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, PageType, Space};
+pub use event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, PageType, Pool, Space};
 pub use tracker::{Origin, Output, Site, Tracker, VmmStep};

@@ -10,11 +10,17 @@
 //! - A driver call that ran inside a runtime call (`aclrtMalloc` -> `halMemAlloc`) is one fact:
 //!   the driver's record arrives first and waits for the runtime's, which then carries the
 //!   driver's device, flag, module and size (the memory really taken). A driver call on its own
-//!   is a fact of its own.
+//!   is a fact of its own. An mstx region reported from inside a traced allocator call is folded
+//!   into that call the same way.
+//! - Framework pools (PTA): a block counts in its pool's `used` from the allocator handing it out
+//!   to taking it back. The pool's `total` (reserved) is the device memory its allocator took:
+//!   runtime allocations and mappings made inside a traced allocator call are the pool's
+//!   segments, until freed or unmapped; when the pool reports its reserved bytes through mstx,
+//!   that report wins. Segments taken before an attach are unknown, so `total` starts low then.
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Space};
+use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool, Space};
 use crate::apis::{Api, Family};
 
 /// Who did it and when.
@@ -94,6 +100,71 @@ pub enum Output {
         size: Option<u64>,
         driver: Option<DriverInfo>,
     },
+    /// A framework pool handed out a block. `used`/`total` are the pool's allocated and reserved
+    /// bytes right after.
+    PoolMalloc {
+        site: Site,
+        device: DeviceKey,
+        pool: Pool,
+        ptr: u64,
+        size: u64,
+        req_size: Option<u64>,
+        allocation_id: u64,
+        used: u64,
+        total: u64,
+    },
+    PoolFree {
+        site: Site,
+        device: DeviceKey,
+        pool: Pool,
+        ptr: u64,
+        /// `None` for a block handed out before the trace started.
+        size: Option<u64>,
+        allocation_id: Option<u64>,
+        used: u64,
+        total: u64,
+        shadow: bool,
+        /// The free was not seen but follows from the allocator's rules (a workspace use ends
+        /// with the next one on its device when only `allocate_workspace` is probed).
+        implied: bool,
+    },
+}
+
+/// A framework pool's totals on one device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub used: u64,
+    pub total: u64,
+    pub peak_used: u64,
+    pub peak_total: u64,
+    pub live_blocks: u64,
+    next_allocation_id: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct PoolBlock {
+    device: DeviceKey,
+    pool: Pool,
+    size: u64,
+    allocation_id: u64,
+    api: Api,
+}
+
+/// An external block known by its handle, waiting for `GetBlockPtr`.
+#[derive(Clone, Copy, Debug)]
+struct PendingHandle {
+    device: DeviceKey,
+    pool: Pool,
+    req: Option<u64>,
+    size: Option<u64>,
+    api: Api,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    device: DeviceKey,
+    pool: Pool,
+    size: u64,
 }
 
 /// Per-device totals.
@@ -130,6 +201,15 @@ pub struct Tracker {
     physical: HashMap<(u32, u64), Physical>,
     reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
     devices: BTreeMap<DeviceKey, DeviceStats>,
+    pools: BTreeMap<(DeviceKey, Pool), PoolStats>,
+    pool_blocks: HashMap<(u32, u64), PoolBlock>,
+    handles: HashMap<(u32, u64), PendingHandle>,
+    /// External block handles whose address is known.
+    handle_ptrs: HashMap<(u32, u64), u64>,
+    segments: HashMap<(u32, u64), Segment>,
+    domains: HashMap<(u32, u64), Pool>,
+    /// The open workspace use per device, when workspace frees are not probed.
+    workspace_open: HashMap<(u32, DeviceKey), u64>,
     last_wall_ns: u64,
 }
 
@@ -150,6 +230,11 @@ impl Tracker {
         self.devices.iter().map(|(k, v)| (*k, v))
     }
 
+    /// Per-device, per-pool totals.
+    pub fn pools(&self) -> impl Iterator<Item = ((DeviceKey, Pool), &PoolStats)> {
+        self.pools.iter().map(|(k, v)| (*k, v))
+    }
+
     /// Applies one event, appending what it adds to `out`.
     pub fn apply(&mut self, event: &Event, out: &mut Vec<Output>) {
         self.last_wall_ns = self.last_wall_ns.max(event.wall_ns);
@@ -163,7 +248,8 @@ impl Tracker {
             }
             return;
         };
-        if call.outer.is_some() && call.api.family() == Family::Hal {
+        let detail = call.api.family() == Family::Hal || matches!(call.op, Op::MstxRegion { .. });
+        if call.outer.is_some() && detail {
             self.inner.entry(event.tid).or_default().push(event.clone());
             return;
         }
@@ -182,7 +268,7 @@ impl Tracker {
         let mut call = call.clone();
         for e in &merged {
             if let EventKind::Call(inner) = &e.kind {
-                merge_driver(&mut call, inner);
+                merge_inner(&mut call, inner);
             }
         }
         self.apply_one(&Event { kind: EventKind::Call(call), ..event.clone() }, out);
@@ -244,6 +330,7 @@ impl Tracker {
                         let taken = driver.map_or(size, |d| d.size);
                         let origin = Origin::Direct { policy, module, driver };
                         self.add_block(site, device, space, ptr, (taken, size), origin, out);
+                        self.add_segment(site.pid, ptr, device, size, call.outer);
                     }
                     _ => self.fail(site, call, device, Some(size), None, driver, out),
                 }
@@ -255,6 +342,7 @@ impl Tracker {
                     self.fail(site, call, device, None, Some(ptr), driver, out);
                 } else {
                     self.remove_block(site, space, ptr, fallback, false, driver, out);
+                    self.remove_segment(site.pid, ptr);
                 }
             }
             Op::Reserve { size, va, .. } => {
@@ -317,6 +405,7 @@ impl Tracker {
                         Origin::Mapped { handle, offset },
                         out,
                     );
+                    self.add_segment(site.pid, va, device, size, call.outer);
                 }
             }
             Op::Unmap { va } => {
@@ -325,10 +414,191 @@ impl Tracker {
                     self.fail(site, call, fallback, None, Some(va), None, out);
                 } else {
                     self.remove_block(site, Space::Device, va, fallback, false, None, out);
+                    self.remove_segment(site.pid, va);
                 }
             }
             Op::SetDevice { .. } | Op::GetDevice { .. } => {
                 // The kernel keeps the thread's device; nothing is stored for these calls.
+            }
+            Op::PoolMalloc { pool, ptr, size, req, device, handle } => {
+                let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                match (ptr, handle) {
+                    (Some(ptr), _) => {
+                        if pool == Pool::Workspace && call.api == Api::AllocateWorkspace {
+                            self.end_open_workspace(site, device, out);
+                            self.workspace_open.insert((site.pid, device), ptr);
+                        }
+                        self.add_pool_block(site, device, pool, ptr, size.or(req).unwrap_or(0), req, out);
+                    }
+                    (None, Some(handle)) => {
+                        let pending = PendingHandle { device, pool, req, size, api: call.api };
+                        self.handles.insert((site.pid, handle), pending);
+                    }
+                    (None, None) => {
+                        // The allocator gave up (after freeing its cache and retrying): out of memory.
+                        self.stats(device).failures += 1;
+                        let (status, out_of_memory, ptr, driver) = (0, true, None, None);
+                        out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver });
+                    }
+                }
+            }
+            Op::PoolFree { pool, ptr, handle, device, .. } => {
+                let by_handle = handle.and_then(|h| {
+                    self.handles.remove(&(site.pid, h));
+                    self.handle_ptrs.remove(&(site.pid, h))
+                });
+                if let Some(ptr) = ptr.or(by_handle) {
+                    // A block allocated before an attach is unknown; its own device field (when
+                    // the source reads it) still places its free, also on a thread whose device
+                    // the trace never learnt.
+                    let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                    self.remove_pool_block(site, ptr, pool, device, false, false, out);
+                }
+            }
+            Op::PoolHandle { handle, ptr, size } => {
+                if let Some(pending) = self.handles.get_mut(&(site.pid, handle)) {
+                    pending.size = size.or(pending.size);
+                }
+                if let (Some(ptr), Some(pending)) = (ptr, self.handles.remove(&(site.pid, handle))) {
+                    self.handle_ptrs.insert((site.pid, handle), ptr);
+                    let site = Site { api: pending.api, ..site };
+                    let size = pending.size.or(pending.req).unwrap_or(0);
+                    self.add_pool_block(site, pending.device, pending.pool, ptr, size, pending.req, out);
+                }
+            }
+            Op::MstxDomain { handle, ref name } => {
+                let pool = match name.as_deref() {
+                    Some("ptaCaching" | "msleaks") => Some(Pool::Caching),
+                    Some("ptaWorkspace") => Some(Pool::Workspace),
+                    _ => None,
+                };
+                if let (Some(handle), Some(pool)) = (handle, pool) {
+                    self.domains.insert((site.pid, handle), pool);
+                }
+            }
+            Op::MstxHeap { domain, device, total } => {
+                let pool = self.domains.get(&(site.pid, domain)).copied();
+                if let (Some(pool), Some(device), Some(total)) = (pool, device, total) {
+                    let stats = self.pools.entry((DeviceKey::Npu(device), pool)).or_default();
+                    stats.total = total;
+                    stats.peak_total = stats.peak_total.max(total);
+                }
+            }
+            Op::MstxRegion { domain, register, device, ptr, size, .. } => {
+                let pool = self.domains.get(&(site.pid, domain)).copied();
+                let (Some(pool), Some(ptr)) = (pool, ptr) else { return };
+                let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                if register {
+                    self.add_pool_block(site, device, pool, ptr, size.unwrap_or(0), size, out);
+                } else {
+                    self.remove_pool_block(site, ptr, pool, device, false, false, out);
+                }
+            }
+        }
+    }
+
+    /// Counts device memory taken inside a traced allocator call as that pool's segment.
+    fn add_segment(&mut self, pid: u32, ptr: u64, device: DeviceKey, size: u64, outer: Option<Api>) {
+        let pool = match outer {
+            Some(Api::WorkspaceMalloc | Api::AllocateWorkspace) => Pool::Workspace,
+            Some(api) if api.family() == Family::TorchNpu => Pool::Caching,
+            _ => return,
+        };
+        self.segments.insert((pid, ptr), Segment { device, pool, size });
+        let stats = self.pools.entry((device, pool)).or_default();
+        stats.total += size;
+        stats.peak_total = stats.peak_total.max(stats.total);
+    }
+
+    fn remove_segment(&mut self, pid: u32, ptr: u64) {
+        if let Some(seg) = self.segments.remove(&(pid, ptr)) {
+            let stats = self.pools.entry((seg.device, seg.pool)).or_default();
+            stats.total = stats.total.saturating_sub(seg.size);
+        }
+    }
+
+    /// With only `allocate_workspace` probed, a device's workspace use ends when the next starts.
+    fn end_open_workspace(&mut self, site: Site, device: DeviceKey, out: &mut Vec<Output>) {
+        if let Some(ptr) = self.workspace_open.remove(&(site.pid, device)) {
+            if self.pool_blocks.contains_key(&(site.pid, ptr)) {
+                self.remove_pool_block(site, ptr, Pool::Workspace, device, false, true, out);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "a block's facts, each from a different source")]
+    fn add_pool_block(
+        &mut self,
+        site: Site,
+        device: DeviceKey,
+        pool: Pool,
+        ptr: u64,
+        size: u64,
+        req_size: Option<u64>,
+        out: &mut Vec<Output>,
+    ) {
+        // Handed out again while we think it is live: the free was not seen (before the attach,
+        // or lost). Retire the old one so `used` stays the allocator's.
+        if self.pool_blocks.contains_key(&(site.pid, ptr)) {
+            self.remove_pool_block(site, ptr, pool, device, true, false, out);
+        }
+        let stats = self.pools.entry((device, pool)).or_default();
+        stats.next_allocation_id += 1;
+        stats.used += size;
+        stats.peak_used = stats.peak_used.max(stats.used);
+        stats.live_blocks += 1;
+        let (allocation_id, used, total) = (stats.next_allocation_id, stats.used, stats.total);
+        self.pool_blocks.insert((site.pid, ptr), PoolBlock { device, pool, size, allocation_id, api: site.api });
+        out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total });
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "fallbacks for a block that was never seen")]
+    fn remove_pool_block(
+        &mut self,
+        site: Site,
+        ptr: u64,
+        pool: Pool,
+        fallback: DeviceKey,
+        shadow: bool,
+        implied: bool,
+        out: &mut Vec<Output>,
+    ) {
+        match self.pool_blocks.remove(&(site.pid, ptr)) {
+            Some(block) => {
+                let stats = self.pools.entry((block.device, block.pool)).or_default();
+                stats.used -= block.size;
+                stats.live_blocks -= 1;
+                let (used, total) = (stats.used, stats.total);
+                out.push(Output::PoolFree {
+                    site,
+                    device: block.device,
+                    pool: block.pool,
+                    ptr,
+                    size: Some(block.size),
+                    allocation_id: Some(block.allocation_id),
+                    used,
+                    total,
+                    shadow,
+                    implied,
+                });
+            }
+            None => {
+                let stats = self.pools.entry((fallback, pool)).or_default();
+                let (used, total) = (stats.used, stats.total);
+                let (size, allocation_id) = (None, None);
+                let device = fallback;
+                out.push(Output::PoolFree {
+                    site,
+                    device,
+                    pool,
+                    ptr,
+                    size,
+                    allocation_id,
+                    used,
+                    total,
+                    shadow,
+                    implied,
+                });
             }
         }
     }
@@ -440,13 +710,44 @@ impl Tracker {
                 driver: None,
             });
         }
+        let mut live: Vec<((u32, u64), PoolBlock)> = self.pool_blocks.iter().map(|(k, v)| (*k, *v)).collect();
+        live.sort_by_key(|(_, b)| (b.device, b.pool, b.allocation_id));
+        let mut used: BTreeMap<(DeviceKey, Pool), u64> = self.pools.iter().map(|(k, v)| (*k, v.used)).collect();
+        for ((pid, ptr), block) in live {
+            let remaining = used.entry((block.device, block.pool)).or_default();
+            *remaining -= block.size;
+            let total = self.pools.get(&(block.device, block.pool)).map_or(0, |s| s.total);
+            out.push(Output::PoolFree {
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid },
+                device: block.device,
+                pool: block.pool,
+                ptr,
+                size: Some(block.size),
+                allocation_id: Some(block.allocation_id),
+                used: *remaining,
+                total,
+                shadow: true,
+                implied: false,
+            });
+        }
     }
 }
 
-/// Folds a driver call into the runtime call it ran inside of: the driver's device (from its flag
-/// or property) and module are the truth, and its size is what the memory really took.
-fn merge_driver(outer: &mut Call, inner: &Call) {
+/// Folds a detail call into the call it ran inside of. A driver call into a runtime call: the
+/// driver's device (from its flag or property) and module are the truth, and its size is what
+/// the memory really took. An mstx region into an allocator call: the region's address, size and
+/// device fill what the allocator call's probe could not read.
+fn merge_inner(outer: &mut Call, inner: &Call) {
     match (&mut outer.op, &inner.op) {
+        (
+            Op::PoolMalloc { ptr, size, device, .. },
+            Op::MstxRegion { register: true, ptr: inner_ptr, size: inner_size, device: inner_device, .. },
+        ) => {
+            *ptr = ptr.or(*inner_ptr);
+            *size = size.or(*inner_size);
+            *device = device.or(*inner_device);
+        }
+        (Op::PoolFree { ptr, .. }, Op::MstxRegion { register: false, ptr: inner_ptr, .. }) => *ptr = ptr.or(*inner_ptr),
         (
             Op::Malloc { device, module, driver, .. },
             Op::Malloc { device: inner_device, module: inner_module, driver: inner_driver, .. },
@@ -667,5 +968,90 @@ mod tests {
         let (t, out) = run(&[malloc(Some(0x1), 10, Some(0), 0), malloc(Some(0x1), 20, Some(0), 0)]);
         assert!(matches!(out[1], Output::Free { shadow: true, size: Some(10), .. }));
         assert_eq!(t.devices().next().unwrap().1.used, 20);
+    }
+
+    fn with_outer(mut e: Event, outer: Api) -> Event {
+        if let EventKind::Call(c) = &mut e.kind {
+            c.outer = Some(outer);
+        }
+        e
+    }
+
+    fn driver_alloc(ptr: u64, size: u64, device: u32, module: u16) -> Event {
+        let flag = u64::from(device) | (u64::from(module) << 56);
+        let driver = DriverInfo { api: Api::HalMemAlloc, flag: Some(flag), size, module: Some(module), page: None };
+        let op = Op::Malloc {
+            space: Space::Device,
+            size,
+            ptr: Some(ptr),
+            policy: None,
+            device: Some(device),
+            module: Some(module),
+            driver: Some(driver),
+        };
+        call(Api::HalMemAlloc, 1, None, 0, op)
+    }
+
+    fn pool_malloc(ptr: u64, size: u64, device: u32) -> Event {
+        let op = Op::PoolMalloc {
+            pool: Pool::Caching,
+            ptr: Some(ptr),
+            size: Some(size),
+            req: Some(size),
+            device: Some(device),
+            handle: None,
+        };
+        call(Api::DeviceCachingAllocatorMalloc, 1, None, 0, op)
+    }
+
+    #[test]
+    fn a_driver_call_inside_a_runtime_call_is_one_fact_with_the_drivers_size_and_device() {
+        // The driver's record arrives first (it returns first), then the runtime's.
+        let inner = with_outer(driver_alloc(0x1000, 544, 1, 33), Api::AclrtMalloc);
+        let (t, out) = run(&[inner, malloc(Some(0x1000), 512, None, 0)]);
+        assert_eq!(out.len(), 1, "{out:?}");
+        let Output::Malloc { site, device, size, req_size, origin, .. } = &out[0] else { panic!("{out:?}") };
+        assert_eq!(site.api, Api::AclrtMalloc);
+        assert_eq!((*device, *size, *req_size), (DeviceKey::Npu(1), 544, 512));
+        let Origin::Direct { driver: Some(d), .. } = origin else { panic!("{origin:?}") };
+        assert_eq!((d.api, d.module), (Api::HalMemAlloc, Some(33)));
+        assert_eq!(t.devices().next().unwrap().1.used, 544);
+    }
+
+    #[test]
+    fn a_driver_call_on_its_own_is_a_fact_of_its_own() {
+        let (_, out) = run(&[driver_alloc(0x1000, 4096, 0, 3), malloc(Some(0x2000), 512, Some(0), 0)]);
+        assert_eq!(out.len(), 2);
+        assert!(matches!(out[0], Output::Malloc { site: Site { api: Api::HalMemAlloc, .. }, size: 4096, .. }));
+    }
+
+    #[test]
+    fn runtime_allocations_inside_the_allocator_are_its_reserved_segments() {
+        let segment = with_outer(malloc(Some(0x10_0000), 2 << 20, Some(0), 0), Api::DeviceCachingAllocatorMalloc);
+        let (t, out) = run(&[segment, pool_malloc(0x10_0000, 4096, 0), malloc(Some(0x90_0000), 1 << 20, Some(0), 0)]);
+        let Output::PoolMalloc { used, total, device, .. } = out[1] else { panic!("{out:?}") };
+        assert_eq!((used, total, device), (4096, 2 << 20, DeviceKey::Npu(0)));
+        // A runtime allocation outside the allocator is no segment of it.
+        let pool = t.pools().next().unwrap().1;
+        assert_eq!((pool.used, pool.total), (4096, 2 << 20));
+        let (_, out) = run(&[
+            with_outer(malloc(Some(0x10_0000), 2 << 20, Some(0), 0), Api::DeviceCachingAllocatorMalloc),
+            free(0x10_0000, Some(0)),
+            pool_malloc(0x20_0000, 4096, 0),
+        ]);
+        assert!(
+            matches!(out[2], Output::PoolMalloc { total: 0, .. }),
+            "a freed segment is no longer reserved: {out:?}"
+        );
+    }
+
+    #[test]
+    fn a_pool_free_of_an_unknown_block_is_placed_by_the_blocks_own_device() {
+        let op =
+            Op::PoolFree { pool: Pool::Caching, ptr: Some(0x5000), handle: None, size: Some(4096), device: Some(1) };
+        let (_, out) = run(&[call(Api::DeviceCachingAllocatorFree, 1, None, 0, op)]);
+        let Output::PoolFree { device, size, .. } = out[0] else { panic!("{out:?}") };
+        assert_eq!(device, DeviceKey::Npu(1));
+        assert_eq!(size, None, "unknown to the trace, so Insight must skip it");
     }
 }

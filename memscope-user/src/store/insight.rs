@@ -9,13 +9,14 @@
 //! | any other failed call | `API_ERROR` | `HAL` / `HOST` | `N/A` |
 //! | address reserve/release, physical alloc/free | `VMM` | `RESERVE` / `RELEASE` / `PHYSICAL_MALLOC` / `PHYSICAL_FREE` | `N/A` |
 //! | trace start / stop | `SYSTEM` | `START_TRACE` / `STOP_TRACE` | `N/A` |
+//! | framework pool block handed out / taken back | `MALLOC` / `FREE` | `PTA` (Attr `pool`, `used`, `total`) | `0x%016x` |
 //!
 //! `API_ERROR` and `VMM` are ours; Insight ignores Events it does not know.
 
 use super::attr::{Attr, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
-use crate::model::{DeviceKey, DriverInfo, Origin, Output, PageType, Site, Space, VmmStep};
+use crate::model::{DeviceKey, DriverInfo, Origin, Output, PageType, Pool, Site, Space, VmmStep};
 
 /// One `memscope_dump` row, before its per-file `ID`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,6 +113,15 @@ fn with_module(attr: Attr, module: Option<u16>) -> Attr {
     }
 }
 
+/// The FRAMEWORK level of a pool block's owner, as msMemScope's decomposition names it: Insight
+/// hangs these under the HAL root of its decomposition tree.
+fn pool_owner(pool: Pool) -> &'static str {
+    match pool {
+        Pool::Caching => "PTA",
+        Pool::Workspace => "PTA_WORKSPACE",
+    }
+}
+
 /// The row for one model output.
 pub fn to_row(output: &Output) -> Row {
     match output {
@@ -187,6 +197,39 @@ pub fn to_row(output: &Output) -> Row {
             let attr = with_driver(with_module(attr, driver.and_then(|d| d.module)), site, driver.as_ref());
             row(site, "VMM", event_type, *device, None, attr)
         }
+        Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total } => {
+            let attr = Attr::new()
+                .addr("addr", *ptr)
+                .with("size", *size)
+                .with_opt("req_size", *req_size)
+                .with("allocation_id", *allocation_id)
+                .with("api", site.api.name())
+                .with("used", *used)
+                .with("total", *total)
+                .with("pool", pool.as_str())
+                .with("owner", pool_owner(*pool));
+            row(site, "MALLOC", "PTA", *device, Some(*ptr), attr)
+        }
+        Output::PoolFree { site, device, pool, ptr, size, allocation_id, used, total, shadow, implied } => {
+            let mut attr = Attr::new()
+                .addr("addr", *ptr)
+                .with("size", size.unwrap_or(0))
+                .with_opt("allocation_id", *allocation_id)
+                .with("api", site.api.name())
+                .with("used", *used)
+                .with("total", *total)
+                .with("pool", pool.as_str());
+            if size.is_none() {
+                attr = attr.with("unmatched", "true");
+            }
+            if *shadow {
+                attr = attr.with("shadow", "true");
+            }
+            if *implied {
+                attr = attr.with("implied", "true");
+            }
+            row(site, "FREE", "PTA", *device, Some(*ptr), attr)
+        }
     }
 }
 
@@ -231,6 +274,29 @@ mod tests {
             assert!(r.attr.get(key).is_some(), "missing {key}");
         }
         assert_eq!(r.attr.get("size").as_deref(), Some("512"));
+    }
+
+    #[test]
+    fn pool_blocks_are_pta_with_counters_and_owner() {
+        for (pool, owner) in [(Pool::Caching, "PTA"), (Pool::Workspace, "PTA_WORKSPACE")] {
+            let r = to_row(&Output::PoolMalloc {
+                site: site(Api::DeviceCachingAllocatorMalloc),
+                device: DeviceKey::Npu(0),
+                pool,
+                ptr: 0x200,
+                size: 1024,
+                req_size: Some(1000),
+                allocation_id: 1,
+                used: 1024,
+                total: 2 << 20,
+            });
+            assert_eq!((r.event, r.event_type), ("MALLOC", "PTA"));
+            assert_eq!(r.attr.get("owner").as_deref(), Some(owner));
+            assert_eq!(r.attr.get("pool").as_deref(), Some(pool.as_str()));
+            assert_eq!(r.attr.get("used").as_deref(), Some("1024"));
+            assert_eq!(r.attr.get("total").as_deref(), Some("2097152"));
+            assert_eq!(r.attr.get("req_size").as_deref(), Some("1000"));
+        }
     }
 
     #[test]

@@ -24,7 +24,8 @@ pub struct TestEnv {
     pub scratch: PathBuf,
 }
 
-fn var(name: &str) -> PathBuf {
+/// A path `cargo xtask test` handed over.
+pub fn var(name: &str) -> PathBuf {
     PathBuf::from(
         std::env::var(name)
             .unwrap_or_else(|_| panic!("{name} is not set; run the privileged tier with `cargo xtask test`")),
@@ -385,6 +386,7 @@ pub fn spawn_workload(env: &TestEnv, ledger: &Path, extra: &[&str]) -> Child {
         .args(&args[1..])
         .env("ASCEND_HOME_PATH", &env.ascend_home)
         .env("STANDIN_HAL_LEDGER", driver_ledger_path(ledger))
+        .env("STANDIN_TORCH_LEDGER", pool_ledger_path(ledger))
         .spawn()
         .expect("start workload")
 }
@@ -753,23 +755,49 @@ pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
         .iter()
         .filter(|r| r.event == "MALLOC" && r.attr.get("alloc_type").map(String::as_str) == Some("alloc"))
         .collect();
-    for r in &backed {
-        let hits: Vec<&DriverEntry> = driver
-            .iter()
-            .filter(|e| {
-                e.api == "halMemAlloc" && e.rc == 0 && e.tid == r.tid && Some(e.ptr) == r.ptr_value() && within(r.ts, e)
-            })
-            .collect();
-        assert_eq!(hits.len(), 1, "driver-backed row matches {} driver calls: {r:?}", hits.len());
-        let e = hits[0];
-        assert_eq!(r.attr_u64("size"), Some(e.size), "size is the driver's: {r:?} {e:?}");
-        assert_eq!(r.attr_u64("flag"), Some(e.flag), "flag: {r:?} {e:?}");
-        assert_eq!(r.device, e.device.to_string(), "device from the flag: {r:?} {e:?}");
-        assert_eq!(r.attr_u64("module_id"), Some(e.flag >> 56), "module: {r:?}");
+    // A thread that frees and reallocates the same address quickly has several driver calls
+    // within the clock tolerance of one row, so times alone cannot pair them. A thread's calls at
+    // one address happen in order, and a trace misses only those before it went live: the rows
+    // of each (thread, address), in time order, are the last driver calls there, in order.
+    let mut calls: HashMap<(u32, u64), Vec<&DriverEntry>> = HashMap::new();
+    for e in driver.iter().filter(|e| e.api == "halMemAlloc" && e.rc == 0) {
+        calls.entry((e.tid, e.ptr)).or_default().push(e);
     }
-    for e in driver.iter().filter(|e| e.api == "halMemAlloc" && e.rc == 0 && e.t0 > live_ns) {
-        let n = backed.iter().filter(|r| r.tid == e.tid && r.ptr_value() == Some(e.ptr) && within(r.ts, e)).count();
-        assert_eq!(n, 1, "driver allocation recorded {n} times (must be once): {e:?}");
+    let mut seen: HashMap<(u32, u64), Vec<&DbRow>> = HashMap::new();
+    for r in &backed {
+        let ptr = r.ptr_value().unwrap_or_else(|| panic!("driver-backed row without an address: {r:?}"));
+        seen.entry((r.tid, ptr)).or_default().push(r);
+    }
+    for (key, rows_here) in &mut seen {
+        rows_here.sort_by_key(|r| (r.ts, r.id));
+        let here = calls
+            .get_mut(key)
+            .unwrap_or_else(|| panic!("driver-backed row matches no driver call: {:?}", rows_here[0]));
+        here.sort_by_key(|e| e.t0);
+        assert!(
+            rows_here.len() <= here.len(),
+            "{} rows for {} driver calls at {key:?}: {rows_here:#?}",
+            rows_here.len(),
+            here.len()
+        );
+        let (missed, paired) = here.split_at(here.len() - rows_here.len());
+        for (r, e) in rows_here.iter().zip(paired) {
+            assert!(within(r.ts, e), "row and driver call at {key:?} are not at the same time: {r:?} {e:?}");
+            assert_eq!(r.attr_u64("size"), Some(e.size), "size is the driver's: {r:?} {e:?}");
+            assert_eq!(r.attr_u64("flag"), Some(e.flag), "flag: {r:?} {e:?}");
+            assert_eq!(r.device, e.device.to_string(), "device from the flag: {r:?} {e:?}");
+            assert_eq!(r.attr_u64("module_id"), Some(e.flag >> 56), "module: {r:?}");
+        }
+        for e in missed {
+            assert!(e.t0 <= live_ns, "driver allocation has no row of its own: {e:?}");
+        }
+    }
+    for (key, here) in &calls {
+        if !seen.contains_key(key) {
+            for e in here {
+                assert!(e.t0 <= live_ns, "driver allocation has no row of its own: {e:?}");
+            }
+        }
     }
     for e in driver.iter().filter(|e| e.api == "halMemAlloc" && e.rc == 6 && e.t0 > live_ns) {
         let oom = rows.iter().find(|r| r.event == "OOM_DETAIL" && r.tid == e.tid && within(r.ts, e));
@@ -779,7 +807,13 @@ pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
     for e in driver.iter().filter(|e| e.api == "halMemCreate" && e.rc == 0 && e.t0 > live_ns) {
         let row = rows
             .iter()
-            .find(|r| r.event_type == "PHYSICAL_MALLOC" && r.attr_u64("handle") == Some(e.ptr) && within(r.ts, e))
+            .filter(|r| {
+                r.event_type == "PHYSICAL_MALLOC"
+                    && r.tid == e.tid
+                    && r.attr_u64("handle") == Some(e.ptr)
+                    && within(r.ts, e)
+            })
+            .min_by_key(|r| r.ts.abs_diff(e.t0))
             .unwrap_or_else(|| panic!("physical allocation missing: {e:?}"));
         assert_eq!(row.attr.get("alloc_type").map(String::as_str), Some("create"));
         assert_eq!(row.device, e.device.to_string(), "{row:?}");
@@ -789,15 +823,243 @@ pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
 /// Every FREE of a known block has its MALLOC's size (Insight pairs them and needs both).
 pub fn assert_frees_carry_block_sizes(out: &Output) {
     for (folder, (_, rows)) in &out.files {
-        let mut mallocs: HashMap<(String, String), &DbRow> = HashMap::new();
+        // A segment and its first block share an address, so the layer is part of the key.
+        let mut mallocs: HashMap<(String, String, String), &DbRow> = HashMap::new();
         for r in rows.iter().filter(|r| r.event == "MALLOC") {
-            mallocs.insert((r.ptr.clone(), r.attr.get("allocation_id").cloned().unwrap_or_default()), r);
+            mallocs.insert(
+                (r.event_type.clone(), r.ptr.clone(), r.attr.get("allocation_id").cloned().unwrap_or_default()),
+                r,
+            );
         }
         for f in rows.iter().filter(|r| r.event == "FREE" && !r.attr.contains_key("unmatched")) {
-            let key = (f.ptr.clone(), f.attr.get("allocation_id").cloned().unwrap_or_default());
+            let key = (f.event_type.clone(), f.ptr.clone(), f.attr.get("allocation_id").cloned().unwrap_or_default());
             let m = mallocs.get(&key).unwrap_or_else(|| panic!("{folder}: FREE without its MALLOC: {f:?}"));
             assert_eq!(f.attr.get("size"), m.attr.get("size"), "{folder}: {f:?} vs {m:?}");
             assert_eq!(f.event_type, m.event_type);
         }
     }
+}
+
+// ---------------------------------------------------------------- allocator ledger
+
+/// One event the stand-in torch_npu allocator logged (STANDIN_TORCH_LEDGER), with its own
+/// allocated/reserved counters right after it.
+#[derive(Clone, Debug, Deserialize)]
+pub struct PoolEntry {
+    pub ev: String,
+    #[serde(default)]
+    pub pool: Option<String>,
+    pub tid: u32,
+    #[serde(default)]
+    pub t0: Option<u64>,
+    #[serde(default)]
+    pub t1: Option<u64>,
+    #[serde(default)]
+    pub t: Option<u64>,
+    pub device: i64,
+    #[serde(default)]
+    pub size: Option<u64>,
+    #[serde(default)]
+    pub ptr: u64,
+    /// The allocator's counters at the event, taken under its lock.
+    pub allocated: u64,
+    pub reserved: u64,
+    /// The same counters read after the call returned (block events only).
+    #[serde(default)]
+    pub allocated_after: Option<u64>,
+    #[serde(default)]
+    pub reserved_after: Option<u64>,
+}
+
+impl PoolEntry {
+    /// The (allocated, reserved) pairs a row may carry for this event. A probe fires at the
+    /// call's return, after the allocator let go of its lock, so another thread's change in
+    /// between (an empty_cache, a segment of its own) can be in the row, as it is in the
+    /// counters read after the return. Without contention both pairs are equal.
+    pub fn counter_pairs(&self) -> Vec<(u64, u64)> {
+        let mut pairs = vec![(self.allocated, self.reserved)];
+        if let (Some(a), Some(r)) = (self.allocated_after, self.reserved_after) {
+            pairs.push((a, r));
+        }
+        pairs
+    }
+}
+
+pub fn read_pool_ledger(path: &Path) -> Vec<PoolEntry> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("allocator ledger {}: {e}", path.display()));
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad allocator ledger line {l}: {e}")))
+        .collect()
+}
+
+/// Where the stand-in allocator logs, next to a workload ledger.
+pub fn pool_ledger_path(ledger: &Path) -> PathBuf {
+    ledger.with_extension("torch.jsonl")
+}
+
+/// What a PTA check compares.
+#[derive(Clone, Copy, Debug)]
+pub struct PtaCheck {
+    /// Row sizes must be the allocator's block sizes (not just the request).
+    pub sizes: bool,
+    /// `used` and `total` must equal the allocator's counters after each event.
+    pub counters: bool,
+    /// Which pools the trace can see: caching (tensors), external (MallocBlock), workspace.
+    pub caching: bool,
+    pub external: bool,
+    pub workspace: bool,
+    /// When the trace went live (0 for launch mode): earlier events may be missing, and the
+    /// counters, which cannot know older blocks and segments, may only be lower.
+    pub after_ns: u64,
+}
+
+/// PTA rows against the allocator's own ledger: every block it handed out and took back is one
+/// MALLOC and one FREE row on its device, at its time, with its address (and size and counters
+/// when `check` says the trace can know them); no PTA row is made up.
+pub fn assert_pta(pool: &[PoolEntry], out: &Output, check: PtaCheck) {
+    let rows: Vec<&DbRow> = out.call_rows().into_iter().filter(|r| r.event_type == "PTA").collect();
+    let visible = |e: &PoolEntry| match e.pool.as_deref() {
+        Some("caching") => check.caching,
+        Some("external") => check.external,
+        Some("workspace") => check.workspace,
+        _ => false,
+    };
+    // A block freed and handed out again at once has several events within the clock tolerance
+    // of one row, so rows and events pair up in order per (thread, address, kind).
+    let mut events: HashMap<(u32, u64, &str), Vec<&PoolEntry>> = HashMap::new();
+    for (ev, event) in [("block_malloc", "MALLOC"), ("block_free", "FREE")] {
+        for e in pool.iter().filter(|e| e.ev == ev && visible(e)) {
+            events.entry((e.tid, e.ptr, event)).or_default().push(e);
+        }
+    }
+    let mut seen: HashMap<(u32, u64, &str), Vec<&DbRow>> = HashMap::new();
+    for r in rows.iter().filter(|r| !r.attr.contains_key("implied") && !r.is_shadow()) {
+        let ptr = r.ptr_value().unwrap_or_else(|| panic!("PTA row without an address: {r:?}"));
+        seen.entry((r.tid, ptr, r.event.as_str())).or_default().push(r);
+    }
+    for (key, here) in &mut events {
+        here.sort_by_key(|e| e.t0);
+        let mut got = seen.remove(key).unwrap_or_default();
+        got.sort_by_key(|r| (r.ts, r.id));
+        // Only events before the trace went live may lack a row: the rows are the last events.
+        assert!(
+            got.len() <= here.len(),
+            "{} rows for {} allocator events at {key:?}: {here:#?} {got:#?}",
+            got.len(),
+            here.len()
+        );
+        let (missed, paired) = here.split_at(here.len() - got.len());
+        for e in missed {
+            assert!(e.t0.unwrap() <= check.after_ns, "allocator event without a row: {e:?}");
+        }
+        for (r, e) in got.iter().zip(paired.iter()) {
+            let (t0, t1) = (e.t0.unwrap(), e.t1.unwrap());
+            assert!(
+                r.ts + CLOCK_TOLERANCE_NS >= t0 && r.ts <= t1 + CLOCK_TOLERANCE_NS,
+                "row and event apart in time: {r:?} {e:?}"
+            );
+            assert_eq!(r.device, e.device.to_string(), "{r:?} {e:?}");
+            let want_pool = if e.pool.as_deref() == Some("workspace") { "workspace" } else { "caching" };
+            assert_eq!(r.attr.get("pool").map(String::as_str), Some(want_pool), "{r:?}");
+            if r.event == "MALLOC" {
+                let owner = if want_pool == "workspace" { "PTA_WORKSPACE" } else { "PTA" };
+                assert_eq!(r.attr.get("owner").map(String::as_str), Some(owner), "decomposition owner: {r:?}");
+            }
+            if check.sizes && !r.attr.contains_key("unmatched") {
+                if let Some(size) = e.size {
+                    assert_eq!(r.attr_u64("size"), Some(size), "block size: {r:?} {e:?}");
+                }
+            }
+            let (used, total) = (r.attr_u64("used").unwrap(), r.attr_u64("total").unwrap());
+            let pairs = e.counter_pairs();
+            if check.counters && check.after_ns == 0 {
+                assert!(
+                    pairs.contains(&(used, total)),
+                    "used/total = the allocator's allocated/reserved bytes {pairs:?}: {r:?} {e:?}"
+                );
+            } else if check.counters {
+                assert!(
+                    pairs.iter().any(|(a, t)| used <= *a && total <= *t),
+                    "used/total above the allocator's allocated/reserved bytes {pairs:?}: {r:?} {e:?}"
+                );
+            }
+        }
+    }
+    assert!(seen.is_empty(), "PTA rows with no allocator event: {:#?}", seen.values().collect::<Vec<_>>());
+}
+
+/// Every segment step the allocator logged is one HAL row of the runtime call it made, at the
+/// segment's address, on its device and thread: `segment_alloc` an `aclrtMallocAlign32` MALLOC
+/// of the segment's size, `segment_free` an `aclrtFree`, and with expandable segments each
+/// page `segment_map` an `aclrtMapMem` MALLOC of the page's size and `segment_unmap` an
+/// `aclrtUnmapMem` FREE.
+pub fn assert_segments(pool: &[PoolEntry], out: &Output) {
+    let rows = out.call_rows();
+    let kinds = [
+        ("segment_alloc", "MALLOC", "aclrtMallocAlign32", "req_size"),
+        ("segment_free", "FREE", "aclrtFree", "size"),
+        ("segment_map", "MALLOC", "aclrtMapMem", "size"),
+        ("segment_unmap", "FREE", "aclrtUnmapMem", "size"),
+    ];
+    for (ev, event, name, size_key) in kinds {
+        let mut events: HashMap<(u32, u64), Vec<&PoolEntry>> = HashMap::new();
+        for e in pool.iter().filter(|e| e.ev == ev) {
+            events.entry((e.tid, e.ptr)).or_default().push(e);
+        }
+        let mut seen: HashMap<(u32, u64), Vec<&DbRow>> = HashMap::new();
+        for r in rows.iter().filter(|r| r.event_type == "HAL" && r.event == event && r.name == name && !r.is_shadow()) {
+            seen.entry((r.tid, r.ptr_value().unwrap())).or_default().push(r);
+        }
+        for (key, here) in &mut events {
+            here.sort_by_key(|e| e.t);
+            let got = seen.remove(key).unwrap_or_default();
+            // The tracer may see more calls at an address than the allocator's segments (the
+            // workload's own runtime calls); each segment step takes the nearest unused row.
+            let mut used = vec![false; got.len()];
+            for e in here.iter() {
+                let t = e.t.unwrap();
+                let (i, r) = got
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, r)| !used[*i] && r.ts.abs_diff(t) <= CLOCK_TOLERANCE_NS)
+                    .min_by_key(|(_, r)| r.ts.abs_diff(t))
+                    .unwrap_or_else(|| panic!("no {name} {event} row for segment event {e:?}"));
+                used[i] = true;
+                assert_eq!(r.device, e.device.to_string(), "{r:?} {e:?}");
+                assert_eq!(r.attr_u64(size_key), e.size, "segment size ({size_key}): {r:?} {e:?}");
+            }
+        }
+    }
+}
+
+/// A pool's reserved bytes are device memory, so they never exceed the device's live driver
+/// bytes at the same moment.
+pub fn assert_pta_within_hal(out: &Output) {
+    for (folder, (_, rows)) in &out.files {
+        let mut hal_used = 0u64;
+        let mut ordered: Vec<&DbRow> = rows.iter().collect();
+        ordered.sort_by_key(|r| (r.ts, r.id));
+        for r in ordered {
+            if r.event_type == "HAL" && (r.event == "MALLOC" || r.event == "FREE") {
+                hal_used = r.attr_u64("used").unwrap_or(hal_used);
+            }
+            if r.event_type == "PTA" && !r.is_shadow() {
+                let total = r.attr_u64("total").unwrap();
+                assert!(total <= hal_used, "{folder}: PTA total {total} > HAL bytes {hal_used} at {r:?}");
+            }
+        }
+    }
+}
+
+/// Whether `probes` printed a line `ACTION API SYMBOL (SOURCE...`, e.g. `attach aclrtMalloc
+/// aclrtMallocImpl (dynsym, offset 0x24f0)`; columns are padded, so words are compared.
+pub fn listed(text: &str, action: &str, api: &str, symbol: &str, source: &str) -> bool {
+    text.lines().any(|l| {
+        let words: Vec<&str> = l.split_whitespace().collect();
+        words.len() >= 4
+            && words[0] == action
+            && words[1] == api
+            && words[2] == symbol
+            && words[3].trim_start_matches('(').trim_end_matches([',', ':']) == source
+    })
 }

@@ -1,0 +1,76 @@
+//! mstx memory regions (`ms_tools_ext.h`, libms_tools_ext.so; shared/reference/accelerator-apis.md
+//! §3): how a framework pool describes its blocks to a tool.
+//!
+//! torch_npu makes these calls only when it believes msMemScope is loaded; when it does, every
+//! block malloc registers the pool's reserved bytes (`mstxMemHeapRegister`, `{device, ptr,
+//! reserved}` behind `desc->typeSpecificDesc`) and the block (`mstxMemRegionsRegister`, `{device,
+//! ptr, size}` at `batch->regionDescArray[0]`), and every free unregisters it
+//! (`batch->refArray[0].pointer`). Each pool uses its own domain (`ptaCaching`, `ptaWorkspace`),
+//! created with `mstxDomainCreateA(name)`. Only the first region of a batch is read; torch_npu
+//! registers one at a time.
+
+use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
+
+use super::{no_status, spec, Api, ApiDef, Family};
+use crate::model::Op;
+use crate::record::RawCall;
+
+const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
+    let mut s = spec(layer::MSTX, layer::POOL, fields);
+    s.ret_kind = ret_kind::NONE;
+    s
+}
+
+const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
+    ApiDef { api, name: symbol, symbol, family: Family::Mstx, spec, decode, out_of_memory: no_status, layout: None }
+}
+
+pub(super) static TABLE: [ApiDef; 4] = [
+    row(
+        Api::MstxDomainCreateA,
+        "mstxDomainCreateA",
+        {
+            let mut s = mstx_spec(&[]);
+            s.text_arg = 0;
+            s
+        },
+        |c| Op::MstxDomain { handle: (c.ret != 0).then_some(c.ret), name: c.text.clone() },
+    ),
+    row(
+        Api::MstxMemHeapRegister,
+        "mstxMemHeapRegister",
+        mstx_spec(&[FieldRead::arg_via_at_entry(1, 8, 0, 4), FieldRead::arg_via_at_entry(1, 8, 16, 8)]),
+        |c| Op::MstxHeap { domain: c.args[0], device: c.field(0).map(|d| d as u32), total: c.field(1) },
+    ),
+    row(
+        Api::MstxMemRegionsRegister,
+        "mstxMemRegionsRegister",
+        mstx_spec(&[
+            FieldRead::arg_at_entry(1, 16, 8),
+            FieldRead::arg_via_at_entry(1, 24, 0, 4),
+            FieldRead::arg_via_at_entry(1, 24, 8, 8),
+            FieldRead::arg_via_at_entry(1, 24, 16, 8),
+        ]),
+        |c| Op::MstxRegion {
+            domain: c.args[0],
+            register: true,
+            count: c.field(0),
+            device: c.field(1).map(|d| d as u32),
+            ptr: c.field(2),
+            size: c.field(3),
+        },
+    ),
+    row(
+        Api::MstxMemRegionsUnregister,
+        "mstxMemRegionsUnregister",
+        mstx_spec(&[FieldRead::arg_at_entry(1, 0, 8), FieldRead::arg_via_at_entry(1, 8, 8, 8)]),
+        |c| Op::MstxRegion {
+            domain: c.args[0],
+            register: false,
+            count: c.field(0),
+            device: None,
+            ptr: c.field(1),
+            size: None,
+        },
+    ),
+];

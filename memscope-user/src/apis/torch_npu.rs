@@ -1,0 +1,174 @@
+//! torch_npu's allocators (shared/reference/accelerator-apis.md §2.1), by mangled name.
+//!
+//! Three ways to see blocks, in the order they are preferred (chosen per library by
+//! `attach::plan`):
+//! - the internals, hidden in release builds and found through the debug file:
+//!   `DeviceCachingAllocator::malloc(int device, size_t size, aclrtStream, uint8_t)` returns a
+//!   `Block*` whose address, size and device are read at offsets taken from DWARF, and `free(Block*,
+//!   uint8_t)` is read at entry (the block may be merged away after); `NpuCachingAllocator::malloc(void
+//!   **devPtr, int device, size_t size, aclrtStream)` / `free(void*)` when the layout is unknown;
+//!   `NPUWorkspaceAllocator::DeviceWorkspaceAllocator::malloc(size_t, aclrtStream)` / `free(void*)`;
+//! - the exported `MallocBlock(size_t, void* stream, int device)` -> handle, `GetBlockPtr`,
+//!   `GetBlockSize`, `FreeBlock(handle)` (the external path) and
+//!   `at_npu::native::allocate_workspace(uint64_t size, void* stream)`, which returns an
+//!   `at::DataPtr` through a hidden pointer in the first argument register (data pointer first);
+//! - mstx memory regions (`super::mstx`), when the process makes them.
+//!
+//! Member functions take `this` as argument 0.
+
+use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
+
+use super::{no_status, spec, Api, ApiDef, Family, Layout};
+use crate::model::{Op, Pool};
+use crate::record::RawCall;
+
+/// `c10_npu::NPUWorkspaceAllocator::DeviceWorkspaceAllocator`: one per device, so its `device`
+/// member places a workspace block even on a thread whose device the trace never learnt.
+pub static WORKSPACE_ALLOCATOR: Layout =
+    Layout { namespace: "NPUWorkspaceAllocator", name: "DeviceWorkspaceAllocator", members: &["device"] };
+
+/// `c10_npu::NPUCachingAllocator::(anonymous)::Block`: the fields read from a block.
+pub static BLOCK: Layout =
+    Layout { namespace: "NPUCachingAllocator", name: "Block", members: &["ptr", "size", "device"] };
+
+const fn pool_spec(fields: &[FieldRead]) -> ProbeSpec {
+    let mut s = spec(layer::POOL, 0, fields);
+    s.ret_kind = ret_kind::NONE;
+    s
+}
+
+const fn row(
+    api: Api,
+    name: &'static str,
+    symbol: &'static str,
+    spec: ProbeSpec,
+    decode: fn(&RawCall) -> Op,
+) -> ApiDef {
+    ApiDef { api, name, symbol, family: Family::TorchNpu, spec, decode, out_of_memory: no_status, layout: None }
+}
+
+fn non_zero(v: u64) -> Option<u64> {
+    (v != 0).then_some(v)
+}
+
+fn device_arg(v: u64) -> Option<u32> {
+    u32::try_from(v as i32).ok()
+}
+
+pub(super) static TABLE: [ApiDef; 11] = [
+    ApiDef {
+        layout: Some(&BLOCK),
+        ..row(
+            Api::DeviceCachingAllocatorMalloc,
+            "DeviceCachingAllocator::malloc",
+            "_ZN7c10_npu19NPUCachingAllocator22DeviceCachingAllocator6mallocEimPvh",
+            // Offsets are placeholders until the DWARF layout is known.
+            pool_spec(&[FieldRead::ret_field(0, 8), FieldRead::ret_field(0, 8), FieldRead::ret_field(0, 4)]),
+            |c| Op::PoolMalloc {
+                pool: Pool::Caching,
+                ptr: if c.ret == 0 { None } else { c.field(0) },
+                size: c.field(1),
+                req: Some(c.args[2]),
+                device: c.field(2).and_then(device_arg).or_else(|| device_arg(c.args[1])),
+                handle: None,
+            },
+        )
+    },
+    ApiDef {
+        layout: Some(&BLOCK),
+        ..row(
+            Api::DeviceCachingAllocatorFree,
+            "DeviceCachingAllocator::free",
+            "_ZN7c10_npu19NPUCachingAllocator22DeviceCachingAllocator4freeEPNS0_12_GLOBAL__N_15BlockEh",
+            pool_spec(&[
+                FieldRead::arg_at_entry(1, 0, 8),
+                FieldRead::arg_at_entry(1, 0, 8),
+                FieldRead::arg_at_entry(1, 0, 4),
+            ]),
+            |c| Op::PoolFree {
+                pool: Pool::Caching,
+                ptr: c.field(0),
+                handle: None,
+                size: c.field(1),
+                device: c.field(2).and_then(device_arg),
+            },
+        )
+    },
+    row(
+        Api::NpuCachingAllocatorMalloc,
+        "NpuCachingAllocator::malloc",
+        "_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator6mallocEPPvimS2_",
+        pool_spec(&[FieldRead::arg_at_exit(1, 0, 8)]),
+        |c| Op::PoolMalloc {
+            pool: Pool::Caching,
+            ptr: c.field(0).and_then(non_zero),
+            size: None,
+            req: Some(c.args[3]),
+            device: device_arg(c.args[2]),
+            handle: None,
+        },
+    ),
+    row(
+        Api::NpuCachingAllocatorFree,
+        "NpuCachingAllocator::free",
+        "_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator4freeEPv",
+        pool_spec(&[]),
+        |c| Op::PoolFree { pool: Pool::Caching, ptr: non_zero(c.args[1]), handle: None, size: None, device: None },
+    ),
+    row(
+        Api::WorkspaceMalloc,
+        "DeviceWorkspaceAllocator::malloc",
+        "_ZN7c10_npu21NPUWorkspaceAllocator24DeviceWorkspaceAllocator6mallocEmPv",
+        // `this->device` is read only once DWARF gave its offset (the plan patches field 0 in).
+        pool_spec(&[]),
+        |c| Op::PoolMalloc {
+            pool: Pool::Workspace,
+            ptr: non_zero(c.ret),
+            size: Some(c.args[1]),
+            req: Some(c.args[1]),
+            device: c.field(0).and_then(device_arg),
+            handle: None,
+        },
+    ),
+    row(
+        Api::WorkspaceFree,
+        "DeviceWorkspaceAllocator::free",
+        "_ZN7c10_npu21NPUWorkspaceAllocator24DeviceWorkspaceAllocator4freeEPv",
+        pool_spec(&[]),
+        |c| Op::PoolFree { pool: Pool::Workspace, ptr: non_zero(c.args[1]), handle: None, size: None, device: None },
+    ),
+    row(Api::MallocBlock, "MallocBlock", "_ZN7c10_npu19NPUCachingAllocator11MallocBlockEmPvi", pool_spec(&[]), |c| {
+        Op::PoolMalloc {
+            pool: Pool::Caching,
+            ptr: None,
+            size: None,
+            req: Some(c.args[0]),
+            device: device_arg(c.args[2]),
+            handle: non_zero(c.ret),
+        }
+    }),
+    row(Api::FreeBlock, "FreeBlock", "_ZN7c10_npu19NPUCachingAllocator9FreeBlockEPv", pool_spec(&[]), |c| {
+        Op::PoolFree { pool: Pool::Caching, ptr: None, handle: non_zero(c.args[0]), size: None, device: None }
+    }),
+    row(Api::GetBlockPtr, "GetBlockPtr", "_ZN7c10_npu19NPUCachingAllocator11GetBlockPtrEPKv", pool_spec(&[]), |c| {
+        Op::PoolHandle { handle: c.args[0], ptr: non_zero(c.ret), size: None }
+    }),
+    row(Api::GetBlockSize, "GetBlockSize", "_ZN7c10_npu19NPUCachingAllocator12GetBlockSizeEPKv", pool_spec(&[]), |c| {
+        Op::PoolHandle { handle: c.args[0], ptr: None, size: non_zero(c.ret) }
+    }),
+    row(
+        Api::AllocateWorkspace,
+        "allocate_workspace",
+        "_ZN6at_npu6native18allocate_workspaceEmPv",
+        // The DataPtr comes back through the hidden pointer in argument 0; its data pointer is first.
+        pool_spec(&[FieldRead::arg_at_exit(0, 0, 8)]),
+        |c| Op::PoolMalloc {
+            pool: Pool::Workspace,
+            ptr: c.field(0).and_then(non_zero),
+            size: Some(c.args[1]),
+            req: Some(c.args[1]),
+            device: None,
+            handle: None,
+        },
+    ),
+];

@@ -1,0 +1,251 @@
+//! What to attach in one library, and why: the decision `trace` acts on and `probes` prints.
+//!
+//! - Runtime and driver: the implementation symbol (`...Impl`, `...Inner`) where exported, else
+//!   the public one; both with `--probe-set all`.
+//! - torch_npu: the allocator internals when their symbols can be found (the library's `.symtab`,
+//!   or its debug file) — `DeviceCachingAllocator::malloc/free` with `Block`'s layout from DWARF,
+//!   else `NpuCachingAllocator::malloc/free` — plus the workspace allocator's; otherwise the
+//!   exported external-block and workspace functions. Never both: an exported function calls the
+//!   internals, and nested calls of one layer are one call.
+//! - mstx: every memory-region function found; regions reported from inside a traced allocator
+//!   call are merged into it (see `model::tracker`).
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use memscope_common::spec::{FieldRead, ProbeSpec};
+
+use super::debug::{self, DebugFile, Found};
+use super::dwarf;
+use super::elf::{ElfError, ElfSymbols, SymbolSource};
+use super::libs::{wanted_symbols, Library};
+use super::loader::{AttachedProbe, ProbeSet};
+use crate::apis::{Api, Family};
+
+/// The debug file situation of a library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DebugStatus {
+    /// The library keeps its own `.symtab`.
+    NotNeeded,
+    Found(DebugFile),
+    /// Stripped, and no matching debug file was found.
+    Missing {
+        link: Option<String>,
+        build_id: Option<String>,
+    },
+}
+
+/// How one layer of a library will be traced (or why it will not).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerNote {
+    pub family: Family,
+    pub text: String,
+}
+
+pub struct LibraryPlan {
+    pub probes: Vec<AttachedProbe>,
+    /// Specs whose field offsets come from this library's debug information.
+    pub specs: Vec<(Api, ProbeSpec)>,
+    pub debug: DebugStatus,
+    pub symbols: ElfSymbols,
+    /// Families this library carries (any of their symbols is defined here).
+    pub families: Vec<Family>,
+    pub notes: Vec<LayerNote>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn probe(lib: &Library, symbols: &ElfSymbols, api: Api, symbol: &str) -> Option<AttachedProbe> {
+    symbols.get(symbol).map(|found| AttachedProbe {
+        library: lib.shown.clone(),
+        symbol: symbol.to_owned(),
+        api,
+        file_offset: found.file_offset,
+        source: found.source,
+    })
+}
+
+/// The spec of a layout-reading API with its field offsets filled in.
+fn spec_with_offsets(api: Api, offsets: &[u64]) -> ProbeSpec {
+    let def = api.def();
+    let mut spec = def.spec;
+    let members = def.layout.map_or(&[][..], |l| l.members);
+    for (i, offset) in offsets.iter().enumerate().take(members.len()) {
+        let width = if members[i] == "device" { 4 } else { 8 };
+        let template = spec.fields[i];
+        spec.fields[i] = FieldRead { offset: *offset as u32, width, ..template };
+    }
+    spec
+}
+
+/// Plans one library. `debug_dirs` are the user's `--debug-dir` folders.
+pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<LibraryPlan, ElfError> {
+    let data = std::fs::read(&lib.path).map_err(|source| ElfError::Read { path: lib.path.clone(), source })?;
+    let wanted = wanted_symbols();
+    let parse_err = |source| ElfError::Parse { path: lib.path.clone(), source };
+    let own = ElfSymbols::parse(&data, &wanted).map_err(parse_err)?;
+    let own_families: HashSet<Family> =
+        Api::all().filter(|d| d.api.symbols().any(|s| own.get(&s).is_some())).map(|d| d.family).collect();
+
+    // Hidden symbols matter only for torch_npu: the runtime and driver export what we need.
+    let reference = debug::debug_ref(&data);
+    let mut debug_data = None;
+    let debug = if !own_families.contains(&Family::TorchNpu) || reference.has_symtab {
+        DebugStatus::NotNeeded
+    } else {
+        match debug::find(&lib.path, &reference, debug_dirs) {
+            Some(found) => {
+                debug_data = std::fs::read(&found.path).ok();
+                DebugStatus::Found(found)
+            }
+            None => DebugStatus::Missing {
+                link: reference.link.as_ref().map(|(name, _)| name.clone()),
+                build_id: reference.build_id.as_deref().map(hex),
+            },
+        }
+    };
+    let symbols = match &debug_data {
+        Some(d) => ElfSymbols::parse_with_debug(&data, d, &wanted).map_err(parse_err)?,
+        None => own,
+    };
+    let families: Vec<Family> = Family::ALL
+        .into_iter()
+        .filter(|f| Api::all().any(|d| d.family == *f && d.api.symbols().any(|s| symbols.get(&s).is_some())))
+        .collect();
+
+    let mut plan = LibraryPlan {
+        probes: Vec::new(),
+        specs: Vec::new(),
+        debug,
+        symbols,
+        families: families.clone(),
+        notes: Vec::new(),
+    };
+    for family in families {
+        match family {
+            Family::AclRuntime | Family::Hal => plan_forwarders(lib, set, family, &mut plan),
+            Family::TorchNpu => plan_torch(lib, debug_data.as_deref().unwrap_or(&data), &mut plan),
+            Family::Mstx => {
+                for def in Api::all().filter(|d| d.family == Family::Mstx) {
+                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
+                }
+                plan.notes.push(LayerNote {
+                    family,
+                    text: "memory regions as the process reports them (torch_npu does only when it believes msMemScope is loaded)".into(),
+                });
+            }
+        }
+    }
+    Ok(plan)
+}
+
+fn plan_forwarders(lib: &Library, set: ProbeSet, family: Family, plan: &mut LibraryPlan) {
+    for def in Api::all().filter(|d| d.family == family) {
+        let implementation = def.api.impl_symbol();
+        let has_impl = implementation.as_ref().is_some_and(|s| plan.symbols.get(s).is_some());
+        let mut chosen = Vec::new();
+        if set == ProbeSet::All || !has_impl {
+            chosen.push(def.symbol.to_owned());
+        }
+        if has_impl {
+            chosen.extend(implementation);
+        }
+        for symbol in chosen {
+            plan.probes.extend(probe(lib, &plan.symbols, def.api, &symbol));
+        }
+    }
+}
+
+fn found_in(symbols: &ElfSymbols, api: Api) -> Option<SymbolSource> {
+    symbols.get(api.def().symbol).map(|s| s.source)
+}
+
+fn plan_torch(lib: &Library, dwarf_data: &[u8], plan: &mut LibraryPlan) {
+    let symbols = &plan.symbols;
+    let has = |api: Api| found_in(symbols, api).is_some();
+    let mut attach: Vec<Api> = Vec::new();
+    let mut specs = Vec::new();
+    let layout = if has(Api::DeviceCachingAllocatorMalloc) && has(Api::DeviceCachingAllocatorFree) {
+        let l = &crate::apis::torch_npu::BLOCK;
+        dwarf::member_offsets(dwarf_data, Some(l.namespace), l.name, l.members)
+    } else {
+        None
+    };
+    let caching = if let Some(offsets) = &layout {
+        for api in [Api::DeviceCachingAllocatorMalloc, Api::DeviceCachingAllocatorFree] {
+            attach.push(api);
+            specs.push((api, spec_with_offsets(api, offsets)));
+        }
+        format!(
+            "tensor blocks from DeviceCachingAllocator::malloc/free ({}), Block layout from DWARF: ptr +{}, size +{}, device +{}",
+            found_in(symbols, Api::DeviceCachingAllocatorMalloc).map_or("", SymbolSource::as_str),
+            offsets[0],
+            offsets[1],
+            offsets[2]
+        )
+    } else if has(Api::NpuCachingAllocatorMalloc) && has(Api::NpuCachingAllocatorFree) {
+        attach.extend([Api::NpuCachingAllocatorMalloc, Api::NpuCachingAllocatorFree]);
+        "tensor blocks from NpuCachingAllocator::malloc/free (no Block layout in the debug info: block sizes are the requested sizes unless mstx reports them)".to_owned()
+    } else {
+        let why = match &plan.debug {
+            DebugStatus::Missing { link, build_id } => format!(
+                "the allocator internals are hidden (no .symtab) and no debug file was found{}{}; pass --debug-dir with the folder holding it",
+                link.as_ref().map(|l| format!(" (.gnu_debuglink: {l})")).unwrap_or_default(),
+                build_id.as_ref().map(|b| format!(" (build id {b})")).unwrap_or_default(),
+            ),
+            _ => "the allocator internals are not in this library's symbols".to_owned(),
+        };
+        for api in [Api::MallocBlock, Api::FreeBlock, Api::GetBlockPtr, Api::GetBlockSize] {
+            if has(api) {
+                attach.push(api);
+            }
+        }
+        format!("{why}: tensor blocks are seen only through mstx regions, when the process reports them; external blocks through the exported MallocBlock/FreeBlock")
+    };
+    let workspace = if has(Api::WorkspaceMalloc) && has(Api::WorkspaceFree) {
+        attach.extend([Api::WorkspaceMalloc, Api::WorkspaceFree]);
+        let l = &crate::apis::torch_npu::WORKSPACE_ALLOCATOR;
+        match dwarf::member_offsets(dwarf_data, Some(l.namespace), l.name, l.members) {
+            Some(offsets) => {
+                let mut spec = Api::WorkspaceMalloc.def().spec;
+                spec.fields[0] = FieldRead::arg_at_entry(0, offsets[0] as u32, 4);
+                specs.push((Api::WorkspaceMalloc, spec));
+                format!("workspace blocks from DeviceWorkspaceAllocator::malloc/free, device from DWARF: this +{}", offsets[0])
+            }
+            None => "workspace blocks from DeviceWorkspaceAllocator::malloc/free (no layout in the debug info: a block's device is its thread's)".to_owned(),
+        }
+    } else if has(Api::AllocateWorkspace) {
+        attach.push(Api::AllocateWorkspace);
+        "workspace blocks from the exported allocate_workspace (a use ends at the next one on its stream, or when mstx reports it)".to_owned()
+    } else {
+        "workspace blocks: not visible".to_owned()
+    };
+    for api in attach {
+        plan.probes.extend(probe(lib, &plan.symbols, api, api.def().symbol));
+    }
+    plan.specs.extend(specs);
+    plan.notes.push(LayerNote { family: Family::TorchNpu, text: caching });
+    plan.notes.push(LayerNote { family: Family::TorchNpu, text: workspace });
+}
+
+/// How a found debug file is described to the user.
+pub fn describe_debug(status: &DebugStatus) -> String {
+    match status {
+        DebugStatus::NotNeeded => "not needed".into(),
+        DebugStatus::Found(DebugFile { path, found }) => format!(
+            "{} (via {})",
+            path.display(),
+            match found {
+                Found::BuildId => "build id",
+                Found::DebugLink => ".gnu_debuglink",
+            }
+        ),
+        DebugStatus::Missing { link, build_id } => format!(
+            "not found (looked for {} next to the library, in its .debug/, /usr/lib/debug and --debug-dir{})",
+            link.as_deref().unwrap_or("a .gnu_debuglink name"),
+            build_id.as_ref().map(|b| format!("; build id {b} under .build-id/")).unwrap_or_default()
+        ),
+    }
+}

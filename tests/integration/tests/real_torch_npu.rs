@@ -1,0 +1,105 @@
+//! `probes --lib` against the real `libtorch_npu.so` from torch_npu's PyPI wheel (fetched by
+//! `cargo xtask test` into target/wheels). No process and no Ascend hardware are needed: the
+//! test checks what the tracer says it can attach to against the file's own tables, read with
+//! binutils (`nm -D`, `readelf`), not with the tracer's ELF code. Skips, saying why, when the
+//! wheel could not be fetched.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use memscope_integration::*;
+
+/// Exported allocator entry points (the fallback source of PTA blocks).
+const EXPORTED: &[(&str, &str)] = &[
+    ("MallocBlock", "_ZN7c10_npu19NPUCachingAllocator11MallocBlockEmPvi"),
+    ("FreeBlock", "_ZN7c10_npu19NPUCachingAllocator9FreeBlockEPv"),
+    ("GetBlockPtr", "_ZN7c10_npu19NPUCachingAllocator11GetBlockPtrEPKv"),
+    ("GetBlockSize", "_ZN7c10_npu19NPUCachingAllocator12GetBlockSizeEPKv"),
+    ("allocate_workspace", "_ZN6at_npu6native18allocate_workspaceEmPv"),
+];
+
+/// The allocator internals (the preferred source), hidden in release builds.
+const INTERNAL: &[(&str, &str)] = &[
+    ("DeviceCachingAllocator::malloc", "_ZN7c10_npu19NPUCachingAllocator22DeviceCachingAllocator6mallocEimPvh"),
+    ("NpuCachingAllocator::malloc", "_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator6mallocEPPvimS2_"),
+    ("DeviceWorkspaceAllocator::malloc", "_ZN7c10_npu21NPUWorkspaceAllocator24DeviceWorkspaceAllocator6mallocEmPv"),
+];
+
+fn real_library() -> Option<PathBuf> {
+    match std::env::var_os("MEMSCOPE_REAL_TORCH_NPU") {
+        Some(p) if Path::new(&p).is_file() => Some(PathBuf::from(p)),
+        _ => {
+            let why = std::env::var("MEMSCOPE_REAL_TORCH_NPU_MISSING").unwrap_or_else(|_| "not fetched".into());
+            eprintln!("SKIPPED: the real libtorch_npu.so is not here ({why}); `cargo xtask test` fetches it from PyPI");
+            None
+        }
+    }
+}
+
+fn tool(args: &[&str], file: &Path) -> String {
+    let out = Command::new(args[0]).args(&args[1..]).arg(file).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Exported function addresses by name, as `nm -D` reads them.
+fn exported(file: &Path) -> HashMap<String, u64> {
+    tool(&["nm", "-D", "--defined-only"], file)
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let (addr, _kind, name) = (w.next()?, w.next()?, w.next()?);
+            Some((name.to_owned(), u64::from_str_radix(addr, 16).ok()?))
+        })
+        .collect()
+}
+
+/// A virtual address's file offset through the PT_LOAD headers as `readelf -lW` prints them
+/// (a uprobe is placed by file offset).
+fn file_offset(file: &Path, vaddr: u64) -> u64 {
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).unwrap();
+    for l in tool(&["readelf", "-lW"], file).lines() {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        if w.first() == Some(&"LOAD") {
+            let (offset, start, memsz) = (hex(w[1]), hex(w[2]), hex(w[5]));
+            if (start..start + memsz).contains(&vaddr) {
+                return vaddr - start + offset;
+            }
+        }
+    }
+    panic!("{vaddr:#x} is in no PT_LOAD segment of {}", file.display());
+}
+
+#[test]
+fn probes_reports_what_the_real_torch_npu_library_allows() {
+    let Some(lib) = real_library() else { return };
+    let env = env("real_torch_npu");
+    let out = Command::new(&env.bin).args(["probes", "--lib"]).arg(&lib).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let dynsym = exported(&lib);
+    for (api, symbol) in EXPORTED {
+        let addr = *dynsym.get(*symbol).unwrap_or_else(|| panic!("the real library no longer exports {symbol}"));
+        let offset = file_offset(&lib, addr);
+        let line = format!("{symbol} (dynsym, offset {offset:#x})");
+        assert!(
+            listed(&text, "attach", api, symbol, "dynsym") && text.contains(&line),
+            "want `attach {api} {line}`:\n{text}"
+        );
+    }
+    // Release builds hide the internals and ship no .symtab; with no debug file the tracer must
+    // say they are missing and why, and fall back to the exported and mstx paths.
+    let sections = tool(&["readelf", "-SW"], &lib);
+    assert!(!sections.contains(".symtab"), "this wheel has a symbol table; the test's premise changed");
+    for (api, symbol) in INTERNAL {
+        assert!(!dynsym.contains_key(*symbol), "{symbol} is exported by this wheel");
+        assert!(listed(&text, "missing", api, symbol, "hidden"), "want `missing {api} {symbol} (hidden...`:\n{text}");
+    }
+    let build_id = tool(&["readelf", "-n"], &lib)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Build ID: ").map(str::to_owned))
+        .expect("the wheel's library has a build id");
+    assert!(text.contains("debug file: not found") && text.contains(&build_id), "{text}");
+    assert!(text.contains("through the exported MallocBlock/FreeBlock"), "{text}");
+}

@@ -1,0 +1,963 @@
+/*
+ * STAND-IN libtorch_npu.so for memscope-bpf's tests. It is not torch_npu.
+ *
+ * It reproduces what a tracer of torch_npu's memory sees, with torch_npu's namespaces, classes and
+ * method signatures (so the mangled names are the real ones) and its visibility: the allocator
+ * internals are hidden (-fvisibility=hidden) and only reachable through a split debug file, while
+ * MallocBlock/FreeBlock/GetBlockPtr/GetBlockSize and at_npu::native::allocate_workspace are
+ * exported, as in the torch_npu wheels.
+ *
+ * The caching allocator behaves like torch_npu's in what the trace sees:
+ * - requests are rounded to 512 bytes; <= 1 MiB come from the small pool (2 MiB segments), larger
+ *   from the large pool (20 MiB segments up to 10 MiB requests, else rounded to 2 MiB);
+ * - segments come from aclrtMallocAlign32(HUGE_FIRST) and go back with aclrtFree;
+ * - cached blocks are reused best-fit, split when the rest is big enough, merged on free;
+ * - emptyCache frees every cached whole segment;
+ * - PYTORCH_NPU_ALLOC_CONF: expandable_segments:True (one reserved range per pool, grown in 2 MiB
+ *   / 20 MiB pages with aclrtMallocPhysical + aclrtMapMem, shrunk with aclrtUnmapMem +
+ *   aclrtFreePhysical), max_split_size_mb (larger blocks are never split, and cached ones are
+ *   freed first when a segment cannot be had), garbage_collection_threshold (with
+ *   STANDIN_PER_PROCESS_MEMORY_FRACTION: past threshold x allowed, cached whole segments are freed
+ *   before a new one is taken); expandable segments with either of the other two is refused, as
+ *   torch_npu does;
+ * - on a failed segment allocation it frees oversize cached blocks, then every cached whole
+ *   segment, then retries once;
+ * - it calls the mstx memory-region functions only when LD_PRELOAD names a file ending in
+ *   libascend_kernel_hook.so, the test torch_npu itself applies.
+ * The workspace allocator keeps one grow-only block per device and stream.
+ *
+ * Ground truth for tests: with STANDIN_TORCH_LEDGER=<path>, every block and segment event is
+ * appended as one JSON line with the allocator's own allocated/reserved counters after it.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "acl_standin.h"
+#include "mstx_standin.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define HIDDEN_NOINLINE __attribute__((noinline, used))
+
+namespace {
+
+constexpr size_t kMinBlockSize = 512;
+constexpr size_t kSmallSize = 1 << 20;
+constexpr size_t kSmallBuffer = 2 << 20;
+constexpr size_t kLargeBuffer = 20 << 20;
+constexpr size_t kMinLargeAlloc = 10 << 20;
+constexpr size_t kRoundLarge = 2 << 20;
+
+unsigned long long now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+}
+
+long tid() { return (long)syscall(SYS_gettid); }
+
+/* The allocator's own ledger. */
+class Ledger {
+  public:
+    static Ledger &get() {
+        static Ledger ledger;
+        return ledger;
+    }
+    void line(const std::string &text) {
+        if (file_ == nullptr) {
+            return;
+        }
+        std::lock_guard<std::mutex> guard(mutex_);
+        std::fputs(text.c_str(), file_);
+        std::fputc('\n', file_);
+        std::fflush(file_);
+    }
+    bool on() const { return file_ != nullptr; }
+
+  private:
+    Ledger() {
+        const char *path = std::getenv("STANDIN_TORCH_LEDGER");
+        if (path != nullptr && *path != '\0') {
+            file_ = std::fopen(path, "a");
+        }
+    }
+    std::FILE *file_ = nullptr;
+    std::mutex mutex_;
+};
+
+/* An allocator's counters at its last event on this thread, taken under its lock: what a report
+ * made inside the allocator (mstx, msMemScope) carries. Counters read after the call returns may
+ * already include another thread's change, so the ledger logs both. */
+struct AtEvent {
+    size_t allocated = 0;
+    size_t reserved = 0;
+};
+thread_local AtEvent at_event;
+
+std::string fmt(const char *format, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char *format, ...) {
+    char buf[512];
+    va_list args;
+    va_start(args, format);
+    std::vsnprintf(buf, sizeof buf, format, args);
+    va_end(args);
+    return buf;
+}
+
+/* torch_npu's gate: mstx memory calls only when msleaks' kernel hook is preloaded. */
+bool msleaks_enabled() {
+    static const bool enabled = [] {
+        const char *preload = std::getenv("LD_PRELOAD");
+        if (preload == nullptr) {
+            return false;
+        }
+        std::string list(preload);
+        size_t start = 0;
+        while (start <= list.size()) {
+            size_t end = list.find_first_of(": ", start);
+            std::string item = list.substr(start, end == std::string::npos ? std::string::npos : end - start);
+            const std::string suffix = "libascend_kernel_hook.so";
+            if (item.size() >= suffix.size() && item.compare(item.size() - suffix.size(), suffix.size(), suffix) == 0) {
+                return true;
+            }
+            if (end == std::string::npos) {
+                break;
+            }
+            start = end + 1;
+        }
+        return false;
+    }();
+    return enabled;
+}
+
+/* mstx, dlopened from ASCEND_HOME_PATH/lib64 as torch_npu's MstxInterface does. */
+struct Mstx {
+    mstxDomainHandle_t (*domain_create)(const char *) = nullptr;
+    mstxMemHeapHandle_t (*heap_register)(mstxDomainHandle_t, mstxMemHeapDesc_t const *) = nullptr;
+    void (*regions_register)(mstxDomainHandle_t, mstxMemRegionsRegisterBatch_t const *) = nullptr;
+    void (*regions_unregister)(mstxDomainHandle_t, mstxMemRegionsUnregisterBatch_t const *) = nullptr;
+    mstxDomainHandle_t caching = nullptr;
+    mstxDomainHandle_t workspace = nullptr;
+
+    static Mstx *get() {
+        static Mstx *mstx = [] () -> Mstx * {
+            if (!msleaks_enabled()) {
+                return nullptr;
+            }
+            const char *home = std::getenv("ASCEND_HOME_PATH");
+            std::string path = std::string(home ? home : "") + "/lib64/libms_tools_ext.so";
+            void *lib = dlopen(path.c_str(), RTLD_NOW);
+            if (lib == nullptr) {
+                return nullptr;
+            }
+            auto *m = new Mstx;
+            m->domain_create = reinterpret_cast<decltype(m->domain_create)>(dlsym(lib, "mstxDomainCreateA"));
+            m->heap_register = reinterpret_cast<decltype(m->heap_register)>(dlsym(lib, "mstxMemHeapRegister"));
+            m->regions_register = reinterpret_cast<decltype(m->regions_register)>(dlsym(lib, "mstxMemRegionsRegister"));
+            m->regions_unregister =
+                reinterpret_cast<decltype(m->regions_unregister)>(dlsym(lib, "mstxMemRegionsUnregister"));
+            if (!m->domain_create || !m->heap_register || !m->regions_register || !m->regions_unregister) {
+                return nullptr;
+            }
+            m->caching = m->domain_create("ptaCaching");
+            m->workspace = m->domain_create("ptaWorkspace");
+            return m;
+        }();
+        return mstx;
+    }
+
+    void malloc_region(mstxDomainHandle_t domain, int device, const void *segment, size_t reserved, const void *ptr,
+                       size_t size) {
+        mstxMemVirtualRangeDesc_t heap_range{(uint32_t)device, segment, reserved};
+        mstxMemHeapDesc_t heap{MSTX_MEM_HEAP_USAGE_TYPE_SUB_ALLOCATOR, MSTX_MEM_TYPE_VIRTUAL_ADDRESS, &heap_range};
+        mstxMemHeapHandle_t handle = heap_register(domain, &heap);
+        mstxMemVirtualRangeDesc_t range{(uint32_t)device, ptr, size};
+        mstxMemRegionsRegisterBatch_t batch{handle, MSTX_MEM_TYPE_VIRTUAL_ADDRESS, 1, &range, nullptr};
+        regions_register(domain, &batch);
+    }
+
+    void free_region(mstxDomainHandle_t domain, int device, const void *segment, size_t reserved, const void *ptr) {
+        mstxMemVirtualRangeDesc_t heap_range{(uint32_t)device, segment, reserved};
+        mstxMemHeapDesc_t heap{MSTX_MEM_HEAP_USAGE_TYPE_SUB_ALLOCATOR, MSTX_MEM_TYPE_VIRTUAL_ADDRESS, &heap_range};
+        heap_register(domain, &heap);
+        mstxMemRegionRef_t ref{};
+        ref.refType = MSTX_MEM_REGION_REF_TYPE_POINTER;
+        ref.pointer = ptr;
+        mstxMemRegionsUnregisterBatch_t batch{1, &ref};
+        regions_unregister(domain, &batch);
+    }
+};
+
+struct Config {
+    bool expandable = false;
+    size_t max_split = SIZE_MAX;
+    double gc_threshold = 0.0;
+    double fraction = 0.0;
+    bool valid = true;
+
+    static const Config &get() {
+        static Config config = [] {
+            Config c;
+            const char *text = std::getenv("PYTORCH_NPU_ALLOC_CONF");
+            std::string conf(text ? text : "");
+            size_t start = 0;
+            while (start < conf.size()) {
+                size_t end = conf.find(',', start);
+                std::string item = conf.substr(start, end == std::string::npos ? std::string::npos : end - start);
+                size_t colon = item.find(':');
+                if (colon != std::string::npos) {
+                    std::string key = item.substr(0, colon);
+                    std::string value = item.substr(colon + 1);
+                    if (key == "expandable_segments") {
+                        c.expandable = value == "True";
+                    } else if (key == "max_split_size_mb") {
+                        c.max_split = (size_t)std::strtoull(value.c_str(), nullptr, 10) << 20;
+                    } else if (key == "garbage_collection_threshold") {
+                        c.gc_threshold = std::strtod(value.c_str(), nullptr);
+                    }
+                }
+                if (end == std::string::npos) {
+                    break;
+                }
+                start = end + 1;
+            }
+            const char *fraction = std::getenv("STANDIN_PER_PROCESS_MEMORY_FRACTION");
+            c.fraction = fraction ? std::strtod(fraction, nullptr) : 0.0;
+            if (c.expandable && (c.max_split != SIZE_MAX || c.gc_threshold > 0.0)) {
+                std::fprintf(stderr, "stand-in torch_npu: expandable_segments cannot be combined with "
+                                     "max_split_size_mb or garbage_collection_threshold\n");
+                c.valid = false;
+            }
+            return c;
+        }();
+        return config;
+    }
+};
+
+size_t round_size(size_t size) {
+    return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
+}
+
+size_t allocation_size(size_t size) {
+    if (size <= kSmallSize) {
+        return kSmallBuffer;
+    }
+    if (size < kMinLargeAlloc) {
+        return kLargeBuffer;
+    }
+    return (size + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+}
+
+}  // namespace
+
+namespace c10_npu {
+namespace NPUCachingAllocator {
+
+namespace {
+
+struct BlockPool;
+struct ExpandableSegment;
+
+struct Block {
+    int device;
+    aclrtStream stream;
+    size_t size;
+    size_t requested_size;
+    BlockPool *pool;
+    void *ptr;
+    bool allocated;
+    Block *prev;
+    Block *next;
+    void *segment;  // start of the segment (or of the expandable range) it belongs to
+};
+
+struct BlockComparator {
+    bool operator()(const Block *a, const Block *b) const {
+        if (a->stream != b->stream) {
+            return (uintptr_t)a->stream < (uintptr_t)b->stream;
+        }
+        if (a->size != b->size) {
+            return a->size < b->size;
+        }
+        return (uintptr_t)a->ptr < (uintptr_t)b->ptr;
+    }
+};
+
+struct BlockPool {
+    std::set<Block *, BlockComparator> blocks;
+    bool is_small;
+    ExpandableSegment *expandable = nullptr;
+};
+
+/* One reserved address range per pool, mapped page by page. */
+struct ExpandableSegment {
+    void *base = nullptr;
+    size_t capacity = 0;
+    size_t page = 0;
+    std::vector<aclrtDrvMemHandle> handles;  // one per mapped page, from the start
+};
+
+}  // namespace
+
+struct Stats {
+    size_t allocated = 0;
+    size_t reserved = 0;
+};
+
+class DeviceCachingAllocator {
+  public:
+    explicit DeviceCachingAllocator(int device) : device_(device) {
+        small_.is_small = true;
+        large_.is_small = false;
+    }
+    Block *malloc(int device, size_t size, aclrtStream stream, uint8_t allocator_type = 0);
+    void free(Block *block, uint8_t allocator_type = 0);
+    void emptyCache();
+    Stats stats() {
+        std::lock_guard<std::recursive_mutex> guard(mutex_);
+        return stats_;
+    }
+
+  private:
+    Block *get_free_block(BlockPool &pool, size_t size, aclrtStream stream);
+    Block *alloc_block(BlockPool &pool, size_t size, aclrtStream stream);
+    Block *grow_expandable(BlockPool &pool, size_t size, aclrtStream stream);
+    void release_block(Block *block);
+    void release_cached(bool oversize_only);
+    void shrink_expandable(BlockPool &pool);
+    bool should_split(const Block *block, size_t size) const;
+    void segment_event(const char *ev, void *ptr, size_t size);
+
+    int device_;
+    std::recursive_mutex mutex_;
+    BlockPool small_;
+    BlockPool large_;
+    Stats stats_;
+};
+
+void DeviceCachingAllocator::segment_event(const char *ev, void *ptr, size_t size) {
+    if (Ledger::get().on()) {
+        Ledger::get().line(fmt("{\"ev\": \"%s\", \"tid\": %ld, \"t\": %llu, \"device\": %d, \"ptr\": %llu, \"size\": %zu, "
+                               "\"allocated\": %zu, \"reserved\": %zu}",
+                               ev, tid(), now_ns(), device_, (unsigned long long)(uintptr_t)ptr, size, stats_.allocated,
+                               stats_.reserved));
+    }
+}
+
+bool DeviceCachingAllocator::should_split(const Block *block, size_t size) const {
+    size_t remaining = block->size - size;
+    if (block->pool->is_small) {
+        return remaining >= kMinBlockSize;
+    }
+    return remaining > kSmallSize && size < Config::get().max_split;
+}
+
+Block *DeviceCachingAllocator::get_free_block(BlockPool &pool, size_t size, aclrtStream stream) {
+    Block key{device_, stream, size, 0, &pool, nullptr, false, nullptr, nullptr, nullptr};
+    auto it = pool.blocks.lower_bound(&key);
+    if (it == pool.blocks.end() || (*it)->stream != stream) {
+        return nullptr;
+    }
+    size_t max_split = Config::get().max_split;
+    // Oversize blocks serve only requests that are oversize too, and not much smaller.
+    if (size < max_split && (*it)->size >= max_split) {
+        return nullptr;
+    }
+    if (size >= max_split && (*it)->size >= size + kLargeBuffer) {
+        return nullptr;
+    }
+    Block *block = *it;
+    pool.blocks.erase(it);
+    return block;
+}
+
+Block *DeviceCachingAllocator::alloc_block(BlockPool &pool, size_t size, aclrtStream stream) {
+    size_t alloc = allocation_size(size);
+    const Config &config = Config::get();
+    if (config.fraction > 0.0) {
+        size_t free_bytes = 0, total = 0;
+        aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
+        size_t allowed = (size_t)(config.fraction * (double)total);
+        if (config.gc_threshold > 0.0 && (double)(stats_.reserved + alloc) > config.gc_threshold * (double)allowed) {
+            release_cached(false);  // garbage collection: give cached whole segments back first
+        }
+        if (stats_.reserved + alloc > allowed) {
+            return nullptr;
+        }
+    }
+    void *ptr = nullptr;
+    if (aclrtMallocAlign32(&ptr, alloc, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS) {
+        return nullptr;
+    }
+    stats_.reserved += alloc;
+    segment_event("segment_alloc", ptr, alloc);
+    return new Block{device_, stream, alloc, 0, &pool, ptr, false, nullptr, nullptr, ptr};
+}
+
+Block *DeviceCachingAllocator::grow_expandable(BlockPool &pool, size_t size, aclrtStream stream) {
+    ExpandableSegment *seg = pool.expandable;
+    if (seg == nullptr) {
+        seg = new ExpandableSegment;
+        seg->page = pool.is_small ? kSmallBuffer : kLargeBuffer;
+        size_t free_bytes = 0, total = 0;
+        aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
+        seg->capacity = (total / seg->page + 1) * seg->page;
+        if (aclrtReserveMemAddress(&seg->base, seg->capacity, 0, nullptr, 1) != ACL_SUCCESS) {
+            delete seg;
+            return nullptr;
+        }
+        pool.expandable = seg;
+    }
+    // Grow from the end: a free block at the end of the mapped range is extended.
+    size_t mapped = seg->handles.size() * seg->page;
+    Block *tail = nullptr;
+    for (Block *b : pool.blocks) {
+        if ((char *)b->ptr + b->size == (char *)seg->base + mapped && b->stream == stream) {
+            tail = b;
+        }
+    }
+    size_t have = tail ? tail->size : 0;
+    size_t pages = (size - have + seg->page - 1) / seg->page;
+    if (mapped + pages * seg->page > seg->capacity) {
+        return nullptr;
+    }
+    for (size_t i = 0; i < pages; i++) {
+        aclrtPhysicalMemProp prop{};
+        prop.memAttr = ACL_HBM_MEM_HUGE;
+        prop.location.id = (uint32_t)device_;
+        prop.location.type = ACL_MEM_LOCATION_TYPE_DEVICE;
+        aclrtDrvMemHandle handle = nullptr;
+        void *at = (char *)seg->base + mapped + i * seg->page;
+        if (aclrtMallocPhysical(&handle, seg->page, &prop, 0) != ACL_SUCCESS) {
+            return nullptr;
+        }
+        if (aclrtMapMem(at, seg->page, 0, handle, 0) != ACL_SUCCESS) {
+            aclrtFreePhysical(handle);
+            return nullptr;
+        }
+        seg->handles.push_back(handle);
+        stats_.reserved += seg->page;
+        segment_event("segment_map", at, seg->page);
+    }
+    size_t grown = pages * seg->page;
+    if (tail != nullptr) {
+        pool.blocks.erase(tail);
+        tail->size += grown;
+        return tail;
+    }
+    return new Block{device_, stream, grown, 0, &pool, (char *)seg->base + mapped, false, nullptr, nullptr, seg->base};
+}
+
+void DeviceCachingAllocator::shrink_expandable(BlockPool &pool) {
+    ExpandableSegment *seg = pool.expandable;
+    if (seg == nullptr) {
+        return;
+    }
+    size_t mapped = seg->handles.size() * seg->page;
+    for (Block *b : pool.blocks) {
+        if ((char *)b->ptr + b->size != (char *)seg->base + mapped) {
+            continue;
+        }
+        // Unmap every whole page of the free block at the end of the mapped range.
+        size_t start = ((uintptr_t)b->ptr - (uintptr_t)seg->base + seg->page - 1) / seg->page;
+        size_t release = seg->handles.size() - start;
+        if (release == 0) {
+            return;
+        }
+        pool.blocks.erase(b);
+        for (size_t i = seg->handles.size(); i > start; i--) {
+            void *at = (char *)seg->base + (i - 1) * seg->page;
+            aclrtUnmapMem(at);
+            aclrtFreePhysical(seg->handles[i - 1]);
+            stats_.reserved -= seg->page;
+            segment_event("segment_unmap", at, seg->page);
+        }
+        seg->handles.resize(start);
+        size_t cut = (char *)b->ptr + b->size - ((char *)seg->base + start * seg->page);
+        b->size -= cut;
+        if (b->size == 0) {
+            if (b->prev) {
+                b->prev->next = nullptr;
+            }
+            delete b;
+        } else {
+            pool.blocks.insert(b);
+        }
+        return;
+    }
+}
+
+void DeviceCachingAllocator::release_block(Block *block) {
+    BlockPool *pool = block->pool;
+    pool->blocks.erase(block);
+    aclrtFree(block->ptr);
+    stats_.reserved -= block->size;
+    segment_event("segment_free", block->ptr, block->size);
+    delete block;
+}
+
+void DeviceCachingAllocator::release_cached(bool oversize_only) {
+    for (BlockPool *pool : {&small_, &large_}) {
+        if (pool->expandable != nullptr) {
+            shrink_expandable(*pool);
+            continue;
+        }
+        std::vector<Block *> whole;
+        for (Block *b : pool->blocks) {
+            bool oversize = b->size >= Config::get().max_split;
+            if (b->prev == nullptr && b->next == nullptr && (!oversize_only || oversize)) {
+                whole.push_back(b);
+            }
+        }
+        for (Block *b : whole) {
+            release_block(b);
+        }
+    }
+}
+
+HIDDEN_NOINLINE Block *DeviceCachingAllocator::malloc(int device, size_t orig_size, aclrtStream stream,
+                                                      uint8_t allocator_type) {
+    (void)allocator_type;
+    std::lock_guard<std::recursive_mutex> guard(mutex_);
+    if (!Config::get().valid || device != device_) {
+        return nullptr;
+    }
+    size_t size = round_size(orig_size);
+    BlockPool &pool = size <= kSmallSize ? small_ : large_;
+    Block *block = get_free_block(pool, size, stream);
+    if (block == nullptr) {
+        if (Config::get().expandable) {
+            block = grow_expandable(pool, size, stream);
+        } else {
+            block = alloc_block(pool, size, stream);
+            if (block == nullptr) {
+                release_cached(true);
+                block = alloc_block(pool, size, stream);
+            }
+            if (block == nullptr) {
+                release_cached(false);
+                block = alloc_block(pool, size, stream);
+            }
+        }
+    }
+    at_event = AtEvent{stats_.allocated, stats_.reserved};
+    if (block == nullptr) {
+        if (Ledger::get().on()) {
+            Ledger::get().line(fmt("{\"ev\": \"oom\", \"tid\": %ld, \"t\": %llu, \"device\": %d, \"req\": %zu, "
+                                   "\"allocated\": %zu, \"reserved\": %zu}",
+                                   tid(), now_ns(), device_, orig_size, stats_.allocated, stats_.reserved));
+        }
+        return nullptr;
+    }
+    if (should_split(block, size)) {
+        Block *rest = new Block{device_, stream, block->size - size, 0, &pool, (char *)block->ptr + size,
+                                false,  block,  block->next,       block->segment};
+        if (block->next) {
+            block->next->prev = rest;
+        }
+        block->next = rest;
+        block->size = size;
+        pool.blocks.insert(rest);
+    }
+    block->allocated = true;
+    block->requested_size = orig_size;
+    stats_.allocated += block->size;
+    if (Mstx *m = Mstx::get()) {
+        m->malloc_region(m->caching, device_, block->segment, stats_.reserved, block->ptr, block->size);
+    }
+    at_event = AtEvent{stats_.allocated, stats_.reserved};
+    return block;
+}
+
+HIDDEN_NOINLINE void DeviceCachingAllocator::free(Block *block, uint8_t allocator_type) {
+    (void)allocator_type;
+    std::lock_guard<std::recursive_mutex> guard(mutex_);
+    block->allocated = false;
+    stats_.allocated -= block->size;
+    void *ptr = block->ptr;
+    void *segment = block->segment;
+    BlockPool &pool = *block->pool;
+    // Merge with free neighbours.
+    for (Block *n : {block->prev, block->next}) {
+        if (n == nullptr || n->allocated || n->stream != block->stream) {
+            continue;
+        }
+        pool.blocks.erase(n);
+        if (n == block->prev) {
+            block->ptr = n->ptr;
+            block->prev = n->prev;
+            if (block->prev) {
+                block->prev->next = block;
+            }
+        } else {
+            block->next = n->next;
+            if (block->next) {
+                block->next->prev = block;
+            }
+        }
+        block->size += n->size;
+        delete n;
+    }
+    pool.blocks.insert(block);
+    if (Mstx *m = Mstx::get()) {
+        m->free_region(m->caching, device_, segment, stats_.reserved, ptr);
+    }
+    at_event = AtEvent{stats_.allocated, stats_.reserved};
+}
+
+void DeviceCachingAllocator::emptyCache() {
+    std::lock_guard<std::recursive_mutex> guard(mutex_);
+    release_cached(false);
+}
+
+class NpuCachingAllocator {
+  public:
+    HIDDEN_NOINLINE void malloc(void **devPtr, int device, size_t size, aclrtStream stream);
+    HIDDEN_NOINLINE void free(void *ptr);
+    void emptyCache();
+    DeviceCachingAllocator &device(int d);
+    Block *lookup(void *ptr) {
+        std::lock_guard<std::mutex> guard(mutex_);
+        auto it = allocated_.find(ptr);
+        return it == allocated_.end() ? nullptr : it->second;
+    }
+    void remember(Block *b) {
+        std::lock_guard<std::mutex> guard(mutex_);
+        allocated_[b->ptr] = b;
+    }
+    Block *forget(void *ptr) {
+        std::lock_guard<std::mutex> guard(mutex_);
+        auto it = allocated_.find(ptr);
+        if (it == allocated_.end()) {
+            return nullptr;
+        }
+        Block *b = it->second;
+        allocated_.erase(it);
+        return b;
+    }
+
+  private:
+    std::mutex mutex_;
+    std::unordered_map<void *, Block *> allocated_;
+    std::vector<DeviceCachingAllocator *> devices_;
+};
+
+NpuCachingAllocator caching_allocator;
+
+DeviceCachingAllocator &NpuCachingAllocator::device(int d) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    while ((int)devices_.size() <= d) {
+        devices_.push_back(new DeviceCachingAllocator((int)devices_.size()));
+    }
+    return *devices_[d];
+}
+
+void NpuCachingAllocator::malloc(void **devPtr, int device_id, size_t size, aclrtStream stream) {
+    Block *block = device(device_id).malloc(device_id, size, stream, 0);
+    *devPtr = block ? block->ptr : nullptr;
+    if (block) {
+        remember(block);
+    }
+}
+
+void NpuCachingAllocator::free(void *ptr) {
+    Block *block = forget(ptr);
+    if (block) {
+        device(block->device).free(block, 0);
+    }
+}
+
+void NpuCachingAllocator::emptyCache() {
+    std::vector<DeviceCachingAllocator *> all;
+    {
+        std::lock_guard<std::mutex> guard(mutex_);
+        all = devices_;
+    }
+    for (auto *d : all) {
+        d->emptyCache();
+    }
+}
+
+/* The external (torchair) path, exported. */
+EXPORT void *MallocBlock(size_t size, void *stream, int device) {
+    if (device < 0) {
+        int32_t current = 0;
+        aclrtGetDevice(&current);
+        device = current;
+    }
+    Block *block = caching_allocator.device(device).malloc(device, size, stream, 1);
+    return block;
+}
+
+EXPORT void FreeBlock(void *handle) {
+    Block *block = static_cast<Block *>(handle);
+    caching_allocator.device(block->device).free(block, 1);
+}
+
+EXPORT void *GetBlockPtr(const void *handle) { return static_cast<const Block *>(handle)->ptr; }
+
+EXPORT size_t GetBlockSize(const void *handle) { return static_cast<const Block *>(handle)->size; }
+
+}  // namespace NPUCachingAllocator
+
+namespace NPUWorkspaceAllocator {
+
+/* One grow-only block per stream, as torch_npu's workspace allocator. */
+class DeviceWorkspaceAllocator {
+  public:
+    explicit DeviceWorkspaceAllocator(int device_id) : device(device_id) {}
+    HIDDEN_NOINLINE void *malloc(size_t size, aclrtStream stream);
+    HIDDEN_NOINLINE void free(void *ptr);
+    size_t allocated = 0;
+    size_t reserved = 0;
+
+  private:
+    struct Slot {
+        void *ptr = nullptr;
+        size_t size = 0;
+        size_t in_use = 0;
+    };
+    int device;  // named as in torch_npu, whose DWARF the tracer reads it by
+    std::mutex mutex_;
+    std::unordered_map<aclrtStream, Slot> slots_;
+    std::unordered_map<void *, aclrtStream> owner_;
+};
+
+void *DeviceWorkspaceAllocator::malloc(size_t size, aclrtStream stream) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    Slot &slot = slots_[stream];
+    if (slot.in_use != 0) {
+        return nullptr;  // one use at a time per stream
+    }
+    if (size > slot.size) {
+        if (slot.ptr != nullptr) {
+            aclrtFree(slot.ptr);
+            reserved -= slot.size;
+            owner_.erase(slot.ptr);
+        }
+        size_t alloc = (size + 32 + kSmallBuffer - 1) / kSmallBuffer * kSmallBuffer;
+        void *p = nullptr;
+        if (aclrtMallocAlign32(&p, alloc, ACL_MEM_MALLOC_HUGE_ONLY) != ACL_SUCCESS) {
+            slot = Slot{};
+            return nullptr;
+        }
+        slot.ptr = p;
+        slot.size = alloc;
+        reserved += alloc;
+        owner_[p] = stream;
+    }
+    slot.in_use = size;
+    allocated += size;
+    if (Mstx *m = Mstx::get()) {
+        m->malloc_region(m->workspace, device, slot.ptr, reserved, slot.ptr, size);
+    }
+    at_event = AtEvent{allocated, reserved};
+    return slot.ptr;
+}
+
+void DeviceWorkspaceAllocator::free(void *ptr) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = owner_.find(ptr);
+    if (it == owner_.end()) {
+        return;
+    }
+    Slot &slot = slots_[it->second];
+    allocated -= slot.in_use;
+    slot.in_use = 0;
+    if (Mstx *m = Mstx::get()) {
+        m->free_region(m->workspace, device, slot.ptr, reserved, ptr);
+    }
+    at_event = AtEvent{allocated, reserved};
+}
+
+std::mutex workspace_mutex;
+std::vector<DeviceWorkspaceAllocator *> workspaces;
+
+DeviceWorkspaceAllocator &workspace(int device) {
+    std::lock_guard<std::mutex> guard(workspace_mutex);
+    while ((int)workspaces.size() <= device) {
+        workspaces.push_back(new DeviceWorkspaceAllocator((int)workspaces.size()));
+    }
+    return *workspaces[device];
+}
+
+}  // namespace NPUWorkspaceAllocator
+}  // namespace c10_npu
+
+namespace at {
+/* Enough of at::DataPtr for the ABI: returned by value (through a hidden pointer), data first. */
+struct DataPtr {
+    void *data;
+    void *ctx;
+    void (*deleter)(void *);
+    int16_t device;
+    DataPtr(void *d, void *c, void (*del)(void *), int16_t dev) : data(d), ctx(c), deleter(del), device(dev) {}
+    DataPtr(const DataPtr &) = delete;
+    DataPtr(DataPtr &&other) noexcept : data(other.data), ctx(other.ctx), deleter(other.deleter), device(other.device) {
+        other.deleter = nullptr;
+    }
+    ~DataPtr() {
+        if (deleter) {
+            deleter(ctx);
+        }
+    }
+};
+}  // namespace at
+
+namespace {
+struct WorkspaceUse {
+    int device;
+    void *ptr;
+};
+void workspace_delete(void *ctx) {
+    auto *use = static_cast<WorkspaceUse *>(ctx);
+    c10_npu::NPUWorkspaceAllocator::workspace(use->device).free(use->ptr);
+    delete use;
+}
+}  // namespace
+
+namespace at_npu {
+namespace native {
+EXPORT at::DataPtr allocate_workspace(uint64_t size, void *stream) {
+    int32_t device = 0;
+    aclrtGetDevice(&device);
+    void *p = c10_npu::NPUWorkspaceAllocator::workspace(device).malloc(size, stream);
+    if (p == nullptr) {
+        return at::DataPtr(nullptr, nullptr, nullptr, (int16_t)device);
+    }
+    return at::DataPtr(p, new WorkspaceUse{device, p}, workspace_delete, (int16_t)device);
+}
+}  // namespace native
+}  // namespace at_npu
+
+/* ---- the test's "framework" front end: what torch's tensor code does, plus the ledger ---- */
+
+using c10_npu::NPUCachingAllocator::caching_allocator;
+
+namespace {
+/* The counters at the event (under the allocator's lock) and after the call returned. */
+std::string counters(size_t allocated_after, size_t reserved_after) {
+    return fmt("\"allocated\": %zu, \"reserved\": %zu, \"allocated_after\": %zu, \"reserved_after\": %zu", at_event.allocated,
+               at_event.reserved, allocated_after, reserved_after);
+}
+std::string counters(int device) {
+    auto stats = caching_allocator.device(device).stats();
+    return counters(stats.allocated, stats.reserved);
+}
+}  // namespace
+
+extern "C" {
+
+/* A tensor's storage: NpuCachingAllocator::malloc, as torch's allocate() calls it. */
+EXPORT void *standin_tensor_alloc(size_t size, int device) {
+    unsigned long long t0 = now_ns();
+    void *p = nullptr;
+    caching_allocator.malloc(&p, device, size, nullptr);
+    if (Ledger::get().on() && p != nullptr) {
+        auto *block = caching_allocator.lookup(p);
+        Ledger::get().line(fmt("{\"ev\": \"block_malloc\", \"pool\": \"caching\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
+                               "\"device\": %d, \"req\": %zu, \"size\": %zu, \"ptr\": %llu, %s}",
+                               tid(), t0, now_ns(), device, size, block->size, (unsigned long long)(uintptr_t)p,
+                               counters(device).c_str()));
+    }
+    return p;
+}
+
+EXPORT void standin_tensor_free(void *ptr) {
+    unsigned long long t0 = now_ns();
+    auto *block = caching_allocator.lookup(ptr);
+    int device = block ? block->device : 0;
+    size_t size = block ? block->size : 0;
+    caching_allocator.free(ptr);
+    if (Ledger::get().on() && block != nullptr) {
+        Ledger::get().line(fmt("{\"ev\": \"block_free\", \"pool\": \"caching\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
+                               "\"device\": %d, \"size\": %zu, \"ptr\": %llu, %s}",
+                               tid(), t0, now_ns(), device, size, (unsigned long long)(uintptr_t)ptr,
+                               counters(device).c_str()));
+    }
+}
+
+EXPORT void standin_empty_cache(void) { caching_allocator.emptyCache(); }
+
+EXPORT void standin_stats(int device, size_t *allocated, size_t *reserved) {
+    auto stats = caching_allocator.device(device).stats();
+    *allocated = stats.allocated;
+    *reserved = stats.reserved;
+}
+
+/* The external (torchair) path: MallocBlock + GetBlockPtr, FreeBlock. */
+EXPORT void *standin_external_alloc(size_t size, int device, void **handle) {
+    unsigned long long t0 = now_ns();
+    void *h = c10_npu::NPUCachingAllocator::MallocBlock(size, nullptr, device);
+    *handle = h;
+    if (h == nullptr) {
+        return nullptr;
+    }
+    void *p = c10_npu::NPUCachingAllocator::GetBlockPtr(h);
+    size_t block_size = c10_npu::NPUCachingAllocator::GetBlockSize(h);
+    if (Ledger::get().on()) {
+        Ledger::get().line(fmt("{\"ev\": \"block_malloc\", \"pool\": \"external\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
+                               "\"device\": %d, \"req\": %zu, \"size\": %zu, \"ptr\": %llu, \"handle\": %llu, %s}",
+                               tid(), t0, now_ns(), device, size, block_size, (unsigned long long)(uintptr_t)p,
+                               (unsigned long long)(uintptr_t)h, counters(device).c_str()));
+    }
+    return p;
+}
+
+EXPORT void standin_external_free(void *handle) {
+    unsigned long long t0 = now_ns();
+    void *p = c10_npu::NPUCachingAllocator::GetBlockPtr(handle);
+    size_t size = c10_npu::NPUCachingAllocator::GetBlockSize(handle);
+    int device = static_cast<c10_npu::NPUCachingAllocator::Block *>(handle)->device;
+    c10_npu::NPUCachingAllocator::FreeBlock(handle);
+    if (Ledger::get().on()) {
+        Ledger::get().line(fmt("{\"ev\": \"block_free\", \"pool\": \"external\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
+                               "\"device\": %d, \"size\": %zu, \"ptr\": %llu, %s}",
+                               tid(), t0, now_ns(), device, size, (unsigned long long)(uintptr_t)p, counters(device).c_str()));
+    }
+}
+
+/* A workspace use: allocate_workspace, then the DataPtr's end. */
+EXPORT void *standin_workspace_alloc(size_t size, int device) {
+    unsigned long long t0 = now_ns();
+    auto *holder = new at::DataPtr(at_npu::native::allocate_workspace(size, nullptr));
+    auto &ws = c10_npu::NPUWorkspaceAllocator::workspace(device);
+    if (Ledger::get().on() && holder->data != nullptr) {
+        Ledger::get().line(fmt("{\"ev\": \"block_malloc\", \"pool\": \"workspace\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
+                               "\"device\": %d, \"req\": %zu, \"size\": %zu, \"ptr\": %llu, %s}",
+                               tid(), t0, now_ns(), device, size, size, (unsigned long long)(uintptr_t)holder->data,
+                               counters(ws.allocated, ws.reserved).c_str()));
+    }
+    return holder;
+}
+
+EXPORT void *standin_workspace_ptr(void *holder) { return static_cast<at::DataPtr *>(holder)->data; }
+
+EXPORT void standin_workspace_free(void *holder, int device) {
+    unsigned long long t0 = now_ns();
+    auto *dp = static_cast<at::DataPtr *>(holder);
+    void *p = dp->data;
+    delete dp;
+    auto &ws = c10_npu::NPUWorkspaceAllocator::workspace(device);
+    if (Ledger::get().on() && p != nullptr) {
+        Ledger::get().line(fmt("{\"ev\": \"block_free\", \"pool\": \"workspace\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
+                               "\"device\": %d, \"ptr\": %llu, %s}",
+                               tid(), t0, now_ns(), device, (unsigned long long)(uintptr_t)p,
+                               counters(ws.allocated, ws.reserved).c_str()));
+    }
+}
+
+}  // extern "C"
