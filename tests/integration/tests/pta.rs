@@ -58,8 +58,6 @@ fn run(
     (out, read_pool_ledger(&pool), stderr)
 }
 
-const LIVE_TIMEOUT: Duration = Duration::from_secs(30);
-
 const ALL: PtaCheck =
     PtaCheck { sizes: true, counters: true, caching: true, external: true, workspace: true, after_ns: 0 };
 
@@ -230,25 +228,16 @@ fn probes_reports_where_each_allocator_symbol_comes_from() {
 fn attached_by_pid_mid_run_every_later_block_is_seen_without_preload() {
     let env = env("pta_attach");
     let t = torch(&env);
-    let out = env.scratch.join("out");
     let ledger = env.scratch.join("ledger.jsonl");
     let lib = t.with_debug.display().to_string();
-    let mut workload = spawn_workload(
+    // No --lib: the tracer finds libtorch_npu.so in the process's maps and its debug file
+    // through .gnu_debuglink.
+    let run = trace_attached_mid_run(
         &env,
         &ledger,
         &["--duration", "5", "--step-sleep-ms", "10", "--torch-lib", &lib, "--empty-cache-every", "3"],
     );
-    std::thread::sleep(Duration::from_millis(1500));
-    let pid = workload.id().to_string();
-    let out_s = out.display().to_string();
-    // No --lib: the tracer finds libtorch_npu.so in the process's maps and its debug file
-    // through .gnu_debuglink.
-    let mut tracer = Tracer::spawn(&env, &["trace", "--pid", &pid, "--output", &out_s], &[]);
-    let live = tracer.wait_live(LIVE_TIMEOUT);
-    assert_eq!(wait_child(&mut workload, Duration::from_secs(60)), 0);
-    let (code, stderr) = tracer.finish(Duration::from_secs(30));
-    assert_eq!(code, Some(0), "{stderr}");
-    let out = read_output(&out);
+    let (out, live) = (run.out, run.live);
     let pool = read_pool_ledger(&pool_ledger_path(&ledger));
     assert!(pool.iter().any(|e| e.t0.is_some_and(|t| t < live)), "the workload allocated before the attach");
     let check = PtaCheck { after_ns: live, ..ALL };
