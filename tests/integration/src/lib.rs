@@ -775,6 +775,14 @@ fn within(ts: u64, e: &DriverEntry) -> bool {
     ts + CLOCK_TOLERANCE_NS >= e.t0 && ts <= e.t1 + CLOCK_TOLERANCE_NS
 }
 
+/// Splits one thread's events at one address, in time order, into those before the trace went
+/// live (no row) and those the `rows` rows stand for: a trace misses only what came before it,
+/// and a thread's calls at one address happen in order, so the rows are the last events.
+fn tail_pairs<'e, E: std::fmt::Debug>(events: &'e [E], rows: usize, what: &str) -> (&'e [E], &'e [E]) {
+    assert!(rows <= events.len(), "{rows} rows for {} {what}: {events:#?}", events.len());
+    events.split_at(events.len() - rows)
+}
+
 /// Rows of device memory against what the driver itself logged: every driver allocation made
 /// after `live_ns` is exactly one MALLOC row (merged into its runtime call or on its own), with
 /// the driver's size, flag and device; every driver-backed row is a real driver allocation; out-of-
@@ -805,13 +813,7 @@ pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
             .get_mut(key)
             .unwrap_or_else(|| panic!("driver-backed row matches no driver call: {:?}", rows_here[0]));
         here.sort_by_key(|e| e.t0);
-        assert!(
-            rows_here.len() <= here.len(),
-            "{} rows for {} driver calls at {key:?}: {rows_here:#?}",
-            rows_here.len(),
-            here.len()
-        );
-        let (missed, paired) = here.split_at(here.len() - rows_here.len());
+        let (missed, paired) = tail_pairs(here, rows_here.len(), &format!("driver calls at {key:?}"));
         for (i, (r, e)) in rows_here.iter().zip(paired).enumerate() {
             // A merged row is stamped at the runtime call's return, which can be well after
             // the driver's (the runtime touches the memory it got); it cannot be before the
@@ -979,14 +981,7 @@ pub fn assert_pta(pool: &[PoolEntry], out: &Output, check: PtaCheck) {
         here.sort_by_key(|e| e.t0);
         let mut got = seen.remove(key).unwrap_or_default();
         got.sort_by_key(|r| (r.ts, r.id));
-        // Only events before the trace went live may lack a row: the rows are the last events.
-        assert!(
-            got.len() <= here.len(),
-            "{} rows for {} allocator events at {key:?}: {here:#?} {got:#?}",
-            got.len(),
-            here.len()
-        );
-        let (missed, paired) = here.split_at(here.len() - got.len());
+        let (missed, paired) = tail_pairs(here, got.len(), &format!("allocator events at {key:?}"));
         for e in missed {
             assert!(e.t0.unwrap() <= check.after_ns, "allocator event without a row: {e:?}");
         }
