@@ -1,0 +1,472 @@
+//! Trace DBs as analysis input and output: which files a folder holds, opening one without
+//! creating or damaging anything, streaming its `memscope_dump` rows in time order, and writing
+//! results into our own tables in a single transaction.
+//!
+//! Safety of the user's file comes first: a DB is opened without SQLITE_OPEN_CREATE (a typo never
+//! leaves an empty DB behind), read-only unless results are to be written, and every write is one
+//! transaction, so a failure leaves the file exactly as it was.
+
+use std::fs;
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rusqlite::types::ValueRef;
+use rusqlite::{params, Connection, DatabaseName, OpenFlags, TransactionBehavior};
+
+use super::decompose::Report;
+use super::AnalysisError;
+use crate::store::schema::DUMP_TABLE;
+
+/// The older name msMemScope (as msLeaks) and prof2memscope used; Insight accepts both.
+const LEGACY_DUMP_TABLE: &str = "leaks_dump";
+
+/// Columns the analyses read.
+const NEEDED_COLUMNS: [&str; 8] =
+    ["ID", "Event", "Event Type", "Timestamp(ns)", "Process Id", "Device Id", "Ptr", "Attr"];
+
+/// Our decomposition table (docs/db-schema.md, "ms_decompose"). Dropped and recreated on every
+/// run so that it always describes the latest analysis and reruns never duplicate rows.
+pub const DECOMPOSE_TABLE: &str = "ms_decompose";
+const CREATE_DECOMPOSE: &str = "CREATE TABLE ms_decompose (
+    point TEXT NOT NULL, ts_ns INTEGER NOT NULL, family TEXT NOT NULL, owner TEXT NOT NULL,
+    depth INTEGER NOT NULL, bytes INTEGER NOT NULL, blocks INTEGER NOT NULL)";
+
+/// A DB found for analysis, with the device its folder names (`device_<id>`), if any.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DbFile {
+    pub path: PathBuf,
+    pub device: Option<String>,
+}
+
+/// Whether a file name is one Insight would open: `memscope_dump_*.db` (or the older `leaks_dump_*`).
+fn is_dump_name(name: &str) -> bool {
+    (name.starts_with("memscope_dump_") || name.starts_with("leaks_dump_")) && name.ends_with(".db")
+}
+
+/// The device a path's `device_<id>` folder names.
+pub fn device_from_path(path: &Path) -> Option<String> {
+    path.ancestors()
+        .skip(1)
+        .filter_map(|p| p.file_name()?.to_str())
+        .find_map(|name| name.strip_prefix("device_").filter(|d| !d.is_empty()).map(str::to_owned))
+}
+
+/// Device order for reports: NPUs by number, then `cpu`, then anything else by name.
+pub fn device_order(device: Option<&str>) -> (u8, u64, String) {
+    match device {
+        Some(d) => match d.parse::<u64>() {
+            Ok(n) => (0, n, String::new()),
+            Err(_) if d == "cpu" => (1, 0, String::new()),
+            Err(_) => (2, 0, d.to_owned()),
+        },
+        None => (3, 0, String::new()),
+    }
+}
+
+fn read_dir(dir: &Path) -> Result<Vec<PathBuf>, AnalysisError> {
+    let entries = fs::read_dir(dir).map_err(|source| AnalysisError::Io { path: dir.to_owned(), source })?;
+    let mut paths = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| AnalysisError::Io { path: dir.to_owned(), source })?;
+        paths.push(entry.path());
+    }
+    paths.sort();
+    Ok(paths)
+}
+
+fn dump_files_in(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), AnalysisError> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    for path in read_dir(dir)? {
+        if path.is_file() && path.file_name().and_then(|n| n.to_str()).is_some_and(is_dump_name) {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+fn device_dirs(run: &Path) -> Result<Vec<PathBuf>, AnalysisError> {
+    Ok(read_dir(run)?
+        .into_iter()
+        .filter(|p| p.is_dir() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("device_")))
+        .collect())
+}
+
+/// The DBs an input names: the file itself, or every `device_*/dump/memscope_dump_*.db` of a
+/// trace folder. A folder may be the trace's output folder, the folder holding several of them
+/// (`memscopeDumpResults/`), or one device's (`device_0/` or its `dump/`): users point at
+/// whichever level they are looking at. Reports come per run folder, in device order.
+pub fn discover(input: &Path) -> Result<Vec<DbFile>, AnalysisError> {
+    let meta = fs::metadata(input).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => AnalysisError::NotFound { path: input.to_owned() },
+        _ => AnalysisError::Io { path: input.to_owned(), source },
+    })?;
+    if !meta.is_dir() {
+        return Ok(vec![DbFile { path: input.to_owned(), device: device_from_path(input) }]);
+    }
+    let mut found = Vec::new();
+    dump_files_in(input, &mut found)?; // a dump/ folder
+    dump_files_in(&input.join("dump"), &mut found)?; // a device_<id>/ folder
+    for device in device_dirs(input)? {
+        dump_files_in(&device.join("dump"), &mut found)?; // a run folder
+    }
+    for run in read_dir(input)?.into_iter().filter(|p| p.is_dir()) {
+        for device in device_dirs(&run)? {
+            dump_files_in(&device.join("dump"), &mut found)?; // the folder holding runs
+        }
+    }
+    if found.is_empty() {
+        return Err(AnalysisError::NoDbInFolder { path: input.to_owned() });
+    }
+    let mut files: Vec<DbFile> =
+        found.into_iter().map(|path| DbFile { device: device_from_path(&path), path }).collect();
+    // Run folder (three levels up: <run>/device_<id>/dump/<file>), then device, then name.
+    files.sort_by_cached_key(|f| {
+        let run = f.path.ancestors().nth(3).map(Path::to_path_buf);
+        (run, device_order(f.device.as_deref()), f.path.clone())
+    });
+    files.dedup();
+    Ok(files)
+}
+
+/// One row of the dump, borrowed from SQLite's buffers (1M rows must not mean 7M allocations).
+#[derive(Clone, Copy, Debug)]
+pub struct RawRow<'a> {
+    pub event: &'a str,
+    pub event_type: &'a str,
+    pub ts: i64,
+    pub pid: i64,
+    pub ptr: &'a str,
+    pub attr: &'a str,
+}
+
+/// Text of a column; numbers written as text by other tools read as "" here, which only drops
+/// rows Insight would drop too.
+fn text(v: ValueRef<'_>) -> &str {
+    match v {
+        ValueRef::Text(t) => std::str::from_utf8(t).unwrap_or(""),
+        _ => "",
+    }
+}
+
+/// An integer column that other writers may have stored as text or real.
+fn int(v: ValueRef<'_>) -> i64 {
+    match v {
+        ValueRef::Integer(i) => i,
+        ValueRef::Real(f) => f as i64,
+        ValueRef::Text(t) => std::str::from_utf8(t).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// An open trace DB.
+pub struct DumpDb {
+    path: PathBuf,
+    conn: Connection,
+    table: &'static str,
+}
+
+impl DumpDb {
+    /// Opens and checks `path`: an SQLite file with a dump table holding the columns the analyses
+    /// read. With `write`, also that the results can be written back.
+    pub fn open(path: &Path, write: bool) -> Result<Self, AnalysisError> {
+        Self::check_header(path)?;
+        let flags = if write { OpenFlags::SQLITE_OPEN_READ_WRITE } else { OpenFlags::SQLITE_OPEN_READ_ONLY }
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let not_sqlite = |e: rusqlite::Error| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() };
+        let conn = Connection::open_with_flags(path, flags).map_err(not_sqlite)?;
+        // Insight or a still-running trace may hold the lock for a moment.
+        conn.busy_timeout(Duration::from_secs(5)).map_err(not_sqlite)?;
+        Self::from_connection(path, conn, write)
+    }
+
+    fn check_header(path: &Path) -> Result<(), AnalysisError> {
+        let io = |source| AnalysisError::Io { path: path.to_owned(), source };
+        let mut head = Vec::with_capacity(16);
+        fs::File::open(path).map_err(io)?.take(16).read_to_end(&mut head).map_err(io)?;
+        let why = if head.is_empty() {
+            "the file is empty"
+        } else if head.starts_with(b"ID,Event") {
+            "it is a CSV trace"
+        } else if head != b"SQLite format 3\0" {
+            "no SQLite header"
+        } else {
+            return Ok(());
+        };
+        Err(AnalysisError::NotSqlite { path: path.to_owned(), why: why.to_owned() })
+    }
+
+    /// The checks that need an open connection (split out so tests can hand in a read-only one).
+    fn from_connection(path: &Path, conn: Connection, write: bool) -> Result<Self, AnalysisError> {
+        let not_sqlite = |e: rusqlite::Error| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() };
+        // The first real read: a damaged or encrypted file fails here.
+        let tables: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
+            .map_err(not_sqlite)?;
+        let table = if tables.iter().any(|t| t == DUMP_TABLE) {
+            DUMP_TABLE
+        } else if tables.iter().any(|t| t == LEGACY_DUMP_TABLE) {
+            LEGACY_DUMP_TABLE
+        } else {
+            let tables = if tables.is_empty() { "none".to_owned() } else { tables.join(", ") };
+            return Err(AnalysisError::NoDumpTable { path: path.to_owned(), tables });
+        };
+        let columns: Vec<String> = conn
+            .prepare("SELECT name FROM pragma_table_info(?1)")
+            .and_then(|mut s| s.query_map([table], |r| r.get(0))?.collect())
+            .map_err(|source| AnalysisError::Read { path: path.to_owned(), source })?;
+        let missing: Vec<&str> = NEEDED_COLUMNS.into_iter().filter(|c| !columns.iter().any(|have| have == c)).collect();
+        if !missing.is_empty() {
+            return Err(AnalysisError::MissingColumns {
+                path: path.to_owned(),
+                table: table.to_owned(),
+                missing: missing.join(", "),
+            });
+        }
+        // Checked before the analysis, so a read-only file costs one line, not a wasted pass.
+        if write && conn.is_readonly(DatabaseName::Main).unwrap_or(true) {
+            return Err(AnalysisError::ReadOnly { path: path.to_owned() });
+        }
+        Ok(Self { path: path.to_owned(), conn, table })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
+        move |source| AnalysisError::Read { path: self.path.clone(), source }
+    }
+
+    /// The distinct `Device Id`s of the memory rows (for a DB whose folder does not name its device).
+    pub fn devices(&self) -> Result<Vec<String>, AnalysisError> {
+        let sql = format!(
+            "SELECT DISTINCT \"Device Id\" FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE') LIMIT 16",
+            self.table
+        );
+        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
+        let mut rows = stmt.query([]).map_err(self.read_err())?;
+        let mut devices = Vec::new();
+        while let Some(row) = rows.next().map_err(self.read_err())? {
+            let v = row.get_ref(0).map_err(self.read_err())?;
+            devices.push(match v {
+                ValueRef::Integer(i) => i.to_string(),
+                v => text(v).to_owned(),
+            });
+        }
+        devices.sort_by_key(|d| device_order(Some(d)));
+        Ok(devices)
+    }
+
+    /// Calls `f` for every MALLOC, FREE and SYSTEM row in time order (`Timestamp(ns)`, then `ID`,
+    /// as Insight orders them; IDs break ties because a thread's rows are written in call order).
+    pub fn for_each_row(&self, mut f: impl FnMut(RawRow<'_>)) -> Result<(), AnalysisError> {
+        let sql = format!(
+            "SELECT \"Event\", \"Event Type\", \"Timestamp(ns)\", \"Process Id\", \"Ptr\", \"Attr\" \
+             FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM') ORDER BY \"Timestamp(ns)\", \"ID\"",
+            self.table
+        );
+        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
+        let mut rows = stmt.query([]).map_err(self.read_err())?;
+        while let Some(row) = rows.next().map_err(self.read_err())? {
+            let get = |i| row.get_ref(i).map_err(self.read_err());
+            f(RawRow {
+                event: text(get(0)?),
+                event_type: text(get(1)?),
+                ts: int(get(2)?),
+                pid: int(get(3)?),
+                ptr: text(get(4)?),
+                attr: text(get(5)?),
+            });
+        }
+        Ok(())
+    }
+
+    /// Replaces `ms_decompose` with `report` and stamps `ms_meta.decompose_at` (when the DB has our
+    /// `ms_meta`; msMemScope's DBs do not, and we add nothing else to them). One transaction:
+    /// either all of it lands or the file is unchanged. Returns the rows written.
+    pub fn write_decompose(&mut self, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
+        let path = self.path.clone();
+        let err = |source| AnalysisError::Write { path: path.clone(), source };
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
+        tx.execute_batch(&format!("DROP TABLE IF EXISTS {DECOMPOSE_TABLE}; {CREATE_DECOMPOSE}")).map_err(err)?;
+        let mut written = 0;
+        {
+            let mut insert = tx
+                .prepare(&format!(
+                    "INSERT INTO {DECOMPOSE_TABLE} (point, ts_ns, family, owner, depth, bytes, blocks) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
+                ))
+                .map_err(err)?;
+            for point in &report.points {
+                for tree in &point.trees {
+                    for node in &tree.nodes {
+                        insert
+                            .execute(params![
+                                point.kind.as_str(),
+                                point.ts_ns,
+                                tree.family.as_str(),
+                                node.path,
+                                node.depth as i64,
+                                node.bytes,
+                                node.blocks as i64
+                            ])
+                            .map_err(err)?;
+                        written += 1;
+                    }
+                }
+            }
+        }
+        let has_meta: bool = tx
+            .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map_err(err)?
+            > 0;
+        if has_meta {
+            // Delete then insert: works whether or not `key` is unique in this file.
+            tx.execute("DELETE FROM ms_meta WHERE key = 'decompose_at'", []).map_err(err)?;
+            tx.execute("INSERT INTO ms_meta (key, value) VALUES ('decompose_at', ?1)", [run_wall_ns.to_string()])
+                .map_err(err)?;
+        }
+        tx.commit().map_err(err)?;
+        Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::testdb::{dir, TestDb};
+
+    #[test]
+    fn missing_file_is_named_with_the_fix() {
+        let d = dir("missing");
+        let err = discover(&d.join("nope.db")).unwrap_err();
+        assert!(matches!(err, AnalysisError::NotFound { .. }));
+        assert!(err.to_string().contains("nope.db") && err.to_string().contains("memscope_dump_*.db"));
+        // Opening directly must not create it either.
+        assert!(DumpDb::open(&d.join("nope.db"), true).is_err());
+        assert!(!d.join("nope.db").exists());
+    }
+
+    #[test]
+    fn non_db_files_are_refused_untouched() {
+        let d = dir("nondb");
+        let csv = d.join("memscope_dump_1.csv");
+        fs::write(&csv, "ID,Event,Event Type\n1,MALLOC,HAL\n").unwrap();
+        let err = DumpDb::open(&csv, true).err().unwrap();
+        assert!(err.to_string().contains("CSV trace"), "{err}");
+        let junk = d.join("junk.db");
+        fs::write(&junk, "hello, not a database at all").unwrap();
+        assert!(matches!(DumpDb::open(&junk, true), Err(AnalysisError::NotSqlite { .. })));
+        assert_eq!(fs::read(&junk).unwrap(), b"hello, not a database at all");
+        let empty = d.join("empty.db");
+        fs::write(&empty, "").unwrap();
+        let err = DumpDb::open(&empty, true).err().unwrap();
+        assert!(err.to_string().contains("empty"), "{err}");
+    }
+
+    #[test]
+    fn db_without_dump_table_is_refused() {
+        let d = dir("notable");
+        let path = d.join("other.db");
+        Connection::open(&path).unwrap().execute_batch("CREATE TABLE t (x); CREATE TABLE u (y)").unwrap();
+        let err = DumpDb::open(&path, true).err().unwrap();
+        assert!(matches!(err, AnalysisError::NoDumpTable { .. }));
+        assert!(err.to_string().contains("no memscope_dump table (tables: t, u)"), "{err}");
+        // A dump table missing columns Insight needs.
+        Connection::open(&path).unwrap().execute_batch("CREATE TABLE memscope_dump (ID, Event)").unwrap();
+        let err = DumpDb::open(&path, false).err().unwrap();
+        assert!(err.to_string().contains("\"Event Type\"") || err.to_string().contains("Event Type"), "{err}");
+    }
+
+    #[test]
+    fn read_only_db_is_refused_before_any_work() {
+        let d = dir("readonly");
+        let db = TestDb::create(&d.join("memscope_dump_1.db"));
+        let path = db.path.clone();
+        drop(db);
+        // Root ignores file modes, so hand in a read-only connection instead of chmod-ing.
+        let conn = Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        let err = DumpDb::from_connection(&path, conn, true).err().unwrap();
+        assert!(matches!(err, AnalysisError::ReadOnly { .. }));
+        assert!(err.to_string().contains("--no-write"));
+        // Without writing, a read-only file is fine.
+        let conn = Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        assert!(DumpDb::from_connection(&path, conn, false).is_ok());
+    }
+
+    #[test]
+    fn a_failed_write_changes_nothing() {
+        use crate::analysis::decompose::{analyse, TimeSpec};
+        let d = dir("rollback");
+        let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
+        db.malloc("HAL", 10, 0x1, 100, Some("CANN@APP"));
+        db.malloc("HAL", 20, 0x2, 50, Some("CANN@HCCL"));
+        let path = db.path.clone();
+        drop(db);
+        let count = |sql: &str| -> i64 { Connection::open(&path).unwrap().query_row(sql, [], |r| r.get(0)).unwrap() };
+        let mut dump = DumpDb::open(&path, true).unwrap();
+        let first = analyse(&dump, &[TimeSpec::End]).unwrap();
+        assert_eq!(dump.write_decompose(&first, 1).unwrap(), 4);
+        // Make the last statement of the next write fail, after ms_decompose was dropped and refilled.
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch("CREATE TRIGGER no_meta BEFORE INSERT ON ms_meta BEGIN SELECT RAISE(ABORT, 'no'); END")
+            .unwrap();
+        let second = analyse(&dump, &[TimeSpec::Peak, TimeSpec::End]).unwrap();
+        let err = dump.write_decompose(&second, 2).unwrap_err();
+        assert!(matches!(err, AnalysisError::Write { .. }), "{err}");
+        assert!(err.to_string().contains("nothing was changed"));
+        assert_eq!(count("SELECT count(*) FROM ms_decompose"), 4, "the first run's rows are still there");
+        assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'decompose_at' AND value = '1'"), 1);
+        assert_eq!(count("SELECT count(*) FROM memscope_dump"), 2);
+    }
+
+    #[test]
+    fn folders_are_searched_at_every_level_in_device_order() {
+        let root = dir("discover");
+        let run = root.join("memscope_42_20260101000000_ascend");
+        for dev in ["cpu", "10", "2", "unknown", "0"] {
+            TestDb::create(&run.join(format!("device_{dev}/dump/memscope_dump_20260101000000.db")));
+        }
+        fs::write(run.join("device_0/dump/memscope_dump_20260101000000.csv"), "ID,Event").unwrap();
+        let want = ["0", "2", "10", "cpu", "unknown"];
+        for input in [&root, &run] {
+            let found = discover(input).unwrap();
+            let devices: Vec<_> = found.iter().map(|f| f.device.clone().unwrap()).collect();
+            assert_eq!(devices, want, "from {}", input.display());
+        }
+        // One device's folder, or its dump/.
+        assert_eq!(discover(&run.join("device_2")).unwrap().len(), 1);
+        assert_eq!(discover(&run.join("device_2/dump")).unwrap()[0].device.as_deref(), Some("2"));
+        // A file is taken as is.
+        let file = run.join("device_cpu/dump/memscope_dump_20260101000000.db");
+        assert_eq!(discover(&file).unwrap(), vec![DbFile { path: file.clone(), device: Some("cpu".into()) }]);
+        // A folder with nothing in it.
+        let empty = dir("discover-empty");
+        assert!(matches!(discover(&empty), Err(AnalysisError::NoDbInFolder { .. })));
+    }
+
+    #[test]
+    fn rows_stream_in_time_then_id_order() {
+        let d = dir("order");
+        let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
+        db.malloc("HAL", 30, 0x30, 1, None);
+        db.malloc("HAL", 10, 0x10, 1, None);
+        db.malloc("HAL", 30, 0x31, 1, None);
+        db.row("ACCESS", "READ", 5, 1, Some(0x10), crate::store::Attr::new());
+        let path = db.path.clone();
+        drop(db);
+        let dump = DumpDb::open(&path, false).unwrap();
+        let mut seen = Vec::new();
+        dump.for_each_row(|r| seen.push((r.ts, r.ptr.to_owned()))).unwrap();
+        let want = [(10, "0x0000000000000010"), (30, "0x0000000000000030"), (30, "0x0000000000000031")];
+        assert_eq!(seen, want.map(|(ts, p)| (ts, p.to_owned())));
+        assert_eq!(dump.devices().unwrap(), vec!["0".to_owned()]);
+    }
+}

@@ -1,0 +1,112 @@
+//! Offline analyses of finished trace DBs (the `analyze` verb), as msMemScope's `--analysis`
+//! names them. They read `memscope_dump` only, so they work on any DB Insight opens, ours or
+//! msMemScope's, and need no privileges.
+//!
+//! - [`db`]: finding the DBs of a trace folder, opening them safely, streaming their rows, and
+//!   writing results back into our own `ms_*` tables (never into Insight's).
+//! - [`decompose`]: where the memory was at an instant, as an owner tree (msMemScope's
+//!   decomposition, the tree Insight draws).
+//! - [`render`]: the text and JSON reports.
+
+pub mod db;
+pub mod decompose;
+pub mod render;
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// What can go wrong with an input DB. Every message names the file and says what to do, since
+/// the user's usual mistake is pointing at the wrong file (a CSV trace, a folder one level off,
+/// a DB Insight made read-only), not a bug.
+#[derive(Debug, Error)]
+pub enum AnalysisError {
+    #[error("{path}: no such file or folder; give a memscope_dump_*.db file or a trace output folder (memscope_<pid>_<time>_ascend/)")]
+    NotFound { path: PathBuf },
+    #[error("{path}: no memscope_dump_*.db under this folder (looked for device_*/dump/memscope_dump_*.db in it and in its subfolders); give the trace output folder memscope_<pid>_<time>_ascend/ or a .db file (a CSV trace cannot be analysed: trace with --format db)")]
+    NoDbInFolder { path: PathBuf },
+    #[error("{path}: cannot read it: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not an SQLite database ({why}); give the memscope_dump_*.db file that `trace` wrote (a CSV trace cannot be analysed: trace with --format db)")]
+    NotSqlite { path: PathBuf, why: String },
+    #[error("{path}: no memscope_dump table (tables: {tables}); this is not a trace DB written by memscope-bpf or msMemScope")]
+    NoDumpTable { path: PathBuf, tables: String },
+    #[error("{path}: table {table} lacks the column(s) {missing}; the DB is not in msMemScope's format")]
+    MissingColumns { path: PathBuf, table: String, missing: String },
+    #[error("{path}: the file is read-only, and the results are written into it (table ms_decompose); make it writable (chmod u+w) or pass --no-write to only print them")]
+    ReadOnly { path: PathBuf },
+    #[error("{path}: cannot read the trace: {source}")]
+    Read { path: PathBuf, source: rusqlite::Error },
+    #[error("{path}: cannot write the results (nothing was changed): {source}; if the file or its folder is read-only make it writable, if a running trace or Insight holds it retry when it is done, or pass --no-write")]
+    Write { path: PathBuf, source: rusqlite::Error },
+}
+
+#[cfg(test)]
+pub(crate) mod testdb {
+    //! Small trace DBs for tests, written with the real schema and Attr format.
+
+    use std::path::{Path, PathBuf};
+
+    use rusqlite::{params, Connection};
+
+    use crate::store::schema::create_dump_table;
+    use crate::store::Attr;
+
+    /// A fresh, empty folder for one test.
+    pub fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("memscope-analysis-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    pub struct TestDb {
+        pub path: PathBuf,
+        conn: Connection,
+        next_id: i64,
+    }
+
+    impl TestDb {
+        /// A DB at `path` with `memscope_dump` (and `ms_meta`, as `trace` writes it).
+        pub fn create(path: &Path) -> Self {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let conn = Connection::open(path).unwrap();
+            conn.execute_batch(&create_dump_table()).unwrap();
+            conn.execute_batch("CREATE TABLE ms_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)").unwrap();
+            Self { path: path.to_owned(), conn, next_id: 1 }
+        }
+
+        pub fn row(&mut self, event: &str, event_type: &str, ts: i64, pid: i64, ptr: Option<u64>, attr: Attr) {
+            let ptr = ptr.map_or_else(|| "N/A".to_owned(), |p| format!("0x{p:016x}"));
+            self.conn
+                .execute(
+                    "INSERT INTO memscope_dump VALUES (?1, ?2, ?3, 'x', ?4, ?5, ?5, '0', ?6, ?7, '', '')",
+                    params![self.next_id, event, event_type, ts, pid, ptr, attr.to_json()],
+                )
+                .unwrap();
+            self.next_id += 1;
+        }
+
+        pub fn system(&mut self, what: &str, ts: i64) {
+            self.row("SYSTEM", what, ts, 1, None, Attr::new().with("tool", "memscope-bpf"));
+        }
+
+        pub fn malloc(&mut self, ty: &str, ts: i64, ptr: u64, size: u64, owner: Option<&'static str>) {
+            let attr = Attr::new().addr("addr", ptr).with("size", size).with_opt("owner", owner);
+            self.row("MALLOC", ty, ts, 1, Some(ptr), attr);
+        }
+
+        pub fn free(&mut self, ty: &str, ts: i64, ptr: u64) {
+            self.row("FREE", ty, ts, 1, Some(ptr), Attr::new().addr("addr", ptr).with("size", 1u64));
+        }
+
+        pub fn free_marked(&mut self, ty: &str, ts: i64, ptr: u64, mark: &'static str) {
+            let attr = Attr::new().addr("addr", ptr).with("size", 0u64).with(mark, "true");
+            self.row("FREE", ty, ts, 1, Some(ptr), attr);
+        }
+
+        pub fn conn(&self) -> &Connection {
+            &self.conn
+        }
+    }
+}

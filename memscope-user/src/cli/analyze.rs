@@ -1,0 +1,394 @@
+//! `memscope-bpf analyze`: msMemScope's offline analyses (`--analysis`) over DBs a trace wrote.
+//! Unprivileged: it only reads the DBs and adds its own result tables to them.
+//!
+//! This module turns arguments into a list of DBs and instants, runs the analyses in
+//! `crate::analysis`, and prints; every input problem is reported before or instead of any
+//! write, so a mistake costs one line and never a damaged DB.
+
+use std::collections::HashSet;
+use std::io::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context as _};
+
+use crate::analysis::db::{self, DbFile, DumpDb};
+use crate::analysis::decompose::{self, TimeSpec};
+use crate::analysis::render;
+
+/// An analysis, by msMemScope's `--analysis` name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Analysis {
+    Decompose,
+    Inefficient,
+    Leaks,
+    Oom,
+}
+
+impl Analysis {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Decompose => "decompose",
+            Self::Inefficient => "inefficient",
+            Self::Leaks => "leaks",
+            Self::Oom => "oom",
+        }
+    }
+}
+
+/// msMemScope's names, including its `oom:K` form, so its command lines carry over.
+fn parse_analysis(text: &str) -> Result<Analysis, String> {
+    let name = text.trim();
+    let base = name.split_once(':').map_or(name, |(base, _)| base);
+    match base.to_ascii_lowercase().as_str() {
+        "decompose" if base.len() == name.len() => Ok(Analysis::Decompose),
+        "inefficient" if base.len() == name.len() => Ok(Analysis::Inefficient),
+        "leaks" if base.len() == name.len() => Ok(Analysis::Leaks),
+        "oom" => Ok(Analysis::Oom),
+        _ => Err(format!("unknown analysis `{name}`; the analyses are: decompose, inefficient, leaks, oom")),
+    }
+}
+
+/// Analyse trace DBs offline, without privileges: where the memory went, per device.
+///
+///   memscope-bpf analyze msout/memscope_4242_20260101120000_ascend --decompose
+///   memscope-bpf analyze msout/ --analysis decompose --at peak,+2.5s --depth 2
+///   memscope-bpf analyze .../device_0/dump/memscope_dump_20260101120000.db --json
+///
+/// decompose: which owners held the live memory (HAL: device memory the runtime took; PTA: the
+/// framework's pool blocks, which live inside HAL memory; HOST: host memory), as the owner tree
+/// MindStudio Insight draws, at the peak of live device bytes and at the end of the trace. The
+/// trees are also written into each DB as table ms_decompose, replaced on every run.
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// Trace DBs (memscope_dump_*.db), or folders: a trace's output folder
+    /// (memscope_<pid>_<time>_ascend/), the folder holding such folders, or one device_<id>/.
+    /// Every device_*/dump/memscope_dump_*.db found is analysed: one report per DB, in device order.
+    #[arg(value_name = "DB", required = true)]
+    pub inputs: Vec<PathBuf>,
+
+    /// Analyses to run, comma-separated, by msMemScope's names: decompose, inefficient, leaks,
+    /// oom. Only decompose is implemented in this version. Default: decompose.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_analysis)]
+    pub analysis: Vec<Analysis>,
+
+    /// Shorthand for --analysis decompose.
+    #[arg(long)]
+    pub decompose: bool,
+
+    /// Instants to decompose, instead of the default peak,end: `peak` (most live HAL bytes; PTA,
+    /// then HOST, in a trace without HAL), `end` (just before the trace stopped), a
+    /// Timestamp(ns) as in the DB, or +TIME after the trace start (+2.5s, +300ms, +1m).
+    /// Comma-separated or repeated: `--at peak,end,+30s` keeps the defaults and adds one.
+    #[arg(long, value_name = "TIME", value_delimiter = ',')]
+    pub at: Vec<TimeSpec>,
+
+    /// Only the DB of this device: 0, 1, ..., cpu (host memory), unknown.
+    #[arg(long, value_name = "D")]
+    pub device: Option<String>,
+
+    /// Owner levels to show: 0 for the totals only, 1 for the first level (CANN, PTA, ...), and
+    /// so on. Default: all. The DB always gets the whole tree.
+    #[arg(long, value_name = "N")]
+    pub depth: Option<usize>,
+
+    /// Print JSON instead of text: an array of {db, device, point, ts_ns, family, nodes: [{path,
+    /// depth, bytes, blocks}]}, one element per DB, instant and family; each tree's first node is
+    /// its root (path "", depth 0).
+    #[arg(long)]
+    pub json: bool,
+
+    /// Only print: open the DBs read-only and write no ms_decompose table (for read-only copies).
+    #[arg(long)]
+    pub no_write: bool,
+}
+
+/// `0`, `device_0`, `npu:0` all name device 0.
+fn normalise_device(device: &str) -> &str {
+    let d = device.trim();
+    d.strip_prefix("device_").or_else(|| d.strip_prefix("npu:")).unwrap_or(d)
+}
+
+/// Writes to stdout; once the reader has gone (`| head`) the analyses still run and write their
+/// tables, only the printing stops.
+struct Stdout {
+    open: bool,
+}
+
+impl Stdout {
+    fn print(&mut self, text: &str) -> anyhow::Result<()> {
+        if !self.open {
+            return Ok(());
+        }
+        let mut out = std::io::stdout().lock();
+        match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                self.open = false;
+                Ok(())
+            }
+            r => r.context("cannot write to stdout"),
+        }
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let mut analyses = args.analysis.clone();
+    if args.decompose || analyses.is_empty() {
+        analyses.push(Analysis::Decompose);
+    }
+    // Refused before any DB is touched: a half-run analysis list would look like a result.
+    if let Some(missing) = analyses.iter().find(|a| **a != Analysis::Decompose) {
+        bail!(
+            "`{}` is not implemented yet in this version; the available analysis is decompose (--analysis decompose)",
+            missing.name()
+        );
+    }
+    let points = if args.at.is_empty() { vec![TimeSpec::Peak, TimeSpec::End] } else { args.at.clone() };
+    let want_device = args.device.as_deref().map(normalise_device);
+    let write = !args.no_write;
+
+    // Every input is resolved first, so a typo in the last one does not come after output.
+    let mut files: Vec<DbFile> = Vec::new();
+    let mut seen = HashSet::new();
+    for input in &args.inputs {
+        for file in db::discover(input)? {
+            let key = std::fs::canonicalize(&file.path).unwrap_or_else(|_| file.path.clone());
+            if seen.insert(key) {
+                files.push(file);
+            }
+        }
+    }
+
+    let run_wall_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let mut stdout = Stdout { open: true };
+    let mut json = Vec::new();
+    let mut other_devices = Vec::new();
+    let mut analysed = 0;
+    for file in &files {
+        if let (Some(want), Some(have)) = (want_device, file.device.as_deref()) {
+            if want != have {
+                other_devices.push(have.to_owned());
+                continue;
+            }
+        }
+        let mut dump = DumpDb::open(&file.path, write)?;
+        let device = match &file.device {
+            Some(d) => d.clone(),
+            None => {
+                let devices = dump.devices()?;
+                if devices.is_empty() {
+                    "?".to_owned()
+                } else {
+                    devices.join(",")
+                }
+            }
+        };
+        if let Some(want) = want_device {
+            if !device.split(',').any(|d| d == want) {
+                other_devices.push(device);
+                continue;
+            }
+        }
+        let report = decompose::analyse(&dump, &points)?;
+        if args.json {
+            json.extend(render::json(&report, dump.path(), &device, args.depth));
+        } else {
+            if analysed > 0 {
+                stdout.print("\n")?;
+            }
+            stdout.print(&render::text(&report, dump.path(), &device, args.depth))?;
+        }
+        if write {
+            let rows = dump.write_decompose(&report, run_wall_ns)?;
+            eprintln!("memscope-bpf: wrote {rows} rows into table {} of {}", db::DECOMPOSE_TABLE, file.path.display());
+        }
+        analysed += 1;
+    }
+    if analysed == 0 {
+        if let Some(want) = want_device {
+            other_devices.sort_by_key(|d| db::device_order(Some(d)));
+            other_devices.dedup();
+            bail!(
+                "no DB of device {want} among the inputs (devices found: {}); pick one of those with --device",
+                if other_devices.is_empty() { "none".to_owned() } else { other_devices.join(", ") }
+            );
+        }
+    }
+    if args.json {
+        let text = serde_json::to_string_pretty(&json).context("cannot format the JSON report")?;
+        stdout.print(&(text + "\n"))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+    use rusqlite::Connection;
+
+    use super::*;
+    use crate::analysis::testdb::{dir, TestDb};
+    use crate::cli::{Cli, Command};
+
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        let mut full = vec!["memscope-bpf", "analyze"];
+        full.extend_from_slice(argv);
+        match Cli::try_parse_from(full)?.command {
+            Command::Analyze(args) => Ok(args),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    /// A run folder with devices 1 and 0 (written in that order) and one HAL/PTA trace each.
+    fn run_folder(name: &str) -> PathBuf {
+        let root = dir(name);
+        let run = root.join("memscope_42_20260101000000_ascend");
+        for (dev, size) in [("1", 300u64), ("0", 200)] {
+            let mut db = TestDb::create(&run.join(format!("device_{dev}/dump/memscope_dump_20260101000000.db")));
+            db.system("START_TRACE", 1_000);
+            db.malloc("HAL", 1_100, 0x10, size, Some("CANN@APP"));
+            db.malloc("PTA", 1_200, 0x10, size / 2, Some("PTA@weight"));
+            db.free("PTA", 1_300, 0x10);
+            db.system("STOP_TRACE", 2_000);
+            db.free_marked("HAL", 2_001, 0x10, "shadow");
+        }
+        run
+    }
+
+    fn decompose_rows(path: &std::path::Path) -> Vec<(String, i64, String, String, i64, i64, i64)> {
+        let conn = Connection::open(path).unwrap();
+        let mut stmt = conn
+            .prepare("SELECT point, ts_ns, family, owner, depth, bytes, blocks FROM ms_decompose ORDER BY rowid")
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    #[test]
+    fn arguments_parse() {
+        let a = parse(&["x.db", "--decompose"]).unwrap();
+        assert!(a.decompose && a.analysis.is_empty());
+        assert_eq!(a.inputs, [PathBuf::from("x.db")]);
+        let a = parse(&["--analysis", "decompose,leaks", "a", "b", "--at", "peak,+2.5s", "--at", "123"]).unwrap();
+        assert_eq!(a.analysis, [Analysis::Decompose, Analysis::Leaks]);
+        assert_eq!(a.at, [TimeSpec::Peak, TimeSpec::SinceStart(2_500_000_000), TimeSpec::Absolute(123)]);
+        assert_eq!(a.inputs.len(), 2);
+        let a =
+            parse(&["d", "--analysis", "oom:20", "--device", "cpu", "--depth", "2", "--json", "--no-write"]).unwrap();
+        assert_eq!(
+            (a.analysis[0], a.device.as_deref(), a.depth, a.json, a.no_write),
+            (Analysis::Oom, Some("cpu"), Some(2), true, true)
+        );
+        // Unknown names list the valid ones; a DB is required; times are checked.
+        let err = parse(&["x.db", "--analysis", "decompose,leak"]).unwrap_err().to_string();
+        assert!(err.contains("unknown analysis `leak`") && err.contains("decompose, inefficient, leaks, oom"), "{err}");
+        assert!(parse(&["--decompose"]).is_err());
+        let err = parse(&["x.db", "--at", "soon"]).unwrap_err().to_string();
+        assert!(err.contains("+2.5s"), "{err}");
+    }
+
+    #[test]
+    fn unimplemented_analyses_fail_before_touching_anything() {
+        for name in ["leaks", "inefficient", "oom:5"] {
+            let args = parse(&["/nonexistent/x.db", "--analysis", name]).unwrap();
+            let err = run(args).unwrap_err().to_string();
+            let base = name.split(':').next().unwrap();
+            assert!(err.contains(&format!("`{base}` is not implemented yet")), "{err}");
+        }
+    }
+
+    #[test]
+    fn decompose_writes_every_device_and_reruns_replace() {
+        let run_dir = run_folder("cli-run");
+        let db0 = run_dir.join("device_0/dump/memscope_dump_20260101000000.db");
+        for _ in 0..2 {
+            run(parse(&[run_dir.parent().unwrap().to_str().unwrap(), "--decompose"]).unwrap()).unwrap();
+        }
+        let rows = decompose_rows(&db0);
+        // The HAL peak comes first (+100, before any PTA block), then the end; each with its
+        // whole tree, the empty PTA tree as its root alone.
+        let want = [
+            ("peak", 1_100, "HAL", "", 0, 200, 1),
+            ("peak", 1_100, "HAL", "CANN", 1, 200, 1),
+            ("peak", 1_100, "HAL", "CANN@APP", 2, 200, 1),
+            ("peak", 1_100, "PTA", "", 0, 0, 0),
+            ("end", 2_000, "HAL", "", 0, 200, 1),
+            ("end", 2_000, "HAL", "CANN", 1, 200, 1),
+            ("end", 2_000, "HAL", "CANN@APP", 2, 200, 1),
+            ("end", 2_000, "PTA", "", 0, 0, 0),
+        ];
+        let want: Vec<_> = want
+            .iter()
+            .map(|(p, ts, f, o, d, b, n)| (p.to_string(), *ts, f.to_string(), o.to_string(), *d, *b, *n))
+            .collect();
+        assert_eq!(rows, want, "the second run replaced the first's rows");
+        let conn = Connection::open(&db0).unwrap();
+        let at: String =
+            conn.query_row("SELECT value FROM ms_meta WHERE key = 'decompose_at'", [], |r| r.get(0)).unwrap();
+        assert!(at.parse::<u64>().unwrap() > 1_600_000_000_000_000_000);
+        let metas: i64 =
+            conn.query_row("SELECT count(*) FROM ms_meta WHERE key = 'decompose_at'", [], |r| r.get(0)).unwrap();
+        assert_eq!(metas, 1);
+        for t in crate::store::schema::INSIGHT_OWNED_TABLES {
+            let n: i64 =
+                conn.query_row("SELECT count(*) FROM sqlite_master WHERE name = ?1", [t], |r| r.get(0)).unwrap();
+            assert_eq!(n, 0, "{t} is Insight's");
+        }
+        // The dump itself is untouched.
+        let dump: i64 = conn.query_row("SELECT count(*) FROM memscope_dump", [], |r| r.get(0)).unwrap();
+        assert_eq!(dump, 6);
+        // Device 1 got its own numbers.
+        let rows1 = decompose_rows(&run_dir.join("device_1/dump/memscope_dump_20260101000000.db"));
+        assert_eq!(rows1[0].5, 300);
+    }
+
+    #[test]
+    fn at_replaces_the_defaults_and_no_write_writes_nothing() {
+        let run_dir = run_folder("cli-at");
+        let db0 = run_dir.join("device_0/dump/memscope_dump_20260101000000.db");
+        let before = std::fs::read(&db0).unwrap();
+        run(parse(&[db0.to_str().unwrap(), "--at", "+150ns", "--no-write", "--json"]).unwrap()).unwrap();
+        assert_eq!(std::fs::read(&db0).unwrap(), before);
+        run(parse(&[db0.to_str().unwrap(), "--at", "+150ns,1250"]).unwrap()).unwrap();
+        let rows = decompose_rows(&db0);
+        assert!(rows.iter().all(|r| r.0 == "at"));
+        let roots: Vec<(i64, String, i64)> =
+            rows.iter().filter(|r| r.4 == 0).map(|r| (r.1, r.2.clone(), r.5)).collect();
+        assert_eq!(
+            roots,
+            [
+                (1_150, "HAL".into(), 200),
+                (1_150, "PTA".into(), 0),
+                (1_250, "HAL".into(), 200),
+                (1_250, "PTA".into(), 100)
+            ]
+        );
+    }
+
+    #[test]
+    fn device_filter_picks_one_db_or_says_which_exist() {
+        let run_dir = run_folder("cli-device");
+        run(parse(&[run_dir.to_str().unwrap(), "--device", "1"]).unwrap()).unwrap();
+        assert!(!decompose_rows(&run_dir.join("device_1/dump/memscope_dump_20260101000000.db")).is_empty());
+        let conn = Connection::open(run_dir.join("device_0/dump/memscope_dump_20260101000000.db")).unwrap();
+        let n: i64 =
+            conn.query_row("SELECT count(*) FROM sqlite_master WHERE name = 'ms_decompose'", [], |r| r.get(0)).unwrap();
+        assert_eq!(n, 0, "device 0 was not asked for");
+        let err = run(parse(&[run_dir.to_str().unwrap(), "--device", "7"]).unwrap()).unwrap_err().to_string();
+        assert!(err.contains("no DB of device 7") && err.contains("devices found: 0, 1"), "{err}");
+    }
+
+    #[test]
+    fn bad_inputs_fail_with_the_problem_named() {
+        let d = dir("cli-bad");
+        let err = run(parse(&[d.join("none.db").to_str().unwrap()]).unwrap()).unwrap_err();
+        assert!(format!("{err:#}").contains("no such file or folder"), "{err:#}");
+        std::fs::write(d.join("memscope_dump_1.db"), "garbage").unwrap();
+        let err = run(parse(&[d.to_str().unwrap()]).unwrap()).unwrap_err();
+        assert!(format!("{err:#}").contains("not an SQLite database"), "{err:#}");
+    }
+}
