@@ -9,10 +9,12 @@
 //! - [`record`]: what travels through the ring buffer (one header, then a payload per kind).
 //! - [`spec`]: what one attach point means to the generic call probes (which argument is an
 //!   out-pointer, which carries a config struct, what it does to the thread's device).
+//! - [`usdt`]: how the USDT program reads one call site's arguments.
 #![no_std]
 
 pub mod record;
 pub mod spec;
+pub mod usdt;
 
 #[cfg(feature = "user")]
 mod user;

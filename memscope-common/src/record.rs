@@ -6,8 +6,9 @@
 /// calling conventions that the traced APIs use.
 pub const MAX_ARGS: usize = 6;
 
-/// Bytes of a C string argument kept in a record (domain names, markers), NUL included.
-pub const TEXT_LEN: usize = 32;
+/// Bytes of a C string argument kept in a record (domain names, mstx messages), NUL included:
+/// msMemScope keeps labels and messages up to 128 characters.
+pub const TEXT_LEN: usize = crate::usdt::USDT_TEXT_LEN;
 
 /// Which payload follows the header. The ids are part of the ABI: never renumber, only append.
 #[repr(u32)]
@@ -19,6 +20,8 @@ pub enum RecordKind {
     Fork = 2,
     /// A traced process exited: [`ExitRecord`].
     Exit = 3,
+    /// A USDT probe fired: [`UsdtRecord`].
+    Usdt = 4,
 }
 
 impl RecordKind {
@@ -28,6 +31,7 @@ impl RecordKind {
             1 => Some(Self::Call),
             2 => Some(Self::Fork),
             3 => Some(Self::Exit),
+            4 => Some(Self::Usdt),
             _ => None,
         }
     }
@@ -99,7 +103,25 @@ pub struct ExitRecord {
     pub _reserved: u32,
 }
 
+/// A USDT probe fired (markers: tags, steps, ranges). Emitted at the probe site; there is no
+/// return.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct UsdtRecord {
+    pub hdr: RecordHeader,
+    /// The attach cookie: index of the site's [`crate::usdt::UsdtSpec`].
+    pub spec_id: u32,
+    /// The spec's `probe` (userspace's id for what the probe means).
+    pub probe: u32,
+    /// The site's arguments, decoded per its spec (0 past `arg_count`).
+    pub args: [u64; crate::usdt::USDT_MAX_ARGS],
+    /// The spec's string argument, NUL-terminated (empty if none or unreadable).
+    pub text: [u8; crate::usdt::USDT_TEXT_LEN],
+}
+
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
+const _: () =
+    assert!(core::mem::size_of::<UsdtRecord>() == 24 + 8 + 8 * crate::usdt::USDT_MAX_ARGS + crate::usdt::USDT_TEXT_LEN);
 const _: () = assert!(core::mem::size_of::<CallRecord>() == 24 + 16 + 48 + 8 + 32 + 16 + TEXT_LEN);
 const _: () = assert!(core::mem::size_of::<ForkRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<ExitRecord>() == 32);

@@ -1,8 +1,10 @@
 //! Userspace-only trait impls, so aya can copy these types in and out of maps.
 
-use crate::{record::CallRecord, spec::ProbeSpec};
+use crate::{record::CallRecord, spec::ProbeSpec, usdt::UsdtSpec};
 
 // SAFETY: both are `#[repr(C)]`, contain only integers and have no padding (sizes asserted).
 unsafe impl aya::Pod for ProbeSpec {}
 // SAFETY: as above.
 unsafe impl aya::Pod for CallRecord {}
+// SAFETY: as above.
+unsafe impl aya::Pod for UsdtSpec {}

@@ -2,6 +2,8 @@
 //!
 //! - `probes::call`: the generic entry/return pair attached to every traced API symbol. What each
 //!   symbol means comes from a [`memscope_common::spec::ProbeSpec`] chosen by the attach cookie.
+//! - `probes::usdt`: the USDT probe attached to every marker call site; each site's argument
+//!   locations come from a [`memscope_common::usdt::UsdtSpec`] chosen by the attach cookie.
 //! - `probes::process`: fork/exit tracepoints that keep the set of traced processes current.
 //! - `maps`: the maps shared between them and userspace, and the ring-buffer output path.
 #![no_std]

@@ -6,11 +6,13 @@
 //! cli (one module per verb) ─┬─ attach   find libraries and symbols, load and attach BPF
 //!                            ├─ record   drain the ring buffer, decode records into events
 //!                            ├─ store    per-device SQLite/CSV in msMemScope's layout
+//!                            ├─ analysis offline analyses of written DBs (decompose; `analyze`)
 //!                            └─ session  the trace loop tying them together
 //!                                  └─ model   events, live blocks per device (no I/O)
 //!                                        └─ apis   what each traced API means
 //! ```
 
+mod analysis;
 mod apis;
 mod attach;
 mod cli;

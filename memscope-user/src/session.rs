@@ -18,12 +18,12 @@ use tokio::sync::oneshot;
 
 use crate::attach::libs::{self, Library};
 use crate::attach::loader::LoadOptions;
-use crate::attach::{AttachedProbe, ProbeSet, Tracer};
+use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::record::ring::Consumer;
-use crate::store::{insight, Format, Meta, ProbeRow, RunLayout, Store, Writer};
+use crate::store::{insight, Format, Meta, ProbeRow, Retag, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, Summary};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
@@ -90,6 +90,49 @@ fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
         .collect()
 }
 
+fn usdt_rows(sites: &[AttachedUsdt], at: u64) -> Vec<ProbeRow> {
+    sites
+        .iter()
+        .map(|s| ProbeRow {
+            library: s.library.clone(),
+            symbol: s.probe.clone(),
+            api: "usdt".to_owned(),
+            file_offset: s.file_offset,
+            source: match s.semaphore_offset {
+                Some(sem) => format!("stapsdt note, semaphore at file offset {sem:#x}"),
+                None => "stapsdt note".to_owned(),
+            },
+            attached_wall_ns: at,
+        })
+        .collect()
+}
+
+/// Attaches the marker sites of `libs`; a library whose notes cannot be used is reported and
+/// skipped (the allocation probes matter more than the markers).
+fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool) -> Vec<AttachedUsdt> {
+    let mut attached = Vec::new();
+    if !crate::attach::perf_uprobe::ref_ctr_supported() {
+        // Our markers only fire when their semaphore is raised, which needs the kernel's
+        // reference counter; attaching without it would look live and see nothing.
+        if libs.iter().any(|l| libs::is_markers_module(&l.path)) {
+            note(quiet, "warning: this kernel has no uprobe ref_ctr_offset (Linux >= 4.20): markers are not traced");
+        }
+        return attached;
+    }
+    for lib in libs {
+        match tracer.attach_usdt(lib) {
+            Ok((sites, skipped)) => {
+                attached.extend(sites);
+                for why in skipped {
+                    note(quiet, format!("warning: marker site skipped: {why}"));
+                }
+            }
+            Err(e) => note(quiet, format!("warning: markers in {} are not traced: {e}", lib.shown)),
+        }
+    }
+    attached
+}
+
 /// Resolves when the target process ends, with a description of how.
 async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::Result<i32>>>) -> String {
     if let Some(rx) = waiter {
@@ -127,6 +170,7 @@ struct Recorder {
     store: Writer,
     outputs: Vec<Output>,
     calls: u64,
+    markers: u64,
     children: BTreeSet<u32>,
     error: Option<anyhow::Error>,
 }
@@ -141,6 +185,7 @@ impl Recorder {
             EventKind::Exit => {
                 self.children.remove(&event.pid);
             }
+            EventKind::Marker(_) => self.markers += 1,
         }
         self.tracker.apply(&event, &mut self.outputs);
         self.flush_outputs();
@@ -151,7 +196,13 @@ impl Recorder {
             if self.error.is_some() {
                 continue;
             }
-            if let Err(e) = self.store.write(insight::to_row(&output)) {
+            let written = match output {
+                Output::Retag { device, pid, event_type, ptr, owner } => {
+                    self.store.retag(Retag { device, pid, event_type, ptr, owner })
+                }
+                output => insight::to_row(&output).map_or(Ok(()), |row| self.store.write(row)),
+            };
+            if let Err(e) = written {
                 self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));
             }
         }
@@ -164,22 +215,35 @@ fn note(quiet: bool, msg: impl AsRef<str>) {
     }
 }
 
+fn describe_marker_libraries(sites: &[AttachedUsdt]) -> String {
+    let libs: BTreeSet<&str> = sites.iter().map(|p| p.library.as_str()).collect();
+    libs.into_iter().collect::<Vec<_>>().join(", ")
+}
+
 fn describe_libraries(probes: &[AttachedProbe]) -> String {
     let libs: BTreeSet<&str> = probes.iter().map(|p| p.library.as_str()).collect();
     libs.into_iter().collect::<Vec<_>>().join(", ")
 }
 
-/// Attaches newly mapped libraries of the traced processes; returns the new probes.
-fn rescan(tracer: &mut Tracer, pids: impl Iterator<Item = u32>, set: ProbeSet) -> anyhow::Result<Vec<AttachedProbe>> {
+/// Attaches newly mapped libraries of the traced processes; returns the new probes and marker
+/// sites.
+fn rescan(
+    tracer: &mut Tracer,
+    pids: impl Iterator<Item = u32>,
+    set: ProbeSet,
+    quiet: bool,
+) -> anyhow::Result<(Vec<AttachedProbe>, Vec<AttachedUsdt>)> {
     let mut added = Vec::new();
+    let mut markers = Vec::new();
     for pid in pids {
         for lib in libs::from_maps(pid).unwrap_or_default() {
             if !tracer.is_attached(&lib) {
                 added.extend(tracer.attach(&lib, set)?);
+                markers.extend(attach_markers(tracer, std::slice::from_ref(&lib), quiet));
             }
         }
     }
-    Ok(added)
+    Ok((added, markers))
 }
 
 pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
@@ -205,6 +269,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     for lib in &libraries {
         probes.extend(tracer.attach(lib, probe_set).with_context(|| format!("cannot probe {}", lib.shown))?);
     }
+    let markers = attach_markers(&mut tracer, &libraries, quiet);
     if probes.is_empty() {
         let shown: Vec<&str> = libraries.iter().map(|l| l.shown.as_str()).collect();
         bail!(
@@ -229,6 +294,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let run_dir = layout.root().to_owned();
     let mut store = Writer::start(Store::new(layout, format, start_wall, meta));
     store.add_probes(probe_rows(&probes, start_wall))?;
+    store.add_probes(usdt_rows(&markers, start_wall))?;
 
     let mut consumer = Consumer::new(tracer.take_ring()?, clock);
     // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd` (both live
@@ -246,6 +312,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         describe_libraries(&probes),
         if launch_mode { " and its children" } else { "" },
     );
+    if !markers.is_empty() {
+        note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(&markers)));
+    }
 
     let waiter = if let Target::Launched(launched) = &mut target {
         launched.release()?;
@@ -264,6 +333,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         store,
         outputs: Vec::new(),
         calls: 0,
+        markers: 0,
         children: BTreeSet::new(),
         error: None,
     };
@@ -306,10 +376,14 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
                 if last_rescan.elapsed() >= RESCAN_EVERY {
                     last_rescan = Instant::now();
                     let pids = std::iter::once(pid).chain(recorder.children.iter().copied()).collect::<Vec<_>>();
-                    let added = rescan(&mut tracer, pids.into_iter(), probe_set)?;
+                    let (added, markers) = rescan(&mut tracer, pids.into_iter(), probe_set, quiet)?;
                     if !added.is_empty() {
                         note(quiet, format!("attached {} more probes in {} (loaded after the trace started)", added.len(), describe_libraries(&added)));
                         recorder.store.add_probes(probe_rows(&added, clock::wall_ns()))?;
+                    }
+                    if !markers.is_empty() {
+                        note(quiet, format!("markers: {} USDT sites in {} (loaded after the trace started)", markers.len(), describe_marker_libraries(&markers)));
+                        recorder.store.add_probes(usdt_rows(&markers, clock::wall_ns()))?;
                     }
                 }
             }
@@ -329,7 +403,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let lost: u64 = lost_per_cpu.iter().sum();
     drop(tracer);
 
-    let Recorder { mut tracker, mut store, mut outputs, calls, .. } = recorder;
+    let Recorder { mut tracker, mut store, mut outputs, calls, markers, .. } = recorder;
     let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
     let pools: Vec<PoolLine> = tracker
         .pools()
@@ -345,12 +419,15 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         .collect();
     tracker.finish(stop_wall, &mut outputs);
     for output in &outputs {
-        store.write(insight::to_row(output))?;
+        if let Some(row) = insight::to_row(output) {
+            store.write(row)?;
+        }
     }
     let final_meta: Meta = vec![
         ("stop_ns".into(), stop_wall.to_string()),
         ("stop_reason".into(), stop_reason.clone()),
         ("calls_recorded".into(), calls.to_string()),
+        ("markers_recorded".into(), markers.to_string()),
         ("records_lost".into(), lost.to_string()),
         ("records_undecodable".into(), consumer.stats.undecodable.to_string()),
     ];

@@ -44,7 +44,7 @@ fn parse_ns(stdout: &str) -> anyhow::Result<f64> {
         .with_context(|| format!("no ns_per_pair in output:\n{stdout}"))
 }
 
-fn run_capture(cmd: &mut Command) -> anyhow::Result<(String, String)> {
+pub(crate) fn run_capture(cmd: &mut Command) -> anyhow::Result<(String, String)> {
     let out = cmd.stdin(Stdio::null()).output().with_context(|| format!("cannot run {cmd:?}"))?;
     let (stdout, stderr) =
         (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
@@ -173,6 +173,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         md.push_str("\nbpftrace is not installed (`cargo xtask setup` installs it): no peer comparison.\n");
     }
     md.push_str(&format!("\nmemscope-bpf per run: {}\n", details.join("; ")));
+    md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
     std::fs::write(dir.join("results.md"), &md)?;
     println!("{md}");
     Ok(())

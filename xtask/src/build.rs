@@ -21,6 +21,8 @@ pub struct Built {
     pub late_lib: PathBuf,
     pub alloc_bench: PathBuf,
     pub torch: TorchBuild,
+    /// The markers package (`markers/`) installed into a folder for PYTHONPATH.
+    pub markers: PathBuf,
 }
 
 /// The stand-in torch_npu, stripped like the wheels, in three arrangements of its debug file.
@@ -88,6 +90,7 @@ pub fn standins() -> anyhow::Result<Built> {
         late_lib,
         alloc_bench,
         torch,
+        markers: PathBuf::new(),
     })
 }
 
@@ -157,8 +160,22 @@ fn torch_npu(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchB
     Ok(TorchBuild { with_debug, without_debug, debug_store, kernel_hook })
 }
 
+/// Installs the markers package into target/markers (its C extension is built on the way), as
+/// a user's `pip install` would, without network or build isolation.
+fn markers(root: &Path) -> anyhow::Result<PathBuf> {
+    let dest = root.join("target/markers");
+    let _ = std::fs::remove_dir_all(&dest);
+    sh(Command::new("python3")
+        .args(["-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps", "--target"])
+        .arg(&dest)
+        .arg(root.join("markers")))
+    .context("building the markers package (markers/) failed; it needs python3 with its headers and setuptools")?;
+    Ok(dest)
+}
+
 pub fn run() -> anyhow::Result<Built> {
-    let built = standins()?;
+    let mut built = standins()?;
+    built.markers = markers(&root())?;
     sh(Command::new("cargo").current_dir(root()).args(["build", "--release", "-p", "memscope-user"]))
         .context("building memscope-bpf failed (if the eBPF toolchain is missing, run `cargo xtask setup`)")?;
     Ok(built)

@@ -1,7 +1,9 @@
 //! `cargo xtask demo`: the README's first command. Sets up, builds, then launches the stand-in
 //! training job (2 devices, 4 threads, host and virtual memory, a deliberate leak and one
 //! out-of-memory, tensors on the stand-in torch_npu caching allocator) under `memscope-bpf
-//! trace`, which prints the summary and the DB paths.
+//! trace`, which prints the summary and the DB paths. Then a stand-in vLLM-like serving job tagged
+//! with the markers package (`import memscope`), and `analyze --decompose` on its trace: who owned
+//! the memory at the peak and at the end.
 
 use crate::util::{privileged, root, run as sh};
 use crate::{build, setup};
@@ -37,6 +39,29 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         .arg("--torch-lib")
         .arg(&built.torch.with_debug)
         .args(["--empty-cache-every", "5"]))?;
+    eprintln!("xtask demo: tracing a stand-in serving job tagged with the markers (vllm, model_weight, kv_cache, ...)");
+    let serve_out = format!("{}/serve", opts.output);
+    let _ = std::fs::remove_dir_all(root.join(&serve_out));
+    sh(privileged(built.binary.to_str().expect("utf-8 path"))
+        .current_dir(&root)
+        .env("ASCEND_HOME_PATH", &built.ascend_home)
+        .env("PYTHONPATH", &built.markers)
+        .args(["trace", "--output", &serve_out, "--lib"])
+        .arg(&built.torch.with_debug)
+        .arg("--")
+        .arg("python3")
+        .arg(root.join("tests/workloads/standin_tags.py"))
+        .args(["--scenario", "serve", "--ledger"])
+        .arg(root.join("target/demo-serve-ledger.jsonl"))
+        .arg("--torch-lib")
+        .arg(&built.torch.with_debug))?;
+    sh(std::process::Command::new(&built.binary).current_dir(&root).args([
+        "analyze",
+        "--decompose",
+        "--depth",
+        "4",
+        &serve_out,
+    ]))?;
     eprintln!("xtask demo: open the .db files above in MindStudio Insight, or query them with sqlite3");
     Ok(())
 }

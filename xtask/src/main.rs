@@ -7,10 +7,12 @@
 //! - `bench`: cost per traced allocation+free pair, against bpftrace on the same symbols.
 
 mod bench;
+mod bench_markers;
 mod build;
 mod demo;
 mod setup;
 mod test;
+mod torch_env;
 mod util;
 mod wheel;
 

@@ -4,7 +4,7 @@
 use std::process::Command;
 
 use crate::util::{privileged, root, run as sh};
-use crate::{build, setup, wheel};
+use crate::{build, setup, torch_env, wheel};
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -27,6 +27,35 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let root = root();
     eprintln!("xtask test: unprivileged tier");
     sh(Command::new("cargo").current_dir(&root).arg("test"))?;
+    let real_torch = torch_env::python();
+    if let Err(why) = &real_torch {
+        eprintln!("xtask test: WARNING: the real PyTorch tests will skip: {why}");
+    }
+    eprintln!("xtask test: markers package unit tests");
+    // With the torch venv's python when there is one, so the torch hooks are tested too; the
+    // markers are built for the system python, so the venv gets its own copy.
+    sh(Command::new("python3").current_dir(&root).env("PYTHONPATH", &built.markers).args([
+        "-m",
+        "unittest",
+        "discover",
+        "-s",
+        "markers/tests",
+    ]))?;
+    if let Ok(python) = &real_torch {
+        let markers = root.join("target/markers-torch");
+        let _ = std::fs::remove_dir_all(&markers);
+        sh(Command::new(python)
+            .args(["-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps", "--target"])
+            .arg(&markers)
+            .arg(root.join("markers")))?;
+        sh(Command::new(python).current_dir(&root).env("PYTHONPATH", &markers).args([
+            "-m",
+            "unittest",
+            "discover",
+            "-s",
+            "markers/tests",
+        ]))?;
+    }
     if opts.unprivileged_only {
         return Ok(());
     }
@@ -35,11 +64,19 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         eprintln!("xtask test: WARNING: the real torch_npu library test will skip: {why}");
     }
     eprintln!("xtask test: privileged tier (loads BPF, as root)");
+    // Root-only unit tests of the tracer itself (perf uprobes with semaphores and cookies).
+    sh(privileged("cargo").current_dir(&root).args(["test", "-p", "memscope-user", "--", "--ignored"]))?;
     let scratch = root.join("target/privileged-tests");
     let mut cmd = privileged("cargo");
     match &real_torch_npu {
         Ok(lib) => cmd.env("MEMSCOPE_REAL_TORCH_NPU", lib),
         Err(why) => cmd.env("MEMSCOPE_REAL_TORCH_NPU_MISSING", why),
+    };
+    match &real_torch {
+        Ok(python) => cmd
+            .env("MEMSCOPE_REAL_TORCH_PYTHON", python)
+            .env("MEMSCOPE_MARKERS_TORCH", root.join("target/markers-torch")),
+        Err(why) => cmd.env("MEMSCOPE_REAL_TORCH_MISSING", why),
     };
     cmd.current_dir(&root)
         .env("MEMSCOPE_PRIVILEGED_TIER", "1")
@@ -47,6 +84,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         .env("MEMSCOPE_ASCEND_HOME", &built.ascend_home)
         .env("MEMSCOPE_LATE_LIB", &built.late_lib)
         .env("MEMSCOPE_WORKLOAD", root.join("tests/workloads/standin_train.py"))
+        .env("MEMSCOPE_TAGS_WORKLOAD", root.join("tests/workloads/standin_tags.py"))
+        .env("MEMSCOPE_MARKERS", &built.markers)
         .env("MEMSCOPE_TORCH_WITH_DEBUG", &built.torch.with_debug)
         .env("MEMSCOPE_TORCH_WITHOUT_DEBUG", &built.torch.without_debug)
         .env("MEMSCOPE_TORCH_DEBUG_STORE", &built.torch.debug_store)
@@ -61,6 +100,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     sh(&mut cmd)?;
     if let Err(why) = &real_torch_npu {
         eprintln!("xtask test: passed, but the real torch_npu library test was SKIPPED: {why}");
+    }
+    if let Err(why) = &real_torch {
+        eprintln!("xtask test: passed, but the real PyTorch tests were SKIPPED: {why}");
     }
     Ok(())
 }

@@ -3,10 +3,13 @@
 //!
 //! This table is the only place that knows API semantics. The BPF side is generic, and the model
 //! works on [`Op`]s, so adding an API is a row here plus a stand-in function and a ledger test.
-//! One file per family: [`acl`] (runtime), [`hal`] (driver).
+//! One file per family: [`acl`] (runtime), [`hal`] (driver), [`torch_npu`], [`mstx`], [`c10`]
+//! (PyTorch's CPU allocator). [`markers`] is the USDT side: the probes of our markers package.
 
 mod acl;
+mod c10;
 pub mod hal;
+pub mod markers;
 mod mstx;
 pub mod torch_npu;
 
@@ -54,6 +57,14 @@ pub enum Api {
     MstxMemHeapRegister = 32,
     MstxMemRegionsRegister = 33,
     MstxMemRegionsUnregister = 34,
+    MstxMarkA = 35,
+    MstxRangeStartA = 36,
+    MstxRangeEnd = 37,
+    MstxDomainMarkA = 38,
+    MstxDomainRangeStartA = 39,
+    MstxDomainRangeEnd = 40,
+    C10AllocCpu = 41,
+    C10FreeCpu = 42,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.
@@ -67,11 +78,13 @@ pub enum Family {
     TorchNpu,
     /// MindStudio's tool extension (markers, memory regions): `libms_tools_ext.so`.
     Mstx,
+    /// PyTorch's CPU allocator (`c10::alloc_cpu` / `c10::free_cpu`): `libc10.so`.
+    C10,
 }
 
 impl Family {
     /// Outer layer first: the order libraries are attached in.
-    pub const ALL: [Family; 4] = [Family::TorchNpu, Family::Mstx, Family::AclRuntime, Family::Hal];
+    pub const ALL: [Family; 5] = [Family::TorchNpu, Family::C10, Family::Mstx, Family::AclRuntime, Family::Hal];
 
     /// Library file names (without version suffixes) that carry this family's symbols.
     pub fn library_names(self) -> &'static [&'static str] {
@@ -80,6 +93,7 @@ impl Family {
             Self::Hal => &["libascend_hal.so"],
             Self::TorchNpu => &["libtorch_npu.so"],
             Self::Mstx => &["libms_tools_ext.so"],
+            Self::C10 => &["libc10.so"],
         }
     }
 
@@ -89,7 +103,7 @@ impl Family {
         match self {
             Self::AclRuntime => Some("Impl"),
             Self::Hal => Some("Inner"),
-            Self::TorchNpu | Self::Mstx => None,
+            Self::TorchNpu | Self::Mstx | Self::C10 => None,
         }
     }
 
@@ -99,7 +113,8 @@ impl Family {
             Self::AclRuntime => "ACL runtime",
             Self::Hal => "driver (HAL)",
             Self::TorchNpu => "torch_npu allocators (PTA)",
-            Self::Mstx => "mstx memory regions",
+            Self::Mstx => "mstx memory regions and markers",
+            Self::C10 => "PyTorch CPU allocator (c10)",
         }
     }
 }
@@ -150,7 +165,12 @@ pub const fn spec(layer: u32, outer_layer: u32, fields: &[FieldRead]) -> ProbeSp
 impl Api {
     /// Every API, in spec-id order.
     pub fn all() -> impl Iterator<Item = &'static ApiDef> {
-        acl::TABLE.iter().chain(hal::TABLE.iter()).chain(torch_npu::TABLE.iter()).chain(mstx::TABLE.iter())
+        acl::TABLE
+            .iter()
+            .chain(hal::TABLE.iter())
+            .chain(torch_npu::TABLE.iter())
+            .chain(mstx::TABLE.iter())
+            .chain(c10::TABLE.iter())
     }
 
     pub fn def(self) -> &'static ApiDef {
@@ -203,7 +223,7 @@ mod tests {
             assert_ne!(def.spec.layer, 0, "{} has no layer: its probes would do nothing", def.symbol);
             assert_eq!(Api::from_spec_id(def.api.spec_id()), Some(def.api));
         }
-        for id in 1..=Api::MstxMemRegionsUnregister as u32 {
+        for id in 1..=Api::C10FreeCpu as u32 {
             assert!(Api::from_spec_id(id).is_some(), "spec id {id} has no row");
         }
     }

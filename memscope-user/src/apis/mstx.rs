@@ -8,11 +8,15 @@
 //! (`batch->refArray[0].pointer`). Each pool uses its own domain (`ptaCaching`, `ptaWorkspace`),
 //! created with `mstxDomainCreateA(name)`. Only the first region of a batch is read; torch_npu
 //! registers one at a time.
+//!
+//! Marks and ranges (`mstxMarkA`, `mstxRangeStartA`, `mstxRangeEnd` and their `Domain` forms) are
+//! the program's own markers: they become MSTX rows, ranges become tag spans, and a range named
+//! `step start` marks a step (msMemScope's convention).
 
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
 use super::{no_status, spec, Api, ApiDef, Family};
-use crate::model::Op;
+use crate::model::{Marker, Op};
 use crate::record::RawCall;
 
 const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
@@ -25,7 +29,19 @@ const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCal
     ApiDef { api, name: symbol, symbol, family: Family::Mstx, spec, decode, out_of_memory: no_status, layout: None }
 }
 
-pub(super) static TABLE: [ApiDef; 4] = [
+/// A mark or range call: not nested in a pool call, and void (or returning a range id).
+const fn marker_spec(text_arg: i32) -> ProbeSpec {
+    let mut s = spec(layer::MSTX, 0, &[]);
+    s.ret_kind = ret_kind::NONE;
+    s.text_arg = text_arg;
+    s
+}
+
+fn message(c: &RawCall) -> String {
+    c.text.clone().unwrap_or_default()
+}
+
+pub(super) static TABLE: [ApiDef; 10] = [
     row(
         Api::MstxDomainCreateA,
         "mstxDomainCreateA",
@@ -73,4 +89,16 @@ pub(super) static TABLE: [ApiDef; 4] = [
             size: None,
         },
     ),
+    row(Api::MstxMarkA, "mstxMarkA", marker_spec(0), |c| Op::Marker(Marker::Mark { message: message(c) })),
+    row(Api::MstxRangeStartA, "mstxRangeStartA", marker_spec(0), |c| {
+        Op::Marker(Marker::RangeStart { id: c.ret, message: message(c) })
+    }),
+    row(Api::MstxRangeEnd, "mstxRangeEnd", marker_spec(-1), |c| Op::Marker(Marker::RangeEnd { id: c.args[0] })),
+    row(Api::MstxDomainMarkA, "mstxDomainMarkA", marker_spec(1), |c| Op::Marker(Marker::Mark { message: message(c) })),
+    row(Api::MstxDomainRangeStartA, "mstxDomainRangeStartA", marker_spec(1), |c| {
+        Op::Marker(Marker::RangeStart { id: c.ret, message: message(c) })
+    }),
+    row(Api::MstxDomainRangeEnd, "mstxDomainRangeEnd", marker_spec(-1), |c| {
+        Op::Marker(Marker::RangeEnd { id: c.args[1] })
+    }),
 ];

@@ -53,6 +53,15 @@ pub fn is_known_name(name: &OsStr) -> bool {
     })
 }
 
+/// Whether a file is our markers package's native module (`.../memscope/_native*.so`), whose
+/// USDT notes the tracer attaches. Matched by name so that the hundreds of other libraries a
+/// Python process maps are not opened and parsed for notes.
+pub fn is_markers_module(path: &Path) -> bool {
+    let in_package = path.parent().and_then(Path::file_name).is_some_and(|d| d == "memscope");
+    let name = path.file_name().map(OsStr::as_bytes).unwrap_or_default();
+    in_package && name.starts_with(b"_native") && name.ends_with(b".so")
+}
+
 /// Every symbol name worth looking up: each API's public name and its `...Impl`.
 pub fn wanted_symbols() -> std::collections::HashSet<String> {
     Api::all().flat_map(|d| d.api.symbols()).collect()
@@ -97,7 +106,7 @@ pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
             continue;
         }
         let file = Path::new(path);
-        if !file.file_name().is_some_and(is_known_name) {
+        if !file.file_name().is_some_and(is_known_name) && !is_markers_module(file) {
             continue;
         }
         let through_root = PathBuf::from(format!("/proc/{pid}/root{path}"));

@@ -6,8 +6,11 @@
 //! - per library, every return probe is attached before any entry probe: a return probe is armed
 //!   at function entry, so an entry we record always has its return, and a call already running
 //!   when we attach is skipped whole instead of producing half a record.
+//! - USDT sites (the markers) get their argument spec written before their probe, and are
+//!   attached through our own perf-event path so the kernel raises (and, when the tracer goes,
+//!   however it goes, lowers) the markers' semaphores.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 
@@ -16,11 +19,15 @@ use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use memscope_common::spec::ProbeSpec;
+use memscope_common::usdt::{UsdtSpec, MAX_USDT_SPECS};
 use thiserror::Error;
 
 use super::elf::{ElfError, SymbolSource};
 use super::libs::Library;
+use super::perf_uprobe::{self, PerfUprobeError, RefCtrProbe};
 use super::plan::plan;
+use super::usdt::{self, UsdtSite};
+use super::usdt_notes::UsdtNoteError;
 use crate::apis::Api;
 
 /// The compiled eBPF object, built by build.rs with aya-build.
@@ -48,6 +55,24 @@ pub enum AttachError {
     Probe { kind: &'static str, symbol: String, library: String, source: Box<ProgramError> },
     #[error("cannot write a probe spec: {0}")]
     Spec(Box<MapError>),
+    #[error("cannot read the USDT notes of {library}: {source}")]
+    Notes { library: String, source: UsdtNoteError },
+    #[error("cannot attach the marker probe {probe} in {library}: {source}")]
+    Usdt { probe: String, library: String, source: Box<PerfUprobeError> },
+    #[error(
+        "more than {MAX_USDT_SPECS} distinct USDT argument layouts; the markers package should have one per probe          (is a modified copy loaded?)"
+    )]
+    TooManyUsdtSpecs,
+}
+
+/// An attached marker site.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttachedUsdt {
+    pub library: String,
+    /// `provider:name`.
+    pub probe: String,
+    pub file_offset: u64,
+    pub semaphore_offset: Option<u64>,
 }
 
 /// Which symbols to probe in a library that has both `aclrtX` and `aclrtXImpl`.
@@ -80,6 +105,12 @@ pub struct LoadOptions {
 pub struct Tracer {
     ebpf: Ebpf,
     attached_files: HashSet<(u64, u64)>,
+    usdt_files: HashSet<(u64, u64)>,
+    /// USDT spec -> index in `USDT_SPECS` (sites with the same layout share one).
+    usdt_specs: HashMap<UsdtSpec, u32>,
+    /// Held for the trace's life: dropping one detaches it and lowers its semaphore.
+    usdt_links: Vec<RefCtrProbe>,
+    scope_pid: Option<u32>,
     scope: UProbeScope,
     debug_dirs: Vec<PathBuf>,
 }
@@ -151,7 +182,7 @@ impl Tracer {
             prog.load().map_err(|source| LoadError::Program { name, source })?;
             prog.attach("sched", event).map_err(|source| LoadError::Program { name, source })?;
         }
-        for name in ["call_enter", "call_exit"] {
+        for name in ["call_enter", "call_exit", "usdt_hit"] {
             let prog: &mut UProbe = ebpf
                 .program_mut(name)
                 .ok_or(LoadError::Missing(name))?
@@ -160,7 +191,16 @@ impl Tracer {
             prog.load().map_err(|source| LoadError::Program { name, source })?;
         }
         let scope = scope_pid.and_then(NonZeroU32::new).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
-        Ok(Self { ebpf, attached_files: HashSet::new(), scope, debug_dirs: opts.debug_dirs.clone() })
+        Ok(Self {
+            ebpf,
+            attached_files: HashSet::new(),
+            usdt_files: HashSet::new(),
+            usdt_specs: HashMap::new(),
+            usdt_links: Vec::new(),
+            scope_pid: scope_pid.filter(|p| *p != 0),
+            scope,
+            debug_dirs: opts.debug_dirs.clone(),
+        })
     }
 
     /// Starts recording calls of process `pid`.
@@ -208,6 +248,74 @@ impl Tracer {
             }
         }
         Ok(plan.probes)
+    }
+
+    /// Attaches the markers' USDT sites in one library (none if it carries none of ours).
+    /// Sites already attached are skipped; the notes of ours that cannot be used are returned
+    /// as warnings.
+    pub fn attach_usdt(&mut self, lib: &super::libs::Library) -> Result<(Vec<AttachedUsdt>, Vec<String>), AttachError> {
+        if !self.usdt_files.insert(lib.file_id) {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let data = std::fs::read(&lib.path)
+            .map_err(|source| AttachError::Elf(ElfError::Read { path: lib.path.clone(), source }))?;
+        let plan = usdt::plan(&data).map_err(|source| AttachError::Notes { library: lib.shown.clone(), source })?;
+        let mut attached = Vec::new();
+        for site in &plan.sites {
+            let index = self.usdt_spec_index(site)?;
+            let prog: &mut UProbe = self
+                .ebpf
+                .program_mut("usdt_hit")
+                .expect("loaded in Tracer::load")
+                .try_into()
+                .expect("a uprobe program");
+            let probe_name = format!("{}:{}", crate::apis::markers::PROVIDER, site.def.name);
+            let usdt_err = |source| AttachError::Usdt {
+                probe: probe_name.clone(),
+                library: lib.shown.clone(),
+                source: Box::new(source),
+            };
+            let fd = prog.fd().map_err(|source| AttachError::Probe {
+                kind: "marker probe",
+                symbol: probe_name.clone(),
+                library: lib.shown.clone(),
+                source: Box::new(source),
+            })?;
+            let fd = std::os::fd::AsFd::as_fd(fd);
+            let link = perf_uprobe::attach_uprobe(
+                fd,
+                &lib.path,
+                site.file_offset,
+                site.semaphore_offset,
+                self.scope_pid,
+                u64::from(index),
+            )
+            .map_err(usdt_err)?;
+            self.usdt_links.push(link);
+            attached.push(AttachedUsdt {
+                library: lib.shown.clone(),
+                probe: probe_name,
+                file_offset: site.file_offset,
+                semaphore_offset: site.semaphore_offset,
+            });
+        }
+        Ok((attached, plan.skipped))
+    }
+
+    fn usdt_spec_index(&mut self, site: &UsdtSite) -> Result<u32, AttachError> {
+        if let Some(index) = self.usdt_specs.get(&site.spec) {
+            return Ok(*index);
+        }
+        let index = u32::try_from(self.usdt_specs.len()).expect("bounded by MAX_USDT_SPECS");
+        if index >= MAX_USDT_SPECS {
+            return Err(AttachError::TooManyUsdtSpecs);
+        }
+        let map = self.ebpf.map_mut("USDT_SPECS").expect("in the eBPF object");
+        let mut specs: Array<_, UsdtSpec> =
+            Array::try_from(map).map_err(|source| AttachError::Spec(Box::new(source)))?;
+        specs.set(index, site.spec, 0).map_err(|source| AttachError::Spec(Box::new(source)))?;
+        self.usdt_specs.insert(site.spec, index);
+        Ok(index)
     }
 
     /// The ring buffer, handed to the consumer once.

@@ -6,12 +6,20 @@
 //! - [`debug`]: a stripped library's separate debug file (hidden symbols live there).
 //! - [`dwarf`]: struct layouts from debug info, for probes that read object fields.
 //! - [`loader`]: loading the eBPF object, writing the probe specs, attaching.
+//! - [`usdt_notes`]: USDT probe sites from `.note.stapsdt`, with file offsets for site and semaphore.
+//! - [`usdt_args`]: a USDT site's argument text decoded into the spec the BPF side follows.
+//! - [`perf_uprobe`]: uprobe attach with a USDT semaphore and a cookie, which aya lacks.
+//! - [`usdt`]: which sites of a library are our markers, ready to attach.
 
 pub mod debug;
 pub mod dwarf;
 pub mod elf;
 pub mod libs;
 pub mod loader;
+pub mod perf_uprobe;
 pub mod plan;
+pub mod usdt;
+pub mod usdt_args;
+pub mod usdt_notes;
 
-pub use loader::{AttachedProbe, ProbeSet, Tracer};
+pub use loader::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};

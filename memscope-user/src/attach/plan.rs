@@ -133,8 +133,14 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
                 }
                 plan.notes.push(LayerNote {
                     family,
-                    text: "memory regions as the process reports them (torch_npu does only when it believes msMemScope is loaded)".into(),
+                    text: "memory regions as the process reports them (torch_npu does only when it believes msMemScope is loaded); marks and ranges become MSTX rows and tag spans".into(),
                 });
+            }
+            Family::C10 => {
+                for def in Api::all().filter(|d| d.family == Family::C10) {
+                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
+                }
+                plan.notes.push(LayerNote { family, text: "CPU tensor storage (HOST rows on the cpu output)".into() });
             }
         }
     }

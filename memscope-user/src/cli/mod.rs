@@ -1,5 +1,6 @@
 //! Command line: one module per verb, each owning its arguments and its `run`.
 
+pub mod analyze;
 pub mod probes;
 pub mod trace;
 
@@ -20,6 +21,7 @@ pub struct Cli {
 enum Command {
     Trace(trace::Args),
     Probes(probes::Args),
+    Analyze(analyze::Args),
 }
 
 impl Cli {
@@ -27,6 +29,7 @@ impl Cli {
         match self.command {
             Command::Trace(args) => trace::run(args),
             Command::Probes(args) => probes::run(args),
+            Command::Analyze(args) => analyze::run(args),
         }
     }
 }

@@ -59,6 +59,46 @@ pub fn check_debug_dirs(dirs: &[PathBuf]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The markers' USDT sites of a library, if it has any of ours; returns whether it had.
+fn describe_markers(lib: &Library, text: &mut String) -> bool {
+    let Ok(data) = std::fs::read(&lib.path) else { return false };
+    let plan = match crate::attach::usdt::plan(&data) {
+        Ok(plan) => plan,
+        Err(e) => {
+            if libs::is_markers_module(&lib.path) {
+                let _ = writeln!(text, "  [markers (USDT)]\n    unreadable notes: {e}");
+            }
+            return false;
+        }
+    };
+    if plan.sites.is_empty() && plan.skipped.is_empty() {
+        return false;
+    }
+    let _ = writeln!(text, "  [markers (USDT, provider {})]", crate::apis::markers::PROVIDER);
+    for site in &plan.sites {
+        let semaphore =
+            site.semaphore_offset.map_or_else(|| "no semaphore".to_owned(), |s| format!("semaphore {s:#x}"));
+        let name = format!("{}:{}", crate::apis::markers::PROVIDER, site.def.name);
+        let _ =
+            writeln!(text, "    attach  {name:<34} offset {:#x}, {semaphore}, args `{}`", site.file_offset, site.args);
+    }
+    for why in &plan.skipped {
+        let _ = writeln!(text, "    skip    {why}");
+    }
+    if !crate::attach::perf_uprobe::ref_ctr_supported() {
+        let _ = writeln!(
+            text,
+            "    => this kernel cannot raise USDT semaphores (Linux >= 4.20 needed): markers will not fire"
+        );
+    } else {
+        let _ = writeln!(
+            text,
+            "    => tag spans, address tags, steps, marks and ranges; semaphores raised by the kernel while traced"
+        );
+    }
+    true
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.pid.is_none() && args.libs.is_empty() {
         bail!("nothing to inspect: give --pid PID or --lib PATH");
@@ -97,7 +137,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if plan.debug != DebugStatus::NotNeeded {
             let _ = writeln!(text, "  debug file: {}", describe_debug(&plan.debug));
         }
-        if plan.families.is_empty() {
+        let markers = describe_markers(lib, &mut text);
+        if plan.families.is_empty() && !markers {
             let _ = writeln!(text, "  none of the traced symbols is defined here");
         }
         let chosen: HashSet<&str> = plan.probes.iter().map(|p| p.symbol.as_str()).collect();

@@ -10,6 +10,8 @@ pub enum Space {
     Device,
     /// Host memory handed out by the runtime (`aclrtMallocHost`, pinned).
     Host,
+    /// Ordinary host memory from a framework's CPU allocator (PyTorch's `c10::alloc_cpu`).
+    Cpu,
 }
 
 /// Which per-device output an event belongs to.
@@ -65,6 +67,15 @@ pub enum Pool {
 }
 
 impl Pool {
+    /// The FRAMEWORK level of a pool block's owner, as msMemScope's decomposition names it:
+    /// Insight hangs these under the HAL root of its decomposition tree.
+    pub fn owner(self) -> &'static str {
+        match self {
+            Self::Caching => "PTA",
+            Self::Workspace => "PTA_WORKSPACE",
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Caching => "caching",
@@ -173,6 +184,8 @@ pub enum Op {
     SetDevice {
         device: i32,
     },
+    /// An mstx mark or range (`mstxMarkA`, `mstxRangeStartA`, ...): a marker like the USDT ones.
+    Marker(Marker),
     GetDevice {
         device: Option<i32>,
     },
@@ -195,9 +208,63 @@ pub struct Call {
     pub op: Op,
 }
 
+/// msMemScope's owner levels (`OwnerLevel`): where a tag sits in an owner path.
+#[allow(dead_code, reason = "the full list as msMemScope defines it; the markers name every level")]
+pub mod level {
+    pub const FRAMEWORK: u8 = 0;
+    pub const COMPONENT: u8 = 1;
+    pub const PROCESS: u8 = 2;
+    pub const DETAIL_1: u8 = 3;
+    pub const DETAIL_2: u8 = 4;
+    /// User labels; a thread's open user spans fill USER_DEFINED_1..3 in the order they opened.
+    pub const USER_DEFINED_1: u8 = 5;
+    pub const USER_DEFINED_3: u8 = 7;
+}
+
+/// A marker fired by the traced program: a tag span, an address tag, a step, a mark or a range
+/// (from the markers package's USDT probes, or from mstx calls).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Marker {
+    /// A span opens on the thread: later allocations of the thread carry `label` at `level`.
+    TagPush {
+        level: u8,
+        label: String,
+    },
+    TagPop {
+        level: u8,
+        label: String,
+    },
+    /// The block containing `addr` is owned by `label` at `level` (wins over spans).
+    AddrTag {
+        addr: u64,
+        level: u8,
+        label: String,
+    },
+    /// A training step begins; `number` when the marker counts them.
+    Step {
+        number: Option<u64>,
+    },
+    Mark {
+        message: String,
+    },
+    RangeStart {
+        id: u64,
+        message: String,
+    },
+    RangeEnd {
+        id: u64,
+    },
+    /// The program asked the tracer to record (`true`) or not (`false`) from here on.
+    Collect {
+        on: bool,
+    },
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EventKind {
     Call(Call),
+    /// A USDT marker of the markers package.
+    Marker(Marker),
     /// A traced process created a child process.
     Fork {
         child: u32,

@@ -5,9 +5,12 @@
 //! - [`event`]: what happened, as typed events ([`Event`], [`Op`]).
 //! - [`tracker`]: what is alive where — blocks per device, physical handles, reservations — and
 //!   the per-block facts the store writes ([`Output`]).
+//! - [`tags`]: tag spans per thread and owner paths; `marks`: what markers do to the state.
 
 pub mod event;
+mod marks;
+pub mod tags;
 pub mod tracker;
 
-pub use event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, PageType, Pool, Space};
-pub use tracker::{Origin, Output, Site, Tracker, VmmStep};
+pub use event::{level, Call, DeviceKey, DriverInfo, Event, EventKind, Marker, Op, PageType, Pool, Space};
+pub use tracker::{MstxKind, Origin, Output, Site, Tracker, VmmStep};

@@ -17,11 +17,17 @@
 //!   runtime allocations and mappings made inside a traced allocator call are the pool's
 //!   segments, until freed or unmapped; when the pool reports its reserved bytes through mstx,
 //!   that report wins. Segments taken before an attach are unknown, so `total` starts low then.
+//! - Owners: a block's owner is its allocator's label (the driver module, the pool, host) and
+//!   the allocating thread's open tag spans at that moment; an address tag later replaces one
+//!   level for that block and is reported as [`Output::Retag`] (see `model::marks`).
+//! - Collection gating: while the program has asked not to be recorded (`stop()` of the
+//!   markers), blocks born then are tracked but never reported, nor are their frees.
 
 use std::collections::{BTreeMap, HashMap};
 
 use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool, Space};
-use crate::apis::{Api, Family};
+use super::tags::{self, Labels, Tags};
+use crate::apis::{hal, Api, Family};
 
 /// Who did it and when.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +72,8 @@ pub enum Output {
         /// Bytes live on this device right after the allocation.
         used: u64,
         origin: Origin,
+        /// The owner path, when anything is known about it (module, host, tags).
+        owner: Option<String>,
     },
     Free {
         site: Site,
@@ -112,6 +120,7 @@ pub enum Output {
         allocation_id: u64,
         used: u64,
         total: u64,
+        owner: String,
     },
     PoolFree {
         site: Site,
@@ -128,6 +137,70 @@ pub enum Output {
         /// with the next one on its device when only `allocate_workspace` is probed).
         implied: bool,
     },
+    /// An address tag changed the owner of a live block reported earlier.
+    Retag {
+        device: DeviceKey,
+        pid: u32,
+        /// The block's row kind (`HAL`, `HOST`, `PTA`).
+        event_type: &'static str,
+        ptr: u64,
+        owner: String,
+    },
+    /// A step boundary (`SYSTEM`/`STEP`), numbered per process.
+    Step {
+        wall_ns: u64,
+        pid: u32,
+        tid: u32,
+        number: u64,
+    },
+    /// A mark or range boundary (`MSTX` rows). `api` is the mstx call, `None` for the markers
+    /// package.
+    Mstx {
+        wall_ns: u64,
+        pid: u32,
+        tid: u32,
+        api: Option<Api>,
+        kind: MstxKind,
+        id: Option<u64>,
+        message: String,
+    },
+}
+
+/// Which MSTX row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MstxKind {
+    Mark,
+    RangeStart,
+    RangeEnd,
+}
+
+/// The allocator part of a block's owner (msMemScope's FRAMEWORK level).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnerBase {
+    /// Device memory: `CANN@<module>` when the driver's module is known.
+    Hal(Option<u16>),
+    Host,
+    Pool(Pool),
+}
+
+impl OwnerBase {
+    pub fn label(self) -> String {
+        match self {
+            Self::Hal(Some(m)) => hal::owner(m),
+            Self::Hal(None) => "CANN@UNKNOWN".to_owned(),
+            Self::Host => "HOST".to_owned(),
+            Self::Pool(pool) => pool.owner().to_owned(),
+        }
+    }
+
+    /// The owner path with these labels; `None` when nothing is known (a device block without a
+    /// module and without tags keeps no owner, as before tags existed).
+    pub fn owner(self, labels: &Labels) -> Option<String> {
+        if self == Self::Hal(None) && !tags::any(labels) {
+            return None;
+        }
+        Some(tags::owner_path(&self.label(), labels))
+    }
 }
 
 /// A framework pool's totals on one device.
@@ -141,13 +214,16 @@ pub struct PoolStats {
     next_allocation_id: u64,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct PoolBlock {
-    device: DeviceKey,
-    pool: Pool,
-    size: u64,
+#[derive(Clone, Debug)]
+pub(super) struct PoolBlock {
+    pub(super) device: DeviceKey,
+    pub(super) pool: Pool,
+    pub(super) size: u64,
     allocation_id: u64,
     api: Api,
+    pub(super) labels: Labels,
+    /// Born while collection was off: never reported.
+    pub(super) hidden: bool,
 }
 
 /// An external block known by its handle, waiting for `GetBlockPtr`.
@@ -179,12 +255,15 @@ pub struct DeviceStats {
     next_allocation_id: u64,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Live {
-    device: DeviceKey,
-    size: u64,
+#[derive(Clone, Debug)]
+pub(super) struct Live {
+    pub(super) device: DeviceKey,
+    pub(super) size: u64,
     allocation_id: u64,
     api: Api,
+    pub(super) base: OwnerBase,
+    pub(super) labels: Labels,
+    pub(super) hidden: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -197,12 +276,16 @@ struct Physical {
 pub struct Tracker {
     /// Driver calls waiting for the runtime call they ran inside of, per thread.
     inner: HashMap<u32, Vec<Event>>,
-    blocks: HashMap<(u32, Space, u64), Live>,
+    pub(super) blocks: HashMap<(u32, Space, u64), Live>,
     physical: HashMap<(u32, u64), Physical>,
     reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
     devices: BTreeMap<DeviceKey, DeviceStats>,
     pools: BTreeMap<(DeviceKey, Pool), PoolStats>,
-    pool_blocks: HashMap<(u32, u64), PoolBlock>,
+    pub(super) pool_blocks: HashMap<(u32, u64), PoolBlock>,
+    /// Live pool blocks and device/host blocks by (pid, start) -> end, so an address tag finds
+    /// the block that holds an address inside it without scanning every block.
+    pub(super) pool_index: BTreeMap<(u32, u64), u64>,
+    pub(super) block_index: BTreeMap<(u32, u64), (Space, u64)>,
     handles: HashMap<(u32, u64), PendingHandle>,
     /// External block handles whose address is known.
     handle_ptrs: HashMap<(u32, u64), u64>,
@@ -211,11 +294,18 @@ pub struct Tracker {
     /// The open workspace use per device, when workspace frees are not probed.
     workspace_open: HashMap<(u32, DeviceKey), u64>,
     last_wall_ns: u64,
+    pub(super) tags: Tags,
+    /// Open ranges by (pid, from mstx, id): the thread and label of their tag span.
+    pub(super) ranges: HashMap<(u32, bool, u64), (u32, String)>,
+    /// The last step number per process.
+    pub(super) steps: HashMap<u32, u64>,
+    /// Processes that asked not to be recorded (markers `stop()`), until they ask again.
+    pub(super) paused: std::collections::HashSet<u32>,
 }
 
 fn space_device(space: Space, device: DeviceKey) -> DeviceKey {
     match space {
-        Space::Host => DeviceKey::Cpu,
+        Space::Host | Space::Cpu => DeviceKey::Cpu,
         Space::Device => device,
     }
 }
@@ -238,8 +328,13 @@ impl Tracker {
     /// Applies one event, appending what it adds to `out`.
     pub fn apply(&mut self, event: &Event, out: &mut Vec<Output>) {
         self.last_wall_ns = self.last_wall_ns.max(event.wall_ns);
+        if let EventKind::Marker(marker) = &event.kind {
+            self.apply_marker(event, marker, None, out);
+            return;
+        }
         let EventKind::Call(call) = &event.kind else {
             if event.kind == EventKind::Exit {
+                self.tags.forget_process(event.pid);
                 let tids: Vec<u32> =
                     self.inner.iter().filter(|(_, v)| v.iter().any(|e| e.pid == event.pid)).map(|(t, _)| *t).collect();
                 for tid in tids {
@@ -309,6 +404,9 @@ impl Tracker {
         out: &mut Vec<Output>,
     ) {
         self.stats(device).failures += 1;
+        if self.paused.contains(&site.pid) {
+            return;
+        }
         out.push(Output::Failed {
             site,
             device,
@@ -419,6 +517,10 @@ impl Tracker {
             }
             Op::SetDevice { .. } | Op::GetDevice { .. } => {
                 // The kernel keeps the thread's device; nothing is stored for these calls.
+            }
+            Op::Marker(ref marker) => {
+                let event = Event { wall_ns: site.wall_ns, pid: site.pid, tid: site.tid, kind: EventKind::Exit };
+                self.apply_marker(&event, marker, Some(call.api), out);
             }
             Op::PoolMalloc { pool, ptr, size, req, device, handle } => {
                 let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
@@ -548,8 +650,15 @@ impl Tracker {
         stats.peak_used = stats.peak_used.max(stats.used);
         stats.live_blocks += 1;
         let (allocation_id, used, total) = (stats.next_allocation_id, stats.used, stats.total);
-        self.pool_blocks.insert((site.pid, ptr), PoolBlock { device, pool, size, allocation_id, api: site.api });
-        out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total });
+        let labels = self.tags.labels(site.pid, site.tid);
+        let hidden = self.paused.contains(&site.pid);
+        if !hidden {
+            let owner = OwnerBase::Pool(pool).owner(&labels).unwrap_or_default();
+            out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
+        }
+        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden };
+        self.pool_index.insert((site.pid, ptr), ptr.saturating_add(block.size));
+        self.pool_blocks.insert((site.pid, ptr), block);
     }
 
     #[allow(clippy::too_many_arguments, reason = "fallbacks for a block that was never seen")]
@@ -563,12 +672,16 @@ impl Tracker {
         implied: bool,
         out: &mut Vec<Output>,
     ) {
+        self.pool_index.remove(&(site.pid, ptr));
         match self.pool_blocks.remove(&(site.pid, ptr)) {
             Some(block) => {
                 let stats = self.pools.entry((block.device, block.pool)).or_default();
                 stats.used -= block.size;
                 stats.live_blocks -= 1;
                 let (used, total) = (stats.used, stats.total);
+                if block.hidden {
+                    return;
+                }
                 out.push(Output::PoolFree {
                     site,
                     device: block.device,
@@ -585,6 +698,9 @@ impl Tracker {
             None => {
                 let stats = self.pools.entry((fallback, pool)).or_default();
                 let (used, total) = (stats.used, stats.total);
+                if self.paused.contains(&site.pid) {
+                    return;
+                }
                 let (size, allocation_id) = (None, None);
                 let device = fallback;
                 out.push(Output::PoolFree {
@@ -629,8 +745,22 @@ impl Tracker {
         stats.live_blocks += 1;
         stats.mallocs += 1;
         let (allocation_id, used) = (stats.next_allocation_id, stats.used);
-        self.blocks.insert((site.pid, space, ptr), Live { device, size, allocation_id, api: site.api });
-        out.push(Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin });
+        let base = match (space, origin) {
+            (Space::Host | Space::Cpu, _) => OwnerBase::Host,
+            (Space::Device, Origin::Direct { module, driver, .. }) => {
+                OwnerBase::Hal(driver.and_then(|d| d.module).or(module))
+            }
+            (Space::Device, Origin::Mapped { .. }) => OwnerBase::Hal(None),
+        };
+        let labels = self.tags.labels(site.pid, site.tid);
+        let hidden = self.paused.contains(&site.pid);
+        if !hidden {
+            let owner = base.owner(&labels);
+            out.push(Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner });
+        }
+        let block = Live { device, size, allocation_id, api: site.api, base, labels, hidden };
+        self.block_index.insert((site.pid, ptr), (space, ptr.saturating_add(block.size)));
+        self.blocks.insert((site.pid, space, ptr), block);
     }
 
     #[allow(clippy::too_many_arguments, reason = "the fallback device and driver only matter for some callers")]
@@ -644,6 +774,9 @@ impl Tracker {
         driver: Option<DriverInfo>,
         out: &mut Vec<Output>,
     ) {
+        if self.block_index.get(&(site.pid, ptr)).is_some_and(|(s, _)| *s == space) {
+            self.block_index.remove(&(site.pid, ptr));
+        }
         match self.blocks.remove(&(site.pid, space, ptr)) {
             Some(block) => {
                 let stats = self.stats(block.device);
@@ -651,6 +784,9 @@ impl Tracker {
                 stats.live_blocks -= 1;
                 stats.frees += 1;
                 let used = stats.used;
+                if block.hidden {
+                    return;
+                }
                 out.push(Output::Free {
                     site,
                     device: block.device,
@@ -667,6 +803,9 @@ impl Tracker {
                 let stats = self.stats(fallback);
                 stats.frees += 1;
                 let used = stats.used;
+                if self.paused.contains(&site.pid) {
+                    return;
+                }
                 let (size, allocation_id) = (None, None);
                 out.push(Output::Free {
                     site,
@@ -692,12 +831,15 @@ impl Tracker {
             self.flush_inner(tid, out);
         }
         let at = wall_ns.max(self.last_wall_ns) + 1;
-        let mut live: Vec<((u32, Space, u64), Live)> = self.blocks.iter().map(|(k, v)| (*k, *v)).collect();
+        let mut live: Vec<((u32, Space, u64), Live)> = self.blocks.iter().map(|(k, v)| (*k, v.clone())).collect();
         live.sort_by_key(|(_, b)| (b.device, b.allocation_id));
         let mut used: BTreeMap<DeviceKey, u64> = self.devices.iter().map(|(k, v)| (*k, v.used)).collect();
         for ((pid, space, ptr), block) in live {
             let remaining = used.entry(block.device).or_default();
             *remaining -= block.size;
+            if block.hidden {
+                continue;
+            }
             out.push(Output::Free {
                 site: Site { api: block.api, wall_ns: at, pid, tid: pid },
                 device: block.device,
@@ -710,12 +852,15 @@ impl Tracker {
                 driver: None,
             });
         }
-        let mut live: Vec<((u32, u64), PoolBlock)> = self.pool_blocks.iter().map(|(k, v)| (*k, *v)).collect();
+        let mut live: Vec<((u32, u64), PoolBlock)> = self.pool_blocks.iter().map(|(k, v)| (*k, v.clone())).collect();
         live.sort_by_key(|(_, b)| (b.device, b.pool, b.allocation_id));
         let mut used: BTreeMap<(DeviceKey, Pool), u64> = self.pools.iter().map(|(k, v)| (*k, v.used)).collect();
         for ((pid, ptr), block) in live {
             let remaining = used.entry((block.device, block.pool)).or_default();
             *remaining -= block.size;
+            if block.hidden {
+                continue;
+            }
             let total = self.pools.get(&(block.device, block.pool)).map_or(0, |s| s.total);
             out.push(Output::PoolFree {
                 site: Site { api: block.api, wall_ns: at, pid, tid: pid },

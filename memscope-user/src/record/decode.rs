@@ -6,8 +6,9 @@
 
 use std::mem::size_of;
 
-use memscope_common::record::{CallRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind};
+use memscope_common::record::{CallRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord};
 use memscope_common::spec::MAX_FIELDS;
+use memscope_common::usdt::USDT_MAX_ARGS;
 use thiserror::Error;
 
 /// A record that could not be decoded. The consumer counts these and keeps going.
@@ -69,10 +70,25 @@ impl RawCall {
     }
 }
 
+/// A USDT probe hit, as the kernel captured it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawUsdt {
+    pub spec_id: u32,
+    /// What the probe means (the id userspace gave its spec).
+    pub probe: u32,
+    pub tgid: u32,
+    pub tid: u32,
+    pub mono_ns: u64,
+    pub args: [u64; USDT_MAX_ARGS],
+    /// The probe's string argument; `None` when it has none or it could not be read.
+    pub text: Option<String>,
+}
+
 /// A decoded record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     Call(RawCall),
+    Usdt(RawUsdt),
     Fork { mono_ns: u64, parent: u32, child: u32 },
     Exit { mono_ns: u64, tgid: u32 },
 }
@@ -123,6 +139,20 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
                 text: (text_len > 0).then(|| String::from_utf8_lossy(&r.text[..text_len]).into_owned()),
             }))
         }
+        RecordKind::Usdt => {
+            need::<UsdtRecord>(kind, bytes)?;
+            let r: UsdtRecord = read(bytes);
+            let text_len = r.text.iter().position(|b| *b == 0).unwrap_or(r.text.len());
+            Ok(Record::Usdt(RawUsdt {
+                spec_id: r.spec_id,
+                probe: r.probe,
+                tgid: r.hdr.tgid,
+                tid: r.hdr.tid,
+                mono_ns: r.hdr.ts_ns,
+                args: r.args,
+                text: (text_len > 0).then(|| String::from_utf8_lossy(&r.text[..text_len]).into_owned()),
+            }))
+        }
         RecordKind::Fork => {
             need::<ForkRecord>(kind, bytes)?;
             let r: ForkRecord = read(bytes);
@@ -162,7 +192,11 @@ mod tests {
             outer_spec: 0,
             cfg_device: -1,
             cfg_module: 7,
-            text: *b"ptaCaching\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
+            text: {
+                let mut t = [0; memscope_common::record::TEXT_LEN];
+                t[..10].copy_from_slice(b"ptaCaching");
+                t
+            },
         }
     }
 
@@ -203,11 +237,15 @@ mod tests {
     fn unread_out_pointer_is_none_and_text_is_bounded() {
         let mut r = call();
         r.fields_ok = 0;
-        r.text = [b'x'; 32];
+        r.text = [b'x'; memscope_common::record::TEXT_LEN];
         r.outer_spec = 5;
         let Record::Call(c) = decode(&encode(&r)).unwrap() else { panic!() };
         assert_eq!(c.result(), None);
-        assert_eq!(c.text.as_deref().map(str::len), Some(32), "an unterminated text stops at the buffer end");
+        assert_eq!(
+            c.text.as_deref().map(str::len),
+            Some(memscope_common::record::TEXT_LEN),
+            "an unterminated text stops at the buffer end"
+        );
         assert_eq!(c.outer_spec, Some(5));
     }
 
@@ -222,6 +260,27 @@ mod tests {
         let mut unknown = call();
         unknown.hdr.kind = 99;
         assert_eq!(decode(&encode(&unknown)), Err(DecodeError::UnknownKind { kind: 99 }));
+    }
+
+    #[test]
+    fn usdt_record_keeps_args_and_bounded_text() {
+        let mut r = UsdtRecord {
+            hdr: RecordHeader { kind: RecordKind::Usdt as u32, cpu: 0, ts_ns: 9, tgid: 7, tid: 8 },
+            spec_id: 2,
+            probe: 3,
+            args: [5, u64::MAX, 0, 0, 0, 0],
+            text: [0; memscope_common::usdt::USDT_TEXT_LEN],
+        };
+        r.text[..5].copy_from_slice(b"kv\xffab");
+        let Record::Usdt(u) = decode(&encode(&r)).unwrap() else { panic!("not usdt") };
+        assert_eq!((u.spec_id, u.probe, u.tgid, u.tid, u.mono_ns), (2, 3, 7, 8, 9));
+        assert_eq!(u.args[1], u64::MAX);
+        assert_eq!(u.text.as_deref(), Some("kv\u{fffd}ab"), "invalid UTF-8 is replaced, not an error");
+        r.text = [0; memscope_common::usdt::USDT_TEXT_LEN];
+        let Record::Usdt(u) = decode(&encode(&r)).unwrap() else { panic!() };
+        assert_eq!(u.text, None);
+        let bytes = encode(&r);
+        assert!(matches!(decode(&bytes[..bytes.len() - 1]), Err(DecodeError::Truncated { .. })));
     }
 
     #[test]

@@ -4,4 +4,4 @@
 pub mod decode;
 pub mod ring;
 
-pub use decode::RawCall;
+pub use decode::{RawCall, RawUsdt};

@@ -54,6 +54,9 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
     Some(match record {
         Record::Call(raw) => {
             let api = Api::from_spec_id(raw.spec_id)?;
+            // A function without a status (void, or a pointer result) never fails by its return.
+            let status =
+                if api.def().spec.ret_kind == memscope_common::spec::ret_kind::NONE { 0 } else { raw.status() };
             Event {
                 wall_ns: clock.to_wall(raw.return_mono_ns),
                 pid: raw.tgid,
@@ -61,14 +64,20 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
                 kind: EventKind::Call(Call {
                     api,
                     entry_wall_ns: clock.to_wall(raw.entry_mono_ns),
-                    status: raw.status(),
-                    out_of_memory: raw.status() != 0 && (api.def().out_of_memory)(raw.status()),
+                    status,
+                    out_of_memory: status != 0 && (api.def().out_of_memory)(status),
                     outer: raw.outer_spec.and_then(Api::from_spec_id),
                     thread_device: raw.thread_device,
                     op: (api.def().decode)(&raw),
                 }),
             }
         }
+        Record::Usdt(raw) => Event {
+            wall_ns: clock.to_wall(raw.mono_ns),
+            pid: raw.tgid,
+            tid: raw.tid,
+            kind: EventKind::Marker(crate::apis::markers::decode(&raw)?),
+        },
         Record::Fork { mono_ns, parent, child } => {
             Event { wall_ns: clock.to_wall(mono_ns), pid: parent, tid: parent, kind: EventKind::Fork { child } }
         }
@@ -160,6 +169,16 @@ mod tests {
             panic!()
         };
         assert!(!c.out_of_memory);
+    }
+
+    #[test]
+    fn calls_without_a_status_never_fail_by_their_return_register() {
+        // c10::alloc_cpu returns the pointer: its low half is not an error code.
+        let r = raw(Api::C10AllocCpu as u32, [4096, 0, 0, 0, 0, 0], 0x7f00_1234_5678, None);
+        let EventKind::Call(c) = to_event(Record::Call(r), Clock::with_offset(0)).unwrap().kind else { panic!() };
+        assert_eq!(c.status, 0);
+        assert!(!c.out_of_memory);
+        assert!(matches!(c.op, Op::Malloc { space: Space::Cpu, size: 4096, ptr: Some(0x7f00_1234_5678), .. }));
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub fn line(id: u64, row: &Row) -> String {
         id.to_string(),
         field(row.event),
         field(row.event_type),
-        field(row.name),
+        field(&row.name),
         row.ts_ns.to_string(),
         row.pid.to_string(),
         row.tid.to_string(),
@@ -69,6 +69,12 @@ impl Sink for CsvSink {
     }
 
     fn add_probes(&mut self, _probes: &[ProbeRow]) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// A CSV line cannot be changed once written: the MALLOC keeps the owner it was born with
+    /// (documented in docs/db-schema.md; use the DB format for address tags).
+    fn update_owner(&mut self, _id: u64, _owner: &str) -> Result<(), StoreError> {
         Ok(())
     }
 
@@ -98,13 +104,14 @@ mod tests {
         let row = Row {
             event: "MALLOC",
             event_type: "HAL",
-            name: "aclrtMalloc",
+            name: "aclrtMalloc".into(),
             ts_ns: 17,
             pid: 3,
             tid: 4,
             device: DeviceKey::Npu(1),
             ptr: Some(0xff),
             attr: Attr::new().addr("addr", 0xff).with("size", 9u64),
+            broadcast: false,
         };
         let l = line(5, &row);
         assert_eq!(l, "5,MALLOC,HAL,aclrtMalloc,17,3,4,1,0x00000000000000ff,\"{addr:0x00000000000000ff,size:9}\",,");

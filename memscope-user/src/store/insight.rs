@@ -10,26 +10,37 @@
 //! | address reserve/release, physical alloc/free | `VMM` | `RESERVE` / `RELEASE` / `PHYSICAL_MALLOC` / `PHYSICAL_FREE` | `N/A` |
 //! | trace start / stop | `SYSTEM` | `START_TRACE` / `STOP_TRACE` | `N/A` |
 //! | framework pool block handed out / taken back | `MALLOC` / `FREE` | `PTA` (Attr `pool`, `used`, `total`) | `0x%016x` |
+//! | CPU tensor storage (`c10::alloc_cpu`) | `MALLOC` / `FREE` | `HOST` | `0x%016x` |
+//! | step boundary (markers `step()`, mstx `step start` range) | `SYSTEM` | `STEP` (Name: the step number) | `N/A` |
+//! | mark, range start / end (markers or mstx) | `MSTX` | `Mark` / `Range_start` / `Range_end` (Name: `"message"`, `Range end from id N`) | `N/A` |
+//!
+//! Every MALLOC carries its `owner` path (`PTA@vllm@kv_cache`, `CANN@HCCL`, `HOST@weight`): the
+//! allocator's label and the thread's tag spans; an address tag rewrites it later (DB only).
+//! Step and MSTX rows go to every device's output: each device's analyses need the steps.
 //!
 //! `API_ERROR` and `VMM` are ours; Insight ignores Events it does not know.
+
+use std::borrow::Cow;
 
 use super::attr::{Attr, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
-use crate::model::{DeviceKey, DriverInfo, Origin, Output, PageType, Pool, Site, Space, VmmStep};
+use crate::model::{DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Site, Space, VmmStep};
 
 /// One `memscope_dump` row, before its per-file `ID`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Row {
     pub event: &'static str,
     pub event_type: &'static str,
-    pub name: &'static str,
+    pub name: Cow<'static, str>,
     pub ts_ns: u64,
     pub pid: u32,
     pub tid: u32,
     pub device: DeviceKey,
     pub ptr: Option<u64>,
     pub attr: Attr,
+    /// Written to every device's output (its `device` is replaced by each output's).
+    pub broadcast: bool,
 }
 
 impl Row {
@@ -66,8 +77,13 @@ impl Row {
 fn block_type(space: Space) -> &'static str {
     match space {
         Space::Device => "HAL",
-        Space::Host => "HOST",
+        Space::Host | Space::Cpu => "HOST",
     }
+}
+
+/// Pinned host memory is marked as msMemScope does; CPU-allocator memory is not pinned.
+fn pinned(space: Space) -> bool {
+    space == Space::Host
 }
 
 fn row(
@@ -81,13 +97,14 @@ fn row(
     Row {
         event,
         event_type,
-        name: site.api.name(),
+        name: Cow::Borrowed(site.api.name()),
         ts_ns: site.wall_ns,
         pid: site.pid,
         tid: site.tid,
         device,
         ptr,
         attr,
+        broadcast: false,
     }
 }
 
@@ -113,19 +130,29 @@ fn with_module(attr: Attr, module: Option<u16>) -> Attr {
     }
 }
 
-/// The FRAMEWORK level of a pool block's owner, as msMemScope's decomposition names it: Insight
-/// hangs these under the HAL root of its decomposition tree.
-fn pool_owner(pool: Pool) -> &'static str {
-    match pool {
-        Pool::Caching => "PTA",
-        Pool::Workspace => "PTA_WORKSPACE",
-    }
+/// A row not tied to a block or call: steps and marks.
+fn marker_row(event_type: &'static str, name: String, wall_ns: u64, pid: u32, tid: u32, attr: Attr) -> Row {
+    let (event, device, ptr) = (if event_type == "STEP" { "SYSTEM" } else { "MSTX" }, DeviceKey::Unknown, None);
+    Row { event, event_type, name: Cow::Owned(name), ts_ns: wall_ns, pid, tid, device, ptr, attr, broadcast: true }
 }
 
-/// The row for one model output.
-pub fn to_row(output: &Output) -> Row {
-    match output {
-        Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin } => {
+/// The row for one model output; `None` for outputs that change earlier rows ([`Output::Retag`]).
+pub fn to_row(output: &Output) -> Option<Row> {
+    Some(match output {
+        Output::Retag { .. } => return None,
+        Output::Step { wall_ns, pid, tid, number } => {
+            marker_row("STEP", number.to_string(), *wall_ns, *pid, *tid, Attr::new())
+        }
+        Output::Mstx { wall_ns, pid, tid, api, kind, id, message } => {
+            let (event_type, name) = match kind {
+                MstxKind::Mark => ("Mark", format!("\"{message}\"")),
+                MstxKind::RangeStart => ("Range_start", format!("\"{message}\"")),
+                MstxKind::RangeEnd => ("Range_end", format!("Range end from id {}", id.unwrap_or(0))),
+            };
+            let attr = Attr::new().with_opt("id", *id).with("source", api.map_or("memscope", |a| a.name()));
+            marker_row(event_type, name, *wall_ns, *pid, *tid, attr)
+        }
+        Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner } => {
             let mut attr = Attr::new()
                 .addr("addr", *ptr)
                 .with("size", *size)
@@ -133,19 +160,20 @@ pub fn to_row(output: &Output) -> Row {
                 .with("allocation_id", *allocation_id)
                 .with("api", site.api.name())
                 .with("used", *used);
-            if *space == Space::Host {
+            if pinned(*space) {
                 attr = attr.with("pinned", "true");
             }
             attr = match origin {
                 Origin::Direct { policy, module, driver } => {
-                    let attr = with_module(attr.with_opt("policy", *policy), driver.and_then(|d| d.module).or(*module));
+                    let module = driver.and_then(|d| d.module).or(*module);
+                    let attr = attr.with_opt("policy", *policy).with_opt("module_id", module);
                     with_driver(attr, site, driver.as_ref())
                 }
                 Origin::Mapped { handle, offset } => {
                     attr.with("vmm", "true").addr("handle", *handle).with("offset", *offset)
                 }
             };
-            row(site, "MALLOC", block_type(*space), *device, Some(*ptr), attr)
+            row(site, "MALLOC", block_type(*space), *device, Some(*ptr), attr.with_opt("owner", owner.clone()))
         }
         Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } => {
             let mut attr = Attr::new()
@@ -156,7 +184,7 @@ pub fn to_row(output: &Output) -> Row {
                 .with_opt("allocation_id", *allocation_id)
                 .with("api", site.api.name())
                 .with("used", *used);
-            if *space == Space::Host {
+            if pinned(*space) {
                 attr = attr.with("pinned", "true");
             }
             if size.is_none() {
@@ -197,7 +225,7 @@ pub fn to_row(output: &Output) -> Row {
             let attr = with_driver(with_module(attr, driver.and_then(|d| d.module)), site, driver.as_ref());
             row(site, "VMM", event_type, *device, None, attr)
         }
-        Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total } => {
+        Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner } => {
             let attr = Attr::new()
                 .addr("addr", *ptr)
                 .with("size", *size)
@@ -207,7 +235,7 @@ pub fn to_row(output: &Output) -> Row {
                 .with("used", *used)
                 .with("total", *total)
                 .with("pool", pool.as_str())
-                .with("owner", pool_owner(*pool));
+                .with("owner", owner.clone());
             row(site, "MALLOC", "PTA", *device, Some(*ptr), attr)
         }
         Output::PoolFree { site, device, pool, ptr, size, allocation_id, used, total, shadow, implied } => {
@@ -230,7 +258,7 @@ pub fn to_row(output: &Output) -> Row {
             }
             row(site, "FREE", "PTA", *device, Some(*ptr), attr)
         }
-    }
+    })
 }
 
 /// A `SYSTEM` row opening or closing one device's trace.
@@ -242,13 +270,19 @@ pub fn system_row(event_type: &'static str, ts_ns: u64, device: DeviceKey, meta:
         .with_opt("version", get("tool_version"))
         .with_opt("mode", get("mode"))
         .with_opt("stop_reason", if event_type == "STOP_TRACE" { get("stop_reason") } else { None });
-    Row { event: "SYSTEM", event_type, name: event_type, ts_ns, pid, tid: pid, device, ptr: None, attr }
+    let name = Cow::Borrowed(event_type);
+    Row { event: "SYSTEM", event_type, name, ts_ns, pid, tid: pid, device, ptr: None, attr, broadcast: false }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::apis::Api;
+    use crate::model::Pool;
+
+    fn to_row(output: &Output) -> Row {
+        super::to_row(output).expect("a row")
+    }
 
     fn site(api: Api) -> Site {
         Site { api, wall_ns: 5, pid: 1, tid: 2 }
@@ -266,14 +300,16 @@ mod tests {
             used: 1024,
             origin: Origin::Direct { policy: Some(0), module: None, driver: None },
             req_size: 512,
+            owner: Some("CANN@UNKNOWN@x".into()),
         });
-        assert_eq!((r.event, r.event_type, r.name), ("MALLOC", "HAL", "aclrtMalloc"));
+        assert_eq!((r.event, r.event_type, r.name.as_ref()), ("MALLOC", "HAL", "aclrtMalloc"));
         assert_eq!(r.ptr_text(), "0x0000000000000abc");
         assert_eq!(r.device_id(), "1");
         for key in ["addr", "size", "allocation_id", "used"] {
             assert!(r.attr.get(key).is_some(), "missing {key}");
         }
         assert_eq!(r.attr.get("size").as_deref(), Some("512"));
+        assert_eq!(r.attr.get("owner").as_deref(), Some("CANN@UNKNOWN@x"));
     }
 
     #[test]
@@ -289,6 +325,7 @@ mod tests {
                 allocation_id: 1,
                 used: 1024,
                 total: 2 << 20,
+                owner: crate::model::tracker::OwnerBase::Pool(pool).label(),
             });
             assert_eq!((r.event, r.event_type), ("MALLOC", "PTA"));
             assert_eq!(r.attr.get("owner").as_deref(), Some(owner));
@@ -329,9 +366,32 @@ mod tests {
             used: 1,
             origin: Origin::Direct { policy: None, module: None, driver: None },
             req_size: 1,
+            owner: Some("HOST".into()),
         });
         assert_eq!((r.event_type, r.device_id().as_str()), ("HOST", "cpu"));
         assert_eq!(r.attr.get("pinned").as_deref(), Some("true"));
+    }
+
+    #[test]
+    fn steps_and_marks_are_broadcast_rows_in_msmemscope_names() {
+        let step = to_row(&Output::Step { wall_ns: 9, pid: 1, tid: 2, number: 3 });
+        assert_eq!((step.event, step.event_type, step.name.as_ref(), step.broadcast), ("SYSTEM", "STEP", "3", true));
+        let kind = MstxKind::RangeStart;
+        let start =
+            to_row(&Output::Mstx { wall_ns: 9, pid: 1, tid: 2, api: None, kind, id: Some(4), message: "fwd".into() });
+        assert_eq!((start.event, start.event_type, start.name.as_ref()), ("MSTX", "Range_start", "\"fwd\""));
+        let kind = MstxKind::RangeEnd;
+        let end =
+            to_row(&Output::Mstx { wall_ns: 9, pid: 1, tid: 2, api: None, kind, id: Some(4), message: String::new() });
+        assert_eq!(end.name.as_ref(), "Range end from id 4");
+        assert!(super::to_row(&Output::Retag {
+            device: DeviceKey::Npu(0),
+            pid: 1,
+            event_type: "PTA",
+            ptr: 1,
+            owner: "PTA@x".into()
+        })
+        .is_none());
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub mod sqlite;
 mod sqlite_raw;
 pub mod writer;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use thiserror::Error;
@@ -79,6 +79,8 @@ pub trait Sink: Send {
     fn insert(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
     /// Makes everything inserted so far durable.
     fn commit(&mut self) -> Result<(), StoreError>;
+    /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block).
+    fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError>;
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError>;
     /// Final metadata and per-CPU losses, then close.
     fn finish(self: Box<Self>, meta: &Meta, lost_per_cpu: &[u64]) -> Result<PathBuf, StoreError>;
@@ -97,11 +99,35 @@ pub struct Store {
     meta: Meta,
     probes: Vec<ProbeRow>,
     open: BTreeMap<DeviceKey, Open>,
+    /// Rows every output gets (steps, marks): kept to replay into outputs created later.
+    broadcast: Vec<Row>,
+    /// The `ID` of each live block's MALLOC row, by (device, pid, Event Type, Ptr), so an owner
+    /// change can find it.
+    malloc_ids: HashMap<(DeviceKey, u32, &'static str, u64), u64>,
+}
+
+/// An owner change of a live block (see [`Store::retag`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retag {
+    pub device: DeviceKey,
+    pub pid: u32,
+    pub event_type: &'static str,
+    pub ptr: u64,
+    pub owner: String,
 }
 
 impl Store {
     pub fn new(layout: RunLayout, format: Format, start_wall_ns: u64, meta: Meta) -> Self {
-        Self { layout, format, start_wall_ns, meta, probes: Vec::new(), open: BTreeMap::new() }
+        Self {
+            layout,
+            format,
+            start_wall_ns,
+            meta,
+            probes: Vec::new(),
+            open: BTreeMap::new(),
+            broadcast: Vec::new(),
+            malloc_ids: HashMap::new(),
+        }
     }
 
     fn sink(&mut self, device: DeviceKey) -> Result<&mut Open, StoreError> {
@@ -117,16 +143,51 @@ impl Store {
             let start = insight::system_row("START_TRACE", self.start_wall_ns, device, &self.meta);
             open.sink.insert(open.next_id, &start)?;
             open.next_id += 1;
+            for row in &self.broadcast {
+                open.sink.insert(open.next_id, &Row { device, ..row.clone() })?;
+                open.next_id += 1;
+            }
             self.open.insert(device, open);
         }
         Ok(self.open.get_mut(&device).expect("inserted above"))
     }
 
     pub fn write(&mut self, row: &Row) -> Result<(), StoreError> {
+        if row.broadcast {
+            for (device, open) in &mut self.open {
+                open.sink.insert(open.next_id, &Row { device: *device, ..row.clone() })?;
+                open.next_id += 1;
+            }
+            self.broadcast.push(row.clone());
+            return Ok(());
+        }
         let open = self.sink(row.device)?;
-        open.sink.insert(open.next_id, row)?;
+        let id = open.next_id;
+        open.sink.insert(id, row)?;
         open.next_id += 1;
+        if let Some(ptr) = row.ptr {
+            let key = (row.device, row.pid, row.event_type, ptr);
+            match row.event {
+                "MALLOC" => {
+                    self.malloc_ids.insert(key, id);
+                }
+                "FREE" => {
+                    self.malloc_ids.remove(&key);
+                }
+                _ => {}
+            }
+        }
         Ok(())
+    }
+
+    /// Rewrites the owner of a live block's MALLOC row; a block whose row is unknown (born
+    /// before the trace) is left alone.
+    pub fn retag(&mut self, retag: &Retag) -> Result<(), StoreError> {
+        let key = (retag.device, retag.pid, retag.event_type, retag.ptr);
+        let (Some(id), Some(open)) = (self.malloc_ids.get(&key), self.open.get_mut(&retag.device)) else {
+            return Ok(());
+        };
+        open.sink.update_owner(*id, &retag.owner)
     }
 
     pub fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError> {

@@ -33,7 +33,7 @@ struct Pending {
     id: u64,
     event: &'static str,
     event_type: &'static str,
-    name: &'static str,
+    name: Range<usize>,
     ts_ns: u64,
     pid: u32,
     tid: u32,
@@ -99,7 +99,7 @@ impl DbSink {
                         Param::Int(row.id as i64),
                         Param::Text(row.event),
                         Param::Text(row.event_type),
-                        Param::Text(row.name),
+                        Param::Text(&text[row.name.clone()]),
                         Param::Int(row.ts_ns as i64),
                         Param::Int(row.pid.into()),
                         Param::Int(row.tid.into()),
@@ -130,11 +130,12 @@ impl Sink for DbSink {
         let device = span(text, &|t| row.write_device_id(t));
         let ptr = span(text, &|t| row.write_ptr(t));
         let attr = span(text, &|t| row.attr.write_json(t));
+        let name = span(text, &|t| t.push_str(&row.name));
         self.batch.rows.push(Pending {
             id,
             event: row.event,
             event_type: row.event_type,
-            name: row.name,
+            name,
             ts_ns: row.ts_ns,
             pid: row.pid,
             tid: row.tid,
@@ -145,6 +146,17 @@ impl Sink for DbSink {
         if self.batch.rows.len() >= BATCH_ROWS {
             self.flush()?;
         }
+        Ok(())
+    }
+
+    fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError> {
+        // The row may still be in the batch.
+        self.flush()?;
+        let mut stmt = self
+            .conn
+            .prepare_cached("UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', ?1) WHERE ID = ?2")
+            .map_err(self.err())?;
+        stmt.execute(params![owner, id as i64]).map_err(self.err())?;
         Ok(())
     }
 
@@ -234,13 +246,14 @@ mod tests {
         Row {
             event: "MALLOC",
             event_type: "HAL",
-            name: "aclrtMalloc",
+            name: "aclrtMalloc".into(),
             ts_ns: ts,
             pid: 1,
             tid: 2,
             device: DeviceKey::Npu(0),
             ptr: Some(0x10),
             attr: Attr::new().with("size", 8u64),
+            broadcast: false,
         }
     }
 
@@ -284,6 +297,29 @@ mod tests {
         assert_eq!(mode, "attach");
         let journal: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
         assert_eq!(journal, "delete", "a finished DB is one self-contained file");
+    }
+
+    #[test]
+    fn owner_update_rewrites_only_that_rows_owner_even_while_batched() {
+        let path = tmp("owner");
+        let mut sink = Box::new(DbSink::create(&path, &vec![]).unwrap());
+        let mut tagged = row(1);
+        tagged.attr = Attr::new().with("size", 8u64).with("owner", "PTA").with("used", 8u64);
+        sink.insert(1, &tagged).unwrap();
+        sink.insert(2, &row(2)).unwrap();
+        sink.update_owner(1, "PTA@kv_cache").unwrap();
+        sink.update_owner(2, "HOST@weight").unwrap();
+        let path = sink.finish(&vec![], &[]).unwrap();
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let attrs: Vec<String> = conn
+            .prepare("SELECT Attr FROM memscope_dump ORDER BY ID")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(attrs[0], r#"{"size":"8","owner":"PTA@kv_cache","used":"8"}"#, "in place, compact, other keys kept");
+        assert_eq!(attrs[1], r#"{"size":"8","owner":"HOST@weight"}"#, "added when the row had none");
     }
 
     #[test]

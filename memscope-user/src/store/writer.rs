@@ -10,7 +10,7 @@
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::thread::JoinHandle;
 
-use super::{Meta, ProbeRow, Row, Store, StoreError, Written};
+use super::{Meta, ProbeRow, Retag, Row, Store, StoreError, Written};
 
 /// Rows per message.
 const BATCH: usize = 1024;
@@ -20,6 +20,7 @@ const IN_FLIGHT: usize = 64;
 enum Msg {
     Rows(Vec<Row>),
     Probes(Vec<ProbeRow>),
+    Retag(Retag),
     Commit,
     Finish { stop_wall_ns: u64, meta: Meta, lost_per_cpu: Vec<u64> },
 }
@@ -39,6 +40,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>) -> Result<Vec<Written>, StoreError
                 }
             }
             Msg::Probes(probes) => store.add_probes(&probes)?,
+            Msg::Retag(retag) => store.retag(&retag)?,
             Msg::Commit => store.commit()?,
             Msg::Finish { stop_wall_ns, meta, lost_per_cpu } => {
                 return store.finish(stop_wall_ns, &meta, &lost_per_cpu)
@@ -96,6 +98,12 @@ impl Writer {
     pub fn add_probes(&mut self, probes: Vec<ProbeRow>) -> Result<(), StoreError> {
         self.send_batch()?;
         self.send(Msg::Probes(probes))
+    }
+
+    /// Changes a block's owner; ordered after the rows written before it.
+    pub fn retag(&mut self, retag: Retag) -> Result<(), StoreError> {
+        self.send_batch()?;
+        self.send(Msg::Retag(retag))
     }
 
     /// Everything written so far becomes durable once the writer gets to it.

@@ -68,6 +68,9 @@ typedef struct mstxMemRegionsUnregisterBatch_t {
 void mstxMarkA(const char *message, aclrtStream stream);
 mstxRangeId mstxRangeStartA(const char *message, aclrtStream stream);
 void mstxRangeEnd(mstxRangeId id);
+void mstxDomainMarkA(mstxDomainHandle_t domain, const char *message, aclrtStream stream);
+mstxRangeId mstxDomainRangeStartA(mstxDomainHandle_t domain, const char *message, aclrtStream stream);
+void mstxDomainRangeEnd(mstxDomainHandle_t domain, mstxRangeId id);
 mstxDomainHandle_t mstxDomainCreateA(const char *name);
 void mstxDomainDestroy(mstxDomainHandle_t domain);
 mstxMemHeapHandle_t mstxMemHeapRegister(mstxDomainHandle_t domain, mstxMemHeapDesc_t const *desc);

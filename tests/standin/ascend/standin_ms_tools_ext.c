@@ -39,6 +39,23 @@ STANDIN_EXPORT mstxRangeId mstxRangeStartA(const char *message, aclrtStream stre
 
 STANDIN_EXPORT void mstxRangeEnd(mstxRangeId id) { (void)id; }
 
+/* Domain forms share the id counter, as one tool-side range table would. */
+STANDIN_EXPORT void mstxDomainMarkA(mstxDomainHandle_t domain, const char *message, aclrtStream stream) {
+    (void)domain;
+    (void)message;
+    (void)stream;
+}
+
+STANDIN_EXPORT mstxRangeId mstxDomainRangeStartA(mstxDomainHandle_t domain, const char *message, aclrtStream stream) {
+    (void)domain;
+    return mstxRangeStartA(message, stream);
+}
+
+STANDIN_EXPORT void mstxDomainRangeEnd(mstxDomainHandle_t domain, mstxRangeId id) {
+    (void)domain;
+    (void)id;
+}
+
 STANDIN_EXPORT mstxDomainHandle_t mstxDomainCreateA(const char *name) {
     mstxDomainHandle_t d = calloc(1, sizeof *d);
     if (name != NULL) {

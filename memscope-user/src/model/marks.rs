@@ -1,0 +1,296 @@
+//! What markers do to the live state: tag spans open and close, address tags re-own a block,
+//! steps and ranges become rows, and `collect` pauses or resumes reporting.
+//!
+//! Markers come from two sources with the same meaning: the markers package's USDT probes and
+//! mstx calls. Their range ids are separate namespaces (each counts on its own), hence the
+//! source in the range key. A range is a user-level tag span on the thread that opened it and
+//! is closed by id (possibly from another thread); a range named `step start` is a step marker
+//! instead, as msMemScope reads it.
+
+use std::sync::Arc;
+
+use super::event::{level, Event, Marker, Space};
+use super::tags;
+use super::tracker::{MstxKind, Output, Tracker};
+use crate::apis::Api;
+
+/// msMemScope's step range message.
+pub const STEP_RANGE: &str = "step start";
+
+/// Row kinds of a block, for the store to find its MALLOC row.
+fn event_type(space: Space) -> &'static str {
+    match space {
+        Space::Device => "HAL",
+        Space::Host | Space::Cpu => "HOST",
+    }
+}
+
+impl Tracker {
+    /// Applies one marker of `event`'s thread; `api` is the mstx call it came from, if any.
+    pub(super) fn apply_marker(&mut self, event: &Event, marker: &Marker, api: Option<Api>, out: &mut Vec<Output>) {
+        let (pid, tid, wall_ns) = (event.pid, event.tid, event.wall_ns);
+        let mstx = api.is_some();
+        match marker {
+            Marker::TagPush { level, label } => self.tags.push(pid, tid, *level, label),
+            Marker::TagPop { level, label } => {
+                self.tags.pop(pid, tid, *level, label);
+            }
+            Marker::AddrTag { addr, level, label } => self.retag(pid, *addr, *level, label, out),
+            Marker::Step { number } => self.step(wall_ns, pid, tid, *number, out),
+            Marker::Mark { message } => {
+                let (kind, id, message) = (MstxKind::Mark, None, message.clone());
+                out.push(Output::Mstx { wall_ns, pid, tid, api, kind, id, message });
+            }
+            Marker::RangeStart { id, message } => {
+                if message == STEP_RANGE {
+                    self.step(wall_ns, pid, tid, None, out);
+                } else {
+                    self.tags.push(pid, tid, level::USER_DEFINED_1, message);
+                    self.ranges.insert((pid, mstx, *id), (tid, message.clone()));
+                }
+                let (kind, id, message) = (MstxKind::RangeStart, Some(*id), message.clone());
+                out.push(Output::Mstx { wall_ns, pid, tid, api, kind, id, message });
+            }
+            Marker::RangeEnd { id } => {
+                if let Some((opener, label)) = self.ranges.remove(&(pid, mstx, *id)) {
+                    self.tags.pop(pid, opener, level::USER_DEFINED_1, &label);
+                }
+                let (kind, id, message) = (MstxKind::RangeEnd, Some(*id), String::new());
+                out.push(Output::Mstx { wall_ns, pid, tid, api, kind, id, message });
+            }
+            Marker::Collect { on: true } => {
+                self.paused.remove(&pid);
+            }
+            Marker::Collect { on: false } => {
+                self.paused.insert(pid);
+            }
+        }
+    }
+
+    fn step(&mut self, wall_ns: u64, pid: u32, tid: u32, number: Option<u64>, out: &mut Vec<Output>) {
+        let last = self.steps.entry(pid).or_default();
+        *last = number.unwrap_or(*last + 1);
+        out.push(Output::Step { wall_ns, pid, tid, number: *last });
+    }
+
+    /// Gives the block that holds `addr` the tag's label at its level. A pool block wins over
+    /// the device block it lies in (msMemScope tags pool blocks only; we also tag device and host
+    /// blocks when no pool block holds the address, which is what CPU tensors need). The exact
+    /// start is the common case (a tensor's storage is its block); otherwise the block whose
+    /// range holds the address.
+    fn retag(&mut self, pid: u32, addr: u64, level: u8, label: &str, out: &mut Vec<Output>) {
+        let Some(slot) = tags::tag_level(level) else { return };
+        let label: Arc<str> = Arc::from(label);
+
+        let pool_key = if self.pool_blocks.contains_key(&(pid, addr)) {
+            Some((pid, addr))
+        } else {
+            self.pool_index.range((pid, 0)..=(pid, addr)).next_back().filter(|(_, end)| addr < **end).map(|(k, _)| *k)
+        };
+        if let Some(key) = pool_key {
+            let block = self.pool_blocks.get_mut(&key).expect("found above");
+            if block.labels[slot].as_deref() == Some(&*label) {
+                return;
+            }
+            block.labels[slot] = Some(label);
+            if !block.hidden {
+                let owner = tags::owner_path(block.pool.owner(), &block.labels);
+                out.push(Output::Retag { device: block.device, pid, event_type: "PTA", ptr: key.1, owner });
+            }
+            return;
+        }
+
+        let exact =
+            [Space::Device, Space::Cpu, Space::Host].into_iter().find(|s| self.blocks.contains_key(&(pid, *s, addr)));
+        let key = match exact {
+            Some(space) => Some((pid, space, addr)),
+            None => self
+                .block_index
+                .range((pid, 0)..=(pid, addr))
+                .next_back()
+                .filter(|(_, (_, end))| addr < *end)
+                .map(|((_, start), (space, _))| (pid, *space, *start)),
+        };
+        let Some(key) = key else { return };
+        let block = self.blocks.get_mut(&key).expect("found above");
+        if block.labels[slot].as_deref() == Some(&*label) {
+            return;
+        }
+        block.labels[slot] = Some(label);
+        if let (false, Some(owner)) = (block.hidden, block.base.owner(&block.labels)) {
+            out.push(Output::Retag { device: block.device, pid, event_type: event_type(key.1), ptr: key.2, owner });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Call, EventKind, Op, Pool};
+
+    fn at(tid: u32, wall_ns: u64, kind: EventKind) -> Event {
+        Event { wall_ns, pid: 100, tid, kind }
+    }
+
+    fn marker(tid: u32, m: Marker) -> Event {
+        at(tid, 1, EventKind::Marker(m))
+    }
+
+    fn call(tid: u32, api: Api, op: Op) -> Event {
+        let call =
+            Call { api, entry_wall_ns: 0, status: 0, out_of_memory: false, outer: None, thread_device: Some(0), op };
+        at(tid, 2, EventKind::Call(call))
+    }
+
+    fn pool_malloc(tid: u32, ptr: u64, size: u64) -> Event {
+        let op = Op::PoolMalloc {
+            pool: Pool::Caching,
+            ptr: Some(ptr),
+            size: Some(size),
+            req: None,
+            device: Some(0),
+            handle: None,
+        };
+        call(tid, Api::DeviceCachingAllocatorMalloc, op)
+    }
+
+    fn cpu_malloc(tid: u32, ptr: u64, size: u64) -> Event {
+        let op = Op::Malloc {
+            space: Space::Cpu,
+            size,
+            ptr: Some(ptr),
+            policy: None,
+            device: None,
+            module: None,
+            driver: None,
+        };
+        call(tid, Api::C10AllocCpu, op)
+    }
+
+    fn push(tid: u32, level: u8, label: &str) -> Event {
+        marker(tid, Marker::TagPush { level, label: label.into() })
+    }
+
+    fn run(tracker: &mut Tracker, events: &[Event]) -> Vec<Output> {
+        let mut out = Vec::new();
+        for e in events {
+            tracker.apply(e, &mut out);
+        }
+        out
+    }
+
+    fn owners(out: &[Output]) -> Vec<String> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::PoolMalloc { owner, .. } => Some(owner.clone()),
+                Output::Malloc { owner, .. } => owner.clone(),
+                Output::Retag { owner, .. } => Some(format!("retag:{owner}")),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn spans_are_per_thread_and_address_tags_win() {
+        let mut t = Tracker::new();
+        let out = run(
+            &mut t,
+            &[
+                push(1, level::COMPONENT, "vllm"),
+                push(1, level::DETAIL_1, "model_weight"),
+                pool_malloc(1, 0x1000, 64),
+                pool_malloc(2, 0x2000, 64),
+                marker(1, Marker::TagPop { level: level::DETAIL_1, label: "model_weight".into() }),
+                pool_malloc(1, 0x3000, 64),
+                marker(2, Marker::AddrTag { addr: 0x2010, level: level::DETAIL_1, label: "kv_cache".into() }),
+                marker(2, Marker::AddrTag { addr: 0x2010, level: level::DETAIL_1, label: "kv_cache".into() }),
+                marker(2, Marker::AddrTag { addr: 0x9999, level: level::DETAIL_1, label: "nothing".into() }),
+            ],
+        );
+        assert_eq!(
+            owners(&out),
+            ["PTA@vllm@model_weight", "PTA", "PTA@vllm", "retag:PTA@kv_cache"],
+            "thread 2 has no spans; the tag inside a block re-owns it once; no block, no retag"
+        );
+    }
+
+    #[test]
+    fn cpu_blocks_are_host_owned_and_tagged_by_address() {
+        let mut t = Tracker::new();
+        let out = run(
+            &mut t,
+            &[
+                cpu_malloc(1, 0x5000, 32),
+                marker(1, Marker::AddrTag { addr: 0x5000, level: level::DETAIL_1, label: "weight".into() }),
+            ],
+        );
+        assert_eq!(owners(&out), ["HOST", "retag:HOST@weight"]);
+        assert!(matches!(out[1], Output::Retag { event_type: "HOST", ptr: 0x5000, .. }));
+        let out = run(
+            &mut t,
+            &[
+                cpu_malloc(1, 0x9000, 32),
+                marker(1, Marker::AddrTag { addr: 0x9000 + 31, level: level::DETAIL_1, label: "grad".into() }),
+                marker(1, Marker::AddrTag { addr: 0x9000 + 32, level: level::DETAIL_1, label: "past".into() }),
+            ],
+        );
+        assert_eq!(owners(&out), ["HOST", "retag:HOST@grad"], "inside the block, not one past its end");
+    }
+
+    #[test]
+    fn ranges_are_spans_closed_by_id_and_step_start_counts_steps() {
+        let mut t = Tracker::new();
+        let out = run(
+            &mut t,
+            &[
+                marker(1, Marker::RangeStart { id: 7, message: "prefill".into() }),
+                pool_malloc(1, 0x1000, 8),
+                marker(2, Marker::RangeEnd { id: 7 }),
+                pool_malloc(1, 0x2000, 8),
+                marker(1, Marker::RangeStart { id: 8, message: STEP_RANGE.into() }),
+                marker(1, Marker::Step { number: None }),
+                marker(1, Marker::Step { number: Some(10) }),
+            ],
+        );
+        assert_eq!(owners(&out), ["PTA@prefill", "PTA"]);
+        let steps: Vec<u64> =
+            out.iter().filter_map(|o| if let Output::Step { number, .. } = o { Some(*number) } else { None }).collect();
+        assert_eq!(steps, [1, 2, 10]);
+        assert!(out.iter().any(|o| matches!(o, Output::Mstx { kind: MstxKind::RangeEnd, id: Some(7), .. })));
+    }
+
+    #[test]
+    fn blocks_born_while_paused_are_never_reported() {
+        let mut t = Tracker::new();
+        let free = |ptr| {
+            call(
+                1,
+                Api::DeviceCachingAllocatorFree,
+                Op::PoolFree { pool: Pool::Caching, ptr: Some(ptr), handle: None, size: None, device: Some(0) },
+            )
+        };
+        let out = run(
+            &mut t,
+            &[
+                pool_malloc(1, 0x1000, 8),
+                marker(1, Marker::Collect { on: false }),
+                pool_malloc(1, 0x2000, 8),
+                free(0x1000),
+                free(0x2000),
+                marker(1, Marker::Collect { on: true }),
+                pool_malloc(1, 0x3000, 8),
+            ],
+        );
+        let reported: Vec<(bool, u64)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::PoolMalloc { ptr, .. } => Some((true, *ptr)),
+                Output::PoolFree { ptr, .. } => Some((false, *ptr)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reported, [(true, 0x1000), (false, 0x1000), (true, 0x3000)]);
+        let stats = t.pools().next().unwrap().1;
+        assert_eq!(stats.used, 8, "the counters still follow the allocator while paused");
+    }
+}
