@@ -1,6 +1,7 @@
 //! `cargo xtask test`: the README's test command. Setup, build, the unprivileged tests (plain
 //! `cargo test`), then the privileged tier (tests/integration, which loads BPF) as root.
 
+use std::path::Path;
 use std::process::Command;
 
 use crate::util::{privileged, root, run as sh};
@@ -34,13 +35,16 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     eprintln!("xtask test: markers package unit tests");
     // With the torch venv's python when there is one, so the torch hooks are tested too; the
     // markers are built for the system python, so the venv gets its own copy.
-    sh(Command::new("python3").current_dir(&root).env("PYTHONPATH", &built.markers).args([
-        "-m",
-        "unittest",
-        "discover",
-        "-s",
-        "markers/tests",
-    ]))?;
+    let unittests = |python: &Path, markers: &Path| {
+        sh(Command::new(python).current_dir(&root).env("PYTHONPATH", markers).args([
+            "-m",
+            "unittest",
+            "discover",
+            "-s",
+            "markers/tests",
+        ]))
+    };
+    unittests(Path::new("python3"), &built.markers)?;
     if let Ok(python) = &real_torch {
         let markers = root.join("target/markers-torch");
         let _ = std::fs::remove_dir_all(&markers);
@@ -48,13 +52,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .args(["-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps", "--target"])
             .arg(&markers)
             .arg(root.join("markers")))?;
-        sh(Command::new(python).current_dir(&root).env("PYTHONPATH", &markers).args([
-            "-m",
-            "unittest",
-            "discover",
-            "-s",
-            "markers/tests",
-        ]))?;
+        unittests(python, &markers)?;
     }
     if opts.unprivileged_only {
         return Ok(());

@@ -31,6 +31,7 @@ use memscope_common::{
     },
 };
 
+use super::nonzero_arg;
 use crate::maps::{is_traced, reserve, submit, SPECS};
 
 /// A call in flight on one thread and layer.
@@ -220,15 +221,13 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     read_fields(spec, &record.args, ret, false, &mut record.fields, &mut record.fields_ok);
 
     if spec.cfg_kind == cfg_kind::MALLOC_CONFIG {
-        if let Some(cfg) = arg_value(&record.args, spec.cfg_arg) {
+        if let Some(cfg) = nonzero_arg(&record.args, i64::from(spec.cfg_arg)) {
             read_malloc_config(cfg, record);
         }
     }
-    if let Ok(index) = u32::try_from(spec.text_arg) {
-        if let Some(text) = arg_value(&record.args, index) {
-            // SAFETY: bounded, checked user read; the buffer stays NUL-terminated on failure.
-            let _ = unsafe { bpf_probe_read_user_str_bytes(text as *const u8, &mut record.text) };
-        }
+    if let Some(text) = nonzero_arg(&record.args, i64::from(spec.text_arg)) {
+        // SAFETY: bounded, checked user read; the buffer stays NUL-terminated on failure.
+        let _ = unsafe { bpf_probe_read_user_str_bytes(text as *const u8, &mut record.text) };
     }
     // SAFETY: as above (another slot of the same state).
     let state = unsafe { &mut *state };
@@ -251,21 +250,6 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     Some(())
 }
 
-/// The argument at `index` if it is non-zero. Spelled as a match so each access is at a constant
-/// stack offset, which the verifier accepts without bounds tracking.
-fn arg_value(args: &[u64; MAX_ARGS], index: u32) -> Option<u64> {
-    let value = match index {
-        0 => args[0],
-        1 => args[1],
-        2 => args[2],
-        3 => args[3],
-        4 => args[4],
-        5 => args[5],
-        _ => return None,
-    };
-    (value != 0).then_some(value)
-}
-
 fn read_user(at: u64, width: u8) -> Option<u64> {
     // SAFETY: bpf_probe_read_user checks the user address.
     unsafe {
@@ -280,7 +264,7 @@ fn read_user(at: u64, width: u8) -> Option<u64> {
 
 fn read_field(field: &FieldRead, args: &[u64; MAX_ARGS], ret: u64) -> Option<u64> {
     let mut at = match field.source {
-        field_source::ARG => arg_value(args, u32::from(field.arg))?,
+        field_source::ARG => nonzero_arg(args, i64::from(field.arg))?,
         field_source::RET => ret,
         _ => return None,
     };

@@ -22,6 +22,7 @@ use memscope_common::{
     usdt::{arg_kind, UsdtArg, UsdtSpec, MAX_USDT_SPECS, USDT_MAX_ARGS},
 };
 
+use super::nonzero_arg;
 use crate::maps::{is_traced, reserve, submit};
 
 /// Per-site argument specs, written by userspace before the site is attached.
@@ -64,7 +65,7 @@ fn try_hit(ctx: &ProbeContext) -> Option<()> {
         record.args[i] = if (i as u32) < spec.arg_count { read_arg(ctx, &spec.args[i]) } else { 0 };
     }
     record.text[0] = 0;
-    if let Some(at) = text_pointer(&record.args, spec.text_arg) {
+    if let Some(at) = nonzero_arg(&record.args, i64::from(spec.text_arg)) {
         // SAFETY: bounded, checked user read; on failure the buffer stays an empty string.
         if unsafe { bpf_probe_read_user_str_bytes(at as *const u8, &mut record.text) }.is_err() {
             record.text[0] = 0;
@@ -72,20 +73,6 @@ fn try_hit(ctx: &ProbeContext) -> Option<()> {
     }
     submit(entry);
     Some(())
-}
-
-/// The string argument's pointer, spelled as a match so each access is at a constant offset.
-fn text_pointer(args: &[u64; USDT_MAX_ARGS], index: i32) -> Option<u64> {
-    let value = match index {
-        0 => args[0],
-        1 => args[1],
-        2 => args[2],
-        3 => args[3],
-        4 => args[4],
-        5 => args[5],
-        _ => return None,
-    };
-    (value != 0).then_some(value)
 }
 
 /// A register of the probed task, by its byte offset in `pt_regs`. Read through the helper: the
