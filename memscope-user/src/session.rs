@@ -58,6 +58,8 @@ pub struct Plan {
     pub probe_set: ProbeSet,
     pub ring_bytes: u32,
     pub quiet: bool,
+    /// Report nothing until the program starts collection (markers `start()`).
+    pub wait_for_start: bool,
 }
 
 fn kernel_release() -> String {
@@ -247,8 +249,19 @@ fn rescan(
 }
 
 pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
-    let Plan { command, mut target, libraries, debug_dirs, output, duration, format, probe_set, ring_bytes, quiet } =
-        plan;
+    let Plan {
+        command,
+        mut target,
+        libraries,
+        debug_dirs,
+        output,
+        duration,
+        format,
+        probe_set,
+        ring_bytes,
+        quiet,
+        wait_for_start,
+    } = plan;
     let pid = target.pid();
     let clock = Clock::calibrate();
     let started = Instant::now();
@@ -329,7 +342,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     };
 
     let mut recorder = Recorder {
-        tracker: Tracker::new(),
+        tracker: if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() },
         store,
         outputs: Vec::new(),
         calls: 0,

@@ -70,6 +70,13 @@ pub struct Args {
     #[arg(short, long)]
     pub quiet: bool,
 
+    /// Record nothing until the traced program starts collection itself with the markers
+    /// (`memscope.start()`, or msMemScope's `start()` from `memscope.msmemscope`), as
+    /// msMemScope's API mode does. Its `stop()` pauses again. Without this flag recording starts
+    /// at once and `stop()`/`start()` only pause and resume it.
+    #[arg(long)]
+    pub wait_for_start: bool,
+
     /// The program to launch, after `--`. Its probes are live before its first instruction.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
@@ -158,6 +165,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         probe_set: args.probe_set,
         ring_bytes: args.ring_mb * 1024 * 1024,
         quiet: args.quiet,
+        wait_for_start: args.wait_for_start,
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

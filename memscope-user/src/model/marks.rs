@@ -58,11 +58,8 @@ impl Tracker {
                 let (kind, id, message) = (MstxKind::RangeEnd, Some(*id), String::new());
                 out.push(Output::Mstx { wall_ns, pid, tid, api, kind, id, message });
             }
-            Marker::Collect { on: true } => {
-                self.paused.remove(&pid);
-            }
-            Marker::Collect { on: false } => {
-                self.paused.insert(pid);
+            Marker::Collect { on } => {
+                self.collect.insert(pid, *on);
             }
         }
     }
@@ -292,5 +289,17 @@ mod tests {
         assert_eq!(reported, [(true, 0x1000), (false, 0x1000), (true, 0x3000)]);
         let stats = t.pools().next().unwrap().1;
         assert_eq!(stats.used, 8, "the counters still follow the allocator while paused");
+    }
+
+    #[test]
+    fn waiting_for_start_reports_only_after_the_programs_start() {
+        let mut t = Tracker::paused_until_start();
+        let out = run(
+            &mut t,
+            &[pool_malloc(1, 0x1000, 8), marker(1, Marker::Collect { on: true }), pool_malloc(1, 0x2000, 8)],
+        );
+        let reported: Vec<u64> =
+            out.iter().filter_map(|o| if let Output::PoolMalloc { ptr, .. } = o { Some(*ptr) } else { None }).collect();
+        assert_eq!(reported, [0x2000]);
     }
 }

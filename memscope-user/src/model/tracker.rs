@@ -299,8 +299,11 @@ pub struct Tracker {
     pub(super) ranges: HashMap<(u32, bool, u64), (u32, String)>,
     /// The last step number per process.
     pub(super) steps: HashMap<u32, u64>,
-    /// Processes that asked not to be recorded (markers `stop()`), until they ask again.
-    pub(super) paused: std::collections::HashSet<u32>,
+    /// Processes that asked to be recorded (`true`, markers `start()`) or not (`false`,
+    /// `stop()`); the others follow `paused_by_default`.
+    pub(super) collect: HashMap<u32, bool>,
+    /// Record nothing until a process asks (`trace --wait-for-start`).
+    paused_by_default: bool,
 }
 
 fn space_device(space: Space, device: DeviceKey) -> DeviceKey {
@@ -313,6 +316,16 @@ fn space_device(space: Space, device: DeviceKey) -> DeviceKey {
 impl Tracker {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A tracker that reports nothing until the traced program starts collection itself
+    /// (markers `start()`, msMemScope's `start()`), as msMemScope's API mode records.
+    pub fn paused_until_start() -> Self {
+        Self { paused_by_default: true, ..Self::default() }
+    }
+
+    pub(super) fn is_paused(&self, pid: u32) -> bool {
+        !self.collect.get(&pid).copied().unwrap_or(!self.paused_by_default)
     }
 
     /// Per-device totals, in device order.
@@ -404,7 +417,7 @@ impl Tracker {
         out: &mut Vec<Output>,
     ) {
         self.stats(device).failures += 1;
-        if self.paused.contains(&site.pid) {
+        if self.is_paused(site.pid) {
             return;
         }
         out.push(Output::Failed {
@@ -651,7 +664,7 @@ impl Tracker {
         stats.live_blocks += 1;
         let (allocation_id, used, total) = (stats.next_allocation_id, stats.used, stats.total);
         let labels = self.tags.labels(site.pid, site.tid);
-        let hidden = self.paused.contains(&site.pid);
+        let hidden = self.is_paused(site.pid);
         if !hidden {
             let owner = OwnerBase::Pool(pool).owner(&labels).unwrap_or_default();
             out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
@@ -698,7 +711,7 @@ impl Tracker {
             None => {
                 let stats = self.pools.entry((fallback, pool)).or_default();
                 let (used, total) = (stats.used, stats.total);
-                if self.paused.contains(&site.pid) {
+                if self.is_paused(site.pid) {
                     return;
                 }
                 let (size, allocation_id) = (None, None);
@@ -753,7 +766,7 @@ impl Tracker {
             (Space::Device, Origin::Mapped { .. }) => OwnerBase::Hal(None),
         };
         let labels = self.tags.labels(site.pid, site.tid);
-        let hidden = self.paused.contains(&site.pid);
+        let hidden = self.is_paused(site.pid);
         if !hidden {
             let owner = base.owner(&labels);
             out.push(Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner });
@@ -803,7 +816,7 @@ impl Tracker {
                 let stats = self.stats(fallback);
                 stats.frees += 1;
                 let used = stats.used;
-                if self.paused.contains(&site.pid) {
+                if self.is_paused(site.pid) {
                     return;
                 }
                 let (size, allocation_id) = (None, None);

@@ -339,3 +339,51 @@ fn markers_fired_before_the_attach_are_harmless_and_later_ones_count() {
     assert!(ledger.iter().any(|l| l.kind == "tensor" && l.owner == "PTA"));
     assert_owners(&ledger, &out);
 }
+
+/// msMemScope's API mode through the compatibility module: with `--wait-for-start`, only what
+/// the program allocates between its `start()` and `stop()` is recorded.
+#[test]
+fn wait_for_start_records_only_between_the_programs_start_and_stop() {
+    let env = env("tags_wait_for_start");
+    let t = tags();
+    let ptrs = env.scratch.join("ptrs.json");
+    let script = "import ctypes, json, os, sys, time, memscope\n\
+                  from memscope import msmemscope\n\
+                  ctypes.CDLL(os.environ['ASCEND_HOME_PATH'] + '/lib64/libascendcl.so').aclrtSetDevice(0)\n\
+                  torch = ctypes.CDLL(sys.argv[1])\n\
+                  torch.standin_tensor_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]\n\
+                  torch.standin_tensor_alloc.restype = ctypes.c_void_p\n\
+                  memscope.wait_for_tracer(timeout=30)\n\
+                  time.sleep(0.1)\n\
+                  msmemscope.config(analysis='decompose')\n\
+                  a = torch.standin_tensor_alloc(1 << 20, 0)\n\
+                  msmemscope.start()\n\
+                  b = torch.standin_tensor_alloc(2 << 20, 0)\n\
+                  msmemscope.stop()\n\
+                  c = torch.standin_tensor_alloc(3 << 20, 0)\n\
+                  json.dump({'before': a, 'between': b, 'after': c}, open(sys.argv[2], 'w'))\n";
+    let out = env.scratch.join("out");
+    let (out_s, torch_s, ptrs_s) =
+        (out.display().to_string(), t.torch.display().to_string(), ptrs.display().to_string());
+    let args = [
+        "trace",
+        "--wait-for-start",
+        "--output",
+        &out_s,
+        "--lib",
+        &torch_s,
+        "--",
+        "python3",
+        "-c",
+        script,
+        &torch_s,
+        &ptrs_s,
+    ];
+    let vars: Vec<(&str, &Path)> = vec![("PYTHONPATH", &t.markers), ("ASCEND_HOME_PATH", &env.ascend_home)];
+    let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let truth: BTreeMap<String, u64> = serde_json::from_str(&std::fs::read_to_string(&ptrs).unwrap()).unwrap();
+    let rows = pta_mallocs(&read_output(&out));
+    let recorded: Vec<u64> = rows.keys().copied().collect();
+    assert_eq!(recorded, [truth["between"]], "only the block allocated between start() and stop(); truth {truth:?}");
+}
