@@ -62,6 +62,26 @@ pub struct Plan {
     pub wait_for_start: bool,
 }
 
+/// Environment variables that set the allocators' behaviour, stored as `env.<NAME>` in
+/// `ms_meta` so the advisor can say what the job ran with (and what to change).
+const ALLOCATOR_ENV: &[&str] = &[
+    "PYTORCH_NPU_ALLOC_CONF",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "MULTI_STREAM_MEMORY_REUSE",
+    "ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE",
+    "ATB_WORKSPACE_MEM_ALLOC_GLOBAL",
+    "TASK_QUEUE_ENABLE",
+    "HCCL_BUFFSIZE",
+];
+
+/// The target's allocator settings, from its environment at attach (launch: the environment it
+/// inherits from us). Absent variables are stored as absent, so "unset" stays distinguishable.
+fn allocator_env(pid: u32) -> Vec<(String, String)> {
+    let env = libs::process_env(pid).unwrap_or_default();
+    ALLOCATOR_ENV.iter().filter_map(|k| env.get(*k).map(|v| (format!("env.{k}"), v.clone()))).collect()
+}
+
 fn kernel_release() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
 }
@@ -292,7 +312,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     }
 
     let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
-    let meta: Meta = vec![
+    let mut meta: Meta = vec![
         ("tool".into(), "memscope-bpf".into()),
         ("tool_version".into(), env!("CARGO_PKG_VERSION").into()),
         ("kernel".into(), kernel_release()),
@@ -304,6 +324,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         ("ring_bytes".into(), ring_bytes.to_string()),
         ("format".into(), format!("{format:?}").to_lowercase()),
     ];
+    meta.extend(allocator_env(pid));
     let run_dir = layout.root().to_owned();
     let mut store = Writer::start(Store::new(layout, format, start_wall, meta));
     store.add_probes(probe_rows(&probes, start_wall))?;

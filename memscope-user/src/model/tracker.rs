@@ -74,6 +74,9 @@ pub enum Output {
         origin: Origin,
         /// The owner path, when anything is known about it (module, host, tags).
         owner: Option<String>,
+        /// Taken inside a framework allocator's call: a segment of that pool (its reserved
+        /// memory, which the pool's blocks are carved from).
+        segment: Option<Pool>,
     },
     Free {
         site: Site,
@@ -441,7 +444,7 @@ impl Tracker {
                         let taken = driver.map_or(size, |d| d.size);
                         let origin = Origin::Direct { policy, module, driver };
                         self.add_block(site, device, space, ptr, (taken, size), origin, out);
-                        self.add_segment(site.pid, ptr, device, size, call.outer);
+                        self.add_segment(site.pid, ptr, device, size, call.outer, out);
                     }
                     _ => self.fail(site, call, device, Some(size), None, driver, out),
                 }
@@ -516,7 +519,7 @@ impl Tracker {
                         Origin::Mapped { handle, offset },
                         out,
                     );
-                    self.add_segment(site.pid, va, device, size, call.outer);
+                    self.add_segment(site.pid, va, device, size, call.outer, out);
                 }
             }
             Op::Unmap { va } => {
@@ -613,12 +616,26 @@ impl Tracker {
     }
 
     /// Counts device memory taken inside a traced allocator call as that pool's segment.
-    fn add_segment(&mut self, pid: u32, ptr: u64, device: DeviceKey, size: u64, outer: Option<Api>) {
+    fn add_segment(
+        &mut self,
+        pid: u32,
+        ptr: u64,
+        device: DeviceKey,
+        size: u64,
+        outer: Option<Api>,
+        out: &mut [Output],
+    ) {
         let pool = match outer {
             Some(Api::WorkspaceMalloc | Api::AllocateWorkspace) => Pool::Workspace,
             Some(api) if api.family() == Family::TorchNpu => Pool::Caching,
             _ => return,
         };
+        // The block's row was just produced by `add_block`: mark it as this pool's segment.
+        if let Some(Output::Malloc { ptr: p, segment, .. }) = out.last_mut() {
+            if *p == ptr {
+                *segment = Some(pool);
+            }
+        }
         self.segments.insert((pid, ptr), Segment { device, pool, size });
         let stats = self.pools.entry((device, pool)).or_default();
         stats.total += size;
@@ -769,7 +786,20 @@ impl Tracker {
         let hidden = self.is_paused(site.pid);
         if !hidden {
             let owner = base.owner(&labels);
-            out.push(Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner });
+            let segment = None;
+            out.push(Output::Malloc {
+                site,
+                device,
+                space,
+                ptr,
+                size,
+                req_size,
+                allocation_id,
+                used,
+                origin,
+                owner,
+                segment,
+            });
         }
         let block = Live { device, size, allocation_id, api: site.api, base, labels, hidden };
         self.block_index.insert((site.pid, ptr), (space, ptr.saturating_add(block.size)));
@@ -1189,6 +1219,8 @@ mod tests {
         let (t, out) = run(&[segment, pool_malloc(0x10_0000, 4096, 0), malloc(Some(0x90_0000), 1 << 20, Some(0), 0)]);
         let Output::PoolMalloc { used, total, device, .. } = out[1] else { panic!("{out:?}") };
         assert_eq!((used, total, device), (4096, 2 << 20, DeviceKey::Npu(0)));
+        assert!(matches!(out[0], Output::Malloc { segment: Some(Pool::Caching), .. }), "the row says it is a segment");
+        assert!(matches!(out[2], Output::Malloc { segment: None, .. }));
         // A runtime allocation outside the allocator is no segment of it.
         let pool = t.pools().next().unwrap().1;
         assert_eq!((pool.used, pool.total), (4096, 2 << 20));

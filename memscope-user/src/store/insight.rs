@@ -25,7 +25,7 @@ use std::borrow::Cow;
 use super::attr::{Attr, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
-use crate::model::{DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Site, Space, VmmStep};
+use crate::model::{DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Pool, Site, Space, VmmStep};
 
 /// One `memscope_dump` row, before its per-file `ID`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,7 +152,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
             let attr = Attr::new().with_opt("id", *id).with("source", api.map_or("memscope", |a| a.name()));
             marker_row(event_type, name, *wall_ns, *pid, *tid, attr)
         }
-        Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner } => {
+        Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment } => {
             let mut attr = Attr::new()
                 .addr("addr", *ptr)
                 .with("size", *size)
@@ -173,7 +173,8 @@ pub fn to_row(output: &Output) -> Option<Row> {
                     attr.with("vmm", "true").addr("handle", *handle).with("offset", *offset)
                 }
             };
-            row(site, "MALLOC", block_type(*space), *device, Some(*ptr), attr.with_opt("owner", owner.clone()))
+            let attr = attr.with_opt("owner", owner.clone()).with_opt("segment", segment.map(Pool::as_str));
+            row(site, "MALLOC", block_type(*space), *device, Some(*ptr), attr)
         }
         Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } => {
             let mut attr = Attr::new()
@@ -278,7 +279,6 @@ pub fn system_row(event_type: &'static str, ts_ns: u64, device: DeviceKey, meta:
 mod tests {
     use super::*;
     use crate::apis::Api;
-    use crate::model::Pool;
 
     fn to_row(output: &Output) -> Row {
         super::to_row(output).expect("a row")
@@ -301,6 +301,7 @@ mod tests {
             origin: Origin::Direct { policy: Some(0), module: None, driver: None },
             req_size: 512,
             owner: Some("CANN@UNKNOWN@x".into()),
+            segment: Some(Pool::Caching),
         });
         assert_eq!((r.event, r.event_type, r.name.as_ref()), ("MALLOC", "HAL", "aclrtMalloc"));
         assert_eq!(r.ptr_text(), "0x0000000000000abc");
@@ -310,6 +311,7 @@ mod tests {
         }
         assert_eq!(r.attr.get("size").as_deref(), Some("512"));
         assert_eq!(r.attr.get("owner").as_deref(), Some("CANN@UNKNOWN@x"));
+        assert_eq!(r.attr.get("segment").as_deref(), Some("caching"));
     }
 
     #[test]
@@ -367,6 +369,7 @@ mod tests {
             origin: Origin::Direct { policy: None, module: None, driver: None },
             req_size: 1,
             owner: Some("HOST".into()),
+            segment: None,
         });
         assert_eq!((r.event_type, r.device_id().as_str()), ("HOST", "cpu"));
         assert_eq!(r.attr.get("pinned").as_deref(), Some("true"));

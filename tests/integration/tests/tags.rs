@@ -379,11 +379,16 @@ fn wait_for_start_records_only_between_the_programs_start_and_stop() {
         &torch_s,
         &ptrs_s,
     ];
-    let vars: Vec<(&str, &Path)> = vec![("PYTHONPATH", &t.markers), ("ASCEND_HOME_PATH", &env.ascend_home)];
+    let conf = Path::new("max_split_size_mb:64");
+    let vars: Vec<(&str, &Path)> =
+        vec![("PYTHONPATH", &t.markers), ("ASCEND_HOME_PATH", &env.ascend_home), ("PYTORCH_NPU_ALLOC_CONF", conf)];
     let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
     let truth: BTreeMap<String, u64> = serde_json::from_str(&std::fs::read_to_string(&ptrs).unwrap()).unwrap();
-    let rows = pta_mallocs(&read_output(&out));
+    let output = read_output(&out);
+    // The allocator settings the program ran with are kept for the advisor.
+    assert_eq!(meta(output.db("device_0"), "env.PYTORCH_NPU_ALLOC_CONF").as_deref(), Some("max_split_size_mb:64"));
+    let rows = pta_mallocs(&output);
     let recorded: Vec<u64> = rows.keys().copied().collect();
     assert_eq!(recorded, [truth["between"]], "only the block allocated between start() and stop(); truth {truth:?}");
 }
