@@ -131,16 +131,63 @@ impl Stdout {
     }
 }
 
+/// The analyses this build can run; each one adds itself here and an arm in [`analyse_one`].
+const IMPLEMENTED: &[Analysis] = &[Analysis::Decompose];
+
+/// What every analysis gets for one DB.
+struct Context<'a> {
+    args: &'a Args,
+    points: &'a [TimeSpec],
+    file: &'a DbFile,
+    device: &'a str,
+    write: bool,
+    run_wall_ns: u64,
+}
+
+/// Reports of one DB: text for the terminal, JSON values for `--json`.
+#[derive(Default)]
+struct Reports {
+    text: Vec<String>,
+    json: Vec<serde_json::Value>,
+}
+
+/// Runs one analysis on one DB.
+fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyhow::Result<()> {
+    match analysis {
+        Analysis::Decompose => decompose_one(dump, cx, out),
+        other => bail!("`{}` is not implemented yet in this version", other.name()),
+    }
+}
+
+fn decompose_one(dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyhow::Result<()> {
+    let report = decompose::analyse(dump, cx.points)?;
+    if cx.args.json {
+        for tree in render::json(&report, dump.path(), cx.device, cx.args.depth) {
+            out.json.push(serde_json::to_value(tree).context("cannot format the JSON report")?);
+        }
+    } else {
+        out.text.push(render::text(&report, dump.path(), cx.device, cx.args.depth));
+    }
+    if cx.write {
+        let rows = dump.write_decompose(&report, cx.run_wall_ns)?;
+        eprintln!("memscope-bpf: wrote {rows} rows into table {} of {}", db::DECOMPOSE_TABLE, cx.file.path.display());
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     let mut analyses = args.analysis.clone();
     if args.decompose || analyses.is_empty() {
         analyses.push(Analysis::Decompose);
     }
+    analyses.dedup();
     // Refused before any DB is touched: a half-run analysis list would look like a result.
-    if let Some(missing) = analyses.iter().find(|a| **a != Analysis::Decompose) {
+    if let Some(missing) = analyses.iter().find(|a| !IMPLEMENTED.contains(a)) {
+        let available: Vec<&str> = IMPLEMENTED.iter().map(|a| a.name()).collect();
         bail!(
-            "`{}` is not implemented yet in this version; the available analysis is decompose (--analysis decompose)",
-            missing.name()
+            "`{}` is not implemented yet in this version; the available analyses are: {}",
+            missing.name(),
+            available.join(", ")
         );
     }
     let points = if args.at.is_empty() { vec![TimeSpec::Peak, TimeSpec::End] } else { args.at.clone() };
@@ -191,20 +238,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 continue;
             }
         }
-        let report = decompose::analyse(&dump, &points)?;
-        if args.json {
-            json.extend(render::json(&report, dump.path(), &device, args.depth));
-        } else {
+        let cx = Context { args: &args, points: &points, file, device: &device, write, run_wall_ns };
+        let mut reports = Reports::default();
+        for analysis in &analyses {
+            analyse_one(*analysis, &mut dump, &cx, &mut reports)?;
+        }
+        json.extend(reports.json);
+        for text in reports.text {
             if analysed > 0 {
                 stdout.print("\n")?;
             }
-            stdout.print(&render::text(&report, dump.path(), &device, args.depth))?;
+            stdout.print(&text)?;
+            analysed += 1;
         }
-        if write {
-            let rows = dump.write_decompose(&report, run_wall_ns)?;
-            eprintln!("memscope-bpf: wrote {rows} rows into table {} of {}", db::DECOMPOSE_TABLE, file.path.display());
-        }
-        analysed += 1;
+        analysed = analysed.max(1);
     }
     if analysed == 0 {
         if let Some(want) = want_device {
