@@ -22,6 +22,8 @@ pub enum RecordKind {
     Exit = 3,
     /// A USDT probe fired: [`UsdtRecord`].
     Usdt = 4,
+    /// A buffer an API call passed, copied at its entry: [`BlobRecord`].
+    Blob = 5,
 }
 
 impl RecordKind {
@@ -32,6 +34,7 @@ impl RecordKind {
             2 => Some(Self::Fork),
             3 => Some(Self::Exit),
             4 => Some(Self::Usdt),
+            5 => Some(Self::Blob),
             _ => None,
         }
     }
@@ -119,7 +122,25 @@ pub struct UsdtRecord {
     pub text: [u8; crate::usdt::USDT_TEXT_LEN],
 }
 
+/// Bytes of a call's buffer argument kept (kernel launch arguments: 32 pointers).
+pub const BLOB_LEN: usize = 256;
+
+/// A buffer argument of a call, copied at the call's entry (the buffer may be reused once the
+/// call returns). The call's own [`CallRecord`] follows on the same thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BlobRecord {
+    pub hdr: RecordHeader,
+    pub spec_id: u32,
+    /// Bytes copied (at most [`BLOB_LEN`]; 0 when the read failed).
+    pub len: u32,
+    /// The buffer's length as the call gave it.
+    pub full_len: u64,
+    pub data: [u8; BLOB_LEN],
+}
+
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
+const _: () = assert!(core::mem::size_of::<BlobRecord>() == 24 + 16 + BLOB_LEN);
 const _: () =
     assert!(core::mem::size_of::<UsdtRecord>() == 24 + 8 + 8 * crate::usdt::USDT_MAX_ARGS + crate::usdt::USDT_TEXT_LEN);
 const _: () = assert!(core::mem::size_of::<CallRecord>() == 24 + 16 + 48 + 8 + 32 + 16 + TEXT_LEN);

@@ -150,7 +150,12 @@ pub struct ProbeSpec {
     /// Argument holding a C string copied into the record (up to [`crate::record::TEXT_LEN`]
     /// bytes), or -1.
     pub text_arg: i32,
-    pub _reserved: u32,
+    /// Argument pointing at a buffer copied at entry into a [`crate::record::BlobRecord`]
+    /// (kernel launch arguments), or -1.
+    pub blob_arg: i16,
+    /// Argument holding that buffer's length in bytes (at most [`crate::record::BLOB_LEN`] are
+    /// copied).
+    pub blob_len_arg: i16,
     pub fields: [FieldRead; MAX_FIELDS],
 }
 
@@ -163,7 +168,8 @@ impl ProbeSpec {
         cfg_arg: 0,
         device_effect: device_effect::NONE,
         text_arg: -1,
-        _reserved: 0,
+        blob_arg: -1,
+        blob_len_arg: -1,
         fields: [FieldRead::NONE; MAX_FIELDS],
     };
 

@@ -15,8 +15,8 @@
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{
-        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
-        generated::bpf_get_attach_cookie,
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_buf,
+        bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
     },
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray},
@@ -24,7 +24,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use memscope_common::{
-    record::{CallRecord, RecordHeader, RecordKind, MAX_ARGS},
+    record::{BlobRecord, CallRecord, RecordHeader, RecordKind, BLOB_LEN, MAX_ARGS},
     spec::{
         acl_layout, cfg_kind, device_effect, field_source, layer, ret_kind, split_cookie, FieldRead, ProbeSpec,
         MAX_FIELDS,
@@ -161,6 +161,45 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
         let args = open.args;
         read_fields(spec, &args, 0, true, &mut open.fields, &mut open.fields_ok);
     }
+    if spec.blob_arg >= 0 {
+        let args = open.args;
+        copy_blob(spec, spec_id, &args, pid_tgid);
+    }
+    Some(())
+}
+
+/// Copies the spec's buffer argument into a [`BlobRecord`] now, at entry: once the call has
+/// returned the caller may reuse the buffer.
+fn copy_blob(spec: &ProbeSpec, spec_id: u32, args: &[u64; MAX_ARGS], pid_tgid: u64) -> Option<()> {
+    let at = nonzero_arg(args, i64::from(spec.blob_arg))?;
+    let full_len = nonzero_arg(args, i64::from(spec.blob_len_arg)).unwrap_or(0);
+    let mut entry = reserve::<BlobRecord>()?;
+    // SAFETY: a reserved, exclusively owned slot; every field is written before submit.
+    let record = unsafe { &mut *entry.as_mut_ptr() };
+    record.hdr = RecordHeader {
+        kind: RecordKind::Blob as u32,
+        cpu: 0,
+        // SAFETY: helper without arguments.
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        tgid: (pid_tgid >> 32) as u32,
+        tid: pid_tgid as u32,
+    };
+    record.spec_id = spec_id;
+    record.full_len = full_len;
+    // A constant-size read keeps the verifier's job trivial; a buffer shorter than BLOB_LEN at
+    // the end of a mapping fails it, so fall back to the 64-byte head.
+    // SAFETY: checked user reads into the record's own buffer.
+    record.len = if unsafe { bpf_probe_read_user_buf(at as *const u8, &mut record.data) }.is_ok() {
+        BLOB_LEN as u32
+    } else if unsafe { bpf_probe_read_user_buf(at as *const u8, &mut record.data[..64]) }.is_ok() {
+        64
+    } else {
+        0
+    };
+    if full_len > 0 && u64::from(record.len) > full_len {
+        record.len = full_len as u32;
+    }
+    submit(entry);
     Some(())
 }
 

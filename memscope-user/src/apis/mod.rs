@@ -7,6 +7,7 @@
 //! (PyTorch's CPU allocator). [`markers`] is the USDT side: the probes of our markers package.
 
 mod acl;
+mod acl_access;
 mod c10;
 pub mod hal;
 pub mod markers;
@@ -65,6 +66,11 @@ pub enum Api {
     MstxDomainRangeEnd = 40,
     C10AllocCpu = 41,
     C10FreeCpu = 42,
+    AclrtMemcpy = 43,
+    AclrtMemcpyAsync = 44,
+    AclrtMemset = 45,
+    AclrtLaunchKernel = 46,
+    AclrtBinaryGetFunction = 47,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.
@@ -171,6 +177,7 @@ impl Api {
             .chain(torch_npu::TABLE.iter())
             .chain(mstx::TABLE.iter())
             .chain(c10::TABLE.iter())
+            .chain(acl_access::TABLE.iter())
     }
 
     pub fn def(self) -> &'static ApiDef {
@@ -223,7 +230,7 @@ mod tests {
             assert_ne!(def.spec.layer, 0, "{} has no layer: its probes would do nothing", def.symbol);
             assert_eq!(Api::from_spec_id(def.api.spec_id()), Some(def.api));
         }
-        for id in 1..=Api::C10FreeCpu as u32 {
+        for id in 1..=Api::AclrtBinaryGetFunction as u32 {
             assert!(Api::from_spec_id(id).is_some(), "spec id {id} has no row");
         }
     }

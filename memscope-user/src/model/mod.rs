@@ -7,10 +7,11 @@
 //!   the per-block facts the store writes ([`Output`]).
 //! - [`tags`]: tag spans per thread and owner paths; `marks`: what markers do to the state.
 
+mod access;
 pub mod event;
 mod marks;
 pub mod tags;
 pub mod tracker;
 
 pub use event::{level, Call, DeviceKey, DriverInfo, Event, EventKind, Marker, Op, PageType, Pool, Space};
-pub use tracker::{MstxKind, Origin, Output, Site, Tracker, VmmStep};
+pub use tracker::{AccessKind, MstxKind, Origin, Output, Site, Tracker, VmmStep};

@@ -149,6 +149,21 @@ pub enum Output {
         ptr: u64,
         owner: String,
     },
+    /// A block was used: read, written, or named in a kernel's arguments (`ACCESS` rows).
+    Access {
+        site: Site,
+        device: DeviceKey,
+        /// The block's row kind (`PTA`, `HAL`, `HOST`) and start address.
+        block_type: &'static str,
+        block: u64,
+        allocation_id: u64,
+        pool: Option<Pool>,
+        addr: u64,
+        size: Option<u64>,
+        kind: AccessKind,
+    },
+    /// A kernel was launched (`KERNEL_LAUNCH` rows).
+    KernelLaunch { site: Site, device: DeviceKey, name: Option<String>, function: u64, stream: u64, args_size: u64 },
     /// A step boundary (`SYSTEM`/`STEP`), numbered per process.
     Step {
         wall_ns: u64,
@@ -167,6 +182,15 @@ pub enum Output {
         id: Option<u64>,
         message: String,
     },
+}
+
+/// msMemScope's ACCESS event types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccessKind {
+    Read,
+    Write,
+    /// Named in a kernel's arguments: used, direction unknown.
+    Unknown,
 }
 
 /// Which MSTX row.
@@ -222,7 +246,7 @@ pub(super) struct PoolBlock {
     pub(super) device: DeviceKey,
     pub(super) pool: Pool,
     pub(super) size: u64,
-    allocation_id: u64,
+    pub(super) allocation_id: u64,
     api: Api,
     pub(super) labels: Labels,
     /// Born while collection was off: never reported.
@@ -262,7 +286,7 @@ pub struct DeviceStats {
 pub(super) struct Live {
     pub(super) device: DeviceKey,
     pub(super) size: u64,
-    allocation_id: u64,
+    pub(super) allocation_id: u64,
     api: Api,
     pub(super) base: OwnerBase,
     pub(super) labels: Labels,
@@ -300,6 +324,8 @@ pub struct Tracker {
     pub(super) tags: Tags,
     /// Open ranges by (pid, from mstx, id): the thread and label of their tag span.
     pub(super) ranges: HashMap<(u32, bool, u64), (u32, String)>,
+    /// Kernel names by (pid, function handle), from `aclrtBinaryGetFunction`.
+    pub(super) kernel_names: HashMap<(u32, u64), String>,
     /// The last step number per process.
     pub(super) steps: HashMap<u32, u64>,
     /// Processes that asked to be recorded (`true`, markers `start()`) or not (`false`,
@@ -534,6 +560,18 @@ impl Tracker {
             Op::SetDevice { .. } | Op::GetDevice { .. } => {
                 // The kernel keeps the thread's device; nothing is stored for these calls.
             }
+            Op::Copy { dst, src, size } => {
+                self.access(site, call, src, Some(size), AccessKind::Read, out);
+                self.access(site, call, dst, Some(size), AccessKind::Write, out);
+            }
+            Op::Set { ptr, size } => self.access(site, call, ptr, Some(size), AccessKind::Write, out),
+            Op::Launch { function, ref args, args_size, stream } => {
+                self.launch(site, call, function, args, args_size, stream, out);
+            }
+            Op::KernelName { function: Some(function), name: Some(ref name) } => {
+                self.kernel_names.insert((site.pid, function), name.clone());
+            }
+            Op::KernelName { .. } => {}
             Op::Marker(ref marker) => {
                 let event = Event { wall_ns: site.wall_ns, pid: site.pid, tid: site.tid, kind: EventKind::Exit };
                 self.apply_marker(&event, marker, Some(call.api), out);

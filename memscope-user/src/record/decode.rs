@@ -6,7 +6,7 @@
 
 use std::mem::size_of;
 
-use memscope_common::record::{CallRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord};
+use memscope_common::record::{BlobRecord, CallRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord};
 use memscope_common::spec::MAX_FIELDS;
 use memscope_common::usdt::USDT_MAX_ARGS;
 use thiserror::Error;
@@ -45,6 +45,9 @@ pub struct RawCall {
     pub thread_device: Option<u32>,
     /// The spec's text argument, if it has one.
     pub text: Option<String>,
+    /// The buffer argument copied at entry (its [`BlobRecord`] preceded this record on the
+    /// thread), when the spec has one.
+    pub blob: Option<Vec<u8>>,
 }
 
 impl RawCall {
@@ -84,11 +87,20 @@ pub struct RawUsdt {
     pub text: Option<String>,
 }
 
+/// A call's buffer argument, copied at its entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawBlob {
+    pub spec_id: u32,
+    pub tid: u32,
+    pub data: Vec<u8>,
+}
+
 /// A decoded record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     Call(RawCall),
     Usdt(RawUsdt),
+    Blob(RawBlob),
     Fork { mono_ns: u64, parent: u32, child: u32 },
     Exit { mono_ns: u64, tgid: u32 },
 }
@@ -137,6 +149,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
                 cfg_module: u16::try_from(r.cfg_module).ok(),
                 thread_device: non_negative(r.thread_device),
                 text: (text_len > 0).then(|| String::from_utf8_lossy(&r.text[..text_len]).into_owned()),
+                blob: None,
             }))
         }
         RecordKind::Usdt => {
@@ -152,6 +165,12 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
                 args: r.args,
                 text: (text_len > 0).then(|| String::from_utf8_lossy(&r.text[..text_len]).into_owned()),
             }))
+        }
+        RecordKind::Blob => {
+            need::<BlobRecord>(kind, bytes)?;
+            let r: BlobRecord = read(bytes);
+            let len = (r.len as usize).min(r.data.len());
+            Ok(Record::Blob(RawBlob { spec_id: r.spec_id, tid: r.hdr.tid, data: r.data[..len].to_vec() }))
         }
         RecordKind::Fork => {
             need::<ForkRecord>(kind, bytes)?;

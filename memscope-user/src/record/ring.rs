@@ -5,7 +5,9 @@
 
 use aya::maps::{MapData, RingBuf};
 
-use super::decode::{decode, Record};
+use std::collections::HashMap;
+
+use super::decode::{decode, RawBlob, Record};
 use crate::apis::Api;
 use crate::clock::Clock;
 use crate::model::{Call, Event, EventKind};
@@ -23,11 +25,13 @@ pub struct Consumer {
     ring: RingBuf<MapData>,
     clock: Clock,
     pub stats: ConsumerStats,
+    /// Buffers copied at a call's entry, waiting for the call's record on the same thread.
+    blobs: HashMap<u32, RawBlob>,
 }
 
 impl Consumer {
     pub fn new(ring: RingBuf<MapData>, clock: Clock) -> Self {
-        Self { ring, clock, stats: ConsumerStats::default() }
+        Self { ring, clock, stats: ConsumerStats::default(), blobs: HashMap::new() }
     }
 
     pub fn ring(&self) -> &RingBuf<MapData> {
@@ -39,6 +43,19 @@ impl Consumer {
         while let Some(item) = self.ring.next() {
             self.stats.records += 1;
             match decode(&item) {
+                Ok(Record::Blob(blob)) => {
+                    self.blobs.insert(blob.tid, blob);
+                }
+                Ok(Record::Call(mut call)) if self.blobs.contains_key(&call.tid) => {
+                    let blob = self.blobs.remove(&call.tid).expect("checked");
+                    if blob.spec_id == call.spec_id {
+                        call.blob = Some(blob.data);
+                    }
+                    match to_event(Record::Call(call), self.clock) {
+                        Some(event) => sink(event),
+                        None => self.stats.unknown_api += 1,
+                    }
+                }
                 Ok(record) => match to_event(record, self.clock) {
                     Some(event) => sink(event),
                     None => self.stats.unknown_api += 1,
@@ -78,6 +95,8 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
             tid: raw.tid,
             kind: EventKind::Marker(crate::apis::markers::decode(&raw)?),
         },
+        // Joined to its call by the consumer; one on its own has no call to belong to.
+        Record::Blob(_) => return None,
         Record::Fork { mono_ns, parent, child } => {
             Event { wall_ns: clock.to_wall(mono_ns), pid: parent, tid: parent, kind: EventKind::Fork { child } }
         }
@@ -108,6 +127,7 @@ mod tests {
             cfg_module: None,
             thread_device: Some(1),
             text: None,
+            blob: None,
         }
     }
 

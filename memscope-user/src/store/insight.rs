@@ -25,7 +25,7 @@ use std::borrow::Cow;
 use super::attr::{Attr, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
-use crate::model::{DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Pool, Site, Space, VmmStep};
+use crate::model::{AccessKind, DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Pool, Site, Space, VmmStep};
 
 /// One `memscope_dump` row, before its per-file `ID`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,6 +140,27 @@ fn marker_row(event_type: &'static str, name: String, wall_ns: u64, pid: u32, ti
 pub fn to_row(output: &Output) -> Option<Row> {
     Some(match output {
         Output::Retag { .. } => return None,
+        Output::Access { site, device, block_type, block, allocation_id, pool, addr, size, kind } => {
+            let event_type = match kind {
+                AccessKind::Read => "READ",
+                AccessKind::Write => "WRITE",
+                AccessKind::Unknown => "UNKNOWN",
+            };
+            let attr = Attr::new()
+                .with("allocation_id", *allocation_id)
+                .addr("addr", *addr)
+                .with_opt("size", *size)
+                .with("type", pool.map_or(*block_type, |p| p.owner()))
+                .addr("block", *block)
+                .with("api", site.api.name());
+            row(site, "ACCESS", event_type, *device, Some(*addr), attr)
+        }
+        Output::KernelLaunch { site, device, name, function, stream, args_size } => {
+            let attr = Attr::new().addr("streamId", *stream).addr("function", *function).with("args_size", *args_size);
+            let mut r = row(site, "KERNEL_LAUNCH", "KERNEL_LAUNCH", *device, None, attr);
+            r.name = Cow::Owned(name.clone().unwrap_or_else(|| format!("kernel@{function:#x}")));
+            r
+        }
         Output::Step { wall_ns, pid, tid, number } => {
             marker_row("STEP", number.to_string(), *wall_ns, *pid, *tid, Attr::new())
         }

@@ -143,9 +143,12 @@ impl Output {
     pub fn rows(&self) -> impl Iterator<Item = &DbRow> {
         self.files.values().flat_map(|(_, rows)| rows.iter())
     }
-    /// MALLOC/FREE/VMM/OOM/API_ERROR rows, without SYSTEM rows and shadow frees.
+    /// MALLOC/FREE/VMM/OOM/API_ERROR rows, without SYSTEM rows and shadow frees, and without the
+    /// rows about uses of blocks (ACCESS, KERNEL_LAUNCH, OP_LAUNCH) and markers (MSTX), which
+    /// have tests of their own.
     pub fn call_rows(&self) -> Vec<&DbRow> {
-        self.rows().filter(|r| r.event != "SYSTEM" && !r.is_shadow()).collect()
+        const NOT_CALLS: [&str; 5] = ["SYSTEM", "ACCESS", "KERNEL_LAUNCH", "OP_LAUNCH", "MSTX"];
+        self.rows().filter(|r| !NOT_CALLS.contains(&r.event.as_str()) && !r.is_shadow()).collect()
     }
     pub fn db(&self, folder: &str) -> &Path {
         &self.files.get(folder).unwrap_or_else(|| panic!("no {folder} in {:?}", self.files.keys())).0

@@ -24,6 +24,7 @@
 #include "hal_standin.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -225,6 +226,46 @@ STANDIN_EXPORT aclError aclrtMemsetImpl(void *devPtr, size_t maxCount, int32_t v
     return ACL_SUCCESS;
 }
 
+STANDIN_EXPORT aclError aclrtMemcpyAsyncImpl(void *dst, size_t destMax, const void *src, size_t count,
+                                             aclrtMemcpyKind kind, void *stream) {
+    (void)stream;
+    /* The stand-in's "device" is host memory, so the copy completes at once. */
+    return aclrtMemcpyImpl(dst, destMax, src, count, kind);
+}
+
+/* ---- kernels ---- */
+
+/* A function handle remembers its kernel's name; launching checks the handle and the argument
+ * buffer and otherwise does nothing (there is no device to run on). */
+struct standin_function {
+    char name[128];
+};
+
+STANDIN_EXPORT aclError aclrtBinaryGetFunctionImpl(const aclrtBinHandle binHandle, const char *kernelName,
+                                                  aclrtFuncHandle *funcHandle) {
+    (void)binHandle;
+    if (kernelName == NULL || funcHandle == NULL) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    struct standin_function *f = calloc(1, sizeof *f);
+    if (f == NULL) {
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    snprintf(f->name, sizeof f->name, "%s", kernelName);
+    *funcHandle = f;
+    return ACL_SUCCESS;
+}
+
+STANDIN_EXPORT aclError aclrtLaunchKernelImpl(aclrtFuncHandle funcHandle, uint32_t blockDim, const void *argsData,
+                                             size_t argsSize, void *stream) {
+    (void)blockDim;
+    (void)stream;
+    if (funcHandle == NULL || (argsSize > 0 && argsData == NULL)) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return ACL_SUCCESS;
+}
+
 /* ---- virtual memory (expandable segments) ---- */
 
 STANDIN_EXPORT aclError aclrtReserveMemAddressImpl(void **virPtr, size_t size, size_t alignment,
@@ -338,6 +379,18 @@ STANDIN_EXPORT aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, 
 }
 STANDIN_EXPORT aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count) {
     return aclrtMemsetImpl(devPtr, maxCount, value, count);
+}
+STANDIN_EXPORT aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,
+                                         aclrtMemcpyKind kind, void *stream) {
+    return aclrtMemcpyAsyncImpl(dst, destMax, src, count, kind, stream);
+}
+STANDIN_EXPORT aclError aclrtBinaryGetFunction(const aclrtBinHandle binHandle, const char *kernelName,
+                                               aclrtFuncHandle *funcHandle) {
+    return aclrtBinaryGetFunctionImpl(binHandle, kernelName, funcHandle);
+}
+STANDIN_EXPORT aclError aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const void *argsData,
+                                          size_t argsSize, void *stream) {
+    return aclrtLaunchKernelImpl(funcHandle, blockDim, argsData, argsSize, stream);
 }
 STANDIN_EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, void *expectPtr,
                                                uint64_t flags) {

@@ -1,0 +1,827 @@
+//! Steps of a trace and the live memory at each step boundary: the timeline that the leak,
+//! degradation and compare analyses share (shared/reference/msmemscope-and-insight.md §4.3).
+//!
+//! **Boundaries.** msMemScope takes steps from `msmemscope.step()` (a `SYSTEM`/`STEP` row whose
+//! `Name` is the step that just ended) or from mstx ranges named `step start` (each starts the
+//! next step). Our tracer writes a `STEP` row for both; for a range it also writes the
+//! `MSTX`/`Range_start` `"step start"` row at the same instant, which is how the two are told
+//! apart here. With `--step-marker NAME`, `MSTX` marks (and range starts) whose message is NAME
+//! are the boundaries instead, each starting the next step, and `STEP` rows are ignored.
+//!
+//! **Two rows for one step.** A program that calls `memscope.step()` and also opens `step start`
+//! ranges gets two `STEP` rows per step (the tracer numbers a range as the process's next step,
+//! so the pair repeats a number). Every boundary is turned into the step it *starts*; one that
+//! starts a step already started is the same boundary seen through the other marker and is
+//! dropped (counted in [`StepSummary::duplicates`]). Steps are numbered per file, not per
+//! process: one training process per device is what these analyses are for.
+//!
+//! **Blocks.** Replayed as `decompose` and Insight do: a `MALLOC` with a positive `size` opens
+//! the block keyed by (`Process Id`, `Event Type`, `Ptr`), the next `FREE` of that key closes it;
+//! `unmatched` frees close nothing and `shadow` frees (written at the stop for live blocks) are
+//! not frees. Each block's step of birth and the step running when it ended go to a
+//! [`BlockSink`]; the live bytes per owner are snapshotted at every boundary. One SQL scan, O(rows)
+//! work, memory O(live blocks + boundaries × owners).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use rusqlite::types::ValueRef;
+use rusqlite::{Connection, OpenFlags};
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use super::decompose::{Family, UNKNOWN_OWNER};
+use super::AnalysisError;
+
+/// msMemScope's step range message.
+pub const STEP_RANGE: &str = "step start";
+
+/// One row, borrowed from SQLite's buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct StepRow<'a> {
+    /// SQLite's rowid, to fetch the stacks of the few blocks reported, after the scan.
+    pub rowid: i64,
+    pub event: &'a str,
+    pub event_type: &'a str,
+    pub name: &'a str,
+    pub ts: i64,
+    pub pid: i64,
+    pub ptr: &'a str,
+    pub attr: &'a str,
+}
+
+fn text(v: ValueRef<'_>) -> &str {
+    match v {
+        ValueRef::Text(t) => std::str::from_utf8(t).unwrap_or(""),
+        _ => "",
+    }
+}
+
+fn int(v: ValueRef<'_>) -> i64 {
+    match v {
+        ValueRef::Integer(i) => i,
+        ValueRef::Real(f) => f as i64,
+        ValueRef::Text(t) => std::str::from_utf8(t).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// A read-only connection to a DB that [`super::db::DumpDb::open`] has already checked, and the
+/// name of its dump table. Its own connection, because the step analyses also read `Name` and
+/// the stacks, which the shared reader does not.
+pub struct StepDb {
+    path: std::path::PathBuf,
+    conn: Connection,
+    table: &'static str,
+    has_stacks: bool,
+}
+
+impl StepDb {
+    pub fn open(path: &Path) -> Result<Self, AnalysisError> {
+        let read = |source| AnalysisError::Read { path: path.to_owned(), source };
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(path, flags).map_err(read)?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(read)?;
+        let tables: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
+            .map_err(read)?;
+        let table = ["memscope_dump", "leaks_dump"].into_iter().find(|t| tables.iter().any(|have| have == t));
+        let Some(table) = table else {
+            let tables = if tables.is_empty() { "none".to_owned() } else { tables.join(", ") };
+            return Err(AnalysisError::NoDumpTable { path: path.to_owned(), tables });
+        };
+        let columns: Vec<String> = conn
+            .prepare("SELECT name FROM pragma_table_info(?1)")
+            .and_then(|mut s| s.query_map([table], |r| r.get(0))?.collect())
+            .map_err(read)?;
+        if !columns.iter().any(|c| c == "Name") {
+            let (path, table) = (path.to_owned(), table.to_owned());
+            return Err(AnalysisError::MissingColumns { path, table, missing: "Name".into() });
+        }
+        let has_stacks = ["Call Stack(Python)", "Call Stack(C)"].iter().all(|c| columns.iter().any(|h| h == c));
+        Ok(Self { path: path.to_owned(), conn, table, has_stacks })
+    }
+
+    fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
+        move |source| AnalysisError::Read { path: self.path.clone(), source }
+    }
+
+    /// Calls `f` for every memory, `SYSTEM` and `MSTX` row in `Timestamp(ns)`, `ID` order (as
+    /// Insight and `decompose` order them).
+    pub fn for_each_row(&self, mut f: impl FnMut(StepRow<'_>)) -> Result<(), AnalysisError> {
+        let sql = format!(
+            "SELECT rowid, \"Event\", \"Event Type\", \"Name\", \"Timestamp(ns)\", \"Process Id\", \"Ptr\", \"Attr\" \
+             FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','MSTX') ORDER BY \"Timestamp(ns)\", \"ID\"",
+            self.table
+        );
+        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
+        let mut rows = stmt.query([]).map_err(self.read_err())?;
+        while let Some(row) = rows.next().map_err(self.read_err())? {
+            let get = |i| row.get_ref(i).map_err(self.read_err());
+            f(StepRow {
+                rowid: int(get(0)?),
+                event: text(get(1)?),
+                event_type: text(get(2)?),
+                name: text(get(3)?),
+                ts: int(get(4)?),
+                pid: int(get(5)?),
+                ptr: text(get(6)?),
+                attr: text(get(7)?),
+            });
+        }
+        Ok(())
+    }
+
+    /// The Python and C stacks and the `allocation_id` of a MALLOC row, for a reported block.
+    pub fn details(&self, rowid: i64) -> Result<RowDetails, AnalysisError> {
+        let stacks = if self.has_stacks { "\"Call Stack(Python)\", \"Call Stack(C)\"" } else { "'', ''" };
+        let sql = format!("SELECT {stacks}, \"Attr\" FROM \"{}\" WHERE rowid = ?1", self.table);
+        let mut stmt = self.conn.prepare_cached(&sql).map_err(self.read_err())?;
+        let mut rows = stmt.query([rowid]).map_err(self.read_err())?;
+        let Some(row) = rows.next().map_err(self.read_err())? else { return Ok(RowDetails::default()) };
+        let get = |i| row.get_ref(i).map_err(self.read_err());
+        let attr = serde_json::from_str::<AttrFields<'_>>(text(get(2)?)).unwrap_or_default();
+        Ok(RowDetails {
+            python_stack: clean_stack(text(get(0)?)),
+            c_stack: clean_stack(text(get(1)?)),
+            allocation_id: attr.allocation_id.map(Cow::into_owned),
+        })
+    }
+}
+
+/// msMemScope wraps stacks in quotes and writes `NA` where it had none.
+fn clean_stack(s: &str) -> String {
+    let s = s.trim().trim_matches('"').trim();
+    if s == "NA" || s == "N/A" {
+        String::new()
+    } else {
+        s.to_owned()
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RowDetails {
+    pub python_stack: String,
+    pub c_stack: String,
+    pub allocation_id: Option<String>,
+}
+
+/// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
+#[derive(Default, Deserialize)]
+struct AttrFields<'a> {
+    #[serde(borrow, default, deserialize_with = "string_only")]
+    size: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "string_only")]
+    owner: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "string_only")]
+    unmatched: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "string_only")]
+    shadow: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "string_only")]
+    segment: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "string_only")]
+    pool: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "string_only")]
+    allocation_id: Option<Cow<'a, str>>,
+}
+
+fn string_only<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    struct StringOnly;
+    impl<'de> Visitor<'de> for StringOnly {
+        type Value = Option<Cow<'de, str>>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok(Some(v.into()))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(v.to_owned().into()))
+        }
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+    }
+    d.deserialize_any(StringOnly)
+}
+
+// ---------------------------------------------------------------- boundaries
+
+/// What marked a boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// `memscope.step()` / `msmemscope.step()`: a `STEP` row ending the step it names.
+    Step,
+    /// An mstx range named `step start`, starting the next step.
+    Range,
+    /// A mark named by `--step-marker`, starting the next step.
+    Marker,
+}
+
+impl Source {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Step => "memscope.step()",
+            Self::Range => "mstx `step start` ranges",
+            Self::Marker => "--step-marker marks",
+        }
+    }
+}
+
+/// The end of one step and the start of the next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Boundary {
+    /// The step that ended here (msMemScope's numbering: `step()`'s number; a `step start` range
+    /// ends the step before the one it starts; the first `step start` ends step 0, the set-up).
+    pub step: u64,
+    pub ts: i64,
+    pub source: Source,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct PendingStep {
+    ts: i64,
+    pid: i64,
+    number: Option<u64>,
+}
+
+/// Turns rows into boundaries, in time order.
+#[derive(Debug, Default)]
+pub struct StepDetector {
+    /// `"NAME"`, as MSTX rows write a message, when `--step-marker NAME` was given.
+    marker: Option<String>,
+    /// The step running now; `None` before the first boundary.
+    current: Option<u64>,
+    /// A `STEP` row waiting to learn whether a `step start` range row follows it.
+    pending: Option<PendingStep>,
+    pub duplicates: u64,
+    /// Distinct mark messages seen (a few), to say what exists when `--step-marker` matches none.
+    pub marks_seen: Vec<String>,
+}
+
+fn is_step_range(row: &StepRow<'_>) -> bool {
+    row.event == "MSTX" && row.event_type == "Range_start" && unquote(row.name) == STEP_RANGE
+}
+
+/// MSTX names are the message in double quotes (msMemScope's form); accept bare ones too.
+fn unquote(name: &str) -> &str {
+    name.strip_prefix('"').and_then(|n| n.strip_suffix('"')).unwrap_or(name)
+}
+
+impl StepDetector {
+    pub fn new(marker: Option<&str>) -> Self {
+        Self { marker: marker.map(str::to_owned), ..Self::default() }
+    }
+
+    /// The step running now, if a boundary was seen.
+    pub fn current(&self) -> Option<u64> {
+        self.current
+    }
+
+    /// Feeds one row; boundaries it completes go to `out` (at most two). Returns whether the row
+    /// was only a step marker (the `Range_start` twin of a `STEP` row).
+    pub fn feed(&mut self, row: &StepRow<'_>, out: &mut Vec<Boundary>) -> bool {
+        if let Some(p) = self.pending.take() {
+            if is_step_range(row) && row.ts == p.ts && row.pid == p.pid {
+                self.commit(p.number, p.ts, Source::Range, out);
+                return true;
+            }
+            self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, Source::Step, out);
+        }
+        if let Some(marker) = &self.marker {
+            if row.event == "MSTX" && (row.event_type == "Mark" || row.event_type == "Range_start") {
+                let message = unquote(row.name);
+                if message == marker {
+                    self.commit(None, row.ts, Source::Marker, out);
+                    return true;
+                }
+                if self.marks_seen.len() < 12 && !self.marks_seen.iter().any(|m| m == message) {
+                    self.marks_seen.push(message.to_owned());
+                }
+            }
+            return false;
+        }
+        if row.event == "SYSTEM" && row.event_type == "STEP" {
+            let number = row.name.trim().parse::<u64>().ok();
+            self.pending = Some(PendingStep { ts: row.ts, pid: row.pid, number });
+            return true;
+        }
+        if is_step_range(row) {
+            // msMemScope's own DBs: the range is the only record of the step.
+            self.commit(None, row.ts, Source::Range, out);
+            return true;
+        }
+        false
+    }
+
+    /// Completes a `STEP` row still waiting at the end of the rows.
+    pub fn finish(&mut self, out: &mut Vec<Boundary>) {
+        if let Some(p) = self.pending.take() {
+            self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, Source::Step, out);
+        }
+    }
+
+    /// `starts`: the step this boundary starts (`None`: the next one).
+    fn commit(&mut self, starts: Option<u64>, ts: i64, source: Source, out: &mut Vec<Boundary>) {
+        let starts = starts.unwrap_or_else(|| self.current.map_or(1, |c| c + 1)).max(1);
+        if self.current.is_some_and(|c| starts <= c) {
+            self.duplicates += 1;
+            return;
+        }
+        self.current = Some(starts);
+        out.push(Boundary { step: starts - 1, ts, source });
+    }
+}
+
+// ---------------------------------------------------------------- blocks and live bytes
+
+/// What a block is, beyond its family: the leak analysis treats a pool's own reserve apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockKind {
+    /// A tensor's block or a device/host allocation.
+    Block,
+    /// A `HAL` block that torch_npu's allocator took as a segment of its pool (Attr `segment`).
+    Segment,
+    /// A block of torch_npu's workspace allocator (Attr `pool` = `workspace`): operator scratch,
+    /// kept and regrown across steps by design.
+    Workspace,
+}
+
+/// A block that was freed, or was still live when the trace stopped.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockEnd {
+    pub family: Family,
+    pub kind: BlockKind,
+    pub pid: i64,
+    pub ptr: u64,
+    pub size: i64,
+    /// Owner slot: [`Timeline::owner`] names it.
+    pub slot: u32,
+    /// The step it was born in and the step running when it ended. `None` when it ended before
+    /// the first boundary (the step numbers are unknown then; it crossed no boundary anyway).
+    pub steps: Option<(u64, u64)>,
+    pub alloc_ts: i64,
+    /// `None`: still live at the end of the trace (no FREE, or only a shadow one).
+    pub free_ts: Option<i64>,
+    /// The MALLOC row, for [`StepDb::details`].
+    pub rowid: i64,
+}
+
+/// Receives every block as it ends.
+pub trait BlockSink {
+    fn block_end(&mut self, end: &BlockEnd);
+}
+
+impl BlockSink for () {
+    fn block_end(&mut self, _: &BlockEnd) {}
+}
+
+/// One owner's live memory at an instant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OwnerBytes {
+    pub slot: u32,
+    pub bytes: i64,
+    pub blocks: u64,
+}
+
+/// The live memory at a boundary (or at the end of the trace).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepPoint {
+    /// The step that ended here; `None` for the end of the trace.
+    pub step: Option<u64>,
+    pub ts: i64,
+    /// Live bytes per family, indexed by `Family as usize`.
+    pub totals: [i64; 3],
+    /// Owners with live blocks, by slot.
+    pub owners: Vec<OwnerBytes>,
+}
+
+impl StepPoint {
+    pub fn total(&self, family: Family) -> i64 {
+        self.totals[family as usize]
+    }
+}
+
+/// How the rows were read, so a surprising result can be explained.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepSummary {
+    /// Boundaries per source.
+    pub sources: Vec<(Source, u64)>,
+    /// Boundary rows dropped because their step had already started (two markers for one step).
+    pub duplicates: u64,
+    /// Mark messages seen when `--step-marker` was given (a few).
+    pub marks_seen: Vec<String>,
+    /// Families with at least one block.
+    pub families: Vec<Family>,
+    pub unreadable: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct BlockKey {
+    pid: i64,
+    event_type: u16,
+    ptr: u64,
+}
+
+/// Marks a birth before the first boundary, whose step number is only known at that boundary.
+const BEFORE_FIRST: u64 = u64::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct LiveBlock {
+    slot: u32,
+    family: Family,
+    kind: BlockKind,
+    size: i64,
+    birth: u64,
+    alloc_ts: i64,
+    rowid: i64,
+}
+
+/// The replay: boundaries, live blocks, and the live bytes per owner at each boundary.
+pub struct Timeline {
+    detector: StepDetector,
+    slot_of: [HashMap<Box<str>, u32>; 3],
+    slots: Vec<(Family, Box<str>)>,
+    event_types: Vec<Box<str>>,
+    live: HashMap<BlockKey, LiveBlock>,
+    per_slot: Vec<(i64, u64)>,
+    totals: [i64; 3],
+    mallocs: [u64; 3],
+    /// The step before the first boundary (known from it).
+    first_step: Option<u64>,
+    pub boundaries: Vec<Boundary>,
+    /// The live memory at each boundary, in order (one per entry of `boundaries`).
+    pub points: Vec<StepPoint>,
+    stop: Option<i64>,
+    last: Option<i64>,
+    unreadable: u64,
+    scratch: Vec<Boundary>,
+}
+
+/// `0x...` (msMemScope since 2025-09) or decimal (older files).
+fn parse_ptr(ptr: &str) -> Option<u64> {
+    match ptr.strip_prefix("0x").or_else(|| ptr.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => ptr.parse().ok(),
+    }
+}
+
+impl Timeline {
+    pub fn new(step_marker: Option<&str>) -> Self {
+        Self {
+            detector: StepDetector::new(step_marker),
+            slot_of: Default::default(),
+            slots: Vec::new(),
+            event_types: Vec::new(),
+            live: HashMap::new(),
+            per_slot: Vec::new(),
+            totals: [0; 3],
+            mallocs: [0; 3],
+            first_step: None,
+            boundaries: Vec::new(),
+            points: Vec::new(),
+            stop: None,
+            last: None,
+            unreadable: 0,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Replays a whole DB.
+    pub fn replay(db: &StepDb, step_marker: Option<&str>, sink: &mut impl BlockSink) -> Result<Self, AnalysisError> {
+        let mut timeline = Self::new(step_marker);
+        db.for_each_row(|row| timeline.apply(&row, sink))?;
+        timeline.finish(sink);
+        Ok(timeline)
+    }
+
+    pub fn owner(&self, slot: u32) -> (Family, &str) {
+        let (family, owner) = &self.slots[slot as usize];
+        (*family, owner)
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn slot(&mut self, family: Family, owner: &str) -> u32 {
+        if let Some(&slot) = self.slot_of[family as usize].get(owner) {
+            return slot;
+        }
+        let slot = self.slots.len() as u32;
+        self.slots.push((family, owner.into()));
+        self.slot_of[family as usize].insert(owner.into(), slot);
+        self.per_slot.push((0, 0));
+        slot
+    }
+
+    fn event_type(&mut self, et: &str) -> u16 {
+        match self.event_types.iter().position(|t| &**t == et) {
+            Some(i) => i as u16,
+            None => {
+                self.event_types.push(et.into());
+                (self.event_types.len() - 1) as u16
+            }
+        }
+    }
+
+    /// The step running now as stored in a block: [`BEFORE_FIRST`] until a boundary is seen.
+    fn now(&self) -> u64 {
+        self.detector.current().unwrap_or(BEFORE_FIRST)
+    }
+
+    fn snapshot(&self, step: Option<u64>, ts: i64) -> StepPoint {
+        let owners = self
+            .per_slot
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, blocks))| *blocks > 0)
+            .map(|(slot, &(bytes, blocks))| OwnerBytes { slot: slot as u32, bytes, blocks })
+            .collect();
+        StepPoint { step, ts, totals: self.totals, owners }
+    }
+
+    pub fn apply(&mut self, row: &StepRow<'_>, sink: &mut impl BlockSink) {
+        let mut found = std::mem::take(&mut self.scratch);
+        found.clear();
+        let consumed = self.detector.feed(row, &mut found);
+        for b in found.drain(..) {
+            self.first_step.get_or_insert(b.step);
+            self.points.push(self.snapshot(Some(b.step), b.ts));
+            self.boundaries.push(b);
+        }
+        self.scratch = found;
+        if consumed {
+            return;
+        }
+        let is_free = match row.event {
+            "MALLOC" => false,
+            "FREE" => true,
+            "SYSTEM" => {
+                if row.event_type == "STOP_TRACE" {
+                    self.stop = Some(row.ts);
+                }
+                self.last = Some(row.ts);
+                return;
+            }
+            _ => return,
+        };
+        let Some(family) = Family::of(row.event_type) else { return };
+        let Ok(attr) = serde_json::from_str::<AttrFields<'_>>(row.attr) else {
+            self.unreadable += 1;
+            return;
+        };
+        let flag = |v: &Option<Cow<'_, str>>| v.as_deref() == Some("true");
+        if is_free && flag(&attr.shadow) {
+            return; // the block was still live at the stop
+        }
+        self.last = Some(row.ts);
+        if is_free && flag(&attr.unmatched) {
+            return;
+        }
+        let Some(ptr) = parse_ptr(row.ptr) else {
+            self.unreadable += 1;
+            return;
+        };
+        let key = BlockKey { pid: row.pid, event_type: self.event_type(row.event_type), ptr };
+        if is_free {
+            if let Some(block) = self.live.remove(&key) {
+                self.close(key, block, Some(row.ts), sink);
+            }
+            return;
+        }
+        let Some(size) = attr.size.as_deref().and_then(|s| s.trim().parse::<i64>().ok()).filter(|&s| s > 0) else {
+            return;
+        };
+        let owner = attr.owner.as_deref().filter(|o| !o.is_empty()).unwrap_or(UNKNOWN_OWNER);
+        let slot = self.slot(family, owner);
+        let kind = if attr.segment.as_deref().is_some_and(|s| !s.is_empty()) {
+            BlockKind::Segment
+        } else if attr.pool.as_deref() == Some("workspace") || row.event_type == "PTA_WORKSPACE" {
+            BlockKind::Workspace
+        } else {
+            BlockKind::Block
+        };
+        self.mallocs[family as usize] += 1;
+        let block = LiveBlock { slot, family, kind, size, birth: self.now(), alloc_ts: row.ts, rowid: row.rowid };
+        if let Some(old) = self.live.insert(key, block) {
+            // A MALLOC over a live block: the earlier one is taken as freed (as decompose does).
+            self.close(key, old, Some(row.ts), sink);
+        }
+        let s = &mut self.per_slot[slot as usize];
+        s.0 += size;
+        s.1 += 1;
+        self.totals[family as usize] += size;
+    }
+
+    fn close(&mut self, key: BlockKey, block: LiveBlock, free_ts: Option<i64>, sink: &mut impl BlockSink) {
+        if free_ts.is_some() {
+            let s = &mut self.per_slot[block.slot as usize];
+            s.0 -= block.size;
+            s.1 -= 1;
+            self.totals[block.family as usize] -= block.size;
+        }
+        let now = self.now();
+        let steps = (now != BEFORE_FIRST).then(|| {
+            let birth = if block.birth == BEFORE_FIRST { self.first_step.unwrap_or(0) } else { block.birth };
+            (birth, now)
+        });
+        sink.block_end(&BlockEnd {
+            family: block.family,
+            kind: block.kind,
+            pid: key.pid,
+            ptr: key.ptr,
+            size: block.size,
+            slot: block.slot,
+            steps,
+            alloc_ts: block.alloc_ts,
+            free_ts,
+            rowid: block.rowid,
+        });
+    }
+
+    /// Ends the replay: blocks still live are reported as never freed, in the order they were
+    /// allocated (so reports and tables do not depend on hash order).
+    pub fn finish(&mut self, sink: &mut impl BlockSink) {
+        let mut found = Vec::new();
+        self.detector.finish(&mut found);
+        for b in found {
+            self.first_step.get_or_insert(b.step);
+            self.points.push(self.snapshot(Some(b.step), b.ts));
+            self.boundaries.push(b);
+        }
+        let mut live: Vec<(BlockKey, LiveBlock)> = self.live.drain().collect();
+        live.sort_by_key(|(k, b)| (b.alloc_ts, b.rowid, k.ptr));
+        for (key, block) in live {
+            self.close(key, block, None, sink);
+        }
+    }
+
+    /// The live memory when the trace stopped (`STOP_TRACE`, else the last row), shadow frees not
+    /// counted.
+    pub fn end_point(&self) -> Option<StepPoint> {
+        Some(self.snapshot(None, self.stop.or(self.last)?))
+    }
+
+    pub fn summary(&self) -> StepSummary {
+        let mut sources: Vec<(Source, u64)> = Vec::new();
+        for b in &self.boundaries {
+            match sources.iter_mut().find(|(s, _)| *s == b.source) {
+                Some((_, n)) => *n += 1,
+                None => sources.push((b.source, 1)),
+            }
+        }
+        StepSummary {
+            sources,
+            duplicates: self.detector.duplicates,
+            marks_seen: self.detector.marks_seen.clone(),
+            families: Family::ALL.into_iter().filter(|f| self.mallocs[*f as usize] > 0).collect(),
+            unreadable: self.unreadable,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::testdb::{dir, TestDb};
+    use crate::store::Attr;
+
+    pub(crate) fn step(db: &mut TestDb, ts: i64, n: u64) {
+        db.row("SYSTEM", "STEP", ts, 1, None, Attr::new());
+        db.conn().execute("UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()", [n.to_string()]).unwrap();
+    }
+
+    fn mstx(db: &mut TestDb, ts: i64, kind: &str, message: &str) {
+        db.row("MSTX", kind, ts, 1, None, Attr::new());
+        db.conn()
+            .execute("UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()", [format!("\"{message}\"")])
+            .unwrap();
+    }
+
+    #[derive(Default)]
+    struct Ends(Vec<BlockEnd>);
+    impl BlockSink for Ends {
+        fn block_end(&mut self, end: &BlockEnd) {
+            self.0.push(*end);
+        }
+    }
+
+    fn replay(db: TestDb, marker: Option<&str>) -> (Timeline, Vec<BlockEnd>) {
+        let path = db.path.clone();
+        drop(db);
+        let mut ends = Ends::default();
+        let t = Timeline::replay(&StepDb::open(&path).unwrap(), marker, &mut ends).unwrap();
+        (t, ends.0)
+    }
+
+    fn steps(t: &Timeline) -> Vec<(u64, i64, Source)> {
+        t.boundaries.iter().map(|b| (b.step, b.ts, b.source)).collect()
+    }
+
+    #[test]
+    fn step_rows_end_the_step_they_name_and_ranges_start_the_next() {
+        let mut db = TestDb::create(&dir("steps-kinds").join("memscope_dump_1.db"));
+        step(&mut db, 10, 1);
+        step(&mut db, 20, 2);
+        let (t, _) = replay(db, None);
+        assert_eq!(steps(&t), [(1, 10, Source::Step), (2, 20, Source::Step)]);
+
+        // The tracer's form of a range: a STEP row numbered as the next step, then its twin.
+        let mut db = TestDb::create(&dir("steps-ranges").join("memscope_dump_1.db"));
+        step(&mut db, 10, 1);
+        mstx(&mut db, 10, "Range_start", STEP_RANGE);
+        step(&mut db, 20, 2);
+        mstx(&mut db, 20, "Range_start", STEP_RANGE);
+        let (t, _) = replay(db, None);
+        assert_eq!(steps(&t), [(0, 10, Source::Range), (1, 20, Source::Range)]);
+
+        // msMemScope's form: the range row alone.
+        let mut db = TestDb::create(&dir("steps-msmemscope").join("memscope_dump_1.db"));
+        mstx(&mut db, 10, "Range_start", STEP_RANGE);
+        mstx(&mut db, 15, "Range_start", "forward");
+        mstx(&mut db, 20, "Range_start", STEP_RANGE);
+        let (t, _) = replay(db, None);
+        assert_eq!(steps(&t), [(0, 10, Source::Range), (1, 20, Source::Range)]);
+    }
+
+    /// `memscope.step()` at the bottom of the loop and a `step start` range at the top: the
+    /// tracer writes range 1, step 1, range 2, step 2, ...; each step boundary counts once.
+    #[test]
+    fn both_markers_for_one_step_count_once() {
+        let mut db = TestDb::create(&dir("steps-both").join("memscope_dump_1.db"));
+        for i in 1..=3u64 {
+            let top = i as i64 * 100;
+            step(&mut db, top, i);
+            mstx(&mut db, top, "Range_start", STEP_RANGE);
+            step(&mut db, top + 90, i);
+        }
+        let (t, _) = replay(db, None);
+        // Range 1 starts step 1; step() 1 ends it; range 2 would start step 2 again: dropped.
+        assert_eq!(
+            steps(&t),
+            [(0, 100, Source::Range), (1, 190, Source::Step), (2, 290, Source::Step), (3, 390, Source::Step)]
+        );
+        assert_eq!(t.summary().duplicates, 2);
+    }
+
+    #[test]
+    fn a_step_marker_replaces_step_rows() {
+        let mut db = TestDb::create(&dir("steps-marker").join("memscope_dump_1.db"));
+        step(&mut db, 5, 1);
+        mstx(&mut db, 10, "Mark", "iter");
+        mstx(&mut db, 15, "Mark", "other");
+        mstx(&mut db, 20, "Mark", "iter");
+        let (t, _) = replay(db, Some("iter"));
+        assert_eq!(steps(&t), [(0, 10, Source::Marker), (1, 20, Source::Marker)]);
+        assert_eq!(t.summary().marks_seen, ["other"]);
+    }
+
+    #[test]
+    fn blocks_get_their_birth_and_end_steps_and_live_bytes_are_snapshotted() {
+        let mut db = TestDb::create(&dir("steps-blocks").join("memscope_dump_1.db"));
+        db.malloc("PTA", 1, 0xa, 100, Some("PTA@weight")); // before the first boundary: step 1
+        db.malloc("PTA", 2, 0xb, 10, None);
+        db.free("PTA", 3, 0xb); // ends before any boundary: no step numbers
+        step(&mut db, 10, 1);
+        db.malloc("PTA", 11, 0xc, 50, Some("PTA@kv"));
+        step(&mut db, 20, 2);
+        db.free("PTA", 21, 0xc);
+        db.malloc("HAL", 22, 0xd, 7, Some("CANN@APP"));
+        db.system("STOP_TRACE", 30);
+        db.free_marked("HAL", 31, 0xd, "shadow");
+        let (t, ends) = replay(db, None);
+        let got: Vec<(u64, Option<(u64, u64)>, Option<i64>)> = ends.iter().map(|e| (e.ptr, e.steps, e.free_ts)).collect();
+        assert_eq!(got, [(0xb, None, Some(3)), (0xc, Some((2, 3)), Some(21)), (0xa, Some((1, 3)), None), (0xd, Some((3, 3)), None)]);
+        let totals: Vec<(Option<u64>, i64)> = t.points.iter().map(|p| (p.step, p.total(Family::Pta))).collect();
+        assert_eq!(totals, [(Some(1), 100), (Some(2), 150)]);
+        let at2: Vec<(&str, i64)> = t.points[1].owners.iter().map(|o| (t.owner(o.slot).1, o.bytes)).collect();
+        assert_eq!(at2, [("PTA@weight", 100), ("PTA@kv", 50)]);
+        let end = t.end_point().unwrap();
+        assert_eq!((end.ts, end.total(Family::Pta), end.total(Family::Hal)), (30, 100, 7));
+    }
+}

@@ -1,0 +1,69 @@
+//! What the ACL runtime does with memory it did not allocate: copies and sets (`aclrtMemcpy`,
+//! `aclrtMemcpyAsync`, `aclrtMemset`) and kernel launches (`aclrtLaunchKernel`, whose argument
+//! buffer holds the device addresses the kernel will use), plus `aclrtBinaryGetFunction`, which
+//! names the kernel behind a function handle. These are the "uses" of a block that the
+//! inefficiency analyses need (msMemScope's ACCESS and KERNEL_LAUNCH events).
+//!
+//! The launch's argument buffer is copied at entry, bounded to `BLOB_LEN` bytes, and every
+//! 8-byte word in it that falls inside a live block counts as an access of that block. The
+//! buffer is readable by the probe when it is host memory (the stand-in; launch paths that
+//! stage arguments on the host); on hardware where `argsData` is device memory the copy fails
+//! and the launch is recorded without accesses.
+
+use memscope_common::spec::{layer, FieldRead, ProbeSpec};
+
+use super::{spec, Api, ApiDef, Family};
+use crate::model::Op;
+use crate::record::RawCall;
+
+const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
+
+/// `aclrtLaunchKernel(funcHandle, blockDim, argsData, argsSize, stream)`: copy `argsData`.
+const LAUNCH: ProbeSpec = {
+    let mut s = PLAIN;
+    s.blob_arg = 2;
+    s.blob_len_arg = 3;
+    s
+};
+
+/// `aclrtBinaryGetFunction(binHandle, kernelName, *funcHandle)`.
+const GET_FUNCTION: ProbeSpec = {
+    let mut s = spec(layer::RUNTIME, layer::POOL, &[FieldRead::arg_at_exit(2, 0, 8)]);
+    s.text_arg = 1;
+    s
+};
+
+const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
+    ApiDef {
+        api,
+        name: symbol,
+        symbol,
+        family: Family::AclRuntime,
+        spec,
+        decode,
+        out_of_memory: super::no_status,
+        layout: None,
+    }
+}
+
+pub(super) static TABLE: [ApiDef; 5] = [
+    // (dst, destMax, src, count, kind): the destination is written, the source read.
+    row(Api::AclrtMemcpy, "aclrtMemcpy", PLAIN, |c| Op::Copy { dst: c.args[0], src: c.args[2], size: c.args[3] }),
+    row(Api::AclrtMemcpyAsync, "aclrtMemcpyAsync", PLAIN, |c| Op::Copy {
+        dst: c.args[0],
+        src: c.args[2],
+        size: c.args[3],
+    }),
+    // (devPtr, maxCount, value, count)
+    row(Api::AclrtMemset, "aclrtMemset", PLAIN, |c| Op::Set { ptr: c.args[0], size: c.args[3] }),
+    row(Api::AclrtLaunchKernel, "aclrtLaunchKernel", LAUNCH, |c| Op::Launch {
+        function: c.args[0],
+        args: c.blob.clone().unwrap_or_default(),
+        args_size: c.args[3],
+        stream: c.args[4],
+    }),
+    row(Api::AclrtBinaryGetFunction, "aclrtBinaryGetFunction", GET_FUNCTION, |c| Op::KernelName {
+        function: c.result(),
+        name: c.text.clone(),
+    }),
+];
