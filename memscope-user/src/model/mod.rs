@@ -10,6 +10,7 @@
 mod access;
 pub mod event;
 mod marks;
+mod oom;
 pub mod tags;
 pub mod tracker;
 

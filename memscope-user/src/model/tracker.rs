@@ -163,7 +163,28 @@ pub enum Output {
         kind: AccessKind,
     },
     /// A kernel was launched (`KERNEL_LAUNCH` rows).
-    KernelLaunch { site: Site, device: DeviceKey, name: Option<String>, function: u64, stream: u64, args_size: u64 },
+    KernelLaunch {
+        site: Site,
+        device: DeviceKey,
+        name: Option<String>,
+        function: u64,
+        stream: u64,
+        args_size: u64,
+    },
+    /// One of the live blocks listed with an out-of-memory trigger (`OOM_RECENT_ALLOC` /
+    /// `OOM_TOP_ALLOC` rows, right after the `OOM_TRIGGER` of `site`).
+    OomBlock {
+        site: Site,
+        device: DeviceKey,
+        /// true: among the most recent; false: among the largest.
+        recent: bool,
+        rank: usize,
+        block_type: &'static str,
+        ptr: u64,
+        size: u64,
+        born_ns: u64,
+        owner: Option<String>,
+    },
     /// A step boundary (`SYSTEM`/`STEP`), numbered per process.
     Step {
         wall_ns: u64,
@@ -251,6 +272,7 @@ pub(super) struct PoolBlock {
     pub(super) labels: Labels,
     /// Born while collection was off: never reported.
     pub(super) hidden: bool,
+    pub(super) born_ns: u64,
 }
 
 /// An external block known by its handle, waiting for `GetBlockPtr`.
@@ -291,6 +313,7 @@ pub(super) struct Live {
     pub(super) base: OwnerBase,
     pub(super) labels: Labels,
     pub(super) hidden: bool,
+    pub(super) born_ns: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -458,6 +481,9 @@ impl Tracker {
             ptr,
             driver,
         });
+        if call.out_of_memory {
+            self.oom_snapshot(site, device, out);
+        }
     }
 
     fn apply_call(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
@@ -594,7 +620,10 @@ impl Tracker {
                         // The allocator gave up (after freeing its cache and retrying): out of memory.
                         self.stats(device).failures += 1;
                         let (status, out_of_memory, ptr, driver) = (0, true, None, None);
-                        out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver });
+                        if !self.is_paused(site.pid) {
+                            out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver });
+                            self.oom_snapshot(site, device, out);
+                        }
                     }
                 }
             }
@@ -724,7 +753,8 @@ impl Tracker {
             let owner = OwnerBase::Pool(pool).owner(&labels).unwrap_or_default();
             out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
         }
-        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden };
+        let born_ns = site.wall_ns;
+        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns };
         self.pool_index.insert((site.pid, ptr), ptr.saturating_add(block.size));
         self.pool_blocks.insert((site.pid, ptr), block);
     }
@@ -839,7 +869,8 @@ impl Tracker {
                 segment,
             });
         }
-        let block = Live { device, size, allocation_id, api: site.api, base, labels, hidden };
+        let born_ns = site.wall_ns;
+        let block = Live { device, size, allocation_id, api: site.api, base, labels, hidden, born_ns };
         self.block_index.insert((site.pid, ptr), (space, ptr.saturating_add(block.size)));
         self.blocks.insert((site.pid, space, ptr), block);
     }

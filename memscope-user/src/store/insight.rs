@@ -140,6 +140,17 @@ fn marker_row(event_type: &'static str, name: String, wall_ns: u64, pid: u32, ti
 pub fn to_row(output: &Output) -> Option<Row> {
     Some(match output {
         Output::Retag { .. } => return None,
+        Output::OomBlock { site, device, recent, rank, block_type, ptr, size, born_ns, owner } => {
+            let attr = Attr::new()
+                .with("pool", *block_type)
+                .addr("ptr", *ptr)
+                .with("size", *size)
+                .with("timestamp", *born_ns)
+                .with("rank", *rank as u64)
+                .with_opt("owner", owner.clone());
+            let event_type = if *recent { "OOM_RECENT_ALLOC" } else { "OOM_TOP_ALLOC" };
+            row(site, "OOM_DETAIL", event_type, *device, Some(*ptr), attr)
+        }
         Output::Access { site, device, block_type, block, allocation_id, pool, addr, size, kind } => {
             let event_type = match kind {
                 AccessKind::Read => "READ",
