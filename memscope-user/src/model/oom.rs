@@ -1,7 +1,8 @@
 //! What was alive when an allocation failed for lack of memory: the K most recent and the K
 //! largest live blocks of the device, listed right after the trigger (msMemScope's
-//! OOM_RECENT_ALLOC and OOM_TOP_ALLOC). Framework pool blocks are listed when the device has
-//! any (they say which tensors hold the memory); otherwise the runtime's blocks.
+//! OOM_RECENT_ALLOC and OOM_TOP_ALLOC). A framework pool giving up lists its own blocks (which
+//! tensors hold the memory); a runtime or driver failure lists the device's runtime blocks
+//! (which include the pool's segments).
 
 use super::event::DeviceKey;
 use super::tags;
@@ -20,21 +21,23 @@ struct Listed {
 }
 
 impl Tracker {
-    pub(super) fn oom_snapshot(&self, site: Site, device: DeviceKey, out: &mut Vec<Output>) {
-        let mut live: Vec<Listed> = self
-            .pool_blocks
-            .iter()
-            .filter(|((pid, _), b)| *pid == site.pid && b.device == device && !b.hidden)
-            .map(|((_, ptr), b)| Listed {
-                block_type: "PTA",
-                ptr: *ptr,
-                size: b.size,
-                born_ns: b.born_ns,
-                allocation_id: b.allocation_id,
-                owner: OwnerBase::Pool(b.pool).owner(&b.labels),
-            })
-            .collect();
-        if live.is_empty() {
+    pub(super) fn oom_snapshot(&self, site: Site, device: DeviceKey, pool: bool, out: &mut Vec<Output>) {
+        let mut live: Vec<Listed> = Vec::new();
+        if pool {
+            live = self
+                .pool_blocks
+                .iter()
+                .filter(|((pid, _), b)| *pid == site.pid && b.device == device && !b.hidden)
+                .map(|((_, ptr), b)| Listed {
+                    block_type: "PTA",
+                    ptr: *ptr,
+                    size: b.size,
+                    born_ns: b.born_ns,
+                    allocation_id: b.allocation_id,
+                    owner: OwnerBase::Pool(b.pool).owner(&b.labels),
+                })
+                .collect();
+        } else {
             live = self
                 .blocks
                 .iter()

@@ -482,7 +482,7 @@ impl Tracker {
             driver,
         });
         if call.out_of_memory {
-            self.oom_snapshot(site, device, out);
+            self.oom_snapshot(site, device, false, out);
         }
     }
 
@@ -622,7 +622,7 @@ impl Tracker {
                         let (status, out_of_memory, ptr, driver) = (0, true, None, None);
                         if !self.is_paused(site.pid) {
                             out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver });
-                            self.oom_snapshot(site, device, out);
+                            self.oom_snapshot(site, device, true, out);
                         }
                     }
                 }
