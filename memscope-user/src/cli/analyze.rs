@@ -13,6 +13,7 @@ use anyhow::{bail, Context as _};
 
 use crate::analysis::db::{self, DbFile, DumpDb};
 use crate::analysis::decompose::{self, TimeSpec};
+use crate::analysis::{inefficient, inefficient_out};
 use crate::analysis::render;
 
 /// An analysis, by msMemScope's `--analysis` name.
@@ -58,6 +59,20 @@ fn parse_analysis(text: &str) -> Result<Analysis, String> {
 /// framework's pool blocks, which live inside HAL memory; HOST: host memory), as the owner tree
 /// MindStudio Insight draws, at the peak of live device bytes and at the end of the trace. The
 /// trees are also written into each DB as table ms_decompose, replaced on every run.
+///
+/// inefficient: blocks that held memory while unused. msMemScope's definitions on its API index
+/// (early_allocation, late_deallocation, temporary_idleness; PTA caching and ATB pools) are
+/// written into each flagged MALLOC row's Attr as inefficient_type; Insight's time-based flags
+/// (lazy_used, delayed_free, long_idle) are computed when a threshold is given. Every accessed
+/// block's facts go into table ms_inefficient, replaced on every run.
+///   memscope-bpf analyze msout/ --analysis inefficient --long-idle 50ms,30%
+///
+/// leaks: per step (memscope.step(), mstx `step start` ranges, or --step-marker), msMemScope's
+/// leak candidates (blocks born after the warm-up and still live --min-steps whole steps later,
+/// by owner, with step of birth), HAL memory never freed, the live bytes at each step's end, and
+/// whether they rise in a sustained way (Mann-Kendall + Theil-Sen, at least 5 step ends; a single
+/// jump is not a rise) and which owners grew. Stored as tables ms_steps, ms_leaks, ms_degradation.
+///   memscope-bpf analyze msout/ --analysis leaks --warmup-steps 2
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -68,7 +83,7 @@ pub struct Args {
     pub inputs: Vec<PathBuf>,
 
     /// Analyses to run, comma-separated, by msMemScope's names: decompose, inefficient, leaks,
-    /// oom. Only decompose is implemented in this version. Default: decompose.
+    /// oom. Implemented in this version: decompose, inefficient, leaks. Default: decompose.
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_analysis)]
     pub analysis: Vec<Analysis>,
 
@@ -94,13 +109,22 @@ pub struct Args {
 
     /// Print JSON instead of text: an array of {db, device, point, ts_ns, family, nodes: [{path,
     /// depth, bytes, blocks}]}, one element per DB, instant and family; each tree's first node is
-    /// its root (path "", depth 0).
+    /// its root (path "", depth 0). inefficient adds one {db, device, analysis: "inefficient",
+    /// options, types, blocks, stats} per DB. leaks adds one {db, device, analysis: "leaks",
+    /// options, candidates, never_freed, steps, degradation, ...} per DB.
     #[arg(long)]
     pub json: bool,
 
-    /// Only print: open the DBs read-only and write no ms_decompose table (for read-only copies).
+    /// Only print: open the DBs read-only and write nothing into them (no ms_* tables, no
+    /// inefficient_type; for read-only copies).
     #[arg(long)]
     pub no_write: bool,
+
+    #[command(flatten)]
+    pub inefficient: inefficient::Options,
+
+    #[command(flatten)]
+    pub leaks: crate::analysis::leaks::Options,
 }
 
 /// `0`, `device_0`, `npu:0` all name device 0.
@@ -132,7 +156,11 @@ impl Stdout {
 }
 
 /// The analyses this build can run; each one adds itself here and an arm in [`analyse_one`].
-const IMPLEMENTED: &[Analysis] = &[Analysis::Decompose];
+const IMPLEMENTED: &[Analysis] = &[
+    Analysis::Decompose,
+    Analysis::Inefficient, // msMemScope's inefficient_type and Insight's time-based flags
+    Analysis::Leaks,       // step leak candidates, HAL never freed, degradation across steps
+];
 
 /// What every analysis gets for one DB.
 struct Context<'a> {
@@ -155,6 +183,23 @@ struct Reports {
 fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyhow::Result<()> {
     match analysis {
         Analysis::Decompose => decompose_one(dump, cx, out),
+        Analysis::Inefficient => {
+            let done = inefficient_out::run(dump.path(), cx.device, &cx.args.inefficient, cx.write, cx.run_wall_ns)?;
+            if let Some(line) = done.wrote {
+                eprintln!("memscope-bpf: {line}");
+            }
+            if cx.args.json { out.json.push(done.json) } else { out.text.push(done.text) }
+            Ok(())
+        }
+        Analysis::Leaks => Ok(crate::analysis::leaks::run_for_analyze(
+            dump.path(),
+            &cx.args.leaks,
+            cx.device,
+            cx.args.json,
+            cx.write.then_some(cx.run_wall_ns),
+            &mut out.text,
+            &mut out.json,
+        )?),
         other => bail!("`{}` is not implemented yet in this version", other.name()),
     }
 }
@@ -173,6 +218,38 @@ fn decompose_one(dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyh
         eprintln!("memscope-bpf: wrote {rows} rows into table {} of {}", db::DECOMPOSE_TABLE, cx.file.path.display());
     }
     Ok(())
+}
+
+/// Parses `analyze`'s own arguments, for runs started from other verbs.
+#[derive(clap::Parser)]
+struct Embedded {
+    #[command(flatten)]
+    args: Args,
+}
+
+/// Checks an `--analysis` list as `analyze` would, without running anything.
+pub fn check_list(list: &str) -> anyhow::Result<()> {
+    for name in list.split(',') {
+        let analysis = parse_analysis(name).map_err(anyhow::Error::msg)?;
+        if !IMPLEMENTED.contains(&analysis) {
+            let available: Vec<&str> = IMPLEMENTED.iter().map(|a| a.name()).collect();
+            bail!(
+                "--analysis: `{}` is not implemented yet in this version; the available analyses are: {}",
+                analysis.name(),
+                available.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `analyze DIR --analysis LIST` with every other option at its default: what `trace
+/// --analysis` runs on the trace it just wrote.
+pub fn run_on(dir: &std::path::Path, list: &str) -> anyhow::Result<()> {
+    use clap::Parser as _;
+    let dir = dir.to_string_lossy().into_owned();
+    let embedded = Embedded::try_parse_from(["analyze", dir.as_str(), "--analysis", list])?;
+    run(embedded.args)
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -340,7 +417,7 @@ mod tests {
 
     #[test]
     fn unimplemented_analyses_fail_before_touching_anything() {
-        for name in ["leaks", "inefficient", "oom:5"] {
+        for name in ["oom:5"] {
             let args = parse(&["/nonexistent/x.db", "--analysis", name]).unwrap();
             let err = run(args).unwrap_err().to_string();
             let base = name.split(':').next().unwrap();

@@ -70,6 +70,13 @@ pub struct Args {
     #[arg(short, long)]
     pub quiet: bool,
 
+    /// Analyses to run on the trace when it stops, by msMemScope's names (decompose,
+    /// inefficient, leaks, oom), comma-separated: exactly what `memscope-bpf analyze RUN_DIR
+    /// --analysis LIST` prints and stores, run on the DBs just written (so online and offline
+    /// results are the same by construction). Default: none.
+    #[arg(long, value_name = "LIST")]
+    pub analysis: Option<String>,
+
     /// Record nothing until the traced program starts collection itself with the markers
     /// (`memscope.start()`, or msMemScope's `start()` from `memscope.msmemscope`), as
     /// msMemScope's API mode does. Its `stop()` pauses again. Without this flag recording starts
@@ -114,6 +121,11 @@ fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // Checked before tracing: a typo must not cost a whole run.
+    let args_analysis = args.analysis.clone();
+    if let Some(list) = &args_analysis {
+        super::analyze::check_list(list)?;
+    }
     let target_given = args.pid.is_some() || !args.command.is_empty();
     if !target_given {
         bail!("nothing to trace: give --pid PID to attach to a running job, or `-- COMMAND` to launch one");
@@ -171,5 +183,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;
     let summary = runtime.block_on(session::run(plan))?;
     eprint!("{summary}");
+    if let Some(list) = &args_analysis {
+        if summary.run_dir.is_dir() {
+            super::analyze::run_on(&summary.run_dir, list).context("the analyses of the finished trace failed")?;
+        }
+    }
     Ok(())
 }

@@ -22,10 +22,8 @@ struct Listed {
 
 impl Tracker {
     pub(super) fn oom_snapshot(&self, site: Site, device: DeviceKey, pool: bool, out: &mut Vec<Output>) {
-        let mut live: Vec<Listed> = Vec::new();
-        if pool {
-            live = self
-                .pool_blocks
+        let mut live: Vec<Listed> = if pool {
+            self.pool_blocks
                 .iter()
                 .filter(|((pid, _), b)| *pid == site.pid && b.device == device && !b.hidden)
                 .map(|((_, ptr), b)| Listed {
@@ -36,10 +34,9 @@ impl Tracker {
                     allocation_id: b.allocation_id,
                     owner: OwnerBase::Pool(b.pool).owner(&b.labels),
                 })
-                .collect();
+                .collect()
         } else {
-            live = self
-                .blocks
+            self.blocks
                 .iter()
                 .filter(|((pid, _, _), b)| *pid == site.pid && b.device == device && !b.hidden)
                 .map(|((_, _, ptr), b)| Listed {
@@ -50,8 +47,8 @@ impl Tracker {
                     allocation_id: b.allocation_id,
                     owner: b.base.owner(&b.labels).or_else(|| Some(tags::owner_path(&b.base.label(), &b.labels))),
                 })
-                .collect();
-        }
+                .collect()
+        };
         live.sort_by(|a, b| b.born_ns.cmp(&a.born_ns).then(b.allocation_id.cmp(&a.allocation_id)));
         for (rank, b) in live.iter().take(OOM_TOP_K).enumerate() {
             out.push(listed(site, device, true, rank + 1, b));

@@ -392,3 +392,43 @@ fn wait_for_start_records_only_between_the_programs_start_and_stop() {
     let recorded: Vec<u64> = rows.keys().copied().collect();
     assert_eq!(recorded, [truth["between"]], "only the block allocated between start() and stop(); truth {truth:?}");
 }
+
+/// `trace --analysis decompose` stores the same trees that `analyze` computes offline on the
+/// same DB afterwards.
+#[test]
+fn online_decomposition_equals_the_offline_one() {
+    let env = env("tags_online_analysis");
+    let t = tags();
+    let (cmd, _, pool) = workload(&env, &t, "serve", &[]);
+    let out = env.scratch.join("out");
+    let (out_s, torch_s) = (out.display().to_string(), t.torch.display().to_string());
+    let mut args: Vec<String> =
+        ["trace", "--analysis", "decompose", "--output", &out_s, "--lib", &torch_s, "--"].map(str::to_owned).to_vec();
+    args.push(cmd.get_program().to_string_lossy().into_owned());
+    args.extend(cmd.get_args().map(|a| a.to_string_lossy().into_owned()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let vars: Vec<(&str, &Path)> =
+        vec![("PYTHONPATH", &t.markers), ("ASCEND_HOME_PATH", &env.ascend_home), ("STANDIN_TORCH_LEDGER", &pool)];
+    let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    let db = read_output(&out).db("device_0").to_owned();
+    let table = |path: &Path| -> Vec<(String, i64, String, String, i64, i64)> {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        let mut stmt = conn
+            .prepare(
+                "SELECT point, ts_ns, family, owner, bytes, blocks FROM ms_decompose ORDER BY point, family, owner",
+            )
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    };
+    let online = table(&db);
+    assert!(online.iter().any(|r| r.3 == "PTA@vllm@kv_cache"), "the online run stored the trees: {online:?}");
+    let copy = env.scratch.join("copy.db");
+    std::fs::copy(&db, &copy).unwrap();
+    let offline = std::process::Command::new(&env.bin).args(["analyze", "--decompose"]).arg(&copy).output().unwrap();
+    assert!(offline.status.success(), "{}", String::from_utf8_lossy(&offline.stderr));
+    assert_eq!(table(&copy), online);
+}
