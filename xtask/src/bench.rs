@@ -28,6 +28,9 @@ pub struct Options {
     /// Skip `cargo xtask setup`.
     #[arg(long)]
     pub no_setup: bool,
+    /// Allocation pairs traced for the analysis-throughput DB (each pair is 2 rows; 0 skips it).
+    #[arg(long, default_value_t = 5_000_000)]
+    pub analysis_pairs: u64,
 }
 
 struct Sample {
@@ -174,6 +177,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     md.push_str(&format!("\nmemscope-bpf per run: {}\n", details.join("; ")));
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
+    if opts.analysis_pairs > 0 {
+        md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), opts.analysis_pairs)?);
+    }
     std::fs::write(dir.join("results.md"), &md)?;
     println!("{md}");
     Ok(())

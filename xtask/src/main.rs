@@ -7,6 +7,7 @@
 //! - `bench`: cost per traced allocation+free pair, against bpftrace on the same symbols.
 
 mod bench;
+mod bench_analysis;
 mod bench_markers;
 mod build;
 mod demo;
