@@ -99,12 +99,18 @@ pub struct Store {
     meta: Meta,
     probes: Vec<ProbeRow>,
     open: BTreeMap<DeviceKey, Open>,
-    /// Rows every output gets (steps, marks): kept to replay into outputs created later.
+    /// Rows every output gets (steps, marks, operators): kept to replay into outputs created
+    /// later, at most [`REPLAY_LIMIT`].
     broadcast: Vec<Row>,
+    /// Broadcast rows past the limit, which an output created after them does not get.
+    not_replayed: u64,
     /// The `ID` of each live block's MALLOC row, by (device, pid, Event Type, Ptr), so an owner
     /// change can find it.
     malloc_ids: HashMap<(DeviceKey, u32, &'static str, u64), u64>,
 }
+
+/// Broadcast rows kept for replay into outputs created later.
+const REPLAY_LIMIT: usize = 65_536;
 
 /// An owner change of a live block (see [`Store::retag`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -126,6 +132,7 @@ impl Store {
             probes: Vec::new(),
             open: BTreeMap::new(),
             broadcast: Vec::new(),
+            not_replayed: 0,
             malloc_ids: HashMap::new(),
         }
     }
@@ -158,7 +165,13 @@ impl Store {
                 open.sink.insert(open.next_id, &Row { device: *device, ..row.clone() })?;
                 open.next_id += 1;
             }
-            self.broadcast.push(row.clone());
+            // Kept for outputs created later, up to a bound: operator rows can be millions, and
+            // a job's device outputs normally all exist after its first allocations.
+            if self.broadcast.len() < REPLAY_LIMIT {
+                self.broadcast.push(row.clone());
+            } else {
+                self.not_replayed += 1;
+            }
             return Ok(());
         }
         let open = self.sink(row.device)?;
@@ -213,6 +226,9 @@ impl Store {
         lost_per_cpu: &[u64],
     ) -> Result<Vec<Written>, StoreError> {
         let mut meta = self.meta.clone();
+        if self.not_replayed > 0 {
+            meta.push(("broadcast_rows_not_replayed".into(), self.not_replayed.to_string()));
+        }
         for (k, v) in final_meta {
             meta.retain(|(key, _)| key != k);
             meta.push((k.clone(), v.clone()));
