@@ -10,6 +10,9 @@ Run: PYTHONPATH=<install dir> python3 markers/bench/untraced.py [--rounds 7] [--
 
 With `--wait-tracer SECONDS` it first waits for a tracer to attach (printing its pid on stderr
 so one can be started), which gives the traced cost for comparison; use fewer `--calls` then.
+
+With `--torch` (a Python with torch) it also times one small CPU operator bare and inside
+`memscope.torch.trace_ops()`: the dispatch mode's own cost per operator, which dwarfs the probes'.
 """
 
 import argparse
@@ -32,6 +35,9 @@ SETUP = (
     "range_start = memscope.range_start\n"
     "range_end = memscope.range_end\n"
     "noop = _native._noop\n"
+    "op_start = _native.op_start\n"
+    "op_end = _native.op_end\n"
+    "access = _native.tensor_access\n"
     "t = ()\n"
 )
 
@@ -47,7 +53,19 @@ CASES = {
     "describe_addr": ("describe(12345, owner='x')", 1),
     "mark": ("mark('x')", 1),
     "range_start+range_end_pair": ("range_end(range_start('x'))", 1),
+    "op_start+op_end_pair": ("op_start('aten.mm.default'); op_end('aten.mm.default')", 1),
+    "tensor_access": ("access(140000000000000, 128, 0, 'float32[4,8]')", 1),
 }
+
+TORCH_SETUP = (
+    "import torch, memscope.torch\n"
+    "torch.set_num_threads(1)\n"
+    "x = torch.ones(16)\n"
+    "add = torch.add\n"
+)
+
+# name -> statement; run once per round without and once with trace_ops() entered around the loop.
+TORCH_CASES = {"torch_add_16_floats": "add(x, 1)"}
 
 
 def main():
@@ -57,6 +75,7 @@ def main():
     ap.add_argument("--wait-tracer", type=float, default=0.0, metavar="SECONDS",
                     help="wait this long for a tracer to attach before measuring")
     ap.add_argument("--cases", help="comma-separated subset of: " + ", ".join(CASES))
+    ap.add_argument("--torch", action="store_true", help="also time an operator inside trace_ops() (needs torch)")
     a = ap.parse_args()
     cases = dict(CASES)
     if a.cases:
@@ -91,6 +110,16 @@ def main():
         "net_ns": {k: round(v - loop / CASES[k][1], 1) for k, v in results.items() if k != "empty_loop"},
         "memscope_file": memscope.__file__,
     }
+    if a.torch:
+        calls = max(1, a.calls // 20)  # an operator costs microseconds
+        per_op = {}
+        for name, stmt in TORCH_CASES.items():
+            bare = min(timeit.repeat(stmt, TORCH_SETUP, repeat=a.rounds, number=calls)) / calls * 1e9
+            mode = TORCH_SETUP + "mode = memscope.torch.trace_ops(); mode.__enter__()\n"
+            traced = min(timeit.repeat(stmt, mode, repeat=a.rounds, number=calls)) / calls * 1e9
+            per_op[name] = {"bare_ns": round(bare, 1), "in_trace_ops_ns": round(traced, 1),
+                            "overhead_ns": round(traced - bare, 1)}
+        out["trace_ops_per_operator"] = per_op
     print(json.dumps(out, indent=2))
 
 

@@ -184,6 +184,57 @@ class LabelChecks(unittest.TestCase):
         self.check_both_paths(lambda: _native.addr_tag("1", "x"), TypeError, "address must be an int")
 
 
+class OperatorProbes(unittest.TestCase):
+    """The probes memscope.torch.trace_ops fires. Their text comes from the framework, so it is
+    clipped to 128 bytes (on a character boundary) rather than rejected; types and the access
+    kind are checked the same way traced or not."""
+
+    def test_sends_name_and_tensor_in_contract_order(self):
+        with recording() as calls:
+            _native.op_start("aten.mm.default")
+            _native.tensor_access(0x7F0000001000, 128, 0, "float32[4,8]")
+            _native.tensor_access(2 ** 64 - 1, 0, True, "")
+            _native.op_end("aten.mm.default")
+        self.assertEqual(calls, [("op_start", ("aten.mm.default",)),
+                                 ("tensor_access", (0x7F0000001000, 128, 0, "float32[4,8]")),
+                                 ("tensor_access", (2 ** 64 - 1, 0, 1, "")),
+                                 ("op_end", ("aten.mm.default",))])
+
+    def test_long_text_is_clipped_on_a_character_boundary(self):
+        with recording() as calls:
+            _native.op_start("a" * 300)
+            _native.op_end("é" * 65)  # 130 bytes: 64 characters fit
+            _native.tensor_access(1, 1, 1, "x" * 127 + "é")  # 129 bytes: the é does not fit
+            _native.tensor_access(1, 1, 1, "a\0b")  # the C string ends at the NUL
+        sent = [c[1][-1] for c in calls]
+        self.assertEqual(sent, ["a" * 128, "é" * 64, "x" * 127, "a"])
+
+    def test_checks_on_both_paths(self):
+        for fn, exc, pattern in [
+            (lambda: _native.op_start(b"x"), TypeError, "operator name must be a str"),
+            (lambda: _native.op_end(None), TypeError, "operator name must be a str"),
+            (lambda: _native.tensor_access(1, 1, 2, "x"), ValueError, "kind must be 0 \\(read\\) or 1"),
+            (lambda: _native.tensor_access(1, 1, 2 ** 80, "x"), ValueError, "kind must be 0"),
+            (lambda: _native.tensor_access(1, 1, 0.0, "x"), TypeError, "kind must be an int"),
+            (lambda: _native.tensor_access(-1, 1, 0, "x"), ValueError, "address must be in 0..2"),
+            (lambda: _native.tensor_access(1, -1, 0, "x"), ValueError, "size must be in 0..2"),
+            (lambda: _native.tensor_access(1, 1, 0, 3), TypeError, "description must be a str"),
+            (lambda: _native.tensor_access(1, 1, 0), TypeError, "takes 4 arguments"),
+        ]:
+            with self.subTest(pattern=pattern):
+                with self.assertRaisesRegex(exc, pattern):
+                    fn()
+                with recording() as calls:
+                    with self.assertRaisesRegex(exc, pattern):
+                        fn()
+                self.assertEqual(calls, [])
+
+    def test_untraced_sends_nothing(self):
+        self.assertFalse(_native._enabled("op_start"))
+        self.assertIsNone(_native.op_start("aten.mm.default"))
+        self.assertIsNone(_native.tensor_access(1, 2, 1, "x"))
+
+
 class DescribeForms(unittest.TestCase):
     def test_with(self):
         with recording() as calls:

@@ -38,6 +38,10 @@ CHILD = textwrap.dedent("""
     memscope.mark("m")
     memscope.start()
     memscope.stop()
+    from memscope import _native
+    _native.op_start("aten.mm.default")
+    _native.tensor_access(0xabc010, 128, 1, "float32[4,8]")
+    _native.op_end("aten.mm.default")
 """)
 
 SCRIPT = """
@@ -49,6 +53,9 @@ usdt:{so}:memscope:mark {{ printf("mark %s\\n", str(arg0)); }}
 usdt:{so}:memscope:range_start {{ printf("range_start %d %s\\n", arg0, str(arg1)); }}
 usdt:{so}:memscope:range_end {{ printf("range_end %d\\n", arg0); }}
 usdt:{so}:memscope:collect {{ printf("collect %d\\n", arg0); }}
+usdt:{so}:memscope:op_start {{ printf("op_start %s\\n", str(arg0)); }}
+usdt:{so}:memscope:op_end {{ printf("op_end %s\\n", str(arg0)); }}
+usdt:{so}:memscope:tensor_access {{ printf("tensor_access %x %d %d %s\\n", arg0, arg1, arg2, str(arg3)); }}
 """
 
 
@@ -74,7 +81,8 @@ class Bpftrace(unittest.TestCase):
             lines = [line for line in bt_out.splitlines() if line.split(" ")[0] in _native.PROBES]
             self.assertEqual(lines, [
                 "tag_push 5 span", "addr_tag abc000 3 blk-\u00e9", "tag_pop 5 span", "step 1", "range_start 1 r",
-                "range_end 1", "mark m", "collect 1", "collect 0",
+                "range_end 1", "mark m", "collect 1", "collect 0", "op_start aten.mm.default",
+                "tensor_access abc010 128 1 float32[4,8]", "op_end aten.mm.default",
             ], bt_out)
 
 

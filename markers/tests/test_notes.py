@@ -31,6 +31,9 @@ EXPECTED = {
     "range_start": ["8", "8"],
     "range_end": ["8"],
     "collect": ["-8"],
+    "op_start": ["8"],
+    "op_end": ["8"],
+    "tensor_access": ["8", "8", "-8", "8"],
 }
 
 X86_OPERAND = re.compile(r"^(%[a-z0-9]+|-?(0x[0-9a-f]+|[0-9]+)?\(%[a-z0-9]+\)|\$-?[0-9]+)$")

@@ -21,6 +21,13 @@
  *   step(int64 step)                       mark(char *msg)
  *   range_start(uint64 id, char *msg)      range_end(uint64 id)
  *   collect(int64 on)
+ *   op_start(char *name)                   op_end(char *name)
+ *   tensor_access(uint64 ptr, uint64 nbytes, int64 kind, char *desc)   kind 0 read, 1 write
+ *
+ * The operator probes (memscope.torch.trace_ops) carry text the framework makes, not the user:
+ * an operator name ("aten.mm.default") and a tensor description ("float32[4,8]"). Those are
+ * clipped to LABEL_MAX bytes on a UTF-8 character boundary instead of rejected, because a traced
+ * operator must never raise over its own name.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,7 +45,9 @@
 #define LEVEL_USER 5
 
 /* ---- semaphores: one per probe, in .probes (see memscope_usdt.h for why there) ---- */
-#define MEMSCOPE_PROBES(X) X(tag_push) X(tag_pop) X(addr_tag) X(step) X(mark) X(range_start) X(range_end) X(collect)
+#define MEMSCOPE_PROBES(X)                                                                            \
+    X(tag_push) X(tag_pop) X(addr_tag) X(step) X(mark) X(range_start) X(range_end) X(collect) X(op_start) X(op_end) \
+    X(tensor_access)
 
 #define DEFINE_SEMAPHORE(p) MEMSCOPE_USDT_SEMAPHORE(memscope_##p##_semaphore);
 MEMSCOPE_PROBES(DEFINE_SEMAPHORE)
@@ -216,6 +225,33 @@ static int parse_label_level(const char *fname, PyObject *const *args, Py_ssize_
     return 0;
 }
 
+/*
+ * Framework text (an operator name, a tensor description) as the C string the probe passes: the
+ * str's own UTF-8 buffer when it fits in LABEL_MAX bytes, else its longest prefix that ends on a
+ * character boundary, copied into buf (LABEL_MAX + 1 bytes). An interior NUL ends the C string
+ * early, which is all the tracer would read anyway. Only the traced path calls this, so a str
+ * CPython cannot encode (lone surrogates) is sent as "?" rather than raising only while traced.
+ */
+static const char *framework_text(PyObject *obj, char *buf) {
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (s == NULL) {
+        PyErr_Clear();
+        return "?";
+    }
+    if (n <= LABEL_MAX) {
+        return s;
+    }
+    Py_ssize_t k = LABEL_MAX;
+    /* s[k] is the first byte cut off: while it continues a character, cut that character too. */
+    while (k > 0 && ((unsigned char)s[k] & 0xC0) == 0x80) {
+        k--;
+    }
+    memcpy(buf, s, (size_t)k);
+    buf[k] = '\0';
+    return buf;
+}
+
 /* ---- cold paths: the probe sites ---- */
 
 COLD static PyObject *fire_tag_push(long long level, PyObject *label, const char *s) {
@@ -272,6 +308,35 @@ COLD static PyObject *fire_collect(int64_t on) {
         MEMSCOPE_USDT1(memscope, collect, memscope_collect_semaphore, S64, on);
     }
     return call_hook("s(L)", "collect", (long long)on);
+}
+
+COLD static PyObject *fire_op_start(PyObject *name) {
+    char buf[LABEL_MAX + 1];
+    const char *s = framework_text(name, buf);
+    if (memscope_op_start_semaphore) {
+        MEMSCOPE_USDT1(memscope, op_start, memscope_op_start_semaphore, PTR, s);
+    }
+    return call_hook("s(s)", "op_start", s);
+}
+
+COLD static PyObject *fire_op_end(PyObject *name) {
+    char buf[LABEL_MAX + 1];
+    const char *s = framework_text(name, buf);
+    if (memscope_op_end_semaphore) {
+        MEMSCOPE_USDT1(memscope, op_end, memscope_op_end_semaphore, PTR, s);
+    }
+    return call_hook("s(s)", "op_end", s);
+}
+
+COLD static PyObject *fire_tensor_access(uint64_t ptr, uint64_t nbytes, int64_t kind, PyObject *desc) {
+    char buf[LABEL_MAX + 1];
+    const char *s = framework_text(desc, buf);
+    if (memscope_tensor_access_semaphore) {
+        MEMSCOPE_USDT4(memscope, tensor_access, memscope_tensor_access_semaphore, U64, ptr, U64, nbytes, S64, kind,
+                       PTR, s);
+    }
+    return call_hook("s(KKLs)", "tensor_access", (unsigned long long)ptr, (unsigned long long)nbytes,
+                     (long long)kind, s);
 }
 
 /* ---- the Python-facing functions ---- */
@@ -407,6 +472,68 @@ static PyObject *py_collect(PyObject *self, PyObject *on_obj) {
     return fire_collect(on);
 }
 
+static inline int check_op_name(PyObject *name) {
+    if (__builtin_expect(PyUnicode_Check(name), 1)) {
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "memscope: the operator name must be a str, not %.100s", Py_TYPE(name)->tp_name);
+    return -1;
+}
+
+static PyObject *py_op_start(PyObject *self, PyObject *name) {
+    (void)self;
+    if (check_op_name(name) < 0) {
+        return NULL;
+    }
+    if (QUIET(op_start)) {
+        Py_RETURN_NONE;
+    }
+    return fire_op_start(name);
+}
+
+static PyObject *py_op_end(PyObject *self, PyObject *name) {
+    (void)self;
+    if (check_op_name(name) < 0) {
+        return NULL;
+    }
+    if (QUIET(op_end)) {
+        Py_RETURN_NONE;
+    }
+    return fire_op_end(name);
+}
+
+static PyObject *py_tensor_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    uint64_t ptr, nbytes;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "tensor_access(ptr, nbytes, kind, desc) takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (get_u64(args[0], "address", &ptr) < 0 || get_u64(args[1], "size", &nbytes) < 0) {
+        return NULL;
+    }
+    if (!PyLong_Check(args[2])) {
+        PyErr_Format(PyExc_TypeError, "memscope: the access kind must be an int, not %.100s",
+                     Py_TYPE(args[2])->tp_name);
+        return NULL;
+    }
+    int overflow;
+    long kind = PyLong_AsLongAndOverflow(args[2], &overflow); /* no error for an int, only the flag */
+    if (overflow || (kind != 0 && kind != 1)) {
+        PyErr_SetString(PyExc_ValueError, "memscope: the access kind must be 0 (read) or 1 (write)");
+        return NULL;
+    }
+    if (!PyUnicode_Check(args[3])) {
+        PyErr_Format(PyExc_TypeError, "memscope: the tensor description must be a str, not %.100s",
+                     Py_TYPE(args[3])->tp_name);
+        return NULL;
+    }
+    if (QUIET(tensor_access)) {
+        Py_RETURN_NONE;
+    }
+    return fire_tensor_access(ptr, nbytes, (int64_t)kind, args[3]);
+}
+
 /* ---- introspection ---- */
 
 static PyObject *py_semaphores(PyObject *self, PyObject *unused) {
@@ -501,6 +628,15 @@ static PyMethodDef native_methods[] = {
      "range_end($module, range_id, /)\n--\n\nClose a range (probe memscope:range_end(id))."},
     {"collect", py_collect, METH_O,
      "collect($module, on, /)\n--\n\nStart (true) or stop (false) collection (probe memscope:collect(on))."},
+    {"op_start", py_op_start, METH_O,
+     "op_start($module, name, /)\n--\n\n"
+     "An operator begins (probe memscope:op_start(name)); names over 128 bytes are clipped, not rejected."},
+    {"op_end", py_op_end, METH_O,
+     "op_end($module, name, /)\n--\n\nAn operator ends (probe memscope:op_end(name)); pair with op_start."},
+    {"tensor_access", (PyCFunction)(void (*)(void))py_tensor_access, METH_FASTCALL,
+     "tensor_access($module, ptr, nbytes, kind, desc, /)\n--\n\n"
+     "The current operator reads (kind 0) or writes (kind 1) nbytes at ptr; desc is dtype and shape "
+     "(\"float32[4,8]\", clipped to 128 bytes). Probe memscope:tensor_access(ptr, nbytes, kind, desc)."},
     {"semaphores", py_semaphores, METH_NOARGS,
      "semaphores($module, /)\n--\n\n"
      "Probe name -> current semaphore value; a tracer raises it while the probe is attached."},

@@ -126,6 +126,14 @@
                          : [_msu_a1] "nor"(_MSU_CAST_##t1(a1)), [_msu_a2] "nor"(_MSU_CAST_##t2(a2)), \
                            [_msu_a3] "nor"(_MSU_CAST_##t3(a3)))
 
+#define MEMSCOPE_USDT4(provider, name, sem, t1, a1, t2, a2, t3, a3, t4, a4)                         \
+    __asm__ __volatile__(_MSU_ASM(provider, name, sem,                                              \
+                                  _MSU_SIZE_##t1 "@%[_msu_a1] " _MSU_SIZE_##t2 "@%[_msu_a2] "       \
+                                  _MSU_SIZE_##t3 "@%[_msu_a3] " _MSU_SIZE_##t4 "@%[_msu_a4]")       \
+                         :                                                                          \
+                         : [_msu_a1] "nor"(_MSU_CAST_##t1(a1)), [_msu_a2] "nor"(_MSU_CAST_##t2(a2)), \
+                           [_msu_a3] "nor"(_MSU_CAST_##t3(a3)), [_msu_a4] "nor"(_MSU_CAST_##t4(a4)))
+
 #else /* !MEMSCOPE_USDT_SUPPORTED */
 
 #define MEMSCOPE_USDT_SEMAPHORE(sym) volatile unsigned short sym = 0
@@ -133,6 +141,8 @@
 #define MEMSCOPE_USDT1(provider, name, sem, t1, a1) ((void)(a1))
 #define MEMSCOPE_USDT2(provider, name, sem, t1, a1, t2, a2) ((void)(a1), (void)(a2))
 #define MEMSCOPE_USDT3(provider, name, sem, t1, a1, t2, a2, t3, a3) ((void)(a1), (void)(a2), (void)(a3))
+#define MEMSCOPE_USDT4(provider, name, sem, t1, a1, t2, a2, t3, a3, t4, a4)                         \
+    ((void)(a1), (void)(a2), (void)(a3), (void)(a4))
 
 #endif /* MEMSCOPE_USDT_SUPPORTED */
 

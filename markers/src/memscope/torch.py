@@ -31,11 +31,37 @@ What gets tagged, and why this way:
 The label stacks the tracer keeps are per thread. On CPU the backward runs on the thread that
 called ``backward()``; on an accelerator autograd may run it on a device thread, in which case the
 backward span is pushed and popped on that thread.
+
+Operators (:func:`trace_ops`), as msMemScope's aten collection does it (a ``TorchDispatchMode``),
+so the tracer can write ``OP_LAUNCH`` rows and ``ACCESS`` rows for the inefficient-memory
+analyses, which count uses of a block in operators. Per operator, on the thread that runs it:
+
+* ``op_start(str(func))`` (``aten.mm.default``), then one ``tensor_access`` READ per input tensor,
+  the operator itself, one WRITE per mutated input (after the operator: an ``out=`` tensor may
+  have been resized onto new storage), one WRITE per output tensor, and ``op_end`` (also when the
+  operator raises, so the tracer's per-thread operator stack stays balanced).
+* which inputs and outputs count comes from the operator's schema, with msMemScope's rules:
+  an argument annotated as written (``Tensor(a!)``: in-place ``self``, ``out=``) is a WRITE; one
+  annotated as an alias without a write (``Tensor(a)``: views) is not an access at all, nor is a
+  return annotated as an alias (a view, or the in-place result already counted as a WRITE);
+  factory operators (``new_*``, ``*_like``) only read their inputs' metadata, so those inputs are
+  not accesses; the outputs of ``empty``-family operators are allocated, not written, so they are
+  not accesses either (msMemScope exempts ``empty_like`` for the same reason).
+* a tensor is sent as ``tensor.data_ptr()`` (where its elements start, inside the storage's
+  block; the tracer resolves it to that block) and ``tensor.nbytes`` (elements x item size: the
+  bytes this tensor covers, as msMemScope's ``tensor_size``), with ``"<dtype>[d0,d1,...]"``
+  (``float32[4,8]``) as its description. Tensors with no elements or no readable data pointer
+  (meta, fake, sparse) are skipped: they touch no block.
+
+A ``TorchDispatchMode`` sends every operator of the thread through Python, so ``trace_ops()``
+costs microseconds per operator even untraced; the probes themselves are checked once per
+operator (``op_start``'s semaphore) and nothing else is computed while no tracer listens. Only
+eager operators are seen: a compiled graph runs its kernels without dispatching each aten op.
 """
 
 from . import DETAIL_1, PROCESS, _native
 
-__all__ = ["auto_tag", "AutoTagHandle", "tag_tensors", "tag_optimizer", "storage_bytes"]
+__all__ = ["auto_tag", "AutoTagHandle", "tag_tensors", "tag_optimizer", "storage_bytes", "trace_ops"]
 
 _addr_tag = _native.addr_tag
 _push = _native.tag_push
@@ -217,3 +243,144 @@ def auto_tag(model, optimizer=None):
             tag_tensors(states, "optimizer_state", DETAIL_1, seen)
     return handle
 
+
+
+# ---- operators: trace_ops ----
+
+_READ = 0
+_WRITE = 1
+_op_start = _native.op_start
+_op_end = _native.op_end
+_tensor_access = _native.tensor_access
+_enabled = _native._enabled
+
+
+class _OpPlan:
+    """What one operator's schema says about its tensors, worked out once per operator."""
+
+    __slots__ = ("name", "roles", "by_name", "returns")
+
+    def __init__(self, func):
+        self.name = str(func)
+        schema = getattr(func, "_schema", None)
+        if schema is None:  # not an operator overload: name it, but claim no accesses
+            self.roles, self.by_name, self.returns = (), {}, ()
+            return
+        base = schema.name.split("::")[-1]
+        factory = base.startswith("new_") or base.endswith("_like")
+        roles = []
+        for a in schema.arguments:
+            info = a.alias_info
+            if info is not None and info.is_write:
+                roles.append(_WRITE)
+            elif info is not None or factory:
+                roles.append(None)  # a view's input, or a factory's template: metadata only
+            else:
+                roles.append(_READ)
+        self.roles = tuple(roles)
+        self.by_name = {a.name: r for a, r in zip(schema.arguments, roles)}
+        fresh = "empty" not in base
+        self.returns = tuple(fresh and r.alias_info is None for r in schema.returns)
+
+
+_plans = {}
+_dtype_names = {}
+
+
+def _plan(func):
+    p = _plans.get(func)
+    if p is None:
+        p = _plans[func] = _OpPlan(func)
+    return p
+
+
+def _tensors(value, out):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+
+
+def _send(tensors, kind):
+    for t in tensors:
+        try:
+            nbytes = t.nbytes
+            ptr = t.data_ptr() if nbytes else 0
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            continue  # no storage to point at: meta, fake, sparse, ...
+        if not ptr:
+            continue
+        dtype = t.dtype
+        name = _dtype_names.get(dtype)
+        if name is None:
+            name = _dtype_names[dtype] = str(dtype).rpartition(".")[2]
+        _tensor_access(ptr, nbytes, kind, name + "[" + ",".join([str(d) for d in t.shape]) + "]")
+
+
+_mode_class = None
+
+
+def _ops_mode():
+    global _mode_class
+    if _mode_class is not None:
+        return _mode_class
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpsMode(TorchDispatchMode):
+        """memscope.torch.trace_ops(): see the module docstring."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if kwargs is None:
+                kwargs = {}
+            if not _enabled("op_start"):
+                return func(*args, **kwargs)
+            plan = _plans.get(func) or _plan(func)
+            name = plan.name
+            _op_start(name)
+            try:
+                if not _enabled("tensor_access"):
+                    return func(*args, **kwargs)
+                reads, writes = [], []
+                roles = plan.roles
+                for i, value in enumerate(args):
+                    role = roles[i] if i < len(roles) else None
+                    if role is not None:
+                        _tensors(value, reads if role == _READ else writes)
+                for key, value in kwargs.items():
+                    role = plan.by_name.get(key)
+                    if role is not None:
+                        _tensors(value, reads if role == _READ else writes)
+                _send(reads, _READ)
+                out = func(*args, **kwargs)
+                written = writes
+                returns = plan.returns
+                if len(returns) == 1:
+                    if returns[0]:
+                        _tensors(out, written)
+                elif isinstance(out, (list, tuple)):
+                    for fresh, value in zip(returns, out):
+                        if fresh:
+                            _tensors(value, written)
+                _send(written, _WRITE)
+                return out
+            finally:
+                _op_end(name)
+
+    _mode_class = OpsMode
+    return OpsMode
+
+
+def trace_ops():
+    """A context manager that reports every operator the current thread runs (and the backward
+    autograd runs for it) to the tracer: ``op_start``/``op_end`` around each, and a
+    ``tensor_access`` read or write per tensor it uses. See the module docstring for the rules.
+
+    ``with memscope.torch.trace_ops(): loss = model(x).sum(); loss.backward()``
+
+    Nothing is sent while no tracer listens, but the dispatch mode still routes each operator
+    through Python (microseconds per operator): enter it around the code to analyse.
+    """
+    return _ops_mode()()

@@ -2,6 +2,10 @@
 //! `memscope`, one probe per marker, each with a fixed argument order. This table is the contract
 //! with the package's C extension; the tracer attaches every call site of these probes in any
 //! library that carries them, and decodes a hit into a model [`Marker`].
+//!
+//! Ids are never reused or renumbered: a tracer and a markers build of different versions then
+//! still agree on every probe both know, and a probe only one side knows is simply not attached
+//! (its semaphore stays 0, so the package does not even build its arguments).
 
 use crate::model::Marker;
 use crate::record::RawUsdt;
@@ -21,6 +25,9 @@ pub enum MarkerProbe {
     RangeStart = 6,
     RangeEnd = 7,
     Collect = 8,
+    OpStart = 9,
+    OpEnd = 10,
+    TensorAccess = 11,
 }
 
 /// One probe of the contract.
@@ -38,7 +45,7 @@ const fn def(probe: MarkerProbe, name: &'static str, args: usize, text_arg: Opti
     MarkerDef { probe, name, args, text_arg }
 }
 
-pub static PROBES: [MarkerDef; 8] = [
+pub static PROBES: [MarkerDef; 11] = [
     def(MarkerProbe::TagPush, "tag_push", 2, Some(1)),
     def(MarkerProbe::TagPop, "tag_pop", 2, Some(1)),
     def(MarkerProbe::AddrTag, "addr_tag", 3, Some(2)),
@@ -47,6 +54,10 @@ pub static PROBES: [MarkerDef; 8] = [
     def(MarkerProbe::RangeStart, "range_start", 2, Some(1)),
     def(MarkerProbe::RangeEnd, "range_end", 1, None),
     def(MarkerProbe::Collect, "collect", 1, None),
+    def(MarkerProbe::OpStart, "op_start", 1, Some(0)),
+    def(MarkerProbe::OpEnd, "op_end", 1, Some(0)),
+    // ptr, nbytes, kind (0 read, 1 write), desc ("float32[4,8]")
+    def(MarkerProbe::TensorAccess, "tensor_access", 4, Some(3)),
 ];
 
 /// The definition of a probe named in a note, if it is ours.
@@ -74,6 +85,10 @@ pub fn decode(raw: &RawUsdt) -> Option<Marker> {
         MarkerProbe::RangeStart => Marker::RangeStart { id: a[0], message: text().unwrap_or_default() },
         MarkerProbe::RangeEnd => Marker::RangeEnd { id: a[0] },
         MarkerProbe::Collect => Marker::Collect { on: a[0] != 0 },
+        // An unreadable name still opens and closes an operator: the sequence stays balanced.
+        MarkerProbe::OpStart => Marker::OpStart { name: text().unwrap_or_default() },
+        MarkerProbe::OpEnd => Marker::OpEnd { name: text().unwrap_or_default() },
+        MarkerProbe::TensorAccess => Marker::TensorAccess { ptr: a[0], size: a[1], write: a[2] != 0, desc: text() },
     })
 }
 
@@ -94,6 +109,23 @@ mod tests {
         assert_eq!(decode(&raw(MarkerProbe::Step, [7, 0, 0, 0, 0, 0], None)), Some(Marker::Step { number: Some(7) }));
         assert_eq!(decode(&raw(MarkerProbe::Collect, [0; 6], None)), Some(Marker::Collect { on: false }));
         assert_eq!(decode(&raw(MarkerProbe::RangeEnd, [9, 0, 0, 0, 0, 0], None)), Some(Marker::RangeEnd { id: 9 }));
+    }
+
+    #[test]
+    fn operator_probes_decode_name_and_tensor_in_the_package_argument_order() {
+        let start = decode(&raw(MarkerProbe::OpStart, [0x7f00, 0, 0, 0, 0, 0], Some("aten.mm.default"))).unwrap();
+        assert_eq!(start, Marker::OpStart { name: "aten.mm.default".into() });
+        assert_eq!(decode(&raw(MarkerProbe::OpEnd, [0; 6], None)), Some(Marker::OpEnd { name: String::new() }));
+        let read = decode(&raw(MarkerProbe::TensorAccess, [0xa000, 128, 0, 0x7f00, 0, 0], Some("float32[4,8]")));
+        assert_eq!(
+            read,
+            Some(Marker::TensorAccess { ptr: 0xa000, size: 128, write: false, desc: Some("float32[4,8]".into()) })
+        );
+        let write = decode(&raw(MarkerProbe::TensorAccess, [0xb000, 16, 1, 0, 0, 0], None)).unwrap();
+        assert_eq!(write, Marker::TensorAccess { ptr: 0xb000, size: 16, write: true, desc: None });
+        let def = find("memscope", "tensor_access").unwrap();
+        assert_eq!((def.probe as u32, def.args, def.text_arg), (11, 4, Some(3)));
+        assert_eq!(PROBES.iter().map(|d| d.probe as u32).collect::<Vec<_>>(), (1..=11).collect::<Vec<_>>());
     }
 
     #[test]

@@ -10,16 +10,16 @@ use super::event::{Call, DeviceKey, Pool};
 use super::tracker::{AccessKind, Output, Site, Tracker};
 
 /// A live block found by address.
-struct Hit {
-    device: DeviceKey,
-    block_type: &'static str,
-    block: u64,
-    allocation_id: u64,
-    pool: Option<Pool>,
+pub(super) struct Hit {
+    pub(super) device: DeviceKey,
+    pub(super) block_type: &'static str,
+    pub(super) block: u64,
+    pub(super) allocation_id: u64,
+    pub(super) pool: Option<Pool>,
 }
 
 impl Tracker {
-    fn block_at(&self, pid: u32, addr: u64) -> Option<Hit> {
+    pub(super) fn block_at(&self, pid: u32, addr: u64) -> Option<Hit> {
         if let Some((&(_, start), _)) =
             self.pool_index.range((pid, 0)..=(pid, addr)).next_back().filter(|(_, end)| addr < **end)
         {

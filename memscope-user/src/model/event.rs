@@ -266,6 +266,22 @@ pub enum Marker {
     Collect {
         on: bool,
     },
+    /// An operator begins on the thread (`aten.mm.default`; markers `trace_ops()`).
+    OpStart {
+        name: String,
+    },
+    /// The operator of that name ends on the thread.
+    OpEnd {
+        name: String,
+    },
+    /// The thread's current operator reads (`write` false) or writes `size` bytes at `ptr`;
+    /// `desc` is the tensor's dtype and shape as the markers send it (`float32[4,8]`).
+    TensorAccess {
+        ptr: u64,
+        size: u64,
+        write: bool,
+        desc: Option<String>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -6,12 +6,20 @@
 //! source in the range key. A range is a user-level tag span on the thread that opened it and
 //! is closed by id (possibly from another thread); a range named `step start` is a step marker
 //! instead, as msMemScope reads it.
+//!
+//! Operators (markers `trace_ops()`) are the other use of markers: `OP_LAUNCH` rows for each start
+//! and end, and an `ACCESS` row for each tensor an operator reads or writes, resolved to the live
+//! block that holds the tensor's address with the same lookup as copies and kernel arguments, so
+//! the inefficient-memory analyses count a block's uses on one footing whatever reported them. The
+//! open operators are kept per thread so an access row can name its operator, as msMemScope's do;
+//! the stack is kept while collection is paused (only rows are withheld), so an operator that
+//! spans a `start()` still names the accesses after it.
 
 use std::sync::Arc;
 
 use super::event::{level, Event, Marker, Space};
 use super::tags;
-use super::tracker::{MstxKind, Output, Tracker};
+use super::tracker::{AccessKind, MstxKind, Output, Tracker};
 use crate::apis::Api;
 
 /// msMemScope's step range message.
@@ -61,6 +69,51 @@ impl Tracker {
             Marker::Collect { on } => {
                 self.collect.insert(pid, *on);
             }
+            Marker::OpStart { name } => {
+                self.ops.entry((pid, tid)).or_default().push(name.clone());
+                if !self.is_paused(pid) {
+                    out.push(Output::OpLaunch { wall_ns, pid, tid, start: true, name: name.clone() });
+                }
+            }
+            Marker::OpEnd { name } => {
+                self.close_op(pid, tid, name);
+                if !self.is_paused(pid) {
+                    out.push(Output::OpLaunch { wall_ns, pid, tid, start: false, name: name.clone() });
+                }
+            }
+            Marker::TensorAccess { ptr, size, write, desc } => {
+                if *ptr == 0 || self.is_paused(pid) {
+                    return;
+                }
+                let Some(hit) = self.block_at(pid, *ptr) else { return };
+                out.push(Output::OpAccess {
+                    wall_ns,
+                    pid,
+                    tid,
+                    device: hit.device,
+                    block_type: hit.block_type,
+                    block: hit.block,
+                    allocation_id: hit.allocation_id,
+                    pool: hit.pool,
+                    addr: *ptr,
+                    size: *size,
+                    kind: if *write { AccessKind::Write } else { AccessKind::Read },
+                    op: self.ops.get(&(pid, tid)).and_then(|stack| stack.last()).cloned(),
+                    desc: desc.clone(),
+                });
+            }
+        }
+    }
+
+    /// Closes the innermost open operator of that name on the thread (and any left open inside
+    /// it, whose end was lost); an end with no matching start changes nothing.
+    fn close_op(&mut self, pid: u32, tid: u32, name: &str) {
+        let Some(stack) = self.ops.get_mut(&(pid, tid)) else { return };
+        if let Some(i) = stack.iter().rposition(|n| n == name) {
+            stack.truncate(i);
+        }
+        if stack.is_empty() {
+            self.ops.remove(&(pid, tid));
         }
     }
 
@@ -123,7 +176,7 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Call, EventKind, Op, Pool};
+    use crate::model::{Call, DeviceKey, EventKind, Op, Pool};
 
     fn at(tid: u32, wall_ns: u64, kind: EventKind) -> Event {
         Event { wall_ns, pid: 100, tid, kind }
@@ -289,6 +342,115 @@ mod tests {
         assert_eq!(reported, [(true, 0x1000), (false, 0x1000), (true, 0x3000)]);
         let stats = t.pools().next().unwrap().1;
         assert_eq!(stats.used, 8, "the counters still follow the allocator while paused");
+    }
+
+    fn op(tid: u32, start: bool, name: &str) -> Event {
+        let name = name.to_owned();
+        marker(tid, if start { Marker::OpStart { name } } else { Marker::OpEnd { name } })
+    }
+
+    fn tensor(tid: u32, ptr: u64, write: bool) -> Event {
+        marker(tid, Marker::TensorAccess { ptr, size: 16, write, desc: Some("float32[2,2]".into()) })
+    }
+
+    /// (op row or access) as text: `start:aten.mm`, `R:aten.mm@0x5000+16`.
+    fn op_rows(out: &[Output]) -> Vec<String> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::OpLaunch { start, name, .. } => {
+                    Some(format!("{}:{name}", if *start { "start" } else { "end" }))
+                }
+                Output::OpAccess { kind, op, block, addr, .. } => Some(format!(
+                    "{}:{}@{block:#x}+{}",
+                    if *kind == AccessKind::Write { "W" } else { "R" },
+                    op.as_deref().unwrap_or("-"),
+                    addr - block
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn operators_become_launch_rows_and_tensor_uses_accesses_of_live_blocks() {
+        let mut t = Tracker::new();
+        let out = run(
+            &mut t,
+            &[
+                cpu_malloc(1, 0x5000, 64),
+                pool_malloc(1, 0x9000, 32),
+                op(1, true, "aten.mm.default"),
+                tensor(1, 0x5000, false),
+                tensor(1, 0x5010, false),
+                tensor(2, 0x9008, true),
+                tensor(1, 0x7000, false),
+                tensor(1, 0, false),
+                tensor(1, 0x9000, true),
+                op(1, false, "aten.mm.default"),
+                tensor(1, 0x5000, true),
+            ],
+        );
+        assert_eq!(
+            op_rows(&out),
+            [
+                "start:aten.mm.default",
+                "R:aten.mm.default@0x5000+0",
+                "R:aten.mm.default@0x5000+16",
+                "W:-@0x9000+8",
+                "W:aten.mm.default@0x9000+0",
+                "end:aten.mm.default",
+                "W:-@0x5000+0",
+            ],
+            "the block holding each address, named by the thread's open operator; no block, no row"
+        );
+        let host = out.iter().find(|o| matches!(o, Output::OpAccess { .. })).unwrap();
+        let Output::OpAccess { block_type, pool, device, allocation_id, size, desc, .. } = host else { unreachable!() };
+        assert_eq!((*block_type, *pool, *device, *allocation_id, *size), ("HOST", None, DeviceKey::Cpu, 1, 16));
+        assert_eq!(desc.as_deref(), Some("float32[2,2]"));
+        let pta = out.iter().filter(|o| matches!(o, Output::OpAccess { block_type: "PTA", .. })).count();
+        assert_eq!(pta, 2, "a pool block wins over the device block around it");
+        assert!(t.ops.is_empty(), "balanced operators leave no stack behind");
+    }
+
+    #[test]
+    fn operator_stacks_are_per_thread_survive_a_pause_and_close_by_name() {
+        let mut t = Tracker::new();
+        let out = run(
+            &mut t,
+            &[
+                cpu_malloc(1, 0x5000, 64),
+                op(1, true, "outer"),
+                op(1, true, "inner"),
+                op(2, true, "other"),
+                marker(1, Marker::Collect { on: false }),
+                op(1, true, "hidden"),
+                tensor(1, 0x5000, false),
+                marker(1, Marker::Collect { on: true }),
+                tensor(1, 0x5000, false),
+                op(1, false, "hidden"),
+                op(1, false, "never-started"),
+                op(1, false, "outer"),
+                tensor(1, 0x5000, true),
+                tensor(2, 0x5000, true),
+            ],
+        );
+        assert_eq!(
+            op_rows(&out),
+            [
+                "start:outer",
+                "start:inner",
+                "start:other",
+                "R:hidden@0x5000+0",
+                "end:hidden",
+                "end:never-started",
+                "end:outer",
+                "W:-@0x5000+0",
+                "W:other@0x5000+0",
+            ],
+            "nothing while paused; closing `outer` also closes the `inner` whose end was lost"
+        );
+        run(&mut t, &[at(2, 3, EventKind::Exit)]);
+        assert!(t.ops.is_empty(), "an exited process leaves no open operators");
     }
 
     #[test]

@@ -162,6 +162,34 @@ pub enum Output {
         size: Option<u64>,
         kind: AccessKind,
     },
+    /// An operator's tensor was read or written (`ACCESS` rows from the markers' `trace_ops()`):
+    /// the live block holding `addr`, named by the operator rather than by an API.
+    OpAccess {
+        wall_ns: u64,
+        pid: u32,
+        tid: u32,
+        device: DeviceKey,
+        /// The block's row kind (`PTA`, `HAL`, `HOST`) and start address.
+        block_type: &'static str,
+        block: u64,
+        allocation_id: u64,
+        pool: Option<Pool>,
+        addr: u64,
+        size: u64,
+        kind: AccessKind,
+        /// The thread's innermost open operator, if any.
+        op: Option<String>,
+        /// dtype and shape as the markers send them (`float32[4,8]`).
+        desc: Option<String>,
+    },
+    /// An operator began (`start`) or ended (`OP_LAUNCH` rows, `ATEN_START` / `ATEN_END`).
+    OpLaunch {
+        wall_ns: u64,
+        pid: u32,
+        tid: u32,
+        start: bool,
+        name: String,
+    },
     /// A kernel was launched (`KERNEL_LAUNCH` rows).
     KernelLaunch {
         site: Site,
@@ -351,6 +379,8 @@ pub struct Tracker {
     pub(super) kernel_names: HashMap<(u32, u64), String>,
     /// The last step number per process.
     pub(super) steps: HashMap<u32, u64>,
+    /// Open operators per (pid, tid), innermost last (markers `trace_ops()`).
+    pub(super) ops: HashMap<(u32, u32), Vec<String>>,
     /// Processes that asked to be recorded (`true`, markers `start()`) or not (`false`,
     /// `stop()`); the others follow `paused_by_default`.
     pub(super) collect: HashMap<u32, bool>,
@@ -400,6 +430,7 @@ impl Tracker {
         let EventKind::Call(call) = &event.kind else {
             if event.kind == EventKind::Exit {
                 self.tags.forget_process(event.pid);
+                self.ops.retain(|(pid, _), _| *pid != event.pid);
                 let tids: Vec<u32> =
                     self.inner.iter().filter(|(_, v)| v.iter().any(|e| e.pid == event.pid)).map(|(t, _)| *t).collect();
                 for tid in tids {

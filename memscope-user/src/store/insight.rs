@@ -13,10 +13,15 @@
 //! | CPU tensor storage (`c10::alloc_cpu`) | `MALLOC` / `FREE` | `HOST` | `0x%016x` |
 //! | step boundary (markers `step()`, mstx `step start` range) | `SYSTEM` | `STEP` (Name: the step number) | `N/A` |
 //! | mark, range start / end (markers or mstx) | `MSTX` | `Mark` / `Range_start` / `Range_end` (Name: `"message"`, `Range end from id N`) | `N/A` |
+//! | operator start / end (markers `trace_ops()`) | `OP_LAUNCH` | `ATEN_START` / `ATEN_END` (Name: `aten.mm.default`) | `N/A` |
+//! | an operator's tensor read / written | `ACCESS` | `READ` / `WRITE` (Name: the operator; Attr `dtype`, `shape`) | `0x%016x` |
 //!
 //! Every MALLOC carries its `owner` path (`PTA@vllm@kv_cache`, `CANN@HCCL`, `HOST@weight`): the
 //! allocator's label and the thread's tag spans; an address tag rewrites it later (DB only).
-//! Step and MSTX rows go to every device's output: each device's analyses need the steps.
+//! Step, MSTX and OP_LAUNCH rows go to every device's output: each device's analyses need the
+//! steps, and the inefficient-memory analysis numbers a process's memory events by its
+//! operators, in whichever device file the blocks are (an operator's own device is not known
+//! from the marker, and one operator may touch host and device blocks).
 //!
 //! `API_ERROR` and `VMM` are ours; Insight ignores Events it does not know.
 
@@ -26,6 +31,27 @@ use super::attr::{Attr, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
 use crate::model::{AccessKind, DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Pool, Site, Space, VmmStep};
+
+/// The `Name` of an operator's rows when the marker's text could not be read.
+const NO_NAME: &str = "N/A";
+
+fn access_type(kind: AccessKind) -> &'static str {
+    match kind {
+        AccessKind::Read => "READ",
+        AccessKind::Write => "WRITE",
+        AccessKind::Unknown => "UNKNOWN",
+    }
+}
+
+/// msMemScope's aten ACCESS keys from the markers' tensor description: `float32[4,8]` is dtype
+/// `float32` and shape `[4,8]`; a description of another form is kept whole as `tensor`.
+fn with_tensor_desc(attr: Attr, desc: Option<&str>) -> Attr {
+    let Some(desc) = desc else { return attr };
+    match desc.find('[') {
+        Some(i) if i > 0 => attr.with("dtype", desc[..i].to_owned()).with("shape", desc[i..].to_owned()),
+        _ => attr.with("tensor", desc.to_owned()),
+    }
+}
 
 /// One `memscope_dump` row, before its per-file `ID`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,11 +178,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
             row(site, "OOM_DETAIL", event_type, *device, Some(*ptr), attr)
         }
         Output::Access { site, device, block_type, block, allocation_id, pool, addr, size, kind } => {
-            let event_type = match kind {
-                AccessKind::Read => "READ",
-                AccessKind::Write => "WRITE",
-                AccessKind::Unknown => "UNKNOWN",
-            };
+            let event_type = access_type(*kind);
             let attr = Attr::new()
                 .with("allocation_id", *allocation_id)
                 .addr("addr", *addr)
@@ -165,6 +187,56 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 .addr("block", *block)
                 .with("api", site.api.name());
             row(site, "ACCESS", event_type, *device, Some(*addr), attr)
+        }
+        Output::OpAccess {
+            wall_ns,
+            pid,
+            tid,
+            device,
+            block_type,
+            block,
+            allocation_id,
+            pool,
+            addr,
+            size,
+            kind,
+            op,
+            desc,
+        } => {
+            let attr = Attr::new()
+                .with("allocation_id", *allocation_id)
+                .addr("addr", *addr)
+                .with("size", *size)
+                .with("type", pool.map_or(*block_type, |p| p.owner()))
+                .addr("block", *block);
+            let name = op.as_deref().filter(|n| !n.is_empty()).unwrap_or(NO_NAME);
+            Row {
+                event: "ACCESS",
+                event_type: access_type(*kind),
+                name: Cow::Owned(name.to_owned()),
+                ts_ns: *wall_ns,
+                pid: *pid,
+                tid: *tid,
+                device: *device,
+                ptr: Some(*addr),
+                attr: with_tensor_desc(attr, desc.as_deref()),
+                broadcast: false,
+            }
+        }
+        Output::OpLaunch { wall_ns, pid, tid, start, name } => {
+            let name = if name.is_empty() { NO_NAME.to_owned() } else { name.clone() };
+            Row {
+                event: "OP_LAUNCH",
+                event_type: if *start { "ATEN_START" } else { "ATEN_END" },
+                name: Cow::Owned(name),
+                ts_ns: *wall_ns,
+                pid: *pid,
+                tid: *tid,
+                device: DeviceKey::Unknown,
+                ptr: None,
+                attr: Attr::new(),
+                broadcast: true,
+            }
         }
         Output::KernelLaunch { site, device, name, function, stream, args_size } => {
             let attr = Attr::new().addr("streamId", *stream).addr("function", *function).with("args_size", *args_size);
@@ -427,6 +499,47 @@ mod tests {
             owner: "PTA@x".into()
         })
         .is_none());
+    }
+
+    #[test]
+    fn operators_are_broadcast_op_launch_rows_and_their_tensors_accesses() {
+        let start =
+            to_row(&Output::OpLaunch { wall_ns: 9, pid: 1, tid: 2, start: true, name: "aten.mm.default".into() });
+        assert_eq!(
+            (start.event, start.event_type, start.name.as_ref(), start.broadcast, start.ptr_text().as_str()),
+            ("OP_LAUNCH", "ATEN_START", "aten.mm.default", true, "N/A")
+        );
+        let end = to_row(&Output::OpLaunch { wall_ns: 9, pid: 1, tid: 2, start: false, name: String::new() });
+        assert_eq!((end.event_type, end.name.as_ref()), ("ATEN_END", "N/A"));
+
+        let access = |kind, pool, op: Option<&str>, desc: Option<&str>| {
+            to_row(&Output::OpAccess {
+                wall_ns: 9,
+                pid: 1,
+                tid: 2,
+                device: DeviceKey::Npu(0),
+                block_type: "PTA",
+                block: 0x1000,
+                allocation_id: 4,
+                pool,
+                addr: 0x1010,
+                size: 128,
+                kind,
+                op: op.map(str::to_owned),
+                desc: desc.map(str::to_owned),
+            })
+        };
+        let r = access(AccessKind::Read, Some(Pool::Caching), Some("aten.mm.default"), Some("float32[4,8]"));
+        assert_eq!((r.event, r.event_type, r.name.as_ref(), r.broadcast), ("ACCESS", "READ", "aten.mm.default", false));
+        assert_eq!((r.ptr_text().as_str(), r.device_id().as_str()), ("0x0000000000001010", "0"));
+        assert_eq!(
+            r.attr.to_json(),
+            r#"{"allocation_id":"4","addr":"0x0000000000001010","size":"128","type":"PTA","block":"0x0000000000001000","dtype":"float32","shape":"[4,8]"}"#
+        );
+        let w = access(AccessKind::Write, None, None, Some("opaque"));
+        assert_eq!((w.event_type, w.name.as_ref()), ("WRITE", "N/A"));
+        assert_eq!((w.attr.get("type").as_deref(), w.attr.get("tensor").as_deref()), (Some("PTA"), Some("opaque")));
+        assert_eq!(w.attr.get("dtype"), None);
     }
 
     #[test]

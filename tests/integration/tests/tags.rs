@@ -84,7 +84,7 @@ fn launch(env: &TestEnv, t: &Tags, scenario: &str) -> (Output, Vec<Line>, Vec<Po
     let tracer = Tracer::spawn(env, &args, &vars);
     let (code, stderr) = tracer.finish(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{stderr}");
-    assert!(stderr.contains("markers: 8 USDT sites"), "the markers were attached:\n{stderr}");
+    assert!(stderr.contains("markers: 11 USDT sites"), "the markers were attached:\n{stderr}");
     (read_output(&out), read_lines(&ledger), read_pool_ledger(&pool))
 }
 
@@ -263,7 +263,7 @@ impl SemaphoreWatcher {
 
     /// Waits until the process reports every semaphore equal to `value`.
     fn wait_all(&self, value: u32, timeout: Duration) {
-        let want = format!("{:?}", vec![value; 8]);
+        let want = format!("{:?}", vec![value; 11]);
         let deadline = Instant::now() + timeout;
         loop {
             let now = std::fs::read_to_string(&self.file).unwrap_or_default();
