@@ -441,8 +441,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
     let pools: Vec<PoolLine> = tracker
         .pools()
-        .map(|((device, pool), s)| PoolLine {
+        .map(|((device, pool, pid), s)| PoolLine {
             device,
+            pid,
             pool: pool.as_str(),
             peak_used: s.peak_used,
             peak_total: s.peak_total,

@@ -24,6 +24,8 @@ pub struct DeviceLine {
 #[derive(Clone, Debug)]
 pub struct PoolLine {
     pub device: DeviceKey,
+    /// The process whose allocator it is (named when several share a device).
+    pub pid: u32,
     pub pool: &'static str,
     pub peak_used: u64,
     pub peak_total: u64,
@@ -94,11 +96,14 @@ impl fmt::Display for Summary {
                 d.frees,
                 d.failures
             )?;
-            for p in self.pools.iter().filter(|p| p.device == d.device) {
+            let pools: Vec<&PoolLine> = self.pools.iter().filter(|p| p.device == d.device).collect();
+            let shared = pools.iter().any(|p| p.pid != pools[0].pid);
+            for p in pools {
+                let pool = if shared { format!("{} (pid {})", p.pool, p.pid) } else { p.pool.to_owned() };
                 writeln!(
                     f,
                     "              torch_npu {:<9} peak allocated {:>10} / reserved {:>10}; at end {} / {} in {} blocks",
-                    p.pool,
+                    pool,
                     human(p.peak_used),
                     human(p.peak_total),
                     human(p.used),

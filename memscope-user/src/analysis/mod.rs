@@ -7,10 +7,22 @@
 //! - [`decompose`]: where the memory was at an instant, as an owner tree (msMemScope's
 //!   decomposition, the tree Insight draws).
 //! - [`render`]: the text and JSON reports.
+//! - [`inefficient`], [`inefficient_out`]: memory held while unused, by msMemScope's op-index
+//!   definitions and Insight's time-based ones; results into the MALLOC rows and `ms_inefficient`.
+//! - [`fragmentation`], [`oom`], [`advise`]: the caching pool's fragmentation over time, OOM
+//!   forensics, and allocator settings recommended from them (`ms_fragmentation`, `ms_oom`, `ms_advice`).
 
+pub mod advise;
 pub mod db;
 pub mod decompose;
+pub mod degradation;
+pub mod fragmentation;
+pub mod inefficient;
+pub mod inefficient_out;
+pub mod leaks;
+pub mod oom;
 pub mod render;
+pub mod steps;
 
 use std::path::PathBuf;
 
@@ -33,7 +45,7 @@ pub enum AnalysisError {
     NoDumpTable { path: PathBuf, tables: String },
     #[error("{path}: table {table} lacks the column(s) {missing}; the DB is not in msMemScope's format")]
     MissingColumns { path: PathBuf, table: String, missing: String },
-    #[error("{path}: the file is read-only, and the results are written into it (table ms_decompose); make it writable (chmod u+w) or pass --no-write to only print them")]
+    #[error("{path}: the file is read-only, and the results are written into it (its ms_* result tables); make it writable (chmod u+w) or pass --no-write to only print them")]
     ReadOnly { path: PathBuf },
     #[error("{path}: cannot read the trace: {source}")]
     Read { path: PathBuf, source: rusqlite::Error },

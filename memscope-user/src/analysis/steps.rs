@@ -23,21 +23,31 @@
 //! work, memory O(live blocks + boundaries × owners).
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OpenFlags};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
+use thiserror::Error;
 
 use super::decompose::{Family, UNKNOWN_OWNER};
 use super::AnalysisError;
 
 /// msMemScope's step range message.
 pub const STEP_RANGE: &str = "step start";
+
+/// What can go wrong beyond reading the DB: the steps asked for are not in it.
+#[derive(Debug, Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Analysis(#[from] AnalysisError),
+    #[error("{path}: no MSTX mark or range named \"{marker}\" (--step-marker); {seen}; give one of those, or leave --step-marker out to take the steps from memscope.step() and mstx `step start` ranges")]
+    NoSuchMarker { path: PathBuf, marker: String, seen: String },
+}
 
 /// One row, borrowed from SQLite's buffers.
 #[derive(Clone, Copy, Debug)]
@@ -51,6 +61,59 @@ pub struct StepRow<'a> {
     pub pid: i64,
     pub ptr: &'a str,
     pub attr: &'a str,
+}
+
+/// What [`StepDb::for_each_row`] hands over.
+pub enum Fed<'a> {
+    Row(StepRow<'a>),
+    /// Forget every row so far: they come again, from the first.
+    Restart,
+}
+
+/// (`Timestamp(ns)`, `ID`, rowid): the order rows are replayed in.
+type Key = (i64, i64, i64);
+
+/// Past this many out-of-place rows, SQLite's sort is cheaper than holding rows back.
+const MAX_STRAGGLERS: usize = 100_000;
+/// Rows held back at once before giving up on streaming (about 200 bytes each).
+const MAX_HELD: usize = 500_000;
+
+/// A row held back until its place, owning its text.
+struct OwnedRow {
+    rowid: i64,
+    ts: i64,
+    pid: i64,
+    text: String,
+    /// Ends of event, event type, name, ptr in `text`; attr is the rest.
+    ends: [usize; 4],
+}
+
+impl OwnedRow {
+    fn from(r: &StepRow<'_>) -> Self {
+        let mut text =
+            String::with_capacity(r.event.len() + r.event_type.len() + r.name.len() + r.ptr.len() + r.attr.len());
+        let mut ends = [0; 4];
+        for (i, part) in [r.event, r.event_type, r.name, r.ptr].into_iter().enumerate() {
+            text.push_str(part);
+            ends[i] = text.len();
+        }
+        text.push_str(r.attr);
+        Self { rowid: r.rowid, ts: r.ts, pid: r.pid, text, ends }
+    }
+
+    fn as_row(&self) -> StepRow<'_> {
+        let e = self.ends;
+        StepRow {
+            rowid: self.rowid,
+            event: &self.text[..e[0]],
+            event_type: &self.text[e[0]..e[1]],
+            name: &self.text[e[1]..e[2]],
+            ts: self.ts,
+            pid: self.pid,
+            ptr: &self.text[e[2]..e[3]],
+            attr: &self.text[e[3]..],
+        }
+    }
 }
 
 fn text(v: ValueRef<'_>) -> &str {
@@ -73,10 +136,13 @@ fn int(v: ValueRef<'_>) -> i64 {
 /// name of its dump table. Its own connection, because the step analyses also read `Name` and
 /// the stacks, which the shared reader does not.
 pub struct StepDb {
-    path: std::path::PathBuf,
+    path: PathBuf,
     conn: Connection,
     table: &'static str,
     has_stacks: bool,
+    /// [`MAX_STRAGGLERS`] and [`MAX_HELD`]; lowered by tests to reach the fallbacks.
+    max_stragglers: usize,
+    max_held: usize,
 }
 
 impl StepDb {
@@ -103,7 +169,7 @@ impl StepDb {
             return Err(AnalysisError::MissingColumns { path, table, missing: "Name".into() });
         }
         let has_stacks = ["Call Stack(Python)", "Call Stack(C)"].iter().all(|c| columns.iter().any(|h| h == c));
-        Ok(Self { path: path.to_owned(), conn, table, has_stacks })
+        Ok(Self { path: path.to_owned(), conn, table, has_stacks, max_stragglers: MAX_STRAGGLERS, max_held: MAX_HELD })
     }
 
     fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
@@ -111,29 +177,121 @@ impl StepDb {
     }
 
     /// Calls `f` for every memory, `SYSTEM` and `MSTX` row in `Timestamp(ns)`, `ID` order (as
-    /// Insight and `decompose` order them).
-    pub fn for_each_row(&self, mut f: impl FnMut(StepRow<'_>)) -> Result<(), AnalysisError> {
+    /// Insight and `decompose` order them; equal keys by rowid), then returns.
+    ///
+    /// Sorting whole rows is most of the cost of a large trace, and our traces are written nearly
+    /// in that order already (per thread exactly; `STOP_TRACE` after the shadow frees stamped one
+    /// ns later). So a first pass reads only the keys in rowid order and finds the rows that come
+    /// later than their place (stragglers); a second pass streams the rows in rowid order and holds
+    /// back only what must wait for a straggler. Files far out of order (msMemScope writes a
+    /// MALLOC when its block is freed) are sorted by SQLite instead; should the held-back rows
+    /// grow too many after all, `f` gets [`Fed::Restart`] and the sorted rows from the start.
+    pub fn for_each_row(&self, mut f: impl FnMut(Fed<'_>)) -> Result<(), AnalysisError> {
+        // One snapshot for both passes, even if a trace is still appending.
+        self.conn.execute_batch("BEGIN").map_err(self.read_err())?;
+        let result = self.stream(&mut f);
+        let _ = self.conn.execute_batch("COMMIT");
+        result
+    }
+
+    fn stream(&self, f: &mut impl FnMut(Fed<'_>)) -> Result<(), AnalysisError> {
+        if let Some(stragglers) = self.stragglers()? {
+            if self.stream_rowid_order(stragglers, f)? {
+                return Ok(());
+            }
+            f(Fed::Restart);
+        }
+        let sql = format!("{} ORDER BY \"Timestamp(ns)\", \"ID\", rowid", self.select());
+        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
+        let mut rows = stmt.query([]).map_err(self.read_err())?;
+        while let Some(row) = rows.next().map_err(self.read_err())? {
+            f(Fed::Row(self.step_row(row)?));
+        }
+        Ok(())
+    }
+
+    fn select(&self) -> String {
+        format!(
+            "SELECT rowid, \"Event\", \"Event Type\", \"Name\", \"Timestamp(ns)\", \"Process Id\", \"Ptr\", \"Attr\", \"ID\" \
+             FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','MSTX')",
+            self.table
+        )
+    }
+
+    fn step_row<'r>(&self, row: &'r rusqlite::Row<'r>) -> Result<StepRow<'r>, AnalysisError> {
+        let get = |i| row.get_ref(i).map_err(self.read_err());
+        Ok(StepRow {
+            rowid: int(get(0)?),
+            event: text(get(1)?),
+            event_type: text(get(2)?),
+            name: text(get(3)?),
+            ts: int(get(4)?),
+            pid: int(get(5)?),
+            ptr: text(get(6)?),
+            attr: text(get(7)?),
+        })
+    }
+
+    /// The keys of the rows that, in rowid order, come after a row with a greater key; `None`
+    /// when there are too many for streaming to pay.
+    fn stragglers(&self) -> Result<Option<BTreeSet<Key>>, AnalysisError> {
         let sql = format!(
-            "SELECT rowid, \"Event\", \"Event Type\", \"Name\", \"Timestamp(ns)\", \"Process Id\", \"Ptr\", \"Attr\" \
-             FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','MSTX') ORDER BY \"Timestamp(ns)\", \"ID\"",
+            "SELECT \"Timestamp(ns)\", \"ID\", rowid FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','MSTX') ORDER BY rowid",
             self.table
         );
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([]).map_err(self.read_err())?;
+        let mut max: Option<Key> = None;
+        let mut stragglers = BTreeSet::new();
         while let Some(row) = rows.next().map_err(self.read_err())? {
             let get = |i| row.get_ref(i).map_err(self.read_err());
-            f(StepRow {
-                rowid: int(get(0)?),
-                event: text(get(1)?),
-                event_type: text(get(2)?),
-                name: text(get(3)?),
-                ts: int(get(4)?),
-                pid: int(get(5)?),
-                ptr: text(get(6)?),
-                attr: text(get(7)?),
-            });
+            let key = (int(get(0)?), int(get(1)?), int(get(2)?));
+            if max.is_some_and(|m| key < m) {
+                stragglers.insert(key);
+                if stragglers.len() > self.max_stragglers {
+                    return Ok(None);
+                }
+            } else {
+                max = Some(key);
+            }
         }
-        Ok(())
+        Ok(Some(stragglers))
+    }
+
+    /// The second pass; `false` when it gave up (too many rows held back).
+    fn stream_rowid_order(
+        &self,
+        mut pending: BTreeSet<Key>,
+        f: &mut impl FnMut(Fed<'_>),
+    ) -> Result<bool, AnalysisError> {
+        let sql = format!("{} ORDER BY rowid", self.select());
+        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
+        let mut rows = stmt.query([]).map_err(self.read_err())?;
+        let mut held: BTreeMap<Key, OwnedRow> = BTreeMap::new();
+        while let Some(row) = rows.next().map_err(self.read_err())? {
+            let r = self.step_row(row)?;
+            let key = (r.ts, int(row.get_ref(8).map_err(self.read_err())?), r.rowid);
+            pending.remove(&key);
+            // Everything not yet read has a greater key than `key`, except the stragglers to come.
+            if held.is_empty() && pending.first().is_none_or(|p| key < *p) {
+                f(Fed::Row(r));
+                continue;
+            }
+            held.insert(key, OwnedRow::from(&r));
+            if held.len() > self.max_held {
+                return Ok(false);
+            }
+            while let Some(entry) = held.first_entry() {
+                if pending.first().is_some_and(|p| p < entry.key()) {
+                    break;
+                }
+                f(Fed::Row(entry.remove().as_row()));
+            }
+        }
+        for (_, r) in held {
+            f(Fed::Row(r.as_row()));
+        }
+        Ok(true)
     }
 
     /// The Python and C stacks and the `allocation_id` of a MALLOC row, for a reported block.
@@ -394,10 +552,13 @@ pub struct BlockEnd {
 /// Receives every block as it ends.
 pub trait BlockSink {
     fn block_end(&mut self, end: &BlockEnd);
+    /// The replay starts over (see [`StepDb::for_each_row`]): forget every block so far.
+    fn restart(&mut self);
 }
 
 impl BlockSink for () {
     fn block_end(&mut self, _: &BlockEnd) {}
+    fn restart(&mut self) {}
 }
 
 /// One owner's live memory at an instant.
@@ -476,6 +637,8 @@ pub struct Timeline {
     pub boundaries: Vec<Boundary>,
     /// The live memory at each boundary, in order (one per entry of `boundaries`).
     pub points: Vec<StepPoint>,
+    start: Option<i64>,
+    first_ts: Option<i64>,
     stop: Option<i64>,
     last: Option<i64>,
     unreadable: u64,
@@ -504,6 +667,8 @@ impl Timeline {
             first_step: None,
             boundaries: Vec::new(),
             points: Vec::new(),
+            start: None,
+            first_ts: None,
             stop: None,
             last: None,
             unreadable: 0,
@@ -512,10 +677,29 @@ impl Timeline {
     }
 
     /// Replays a whole DB.
-    pub fn replay(db: &StepDb, step_marker: Option<&str>, sink: &mut impl BlockSink) -> Result<Self, AnalysisError> {
+    /// Replays a whole DB. A `--step-marker` that names no mark is refused: it is a typo far
+    /// more often than a trace without steps, and a report without steps would hide that.
+    pub fn replay(db: &StepDb, step_marker: Option<&str>, sink: &mut impl BlockSink) -> Result<Self, StepError> {
         let mut timeline = Self::new(step_marker);
-        db.for_each_row(|row| timeline.apply(&row, sink))?;
+        db.for_each_row(|fed| match fed {
+            Fed::Row(row) => timeline.apply(&row, sink),
+            Fed::Restart => {
+                timeline = Self::new(step_marker);
+                sink.restart();
+            }
+        })?;
         timeline.finish(sink);
+        if let Some(marker) = step_marker {
+            if timeline.boundaries.is_empty() {
+                let marks = &timeline.detector.marks_seen;
+                let seen = if marks.is_empty() {
+                    "the trace has no MSTX marks or ranges".to_owned()
+                } else {
+                    format!("marks and ranges in this trace: {}", marks.join(", "))
+                };
+                return Err(StepError::NoSuchMarker { path: db.path.clone(), marker: marker.to_owned(), seen });
+            }
+        }
         Ok(timeline)
     }
 
@@ -566,6 +750,7 @@ impl Timeline {
     }
 
     pub fn apply(&mut self, row: &StepRow<'_>, sink: &mut impl BlockSink) {
+        self.first_ts.get_or_insert(row.ts);
         let mut found = std::mem::take(&mut self.scratch);
         found.clear();
         let consumed = self.detector.feed(row, &mut found);
@@ -582,8 +767,10 @@ impl Timeline {
             "MALLOC" => false,
             "FREE" => true,
             "SYSTEM" => {
-                if row.event_type == "STOP_TRACE" {
-                    self.stop = Some(row.ts);
+                match row.event_type {
+                    "START_TRACE" => self.start = self.start.or(Some(row.ts)),
+                    "STOP_TRACE" => self.stop = Some(row.ts),
+                    _ => {}
                 }
                 self.last = Some(row.ts);
                 return;
@@ -591,9 +778,17 @@ impl Timeline {
             _ => return,
         };
         let Some(family) = Family::of(row.event_type) else { return };
-        let Ok(attr) = serde_json::from_str::<AttrFields<'_>>(row.attr) else {
-            self.unreadable += 1;
-            return;
+        // Half the rows are FREEs, and all a FREE can say here is `shadow` or `unmatched`: most
+        // need no parsing at all.
+        let plain_free = is_free && !row.attr.contains("shadow") && !row.attr.contains("unmatched");
+        let attr = if plain_free {
+            AttrFields::default()
+        } else {
+            let Ok(attr) = serde_json::from_str::<AttrFields<'_>>(row.attr) else {
+                self.unreadable += 1;
+                return;
+            };
+            attr
         };
         let flag = |v: &Option<Cow<'_, str>>| v.as_deref() == Some("true");
         if is_free && flag(&attr.shadow) {
@@ -687,6 +882,11 @@ impl Timeline {
         Some(self.snapshot(None, self.stop.or(self.last)?))
     }
 
+    /// `START_TRACE`'s timestamp, else the first memory row's or boundary's.
+    pub fn start_ns(&self) -> Option<i64> {
+        self.start.or(self.first_ts)
+    }
+
     pub fn summary(&self) -> StepSummary {
         let mut sources: Vec<(Source, u64)> = Vec::new();
         for b in &self.boundaries {
@@ -705,29 +905,42 @@ impl Timeline {
     }
 }
 
+/// Step and mark rows for the tests of the step analyses.
+#[cfg(test)]
+pub(crate) mod testrows {
+    use crate::analysis::testdb::TestDb;
+    use crate::store::Attr;
+
+    /// A `STEP` row named `n`, as `memscope.step()` makes it.
+    pub fn step(db: &mut TestDb, ts: i64, n: u64) {
+        db.row("SYSTEM", "STEP", ts, 1, None, Attr::new());
+        let sql = "UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()";
+        db.conn().execute(sql, [n.to_string()]).unwrap();
+    }
+
+    /// An MSTX row (`Mark`, `Range_start`) with its quoted message.
+    pub fn mstx(db: &mut TestDb, ts: i64, kind: &str, message: &str) {
+        db.row("MSTX", kind, ts, 1, None, Attr::new());
+        let sql = "UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()";
+        db.conn().execute(sql, [format!("\"{message}\"")]).unwrap();
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::testrows::{mstx, step};
     use super::*;
     use crate::analysis::testdb::{dir, TestDb};
     use crate::store::Attr;
-
-    pub(crate) fn step(db: &mut TestDb, ts: i64, n: u64) {
-        db.row("SYSTEM", "STEP", ts, 1, None, Attr::new());
-        db.conn().execute("UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()", [n.to_string()]).unwrap();
-    }
-
-    fn mstx(db: &mut TestDb, ts: i64, kind: &str, message: &str) {
-        db.row("MSTX", kind, ts, 1, None, Attr::new());
-        db.conn()
-            .execute("UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()", [format!("\"{message}\"")])
-            .unwrap();
-    }
 
     #[derive(Default)]
     struct Ends(Vec<BlockEnd>);
     impl BlockSink for Ends {
         fn block_end(&mut self, end: &BlockEnd) {
             self.0.push(*end);
+        }
+        fn restart(&mut self) {
+            self.0.clear();
         }
     }
 
@@ -741,6 +954,54 @@ mod tests {
 
     fn steps(t: &Timeline) -> Vec<(u64, i64, Source)> {
         t.boundaries.iter().map(|b| (b.step, b.ts, b.source)).collect()
+    }
+
+    /// (ts, rowid) in the order `for_each_row` hands rows over, after its last restart.
+    fn fed(db: &StepDb) -> (Vec<(i64, i64)>, usize) {
+        let mut seen = Vec::new();
+        let mut restarts = 0;
+        db.for_each_row(|fed| match fed {
+            Fed::Row(r) => seen.push((r.ts, r.rowid)),
+            Fed::Restart => {
+                seen.clear();
+                restarts += 1;
+            }
+        })
+        .unwrap();
+        (seen, restarts)
+    }
+
+    #[test]
+    fn rows_come_in_time_order_whatever_the_file_order() {
+        // Written as our tracer writes (a late STOP_TRACE, one thread's rows a little behind
+        // another's) and as msMemScope does (MALLOCs written when the block is freed).
+        let orders: [&[i64]; 4] = [
+            &[1, 2, 2, 3, 4, 8, 9],
+            &[1, 2, 3, 5, 4, 6, 7, 9, 9, 8],
+            &[10, 20, 30, 31, 32, 25, 33, 34, 29, 40],
+            &[5, 6, 1, 7, 2, 8, 3, 9, 4, 10],
+        ];
+        for (i, order) in orders.iter().enumerate() {
+            let mut db = TestDb::create(&dir(&format!("steps-order{i}")).join("memscope_dump_1.db"));
+            for (k, ts) in order.iter().enumerate() {
+                db.malloc("PTA", *ts, 0x10 + k as u64, 1, None);
+                db.row("ACCESS", "READ", 0, 1, None, Attr::new()); // not replayed
+            }
+            let path = db.path.clone();
+            drop(db);
+            let mut want: Vec<(i64, i64)> = order.iter().enumerate().map(|(k, ts)| (*ts, 2 * k as i64 + 1)).collect();
+            want.sort();
+            let mut step_db = StepDb::open(&path).unwrap();
+            assert_eq!(fed(&step_db), (want.clone(), 0), "order {order:?}");
+            // Too many rows to hold back: the same rows, sorted by SQLite, after a restart.
+            step_db.max_held = 1;
+            let (got, restarts) = fed(&step_db);
+            assert_eq!(got, want, "order {order:?}");
+            assert_eq!(restarts, usize::from(i > 0), "order {order:?}: only files out of order hold rows back");
+            // Too many rows out of place: sorted by SQLite from the start.
+            step_db.max_stragglers = 0;
+            assert_eq!(fed(&step_db), (want, 0), "order {order:?}");
+        }
     }
 
     #[test]
@@ -815,8 +1076,12 @@ mod tests {
         db.system("STOP_TRACE", 30);
         db.free_marked("HAL", 31, 0xd, "shadow");
         let (t, ends) = replay(db, None);
-        let got: Vec<(u64, Option<(u64, u64)>, Option<i64>)> = ends.iter().map(|e| (e.ptr, e.steps, e.free_ts)).collect();
-        assert_eq!(got, [(0xb, None, Some(3)), (0xc, Some((2, 3)), Some(21)), (0xa, Some((1, 3)), None), (0xd, Some((3, 3)), None)]);
+        let got: Vec<(u64, Option<(u64, u64)>, Option<i64>)> =
+            ends.iter().map(|e| (e.ptr, e.steps, e.free_ts)).collect();
+        assert_eq!(
+            got,
+            [(0xb, None, Some(3)), (0xc, Some((2, 3)), Some(21)), (0xa, Some((1, 3)), None), (0xd, Some((3, 3)), None)]
+        );
         let totals: Vec<(Option<u64>, i64)> = t.points.iter().map(|p| (p.step, p.total(Family::Pta))).collect();
         assert_eq!(totals, [(Some(1), 100), (Some(2), 150)]);
         let at2: Vec<(&str, i64)> = t.points[1].owners.iter().map(|o| (t.owner(o.slot).1, o.bytes)).collect();

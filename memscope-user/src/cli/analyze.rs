@@ -17,12 +17,20 @@ use crate::analysis::{inefficient, inefficient_out};
 use crate::analysis::render;
 
 /// An analysis, by msMemScope's `--analysis` name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Eq)]
 pub enum Analysis {
     Decompose,
     Inefficient,
     Leaks,
-    Oom,
+    /// `oom:K`: K most recent and largest live blocks per failure (msMemScope's default 10).
+    Oom(usize),
+}
+
+/// The same analysis whatever its K: `oom:5,oom:20` runs once, and IMPLEMENTED lists `oom` once.
+impl PartialEq for Analysis {
+    fn eq(&self, other: &Self) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
 }
 
 impl Analysis {
@@ -31,7 +39,7 @@ impl Analysis {
             Self::Decompose => "decompose",
             Self::Inefficient => "inefficient",
             Self::Leaks => "leaks",
-            Self::Oom => "oom",
+            Self::Oom(_) => "oom",
         }
     }
 }
@@ -44,7 +52,10 @@ fn parse_analysis(text: &str) -> Result<Analysis, String> {
         "decompose" if base.len() == name.len() => Ok(Analysis::Decompose),
         "inefficient" if base.len() == name.len() => Ok(Analysis::Inefficient),
         "leaks" if base.len() == name.len() => Ok(Analysis::Leaks),
-        "oom" => Ok(Analysis::Oom),
+        "oom" => match name.split_once(':') {
+            Some((_, k)) => crate::analysis::oom::parse_top_k(k).map(Analysis::Oom),
+            None => Ok(Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K)),
+        },
         _ => Err(format!("unknown analysis `{name}`; the analyses are: decompose, inefficient, leaks, oom")),
     }
 }
@@ -73,6 +84,13 @@ fn parse_analysis(text: &str) -> Result<Analysis, String> {
 /// whether they rise in a sustained way (Mann-Kendall + Theil-Sen, at least 5 step ends; a single
 /// jump is not a rise) and which owners grew. Stored as tables ms_steps, ms_leaks, ms_degradation.
 ///   memscope-bpf analyze msout/ --analysis leaks --warmup-steps 2
+///
+/// oom[:K]: each failed allocation explained from the blocks live at that instant: what was
+/// asked for, the device memory held, the caching pool's reserved and allocated bytes, its
+/// largest free piece, the owners holding the most and the K most recent and largest live
+/// blocks, with a verdict (fragmentation, genuinely full, the allocator's own limit, ...). Stored
+/// as tables ms_oom and ms_oom_blocks.
+///   memscope-bpf analyze msout/ --analysis oom:5
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -83,7 +101,7 @@ pub struct Args {
     pub inputs: Vec<PathBuf>,
 
     /// Analyses to run, comma-separated, by msMemScope's names: decompose, inefficient, leaks,
-    /// oom. Implemented in this version: decompose, inefficient, leaks. Default: decompose.
+    /// oom (oom:K lists K blocks per failure, default 10). Default: decompose.
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_analysis)]
     pub analysis: Vec<Analysis>,
 
@@ -110,7 +128,7 @@ pub struct Args {
     /// Print JSON instead of text: an array of {db, device, point, ts_ns, family, nodes: [{path,
     /// depth, bytes, blocks}]}, one element per DB, instant and family; each tree's first node is
     /// its root (path "", depth 0). inefficient adds one {db, device, analysis: "inefficient",
-    /// options, types, blocks, stats} per DB. leaks adds one {db, device, analysis: "leaks",
+    /// options, types, flagged_blocks, blocks (the 1000 largest flagged), stats} per DB. leaks adds one {db, device, analysis: "leaks",
     /// options, candidates, never_freed, steps, degradation, ...} per DB.
     #[arg(long)]
     pub json: bool,
@@ -160,6 +178,7 @@ const IMPLEMENTED: &[Analysis] = &[
     Analysis::Decompose,
     Analysis::Inefficient, // msMemScope's inefficient_type and Insight's time-based flags
     Analysis::Leaks,       // step leak candidates, HAL never freed, degradation across steps
+    Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K), // forensics of each failure (ms_oom)
 ];
 
 /// What every analysis gets for one DB.
@@ -184,7 +203,14 @@ fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mu
     match analysis {
         Analysis::Decompose => decompose_one(dump, cx, out),
         Analysis::Inefficient => {
-            let done = inefficient_out::run(dump.path(), cx.device, &cx.args.inefficient, cx.write, cx.run_wall_ns)?;
+            let done = inefficient_out::run(
+                dump.path(),
+                cx.device,
+                &cx.args.inefficient,
+                cx.write,
+                cx.run_wall_ns,
+                cx.args.json,
+            )?;
             if let Some(line) = done.wrote {
                 eprintln!("memscope-bpf: {line}");
             }
@@ -200,6 +226,15 @@ fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mu
             &mut out.text,
             &mut out.json,
         )?),
+        Analysis::Oom(k) => {
+            let done = crate::analysis::oom::for_analyze(dump.path(), cx.device, k, cx.write, cx.run_wall_ns)?;
+            if let Some(line) = done.note {
+                eprintln!("memscope-bpf: {line}");
+            }
+            if cx.args.json { out.json.push(done.json) } else { out.text.push(done.text) }
+            Ok(())
+        }
+        #[allow(unreachable_patterns)] // kept for analyses added to the enum before their arm
         other => bail!("`{}` is not implemented yet in this version", other.name()),
     }
 }
@@ -405,7 +440,7 @@ mod tests {
             parse(&["d", "--analysis", "oom:20", "--device", "cpu", "--depth", "2", "--json", "--no-write"]).unwrap();
         assert_eq!(
             (a.analysis[0], a.device.as_deref(), a.depth, a.json, a.no_write),
-            (Analysis::Oom, Some("cpu"), Some(2), true, true)
+            (Analysis::Oom(20), Some("cpu"), Some(2), true, true)
         );
         // Unknown names list the valid ones; a DB is required; times are checked.
         let err = parse(&["x.db", "--analysis", "decompose,leak"]).unwrap_err().to_string();
@@ -417,12 +452,10 @@ mod tests {
 
     #[test]
     fn unimplemented_analyses_fail_before_touching_anything() {
-        for name in ["oom:5"] {
-            let args = parse(&["/nonexistent/x.db", "--analysis", name]).unwrap();
-            let err = run(args).unwrap_err().to_string();
-            let base = name.split(':').next().unwrap();
-            assert!(err.contains(&format!("`{base}` is not implemented yet")), "{err}");
-        }
+        // Every analysis is implemented now; a bad `oom:K` is refused while parsing, before any DB.
+        let err = parse(&["/nonexistent/x.db", "--analysis", "oom:0"]).unwrap_err().to_string();
+        assert!(err.contains("K must be a whole number from 1 to 1000"), "{err}");
+        assert!(matches!(parse(&["d", "--analysis", "oom"]).unwrap().analysis[0], Analysis::Oom(10)));
     }
 
     #[test]

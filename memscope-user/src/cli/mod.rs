@@ -1,6 +1,8 @@
 //! Command line: one module per verb, each owning its arguments and its `run`.
 
+pub mod advise;
 pub mod analyze;
+pub mod compare;
 pub mod probes;
 pub mod trace;
 
@@ -22,6 +24,8 @@ enum Command {
     Trace(trace::Args),
     Probes(probes::Args),
     Analyze(analyze::Args),
+    Compare(compare::Args),
+    Advise(advise::Args),
 }
 
 impl Cli {
@@ -30,6 +34,8 @@ impl Cli {
             Command::Trace(args) => trace::run(args),
             Command::Probes(args) => probes::run(args),
             Command::Analyze(args) => analyze::run(args),
+            Command::Compare(args) => compare::run(args),
+            Command::Advise(args) => advise::run(args),
         }
     }
 }

@@ -123,6 +123,7 @@ fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Checked before tracing: a typo must not cost a whole run.
     let args_analysis = args.analysis.clone();
+    let format = args.format;
     if let Some(list) = &args_analysis {
         super::analyze::check_list(list)?;
     }
@@ -186,6 +187,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(list) = &args_analysis {
         if summary.run_dir.is_dir() {
             super::analyze::run_on(&summary.run_dir, list).context("the analyses of the finished trace failed")?;
+        }
+    }
+    // The allocator-settings advice, when a framework pool was traced (it reads the DBs).
+    if !summary.pools.is_empty() && format == Format::Db {
+        let dbs: Vec<std::path::PathBuf> = summary.devices.iter().filter_map(|d| d.file.clone()).collect();
+        match super::advise::advise_text(&dbs) {
+            Ok(text) if !text.trim().is_empty() => eprintln!("{}", text.trim_end()),
+            Ok(_) => {}
+            Err(e) => eprintln!("memscope-bpf: warning: no allocator advice: {e:#}"),
         }
     }
     Ok(())

@@ -287,7 +287,6 @@ pub struct PoolStats {
     pub peak_used: u64,
     pub peak_total: u64,
     pub live_blocks: u64,
-    next_allocation_id: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -358,7 +357,11 @@ pub struct Tracker {
     physical: HashMap<(u32, u64), Physical>,
     reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
     devices: BTreeMap<DeviceKey, DeviceStats>,
-    pools: BTreeMap<(DeviceKey, Pool), PoolStats>,
+    /// Allocation ids of pool blocks, per (device, pool).
+    pool_ids: BTreeMap<(DeviceKey, Pool), u64>,
+    /// Per (device, pool, process): each process has its own allocator, so its counters are its
+    /// own even when processes share a device.
+    pools: BTreeMap<(DeviceKey, Pool, u32), PoolStats>,
     pub(super) pool_blocks: HashMap<(u32, u64), PoolBlock>,
     /// Live pool blocks and device/host blocks by (pid, start) -> end, so an address tag finds
     /// the block that holds an address inside it without scanning every block.
@@ -416,7 +419,7 @@ impl Tracker {
     }
 
     /// Per-device, per-pool totals.
-    pub fn pools(&self) -> impl Iterator<Item = ((DeviceKey, Pool), &PoolStats)> {
+    pub fn pools(&self) -> impl Iterator<Item = ((DeviceKey, Pool, u32), &PoolStats)> {
         self.pools.iter().map(|(k, v)| (*k, v))
     }
 
@@ -695,7 +698,7 @@ impl Tracker {
             Op::MstxHeap { domain, device, total } => {
                 let pool = self.domains.get(&(site.pid, domain)).copied();
                 if let (Some(pool), Some(device), Some(total)) = (pool, device, total) {
-                    let stats = self.pools.entry((DeviceKey::Npu(device), pool)).or_default();
+                    let stats = self.pools.entry((DeviceKey::Npu(device), pool, site.pid)).or_default();
                     stats.total = total;
                     stats.peak_total = stats.peak_total.max(total);
                 }
@@ -735,14 +738,14 @@ impl Tracker {
             }
         }
         self.segments.insert((pid, ptr), Segment { device, pool, size });
-        let stats = self.pools.entry((device, pool)).or_default();
+        let stats = self.pools.entry((device, pool, pid)).or_default();
         stats.total += size;
         stats.peak_total = stats.peak_total.max(stats.total);
     }
 
     fn remove_segment(&mut self, pid: u32, ptr: u64) {
         if let Some(seg) = self.segments.remove(&(pid, ptr)) {
-            let stats = self.pools.entry((seg.device, seg.pool)).or_default();
+            let stats = self.pools.entry((seg.device, seg.pool, pid)).or_default();
             stats.total = stats.total.saturating_sub(seg.size);
         }
     }
@@ -772,12 +775,17 @@ impl Tracker {
         if self.pool_blocks.contains_key(&(site.pid, ptr)) {
             self.remove_pool_block(site, ptr, pool, device, true, false, out);
         }
-        let stats = self.pools.entry((device, pool)).or_default();
-        stats.next_allocation_id += 1;
+        let allocation_id = {
+            // Numbered per device and pool, like the rows of one file, whatever the process.
+            let next = self.pool_ids.entry((device, pool)).or_default();
+            *next += 1;
+            *next
+        };
+        let stats = self.pools.entry((device, pool, site.pid)).or_default();
         stats.used += size;
         stats.peak_used = stats.peak_used.max(stats.used);
         stats.live_blocks += 1;
-        let (allocation_id, used, total) = (stats.next_allocation_id, stats.used, stats.total);
+        let (used, total) = (stats.used, stats.total);
         let labels = self.tags.labels(site.pid, site.tid);
         let hidden = self.is_paused(site.pid);
         if !hidden {
@@ -804,7 +812,7 @@ impl Tracker {
         self.pool_index.remove(&(site.pid, ptr));
         match self.pool_blocks.remove(&(site.pid, ptr)) {
             Some(block) => {
-                let stats = self.pools.entry((block.device, block.pool)).or_default();
+                let stats = self.pools.entry((block.device, block.pool, site.pid)).or_default();
                 stats.used -= block.size;
                 stats.live_blocks -= 1;
                 let (used, total) = (stats.used, stats.total);
@@ -825,7 +833,7 @@ impl Tracker {
                 });
             }
             None => {
-                let stats = self.pools.entry((fallback, pool)).or_default();
+                let stats = self.pools.entry((fallback, pool, site.pid)).or_default();
                 let (used, total) = (stats.used, stats.total);
                 if self.is_paused(site.pid) {
                     return;
@@ -997,14 +1005,14 @@ impl Tracker {
         }
         let mut live: Vec<((u32, u64), PoolBlock)> = self.pool_blocks.iter().map(|(k, v)| (*k, v.clone())).collect();
         live.sort_by_key(|(_, b)| (b.device, b.pool, b.allocation_id));
-        let mut used: BTreeMap<(DeviceKey, Pool), u64> = self.pools.iter().map(|(k, v)| (*k, v.used)).collect();
+        let mut used: BTreeMap<(DeviceKey, Pool, u32), u64> = self.pools.iter().map(|(k, v)| (*k, v.used)).collect();
         for ((pid, ptr), block) in live {
-            let remaining = used.entry((block.device, block.pool)).or_default();
+            let remaining = used.entry((block.device, block.pool, pid)).or_default();
             *remaining -= block.size;
             if block.hidden {
                 continue;
             }
-            let total = self.pools.get(&(block.device, block.pool)).map_or(0, |s| s.total);
+            let total = self.pools.get(&(block.device, block.pool, pid)).map_or(0, |s| s.total);
             out.push(Output::PoolFree {
                 site: Site { api: block.api, wall_ns: at, pid, tid: pid },
                 device: block.device,
@@ -1311,6 +1319,25 @@ mod tests {
         let (_, out) = run(&[driver_alloc(0x1000, 4096, 0, 3), malloc(Some(0x2000), 512, Some(0), 0)]);
         assert_eq!(out.len(), 2);
         assert!(matches!(out[0], Output::Malloc { site: Site { api: Api::HalMemAlloc, .. }, size: 4096, .. }));
+    }
+
+    #[test]
+    fn each_process_has_its_own_pool_counters_on_a_shared_device() {
+        let segment = |pid: u32, ptr: u64, size: u64| Event {
+            pid,
+            ..with_outer(malloc(Some(ptr), size, Some(0), 0), Api::DeviceCachingAllocatorMalloc)
+        };
+        let block = |pid: u32, ptr: u64, size: u64| Event { pid, ..pool_malloc(ptr, size, 0) };
+        let (t, out) = run(&[
+            segment(1, 0x10_0000, 2 << 20),
+            block(1, 0x10_0000, 4096),
+            segment(2, 0x90_0000, 4 << 20),
+            block(2, 0x90_0000, 8192),
+        ]);
+        let Output::PoolMalloc { used, total, allocation_id, .. } = out[3] else { panic!("{out:?}") };
+        assert_eq!((used, total), (8192, 4 << 20), "process 2's allocator, not the sum of both");
+        assert_eq!(allocation_id, 2, "ids are per device and pool, so rows of one file never share one");
+        assert_eq!(t.pools().count(), 2);
     }
 
     #[test]

@@ -1,0 +1,1518 @@
+//! Fragmentation of the caching allocator over time, replayed offline from `memscope_dump`: per
+//! device, reserved − allocated, the largest free piece inside cached segments, the free pieces
+//! inside segments that still hold tensors (holes), and the count of splits. It also collects the
+//! evidence the advisor reasons from (growth of reserved memory that fragmentation forced, big
+//! segments pinned by small tensors, cache flushes at a ceiling) and hands the live state to the
+//! OOM forensics at each failed allocation. Stored as `ms_fragmentation` (docs/db-schema.md).
+//!
+//! Segments are the `HAL` MALLOC rows marked `segment=caching` (expandable-segment pages,
+//! `vmm=true`, join their neighbours into one range, as they are one address range to the
+//! allocator); pool blocks are the `PTA` rows; free pieces are segments minus the live blocks
+//! inside them. The structures are updated per row in O(log n) (intervals in ordered maps and a
+//! multiset of free-piece sizes), never rebuilt, so a million rows cost one scan.
+//!
+//! A split is a block carved from a free piece larger than itself (the allocator cut the piece
+//! and kept the rest cached), including the first block taken from a fresh segment bigger than it.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::Path;
+
+use rusqlite::types::ValueRef;
+use rusqlite::{params, Connection, OpenFlags, Transaction, TransactionBehavior};
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
+
+use super::oom::{self, Incident};
+use super::AnalysisError;
+
+pub const MIB: u64 = 1 << 20;
+/// torch_npu's large-pool segment: requests between 1 and 10 MiB share 20 MiB segments; a bigger
+/// segment was made for one request of 10 MiB or more (kLargeBuffer).
+pub const LARGE_SEGMENT: u64 = 20 * MIB;
+/// torch_npu serves requests below this from shared 20 MiB segments (kMinLargeAlloc).
+pub const SMALL_REQUEST: u64 = 10 * MIB;
+
+/// What one replay is asked for.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Top-K of the OOM forensics (most recent and largest live blocks, owners).
+    pub top_k: usize,
+    /// Memory rows between two periodic samples; `None`: about 500 samples over the trace.
+    pub sample_every: Option<u64>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { top_k: 10, sample_every: None }
+    }
+}
+
+/// Why a sample was taken.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// A step boundary (`SYSTEM`/`STEP`).
+    Step,
+    /// The first instant of the highest reserved bytes of the device.
+    PeakReserved,
+    /// Every N memory rows.
+    Periodic,
+    /// A failed allocation (an OOM incident of `ms_oom`).
+    Oom,
+    /// The end of the trace.
+    #[default]
+    End,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Step => "step",
+            Self::PeakReserved => "peak_reserved",
+            Self::Periodic => "periodic",
+            Self::Oom => "oom",
+            Self::End => "end",
+        }
+    }
+}
+
+/// The device's caching pools at one instant (all processes of the DB added up).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Sample {
+    pub reason: Reason,
+    pub ts_ns: i64,
+    /// The step the sample falls in (the last `STEP` row's number), if any.
+    pub step: Option<i64>,
+    pub reserved: u64,
+    pub allocated: u64,
+    /// reserved − allocated.
+    pub unused: u64,
+    /// The largest free piece inside cached segments; `None` when the trace has no segment rows
+    /// (msMemScope's DBs, or a pool whose segments predate an attach).
+    pub largest_free: Option<u64>,
+    pub free_pieces: u64,
+    /// Free bytes inside segments that hold at least one live block (pinned, unlike a wholly
+    /// free cached segment that can be reused or released as a whole).
+    pub holes: u64,
+    pub segments: u64,
+    /// Splits so far (see the module doc).
+    pub splits: u64,
+    /// Processes with caching-pool memory.
+    pub processes: u64,
+}
+
+/// A new segment taken for a block, with the pool as it was just before. In `Report::forced`:
+/// enough pinned free memory existed for the block but no piece was big enough (fragmentation
+/// made the pool grow); in `Report::pinned_big`: a big block, while big segments were held by
+/// small blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Growth {
+    pub ts_ns: i64,
+    pub pid: i64,
+    /// The block the allocator was asked for.
+    pub request: u64,
+    /// Bytes of segments it took for it.
+    pub segment_bytes: u64,
+    /// Holes and largest free piece of the process's pool just before.
+    pub holes_before: u64,
+    pub largest_before: u64,
+    /// Big segments (> 20 MiB) held by small blocks (< 10 MiB) just before, and the smallest.
+    pub pinned_big: u64,
+    pub pinned_big_min: u64,
+}
+
+/// Cached segments freed inside one allocator call just before it took a new one, none of them
+/// big enough for the request: the pool hit a ceiling (the device or its memory fraction) with a
+/// cache it could not use, and emptied it to go on. (An `empty_cache()` right before an
+/// allocation looks the same in the rows unless its cache could have served the request.)
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Flush {
+    pub ts_ns: i64,
+    pub pid: i64,
+    pub freed: u64,
+    pub largest_freed: u64,
+    /// Reserved bytes before the first segment was freed.
+    pub reserved_before: u64,
+    /// The segment taken right after.
+    pub segment_bytes: u64,
+}
+
+/// One process's largest footprint on the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ProcessPeak {
+    pub pid: i64,
+    pub peak_reserved: u64,
+    /// Live `HAL` bytes (all device memory the process took, pools included).
+    pub peak_device: u64,
+}
+
+/// Everything one pass over a DB found.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub start_ns: Option<i64>,
+    pub end_ns: Option<i64>,
+    pub samples: Vec<Sample>,
+    /// The sample at the peak of reserved bytes (also in `samples`).
+    pub peak: Option<Sample>,
+    pub max_allocated: u64,
+    /// Whether the pools' segments were seen (our DBs), so free pieces are known.
+    pub has_segments: bool,
+    /// Segment allocations of the caching pools, and those forced by fragmentation.
+    pub growths: u64,
+    pub forced: Vec<Growth>,
+    /// Growths for requests above 20 MiB while big segments were pinned by small blocks.
+    pub pinned_big: Vec<Growth>,
+    pub flushes: Vec<Flush>,
+    pub processes: Vec<ProcessPeak>,
+    pub incidents: Vec<Incident>,
+    pub unreadable: u64,
+}
+
+// ---------------------------------------------------------------- reading rows
+
+/// Attr values as Insight reads them: strings only; anything else reads as absent.
+#[derive(Default, Deserialize)]
+pub(crate) struct Fields<'a> {
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub size: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub owner: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub unmatched: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub shadow: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub pool: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub segment: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub vmm: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub total: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub func: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub req_size: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub status: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "text")]
+    pub ptr: Option<Cow<'a, str>>,
+}
+
+impl Fields<'_> {
+    pub fn flag(v: &Option<Cow<'_, str>>) -> bool {
+        v.as_deref() == Some("true")
+    }
+    pub fn number(v: &Option<Cow<'_, str>>) -> Option<u64> {
+        v.as_deref().and_then(parse_number)
+    }
+}
+
+fn text<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    struct Text;
+    impl<'de> Visitor<'de> for Text {
+        type Value = Option<Cow<'de, str>>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok(Some(v.into()))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(v.to_owned().into()))
+        }
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+    }
+    d.deserialize_any(Text)
+}
+
+/// Decimal, or `0x` hex (addresses).
+pub fn parse_number(s: &str) -> Option<u64> {
+    let s = s.trim();
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
+    }
+}
+
+/// One row as the replay needs it.
+pub(crate) struct Row<'a> {
+    pub event: &'a str,
+    pub event_type: &'a str,
+    pub name: &'a str,
+    pub ts: i64,
+    pub pid: i64,
+    pub tid: i64,
+    pub ptr: &'a str,
+    pub attr: &'a str,
+}
+
+fn col_text(v: ValueRef<'_>) -> &str {
+    match v {
+        ValueRef::Text(t) => std::str::from_utf8(t).unwrap_or(""),
+        _ => "",
+    }
+}
+
+fn col_int(v: ValueRef<'_>) -> i64 {
+    match v {
+        ValueRef::Integer(i) => i,
+        ValueRef::Real(f) => f as i64,
+        ValueRef::Text(t) => std::str::from_utf8(t).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// Opens a DB that `DumpDb::open` already checked, read-only, for a query of our own (the
+/// replay needs `Name`, `Thread Id` and the OOM rows, which the shared row stream leaves out).
+pub(crate) fn open_read(path: &Path) -> Result<Connection, AnalysisError> {
+    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+        .map_err(|e| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() })?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))
+        .map_err(|source| AnalysisError::Read { path: path.to_owned(), source })?;
+    Ok(conn)
+}
+
+fn read_error(path: &Path) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
+    move |source| AnalysisError::Read { path: path.to_owned(), source }
+}
+
+/// `memscope_dump`, or msLeaks' older `leaks_dump`.
+pub(crate) fn dump_table(path: &Path, conn: &Connection) -> Result<String, AnalysisError> {
+    conn.query_row(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN ('memscope_dump', 'leaks_dump') \
+         ORDER BY name = 'memscope_dump' DESC LIMIT 1",
+        [],
+        |r| r.get(0),
+    )
+    .map_err(read_error(path))
+}
+
+fn memory_rows(path: &Path, conn: &Connection, table: &str) -> Result<u64, AnalysisError> {
+    let sql = format!("SELECT count(*) FROM \"{table}\" WHERE \"Event\" IN ('MALLOC','FREE')");
+    conn.query_row(&sql, [], |r| r.get::<_, i64>(0)).map(|n| n as u64).map_err(read_error(path))
+}
+
+/// Streams the rows the replay needs in `Timestamp(ns)`, `ID` order, as Insight orders them.
+/// Columns that older writers lack (`Name`, `Thread Id`) read as empty (the thread as the process).
+fn for_each_row(path: &Path, conn: &Connection, table: &str, mut f: impl FnMut(Row<'_>)) -> Result<(), AnalysisError> {
+    let read = read_error(path);
+    let has = |column: &str| -> Result<bool, AnalysisError> {
+        conn.query_row("SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2", params![table, column], |r| {
+            r.get::<_, i64>(0)
+        })
+        .map(|n| n > 0)
+        .map_err(&read)
+    };
+    let name = if has("Name")? { "\"Name\"" } else { "''" };
+    let tid = if has("Thread Id")? { "\"Thread Id\"" } else { "\"Process Id\"" };
+    let sql = format!(
+        "SELECT \"Event\", \"Event Type\", {name}, \"Timestamp(ns)\", \"Process Id\", {tid}, \"Ptr\", \"Attr\" \
+         FROM \"{table}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','OOM_DETAIL') ORDER BY \"Timestamp(ns)\", \"ID\""
+    );
+    let mut stmt = conn.prepare(&sql).map_err(&read)?;
+    let mut rows = stmt.query([]).map_err(&read)?;
+    while let Some(row) = rows.next().map_err(&read)? {
+        let get = |i| row.get_ref(i).map_err(&read);
+        f(Row {
+            event: col_text(get(0)?),
+            event_type: col_text(get(1)?),
+            name: col_text(get(2)?),
+            ts: col_int(get(3)?),
+            pid: col_int(get(4)?),
+            tid: col_int(get(5)?),
+            ptr: col_text(get(6)?),
+            attr: col_text(get(7)?),
+        });
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- one process's pools
+
+/// A caching-pool segment, or a run of adjacent expandable-segment pages.
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    end: u64,
+    vmm: bool,
+    live: u32,
+    live_bytes: u64,
+    small_live: u32,
+}
+
+/// What a region adds to the process's running totals; recomputed around every change of it.
+#[derive(Clone, Copy, Default)]
+struct Contribution {
+    holes: u64,
+    pinned_big: u64,
+}
+
+impl Region {
+    fn contribution(&self, start: u64) -> Contribution {
+        let size = self.end - start;
+        Contribution {
+            holes: if self.live > 0 { size.saturating_sub(self.live_bytes) } else { 0 },
+            pinned_big: u64::from(!self.vmm && size > LARGE_SEGMENT && self.small_live > 0),
+        }
+    }
+}
+
+/// Which pool a `PTA` block came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolKind {
+    Caching,
+    Workspace,
+    Other,
+}
+
+/// A live block: a pool block (`PTA`), or device memory outside the pools (`HAL`).
+#[derive(Clone, Copy, Debug)]
+pub struct Live {
+    pub size: u64,
+    pub ts: i64,
+    /// Index into the replay's owner names.
+    pub owner: u32,
+    pub pool: Option<PoolKind>,
+    /// Carved from a free piece of a known segment (so its free returns one).
+    in_region: bool,
+    /// A `HAL` block that is a pool's segment (its bytes are the pool's, not an owner's).
+    pub segment: Option<PoolKind>,
+}
+
+#[derive(Default)]
+pub(crate) struct Proc {
+    regions: BTreeMap<u64, Region>,
+    gaps: BTreeMap<u64, u64>,
+    gap_sizes: BTreeMap<u64, u32>,
+    pub blocks: BTreeMap<u64, Live>,
+    pub hal: HashMap<u64, Live>,
+    pub hal_bytes: u64,
+    segment_bytes: u64,
+    seen_segments: bool,
+    /// The last `total` a caching-pool row carried (the pool's own count, for DBs without
+    /// segment rows).
+    attr_total: u64,
+    pub allocated: u64,
+    holes: u64,
+    pinned_big: u64,
+    splits: u64,
+    peak_reserved: u64,
+    peak_device: u64,
+}
+
+impl Proc {
+    /// The segments when they are seen (the rows' `total` may count other processes' segments
+    /// on the device), else the pool's own count from the rows.
+    pub fn reserved(&self) -> u64 {
+        if self.seen_segments {
+            self.segment_bytes
+        } else {
+            self.attr_total
+        }
+    }
+
+    pub fn largest_free(&self) -> Option<u64> {
+        self.seen_segments.then(|| self.gap_sizes.keys().next_back().copied().unwrap_or(0))
+    }
+
+    pub fn free_pieces(&self) -> u64 {
+        self.gaps.len() as u64
+    }
+
+    pub fn holes(&self) -> u64 {
+        self.holes
+    }
+
+    fn add_gap(&mut self, start: u64, end: u64) {
+        if start < end {
+            self.gaps.insert(start, end);
+            *self.gap_sizes.entry(end - start).or_default() += 1;
+        }
+    }
+
+    fn remove_gap(&mut self, start: u64) -> Option<u64> {
+        let end = self.gaps.remove(&start)?;
+        if let Some(n) = self.gap_sizes.get_mut(&(end - start)) {
+            *n -= 1;
+            if *n == 0 {
+                self.gap_sizes.remove(&(end - start));
+            }
+        }
+        Some(end)
+    }
+
+    fn region_at(&self, start: u64, end: u64) -> Option<(u64, Region)> {
+        self.regions.range(..=start).next_back().filter(|(_, r)| r.end >= end).map(|(&s, &r)| (s, r))
+    }
+
+    fn put_region(&mut self, start: u64, region: Region) {
+        let c = region.contribution(start);
+        self.holes += c.holes;
+        self.pinned_big += c.pinned_big;
+        self.regions.insert(start, region);
+    }
+
+    fn take_region(&mut self, start: u64) -> Option<Region> {
+        let region = self.regions.remove(&start)?;
+        let c = region.contribution(start);
+        self.holes -= c.holes;
+        self.pinned_big -= c.pinned_big;
+        Some(region)
+    }
+
+    fn segment_added(&mut self, ptr: u64, size: u64, vmm: bool) {
+        let end = ptr + size;
+        self.seen_segments = true;
+        self.segment_bytes += size;
+        // A segment over a known one means a free was missed: the old one is gone.
+        while let Some((&s, r)) = self.regions.range(..end).next_back() {
+            if r.end <= ptr {
+                break;
+            }
+            let gone = r.end - s;
+            self.drop_range(s, r.end);
+            self.segment_bytes -= gone.min(self.segment_bytes);
+        }
+        let mut region = Region { end, vmm, live: 0, live_bytes: 0, small_live: 0 };
+        let mut start = ptr;
+        let mut free_start = ptr;
+        let mut free_end = end;
+        if vmm {
+            // Pages of one expandable segment are one range to the allocator: blocks and free
+            // pieces run across page boundaries.
+            if let Some((&ps, pr)) = self.regions.range(..ptr).next_back() {
+                if pr.vmm && pr.end == ptr {
+                    let prev = self.take_region(ps).unwrap();
+                    start = ps;
+                    region.live += prev.live;
+                    region.live_bytes += prev.live_bytes;
+                    region.small_live += prev.small_live;
+                    if let Some((&gs, &ge)) = self.gaps.range(..ptr).next_back() {
+                        if ge == ptr && gs >= ps {
+                            self.remove_gap(gs);
+                            free_start = gs;
+                        }
+                    }
+                }
+            }
+            if self.regions.get(&end).is_some_and(|r| r.vmm) {
+                let next = self.take_region(end).unwrap();
+                region.end = next.end;
+                region.live += next.live;
+                region.live_bytes += next.live_bytes;
+                region.small_live += next.small_live;
+                if let Some(ge) = self.remove_gap(end) {
+                    free_end = ge;
+                }
+            }
+        }
+        self.put_region(start, region);
+        self.add_gap(free_start, free_end);
+    }
+
+    /// Removes [start, end) from the known segments (a segment freed, a page unmapped); what is
+    /// left of its region on either side stays, with its blocks recounted.
+    fn drop_range(&mut self, start: u64, end: u64) {
+        let Some((rs, region)) = self.regions.range(..end).next_back().map(|(&s, &r)| (s, r)) else { return };
+        if region.end <= start {
+            return;
+        }
+        self.take_region(rs);
+        let overlapping: Vec<(u64, u64)> =
+            self.gaps.range(..end).rev().take_while(|(_, &e)| e > start).map(|(&s, &e)| (s, e)).collect();
+        for (gs, ge) in overlapping {
+            self.remove_gap(gs);
+            self.add_gap(gs, start.max(gs).min(ge));
+            self.add_gap(end.max(gs).min(ge), ge);
+        }
+        for (s, e) in [(rs, start.max(rs)), (end.min(region.end), region.end)] {
+            if s >= e {
+                continue;
+            }
+            let mut part = Region { end: e, vmm: region.vmm, live: 0, live_bytes: 0, small_live: 0 };
+            for (_, b) in self.blocks.range(s..e).filter(|(_, b)| b.in_region) {
+                part.live += 1;
+                part.live_bytes += b.size;
+                part.small_live += u32::from(b.size < SMALL_REQUEST);
+            }
+            self.put_region(s, part);
+        }
+        // Blocks still inside the removed range no longer belong to a known segment.
+        let inside: Vec<u64> = self.blocks.range(start..end).map(|(&p, _)| p).collect();
+        for p in inside {
+            if let Some(b) = self.blocks.get_mut(&p) {
+                b.in_region = false;
+            }
+        }
+    }
+
+    fn segment_removed(&mut self, ptr: u64, size: u64) {
+        self.segment_bytes -= size.min(self.segment_bytes);
+        self.drop_range(ptr, ptr + size);
+    }
+
+    /// Carves a caching block out of its free piece; returns whether it did (and whether that
+    /// was a split).
+    fn carve(&mut self, ptr: u64, size: u64) -> (bool, bool) {
+        let end = ptr + size;
+        let Some((rs, _)) = self.region_at(ptr, end) else { return (false, false) };
+        let Some((gs, ge)) = self.gaps.range(..=ptr).next_back().map(|(&s, &e)| (s, e)).filter(|&(_, e)| e >= end)
+        else {
+            return (false, false);
+        };
+        self.remove_gap(gs);
+        self.add_gap(gs, ptr);
+        self.add_gap(end, ge);
+        let mut region = self.take_region(rs).unwrap();
+        region.live += 1;
+        region.live_bytes += size;
+        region.small_live += u32::from(size < SMALL_REQUEST);
+        self.put_region(rs, region);
+        let split = gs < ptr || end < ge;
+        self.splits += u64::from(split);
+        (true, split)
+    }
+
+    /// Returns a carved block's bytes to its region as a free piece, joined with free neighbours
+    /// of the same region.
+    fn uncarve(&mut self, ptr: u64, size: u64) {
+        let end = ptr + size;
+        let Some((rs, _)) = self.region_at(ptr, end) else { return };
+        let mut region = self.take_region(rs).unwrap();
+        region.live = region.live.saturating_sub(1);
+        region.live_bytes = region.live_bytes.saturating_sub(size);
+        region.small_live = region.small_live.saturating_sub(u32::from(size < SMALL_REQUEST));
+        let mut start = ptr;
+        let mut stop = end;
+        if let Some((&gs, &ge)) = self.gaps.range(..ptr).next_back() {
+            if ge == ptr && gs >= rs {
+                self.remove_gap(gs);
+                start = gs;
+            }
+        }
+        if self.gaps.get(&end).is_some_and(|&ge| ge <= region.end) {
+            stop = self.remove_gap(end).unwrap();
+        }
+        self.add_gap(start, stop);
+        self.put_region(rs, region);
+    }
+
+    /// The smallest big segment held by small blocks.
+    fn pinned_big_min(&self) -> u64 {
+        self.regions
+            .iter()
+            .filter(|(&s, r)| r.contribution(s).pinned_big > 0)
+            .map(|(&s, r)| r.end - s)
+            .min()
+            .unwrap_or(0)
+    }
+}
+
+// ---------------------------------------------------------------- the replay
+
+/// A growth in progress on one thread: the allocator took segment(s) inside its call; the block
+/// it was for is the thread's next pool MALLOC.
+#[derive(Clone, Copy, Default)]
+struct Pending {
+    growth: Growth,
+    flush: Option<Flush>,
+}
+
+#[derive(Default)]
+pub(crate) struct Replay {
+    pub procs: HashMap<i64, Proc>,
+    pub owners: Vec<Box<str>>,
+    owner_ids: HashMap<Box<str>, u32>,
+    pending: HashMap<(i64, i64), Pending>,
+    /// Cached segments freed on a thread since its last pool row (a flush in progress).
+    freeing: HashMap<(i64, i64), Flush>,
+    pub step: Option<i64>,
+    /// The device's memory, when the trace says (msMemScope's START_TRACE `total`).
+    pub capacity: Option<u64>,
+    report: Report,
+    group_ts: Option<i64>,
+    peak_candidate: Option<Sample>,
+    start: Option<i64>,
+    stop: Option<i64>,
+    first: Option<i64>,
+    last: Option<i64>,
+    rows: u64,
+    every: u64,
+    pub oom: oom::Tracker,
+}
+
+impl Replay {
+    pub fn owner(&mut self, owner: &str) -> u32 {
+        if let Some(&id) = self.owner_ids.get(owner) {
+            return id;
+        }
+        let id = self.owners.len() as u32;
+        self.owners.push(owner.into());
+        self.owner_ids.insert(owner.into(), id);
+        id
+    }
+
+    /// The device's pools now.
+    pub fn sample(&self, ts_ns: i64, reason: Reason) -> Sample {
+        let mut s = Sample { reason, ts_ns, step: self.step, ..Sample::default() };
+        let mut any_segments = false;
+        for p in self.procs.values() {
+            let reserved = p.reserved();
+            if reserved == 0 && p.allocated == 0 {
+                continue;
+            }
+            s.processes += 1;
+            s.reserved += reserved;
+            s.allocated += p.allocated;
+            s.unused += reserved.saturating_sub(p.allocated);
+            s.free_pieces += p.free_pieces();
+            s.holes += p.holes;
+            s.segments += p.regions.len() as u64;
+            if let Some(l) = p.largest_free() {
+                any_segments = true;
+                s.largest_free = Some(s.largest_free.unwrap_or(0).max(l));
+            }
+        }
+        if !any_segments {
+            s.largest_free = None;
+        }
+        s.splits = self.procs.values().map(|p| p.splits).sum();
+        s
+    }
+
+    fn push_sample(&mut self, ts: i64, reason: Reason) {
+        let s = self.sample(ts, reason);
+        self.report.samples.push(s);
+    }
+
+    fn close_group(&mut self) {
+        let Some(ts) = self.group_ts else { return };
+        let s = self.sample(ts, Reason::PeakReserved);
+        if s.reserved > 0 && self.peak_candidate.is_none_or(|p| s.reserved > p.reserved) {
+            self.peak_candidate = Some(s);
+        }
+        self.report.max_allocated = self.report.max_allocated.max(s.allocated);
+        for p in self.procs.values_mut() {
+            p.peak_reserved = p.peak_reserved.max(p.reserved());
+            p.peak_device = p.peak_device.max(p.hal_bytes);
+        }
+    }
+
+    fn apply(&mut self, row: Row<'_>) {
+        if self.group_ts != Some(row.ts) {
+            self.close_group();
+            self.group_ts = Some(row.ts);
+        }
+        self.first.get_or_insert(row.ts);
+        match row.event {
+            "SYSTEM" => {
+                match row.event_type {
+                    "START_TRACE" => {
+                        self.start.get_or_insert(row.ts);
+                        // msMemScope writes the device's memory here; our tracer does not know it.
+                        if let Ok(attr) = serde_json::from_str::<Fields<'_>>(row.attr) {
+                            self.capacity = self.capacity.or(Fields::number(&attr.total).filter(|&t| t > 0));
+                        }
+                    }
+                    "STOP_TRACE" => self.stop = Some(row.ts),
+                    "STEP" => {
+                        self.step = row.name.trim().parse().ok().or(self.step.map(|s| s + 1));
+                        self.push_sample(row.ts, Reason::Step);
+                    }
+                    _ => {}
+                }
+                self.last = Some(row.ts);
+            }
+            "OOM_DETAIL" => {
+                let Ok(attr) = serde_json::from_str::<Fields<'_>>(row.attr) else {
+                    self.report.unreadable += 1;
+                    return;
+                };
+                self.last = Some(row.ts);
+                if row.event_type == "OOM_TRIGGER" {
+                    let key = (row.pid, row.tid);
+                    if oom::Tracker::is_allocator(row.name, attr.func.as_deref()) {
+                        // The allocator gave up: the call's growth never produced a block.
+                        self.pending.remove(&key);
+                        self.freeing.remove(&key);
+                    }
+                    oom::capture(self, &row, &attr);
+                } else {
+                    oom::cross_check(self, &row, &attr);
+                }
+            }
+            "MALLOC" | "FREE" => self.memory(row),
+            _ => {}
+        }
+    }
+
+    fn memory(&mut self, row: Row<'_>) {
+        let Ok(attr) = serde_json::from_str::<Fields<'_>>(row.attr) else {
+            self.report.unreadable += 1;
+            return;
+        };
+        let is_free = row.event == "FREE";
+        if is_free && Fields::flag(&attr.shadow) {
+            return; // written at the end for blocks still live
+        }
+        self.last = Some(row.ts);
+        if is_free && Fields::flag(&attr.unmatched) {
+            return;
+        }
+        let Some(ptr) = parse_number(row.ptr) else {
+            self.report.unreadable += 1;
+            return;
+        };
+        let pool = match row.event_type {
+            "HAL" => None,
+            "PTA" => Some(match attr.pool.as_deref() {
+                None | Some("caching") => PoolKind::Caching,
+                Some("workspace") => PoolKind::Workspace,
+                Some(_) => PoolKind::Other,
+            }),
+            "PTA_WORKSPACE" => Some(PoolKind::Workspace),
+            "ATB" | "MINDSPORE" => Some(PoolKind::Other),
+            _ => return, // host memory is not the device's
+        };
+        self.rows += 1;
+        let key = (row.pid, row.tid);
+        match (pool, is_free) {
+            (None, false) => self.hal_malloc(row.pid, key, row.ts, ptr, &attr),
+            (None, true) => self.hal_free(row.pid, key, row.ts, ptr),
+            (Some(pool), false) => self.block_malloc(row.pid, key, row.ts, ptr, pool, &attr),
+            (Some(_), true) => self.block_free(row.pid, key, ptr),
+        }
+        if self.every > 0 && self.rows.is_multiple_of(self.every) {
+            self.push_sample(row.ts, Reason::Periodic);
+        }
+    }
+
+    fn hal_malloc(&mut self, pid: i64, key: (i64, i64), ts: i64, ptr: u64, attr: &Fields<'_>) {
+        let Some(size) = Fields::number(&attr.size).filter(|&s| s > 0) else { return };
+        let segment = match attr.segment.as_deref() {
+            Some("caching") => Some(PoolKind::Caching),
+            Some("workspace") => Some(PoolKind::Workspace),
+            Some(_) => Some(PoolKind::Other),
+            None => None,
+        };
+        let owner = self.owner(attr.owner.as_deref().filter(|o| !o.is_empty()).unwrap_or(oom::UNKNOWN_OWNER));
+        self.oom.memory_row(key, segment.is_some());
+        let proc = self.procs.entry(pid).or_default();
+        if let Some(old) = proc.hal.insert(ptr, Live { size, ts, owner, pool: None, in_region: false, segment }) {
+            proc.hal_bytes -= old.size.min(proc.hal_bytes);
+            if old.segment == Some(PoolKind::Caching) {
+                proc.segment_removed(ptr, old.size);
+            }
+        }
+        proc.hal_bytes += size;
+        if segment != Some(PoolKind::Caching) {
+            return;
+        }
+        let before = Growth {
+            ts_ns: ts,
+            pid,
+            holes_before: proc.holes,
+            largest_before: proc.largest_free().unwrap_or(0),
+            pinned_big: proc.pinned_big,
+            pinned_big_min: if proc.pinned_big > 0 { proc.pinned_big_min() } else { 0 },
+            ..Growth::default()
+        };
+        proc.segment_added(ptr, size, Fields::flag(&attr.vmm));
+        self.report.growths += 1;
+        let flush = self.freeing.remove(&key).map(|f| Flush { segment_bytes: size, ..f });
+        let pending = self.pending.entry(key).or_insert(Pending { growth: before, flush: None });
+        pending.growth.segment_bytes += size;
+        if pending.flush.is_none() {
+            pending.flush = flush;
+        }
+    }
+
+    fn hal_free(&mut self, pid: i64, key: (i64, i64), ts: i64, ptr: u64) {
+        self.oom.memory_row(key, true);
+        let Some(proc) = self.procs.get_mut(&pid) else { return };
+        let Some(old) = proc.hal.remove(&ptr) else { return };
+        proc.hal_bytes -= old.size.min(proc.hal_bytes);
+        if old.segment != Some(PoolKind::Caching) {
+            return;
+        }
+        let reserved = proc.reserved();
+        proc.segment_removed(ptr, old.size);
+        let f =
+            self.freeing.entry(key).or_insert(Flush { ts_ns: ts, pid, reserved_before: reserved, ..Flush::default() });
+        f.freed += old.size;
+        f.largest_freed = f.largest_freed.max(old.size);
+    }
+
+    fn block_malloc(&mut self, pid: i64, key: (i64, i64), ts: i64, ptr: u64, pool: PoolKind, attr: &Fields<'_>) {
+        let Some(size) = Fields::number(&attr.size).filter(|&s| s > 0) else { return };
+        let owner = self.owner(attr.owner.as_deref().filter(|o| !o.is_empty()).unwrap_or(oom::UNKNOWN_OWNER));
+        self.oom.pool_row(key, true);
+        self.freeing.remove(&key);
+        let pending = self.pending.remove(&key);
+        let proc = self.procs.entry(pid).or_default();
+        if let Some(old) = proc.blocks.remove(&ptr) {
+            proc.release(ptr, &old);
+        }
+        let mut in_region = false;
+        if pool == PoolKind::Caching {
+            proc.allocated += size;
+            if let Some(total) = Fields::number(&attr.total) {
+                proc.attr_total = total;
+            }
+            in_region = proc.carve(ptr, size).0;
+        }
+        proc.blocks.insert(ptr, Live { size, ts, owner, pool: Some(pool), in_region, segment: None });
+        let Some(Pending { mut growth, flush }) = pending.filter(|_| pool == PoolKind::Caching) else { return };
+        growth.request = size;
+        if growth.holes_before >= size && growth.largest_before < size {
+            self.report.forced.push(growth);
+        }
+        if size > LARGE_SEGMENT && growth.pinned_big > 0 {
+            self.report.pinned_big.push(growth);
+        }
+        if let Some(flush) = flush.filter(|f| f.largest_freed < size) {
+            self.report.flushes.push(flush);
+        }
+    }
+
+    fn block_free(&mut self, pid: i64, key: (i64, i64), ptr: u64) {
+        self.oom.pool_row(key, false);
+        self.freeing.remove(&key);
+        let Some(proc) = self.procs.get_mut(&pid) else { return };
+        if let Some(old) = proc.blocks.remove(&ptr) {
+            proc.release(ptr, &old);
+        }
+    }
+
+    fn finish(mut self) -> Report {
+        self.close_group();
+        let end = self.stop.or(self.last);
+        if let Some(end) = end {
+            self.push_sample(end, Reason::End);
+        }
+        oom::finish(&mut self);
+        let mut report = std::mem::take(&mut self.report);
+        report.samples.extend(oom::samples(&self.oom.incidents));
+        report.samples.sort_by_key(|s| s.ts_ns);
+        if let Some(peak) = self.peak_candidate {
+            // In time order with the other samples, before those taken at the same instant
+            // after it (a peak is the state after all rows of its timestamp).
+            let at = report.samples.partition_point(|s| s.ts_ns <= peak.ts_ns);
+            report.samples.insert(at, peak);
+            report.peak = Some(peak);
+        }
+        report.start_ns = self.start.or(self.first);
+        report.end_ns = end;
+        report.has_segments = self.procs.values().any(|p| p.seen_segments);
+        let mut processes: Vec<ProcessPeak> = self
+            .procs
+            .iter()
+            .filter(|(_, p)| p.peak_reserved > 0 || p.peak_device > 0)
+            .map(|(&pid, p)| ProcessPeak { pid, peak_reserved: p.peak_reserved, peak_device: p.peak_device })
+            .collect();
+        processes.sort_by_key(|p| p.pid);
+        report.processes = processes;
+        report.incidents = std::mem::take(&mut self.oom.incidents);
+        report
+    }
+}
+
+impl Proc {
+    fn release(&mut self, ptr: u64, block: &Live) {
+        if block.pool == Some(PoolKind::Caching) {
+            self.allocated -= block.size.min(self.allocated);
+            if block.in_region {
+                self.uncarve(ptr, block.size);
+            }
+        }
+    }
+}
+
+/// Replays a DB (already checked by `DumpDb::open`).
+pub fn analyse(path: &Path, options: Options) -> Result<Report, AnalysisError> {
+    let conn = open_read(path)?;
+    let table = dump_table(path, &conn)?;
+    let every = match options.sample_every {
+        Some(n) => n,
+        None => memory_rows(path, &conn, &table)?.div_ceil(500).max(100),
+    };
+    let mut replay = Replay { oom: oom::Tracker::new(options.top_k), every, ..Replay::default() };
+    for_each_row(path, &conn, &table, |row| replay.apply(row))?;
+    Ok(replay.finish())
+}
+
+// ---------------------------------------------------------------- writing results
+
+/// Our sampled fragmentation table (docs/db-schema.md, "ms_fragmentation").
+pub const FRAGMENTATION_TABLE: &str = "ms_fragmentation";
+const CREATE_FRAGMENTATION: &str = "CREATE TABLE ms_fragmentation (
+    device TEXT NOT NULL, ts_ns INTEGER NOT NULL, reason TEXT NOT NULL, step INTEGER,
+    reserved INTEGER NOT NULL, allocated INTEGER NOT NULL, unused INTEGER NOT NULL,
+    largest_free INTEGER, free_pieces INTEGER NOT NULL, holes INTEGER NOT NULL,
+    segments INTEGER NOT NULL, splits INTEGER NOT NULL, processes INTEGER NOT NULL)";
+
+/// Replaces our result tables `tables` (name, CREATE statement) and fills them with `fill`, then
+/// stamps `ms_meta.<meta_key>` when the file has our `ms_meta` (msMemScope's DBs do not, and get
+/// nothing else). One transaction on a connection that cannot create the file: either all of it
+/// lands or the file is unchanged. Returns what `fill` counted.
+pub(crate) fn write_tables(
+    path: &Path,
+    tables: &[(&str, &str)],
+    meta_key: &str,
+    run_wall_ns: u64,
+    fill: impl FnOnce(&Transaction<'_>) -> rusqlite::Result<usize>,
+) -> Result<usize, AnalysisError> {
+    let err = |source| AnalysisError::Write { path: path.to_owned(), source };
+    let mut conn =
+        Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+            .map_err(|e| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() })?;
+    if conn.is_readonly(rusqlite::DatabaseName::Main).unwrap_or(true) {
+        return Err(AnalysisError::ReadOnly { path: path.to_owned() });
+    }
+    conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(err)?;
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
+    for (name, create) in tables {
+        tx.execute_batch(&format!("DROP TABLE IF EXISTS {name}; {create}")).map_err(err)?;
+    }
+    let written = fill(&tx).map_err(err)?;
+    let has_meta: i64 = tx
+        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
+        .map_err(err)?;
+    if has_meta > 0 {
+        tx.execute("DELETE FROM ms_meta WHERE key = ?1", [meta_key]).map_err(err)?;
+        tx.execute("INSERT INTO ms_meta (key, value) VALUES (?1, ?2)", params![meta_key, run_wall_ns.to_string()])
+            .map_err(err)?;
+    }
+    tx.commit().map_err(err)?;
+    Ok(written)
+}
+
+pub(crate) fn fill_samples(tx: &Transaction<'_>, device: &str, samples: &[Sample]) -> rusqlite::Result<usize> {
+    let mut insert = tx.prepare(
+        "INSERT INTO ms_fragmentation (device, ts_ns, reason, step, reserved, allocated, unused, largest_free, \
+         free_pieces, holes, segments, splits, processes) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+    )?;
+    for s in samples {
+        insert.execute(params![
+            device,
+            s.ts_ns,
+            s.reason.as_str(),
+            s.step,
+            s.reserved as i64,
+            s.allocated as i64,
+            s.unused as i64,
+            s.largest_free.map(|v| v as i64),
+            s.free_pieces as i64,
+            s.holes as i64,
+            s.segments as i64,
+            s.splits as i64,
+            s.processes as i64
+        ])?;
+    }
+    Ok(samples.len())
+}
+
+pub(crate) fn create_fragmentation() -> (&'static str, &'static str) {
+    (FRAGMENTATION_TABLE, CREATE_FRAGMENTATION)
+}
+
+/// Trace DBs for the tests of this module, `oom` and `advise`: pool segments, blocks, OOM rows,
+/// steps and settings with the Attr keys the tracer writes (docs/db-schema.md).
+#[cfg(test)]
+pub(crate) mod fx {
+    use std::path::PathBuf;
+
+    use rusqlite::params;
+    use serde_json::json;
+
+    use crate::analysis::testdb::{dir, TestDb};
+
+    pub const START: i64 = 1_000_000_000_000;
+
+    pub struct Fx {
+        db: TestDb,
+        id: i64,
+        /// The next row's timestamp; each row advances it by 1 µs.
+        pub ts: i64,
+    }
+
+    impl Fx {
+        pub fn new(name: &str) -> Self {
+            let db = TestDb::create(&dir(name).join("memscope_dump_1.db"));
+            let mut fx = Self { db, id: 1, ts: START };
+            fx.row("SYSTEM", "START_TRACE", "START_TRACE", 1, 1, None, json!({"tool": "memscope-bpf"}));
+            fx
+        }
+
+        #[allow(clippy::too_many_arguments, reason = "one row's columns")]
+        pub fn row(
+            &mut self,
+            event: &str,
+            ty: &str,
+            name: &str,
+            pid: i64,
+            tid: i64,
+            ptr: Option<u64>,
+            attr: serde_json::Value,
+        ) {
+            let ptr = ptr.map_or_else(|| "N/A".to_owned(), |p| format!("0x{p:016x}"));
+            self.db
+                .conn()
+                .execute(
+                    "INSERT INTO memscope_dump VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, '0', ?8, ?9, '', '')",
+                    params![self.id, event, ty, name, self.ts, pid, tid, ptr, attr.to_string()],
+                )
+                .unwrap();
+            self.id += 1;
+            self.ts += 1000;
+        }
+
+        /// A caching-pool segment (`aclrtMallocAlign32`, or a mapped expandable page).
+        pub fn segment(&mut self, pid: i64, ptr: u64, size: u64, vmm: bool) {
+            let mut attr = json!({"addr": format!("0x{ptr:x}"), "size": size.to_string(), "owner": "CANN@APP",
+                                  "segment": "caching"});
+            if vmm {
+                attr["vmm"] = json!("true");
+            }
+            self.row(
+                "MALLOC",
+                "HAL",
+                if vmm { "aclrtMapMem" } else { "aclrtMallocAlign32" },
+                pid,
+                pid,
+                Some(ptr),
+                attr,
+            );
+        }
+
+        pub fn hal(&mut self, pid: i64, ptr: u64, size: u64, owner: &str) {
+            let attr = json!({"size": size.to_string(), "owner": owner});
+            self.row("MALLOC", "HAL", "aclrtMalloc", pid, pid, Some(ptr), attr);
+        }
+
+        pub fn hal_free(&mut self, pid: i64, ptr: u64, size: u64) {
+            self.row("FREE", "HAL", "aclrtFree", pid, pid, Some(ptr), json!({"size": size.to_string()}));
+        }
+
+        pub fn block(&mut self, pid: i64, ptr: u64, size: u64, owner: &str) {
+            let attr = json!({"size": size.to_string(), "pool": "caching", "owner": owner});
+            self.row("MALLOC", "PTA", "DeviceCachingAllocator::malloc", pid, pid, Some(ptr), attr);
+        }
+
+        pub fn free(&mut self, pid: i64, ptr: u64, size: u64) {
+            let attr = json!({"size": size.to_string(), "pool": "caching"});
+            self.row("FREE", "PTA", "DeviceCachingAllocator::free", pid, pid, Some(ptr), attr);
+        }
+
+        /// An OOM_TRIGGER row, named as the tracer names the failing function.
+        pub fn oom(&mut self, pid: i64, name: &str, req: u64) {
+            let attr = json!({"func": name, "req_size": req.to_string(), "status": "207001"});
+            self.row("OOM_DETAIL", "OOM_TRIGGER", name, pid, pid, None, attr);
+        }
+
+        pub fn step(&mut self, n: i64) {
+            self.row("SYSTEM", "STEP", &n.to_string(), 1, 1, None, json!({}));
+        }
+
+        pub fn meta(&mut self, key: &str, value: &str) {
+            self.db.conn().execute("INSERT INTO ms_meta VALUES (?1, ?2)", params![key, value]).unwrap();
+        }
+
+        pub fn path(&self) -> PathBuf {
+            self.db.path.clone()
+        }
+
+        /// STOP_TRACE, and the file's path.
+        pub fn stop(mut self) -> PathBuf {
+            self.row("SYSTEM", "STOP_TRACE", "STOP_TRACE", 1, 1, None, json!({}));
+            self.db.path.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fx::{Fx, START};
+    use super::*;
+
+    const M: u64 = MIB;
+
+    fn run(path: &Path) -> Report {
+        analyse(path, Options { top_k: 3, sample_every: Some(1_000_000) }).unwrap()
+    }
+
+    /// A naive model of one process's segments and blocks, recomputed from scratch: what the
+    /// incremental structures must always agree with.
+    #[derive(Default)]
+    struct Naive {
+        /// (start, end, vmm) of every segment or page, as taken.
+        segments: Vec<(u64, u64, bool)>,
+        blocks: BTreeMap<u64, u64>,
+    }
+
+    impl Naive {
+        /// Regions: segments, with adjacent expandable pages joined.
+        fn regions(&self) -> Vec<(u64, u64)> {
+            let mut s = self.segments.clone();
+            s.sort();
+            let mut out: Vec<(u64, u64, bool)> = Vec::new();
+            for (a, b, vmm) in s {
+                match out.last_mut() {
+                    Some(last) if vmm && last.2 && last.1 == a => last.1 = b,
+                    _ => out.push((a, b, vmm)),
+                }
+            }
+            out.into_iter().map(|(a, b, _)| (a, b)).collect()
+        }
+
+        fn pieces(&self) -> Vec<(u64, u64)> {
+            let mut out = Vec::new();
+            for (a, b) in self.regions() {
+                let mut at = a;
+                for (&p, &n) in self.blocks.range(a..b) {
+                    if p > at {
+                        out.push((at, p));
+                    }
+                    at = p + n;
+                }
+                if at < b {
+                    out.push((at, b));
+                }
+            }
+            out
+        }
+
+        fn holes(&self) -> u64 {
+            self.regions()
+                .iter()
+                .map(|&(a, b)| {
+                    let used: u64 = self.blocks.range(a..b).map(|(_, n)| n).sum();
+                    if self.blocks.range(a..b).next().is_some() {
+                        (b - a) - used
+                    } else {
+                        0
+                    }
+                })
+                .sum()
+        }
+    }
+
+    #[test]
+    fn incremental_free_pieces_agree_with_a_naive_recount() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rand = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n.max(1)
+        };
+        for round in 0..40 {
+            let mut proc = Proc::default();
+            let mut naive = Naive::default();
+            let mut splits = 0;
+            for _ in 0..400 {
+                match rand(10) {
+                    // A segment or an expandable page, at a free, 64-aligned place (pages often
+                    // next to each other).
+                    0 | 1 => {
+                        let vmm = round % 2 == 1 && rand(2) == 0;
+                        let start = rand(32) * 64;
+                        let size = if vmm { 64 } else { 16 + rand(49) };
+                        let end = start + size;
+                        if naive.segments.iter().all(|&(a, b, _)| end <= a || start >= b) {
+                            naive.segments.push((start, end, vmm));
+                            proc.segment_added(start, size, vmm);
+                        }
+                    }
+                    // A block carved from a free piece.
+                    2..=5 => {
+                        let pieces = naive.pieces();
+                        if pieces.is_empty() {
+                            continue;
+                        }
+                        let (a, b) = pieces[rand(pieces.len() as u64) as usize];
+                        let at = a + rand(b - a);
+                        let size = 1 + rand(b - at);
+                        naive.blocks.insert(at, size);
+                        splits += u64::from(at > a || at + size < b);
+                        assert!(proc.carve(at, size).0);
+                        proc.blocks.insert(
+                            at,
+                            Live {
+                                size,
+                                ts: 0,
+                                owner: 0,
+                                pool: Some(PoolKind::Caching),
+                                in_region: true,
+                                segment: None,
+                            },
+                        );
+                    }
+                    // A block freed.
+                    6..=8 => {
+                        if naive.blocks.is_empty() {
+                            continue;
+                        }
+                        let i = rand(naive.blocks.len() as u64) as usize;
+                        let (&p, &n) = naive.blocks.iter().nth(i).unwrap();
+                        naive.blocks.remove(&p);
+                        proc.blocks.remove(&p);
+                        proc.uncarve(p, n);
+                    }
+                    // A segment or page with no block in it given back.
+                    _ => {
+                        let free: Vec<usize> = (0..naive.segments.len())
+                            .filter(|&i| {
+                                let (a, b, _) = naive.segments[i];
+                                // No block overlaps it (one may span pages of an expandable range).
+                                naive.blocks.range(..b).next_back().is_none_or(|(&p, &n)| p + n <= a)
+                            })
+                            .collect();
+                        if free.is_empty() {
+                            continue;
+                        }
+                        let (a, b, _) = naive.segments.remove(free[rand(free.len() as u64) as usize]);
+                        proc.segment_removed(a, b - a);
+                    }
+                }
+                let pieces = naive.pieces();
+                let got: Vec<(u64, u64)> = proc.gaps.iter().map(|(&a, &b)| (a, b)).collect();
+                assert_eq!(got, pieces, "round {round}");
+                assert_eq!(proc.largest_free(), Some(pieces.iter().map(|(a, b)| b - a).max().unwrap_or(0)));
+                assert_eq!(proc.holes, naive.holes(), "round {round}");
+                assert_eq!(proc.regions.len(), naive.regions().len());
+                assert_eq!(proc.splits, splits);
+            }
+        }
+    }
+
+    #[test]
+    fn holes_between_live_blocks_force_growth_and_are_sampled_at_the_peak() {
+        let mut fx = Fx::new("frag-holes");
+        // Two 20 MiB segments, three 6 MiB blocks each; the last of the first and the first of
+        // the second freed: pieces of 8 (6 + the 2 MiB tail) and 6 MiB.
+        for base in [0x1000_0000u64, 0x2000_0000] {
+            fx.segment(1, base, 20 * M, false);
+            for i in 0..3 {
+                fx.block(1, base + i * 6 * M, 6 * M, "PTA");
+            }
+        }
+        fx.step(1);
+        fx.free(1, 0x1000_0000 + 12 * M, 6 * M);
+        fx.free(1, 0x2000_0000, 6 * M);
+        // 11 MiB fits neither piece: a new 12 MiB segment although 16 MiB are free.
+        fx.segment(1, 0x3000_0000, 12 * M, false);
+        fx.block(1, 0x3000_0000, 12 * M, "PTA");
+        fx.step(2);
+        let report = run(&fx.stop());
+        assert!(report.has_segments);
+        assert_eq!(report.growths, 3);
+        assert_eq!(report.forced.len(), 1, "{:?}", report.forced);
+        let g = report.forced[0];
+        assert_eq!((g.request, g.segment_bytes, g.holes_before, g.largest_before), (12 * M, 12 * M, 16 * M, 8 * M));
+        let peak = report.peak.unwrap();
+        assert_eq!(peak.reason, Reason::PeakReserved);
+        assert_eq!((peak.reserved, peak.allocated), (52 * M, 24 * M), "at the new segment, before its block");
+        assert_eq!((peak.unused, peak.holes, peak.largest_free), (28 * M, 16 * M, Some(12 * M)));
+        type Row = (Option<i64>, u64, u64, Option<u64>, u64);
+        let steps: Vec<Row> = report
+            .samples
+            .iter()
+            .filter(|s| s.reason == Reason::Step)
+            .map(|s| (s.step, s.reserved, s.allocated, s.largest_free, s.free_pieces))
+            .collect();
+        assert_eq!(steps, [(Some(1), 40 * M, 36 * M, Some(2 * M), 2), (Some(2), 52 * M, 36 * M, Some(8 * M), 3)]);
+        // Six blocks carved from bigger pieces, the segment-filling one not.
+        assert_eq!(report.samples.last().unwrap().splits, 6);
+        assert_eq!(report.samples.last().unwrap().reason, Reason::End);
+        // Samples are in time order.
+        assert!(report.samples.windows(2).all(|w| w[0].ts_ns <= w[1].ts_ns));
+    }
+
+    #[test]
+    fn expandable_pages_are_one_range() {
+        let mut fx = Fx::new("frag-vmm");
+        // Two adjacent 20 MiB pages: a 30 MiB block spans them.
+        fx.segment(1, 0x4000_0000, 20 * M, true);
+        fx.segment(1, 0x4000_0000 + 20 * M, 20 * M, true);
+        fx.block(1, 0x4000_0000, 30 * M, "PTA");
+        fx.step(1);
+        fx.free(1, 0x4000_0000, 30 * M);
+        // The second page unmapped: 20 MiB stay, one free piece.
+        fx.hal_free(1, 0x4000_0000 + 20 * M, 20 * M);
+        fx.step(2);
+        let report = run(&fx.stop());
+        let steps: Vec<(u64, u64, Option<u64>, u64, u64)> = report
+            .samples
+            .iter()
+            .filter(|s| s.reason == Reason::Step)
+            .map(|s| (s.reserved, s.allocated, s.largest_free, s.free_pieces, s.segments))
+            .collect();
+        assert_eq!(steps, [(40 * M, 30 * M, Some(10 * M), 1, 1), (20 * M, 0, Some(20 * M), 1, 1)]);
+    }
+
+    #[test]
+    fn big_segments_pinned_by_small_blocks_are_evidence_for_max_split() {
+        let mut fx = Fx::new("frag-bigsplit");
+        fx.segment(1, 0x1000_0000, 96 * M, false);
+        fx.block(1, 0x1000_0000, 96 * M, "PTA");
+        fx.free(1, 0x1000_0000, 96 * M);
+        for i in 0..4 {
+            fx.block(1, 0x1000_0000 + i * 4 * M, 4 * M, "PTA");
+        }
+        fx.segment(1, 0x2000_0000, 96 * M, false);
+        fx.block(1, 0x2000_0000, 96 * M, "PTA");
+        let report = run(&fx.stop());
+        assert_eq!(report.pinned_big.len(), 1);
+        let g = report.pinned_big[0];
+        assert_eq!((g.request, g.pinned_big, g.pinned_big_min), (96 * M, 1, 96 * M));
+        assert!(report.forced.is_empty(), "80 MiB free < 96 MiB: not fragmentation");
+    }
+
+    #[test]
+    fn cache_flushes_inside_an_allocation_are_recorded() {
+        let mut fx = Fx::new("frag-flush");
+        fx.segment(1, 0x1000_0000, 40 * M, false);
+        fx.block(1, 0x1000_0000, 40 * M, "PTA");
+        fx.free(1, 0x1000_0000, 40 * M);
+        // The next allocation frees the cached segment, then takes a bigger one.
+        fx.hal_free(1, 0x1000_0000, 40 * M);
+        fx.segment(1, 0x2000_0000, 48 * M, false);
+        fx.block(1, 0x2000_0000, 48 * M, "PTA");
+        // An explicit empty_cache between allocations is not a flush inside one.
+        fx.free(1, 0x2000_0000, 48 * M);
+        fx.hal_free(1, 0x2000_0000, 48 * M);
+        fx.free(1, 0x9999, 1); // a pool row in between: the freeing belonged to no allocation
+        fx.segment(1, 0x3000_0000, 52 * M, false);
+        fx.block(1, 0x3000_0000, 52 * M, "PTA");
+        // Nor is one right before an allocation its cache could have served.
+        fx.free(1, 0x3000_0000, 52 * M);
+        fx.hal_free(1, 0x3000_0000, 52 * M);
+        fx.segment(1, 0x4000_0000, 20 * M, false);
+        fx.block(1, 0x4000_0000, 20 * M, "PTA");
+        let report = run(&fx.stop());
+        assert_eq!(report.flushes.len(), 1, "{:?}", report.flushes);
+        let f = report.flushes[0];
+        assert_eq!((f.freed, f.largest_freed, f.reserved_before, f.segment_bytes), (40 * M, 40 * M, 40 * M, 48 * M));
+    }
+
+    #[test]
+    fn pool_counters_from_rows_stand_in_for_segments_in_msmemscope_dbs() {
+        // msMemScope's DBs: PTA rows with used/total, no segment rows.
+        let mut fx = Fx::new("frag-msmemscope");
+        let attr = |size: u64, total: u64| serde_json::json!({"size": size.to_string(), "total": total.to_string()});
+        fx.row("MALLOC", "PTA", "x", 7, 7, Some(0x10), attr(4 * M, 20 * M));
+        fx.row("MALLOC", "PTA", "x", 7, 7, Some(0x20), attr(4 * M, 20 * M));
+        fx.row("MALLOC", "PTA_WORKSPACE", "x", 7, 7, Some(0x30), attr(2 * M, 2 * M));
+        let report = run(&fx.stop());
+        assert!(!report.has_segments);
+        let end = report.samples.last().unwrap();
+        assert_eq!((end.reserved, end.allocated, end.unused, end.largest_free), (20 * M, 8 * M, 12 * M, None));
+        assert_eq!(report.processes, [ProcessPeak { pid: 7, peak_reserved: 20 * M, peak_device: 0 }]);
+    }
+
+    #[test]
+    fn shadow_and_unmatched_frees_change_nothing() {
+        let mut fx = Fx::new("frag-marks");
+        fx.segment(1, 0x1000_0000, 20 * M, false);
+        fx.block(1, 0x1000_0000, 5 * M, "PTA");
+        let unmatched = serde_json::json!({"size": "0", "unmatched": "true"});
+        fx.row("FREE", "PTA", "x", 1, 1, Some(0x1000_0000), unmatched);
+        let ts = fx.ts;
+        let shadow = serde_json::json!({"size": "5242880", "shadow": "true"});
+        let path = {
+            let mut fx = fx;
+            fx.row("SYSTEM", "STOP_TRACE", "STOP_TRACE", 1, 1, None, serde_json::json!({}));
+            fx.row("FREE", "PTA", "x", 1, 1, Some(0x1000_0000), shadow);
+            fx.stop()
+        };
+        let report = run(&path);
+        let end = report.samples.iter().find(|s| s.reason == Reason::End).unwrap();
+        assert_eq!((end.ts_ns, end.allocated, end.largest_free), (ts + 2000, 5 * M, Some(15 * M)), "{report:?}");
+        assert_eq!(report.unreadable, 0);
+    }
+
+    #[test]
+    fn periodic_samples_every_n_memory_rows() {
+        let mut fx = Fx::new("frag-periodic");
+        fx.segment(1, 0x1000_0000, 20 * M, false);
+        for i in 0..9 {
+            fx.block(1, 0x1000_0000 + i * M, M, "PTA");
+        }
+        let path = fx.stop();
+        let report = analyse(&path, Options { top_k: 3, sample_every: Some(5) }).unwrap();
+        let periodic: Vec<u64> =
+            report.samples.iter().filter(|s| s.reason == Reason::Periodic).map(|s| s.allocated).collect();
+        assert_eq!(periodic, [4 * M, 9 * M], "after the 5th and the 10th memory row");
+        assert!(START < report.samples[0].ts_ns);
+    }
+
+    #[test]
+    fn many_rows_cost_one_scan() {
+        // 75k rows over 500 segments of 100 blocks: per-row work is O(log n), nothing is rebuilt.
+        let fx = Fx::new("frag-many");
+        let conn = rusqlite::Connection::open(fx.path()).unwrap();
+        conn.execute_batch("BEGIN").unwrap();
+        let mut id = 100;
+        let mut insert = |event: &str, ty: &str, ptr: u64, attr: String| {
+            conn.execute(
+                "INSERT INTO memscope_dump VALUES (?1, ?2, ?3, 'x', ?4, 1, 1, '0', ?5, ?6, '', '')",
+                params![id, event, ty, START + id, format!("0x{ptr:016x}"), attr],
+            )
+            .unwrap();
+            id += 1;
+        };
+        for s in 0..500u64 {
+            let base = 0x1_0000_0000 + s * 0x200_0000;
+            insert("MALLOC", "HAL", base, format!("{{\"size\":\"{}\",\"segment\":\"caching\"}}", 20 * M));
+            for i in 0..100u64 {
+                insert("MALLOC", "PTA", base + i * 4096, "{\"size\":\"4096\"}".into());
+            }
+            for i in (0..100u64).step_by(2) {
+                insert("FREE", "PTA", base + i * 4096, "{\"size\":\"4096\"}".into());
+            }
+        }
+        conn.execute_batch("COMMIT").unwrap();
+        let t = std::time::Instant::now();
+        let report = analyse(&fx.stop(), Options::default()).unwrap();
+        let elapsed = t.elapsed();
+        let end = report.samples.last().unwrap();
+        assert_eq!(end.allocated, 500 * 50 * 4096);
+        assert_eq!(end.free_pieces, 500 * 51);
+        assert!(report.samples.iter().filter(|s| s.reason == Reason::Periodic).count() <= 501);
+        eprintln!("{} memory rows replayed in {elapsed:?}", 500 * 151);
+        assert!(elapsed.as_secs() < 20, "{elapsed:?}");
+    }
+
+    #[test]
+    fn numbers_parse_as_the_tracer_writes_them() {
+        assert_eq!(parse_number("4096"), Some(4096));
+        assert_eq!(parse_number("0x00007f0000001000"), Some(0x7f00_0000_1000));
+        assert_eq!(parse_number("N/A"), None);
+        assert_eq!(parse_number("-1"), None);
+    }
+}

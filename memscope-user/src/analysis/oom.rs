@@ -1,0 +1,894 @@
+//! OOM forensics (msMemScope's `--analysis oom[:K]`), offline: for every failed allocation in a
+//! trace, what was asked for, what the device and the caching pool held at that instant, and a
+//! verdict in plain words — fragmentation (enough reserved but unused memory, no piece big
+//! enough), genuinely full (and which owners hold it), the allocator's own limit, or a failure
+//! the allocator recovered from. Stored as `ms_oom` and `ms_oom_blocks` (docs/db-schema.md).
+//!
+//! The state is rebuilt from the MALLOC/FREE rows by the fragmentation replay, not taken from the
+//! tracer's online OOM_RECENT_ALLOC / OOM_TOP_ALLOC rows: those are only checked against it (are
+//! the blocks they list live here?), so the analysis works on any trace, ours or msMemScope's.
+//!
+//! One failure of torch_npu's allocator writes several OOM_TRIGGER rows: one per runtime request
+//! that failed inside its call (a segment, then the retries after freeing its cache), then its
+//! own give-up. They are one incident: the runtime refusals of a thread are held until that
+//! thread's next pool row says what became of them (the allocator gave up, or recovered and
+//! handed out the block), or until another row shows they came from outside the allocator.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::fragmentation::{self, Fields, Live, PoolKind, Reason, Replay, Row, Sample};
+use super::render::{human_bytes, relative};
+use super::AnalysisError;
+
+/// The owner recorded for blocks whose MALLOC named none (as `ms_decompose` names them).
+pub const UNKNOWN_OWNER: &str = "UNKNOWN";
+
+/// msMemScope's default K for `oom` (`--analysis oom:K`, 1..=1000).
+pub const DEFAULT_TOP_K: usize = 10;
+
+/// Incidents beyond this are counted, not captured (each capture walks the live blocks).
+const MAX_CAPTURED: usize = 10_000;
+
+/// Which layer failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Level {
+    /// torch_npu's allocator gave up (after its own retries).
+    Allocator,
+    /// The ACL runtime returned ACL_ERROR_RT_MEMORY_ALLOCATION.
+    Runtime,
+    /// The driver returned DRV_ERROR_OUT_OF_MEMORY.
+    Driver,
+}
+
+impl Level {
+    fn of(name: &str, func: Option<&str>) -> Self {
+        let f = func.filter(|f| !f.is_empty()).unwrap_or(name);
+        if Tracker::is_allocator(name, func) {
+            Self::Allocator
+        } else if f.starts_with("hal") {
+            Self::Driver
+        } else {
+            Self::Runtime
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Allocator => "allocator",
+            Self::Runtime => "runtime",
+            Self::Driver => "driver",
+        }
+    }
+}
+
+/// What the failure was, in one word (`ms_oom.verdict`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Reserved but unused memory covered the request; no free piece was big enough.
+    Fragmentation,
+    /// Reserved but unused memory did not cover the request: the memory is really in use.
+    Full,
+    /// The allocator refused without asking the runtime (its memory fraction).
+    Limit,
+    /// A cached free piece was big enough, but the allocator could not use it for this request.
+    CachedUnusable,
+    /// A runtime/driver refusal inside the allocator, which then freed its cache and succeeded.
+    Recovered,
+    /// The runtime or driver refused a request made outside the caching allocator.
+    DeviceFull,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fragmentation => "fragmentation",
+            Self::Full => "full",
+            Self::Limit => "limit",
+            Self::CachedUnusable => "cached_unusable",
+            Self::Recovered => "recovered",
+            Self::DeviceFull => "device_full",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Attempt {
+    pub ts_ns: i64,
+    pub func: String,
+    pub req_size: Option<u64>,
+}
+
+/// A live block at the failure.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BlockInfo {
+    /// `PTA` (a pool block) or `HAL` (device memory outside the pools).
+    pub kind: &'static str,
+    pub pool: Option<&'static str>,
+    pub ptr: String,
+    pub size: u64,
+    pub ts_ns: i64,
+    pub owner: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct OwnerBytes {
+    pub owner: String,
+    pub bytes: u64,
+    pub blocks: u64,
+}
+
+/// The failing process's memory at the failure.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct State {
+    /// The caching pool (reserved: its segments; allocated: its live blocks).
+    pub reserved: u64,
+    pub allocated: u64,
+    pub unused: u64,
+    pub largest_free: Option<u64>,
+    pub free_pieces: u64,
+    pub holes: u64,
+    /// Live `HAL` bytes of this process, and of every process in the DB.
+    pub process_device: u64,
+    pub device_used: u64,
+    /// The device's memory, when the trace records it (msMemScope's START_TRACE `total`).
+    pub capacity: Option<u64>,
+    /// Whether the pool's segments were seen being allocated (so the runtime layer is traced).
+    pub segments_seen: bool,
+    pub owners: Vec<OwnerBytes>,
+    pub recent: Vec<BlockInfo>,
+    pub largest: Vec<BlockInfo>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// A runtime/driver refusal waiting for its thread's next pool row.
+    Pending,
+    /// Folded into the allocator's incident.
+    Absorbed,
+    Final,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Incident {
+    /// 1-based, in time order, per DB.
+    pub number: usize,
+    pub ts_ns: i64,
+    pub pid: i64,
+    pub tid: i64,
+    pub func: String,
+    pub level: Level,
+    pub req_size: Option<u64>,
+    pub status: Option<String>,
+    /// The runtime/driver refusals inside the allocator's call before it gave up.
+    pub attempts: Vec<Attempt>,
+    pub state: State,
+    pub verdict: Verdict,
+    /// The verdict in plain words, with what to try.
+    pub explanation: String,
+    /// The tracer's online OOM_RECENT_ALLOC / OOM_TOP_ALLOC rows after this failure, and how many
+    /// of the blocks they name are live in the replay.
+    pub online_listed: u64,
+    pub online_live: u64,
+    #[serde(skip)]
+    stage: Stage,
+    #[serde(skip)]
+    sample: Sample,
+}
+
+/// Follows OOM_TRIGGER rows through a replay.
+pub(crate) struct Tracker {
+    k: usize,
+    all: Vec<Incident>,
+    pending: HashMap<(i64, i64), Vec<usize>>,
+    last_of_pid: HashMap<i64, usize>,
+    pub incidents: Vec<Incident>,
+    pub uncaptured: u64,
+}
+
+impl Default for Tracker {
+    fn default() -> Self {
+        Self::new(DEFAULT_TOP_K)
+    }
+}
+
+impl Tracker {
+    pub fn new(k: usize) -> Self {
+        Self {
+            k,
+            all: Vec::new(),
+            pending: HashMap::new(),
+            last_of_pid: HashMap::new(),
+            incidents: Vec::new(),
+            uncaptured: 0,
+        }
+    }
+
+    /// torch_npu's pool allocators (the give-up after retries), as the tracer names them.
+    pub fn is_allocator(name: &str, func: Option<&str>) -> bool {
+        [Some(name), func].into_iter().flatten().any(|f| {
+            f.contains("Allocator::") || f == "MallocBlock" || f == "allocate_workspace" || f.starts_with("mstxMem")
+        })
+    }
+
+    fn settle(&mut self, key: (i64, i64), verdict: Option<Verdict>) {
+        for i in self.pending.remove(&key).unwrap_or_default() {
+            let inc = &mut self.all[i];
+            inc.stage = Stage::Final;
+            match verdict {
+                Some(v) => {
+                    inc.verdict = v;
+                    inc.explanation = explain(inc);
+                }
+                None => classify(inc),
+            }
+        }
+    }
+
+    /// A HAL row on a thread: freeing cached segments and taking new ones is what the allocator
+    /// does between a refusal and its outcome; any other device allocation ends the wait.
+    pub fn memory_row(&mut self, key: (i64, i64), inside_allocator: bool) {
+        if !inside_allocator && self.pending.contains_key(&key) {
+            self.settle(key, None);
+        }
+    }
+
+    /// A pool row on a thread: a MALLOC means the allocator recovered from the refusals before it.
+    pub fn pool_row(&mut self, key: (i64, i64), malloc: bool) {
+        if self.pending.contains_key(&key) {
+            self.settle(key, malloc.then_some(Verdict::Recovered));
+        }
+    }
+}
+
+fn block_info(replay: &Replay, ptr: u64, live: &Live, kind: &'static str) -> BlockInfo {
+    BlockInfo {
+        kind,
+        pool: live.pool.map(|p| match p {
+            PoolKind::Caching => "caching",
+            PoolKind::Workspace => "workspace",
+            PoolKind::Other => "other",
+        }),
+        ptr: format!("0x{ptr:016x}"),
+        size: live.size,
+        ts_ns: live.ts,
+        owner: replay.owners[live.owner as usize].to_string(),
+    }
+}
+
+/// The process's memory now: pool counters, device bytes, owners, and the top-K live blocks.
+fn state(replay: &Replay, pid: i64, k: usize) -> State {
+    let device_used = replay.procs.values().map(|p| p.hal_bytes).sum();
+    let mut s = State { device_used, capacity: replay.capacity, ..State::default() };
+    let Some(proc) = replay.procs.get(&pid) else { return s };
+    s.reserved = proc.reserved();
+    s.allocated = proc.allocated;
+    s.unused = s.reserved.saturating_sub(s.allocated);
+    s.largest_free = proc.largest_free();
+    s.segments_seen = s.largest_free.is_some();
+    s.free_pieces = proc.free_pieces();
+    s.holes = proc.holes();
+    s.process_device = proc.hal_bytes;
+    // Pool blocks, and device memory that is not a pool's segment (whose bytes are the blocks).
+    let live: Vec<(u64, &Live, &'static str)> = proc
+        .blocks
+        .iter()
+        .map(|(&p, b)| (p, b, "PTA"))
+        .chain(proc.hal.iter().filter(|(_, b)| b.segment.is_none()).map(|(&p, b)| (p, b, "HAL")))
+        .collect();
+    let mut owners: HashMap<u32, (u64, u64)> = HashMap::new();
+    for (_, b, _) in &live {
+        let o = owners.entry(b.owner).or_default();
+        o.0 += b.size;
+        o.1 += 1;
+    }
+    let mut owners: Vec<OwnerBytes> = owners
+        .into_iter()
+        .map(|(id, (bytes, blocks))| OwnerBytes { owner: replay.owners[id as usize].to_string(), bytes, blocks })
+        .collect();
+    owners.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.owner.cmp(&b.owner)));
+    owners.truncate(k);
+    s.owners = owners;
+    let mut by_time = live.clone();
+    by_time.sort_by(|a, b| b.1.ts.cmp(&a.1.ts).then(b.0.cmp(&a.0)));
+    s.recent = by_time.iter().take(k).map(|(p, b, kind)| block_info(replay, *p, b, kind)).collect();
+    let mut by_size = live;
+    by_size.sort_by(|a, b| b.1.size.cmp(&a.1.size).then(a.0.cmp(&b.0)));
+    s.largest = by_size.iter().take(k).map(|(p, b, kind)| block_info(replay, *p, b, kind)).collect();
+    s
+}
+
+/// An OOM_TRIGGER row: captures the state and starts (or, for the allocator's give-up, ends) an
+/// incident.
+pub(crate) fn capture(replay: &mut Replay, row: &Row<'_>, attr: &Fields<'_>) {
+    if replay.oom.all.len() >= MAX_CAPTURED {
+        replay.oom.uncaptured += 1;
+        return;
+    }
+    let level = Level::of(row.name, attr.func.as_deref());
+    let func = attr.func.as_deref().filter(|f| !f.is_empty()).unwrap_or(row.name).to_owned();
+    let k = replay.oom.k;
+    let mut inc = Incident {
+        number: 0,
+        ts_ns: row.ts,
+        pid: row.pid,
+        tid: row.tid,
+        func,
+        level,
+        req_size: Fields::number(&attr.req_size),
+        status: attr.status.as_deref().map(str::to_owned),
+        attempts: Vec::new(),
+        state: state(replay, row.pid, k),
+        verdict: Verdict::Full,
+        explanation: String::new(),
+        online_listed: 0,
+        online_live: 0,
+        stage: Stage::Pending,
+        sample: replay.sample(row.ts, Reason::Oom),
+    };
+    let key = (row.pid, row.tid);
+    let tracker = &mut replay.oom;
+    let index = tracker.all.len();
+    if level == Level::Allocator {
+        for i in tracker.pending.remove(&key).unwrap_or_default() {
+            let a = &mut tracker.all[i];
+            a.stage = Stage::Absorbed;
+            inc.attempts.push(Attempt { ts_ns: a.ts_ns, func: a.func.clone(), req_size: a.req_size });
+        }
+        inc.stage = Stage::Final;
+        classify(&mut inc);
+    } else {
+        tracker.pending.entry(key).or_default().push(index);
+    }
+    tracker.all.push(inc);
+    tracker.last_of_pid.insert(row.pid, index);
+}
+
+/// An OOM_RECENT_ALLOC / OOM_TOP_ALLOC row of the tracer: is the block it names live here?
+pub(crate) fn cross_check(replay: &mut Replay, row: &Row<'_>, attr: &Fields<'_>) {
+    if !matches!(row.event_type, "OOM_RECENT_ALLOC" | "OOM_TOP_ALLOC") {
+        return;
+    }
+    let Some(&index) = replay.oom.last_of_pid.get(&row.pid) else { return };
+    let ptr =
+        attr.ptr.as_deref().and_then(fragmentation::parse_number).or_else(|| fragmentation::parse_number(row.ptr));
+    let live = ptr.is_some_and(|p| {
+        replay.procs.get(&row.pid).is_some_and(|proc| proc.blocks.contains_key(&p) || proc.hal.contains_key(&p))
+    });
+    let inc = &mut replay.oom.all[index];
+    inc.online_listed += 1;
+    inc.online_live += u64::from(live);
+}
+
+/// The end of the trace: refusals still waiting came from outside the allocator. Final incidents
+/// are numbered in time order, and their samples join the fragmentation samples.
+pub(crate) fn finish(replay: &mut Replay) {
+    let keys: Vec<(i64, i64)> = replay.oom.pending.keys().copied().collect();
+    for key in keys {
+        replay.oom.settle(key, None);
+    }
+    let mut done: Vec<Incident> =
+        std::mem::take(&mut replay.oom.all).into_iter().filter(|i| i.stage == Stage::Final).collect();
+    done.sort_by_key(|i| i.ts_ns);
+    for (n, inc) in done.iter_mut().enumerate() {
+        inc.number = n + 1;
+    }
+    replay.oom.incidents = done;
+}
+
+/// The samples of the incidents that were real failures (not recoveries).
+pub(crate) fn samples(incidents: &[Incident]) -> impl Iterator<Item = Sample> + '_ {
+    incidents.iter().filter(|i| i.verdict != Verdict::Recovered).map(|i| i.sample)
+}
+
+fn classify(inc: &mut Incident) {
+    let s = &inc.state;
+    let req = inc.req_size.unwrap_or(0);
+    inc.verdict = if inc.level != Level::Allocator {
+        Verdict::DeviceFull
+    } else if s.reserved == 0 && s.allocated == 0 {
+        Verdict::Full
+    } else if s.largest_free.is_some_and(|l| l >= req) {
+        Verdict::CachedUnusable
+    } else if s.unused >= req {
+        Verdict::Fragmentation
+    } else if inc.attempts.is_empty() && s.segments_seen {
+        Verdict::Limit
+    } else {
+        Verdict::Full
+    };
+    inc.explanation = explain(inc);
+}
+
+fn owners_text(owners: &[OwnerBytes], n: usize) -> String {
+    let list: Vec<String> =
+        owners.iter().take(n).map(|o| format!("{} ({})", o.owner, human_bytes(o.bytes as i64))).collect();
+    if list.is_empty() {
+        "no live blocks".to_owned()
+    } else {
+        list.join(", ")
+    }
+}
+
+/// The verdict in plain words.
+fn explain(inc: &Incident) -> String {
+    let s = &inc.state;
+    let b = |v: u64| human_bytes(v as i64);
+    let req = inc.req_size.map_or_else(|| "an unknown size".to_owned(), b);
+    match inc.verdict {
+        Verdict::Fragmentation => {
+            let piece = match s.largest_free {
+                Some(l) => format!("the largest free piece is {} < {req} requested", b(l)),
+                None => "no free piece was big enough (the trace has no segment rows to say how big they were)".into(),
+            };
+            format!(
+                "fragmentation: {} reserved but unused, {piece} → try PYTORCH_NPU_ALLOC_CONF=expandable_segments:True \
+                 (or max_split_size_mb, so that big cached blocks are not split for small ones)",
+                b(s.unused)
+            )
+        }
+        Verdict::Full => format!(
+            "genuinely full: only {} reserved but unused for {req} requested; the owners {} hold the most \
+             → free or shrink what they hold (smaller batch, activation checkpointing, offloading)",
+            b(s.unused),
+            owners_text(&s.owners, 3)
+        ),
+        Verdict::Limit => format!(
+            "the allocator refused {req} without asking the runtime for more: its own limit \
+             (torch_npu.npu.set_per_process_memory_fraction) was reached at {} reserved ({} unused); \
+             raise the fraction or hold less (owners: {})",
+            b(s.reserved),
+            b(s.unused),
+            owners_text(&s.owners, 3)
+        ),
+        Verdict::CachedUnusable => format!(
+            "a cached free piece of {} ≥ {req} existed but the allocator could not use it for this request (it \
+             belongs to another stream or to the small-block pool, or max_split_size_mb keeps it for big requests)",
+            s.largest_free.map_or_else(|| "?".into(), b)
+        ),
+        Verdict::Recovered => format!(
+            "the runtime refused {req}; the allocator freed cached memory and retried successfully \
+             (reserved {} at the refusal): the pool is at the device's limit",
+            b(s.reserved)
+        ),
+        Verdict::DeviceFull => {
+            let pool = if s.reserved > 0 {
+                format!("; its caching pool held {} reserved, {} of it unused", b(s.reserved), b(s.unused))
+            } else {
+                String::new()
+            };
+            format!(
+                "the {} refused {req} outside the caching allocator while this process held {} of device memory \
+                 (all traced processes: {}){pool}; owners: {}",
+                inc.level.as_str(),
+                b(s.process_device),
+                b(s.device_used),
+                owners_text(&s.owners, 3)
+            )
+        }
+    }
+}
+
+// ---------------------------------------------------------------- reports
+
+/// What `analyze --analysis oom` prints and stores for one DB.
+pub struct Output {
+    pub text: String,
+    pub json: serde_json::Value,
+    /// "wrote N rows ..." for stderr, when the tables were written.
+    pub note: Option<String>,
+}
+
+/// Runs the forensics on one DB (checked by `DumpDb::open`), writes `ms_oom`/`ms_oom_blocks`
+/// when `write`, and renders the report.
+pub fn for_analyze(
+    path: &Path,
+    device: &str,
+    k: usize,
+    write: bool,
+    run_wall_ns: u64,
+) -> Result<Output, AnalysisError> {
+    let report = fragmentation::analyse(path, fragmentation::Options { top_k: k, sample_every: None })?;
+    let note = if write {
+        let rows = store(path, &report.incidents, run_wall_ns)?;
+        Some(format!("wrote {rows} rows into tables {OOM_TABLE} and {OOM_BLOCKS_TABLE} of {}", path.display()))
+    } else {
+        None
+    };
+    let json = serde_json::json!({
+        "db": path.display().to_string(),
+        "device": device,
+        "incidents": report.incidents,
+    });
+    Ok(Output { text: text(&report, path, device), json, note })
+}
+
+pub fn text(report: &fragmentation::Report, path: &Path, device: &str) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "device {device}: {}", path.display());
+    let failures: Vec<&Incident> = report.incidents.iter().filter(|i| i.verdict != Verdict::Recovered).collect();
+    let recovered = report.incidents.len() - failures.len();
+    if failures.is_empty() {
+        let _ = writeln!(out, "  no failed allocation (no OOM_DETAIL/OOM_TRIGGER row)");
+    }
+    if recovered > 0 {
+        let _ = writeln!(
+            out,
+            "  {recovered} runtime refusal(s) the allocator recovered from (it freed its cache and retried): \
+             the pool runs at the device's limit"
+        );
+    }
+    let b = |v: u64| human_bytes(v as i64);
+    for inc in failures {
+        let s = &inc.state;
+        let when = report.start_ns.map_or_else(String::new, |t| format!("{} ", relative(inc.ts_ns - t)));
+        let req = inc.req_size.map_or_else(|| "an unknown size".to_owned(), |r| format!("{} ({r} B)", b(r)));
+        let _ = writeln!(out, "\n  OOM {} at {when}(ts {}, pid {}, tid {})", inc.number, inc.ts_ns, inc.pid, inc.tid);
+        let _ = write!(out, "    {} could not get {req}", inc.func);
+        if let Some(first) = inc.attempts.first() {
+            let asked = first.req_size.map_or_else(|| "memory".to_owned(), b);
+            let _ = write!(
+                out,
+                "; before giving up it asked the runtime for {asked} {} time(s) ({})",
+                inc.attempts.len(),
+                first.func
+            );
+        }
+        out.push('\n');
+        let capacity = s.capacity.map_or_else(|| "unknown (the trace does not record it)".to_owned(), b);
+        let _ = writeln!(
+            out,
+            "    device: capacity {capacity}; device memory of this process {}, of all traced processes {}",
+            b(s.process_device),
+            b(s.device_used)
+        );
+        if s.reserved > 0 || s.allocated > 0 {
+            let piece = s.largest_free.map_or_else(|| "unknown (no segment rows)".to_owned(), b);
+            let _ = writeln!(
+                out,
+                "    caching pool: reserved {}, allocated {}, reserved but unused {} in {} free piece(s) \
+                 ({} of it inside segments in use); largest free piece {piece}",
+                b(s.reserved),
+                b(s.allocated),
+                b(s.unused),
+                s.free_pieces,
+                b(s.holes)
+            );
+        }
+        let _ = writeln!(out, "    verdict: {}", inc.explanation);
+        let owners: Vec<String> =
+            s.owners.iter().map(|o| format!("{} {} ({} blocks)", o.owner, b(o.bytes), o.blocks)).collect();
+        if !owners.is_empty() {
+            let _ = writeln!(out, "    owners: {}", owners.join(", "));
+        }
+        for (title, list) in [("largest live blocks", &s.largest), ("most recent live blocks", &s.recent)] {
+            if list.is_empty() {
+                continue;
+            }
+            let items: Vec<String> = list
+                .iter()
+                .map(|x| {
+                    let at = report.start_ns.map_or_else(|| format!("ts {}", x.ts_ns), |t| relative(x.ts_ns - t));
+                    format!("{} {} {} {at}", b(x.size), x.ptr, x.owner)
+                })
+                .collect();
+            let _ = writeln!(out, "    {title}: {}", items.join("; "));
+        }
+        if inc.online_listed > 0 {
+            let _ = writeln!(
+                out,
+                "    the tracer's online top-K rows name {} block(s), {} of them live in this replay",
+                inc.online_listed, inc.online_live
+            );
+        }
+    }
+    out
+}
+
+pub const OOM_TABLE: &str = "ms_oom";
+pub const OOM_BLOCKS_TABLE: &str = "ms_oom_blocks";
+const CREATE_OOM: &str = "CREATE TABLE ms_oom (
+    oom INTEGER NOT NULL, ts_ns INTEGER NOT NULL, pid INTEGER NOT NULL, tid INTEGER NOT NULL,
+    func TEXT NOT NULL, level TEXT NOT NULL, req_size INTEGER, attempts INTEGER NOT NULL,
+    attempt_size INTEGER, verdict TEXT NOT NULL, reserved INTEGER NOT NULL, allocated INTEGER NOT NULL,
+    unused INTEGER NOT NULL, largest_free INTEGER, free_pieces INTEGER NOT NULL, holes INTEGER NOT NULL,
+    process_device INTEGER NOT NULL, device_used INTEGER NOT NULL, capacity INTEGER,
+    explanation TEXT NOT NULL, online_listed INTEGER NOT NULL, online_live INTEGER NOT NULL)";
+const CREATE_OOM_BLOCKS: &str = "CREATE TABLE ms_oom_blocks (
+    oom INTEGER NOT NULL, list TEXT NOT NULL, rank INTEGER NOT NULL, kind TEXT, pool TEXT, ptr TEXT,
+    size INTEGER NOT NULL, ts_ns INTEGER, owner TEXT NOT NULL, blocks INTEGER NOT NULL)";
+
+/// Replaces `ms_oom` and `ms_oom_blocks`; returns the rows written.
+pub fn store(path: &Path, incidents: &[Incident], run_wall_ns: u64) -> Result<usize, AnalysisError> {
+    let tables = [(OOM_TABLE, CREATE_OOM), (OOM_BLOCKS_TABLE, CREATE_OOM_BLOCKS)];
+    fragmentation::write_tables(path, &tables, "oom_at", run_wall_ns, |tx| {
+        let mut main = tx.prepare(
+            "INSERT INTO ms_oom VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
+             ?18, ?19, ?20, ?21, ?22)",
+        )?;
+        let mut detail = tx.prepare("INSERT INTO ms_oom_blocks VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)")?;
+        let mut rows = 0;
+        let int = |v: u64| v as i64;
+        for inc in incidents {
+            let s = &inc.state;
+            main.execute(rusqlite::params![
+                inc.number as i64,
+                inc.ts_ns,
+                inc.pid,
+                inc.tid,
+                inc.func,
+                inc.level.as_str(),
+                inc.req_size.map(int),
+                inc.attempts.len() as i64,
+                inc.attempts.first().and_then(|a| a.req_size).map(int),
+                inc.verdict.as_str(),
+                int(s.reserved),
+                int(s.allocated),
+                int(s.unused),
+                s.largest_free.map(int),
+                int(s.free_pieces),
+                int(s.holes),
+                int(s.process_device),
+                int(s.device_used),
+                s.capacity.map(int),
+                inc.explanation,
+                int(inc.online_listed),
+                int(inc.online_live)
+            ])?;
+            rows += 1;
+            for (list, blocks) in [("recent", &s.recent), ("largest", &s.largest)] {
+                for (rank, x) in blocks.iter().enumerate() {
+                    detail.execute(rusqlite::params![
+                        inc.number as i64,
+                        list,
+                        rank as i64 + 1,
+                        x.kind,
+                        x.pool,
+                        x.ptr,
+                        int(x.size),
+                        x.ts_ns,
+                        x.owner,
+                        1i64
+                    ])?;
+                    rows += 1;
+                }
+            }
+            for (rank, o) in s.owners.iter().enumerate() {
+                detail.execute(rusqlite::params![
+                    inc.number as i64,
+                    "owner",
+                    rank as i64 + 1,
+                    Option::<&str>::None,
+                    Option::<&str>::None,
+                    Option::<&str>::None,
+                    int(o.bytes),
+                    Option::<i64>::None,
+                    o.owner,
+                    int(o.blocks)
+                ])?;
+                rows += 1;
+            }
+        }
+        Ok(rows)
+    })
+}
+
+/// msMemScope's `oom:K` K: 1..=1000.
+pub fn parse_top_k(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(k) if (1..=1000).contains(&k) => Ok(k),
+        _ => {
+            Err(format!("`oom:{text}`: K must be a whole number from 1 to 1000 (how many blocks to list), e.g. oom:10"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rusqlite::Connection;
+    use serde_json::json;
+
+    use super::*;
+    use crate::analysis::fragmentation::fx::Fx;
+
+    const M: u64 = 1 << 20;
+    const ALLOC: &str = "DeviceCachingAllocator::malloc";
+
+    fn incidents(path: &Path, k: usize) -> Vec<Incident> {
+        fragmentation::analyse(path, fragmentation::Options { top_k: k, sample_every: None }).unwrap().incidents
+    }
+
+    /// Two 20 MiB segments with 6 MiB holes (16 MiB reserved but unused, pieces of 8, 6 and 2).
+    fn fragmented(fx: &mut Fx) {
+        for base in [0x1000_0000u64, 0x2000_0000] {
+            fx.segment(1, base, 20 * M, false);
+            for i in 0..3 {
+                fx.block(1, base + i * 6 * M, 6 * M, if i == 1 { "PTA@weight" } else { "PTA@act" });
+            }
+        }
+        fx.free(1, 0x1000_0000 + 12 * M, 6 * M);
+        fx.free(1, 0x2000_0000, 6 * M);
+    }
+
+    #[test]
+    fn the_allocators_give_up_absorbs_its_runtime_refusals_and_explains_fragmentation() {
+        let mut fx = Fx::new("oom-frag");
+        fragmented(&mut fx);
+        fx.hal(1, 0x9000_0000, 3 * M, "CANN@HCCL");
+        // One failure: the runtime refuses the 12 MiB segment twice, then the allocator gives up.
+        fx.oom(1, "aclrtMallocAlign32", 12 * M);
+        fx.oom(1, "aclrtMallocAlign32", 12 * M);
+        fx.oom(1, ALLOC, 11 * M);
+        let path = fx.stop();
+        let all = incidents(&path, 2);
+        assert_eq!(all.len(), 1, "{all:#?}");
+        let inc = &all[0];
+        assert_eq!((inc.number, inc.level, inc.verdict), (1, Level::Allocator, Verdict::Fragmentation));
+        assert_eq!(inc.req_size, Some(11 * M));
+        assert_eq!(inc.attempts.len(), 2);
+        assert_eq!(inc.attempts[0].func, "aclrtMallocAlign32");
+        let s = &inc.state;
+        assert_eq!((s.reserved, s.allocated, s.unused), (40 * M, 24 * M, 16 * M));
+        assert_eq!((s.largest_free, s.free_pieces, s.holes), (Some(8 * M), 3, 16 * M));
+        assert_eq!((s.process_device, s.device_used, s.capacity), (43 * M, 43 * M, None));
+        // Owners and top-K over pool blocks and device memory outside the pools.
+        let owners: Vec<(&str, u64, u64)> = s.owners.iter().map(|o| (o.owner.as_str(), o.bytes, o.blocks)).collect();
+        assert_eq!(owners, [("PTA@act", 12 * M, 2), ("PTA@weight", 12 * M, 2)], "K = 2, ties by name");
+        assert_eq!(s.recent[0].owner, "CANN@HCCL");
+        assert_eq!((s.recent[0].kind, s.recent[0].size), ("HAL", 3 * M));
+        assert_eq!(s.recent[1].ptr, format!("0x{:016x}", 0x2000_0000u64 + 12 * M));
+        assert_eq!(s.largest.iter().map(|b| b.size).collect::<Vec<_>>(), [6 * M, 6 * M]);
+        assert!(
+            inc.explanation.starts_with(
+                "fragmentation: 16.0 MiB reserved but unused, the largest free piece is 8.0 MiB < 11.0 MiB requested"
+            ),
+            "{}",
+            inc.explanation
+        );
+        assert!(inc.explanation.contains("expandable_segments:True"));
+    }
+
+    #[test]
+    fn genuinely_full_names_the_owners_and_a_silent_refusal_is_the_allocators_limit() {
+        let mut fx = Fx::new("oom-full");
+        fx.segment(1, 0x1000_0000, 20 * M, false);
+        fx.block(1, 0x1000_0000, 16 * M, "PTA@weight");
+        fx.block(1, 0x1000_0000 + 16 * M, 4 * M, "PTA@act");
+        fx.oom(1, "aclrtMallocAlign32", 20 * M);
+        fx.oom(1, ALLOC, 8 * M);
+        fx.step(1);
+        // Later the allocator refuses without asking the runtime: its own limit.
+        fx.oom(1, ALLOC, 8 * M);
+        let all = incidents(&fx.stop(), 10);
+        assert_eq!(all.iter().map(|i| i.verdict).collect::<Vec<_>>(), [Verdict::Full, Verdict::Limit]);
+        assert!(all[0].explanation.contains("genuinely full: only 0 B reserved but unused for 8.0 MiB"));
+        assert!(all[0].explanation.contains("PTA@weight (16.0 MiB), PTA@act (4.0 MiB)"), "{}", all[0].explanation);
+        assert!(all[1].explanation.contains("set_per_process_memory_fraction"), "{}", all[1].explanation);
+        assert_eq!(all[1].attempts, []);
+    }
+
+    #[test]
+    fn a_refusal_the_allocator_recovers_from_is_not_a_failure() {
+        let mut fx = Fx::new("oom-recovered");
+        fx.segment(1, 0x1000_0000, 20 * M, false);
+        fx.block(1, 0x1000_0000, 20 * M, "PTA");
+        fx.free(1, 0x1000_0000, 20 * M);
+        fx.oom(1, "aclrtMallocAlign32", 40 * M);
+        fx.hal_free(1, 0x1000_0000, 20 * M); // the allocator empties its cache...
+        fx.segment(1, 0x2000_0000, 40 * M, false); // ...and the retry succeeds
+        fx.block(1, 0x2000_0000, 40 * M, "PTA");
+        let report = fragmentation::analyse(&fx.stop(), fragmentation::Options::default()).unwrap();
+        assert_eq!(report.incidents.len(), 1);
+        assert_eq!(report.incidents[0].verdict, Verdict::Recovered);
+        assert!(report.samples.iter().all(|s| s.reason != Reason::Oom), "a recovery is no OOM sample");
+        assert_eq!(report.flushes.len(), 1);
+        let text = text(&report, Path::new("x.db"), "0");
+        assert!(text.contains("no failed allocation") && text.contains("1 runtime refusal(s) the allocator recovered"));
+    }
+
+    #[test]
+    fn refusals_outside_the_allocator_stand_alone() {
+        let mut fx = Fx::new("oom-runtime");
+        fx.hal(1, 0x9000_0000, 30 * M, "CANN@HCCL");
+        fx.oom(1, "aclrtMalloc", 64 * M);
+        fx.hal(1, 0x9100_0000, 2 * M, "CANN@APP"); // the program goes on: the refusal was its own
+        fx.oom(1, "halMemAlloc", 64 * M); // the last row of the trace
+        let all = incidents(&fx.stop(), 10);
+        let got: Vec<(Level, Verdict, u64)> = all.iter().map(|i| (i.level, i.verdict, i.state.device_used)).collect();
+        assert_eq!(got, [(Level::Runtime, Verdict::DeviceFull, 30 * M), (Level::Driver, Verdict::DeviceFull, 32 * M)]);
+        assert!(all[0].explanation.starts_with("the runtime refused 64.0 MiB outside the caching allocator"));
+    }
+
+    #[test]
+    fn a_big_enough_cached_piece_the_allocator_did_not_use_is_named() {
+        let mut fx = Fx::new("oom-unusable");
+        fx.segment(1, 0x1000_0000, 20 * M, false);
+        fx.block(1, 0x1000_0000, 2 * M, "PTA");
+        fx.oom(1, ALLOC, 4 * M);
+        let all = incidents(&fx.stop(), 10);
+        assert_eq!(all[0].verdict, Verdict::CachedUnusable);
+    }
+
+    #[test]
+    fn online_top_k_rows_are_checked_against_the_replay() {
+        let mut fx = Fx::new("oom-online");
+        fragmented(&mut fx);
+        fx.oom(1, ALLOC, 11 * M);
+        for ptr in [0x1000_0000u64, 0x1000_0000 + 12 * M] {
+            let attr = json!({"pool": "caching", "ptr": format!("0x{ptr:016x}"), "size": "6291456"});
+            fx.row("OOM_DETAIL", "OOM_TOP_ALLOC", "x", 1, 1, None, attr);
+        }
+        let all = incidents(&fx.stop(), 10);
+        assert_eq!((all[0].online_listed, all[0].online_live), (2, 1), "the second was freed before the failure");
+    }
+
+    fn table(path: &Path, sql: &str) -> Vec<Vec<String>> {
+        let conn = Connection::open(path).unwrap();
+        let mut stmt = conn.prepare(sql).unwrap();
+        let n = stmt.column_count();
+        stmt.query_map([], |r| {
+            Ok((0..n)
+                .map(|i| match r.get_ref(i).unwrap() {
+                    rusqlite::types::ValueRef::Null => "NULL".to_owned(),
+                    rusqlite::types::ValueRef::Integer(v) => v.to_string(),
+                    v => v.as_str().unwrap_or("").to_owned(),
+                })
+                .collect())
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+    }
+
+    #[test]
+    fn tables_are_replaced_on_every_run_and_no_write_changes_nothing() {
+        let mut fx = Fx::new("oom-store");
+        fragmented(&mut fx);
+        fx.oom(1, "aclrtMallocAlign32", 12 * M);
+        fx.oom(1, ALLOC, 11 * M);
+        let path = fx.stop();
+        let before = std::fs::read(&path).unwrap();
+        let out = for_analyze(&path, "0", 2, false, 1).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), before, "--no-write");
+        assert!(out.note.is_none());
+        assert_eq!(out.json["incidents"][0]["verdict"], "fragmentation");
+        assert_eq!(out.json["incidents"][0]["state"]["largest_free"], 8 * M);
+        assert!(out.text.contains("OOM 1 at +"), "{}", out.text);
+        for run in 0..2 {
+            let out = for_analyze(&path, "0", 2, true, 7 + run).unwrap();
+            assert!(out.note.unwrap().contains("ms_oom"));
+        }
+        let main = table(&path, "SELECT oom, func, level, req_size, attempts, attempt_size, verdict, reserved, allocated, largest_free, capacity FROM ms_oom");
+        let want = [
+            "1",
+            ALLOC,
+            "allocator",
+            "11534336",
+            "1",
+            "12582912",
+            "fragmentation",
+            "41943040",
+            "25165824",
+            "8388608",
+            "NULL",
+        ];
+        assert_eq!(main, [want.map(str::to_owned).to_vec()], "one run's rows only");
+        let lists = table(&path, "SELECT list, count(*) FROM ms_oom_blocks GROUP BY list ORDER BY list");
+        assert_eq!(lists, [["largest", "2"], ["owner", "2"], ["recent", "2"]].map(|r| r.map(str::to_owned).to_vec()));
+        assert_eq!(table(&path, "SELECT value FROM ms_meta WHERE key = 'oom_at'"), [["8".to_owned()]]);
+    }
+
+    #[test]
+    fn top_k_is_msmemscopes() {
+        assert_eq!(parse_top_k("10"), Ok(10));
+        assert_eq!(parse_top_k("1000"), Ok(1000));
+        for bad in ["0", "1001", "x", "", "-1"] {
+            assert!(parse_top_k(bad).unwrap_err().contains("from 1 to 1000"), "{bad}");
+        }
+    }
+}

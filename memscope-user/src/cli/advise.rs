@@ -1,0 +1,247 @@
+//! `memscope-bpf advise`: allocator settings for the traced job, from its DBs. Unprivileged: it
+//! reads the DBs and adds `ms_fragmentation` and `ms_advice` to them (unless `--no-write`).
+//! [`advise_text`] is the same report for the end of `trace`, which only prints.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context as _};
+
+use crate::analysis::advise;
+use crate::analysis::db::{self, DbFile, DumpDb};
+
+/// Recommend allocator settings for a traced job, each with the evidence that triggered it.
+///
+///   memscope-bpf advise msout/memscope_4242_20260101120000_ascend
+///   memscope-bpf advise .../device_0/dump/memscope_dump_20260101120000.db --json
+///
+/// Reads the job's allocator settings at the start (PYTORCH_NPU_ALLOC_CONF and the others the
+/// trace stored from its environment) and what the caching allocator did: fragmentation over
+/// time (reserved − allocated, the largest free piece inside cached segments, splits), growth of
+/// reserved memory that fragmentation forced, big segments held by small blocks, cache flushes at
+/// a ceiling, failed allocations, processes sharing the device. Recommends, only on evidence and
+/// never what is already set: PYTORCH_NPU_ALLOC_CONF expandable_segments:True, max_split_size_mb,
+/// garbage_collection_threshold, and torch_npu.npu.set_per_process_memory_fraction. The samples
+/// and the advice are written into each DB as tables ms_fragmentation and ms_advice.
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// Trace DBs (memscope_dump_*.db), or folders: a trace's output folder, the folder holding
+    /// such folders, or one device_<id>/. One report per DB, in device order.
+    #[arg(value_name = "DB|DIR", required = true)]
+    pub inputs: Vec<PathBuf>,
+
+    /// Print JSON instead of text: an array of {db, device, settings, measured, recommendations:
+    /// [{id, variable, setting, value, current, why, evidence, conflicts_with}]}, one per DB;
+    /// `value` is the variable's whole new value (run the job with variable=value).
+    #[arg(long)]
+    pub json: bool,
+
+    /// Only the DB of this device: 0, 1, ..., cpu, unknown.
+    #[arg(long, value_name = "D")]
+    pub device: Option<String>,
+
+    /// Only print: open the DBs read-only and write no tables.
+    #[arg(long)]
+    pub no_write: bool,
+}
+
+/// The DBs the inputs name, each once, in the order given.
+fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
+    let mut files = Vec::new();
+    let mut seen = HashSet::new();
+    for input in inputs {
+        for file in db::discover(input)? {
+            let key = std::fs::canonicalize(&file.path).unwrap_or_else(|_| file.path.clone());
+            if seen.insert(key) {
+                files.push(file);
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// The device a DB is about: its folder's name, else its rows' `Device Id`s.
+fn device_of(file: &DbFile, dump: &DumpDb) -> anyhow::Result<String> {
+    Ok(match &file.device {
+        Some(d) => d.clone(),
+        None => {
+            let devices = dump.devices()?;
+            if devices.is_empty() {
+                "?".to_owned()
+            } else {
+                devices.join(",")
+            }
+        }
+    })
+}
+
+/// The advice for the DBs of a finished trace, as text (for the end of `trace`); reads only.
+/// Host memory (`device_cpu`) has no caching pool and is left out.
+pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
+    let mut out = Vec::new();
+    for file in files(db_paths)? {
+        if file.device.as_deref() == Some("cpu") {
+            continue;
+        }
+        let dump = DumpDb::open(&file.path, false)?;
+        let device = device_of(&file, &dump)?;
+        let (advice, report) = advise::analyse(&file.path, &device)?;
+        out.push(advise::text(&advice, &report));
+    }
+    Ok(out.join("\n"))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let want = args.device.as_deref().map(|d| d.trim().trim_start_matches("device_").trim_start_matches("npu:"));
+    let files = files(&args.inputs)?;
+    let run_wall_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let mut texts = Vec::new();
+    let mut json = Vec::new();
+    let mut found = Vec::new();
+    for file in &files {
+        let dump = DumpDb::open(&file.path, !args.no_write)?;
+        let device = device_of(file, &dump)?;
+        found.push(device.clone());
+        if want.is_some_and(|w| !device.split(',').any(|d| d == w)) {
+            continue;
+        }
+        let (advice, report) = advise::analyse(&file.path, &device)?;
+        if !args.no_write {
+            let rows = advise::store(&file.path, &advice, &report, run_wall_ns)?;
+            eprintln!(
+                "memscope-bpf: wrote {rows} rows into tables ms_fragmentation and {} of {}",
+                advise::ADVICE_TABLE,
+                file.path.display()
+            );
+        }
+        if args.json {
+            json.push(serde_json::to_value(&advice).context("cannot format the JSON report")?);
+        } else {
+            texts.push(advise::text(&advice, &report));
+        }
+    }
+    if let Some(w) = want {
+        if texts.is_empty() && json.is_empty() {
+            bail!(
+                "no DB of device {w} among the inputs (devices found: {}); pick one of those with --device",
+                found.join(", ")
+            );
+        }
+    }
+    let text = if args.json {
+        serde_json::to_string_pretty(&json).context("cannot format the JSON report")? + "\n"
+    } else {
+        texts.join("\n")
+    };
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("cannot write to stdout"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::analysis::fragmentation::fx::Fx;
+    use crate::cli::{Cli, Command};
+
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        let mut full = vec!["memscope-bpf", "advise"];
+        full.extend_from_slice(argv);
+        match Cli::try_parse_from(full)?.command {
+            Command::Advise(args) => Ok(args),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    /// A fragmenting pool in a trace folder's layout (device 0), and a host-memory DB beside it.
+    fn run_folder(name: &str) -> PathBuf {
+        const M: u64 = 1 << 20;
+        let mut fx = Fx::new(name);
+        for base in [0x1000_0000u64, 0x2000_0000, 0x3000_0000] {
+            fx.segment(1, base, 20 * M, false);
+            for i in 0..3 {
+                fx.block(1, base + i * 6 * M, 6 * M, "PTA");
+            }
+            fx.free(1, base + 6 * M, 6 * M);
+        }
+        for base in [0x4000_0000u64, 0x5000_0000] {
+            fx.segment(1, base, 12 * M, false);
+            fx.block(1, base, 12 * M, "PTA");
+        }
+        let flat = fx.stop();
+        let run = flat.parent().unwrap().join("memscope_1_20260101000000_ascend");
+        for dev in ["0", "cpu"] {
+            let dump = run.join(format!("device_{dev}/dump"));
+            std::fs::create_dir_all(&dump).unwrap();
+            std::fs::copy(&flat, dump.join("memscope_dump_20260101000000.db")).unwrap();
+        }
+        std::fs::remove_file(&flat).unwrap();
+        run
+    }
+
+    #[test]
+    fn arguments_parse() {
+        let a = parse(&["x.db", "y", "--json", "--device", "npu:1", "--no-write"]).unwrap();
+        assert_eq!(a.inputs, [PathBuf::from("x.db"), PathBuf::from("y")]);
+        assert!(a.json && a.no_write);
+        assert_eq!(a.device.as_deref(), Some("npu:1"));
+        assert!(parse(&["--json"]).is_err(), "a DB is required");
+    }
+
+    #[test]
+    fn advice_is_printed_and_stored_per_db() {
+        let run_dir = run_folder("cli-advise");
+        let db0 = run_dir.join("device_0/dump/memscope_dump_20260101000000.db");
+        run(parse(&[run_dir.to_str().unwrap(), "--device", "0"]).unwrap()).unwrap();
+        let conn = rusqlite::Connection::open(&db0).unwrap();
+        let setting: String = conn.query_row("SELECT setting FROM ms_advice", [], |r| r.get(0)).unwrap();
+        assert_eq!(setting, "expandable_segments:True");
+        let samples: i64 = conn.query_row("SELECT count(*) FROM ms_fragmentation", [], |r| r.get(0)).unwrap();
+        assert!(samples >= 2);
+        // The other device was not asked for.
+        let cpu = rusqlite::Connection::open(run_dir.join("device_cpu/dump/memscope_dump_20260101000000.db")).unwrap();
+        let n: i64 =
+            cpu.query_row("SELECT count(*) FROM sqlite_master WHERE name = 'ms_advice'", [], |r| r.get(0)).unwrap();
+        assert_eq!(n, 0);
+        let err = run(parse(&[run_dir.to_str().unwrap(), "--device", "7"]).unwrap()).unwrap_err().to_string();
+        assert!(err.contains("no DB of device 7") && err.contains("devices found: 0, cpu"), "{err}");
+        // The text for the end of `trace` leaves host memory out and writes nothing.
+        let before = std::fs::read(&db0).unwrap();
+        let text = advise_text(std::slice::from_ref(&run_dir)).unwrap();
+        assert!(text.starts_with("device 0: ") && !text.contains("device cpu"), "{text}");
+        assert!(text.contains("1. PYTORCH_NPU_ALLOC_CONF=expandable_segments:True"), "{text}");
+        assert_eq!(std::fs::read(&db0).unwrap(), before);
+    }
+
+    #[test]
+    fn no_write_leaves_the_file_as_it_was() {
+        let run_dir = run_folder("cli-advise-nowrite");
+        let db0 = run_dir.join("device_0/dump/memscope_dump_20260101000000.db");
+        let before = std::fs::read(&db0).unwrap();
+        run(parse(&[db0.to_str().unwrap(), "--no-write", "--json"]).unwrap()).unwrap();
+        assert_eq!(std::fs::read(&db0).unwrap(), before);
+    }
+
+    #[test]
+    fn bad_inputs_fail_with_the_problem_and_the_fix() {
+        let d = crate::analysis::testdb::dir("cli-advise-bad");
+        let err = run(parse(&[d.join("none.db").to_str().unwrap()]).unwrap()).unwrap_err();
+        assert!(format!("{err:#}").contains("no such file or folder; give a memscope_dump_*.db file"), "{err:#}");
+        let junk = d.join("memscope_dump_1.db");
+        std::fs::write(&junk, "not a database").unwrap();
+        let err = run(parse(&[junk.to_str().unwrap()]).unwrap()).unwrap_err();
+        assert!(format!("{err:#}").contains("not an SQLite database"), "{err:#}");
+        assert_eq!(std::fs::read(&junk).unwrap(), b"not a database");
+        let empty = crate::analysis::testdb::dir("cli-advise-empty");
+        let err = run(parse(&[empty.to_str().unwrap()]).unwrap()).unwrap_err();
+        assert!(format!("{err:#}").contains("no memscope_dump_*.db under this folder"), "{err:#}");
+    }
+}

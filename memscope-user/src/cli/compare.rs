@@ -1,0 +1,538 @@
+//! `memscope-bpf compare A B`: two traces of the same program (before and after a change, a clean
+//! and a leaking run), step by step: the live bytes per family and per owner at the end of each
+//! step both traces have, and at their ends, with B − A; then what grew in B.
+//!
+//! msMemScope's compare diffs kernel or op sequences (reference §4.3), which need op events; the
+//! step view needs only allocations and step markers, and answers the usual question ("which
+//! owner holds more, and from which step on?") directly. Devices are paired by their
+//! `device_<id>` folder; two DB files are compared as given.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _};
+use serde::Serialize;
+
+use crate::analysis::db::{self, DbFile, DumpDb};
+use crate::analysis::decompose::Family;
+use crate::analysis::render::human_bytes;
+use crate::analysis::steps::{StepDb, StepPoint, Timeline};
+
+/// Compare two traces step by step: the live bytes per owner at the end of each step in A and in
+/// B, the difference, and what grew in B.
+///
+///   memscope-bpf compare msout/clean_run/ msout/leaky_run/
+///   memscope-bpf compare a/device_0/dump/memscope_dump_1.db b/device_0/dump/memscope_dump_2.db --json
+///
+/// Steps come from memscope.step() or mstx `step start` ranges (or --step-marker), numbered as in
+/// `analyze --analysis leaks`; steps only one trace has are listed, not compared. The ends of the
+/// traces are always compared, so traces without steps can be compared too. Nothing is written.
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// The baseline: a trace DB (memscope_dump_*.db) or a trace output folder.
+    #[arg(value_name = "A")]
+    pub a: PathBuf,
+
+    /// The trace compared with it, likewise.
+    #[arg(value_name = "B")]
+    pub b: PathBuf,
+
+    /// Only this device: 0, 1, ..., cpu, unknown.
+    #[arg(long, value_name = "D")]
+    pub device: Option<String>,
+
+    /// Take step boundaries from MSTX marks (or ranges) with this message instead of
+    /// memscope.step() / mstx `step start` ranges; each mark starts the next step.
+    #[arg(long, value_name = "NAME")]
+    pub step_marker: Option<String>,
+
+    /// Owners listed under "what grew" and "what shrank".
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    pub top: usize,
+
+    /// Print JSON: an array, one element per device pair, {device, a, b, steps: [{step, ts_a,
+    /// ts_b, families: [{family, a, b, diff}], owners: [{family, owner, a, b, diff}]}], grew,
+    /// shrank, only_in_a, only_in_b}; the last element of steps is the traces' ends (step "end").
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One trace's side of a pair: its step ends and its end, with owners by name.
+struct Side {
+    path: PathBuf,
+    /// Step ends by step number.
+    steps: BTreeMap<u64, Point>,
+    end: Option<Point>,
+    families: Vec<Family>,
+    sources: String,
+}
+
+/// Live bytes at one instant by family and by (family, owner).
+struct Point {
+    ts: i64,
+    totals: [i64; 3],
+    owners: BTreeMap<(Family, String), i64>,
+}
+
+fn point(p: &StepPoint, timeline: &Timeline) -> Point {
+    let owners = p
+        .owners
+        .iter()
+        .map(|o| {
+            let (family, owner) = timeline.owner(o.slot);
+            ((family, owner.to_owned()), o.bytes)
+        })
+        .collect();
+    Point { ts: p.ts, totals: p.totals, owners }
+}
+
+fn side(path: &Path, marker: Option<&str>) -> anyhow::Result<Side> {
+    DumpDb::open(path, false)?; // the shared checks, with their messages
+    let db = StepDb::open(path)?;
+    let timeline = Timeline::replay(&db, marker, &mut ())?;
+    let summary = timeline.summary();
+    let sources: Vec<String> = summary.sources.iter().map(|(s, n)| format!("{n} from {}", s.describe())).collect();
+    let steps = timeline.points.iter().filter_map(|p| Some((p.step?, point(p, &timeline)))).collect();
+    Ok(Side {
+        path: path.to_owned(),
+        steps,
+        end: timeline.end_point().map(|p| point(&p, &timeline)),
+        families: summary.families,
+        sources: if sources.is_empty() { "no steps".into() } else { sources.join(", ") },
+    })
+}
+
+#[derive(Debug, Serialize)]
+struct FamilyDiff {
+    family: &'static str,
+    a: i64,
+    b: i64,
+    diff: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct OwnerDiff {
+    family: &'static str,
+    owner: String,
+    a: i64,
+    b: i64,
+    diff: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct StepDiff {
+    /// A step number, or "end".
+    step: serde_json::Value,
+    ts_a: i64,
+    ts_b: i64,
+    families: Vec<FamilyDiff>,
+    owners: Vec<OwnerDiff>,
+}
+
+#[derive(Debug, Serialize)]
+struct Growth {
+    family: &'static str,
+    owner: String,
+    a: i64,
+    b: i64,
+    diff: i64,
+    /// Change over the compared steps (first to last common step) within each trace.
+    growth_a: i64,
+    growth_b: i64,
+}
+
+#[derive(Debug, Serialize)]
+struct SideJson {
+    db: String,
+    steps: usize,
+    step_sources: String,
+}
+
+#[derive(Debug, Serialize)]
+struct PairDiff {
+    device: String,
+    a: SideJson,
+    b: SideJson,
+    steps: Vec<StepDiff>,
+    /// Where "grew" and "shrank" are measured: the last common step, else "end".
+    at: serde_json::Value,
+    grew: Vec<Growth>,
+    shrank: Vec<Growth>,
+    only_in_a: Vec<u64>,
+    only_in_b: Vec<u64>,
+}
+
+fn diff_points(step: serde_json::Value, a: &Point, b: &Point, families: &[Family]) -> StepDiff {
+    let fams = families
+        .iter()
+        .map(|&f| {
+            let (x, y) = (a.totals[f as usize], b.totals[f as usize]);
+            FamilyDiff { family: f.as_str(), a: x, b: y, diff: y - x }
+        })
+        .collect();
+    let keys: BTreeSet<&(Family, String)> = a.owners.keys().chain(b.owners.keys()).collect();
+    let owners = keys
+        .into_iter()
+        .map(|k| {
+            let (x, y) = (a.owners.get(k).copied().unwrap_or(0), b.owners.get(k).copied().unwrap_or(0));
+            OwnerDiff { family: k.0.as_str(), owner: k.1.clone(), a: x, b: y, diff: y - x }
+        })
+        .collect();
+    StepDiff { step, ts_a: a.ts, ts_b: b.ts, families: fams, owners }
+}
+
+fn compare(device: &str, a: &Side, b: &Side, top: usize) -> PairDiff {
+    let mut families: Vec<Family> = a.families.iter().chain(&b.families).copied().collect();
+    families.sort();
+    families.dedup();
+    let common: Vec<u64> = a.steps.keys().filter(|s| b.steps.contains_key(s)).copied().collect();
+    let mut steps: Vec<StepDiff> =
+        common.iter().map(|s| diff_points((*s).into(), &a.steps[s], &b.steps[s], &families)).collect();
+    if let (Some(ea), Some(eb)) = (&a.end, &b.end) {
+        steps.push(diff_points("end".into(), ea, eb, &families));
+    }
+    // What grew is judged where both traces are comparable: the last step they share (the end
+    // of a trace includes its teardown), else their ends.
+    let at_index = if common.is_empty() { steps.len().checked_sub(1) } else { Some(common.len() - 1) };
+    let mut grew = Vec::new();
+    let mut shrank = Vec::new();
+    if let Some(i) = at_index {
+        let (first_a, first_b) = match common.first() {
+            Some(s) => (Some(&a.steps[s]), Some(&b.steps[s])),
+            None => (None, None),
+        };
+        for o in &steps[i].owners {
+            let family = Family::ALL.into_iter().find(|f| f.as_str() == o.family).expect("a known family");
+            let key = (family, o.owner.clone());
+            let growth =
+                |first: Option<&Point>, now: i64| now - first.and_then(|p| p.owners.get(&key)).copied().unwrap_or(0);
+            let g = Growth {
+                family: o.family,
+                owner: o.owner.clone(),
+                a: o.a,
+                b: o.b,
+                diff: o.diff,
+                growth_a: if first_a.is_some() { growth(first_a, o.a) } else { 0 },
+                growth_b: if first_b.is_some() { growth(first_b, o.b) } else { 0 },
+            };
+            match o.diff {
+                d if d > 0 => grew.push(g),
+                d if d < 0 => shrank.push(g),
+                _ => {}
+            }
+        }
+    }
+    grew.sort_by(|x, y| y.diff.cmp(&x.diff).then_with(|| x.owner.cmp(&y.owner)));
+    shrank.sort_by(|x, y| x.diff.cmp(&y.diff).then_with(|| x.owner.cmp(&y.owner)));
+    grew.truncate(top);
+    shrank.truncate(top);
+    let side_json =
+        |s: &Side| SideJson { db: s.path.display().to_string(), steps: s.steps.len(), step_sources: s.sources.clone() };
+    PairDiff {
+        device: device.to_owned(),
+        a: side_json(a),
+        b: side_json(b),
+        at: at_index.map_or(serde_json::Value::Null, |i| steps[i].step.clone()),
+        steps,
+        grew,
+        shrank,
+        only_in_a: a.steps.keys().filter(|s| !b.steps.contains_key(s)).copied().collect(),
+        only_in_b: b.steps.keys().filter(|s| !a.steps.contains_key(s)).copied().collect(),
+    }
+}
+
+fn signed(bytes: i64) -> String {
+    if bytes > 0 {
+        format!("+{}", human_bytes(bytes))
+    } else {
+        human_bytes(bytes)
+    }
+}
+
+fn steps_list(steps: &[u64]) -> String {
+    match (steps.first(), steps.last()) {
+        (Some(f), Some(l)) if steps.len() as u64 == l - f + 1 => format!("{f}..{l}"),
+        _ => steps.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+    }
+}
+
+fn text(d: &PairDiff) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "device {}", d.device);
+    let _ = writeln!(out, "  A: {} ({})", d.a.db, d.a.step_sources);
+    let _ = writeln!(out, "  B: {} ({})", d.b.db, d.b.step_sources);
+    for (which, only) in [("A", &d.only_in_a), ("B", &d.only_in_b)] {
+        if !only.is_empty() {
+            let _ = writeln!(out, "  steps only {which} has (not compared): {}", steps_list(only));
+        }
+    }
+    let families: Vec<&'static str> = d.steps.first().map_or(vec![], |s| s.families.iter().map(|f| f.family).collect());
+    for (i, family) in families.iter().enumerate() {
+        let _ = writeln!(out, "  {family} live bytes at the end of each step, and at the end of the traces:");
+        let _ = writeln!(out, "    {:>8}  {:>12}  {:>12}  {:>12}", "step", "A", "B", "B-A");
+        for s in &d.steps {
+            let f = &s.families[i];
+            let step = s.step.as_u64().map_or("end".to_owned(), |n| n.to_string());
+            let _ = writeln!(
+                out,
+                "    {step:>8}  {:>12}  {:>12}  {:>12}",
+                human_bytes(f.a),
+                human_bytes(f.b),
+                signed(f.diff)
+            );
+        }
+    }
+    let at = match d.at.as_u64() {
+        Some(s) => format!("at the end of step {s}"),
+        None => "at the end of the traces".to_owned(),
+    };
+    let growth = |g: &Growth| match d.at.as_u64() {
+        Some(_) => format!(" (over the compared steps: A {}, B {})", signed(g.growth_a), signed(g.growth_b)),
+        None => String::new(),
+    };
+    if d.grew.is_empty() {
+        let _ = writeln!(out, "  nothing grew in B {at}");
+    } else {
+        let _ = writeln!(out, "  what grew in B, {at}:");
+        for g in &d.grew {
+            let _ = writeln!(
+                out,
+                "    {:<28} A {:>10}  B {:>10}  {:>11}{}",
+                g.owner,
+                human_bytes(g.a),
+                human_bytes(g.b),
+                signed(g.diff),
+                growth(g)
+            );
+        }
+    }
+    if !d.shrank.is_empty() {
+        let _ = writeln!(out, "  what shrank in B, {at}:");
+        for g in &d.shrank {
+            let _ = writeln!(
+                out,
+                "    {:<28} A {:>10}  B {:>10}  {:>11}",
+                g.owner,
+                human_bytes(g.a),
+                human_bytes(g.b),
+                signed(g.diff)
+            );
+        }
+    }
+    out
+}
+
+/// The device a DB holds: its folder's, else the `Device Id`s of its rows.
+fn device_of(file: &DbFile) -> anyhow::Result<String> {
+    if let Some(d) = &file.device {
+        return Ok(d.clone());
+    }
+    let devices = DumpDb::open(&file.path, false)?.devices()?;
+    Ok(if devices.is_empty() { "?".to_owned() } else { devices.join(",") })
+}
+
+fn normalise_device(device: &str) -> &str {
+    let d = device.trim();
+    d.strip_prefix("device_").or_else(|| d.strip_prefix("npu:")).unwrap_or(d)
+}
+
+/// Pairs the DBs of A and B by device; two single files are a pair whatever their devices.
+fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
+    let files_a = db::discover(&args.a).with_context(|| "A")?;
+    let files_b = db::discover(&args.b).with_context(|| "B")?;
+    let want = args.device.as_deref().map(normalise_device);
+    let by_device = |files: &[DbFile]| -> anyhow::Result<BTreeMap<(u8, u64, String), (String, PathBuf)>> {
+        let mut map = BTreeMap::new();
+        for f in files {
+            let device = device_of(f)?;
+            if want.is_some_and(|w| !device.split(',').any(|d| d == w)) {
+                continue;
+            }
+            if map.insert(db::device_order(Some(&device)), (device.clone(), f.path.clone())).is_some() {
+                bail!("{} holds several traces of device {device}; give the trace output folders (memscope_<pid>_<time>_ascend/) or the DB files to compare", f.path.parent().map_or(f.path.display().to_string(), |p| p.display().to_string()));
+            }
+        }
+        Ok(map)
+    };
+    if files_a.len() == 1 && files_b.len() == 1 && args.a.is_file() && args.b.is_file() {
+        let device = device_of(&files_a[0])?;
+        let other = device_of(&files_b[0])?;
+        let label = if device == other { device } else { format!("{device} (A) vs {other} (B)") };
+        return Ok(vec![(label, files_a[0].path.clone(), files_b[0].path.clone())]);
+    }
+    let (map_a, map_b) = (by_device(&files_a)?, by_device(&files_b)?);
+    let pairs: Vec<(String, PathBuf, PathBuf)> = map_a
+        .iter()
+        .filter_map(|(k, (d, pa))| map_b.get(k).map(|(_, pb)| (d.clone(), pa.clone(), pb.clone())))
+        .collect();
+    if pairs.is_empty() {
+        let names = |m: &BTreeMap<_, (String, PathBuf)>| {
+            let v: Vec<&str> = m.values().map(|(d, _)| d.as_str()).collect();
+            if v.is_empty() {
+                "none".to_owned()
+            } else {
+                v.join(", ")
+            }
+        };
+        let what = want.map_or(String::new(), |w| format!(" for --device {w}"));
+        bail!(
+            "A and B have no device in common{what} (A: {}; B: {}); give two DB files to compare them whatever their devices, or drop --device",
+            names(&map_a),
+            names(&map_b)
+        );
+    }
+    for (k, (d, _)) in &map_a {
+        if !map_b.contains_key(k) {
+            eprintln!("memscope-bpf: device {d} is only in A; not compared");
+        }
+    }
+    for (k, (d, _)) in &map_b {
+        if !map_a.contains_key(k) {
+            eprintln!("memscope-bpf: device {d} is only in B; not compared");
+        }
+    }
+    Ok(pairs)
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let marker = args.step_marker.as_deref();
+    let mut texts = Vec::new();
+    let mut jsons = Vec::new();
+    for (device, pa, pb) in pairs(&args)? {
+        let a = side(&pa, marker).context("A")?;
+        let b = side(&pb, marker).context("B")?;
+        let d = compare(&device, &a, &b, args.top);
+        if args.json {
+            jsons.push(d);
+        } else {
+            texts.push(text(&d));
+        }
+    }
+    let out = if args.json {
+        serde_json::to_string_pretty(&jsons).context("cannot format the JSON report")? + "\n"
+    } else {
+        texts.join("\n")
+    };
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(out.as_bytes()).and_then(|()| stdout.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("cannot write to stdout"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::analysis::steps::testrows::step;
+    use crate::analysis::testdb::{dir, TestDb};
+
+    const MIB: u64 = 1 << 20;
+
+    /// A run folder with the given devices; 6 steps; `leak` keeps one 2 MiB kv block per step.
+    fn run_folder(name: &str, devices: &[&str], leak: bool) -> PathBuf {
+        let root = dir(name);
+        let run = root.join("memscope_42_20260101000000_ascend");
+        for dev in devices {
+            let mut db = TestDb::create(&run.join(format!("device_{dev}/dump/memscope_dump_20260101000000.db")));
+            db.system("START_TRACE", 1);
+            db.malloc("PTA", 10, 0x100, 8 * MIB, Some("PTA@weight"));
+            db.malloc("PTA", 11, 0x101, 4 * MIB, Some("PTA@optimizer"));
+            for k in 1..=6u64 {
+                let ts = 100 * k as i64;
+                db.malloc("PTA", ts - 50, 0x900 + k, 3 * MIB, Some("PTA@activation"));
+                db.free("PTA", ts - 40, 0x900 + k);
+                if leak && k >= 2 {
+                    db.malloc("PTA", ts - 30, 0x700 + k, 2 * MIB, Some("PTA@kv_cache"));
+                }
+                step(&mut db, ts, k);
+            }
+            if leak {
+                db.free("PTA", 650, 0x101); // B frees its optimizer state at the end
+            }
+            db.system("STOP_TRACE", 700);
+        }
+        run
+    }
+
+    fn args(argv: &[&str]) -> Args {
+        let mut full = vec!["memscope-bpf", "compare"];
+        full.extend_from_slice(argv);
+        let cli = crate::cli::Cli::try_parse_from(full).unwrap();
+        match cli.command {
+            crate::cli::Command::Compare(args) => args,
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    fn diffs(a: &Path, b: &Path, extra: &[&str]) -> Vec<PairDiff> {
+        let mut argv = vec![a.to_str().unwrap(), b.to_str().unwrap()];
+        argv.extend_from_slice(extra);
+        let args = args(&argv);
+        pairs(&args)
+            .unwrap()
+            .into_iter()
+            .map(|(d, pa, pb)| compare(&d, &side(&pa, None).unwrap(), &side(&pb, None).unwrap(), args.top))
+            .collect()
+    }
+
+    #[test]
+    fn the_leaking_owner_is_what_grew_step_by_step() {
+        let clean = run_folder("cmp-clean", &["0", "1"], false);
+        let leaky = run_folder("cmp-leaky", &["0"], true);
+        let d = diffs(&clean, &leaky, &[]);
+        assert_eq!(d.len(), 1, "device 1 is only in A");
+        let d = &d[0];
+        assert_eq!(d.device, "0");
+        let steps: Vec<String> = d.steps.iter().map(|s| s.step.to_string()).collect();
+        assert_eq!(steps, ["1", "2", "3", "4", "5", "6", "\"end\""]);
+        // Step 4: kv blocks of steps 2, 3, 4 in B only.
+        let s4 = &d.steps[3];
+        assert_eq!((s4.families[0].family, s4.families[0].diff), ("PTA", 3 * 2 * MIB as i64));
+        let kv = s4.owners.iter().find(|o| o.owner == "PTA@kv_cache").unwrap();
+        assert_eq!((kv.a, kv.b, kv.diff), (0, 6 * MIB as i64, 6 * MIB as i64));
+        assert_eq!(d.at, serde_json::json!(6));
+        assert_eq!(d.grew.len(), 1);
+        let g = &d.grew[0];
+        assert_eq!(
+            (g.owner.as_str(), g.diff, g.growth_a, g.growth_b),
+            ("PTA@kv_cache", 10 * MIB as i64, 0, 10 * MIB as i64)
+        );
+        assert!(d.shrank.is_empty(), "the optimizer is freed after the last step: only the end shows it");
+        let end = d.steps.last().unwrap();
+        assert_eq!(end.owners.iter().find(|o| o.owner == "PTA@optimizer").unwrap().diff, -4 * MIB as i64);
+        let text = text(d);
+        assert!(text.contains("what grew in B, at the end of step 6:") && text.contains("PTA@kv_cache"), "{text}");
+        // The other way round, kv shrank.
+        let back = diffs(&leaky, &clean, &["--device", "0"]);
+        assert_eq!(back[0].shrank[0].owner, "PTA@kv_cache");
+    }
+
+    #[test]
+    fn two_files_are_compared_whatever_their_devices() {
+        let a = run_folder("cmp-files-a", &["0"], false).join("device_0/dump/memscope_dump_20260101000000.db");
+        let b = run_folder("cmp-files-b", &["3"], true).join("device_3/dump/memscope_dump_20260101000000.db");
+        let d = diffs(&a, &b, &[]);
+        assert_eq!(d[0].device, "0 (A) vs 3 (B)");
+        assert_eq!(d[0].grew[0].owner, "PTA@kv_cache");
+    }
+
+    #[test]
+    fn bad_inputs_name_the_problem() {
+        let a = run_folder("cmp-bad-a", &["0"], false);
+        let b = run_folder("cmp-bad-b", &["1"], false);
+        let err = run(args(&[a.to_str().unwrap(), b.to_str().unwrap()])).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("no device in common") && msg.contains("A: 0; B: 1"), "{msg}");
+        let err = run(args(&[a.to_str().unwrap(), "/nonexistent/run"])).unwrap_err();
+        assert!(format!("{err:#}").starts_with("B: /nonexistent/run: no such file or folder"), "{err:#}");
+        let err = run(args(&[a.to_str().unwrap(), a.to_str().unwrap(), "--step-marker", "iter"])).unwrap_err();
+        assert!(format!("{err:#}").contains("no MSTX mark or range named \"iter\""), "{err:#}");
+        // JSON is one array element per device pair.
+        run(args(&[a.to_str().unwrap(), a.to_str().unwrap(), "--json"])).unwrap();
+    }
+}
