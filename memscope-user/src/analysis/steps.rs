@@ -19,8 +19,9 @@
 //! the block keyed by (`Process Id`, `Event Type`, `Ptr`), the next `FREE` of that key closes it;
 //! `unmatched` frees close nothing and `shadow` frees (written at the stop for live blocks) are
 //! not frees. Each block's step of birth and the step running when it ended go to a
-//! [`BlockSink`]; the live bytes per owner are snapshotted at every boundary. One SQL scan, O(rows)
-//! work, memory O(live blocks + boundaries × owners).
+//! [`BlockSink`]; the live bytes per owner are snapshotted at every boundary. O(rows) work in
+//! two scans in file order (see [`StepDb::for_each_row`]), memory O(live blocks + boundaries ×
+//! owners).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -1076,8 +1077,8 @@ mod tests {
         db.system("STOP_TRACE", 30);
         db.free_marked("HAL", 31, 0xd, "shadow");
         let (t, ends) = replay(db, None);
-        let got: Vec<(u64, Option<(u64, u64)>, Option<i64>)> =
-            ends.iter().map(|e| (e.ptr, e.steps, e.free_ts)).collect();
+        type Got = (u64, Option<(u64, u64)>, Option<i64>);
+        let got: Vec<Got> = ends.iter().map(|e| (e.ptr, e.steps, e.free_ts)).collect();
         assert_eq!(
             got,
             [(0xb, None, Some(3)), (0xc, Some((2, 3)), Some(21)), (0xa, Some((1, 3)), None), (0xd, Some((3, 3)), None)]

@@ -19,8 +19,10 @@ use crate::analysis::decompose::Family;
 use crate::analysis::render::human_bytes;
 use crate::analysis::steps::{StepDb, StepPoint, Timeline};
 
-/// Compare two traces step by step: the live bytes per owner at the end of each step in A and in
-/// B, the difference, and what grew in B.
+/// Compare two traces step by step: what grew from A to B, per step and per owner.
+///
+/// The live bytes per family and per owner at the end of each step in A and in B, the
+/// difference, and the owners that grew (or shrank) in B.
 ///
 ///   memscope-bpf compare msout/clean_run/ msout/leaky_run/
 ///   memscope-bpf compare a/device_0/dump/memscope_dump_1.db b/device_0/dump/memscope_dump_2.db --json
@@ -288,9 +290,12 @@ fn text(d: &PairDiff) -> String {
         Some(s) => format!("at the end of step {s}"),
         None => "at the end of the traces".to_owned(),
     };
-    let growth = |g: &Growth| match d.at.as_u64() {
-        Some(_) => format!(" (over the compared steps: A {}, B {})", signed(g.growth_a), signed(g.growth_b)),
-        None => String::new(),
+    let change = |b: i64| if b == 0 { "no change".to_owned() } else { signed(b) };
+    let growth = |g: &Growth| match (d.steps.first().and_then(|s| s.step.as_u64()), d.at.as_u64()) {
+        (Some(first), Some(last)) if first < last => {
+            format!(" (step {first} to {last}: A {}, B {})", change(g.growth_a), change(g.growth_b))
+        }
+        _ => String::new(),
     };
     if d.grew.is_empty() {
         let _ = writeln!(out, "  nothing grew in B {at}");
@@ -338,12 +343,15 @@ fn normalise_device(device: &str) -> &str {
     d.strip_prefix("device_").or_else(|| d.strip_prefix("npu:")).unwrap_or(d)
 }
 
+/// One side's DBs by device, in device order: (device, DB).
+type ByDevice = BTreeMap<(u8, u64, String), (String, PathBuf)>;
+
 /// Pairs the DBs of A and B by device; two single files are a pair whatever their devices.
 fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
     let files_a = db::discover(&args.a).with_context(|| "A")?;
     let files_b = db::discover(&args.b).with_context(|| "B")?;
     let want = args.device.as_deref().map(normalise_device);
-    let by_device = |files: &[DbFile]| -> anyhow::Result<BTreeMap<(u8, u64, String), (String, PathBuf)>> {
+    let by_device = |files: &[DbFile]| -> anyhow::Result<ByDevice> {
         let mut map = BTreeMap::new();
         for f in files {
             let device = device_of(f)?;
@@ -368,7 +376,7 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
         .filter_map(|(k, (d, pa))| map_b.get(k).map(|(_, pb)| (d.clone(), pa.clone(), pb.clone())))
         .collect();
     if pairs.is_empty() {
-        let names = |m: &BTreeMap<_, (String, PathBuf)>| {
+        let names = |m: &ByDevice| {
             let v: Vec<&str> = m.values().map(|(d, _)| d.as_str()).collect();
             if v.is_empty() {
                 "none".to_owned()
