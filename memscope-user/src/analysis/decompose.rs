@@ -826,7 +826,7 @@ mod tests {
     /// 1M rows (500k blocks over 200 owners) in well under the "seconds" the brief allows; run
     /// with `--ignored` on a release build to see the time.
     #[test]
-    #[ignore]
+    #[ignore = "a timing benchmark, run by hand with --release (see docs/benchmarks.md)"]
     fn a_million_rows_in_seconds() {
         let path = dir("million").join("memscope_dump_1.db");
         let mut db = TestDb::create(&path);

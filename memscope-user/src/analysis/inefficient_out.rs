@@ -660,7 +660,7 @@ mod tests {
     /// `MEMSCOPE_BENCH_EARLY_EVERY` (default 100) makes every Nth op's output early_allocation
     /// (1: every block, the write's worst case: each flagged MALLOC row is rewritten in place).
     #[test]
-    #[ignore]
+    #[ignore = "a timing benchmark, run by hand with --release (see docs/benchmarks.md)"]
     fn million_rows_timing() {
         let env = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
         let (rows, every) = (env("MEMSCOPE_BENCH_ROWS", 1_000_000), env("MEMSCOPE_BENCH_EARLY_EVERY", 100).max(1));

@@ -839,7 +839,7 @@ mod tests {
     /// 1M rows: 500k blocks over 100 steps. Run with `--ignored` on a release build for the time;
     /// MEMSCOPE_BENCH_BLOCKS=5000000 makes it 10M rows.
     #[test]
-    #[ignore]
+    #[ignore = "a timing benchmark, run by hand with --release (see docs/benchmarks.md)"]
     fn a_million_rows_in_seconds() {
         let blocks: u64 = std::env::var("MEMSCOPE_BENCH_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(499_900);
         let path = dir("leaks-million").join("memscope_dump_1.db");

@@ -13,8 +13,8 @@ use anyhow::{bail, Context as _};
 
 use crate::analysis::db::{self, DbFile, DumpDb};
 use crate::analysis::decompose::{self, TimeSpec};
-use crate::analysis::{inefficient, inefficient_out};
 use crate::analysis::render;
+use crate::analysis::{inefficient, inefficient_out};
 
 /// An analysis, by msMemScope's `--analysis` name.
 #[derive(Clone, Copy, Debug, Eq)]
@@ -214,7 +214,11 @@ fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mu
             if let Some(line) = done.wrote {
                 eprintln!("memscope-bpf: {line}");
             }
-            if cx.args.json { out.json.push(done.json) } else { out.text.push(done.text) }
+            if cx.args.json {
+                out.json.push(done.json)
+            } else {
+                out.text.push(done.text)
+            }
             Ok(())
         }
         Analysis::Leaks => Ok(crate::analysis::leaks::run_for_analyze(
@@ -231,7 +235,11 @@ fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mu
             if let Some(line) = done.note {
                 eprintln!("memscope-bpf: {line}");
             }
-            if cx.args.json { out.json.push(done.json) } else { out.text.push(done.text) }
+            if cx.args.json {
+                out.json.push(done.json)
+            } else {
+                out.text.push(done.text)
+            }
             Ok(())
         }
         #[allow(unreachable_patterns)] // kept for analyses added to the enum before their arm

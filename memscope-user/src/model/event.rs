@@ -187,13 +187,28 @@ pub enum Op {
     /// An mstx mark or range (`mstxMarkA`, `mstxRangeStartA`, ...): a marker like the USDT ones.
     Marker(Marker),
     /// `size` bytes copied from `src` to `dst` (either may be host memory).
-    Copy { dst: u64, src: u64, size: u64 },
+    Copy {
+        dst: u64,
+        src: u64,
+        size: u64,
+    },
     /// `size` bytes at `ptr` set.
-    Set { ptr: u64, size: u64 },
+    Set {
+        ptr: u64,
+        size: u64,
+    },
     /// A kernel launched with this argument buffer (as copied at entry; empty if unreadable).
-    Launch { function: u64, args: Vec<u8>, args_size: u64, stream: u64 },
+    Launch {
+        function: u64,
+        args: Vec<u8>,
+        args_size: u64,
+        stream: u64,
+    },
     /// The kernel a function handle stands for.
-    KernelName { function: Option<u64>, name: Option<String> },
+    KernelName {
+        function: Option<u64>,
+        name: Option<String>,
+    },
     GetDevice {
         device: Option<i32>,
     },
