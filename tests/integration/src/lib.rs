@@ -144,11 +144,16 @@ impl Output {
         self.files.values().flat_map(|(_, rows)| rows.iter())
     }
     /// MALLOC/FREE/VMM/OOM/API_ERROR rows, without SYSTEM rows and shadow frees, and without the
-    /// rows about uses of blocks (ACCESS, KERNEL_LAUNCH, OP_LAUNCH) and markers (MSTX), which
-    /// have tests of their own.
+    /// rows about uses of blocks (ACCESS, KERNEL_LAUNCH, OP_LAUNCH), markers (MSTX) and the
+    /// blocks listed with an OOM trigger, which have tests of their own.
     pub fn call_rows(&self) -> Vec<&DbRow> {
         const NOT_CALLS: [&str; 5] = ["SYSTEM", "ACCESS", "KERNEL_LAUNCH", "OP_LAUNCH", "MSTX"];
-        self.rows().filter(|r| !NOT_CALLS.contains(&r.event.as_str()) && !r.is_shadow()).collect()
+        const LISTINGS: [&str; 2] = ["OOM_RECENT_ALLOC", "OOM_TOP_ALLOC"];
+        self.rows()
+            .filter(|r| {
+                !NOT_CALLS.contains(&r.event.as_str()) && !LISTINGS.contains(&r.event_type.as_str()) && !r.is_shadow()
+            })
+            .collect()
     }
     pub fn db(&self, folder: &str) -> &Path {
         &self.files.get(folder).unwrap_or_else(|| panic!("no {folder} in {:?}", self.files.keys())).0
@@ -843,7 +848,7 @@ pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
         }
     }
     for e in driver.iter().filter(|e| e.api == "halMemAlloc" && e.rc == 6 && e.t0 > live_ns) {
-        let oom = rows.iter().find(|r| r.event == "OOM_DETAIL" && r.tid == e.tid && within(r.ts, e));
+        let oom = rows.iter().find(|r| r.event_type == "OOM_TRIGGER" && r.tid == e.tid && within(r.ts, e));
         let oom = oom.unwrap_or_else(|| panic!("failed driver allocation without an OOM row: {e:?}"));
         assert_eq!(oom.attr_u64("flag"), Some(e.flag), "{oom:?}");
     }

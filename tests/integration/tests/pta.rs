@@ -76,7 +76,7 @@ fn with_the_debug_file_every_block_and_counter_matches_the_allocator() {
     let gave_up = out
         .call_rows()
         .iter()
-        .filter(|r| r.event == "OOM_DETAIL" && r.name == "DeviceCachingAllocator::malloc")
+        .filter(|r| r.event_type == "OOM_TRIGGER" && r.name == "DeviceCachingAllocator::malloc")
         .count();
     assert_eq!(gave_up, pool.iter().filter(|e| e.ev == "oom").count());
     // Both devices' pools, each in its own DB.

@@ -67,7 +67,7 @@ fn launch_mode_matches_the_ledger_exactly() {
     }
 
     // The failed allocations are there as OOM triggers (one per device), not as blocks.
-    let ooms = out.rows().filter(|r| r.event == "OOM_DETAIL").count();
+    let ooms = out.rows().filter(|r| r.event_type == "OOM_TRIGGER").count();
     assert_eq!(ooms, ledger.iter().filter(|e| e.rc == 207_001).count());
     assert!(ooms >= 2);
 
