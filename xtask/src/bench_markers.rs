@@ -1,7 +1,7 @@
 //! The markers' cost (`cargo xtask bench`, second part): per call with no tracer attached (the
 //! number that lets them stay in production scripts; target at most 150 ns), and per tag
 //! push+pop pair when traced by memscope-bpf and, as the peer, by bpftrace on the same USDT
-//! probes.
+//! probes (all of them: the bench waits until every marker probe is attached).
 //!
 //! The cases run inside one Python process (markers/bench/untraced.py), best of N rounds, so
 //! process start and attach time are not counted.
@@ -112,6 +112,7 @@ pub fn run(built: &Built, root: &Path, out: &Path, have_bpftrace: bool) -> anyho
             "usdt:{l}:memscope:tag_push {{ @push[str(arg1)] = count(); }} usdt:{l}:memscope:tag_pop {{ @pop[str(arg1)] = count(); }} \
              usdt:{l}:memscope:step {{}} usdt:{l}:memscope:mark {{}} usdt:{l}:memscope:addr_tag {{}} \
              usdt:{l}:memscope:range_start {{}} usdt:{l}:memscope:range_end {{}} usdt:{l}:memscope:collect {{}} \
+             usdt:{l}:memscope:op_start {{}} usdt:{l}:memscope:op_end {{}} usdt:{l}:memscope:tensor_access {{}} \
              END {{ clear(@push); clear(@pop); }}"
         );
         let peer = bpftrace_attached(&program, &python_path, &script(root), &traced_args);
