@@ -12,10 +12,8 @@
 //! each. The cost is one SQL scan plus O(rows), whatever the number of owners.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::str::FromStr;
 
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use super::db::{DumpDb, RawRow};
@@ -238,54 +236,14 @@ pub fn analyse(db: &DumpDb, wanted: &[TimeSpec]) -> Result<Report, AnalysisError
 /// treats them, so both tools see the same blocks.
 #[derive(Default, Deserialize)]
 struct AttrFields<'a> {
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     size: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     owner: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     unmatched: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     shadow: Option<std::borrow::Cow<'a, str>>,
-}
-
-fn string_only<'de, D: Deserializer<'de>>(d: D) -> Result<Option<std::borrow::Cow<'de, str>>, D::Error> {
-    struct StringOnly;
-    impl<'de> Visitor<'de> for StringOnly {
-        type Value = Option<std::borrow::Cow<'de, str>>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-            Ok(Some(v.into()))
-        }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            Ok(Some(v.to_owned().into()))
-        }
-        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-    }
-    d.deserialize_any(StringOnly)
 }
 
 /// `0x...` (msMemScope since 2025-09) or decimal (older files).

@@ -16,12 +16,10 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
-use std::fmt;
 use std::path::Path;
 
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, OpenFlags, Transaction, TransactionBehavior};
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
 use super::oom::{self, Incident};
@@ -175,29 +173,29 @@ pub struct Report {
 /// Attr values as Insight reads them: strings only; anything else reads as absent.
 #[derive(Default, Deserialize)]
 pub(crate) struct Fields<'a> {
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub size: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub owner: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub unmatched: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub shadow: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub pool: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub segment: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub vmm: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub total: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub func: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub req_size: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub status: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "text")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pub ptr: Option<Cow<'a, str>>,
 }
 
@@ -208,46 +206,6 @@ impl Fields<'_> {
     pub fn number(v: &Option<Cow<'_, str>>) -> Option<u64> {
         v.as_deref().and_then(parse_number)
     }
-}
-
-fn text<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
-    struct Text;
-    impl<'de> Visitor<'de> for Text {
-        type Value = Option<Cow<'de, str>>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-            Ok(Some(v.into()))
-        }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            Ok(Some(v.to_owned().into()))
-        }
-        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-    }
-    d.deserialize_any(Text)
 }
 
 /// Decimal, or `0x` hex (addresses).

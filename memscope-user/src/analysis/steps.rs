@@ -25,13 +25,11 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OpenFlags};
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -332,60 +330,20 @@ pub struct RowDetails {
 /// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
 #[derive(Default, Deserialize)]
 struct AttrFields<'a> {
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     size: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     owner: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     unmatched: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     shadow: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     segment: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     pool: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "string_only")]
+    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
     allocation_id: Option<Cow<'a, str>>,
-}
-
-fn string_only<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
-    struct StringOnly;
-    impl<'de> Visitor<'de> for StringOnly {
-        type Value = Option<Cow<'de, str>>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-            Ok(Some(v.into()))
-        }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            Ok(Some(v.to_owned().into()))
-        }
-        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-    }
-    d.deserialize_any(StringOnly)
 }
 
 // ---------------------------------------------------------------- boundaries
