@@ -1104,3 +1104,41 @@ pub fn listed(text: &str, action: &str, api: &str, symbol: &str, source: &str) -
             && words[3].trim_start_matches('(').trim_end_matches([',', ':']) == source
     })
 }
+
+/// Launches a workload script from tests/workloads (`script`) on the stand-in torch_npu under
+/// `trace --lib <torch>`, with `--torch-lib` and `--ledger` (a file in the scratch folder named
+/// `ledger`), the markers on PYTHONPATH and the allocator's ledger next to it; waits for both to
+/// exit successfully. Returns the output and the ledger's path.
+pub fn trace_standin_script(env: &TestEnv, script: &str, ledger: &str) -> (Output, PathBuf) {
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
+    let markers = var("MEMSCOPE_MARKERS");
+    let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name(script);
+    let ledger = env.scratch.join(ledger);
+    let pool = pool_ledger_path(&ledger);
+    let out = env.scratch.join("out");
+    let (out_s, torch_s, ledger_s, workload_s) = (
+        out.display().to_string(),
+        torch.display().to_string(),
+        ledger.display().to_string(),
+        workload.display().to_string(),
+    );
+    let args = [
+        "trace",
+        "--output",
+        &out_s,
+        "--lib",
+        &torch_s,
+        "--",
+        "python3",
+        &workload_s,
+        "--torch-lib",
+        &torch_s,
+        "--ledger",
+        &ledger_s,
+    ];
+    let vars: Vec<(&str, &Path)> =
+        vec![("ASCEND_HOME_PATH", &env.ascend_home), ("PYTHONPATH", &markers), ("STANDIN_TORCH_LEDGER", &pool)];
+    let (code, stderr) = Tracer::spawn(env, &args, &vars).finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    (read_output(&out), ledger)
+}

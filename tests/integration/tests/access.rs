@@ -7,8 +7,6 @@
 //! tracer.
 
 use std::collections::BTreeSet;
-use std::path::Path;
-use std::time::Duration;
 
 use memscope_integration::*;
 use serde::Deserialize;
@@ -20,8 +18,6 @@ struct Line {
     block_type: String,
     #[serde(default)]
     ptr: u64,
-    #[serde(default)]
-    size: u64,
     #[serde(default)]
     access: String,
     #[serde(default)]
@@ -39,37 +35,10 @@ struct Line {
 }
 
 fn run(env: &TestEnv) -> (Output, Vec<Line>, Vec<PoolEntry>) {
-    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
-    let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name("standin_access.py");
-    let ledger = env.scratch.join("access.jsonl");
-    let pool = pool_ledger_path(&ledger);
-    let out = env.scratch.join("out");
-    let (out_s, torch_s, ledger_s, workload_s) = (
-        out.display().to_string(),
-        torch.display().to_string(),
-        ledger.display().to_string(),
-        workload.display().to_string(),
-    );
-    let args = [
-        "trace",
-        "--output",
-        &out_s,
-        "--lib",
-        &torch_s,
-        "--",
-        "python3",
-        &workload_s,
-        "--torch-lib",
-        &torch_s,
-        "--ledger",
-        &ledger_s,
-    ];
-    let vars: Vec<(&str, &Path)> = vec![("ASCEND_HOME_PATH", &env.ascend_home), ("STANDIN_TORCH_LEDGER", &pool)];
-    let (code, stderr) = Tracer::spawn(env, &args, &vars).finish(Duration::from_secs(60));
-    assert_eq!(code, Some(0), "{stderr}");
+    let (out, ledger) = trace_standin_script(env, "standin_access.py", "access.jsonl");
     let text = std::fs::read_to_string(&ledger).unwrap();
     let lines = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    (read_output(&out), lines, read_pool_ledger(&pool))
+    (out, lines, read_pool_ledger(&pool_ledger_path(&ledger)))
 }
 
 #[test]

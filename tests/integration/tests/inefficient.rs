@@ -5,8 +5,6 @@
 //! delayed or long idle — precision and recall 1 on the scenario's own truth.
 
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::time::Duration;
 
 use memscope_integration::*;
 use serde::Deserialize;
@@ -26,37 +24,9 @@ struct Block {
 #[test]
 fn injected_inefficiencies_are_flagged_exactly() {
     let env = env("inefficient");
-    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
-    let markers = var("MEMSCOPE_MARKERS");
-    let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name("standin_inefficient.py");
-    let ledger = env.scratch.join("blocks.jsonl");
-    let out = env.scratch.join("out");
-    let (out_s, torch_s, ledger_s, workload_s) = (
-        out.display().to_string(),
-        torch.display().to_string(),
-        ledger.display().to_string(),
-        workload.display().to_string(),
-    );
-    let args = [
-        "trace",
-        "--output",
-        &out_s,
-        "--lib",
-        &torch_s,
-        "--",
-        "python3",
-        &workload_s,
-        "--torch-lib",
-        &torch_s,
-        "--ledger",
-        &ledger_s,
-    ];
-    let vars: Vec<(&str, &Path)> = vec![("ASCEND_HOME_PATH", &env.ascend_home), ("PYTHONPATH", &markers)];
-    let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(120));
-    assert_eq!(code, Some(0), "{stderr}");
+    let (output, ledger) = trace_standin_script(&env, "standin_inefficient.py", "blocks.jsonl");
     let blocks: Vec<Block> =
         std::fs::read_to_string(&ledger).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let output = read_output(&out);
     let db = output.db("device_0");
     let run = std::process::Command::new(&env.bin)
         .args(["analyze", "--analysis", "inefficient", "--lazy-used", "200ms", "--delayed-free", "200ms"])
