@@ -7,6 +7,7 @@
 //! transaction, so a failure leaves the file exactly as it was.
 
 use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::fs;
 use std::io::Read as _;
@@ -134,20 +135,9 @@ pub fn discover(input: &Path) -> Result<Vec<DbFile>, AnalysisError> {
     Ok(files)
 }
 
-/// One row of the dump, borrowed from SQLite's buffers (1M rows must not mean 7M allocations).
-#[derive(Clone, Copy, Debug)]
-pub struct RawRow<'a> {
-    pub event: &'a str,
-    pub event_type: &'a str,
-    pub ts: i64,
-    pub pid: i64,
-    pub ptr: &'a str,
-    pub attr: &'a str,
-}
-
 /// Text of a column; numbers written as text by other tools read as "" here, which only drops
 /// rows Insight would drop too.
-fn text(v: ValueRef<'_>) -> &str {
+pub(crate) fn text(v: ValueRef<'_>) -> &str {
     match v {
         ValueRef::Text(t) => std::str::from_utf8(t).unwrap_or(""),
         _ => "",
@@ -155,12 +145,325 @@ fn text(v: ValueRef<'_>) -> &str {
 }
 
 /// An integer column that other writers may have stored as text or real.
-fn int(v: ValueRef<'_>) -> i64 {
+pub(crate) fn int(v: ValueRef<'_>) -> i64 {
     match v {
         ValueRef::Integer(i) => i,
         ValueRef::Real(f) => f as i64,
         ValueRef::Text(t) => std::str::from_utf8(t).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
         _ => 0,
+    }
+}
+
+// ---------------------------------------------------------------- rows in time order
+
+/// One row of the dump, borrowed from SQLite's buffers (10M rows must not mean 70M allocations).
+#[derive(Clone, Copy, Debug)]
+pub struct DumpRow<'a> {
+    /// SQLite's rowid: the last tie-break, and how a reported row is fetched again.
+    pub rowid: i64,
+    pub id: i64,
+    pub event: &'a str,
+    pub event_type: &'a str,
+    /// `Name`; "" unless [`Selection::name`] asked for it or when the table lacks it.
+    pub name: &'a str,
+    pub ts: i64,
+    pub pid: i64,
+    /// `Thread Id`; the process id unless [`Selection::thread`] asked for it or when the table
+    /// lacks it.
+    pub tid: i64,
+    pub ptr: &'a str,
+    pub attr: &'a str,
+}
+
+/// What [`TimeOrder::for_each_row`] hands over.
+pub enum Fed<'a> {
+    Row(DumpRow<'a>),
+    /// Forget every row so far: they come again, from the first.
+    Restart,
+}
+
+/// The rows a replay reads (by `Event`) and the optional columns it needs.
+#[derive(Clone, Copy, Debug)]
+pub struct Selection {
+    pub events: &'static [&'static str],
+    pub name: bool,
+    pub thread: bool,
+}
+
+/// How the rows came, for tests and for explaining a slow run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadOrder {
+    /// In storage order, the few rows stored late put back in their place.
+    Storage,
+    /// Sorted by SQLite: too many rows out of place.
+    Sorted,
+    /// Sorted by SQLite after a [`Fed::Restart`]: more rows had to wait than expected.
+    Restarted,
+}
+
+/// (`Timestamp(ns)`, `ID`, rowid): the order rows are replayed in.
+type Key = (i64, i64, i64);
+
+/// Past this many out-of-place rows, SQLite's sort is cheaper than holding rows back.
+const MAX_STRAGGLERS: usize = 100_000;
+/// Rows held back at once before giving up on streaming (about 300 bytes each).
+const MAX_HELD: usize = 500_000;
+
+/// A row held back until its place, owning its text in one allocation.
+struct HeldRow {
+    key: Key,
+    pid: i64,
+    tid: i64,
+    text: String,
+    /// Ends of event, event type, name, ptr in `text`; attr is the rest.
+    ends: [usize; 4],
+}
+
+impl HeldRow {
+    fn from(r: &DumpRow<'_>) -> Self {
+        let parts = [r.event, r.event_type, r.name, r.ptr];
+        let mut text = String::with_capacity(parts.iter().map(|p| p.len()).sum::<usize>() + r.attr.len());
+        let mut ends = [0; 4];
+        for (end, part) in ends.iter_mut().zip(parts) {
+            text.push_str(part);
+            *end = text.len();
+        }
+        text.push_str(r.attr);
+        Self { key: (r.ts, r.id, r.rowid), pid: r.pid, tid: r.tid, text, ends }
+    }
+
+    fn as_row(&self) -> DumpRow<'_> {
+        let e = self.ends;
+        DumpRow {
+            rowid: self.key.2,
+            id: self.key.1,
+            event: &self.text[..e[0]],
+            event_type: &self.text[e[0]..e[1]],
+            name: &self.text[e[1]..e[2]],
+            ts: self.key.0,
+            pid: self.pid,
+            tid: self.tid,
+            ptr: &self.text[e[2]..e[3]],
+            attr: &self.text[e[3]..],
+        }
+    }
+}
+
+/// Streams a dump table's rows in time order (`Timestamp(ns)`, then `ID`, as Insight orders
+/// them; IDs break ties because a thread's rows are written in call order; rowid last), the one
+/// way every analysis reads them.
+///
+/// Sorting whole rows is most of the cost of a large trace, and traces are stored nearly in that
+/// order already (ours per thread exactly, `STOP_TRACE` after the shadow frees stamped one ns
+/// later, rows of CPUs racing for the ring a few apart). So a first pass reads only the keys in
+/// storage order and finds the rows stored later than their place (stragglers); a second pass
+/// streams the rows in storage order straight from SQLite's buffers and holds back only what
+/// must wait for a straggler. Files far out of order (msMemScope writes a MALLOC when its block
+/// is freed) are sorted by SQLite instead; should the held-back rows grow too many after all,
+/// `f` gets [`Fed::Restart`] and the sorted rows from the start.
+pub struct TimeOrder<'c> {
+    conn: &'c Connection,
+    path: &'c Path,
+    /// `FROM "table" WHERE ...`, shared by both passes.
+    from: String,
+    /// The columns of a [`DumpRow`], in its order.
+    columns: String,
+    events: &'static [&'static str],
+    max_stragglers: usize,
+    max_held: usize,
+}
+
+impl<'c> TimeOrder<'c> {
+    pub fn new(conn: &'c Connection, path: &'c Path, table: &str, select: Selection) -> Result<Self, AnalysisError> {
+        let read = |source| AnalysisError::Read { path: path.to_owned(), source };
+        let have: Vec<String> = conn
+            .prepare("SELECT name FROM pragma_table_info(?1)")
+            .and_then(|mut s| s.query_map([table], |r| r.get(0))?.collect())
+            .map_err(read)?;
+        let has = |c: &str| have.iter().any(|h| h == c);
+        let name = if select.name && has("Name") { "\"Name\"" } else { "''" };
+        let tid = if select.thread && has("Thread Id") { "\"Thread Id\"" } else { "\"Process Id\"" };
+        let columns = format!(
+            "rowid, \"ID\", \"Event\", \"Event Type\", {name}, \"Timestamp(ns)\", \"Process Id\", {tid}, \"Ptr\", \"Attr\""
+        );
+        // `=` terms rather than IN: SQLite probes a temporary index per row for an IN list.
+        let wanted: Vec<String> =
+            select.events.iter().map(|e| format!("\"Event\" = '{}'", e.replace('\'', "''"))).collect();
+        let from = format!("FROM \"{}\" WHERE ({})", table.replace('"', "\"\""), wanted.join(" OR "));
+        Ok(Self {
+            conn,
+            path,
+            from,
+            columns,
+            events: select.events,
+            max_stragglers: MAX_STRAGGLERS,
+            max_held: MAX_HELD,
+        })
+    }
+
+    /// Lowers the thresholds, for tests to reach the fallbacks on small files.
+    #[cfg(test)]
+    pub(crate) fn with_limits(mut self, max_stragglers: usize, max_held: usize) -> Self {
+        (self.max_stragglers, self.max_held) = (max_stragglers, max_held);
+        self
+    }
+
+    fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
+        move |source| AnalysisError::Read { path: self.path.to_owned(), source }
+    }
+
+    /// Reads the keys (the first pass) and returns what the second needs; both see one snapshot
+    /// of the file, even if a trace is still appending to it, until the [`Scan`] is dropped.
+    pub fn scan(&self) -> Result<Scan<'_, 'c>, AnalysisError> {
+        let began = self.conn.is_autocommit();
+        if began {
+            self.conn.execute_batch("BEGIN").map_err(self.read_err())?;
+        }
+        let mut scan = Scan { order: self, began, stragglers: None, counts: None };
+        scan.find_stragglers()?;
+        Ok(scan)
+    }
+
+    /// [`Self::scan`], then [`Scan::for_each_row`].
+    pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        self.scan()?.for_each_row(f)
+    }
+
+    fn row<'r>(&self, row: &'r rusqlite::Row<'r>) -> Result<DumpRow<'r>, AnalysisError> {
+        let get = |i| row.get_ref(i).map_err(self.read_err());
+        Ok(DumpRow {
+            rowid: int(get(0)?),
+            id: int(get(1)?),
+            event: text(get(2)?),
+            event_type: text(get(3)?),
+            name: text(get(4)?),
+            ts: int(get(5)?),
+            pid: int(get(6)?),
+            tid: int(get(7)?),
+            ptr: text(get(8)?),
+            attr: text(get(9)?),
+        })
+    }
+}
+
+/// A first pass done: the stragglers, and how many rows of each selected event there are.
+pub struct Scan<'o, 'c> {
+    order: &'o TimeOrder<'c>,
+    /// Whether this scan opened the read transaction (and so ends it).
+    began: bool,
+    /// `None`: too many to stream, SQLite sorts.
+    stragglers: Option<BTreeSet<Key>>,
+    /// Rows per entry of [`Selection::events`]; `None` when the pass stopped early.
+    counts: Option<Vec<u64>>,
+}
+
+impl Drop for Scan<'_, '_> {
+    fn drop(&mut self) {
+        if self.began {
+            let _ = self.order.conn.execute_batch("COMMIT");
+        }
+    }
+}
+
+impl Scan<'_, '_> {
+    /// The rows whose `Event` is one of `events` (each among the selected ones).
+    pub fn count(&self, events: &[&str]) -> Result<u64, AnalysisError> {
+        if let Some(counts) = &self.counts {
+            let selected = self.order.events.iter().zip(counts);
+            return Ok(selected.filter(|(e, _)| events.contains(e)).map(|(_, n)| n).sum());
+        }
+        let wanted: Vec<String> = events.iter().map(|e| format!("'{}'", e.replace('\'', "''"))).collect();
+        let sql = format!("SELECT count(*) {} AND \"Event\" IN ({})", self.order.from, wanted.join(","));
+        let n: i64 = self.order.conn.query_row(&sql, [], |r| r.get(0)).map_err(self.order.read_err())?;
+        Ok(n as u64)
+    }
+
+    /// The keys of the rows that, in storage order, come after a row with a greater key.
+    fn find_stragglers(&mut self) -> Result<(), AnalysisError> {
+        let order = self.order;
+        let sql = format!("SELECT \"Timestamp(ns)\", \"ID\", rowid, \"Event\" {} ORDER BY rowid", order.from);
+        let mut stmt = order.conn.prepare(&sql).map_err(order.read_err())?;
+        let mut rows = stmt.query([]).map_err(order.read_err())?;
+        let mut max: Option<Key> = None;
+        let mut stragglers = BTreeSet::new();
+        let mut counts = vec![0u64; order.events.len()];
+        while let Some(row) = rows.next().map_err(order.read_err())? {
+            let get = |i| row.get_ref(i).map_err(order.read_err());
+            let key = (int(get(0)?), int(get(1)?), int(get(2)?));
+            let event = text(get(3)?);
+            if let Some(n) = order.events.iter().position(|e| *e == event) {
+                counts[n] += 1;
+            }
+            if max.is_some_and(|m| key < m) {
+                stragglers.insert(key);
+                if stragglers.len() > order.max_stragglers {
+                    return Ok(()); // SQLite sorts; counts are looked up if asked for
+                }
+            } else {
+                max = Some(key);
+            }
+        }
+        (self.stragglers, self.counts) = (Some(stragglers), Some(counts));
+        Ok(())
+    }
+
+    /// Calls `f` for every selected row in time order, then returns how they came.
+    pub fn for_each_row(mut self, mut f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        let mut how = ReadOrder::Sorted;
+        if let Some(stragglers) = self.stragglers.take() {
+            if self.stream_storage_order(stragglers, &mut f)? {
+                return Ok(ReadOrder::Storage);
+            }
+            f(Fed::Restart);
+            how = ReadOrder::Restarted;
+        }
+        let order = self.order;
+        let sql = format!("SELECT {} {} ORDER BY \"Timestamp(ns)\", \"ID\", rowid", order.columns, order.from);
+        let mut stmt = order.conn.prepare(&sql).map_err(order.read_err())?;
+        let mut rows = stmt.query([]).map_err(order.read_err())?;
+        while let Some(row) = rows.next().map_err(order.read_err())? {
+            f(Fed::Row(order.row(row)?));
+        }
+        Ok(how)
+    }
+
+    /// The second pass; `false` when it gave up (too many rows held back).
+    fn stream_storage_order(
+        &self,
+        mut pending: BTreeSet<Key>,
+        f: &mut impl FnMut(Fed<'_>),
+    ) -> Result<bool, AnalysisError> {
+        let order = self.order;
+        let sql = format!("SELECT {} {} ORDER BY rowid", order.columns, order.from);
+        let mut stmt = order.conn.prepare(&sql).map_err(order.read_err())?;
+        let mut rows = stmt.query([]).map_err(order.read_err())?;
+        let mut held: BTreeMap<Key, HeldRow> = BTreeMap::new();
+        while let Some(row) = rows.next().map_err(order.read_err())? {
+            let r = order.row(row)?;
+            let key = (r.ts, r.id, r.rowid);
+            if !pending.is_empty() {
+                pending.remove(&key);
+            }
+            // Everything not yet read has a greater key than `key`, except the stragglers to come.
+            if held.is_empty() && pending.first().is_none_or(|p| key < *p) {
+                f(Fed::Row(r));
+                continue;
+            }
+            held.insert(key, HeldRow::from(&r));
+            if held.len() > order.max_held {
+                return Ok(false);
+            }
+            while let Some(entry) = held.first_entry() {
+                if pending.first().is_some_and(|p| p < entry.key()) {
+                    break;
+                }
+                f(Fed::Row(entry.remove().as_row()));
+            }
+        }
+        for r in held.into_values() {
+            f(Fed::Row(r.as_row()));
+        }
+        Ok(true)
     }
 }
 
@@ -264,28 +567,10 @@ impl DumpDb {
         Ok(devices)
     }
 
-    /// Calls `f` for every MALLOC, FREE and SYSTEM row in time order (`Timestamp(ns)`, then `ID`,
-    /// as Insight orders them; IDs break ties because a thread's rows are written in call order).
-    pub fn for_each_row(&self, mut f: impl FnMut(RawRow<'_>)) -> Result<(), AnalysisError> {
-        let sql = format!(
-            "SELECT \"Event\", \"Event Type\", \"Timestamp(ns)\", \"Process Id\", \"Ptr\", \"Attr\" \
-             FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM') ORDER BY \"Timestamp(ns)\", \"ID\"",
-            self.table
-        );
-        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
-        let mut rows = stmt.query([]).map_err(self.read_err())?;
-        while let Some(row) = rows.next().map_err(self.read_err())? {
-            let get = |i| row.get_ref(i).map_err(self.read_err());
-            f(RawRow {
-                event: text(get(0)?),
-                event_type: text(get(1)?),
-                ts: int(get(2)?),
-                pid: int(get(3)?),
-                ptr: text(get(4)?),
-                attr: text(get(5)?),
-            });
-        }
-        Ok(())
+    /// Calls `f` for every MALLOC, FREE and SYSTEM row in time order (see [`TimeOrder`]).
+    pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        let select = Selection { events: &["MALLOC", "FREE", "SYSTEM"], name: false, thread: false };
+        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
     }
 
     /// Replaces `ms_decompose` with `report` and stamps `ms_meta.decompose_at` (when the DB has our
@@ -510,9 +795,76 @@ mod tests {
         drop(db);
         let dump = DumpDb::open(&path, false).unwrap();
         let mut seen = Vec::new();
-        dump.for_each_row(|r| seen.push((r.ts, r.ptr.to_owned()))).unwrap();
+        let how = dump
+            .for_each_row(|fed| match fed {
+                Fed::Row(r) => seen.push((r.ts, r.ptr.to_owned())),
+                Fed::Restart => seen.clear(),
+            })
+            .unwrap();
         let want = [(10, "0x0000000000000010"), (30, "0x0000000000000030"), (30, "0x0000000000000031")];
         assert_eq!(seen, want.map(|(ts, p)| (ts, p.to_owned())));
+        assert_eq!(how, ReadOrder::Storage);
         assert_eq!(dump.devices().unwrap(), vec!["0".to_owned()]);
+    }
+
+    /// (ts, rowid) in the order the reader hands rows over after its last restart, the restarts,
+    /// and how it read them.
+    fn fed(order: &TimeOrder<'_>) -> (Vec<(i64, i64)>, usize, ReadOrder) {
+        let mut seen = Vec::new();
+        let mut restarts = 0;
+        let how = order
+            .for_each_row(|fed| match fed {
+                Fed::Row(r) => seen.push((r.ts, r.rowid)),
+                Fed::Restart => {
+                    seen.clear();
+                    restarts += 1;
+                }
+            })
+            .unwrap();
+        (seen, restarts, how)
+    }
+
+    #[test]
+    fn rows_come_in_time_order_whatever_the_file_order() {
+        // Written as our tracer writes (a late STOP_TRACE, one thread's rows a little behind
+        // another's) and as msMemScope does (MALLOCs written when the block is freed).
+        let orders: [&[i64]; 4] = [
+            &[1, 2, 2, 3, 4, 8, 9],
+            &[1, 2, 3, 5, 4, 6, 7, 9, 9, 8],
+            &[10, 20, 30, 31, 32, 25, 33, 34, 29, 40],
+            &[5, 6, 1, 7, 2, 8, 3, 9, 4, 10],
+        ];
+        let select = Selection { events: &["MALLOC"], name: false, thread: false };
+        for (i, order) in orders.iter().enumerate() {
+            let mut db = TestDb::create(&dir(&format!("order{i}")).join("memscope_dump_1.db"));
+            for (k, ts) in order.iter().enumerate() {
+                db.malloc("PTA", *ts, 0x10 + k as u64, 1, None);
+                db.row("ACCESS", "READ", 0, 1, None, crate::store::Attr::new());
+                // not selected
+            }
+            let path = db.path.clone();
+            drop(db);
+            let mut want: Vec<(i64, i64)> = order.iter().enumerate().map(|(k, ts)| (*ts, 2 * k as i64 + 1)).collect();
+            want.sort();
+            let conn = Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+            let reader = || TimeOrder::new(&conn, &path, DUMP_TABLE, select).unwrap();
+            assert_eq!(fed(&reader()), (want.clone(), 0, ReadOrder::Storage), "order {order:?}");
+            // Too many rows to hold back: the same rows, sorted by SQLite, after a restart.
+            let (got, restarts, how) = fed(&reader().with_limits(MAX_STRAGGLERS, 1));
+            assert_eq!(got, want, "order {order:?}");
+            assert_eq!(restarts, usize::from(i > 0), "order {order:?}: only files out of order hold rows back");
+            assert_eq!(how, if i > 0 { ReadOrder::Restarted } else { ReadOrder::Storage });
+            // Too many rows out of place: sorted by SQLite from the start.
+            let (got, restarts, how) = fed(&reader().with_limits(0, MAX_HELD));
+            assert_eq!((got, restarts), (want, 0), "order {order:?}");
+            assert_eq!(how, if i > 0 { ReadOrder::Sorted } else { ReadOrder::Storage });
+            // The counts come from the first pass, or from SQLite when it stopped early.
+            for limits in [(MAX_STRAGGLERS, MAX_HELD), (0, MAX_HELD)] {
+                let scan_of = reader().with_limits(limits.0, limits.1);
+                let scan = scan_of.scan().unwrap();
+                assert_eq!(scan.count(&["MALLOC"]).unwrap(), order.len() as u64);
+                assert_eq!(scan.count(&["FREE"]).unwrap(), 0);
+            }
+        }
     }
 }

@@ -9,14 +9,15 @@
 //! One pass over the rows keeps live bytes per (family, owner) and per family, and records each
 //! change as a compact step; the peak is found from the family totals as the pass goes, and the
 //! trees are built afterwards only for the few instants asked for, by replaying the steps up to
-//! each. The cost is one SQL scan plus O(rows), whatever the number of owners.
+//! each. The cost is the time-ordered read ([`super::db::TimeOrder`]) plus O(rows), whatever the
+//! number of owners.
 
 use std::collections::HashMap;
 use std::str::FromStr;
 
 use serde::Deserialize;
 
-use super::db::{DumpDb, RawRow};
+use super::db::{DumpDb, DumpRow, Fed};
 use super::AnalysisError;
 
 /// Which memory a block is, so that nested memory is never summed twice: pool blocks (`PTA`) live
@@ -228,7 +229,10 @@ pub struct Report {
 /// Runs the decomposition over a DB.
 pub fn analyse(db: &DumpDb, wanted: &[TimeSpec]) -> Result<Report, AnalysisError> {
     let mut replay = Replay::default();
-    db.for_each_row(|row| replay.apply(row))?;
+    db.for_each_row(|fed| match fed {
+        Fed::Row(row) => replay.apply(row),
+        Fed::Restart => replay = Replay::default(),
+    })?;
     Ok(replay.finish(wanted))
 }
 
@@ -341,7 +345,7 @@ impl Replay {
         }
     }
 
-    fn apply(&mut self, row: RawRow<'_>) {
+    fn apply(&mut self, row: DumpRow<'_>) {
         if self.group_ts != Some(row.ts) {
             self.close_group();
             self.group_ts = Some(row.ts);

@@ -18,10 +18,10 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, OpenFlags, Transaction, TransactionBehavior};
 use serde::{Deserialize, Serialize};
 
+use super::db::{DumpRow, Fed, Selection, TimeOrder};
 use super::oom::{self, Incident};
 use super::AnalysisError;
 
@@ -217,34 +217,6 @@ pub fn parse_number(s: &str) -> Option<u64> {
     }
 }
 
-/// One row as the replay needs it.
-pub(crate) struct Row<'a> {
-    pub event: &'a str,
-    pub event_type: &'a str,
-    pub name: &'a str,
-    pub ts: i64,
-    pub pid: i64,
-    pub tid: i64,
-    pub ptr: &'a str,
-    pub attr: &'a str,
-}
-
-fn col_text(v: ValueRef<'_>) -> &str {
-    match v {
-        ValueRef::Text(t) => std::str::from_utf8(t).unwrap_or(""),
-        _ => "",
-    }
-}
-
-fn col_int(v: ValueRef<'_>) -> i64 {
-    match v {
-        ValueRef::Integer(i) => i,
-        ValueRef::Real(f) => f as i64,
-        ValueRef::Text(t) => std::str::from_utf8(t).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
-        _ => 0,
-    }
-}
-
 /// Opens a DB that `DumpDb::open` already checked, read-only, for a query of our own (the
 /// replay needs `Name`, `Thread Id` and the OOM rows, which the shared row stream leaves out).
 pub(crate) fn open_read(path: &Path) -> Result<Connection, AnalysisError> {
@@ -270,45 +242,10 @@ pub(crate) fn dump_table(path: &Path, conn: &Connection) -> Result<String, Analy
     .map_err(read_error(path))
 }
 
-fn memory_rows(path: &Path, conn: &Connection, table: &str) -> Result<u64, AnalysisError> {
-    let sql = format!("SELECT count(*) FROM \"{table}\" WHERE \"Event\" IN ('MALLOC','FREE')");
-    conn.query_row(&sql, [], |r| r.get::<_, i64>(0)).map(|n| n as u64).map_err(read_error(path))
-}
-
-/// Streams the rows the replay needs in `Timestamp(ns)`, `ID` order, as Insight orders them.
-/// Columns that older writers lack (`Name`, `Thread Id`) read as empty (the thread as the process).
-fn for_each_row(path: &Path, conn: &Connection, table: &str, mut f: impl FnMut(Row<'_>)) -> Result<(), AnalysisError> {
-    let read = read_error(path);
-    let has = |column: &str| -> Result<bool, AnalysisError> {
-        conn.query_row("SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2", params![table, column], |r| {
-            r.get::<_, i64>(0)
-        })
-        .map(|n| n > 0)
-        .map_err(&read)
-    };
-    let name = if has("Name")? { "\"Name\"" } else { "''" };
-    let tid = if has("Thread Id")? { "\"Thread Id\"" } else { "\"Process Id\"" };
-    let sql = format!(
-        "SELECT \"Event\", \"Event Type\", {name}, \"Timestamp(ns)\", \"Process Id\", {tid}, \"Ptr\", \"Attr\" \
-         FROM \"{table}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','OOM_DETAIL') ORDER BY \"Timestamp(ns)\", \"ID\""
-    );
-    let mut stmt = conn.prepare(&sql).map_err(&read)?;
-    let mut rows = stmt.query([]).map_err(&read)?;
-    while let Some(row) = rows.next().map_err(&read)? {
-        let get = |i| row.get_ref(i).map_err(&read);
-        f(Row {
-            event: col_text(get(0)?),
-            event_type: col_text(get(1)?),
-            name: col_text(get(2)?),
-            ts: col_int(get(3)?),
-            pid: col_int(get(4)?),
-            tid: col_int(get(5)?),
-            ptr: col_text(get(6)?),
-            attr: col_text(get(7)?),
-        });
-    }
-    Ok(())
-}
+/// The rows the replay reads; columns that older writers lack (`Name`, `Thread Id`) read as
+/// empty (the thread as the process).
+const SELECTION: Selection =
+    Selection { events: &["MALLOC", "FREE", "SYSTEM", "OOM_DETAIL"], name: true, thread: true };
 
 // ---------------------------------------------------------------- one process's pools
 
@@ -680,7 +617,7 @@ impl Replay {
         }
     }
 
-    fn apply(&mut self, row: Row<'_>) {
+    fn apply(&mut self, row: DumpRow<'_>) {
         if self.group_ts != Some(row.ts) {
             self.close_group();
             self.group_ts = Some(row.ts);
@@ -728,7 +665,7 @@ impl Replay {
         }
     }
 
-    fn memory(&mut self, row: Row<'_>) {
+    fn memory(&mut self, row: DumpRow<'_>) {
         let Ok(attr) = serde_json::from_str::<Fields<'_>>(row.attr) else {
             self.report.unreadable += 1;
             return;
@@ -914,12 +851,18 @@ impl Proc {
 pub fn analyse(path: &Path, options: Options) -> Result<Report, AnalysisError> {
     let conn = open_read(path)?;
     let table = dump_table(path, &conn)?;
+    let order = TimeOrder::new(&conn, path, &table, SELECTION)?;
+    let scan = order.scan()?;
     let every = match options.sample_every {
         Some(n) => n,
-        None => memory_rows(path, &conn, &table)?.div_ceil(500).max(100),
+        None => scan.count(&["MALLOC", "FREE"])?.div_ceil(500).max(100),
     };
-    let mut replay = Replay { oom: oom::Tracker::new(options.top_k), every, ..Replay::default() };
-    for_each_row(path, &conn, &table, |row| replay.apply(row))?;
+    let new = || Replay { oom: oom::Tracker::new(options.top_k), every, ..Replay::default() };
+    let mut replay = new();
+    scan.for_each_row(|fed| match fed {
+        Fed::Row(row) => replay.apply(row),
+        Fed::Restart => replay = new(),
+    })?;
     Ok(replay.finish())
 }
 

@@ -12,10 +12,10 @@
 //!   `delayed_free` (last access to free), `long_idle` (longest gap between accesses), each with a
 //!   duration and/or a share of the block's lifetime as threshold; for every block.
 //!
-//! One pass over `memscope_dump` in (`Timestamp(ns)`, `ID`) order rebuilds the blocks as Insight
-//! pairs them, resolves each ACCESS to the live block that holds its address, and keeps per block
-//! the few facts both definitions need, so memory is O(blocks) and time is the SQL scan plus a
-//! map lookup per row. Writing and printing the results is [`super::inefficient_out`]'s.
+//! One pass over `memscope_dump` in (`Timestamp(ns)`, `ID`) order ([`super::db::TimeOrder`])
+//! rebuilds the blocks as Insight pairs them, resolves each ACCESS to the live block that holds its
+//! address, and keeps per block the few facts both definitions need, so memory is O(blocks) and
+//! time is the read plus a map lookup per row. Writing and printing the results is [`super::inefficient_out`]'s.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -23,11 +23,11 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
-use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OpenFlags};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
+use super::db::{DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 use super::decompose::Family;
 use super::AnalysisError;
 
@@ -394,126 +394,31 @@ impl Report {
 
 /// Runs both definitions over the DB at `path` (already checked by `DumpDb::open`).
 pub fn analyse(path: &Path, options: &Options) -> Result<Report, AnalysisError> {
-    analyse_in(path, options, REORDER_WINDOW).map(|(report, _)| report)
+    analyse_in(path, options, |order| order).map(|(report, _)| report)
 }
 
-/// [`analyse`] with a reorder window of `window` rows; also says whether SQLite had to sort.
-fn analyse_in(path: &Path, options: &Options, window: usize) -> Result<(Report, bool), AnalysisError> {
+/// The rows this analysis reads.
+const SELECTION: Selection =
+    Selection { events: &["MALLOC", "FREE", "ACCESS", "OP_LAUNCH", "SYSTEM"], name: false, thread: false };
+
+/// [`analyse`], with the reader adjusted by `tune` (tests lower its thresholds); also says how
+/// the rows were read.
+fn analyse_in(
+    path: &Path,
+    options: &Options,
+    tune: impl FnOnce(TimeOrder<'_>) -> TimeOrder<'_>,
+) -> Result<(Report, ReadOrder), AnalysisError> {
     let read = |source| AnalysisError::Read { path: path.to_owned(), source };
     let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
         .map_err(read)?;
     conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(read)?;
     let table = dump_table(&conn, path)?;
     let mut replay = Replay::new(options.clone());
-    let in_window = replay_windowed(&conn, table, path, window, &mut replay)?;
-    if !in_window {
-        // Rows further out of time order than the window (msMemScope writes a block's MALLOC at
-        // its FREE): start again and let SQLite sort them all.
-        replay = Replay::new(options.clone());
-        let sql = format!("{} ORDER BY \"Timestamp(ns)\", \"ID\"", select(table));
-        let mut stmt = conn.prepare(&sql).map_err(read)?;
-        let mut rows = stmt.query([]).map_err(read)?;
-        while let Some(row) = rows.next().map_err(read)? {
-            let get = |i| row.get_ref(i).map_err(read);
-            replay.apply(Row {
-                rowid: int(get(0)?),
-                id: int(get(1)?),
-                event: text(get(2)?),
-                event_type: text(get(3)?),
-                ts: int(get(4)?),
-                pid: int(get(5)?),
-                ptr: text(get(6)?),
-                attr: text(get(7)?),
-            });
-        }
-    }
-    Ok((replay.finish(), !in_window))
-}
-
-fn select(table: &str) -> String {
-    format!(
-        "SELECT rowid, \"ID\", \"Event\", \"Event Type\", \"Timestamp(ns)\", \"Process Id\", \"Ptr\", \"Attr\" \
-         FROM \"{table}\" WHERE \"Event\" IN ('MALLOC','FREE','ACCESS','OP_LAUNCH','SYSTEM')"
-    )
-}
-
-/// How far (in rows) a row may sit from its place in time order and still be put right without
-/// a full sort. `trace` writes rows in ring-buffer order: time order, but for rows of different
-/// CPUs racing for the ring, a few rows apart.
-const REORDER_WINDOW: usize = 1 << 16;
-
-/// A row held in the reorder window; its strings are reused once it has been replayed.
-#[derive(Default)]
-struct HeldRow {
-    rowid: i64,
-    id: i64,
-    event: String,
-    event_type: String,
-    ts: i64,
-    pid: i64,
-    ptr: String,
-    attr: String,
-}
-
-/// Replays the rows in (`Timestamp(ns)`, `ID`) order from a scan in storage order, through a
-/// window of `window` rows (sorting 10M rows costs SQLite more than everything else here). The
-/// output is exactly the sorted order, or nothing: returns false, having replayed a prefix, when
-/// a row comes after a later one was replayed already.
-fn replay_windowed(
-    conn: &Connection,
-    table: &str,
-    path: &Path,
-    window: usize,
-    replay: &mut Replay,
-) -> Result<bool, AnalysisError> {
-    use std::cmp::Reverse;
-    let read = |source| AnalysisError::Read { path: path.to_owned(), source };
-    let mut stmt = conn.prepare(&select(table)).map_err(read)?;
-    let mut rows = stmt.query([]).map_err(read)?;
-    let mut held: Vec<HeldRow> = Vec::new();
-    let mut spare: Vec<usize> = Vec::new();
-    let mut heap = std::collections::BinaryHeap::new();
-    let mut last: Option<(i64, i64, i64)> = None;
-    let emit = |slot: &HeldRow, replay: &mut Replay| {
-        replay.apply(Row {
-            rowid: slot.rowid,
-            id: slot.id,
-            event: &slot.event,
-            event_type: &slot.event_type,
-            ts: slot.ts,
-            pid: slot.pid,
-            ptr: &slot.ptr,
-            attr: &slot.attr,
-        })
-    };
-    while let Some(row) = rows.next().map_err(read)? {
-        let get = |i| row.get_ref(i).map_err(read);
-        let (rowid, id, ts) = (int(get(0)?), int(get(1)?), int(get(4)?));
-        if last.is_some_and(|l| (ts, id, rowid) < l) {
-            return Ok(false);
-        }
-        let i = spare.pop().unwrap_or_else(|| {
-            held.push(HeldRow::default());
-            held.len() - 1
-        });
-        let h = &mut held[i];
-        (h.rowid, h.id, h.ts, h.pid) = (rowid, id, ts, int(get(5)?));
-        for (dst, col) in [(&mut h.event, 2), (&mut h.event_type, 3), (&mut h.ptr, 6), (&mut h.attr, 7)] {
-            dst.clear();
-            dst.push_str(text(get(col)?));
-        }
-        heap.push(Reverse((ts, id, rowid, i)));
-        if heap.len() > window {
-            let Reverse((ts, id, rowid, i)) = heap.pop().expect("not empty");
-            last = Some((ts, id, rowid));
-            emit(&held[i], replay);
-            spare.push(i);
-        }
-    }
-    while let Some(Reverse((_, _, _, i))) = heap.pop() {
-        emit(&held[i], replay);
-    }
-    Ok(true)
+    let how = tune(TimeOrder::new(&conn, path, table, SELECTION)?).for_each_row(|fed| match fed {
+        Fed::Row(row) => replay.apply(row),
+        Fed::Restart => replay = Replay::new(options.clone()),
+    })?;
+    Ok((replay.finish(), how))
 }
 
 /// The dump table's name: msMemScope's, or the older one Insight still reads.
@@ -535,39 +440,12 @@ pub fn dump_table(conn: &Connection, path: &Path) -> Result<&'static str, Analys
     }
 }
 
-fn text(v: ValueRef<'_>) -> &str {
-    match v {
-        ValueRef::Text(t) => std::str::from_utf8(t).unwrap_or(""),
-        _ => "",
-    }
-}
-
-fn int(v: ValueRef<'_>) -> i64 {
-    match v {
-        ValueRef::Integer(i) => i,
-        ValueRef::Real(f) => f as i64,
-        ValueRef::Text(t) => std::str::from_utf8(t).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
-        _ => 0,
-    }
-}
-
 /// `0x...` or decimal (msMemScope before 2025-09).
 fn parse_ptr(ptr: &str) -> Option<u64> {
     match ptr.strip_prefix("0x").or_else(|| ptr.strip_prefix("0X")) {
         Some(hex) => u64::from_str_radix(hex, 16).ok(),
         None => ptr.parse().ok(),
     }
-}
-
-struct Row<'a> {
-    rowid: i64,
-    id: i64,
-    event: &'a str,
-    event_type: &'a str,
-    ts: i64,
-    pid: i64,
-    ptr: &'a str,
-    attr: &'a str,
 }
 
 /// A string Attr value; anything else reads as absent, as Insight's getter treats it.
@@ -714,7 +592,7 @@ impl Replay {
         self.apis.entry((pid, family)).or_default()
     }
 
-    fn apply(&mut self, row: Row<'_>) {
+    fn apply(&mut self, row: DumpRow<'_>) {
         self.stats.rows += 1;
         match row.event {
             "MALLOC" => self.malloc(&row),
@@ -742,7 +620,7 @@ impl Replay {
         parsed
     }
 
-    fn malloc(&mut self, row: &Row<'_>) {
+    fn malloc(&mut self, row: &DumpRow<'_>) {
         let Some(f) = self.fields(row.attr) else { return };
         if let Some(old) = f.inefficient_type.get() {
             self.existing.push((row.rowid, old.into()));
@@ -822,7 +700,7 @@ impl Replay {
         }
     }
 
-    fn free(&mut self, row: &Row<'_>) {
+    fn free(&mut self, row: &DumpRow<'_>) {
         let Some(f) = self.fields(row.attr) else { return };
         if Family::of(row.event_type).is_none() {
             return;
@@ -891,7 +769,7 @@ impl Replay {
         None
     }
 
-    fn access(&mut self, row: &Row<'_>) {
+    fn access(&mut self, row: &DumpRow<'_>) {
         let addr = match parse_ptr(row.ptr) {
             Some(a) => Some(a),
             None => self.fields(row.attr).and_then(|f| f.addr.get().and_then(parse_ptr)),
@@ -945,7 +823,7 @@ impl Replay {
         }
     }
 
-    fn op(&mut self, row: &Row<'_>) {
+    fn op(&mut self, row: &DumpRow<'_>) {
         let (family, start) = match row.event_type {
             "ATEN_START" => (OpFamily::Aten, true),
             "ATEN_END" => (OpFamily::Aten, false),
@@ -1661,8 +1539,8 @@ mod tests {
         let us100 = Some("100us".parse().unwrap());
         let options =
             Options { idle_threshold: 3, lazy_used: us100, delayed_free: us100, long_idle: us100, mem_size: 0 };
-        let (sorted, sqlite_sorted) = analyse_in(&path, &options, REORDER_WINDOW).unwrap();
-        assert!(!sqlite_sorted, "written in time order: the window suffices");
+        let (sorted, how) = analyse_in(&path, &options, |o| o).unwrap();
+        assert_eq!(how, ReadOrder::Storage, "written in time order");
         assert!(sorted.blocks.iter().filter(|b| b.flags != 0).count() > 50);
         // The same rows stored in another order: pairs of neighbours swapped (as two CPUs racing
         // for the ring leave them), and every MALLOC moved to the end (as msMemScope writes them).
@@ -1680,14 +1558,17 @@ mod tests {
             ))
             .unwrap();
         }
-        let (r, sqlite_sorted) = analyse_in(&swapped, &options, 2).unwrap();
-        assert!(!sqlite_sorted);
+        let (r, how) = analyse_in(&swapped, &options, |o| o).unwrap();
+        assert_eq!(how, ReadOrder::Storage, "a swap holds back one row");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, sqlite_sorted) = analyse_in(&swapped, &options, 0).unwrap();
-        assert!(sqlite_sorted, "no window: the first swap sends it to SQLite");
+        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(0, usize::MAX)).unwrap();
+        assert_eq!(how, ReadOrder::Sorted, "no straggler allowed: the first swap sends it to SQLite");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, sqlite_sorted) = analyse_in(&moved, &options, REORDER_WINDOW.min(100)).unwrap();
-        assert!(sqlite_sorted);
+        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(usize::MAX, 0)).unwrap();
+        assert_eq!(how, ReadOrder::Restarted, "no row may wait: the replay starts again, sorted");
+        assert_eq!(outcome(&r), outcome(&sorted));
+        let (r, how) = analyse_in(&moved, &options, |o| o.with_limits(100, usize::MAX)).unwrap();
+        assert_eq!(how, ReadOrder::Sorted);
         assert_eq!(outcome(&r), outcome(&sorted));
     }
 

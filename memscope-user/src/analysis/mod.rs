@@ -2,8 +2,9 @@
 //! names them. They read `memscope_dump` only, so they work on any DB Insight opens, ours or
 //! msMemScope's, and need no privileges.
 //!
-//! - [`db`]: finding the DBs of a trace folder, opening them safely, streaming their rows, and
-//!   writing results back into our own `ms_*` tables (never into Insight's).
+//! - [`db`]: finding the DBs of a trace folder, opening them safely, streaming their rows in time
+//!   order (the one reader every analysis uses), and writing results back into our own `ms_*`
+//!   tables (never into Insight's).
 //! - [`decompose`]: where the memory was at an instant, as an owner tree (msMemScope's
 //!   decomposition, the tree Insight draws).
 //! - [`render`]: the text and JSON reports.

@@ -20,7 +20,8 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::fragmentation::{self, Fields, Live, PoolKind, Reason, Replay, Row, Sample};
+use super::db::DumpRow;
+use super::fragmentation::{self, Fields, Live, PoolKind, Reason, Replay, Sample};
 use super::render::{human_bytes, relative};
 use super::AnalysisError;
 
@@ -305,7 +306,7 @@ fn state(replay: &Replay, pid: i64, k: usize) -> State {
 
 /// An OOM_TRIGGER row: captures the state and starts (or, for the allocator's give-up, ends) an
 /// incident.
-pub(crate) fn capture(replay: &mut Replay, row: &Row<'_>, attr: &Fields<'_>) {
+pub(crate) fn capture(replay: &mut Replay, row: &DumpRow<'_>, attr: &Fields<'_>) {
     if replay.oom.all.len() >= MAX_CAPTURED {
         replay.oom.uncaptured += 1;
         return;
@@ -350,7 +351,7 @@ pub(crate) fn capture(replay: &mut Replay, row: &Row<'_>, attr: &Fields<'_>) {
 }
 
 /// An OOM_RECENT_ALLOC / OOM_TOP_ALLOC row of the tracer: is the block it names live here?
-pub(crate) fn cross_check(replay: &mut Replay, row: &Row<'_>, attr: &Fields<'_>) {
+pub(crate) fn cross_check(replay: &mut Replay, row: &DumpRow<'_>, attr: &Fields<'_>) {
     if !matches!(row.event_type, "OOM_RECENT_ALLOC" | "OOM_TOP_ALLOC") {
         return;
     }

@@ -20,19 +20,19 @@
 //! `unmatched` frees close nothing and `shadow` frees (written at the stop for live blocks) are
 //! not frees. Each block's step of birth and the step running when it ended go to a
 //! [`BlockSink`]; the live bytes per owner are snapshotted at every boundary. O(rows) work in
-//! two scans in file order (see [`StepDb::for_each_row`]), memory O(live blocks + boundaries ×
+//! the time-ordered read of [`super::db::TimeOrder`], memory O(live blocks + boundaries ×
 //! owners).
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OpenFlags};
 use serde::Deserialize;
 use thiserror::Error;
 
+use super::db::{text, DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 use super::decompose::{Family, UNKNOWN_OWNER};
 use super::AnalysisError;
 
@@ -48,101 +48,18 @@ pub enum StepError {
     NoSuchMarker { path: PathBuf, marker: String, seen: String },
 }
 
-/// One row, borrowed from SQLite's buffers.
-#[derive(Clone, Copy, Debug)]
-pub struct StepRow<'a> {
-    /// SQLite's rowid, to fetch the stacks of the few blocks reported, after the scan.
-    pub rowid: i64,
-    pub event: &'a str,
-    pub event_type: &'a str,
-    pub name: &'a str,
-    pub ts: i64,
-    pub pid: i64,
-    pub ptr: &'a str,
-    pub attr: &'a str,
-}
-
-/// What [`StepDb::for_each_row`] hands over.
-pub enum Fed<'a> {
-    Row(StepRow<'a>),
-    /// Forget every row so far: they come again, from the first.
-    Restart,
-}
-
-/// (`Timestamp(ns)`, `ID`, rowid): the order rows are replayed in.
-type Key = (i64, i64, i64);
-
-/// Past this many out-of-place rows, SQLite's sort is cheaper than holding rows back.
-const MAX_STRAGGLERS: usize = 100_000;
-/// Rows held back at once before giving up on streaming (about 200 bytes each).
-const MAX_HELD: usize = 500_000;
-
-/// A row held back until its place, owning its text.
-struct OwnedRow {
-    rowid: i64,
-    ts: i64,
-    pid: i64,
-    text: String,
-    /// Ends of event, event type, name, ptr in `text`; attr is the rest.
-    ends: [usize; 4],
-}
-
-impl OwnedRow {
-    fn from(r: &StepRow<'_>) -> Self {
-        let mut text =
-            String::with_capacity(r.event.len() + r.event_type.len() + r.name.len() + r.ptr.len() + r.attr.len());
-        let mut ends = [0; 4];
-        for (i, part) in [r.event, r.event_type, r.name, r.ptr].into_iter().enumerate() {
-            text.push_str(part);
-            ends[i] = text.len();
-        }
-        text.push_str(r.attr);
-        Self { rowid: r.rowid, ts: r.ts, pid: r.pid, text, ends }
-    }
-
-    fn as_row(&self) -> StepRow<'_> {
-        let e = self.ends;
-        StepRow {
-            rowid: self.rowid,
-            event: &self.text[..e[0]],
-            event_type: &self.text[e[0]..e[1]],
-            name: &self.text[e[1]..e[2]],
-            ts: self.ts,
-            pid: self.pid,
-            ptr: &self.text[e[2]..e[3]],
-            attr: &self.text[e[3]..],
-        }
-    }
-}
-
-fn text(v: ValueRef<'_>) -> &str {
-    match v {
-        ValueRef::Text(t) => std::str::from_utf8(t).unwrap_or(""),
-        _ => "",
-    }
-}
-
-fn int(v: ValueRef<'_>) -> i64 {
-    match v {
-        ValueRef::Integer(i) => i,
-        ValueRef::Real(f) => f as i64,
-        ValueRef::Text(t) => std::str::from_utf8(t).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
-        _ => 0,
-    }
-}
-
 /// A read-only connection to a DB that [`super::db::DumpDb::open`] has already checked, and the
 /// name of its dump table. Its own connection, because the step analyses also read `Name` and
-/// the stacks, which the shared reader does not.
+/// the stacks.
 pub struct StepDb {
     path: PathBuf,
     conn: Connection,
     table: &'static str,
     has_stacks: bool,
-    /// [`MAX_STRAGGLERS`] and [`MAX_HELD`]; lowered by tests to reach the fallbacks.
-    max_stragglers: usize,
-    max_held: usize,
 }
+
+/// The rows a step replay reads.
+const SELECTION: Selection = Selection { events: &["MALLOC", "FREE", "SYSTEM", "MSTX"], name: true, thread: false };
 
 impl StepDb {
     pub fn open(path: &Path) -> Result<Self, AnalysisError> {
@@ -168,129 +85,16 @@ impl StepDb {
             return Err(AnalysisError::MissingColumns { path, table, missing: "Name".into() });
         }
         let has_stacks = ["Call Stack(Python)", "Call Stack(C)"].iter().all(|c| columns.iter().any(|h| h == c));
-        Ok(Self { path: path.to_owned(), conn, table, has_stacks, max_stragglers: MAX_STRAGGLERS, max_held: MAX_HELD })
+        Ok(Self { path: path.to_owned(), conn, table, has_stacks })
     }
 
     fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
         move |source| AnalysisError::Read { path: self.path.clone(), source }
     }
 
-    /// Calls `f` for every memory, `SYSTEM` and `MSTX` row in `Timestamp(ns)`, `ID` order (as
-    /// Insight and `decompose` order them; equal keys by rowid), then returns.
-    ///
-    /// Sorting whole rows is most of the cost of a large trace, and our traces are written nearly
-    /// in that order already (per thread exactly; `STOP_TRACE` after the shadow frees stamped one
-    /// ns later). So a first pass reads only the keys in rowid order and finds the rows that come
-    /// later than their place (stragglers); a second pass streams the rows in rowid order and holds
-    /// back only what must wait for a straggler. Files far out of order (msMemScope writes a
-    /// MALLOC when its block is freed) are sorted by SQLite instead; should the held-back rows
-    /// grow too many after all, `f` gets [`Fed::Restart`] and the sorted rows from the start.
-    pub fn for_each_row(&self, mut f: impl FnMut(Fed<'_>)) -> Result<(), AnalysisError> {
-        // One snapshot for both passes, even if a trace is still appending.
-        self.conn.execute_batch("BEGIN").map_err(self.read_err())?;
-        let result = self.stream(&mut f);
-        let _ = self.conn.execute_batch("COMMIT");
-        result
-    }
-
-    fn stream(&self, f: &mut impl FnMut(Fed<'_>)) -> Result<(), AnalysisError> {
-        if let Some(stragglers) = self.stragglers()? {
-            if self.stream_rowid_order(stragglers, f)? {
-                return Ok(());
-            }
-            f(Fed::Restart);
-        }
-        let sql = format!("{} ORDER BY \"Timestamp(ns)\", \"ID\", rowid", self.select());
-        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
-        let mut rows = stmt.query([]).map_err(self.read_err())?;
-        while let Some(row) = rows.next().map_err(self.read_err())? {
-            f(Fed::Row(self.step_row(row)?));
-        }
-        Ok(())
-    }
-
-    fn select(&self) -> String {
-        format!(
-            "SELECT rowid, \"Event\", \"Event Type\", \"Name\", \"Timestamp(ns)\", \"Process Id\", \"Ptr\", \"Attr\", \"ID\" \
-             FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','MSTX')",
-            self.table
-        )
-    }
-
-    fn step_row<'r>(&self, row: &'r rusqlite::Row<'r>) -> Result<StepRow<'r>, AnalysisError> {
-        let get = |i| row.get_ref(i).map_err(self.read_err());
-        Ok(StepRow {
-            rowid: int(get(0)?),
-            event: text(get(1)?),
-            event_type: text(get(2)?),
-            name: text(get(3)?),
-            ts: int(get(4)?),
-            pid: int(get(5)?),
-            ptr: text(get(6)?),
-            attr: text(get(7)?),
-        })
-    }
-
-    /// The keys of the rows that, in rowid order, come after a row with a greater key; `None`
-    /// when there are too many for streaming to pay.
-    fn stragglers(&self) -> Result<Option<BTreeSet<Key>>, AnalysisError> {
-        let sql = format!(
-            "SELECT \"Timestamp(ns)\", \"ID\", rowid FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE','SYSTEM','MSTX') ORDER BY rowid",
-            self.table
-        );
-        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
-        let mut rows = stmt.query([]).map_err(self.read_err())?;
-        let mut max: Option<Key> = None;
-        let mut stragglers = BTreeSet::new();
-        while let Some(row) = rows.next().map_err(self.read_err())? {
-            let get = |i| row.get_ref(i).map_err(self.read_err());
-            let key = (int(get(0)?), int(get(1)?), int(get(2)?));
-            if max.is_some_and(|m| key < m) {
-                stragglers.insert(key);
-                if stragglers.len() > self.max_stragglers {
-                    return Ok(None);
-                }
-            } else {
-                max = Some(key);
-            }
-        }
-        Ok(Some(stragglers))
-    }
-
-    /// The second pass; `false` when it gave up (too many rows held back).
-    fn stream_rowid_order(
-        &self,
-        mut pending: BTreeSet<Key>,
-        f: &mut impl FnMut(Fed<'_>),
-    ) -> Result<bool, AnalysisError> {
-        let sql = format!("{} ORDER BY rowid", self.select());
-        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
-        let mut rows = stmt.query([]).map_err(self.read_err())?;
-        let mut held: BTreeMap<Key, OwnedRow> = BTreeMap::new();
-        while let Some(row) = rows.next().map_err(self.read_err())? {
-            let r = self.step_row(row)?;
-            let key = (r.ts, int(row.get_ref(8).map_err(self.read_err())?), r.rowid);
-            pending.remove(&key);
-            // Everything not yet read has a greater key than `key`, except the stragglers to come.
-            if held.is_empty() && pending.first().is_none_or(|p| key < *p) {
-                f(Fed::Row(r));
-                continue;
-            }
-            held.insert(key, OwnedRow::from(&r));
-            if held.len() > self.max_held {
-                return Ok(false);
-            }
-            while let Some(entry) = held.first_entry() {
-                if pending.first().is_some_and(|p| p < entry.key()) {
-                    break;
-                }
-                f(Fed::Row(entry.remove().as_row()));
-            }
-        }
-        for (_, r) in held {
-            f(Fed::Row(r.as_row()));
-        }
-        Ok(true)
+    /// Calls `f` for every memory, `SYSTEM` and `MSTX` row in time order (see [`TimeOrder`]).
+    pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        TimeOrder::new(&self.conn, &self.path, self.table, SELECTION)?.for_each_row(f)
     }
 
     /// The Python and C stacks and the `allocation_id` of a MALLOC row, for a reported block.
@@ -400,7 +204,7 @@ pub struct StepDetector {
     pub marks_seen: Vec<String>,
 }
 
-fn is_step_range(row: &StepRow<'_>) -> bool {
+fn is_step_range(row: &DumpRow<'_>) -> bool {
     row.event == "MSTX" && row.event_type == "Range_start" && unquote(row.name) == STEP_RANGE
 }
 
@@ -421,7 +225,7 @@ impl StepDetector {
 
     /// Feeds one row; boundaries it completes go to `out` (at most two). Returns whether the row
     /// was only a step marker (the `Range_start` twin of a `STEP` row).
-    pub fn feed(&mut self, row: &StepRow<'_>, out: &mut Vec<Boundary>) -> bool {
+    pub fn feed(&mut self, row: &DumpRow<'_>, out: &mut Vec<Boundary>) -> bool {
         if let Some(p) = self.pending.take() {
             if is_step_range(row) && row.ts == p.ts && row.pid == p.pid {
                 self.commit(p.number, p.ts, Source::Range, out);
@@ -708,7 +512,7 @@ impl Timeline {
         StepPoint { step, ts, totals: self.totals, owners }
     }
 
-    pub fn apply(&mut self, row: &StepRow<'_>, sink: &mut impl BlockSink) {
+    pub fn apply(&mut self, row: &DumpRow<'_>, sink: &mut impl BlockSink) {
         self.first_ts.get_or_insert(row.ts);
         let mut found = std::mem::take(&mut self.scratch);
         found.clear();
@@ -913,54 +717,6 @@ mod tests {
 
     fn steps(t: &Timeline) -> Vec<(u64, i64, Source)> {
         t.boundaries.iter().map(|b| (b.step, b.ts, b.source)).collect()
-    }
-
-    /// (ts, rowid) in the order `for_each_row` hands rows over, after its last restart.
-    fn fed(db: &StepDb) -> (Vec<(i64, i64)>, usize) {
-        let mut seen = Vec::new();
-        let mut restarts = 0;
-        db.for_each_row(|fed| match fed {
-            Fed::Row(r) => seen.push((r.ts, r.rowid)),
-            Fed::Restart => {
-                seen.clear();
-                restarts += 1;
-            }
-        })
-        .unwrap();
-        (seen, restarts)
-    }
-
-    #[test]
-    fn rows_come_in_time_order_whatever_the_file_order() {
-        // Written as our tracer writes (a late STOP_TRACE, one thread's rows a little behind
-        // another's) and as msMemScope does (MALLOCs written when the block is freed).
-        let orders: [&[i64]; 4] = [
-            &[1, 2, 2, 3, 4, 8, 9],
-            &[1, 2, 3, 5, 4, 6, 7, 9, 9, 8],
-            &[10, 20, 30, 31, 32, 25, 33, 34, 29, 40],
-            &[5, 6, 1, 7, 2, 8, 3, 9, 4, 10],
-        ];
-        for (i, order) in orders.iter().enumerate() {
-            let mut db = TestDb::create(&dir(&format!("steps-order{i}")).join("memscope_dump_1.db"));
-            for (k, ts) in order.iter().enumerate() {
-                db.malloc("PTA", *ts, 0x10 + k as u64, 1, None);
-                db.row("ACCESS", "READ", 0, 1, None, Attr::new()); // not replayed
-            }
-            let path = db.path.clone();
-            drop(db);
-            let mut want: Vec<(i64, i64)> = order.iter().enumerate().map(|(k, ts)| (*ts, 2 * k as i64 + 1)).collect();
-            want.sort();
-            let mut step_db = StepDb::open(&path).unwrap();
-            assert_eq!(fed(&step_db), (want.clone(), 0), "order {order:?}");
-            // Too many rows to hold back: the same rows, sorted by SQLite, after a restart.
-            step_db.max_held = 1;
-            let (got, restarts) = fed(&step_db);
-            assert_eq!(got, want, "order {order:?}");
-            assert_eq!(restarts, usize::from(i > 0), "order {order:?}: only files out of order hold rows back");
-            // Too many rows out of place: sorted by SQLite from the start.
-            step_db.max_stragglers = 0;
-            assert_eq!(fed(&step_db), (want, 0), "order {order:?}");
-        }
     }
 
     #[test]
