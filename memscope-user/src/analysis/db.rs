@@ -6,9 +6,7 @@
 //! leaves an empty DB behind), read-only unless results are to be written, and every write is one
 //! transaction, so a failure leaves the file exactly as it was.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::fs;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -16,7 +14,6 @@ use std::time::Duration;
 
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, DatabaseName, OpenFlags, TransactionBehavior};
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::decompose::Report;
 use super::AnalysisError;
@@ -623,49 +620,6 @@ impl DumpDb {
         tx.commit().map_err(err)?;
         Ok(written)
     }
-}
-
-/// An Attr value as text: Attr values are strings, and anything else (a number, a nested value
-/// from another tool) reads as absent rather than failing the whole row. Borrowed when possible,
-/// so reading millions of rows allocates nothing per key.
-pub(crate) fn string_only<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
-    struct StringOnly;
-    impl<'de> Visitor<'de> for StringOnly {
-        type Value = Option<Cow<'de, str>>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-            Ok(Some(v.into()))
-        }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            Ok(Some(v.to_owned().into()))
-        }
-        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-    }
-    d.deserialize_any(StringOnly)
 }
 
 #[cfg(test)]

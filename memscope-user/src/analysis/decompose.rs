@@ -15,8 +15,7 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
-use serde::Deserialize;
-
+use super::attr::attr_fields;
 use super::db::{DumpDb, DumpRow, Fed};
 use super::AnalysisError;
 
@@ -236,18 +235,10 @@ pub fn analyse(db: &DumpDb, wanted: &[TimeSpec]) -> Result<Report, AnalysisError
     Ok(replay.finish(wanted))
 }
 
-/// The Attr keys decompose reads. Non-string values read as absent, exactly as Insight's getter
-/// treats them, so both tools see the same blocks.
-#[derive(Default, Deserialize)]
-struct AttrFields<'a> {
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    size: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    owner: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    unmatched: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    shadow: Option<std::borrow::Cow<'a, str>>,
+attr_fields! {
+    /// The Attr keys decompose reads. Non-string values read as absent, exactly as Insight's getter
+    /// treats them, so both tools see the same blocks.
+    struct AttrFields { size, owner, unmatched, shadow }
 }
 
 /// `0x...` (msMemScope since 2025-09) or decimal (older files).
@@ -367,7 +358,7 @@ impl Replay {
             _ => return,
         };
         let Some(family) = Family::of(row.event_type) else { return };
-        let Ok(attr) = serde_json::from_str::<AttrFields<'_>>(row.attr) else {
+        let Some(attr) = AttrFields::parse(row.attr) else {
             self.stats.unreadable += 1;
             return;
         };

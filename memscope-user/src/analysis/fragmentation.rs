@@ -19,8 +19,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use rusqlite::{params, Connection, OpenFlags, Transaction, TransactionBehavior};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
+use super::attr::attr_fields;
 use super::db::{DumpRow, Fed, Selection, TimeOrder};
 use super::oom::{self, Incident};
 use super::AnalysisError;
@@ -170,33 +171,12 @@ pub struct Report {
 
 // ---------------------------------------------------------------- reading rows
 
-/// Attr values as Insight reads them: strings only; anything else reads as absent.
-#[derive(Default, Deserialize)]
-pub(crate) struct Fields<'a> {
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub size: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub owner: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub unmatched: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub shadow: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub pool: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub segment: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub vmm: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub total: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub func: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub req_size: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub status: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pub ptr: Option<Cow<'a, str>>,
+attr_fields! {
+    /// Attr values as Insight reads them: strings only; anything else reads as absent.
+    pub(crate) struct Fields {
+        pub size, pub owner, pub unmatched, pub shadow, pub pool, pub segment, pub vmm, pub total, pub func,
+        pub req_size, pub status, pub ptr,
+    }
 }
 
 impl Fields<'_> {
@@ -629,7 +609,7 @@ impl Replay {
                     "START_TRACE" => {
                         self.start.get_or_insert(row.ts);
                         // msMemScope writes the device's memory here; our tracer does not know it.
-                        if let Ok(attr) = serde_json::from_str::<Fields<'_>>(row.attr) {
+                        if let Some(attr) = Fields::parse(row.attr) {
                             self.capacity = self.capacity.or(Fields::number(&attr.total).filter(|&t| t > 0));
                         }
                     }
@@ -643,7 +623,7 @@ impl Replay {
                 self.last = Some(row.ts);
             }
             "OOM_DETAIL" => {
-                let Ok(attr) = serde_json::from_str::<Fields<'_>>(row.attr) else {
+                let Some(attr) = Fields::parse(row.attr) else {
                     self.report.unreadable += 1;
                     return;
                 };
@@ -666,7 +646,7 @@ impl Replay {
     }
 
     fn memory(&mut self, row: DumpRow<'_>) {
-        let Ok(attr) = serde_json::from_str::<Fields<'_>>(row.attr) else {
+        let Some(attr) = Fields::parse(row.attr) else {
             self.report.unreadable += 1;
             return;
         };

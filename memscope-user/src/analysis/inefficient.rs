@@ -17,16 +17,14 @@
 //! address, and keeps per block the few facts both definitions need, so memory is O(blocks) and
 //! time is the read plus a map lookup per row. Writing and printing the results is [`super::inefficient_out`]'s.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
 use rusqlite::{Connection, OpenFlags};
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde::Deserialize;
 
+use super::attr::attr_fields;
 use super::db::{DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 use super::decompose::Family;
 use super::AnalysisError;
@@ -448,77 +446,9 @@ fn parse_ptr(ptr: &str) -> Option<u64> {
     }
 }
 
-/// A string Attr value; anything else reads as absent, as Insight's getter treats it.
-#[derive(Default)]
-struct Str<'a>(Option<Cow<'a, str>>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Str<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Str(Some(Cow::Borrowed(v))))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Str(Some(Cow::Owned(v.to_owned()))))
-            }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(Str(None))
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(Str(None))
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(Str(None))
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(Str(None))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(Str(None))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(Str(None))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(Str(None))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
-impl Str<'_> {
-    fn get(&self) -> Option<&str> {
-        self.0.as_deref()
-    }
-}
-
-/// The Attr keys this analysis reads.
-#[derive(Default, Deserialize)]
-struct Fields<'a> {
-    #[serde(borrow, default)]
-    addr: Str<'a>,
-    #[serde(borrow, default)]
-    size: Str<'a>,
-    #[serde(borrow, default)]
-    owner: Str<'a>,
-    #[serde(borrow, default)]
-    pool: Str<'a>,
-    #[serde(borrow, default)]
-    allocation_id: Str<'a>,
-    #[serde(borrow, default)]
-    shadow: Str<'a>,
-    #[serde(borrow, default)]
-    unmatched: Str<'a>,
-    #[serde(borrow, default)]
-    inefficient_type: Str<'a>,
+attr_fields! {
+    /// The Attr keys this analysis reads.
+    struct Fields { addr, size, owner, pool, allocation_id, shadow, unmatched, inefficient_type }
 }
 
 /// A block's identity as Insight pairs MALLOC and FREE: process, `Event Type`, `Ptr`.
@@ -613,7 +543,7 @@ impl Replay {
     }
 
     fn fields<'a>(&mut self, attr: &'a str) -> Option<Fields<'a>> {
-        let parsed = serde_json::from_str::<Fields<'a>>(attr).ok();
+        let parsed = Fields::parse(attr);
         if parsed.is_none() {
             self.stats.unreadable += 1;
         }
@@ -622,15 +552,15 @@ impl Replay {
 
     fn malloc(&mut self, row: &DumpRow<'_>) {
         let Some(f) = self.fields(row.attr) else { return };
-        if let Some(old) = f.inefficient_type.get() {
+        if let Some(old) = f.inefficient_type.as_deref() {
             self.existing.push((row.rowid, old.into()));
         }
         let Some(block_family) = Family::of(row.event_type) else { return };
-        let Some(ptr) = parse_ptr(row.ptr).or_else(|| f.addr.get().and_then(parse_ptr)) else {
+        let Some(ptr) = parse_ptr(row.ptr).or_else(|| f.addr.as_deref().and_then(parse_ptr)) else {
             self.stats.unreadable += 1;
             return;
         };
-        let Some(size) = f.size.get().and_then(|s| s.trim().parse::<u64>().ok()).filter(|&s| s > 0) else {
+        let Some(size) = f.size.as_deref().and_then(|s| s.trim().parse::<u64>().ok()).filter(|&s| s > 0) else {
             self.stats.no_size += 1;
             return;
         };
@@ -641,7 +571,7 @@ impl Replay {
             self.close(old, row.ts, End::Realloc);
         }
         self.pids.insert(row.pid);
-        let family = op_family(row.event_type, f.pool.get());
+        let family = op_family(row.event_type, f.pool.as_deref());
         let api = family.map(|family| ApiFacts {
             family,
             malloc: self.api(row.pid, family).memory_event(true, false),
@@ -652,17 +582,17 @@ impl Replay {
             last_was_access: false,
         });
         let idx = self.blocks.len() as u32;
-        let owner = self.owner(f.owner.get());
+        let owner = self.owner(f.owner.as_deref());
         self.blocks.push(Block {
             malloc_rowid: row.rowid,
             malloc_id: row.id,
             pid: row.pid,
             event_type: ty,
             family: block_family,
-            pool: f.pool.get().map(Into::into),
+            pool: f.pool.as_deref().map(Into::into),
             ptr,
             size,
-            allocation_id: f.allocation_id.get().map(Into::into),
+            allocation_id: f.allocation_id.as_deref().map(Into::into),
             owner,
             malloc_ns: row.ts,
             end_ns: row.ts,
@@ -705,12 +635,12 @@ impl Replay {
         if Family::of(row.event_type).is_none() {
             return;
         }
-        let Some(ptr) = parse_ptr(row.ptr).or_else(|| f.addr.get().and_then(parse_ptr)) else {
+        let Some(ptr) = parse_ptr(row.ptr).or_else(|| f.addr.as_deref().and_then(parse_ptr)) else {
             self.stats.unreadable += 1;
             return;
         };
         let key = (row.pid, self.event_type(row.event_type), ptr);
-        if f.shadow.get() == Some("true") {
+        if f.shadow.as_deref() == Some("true") {
             // Written when the trace stopped for blocks still live; msMemScope hands its shadow
             // frees to no analyzer, so they end the block's time but are no FREE API.
             self.stats.shadow_frees += 1;
@@ -719,7 +649,7 @@ impl Replay {
             }
             return;
         }
-        let found = if f.unmatched.get() == Some("true") {
+        let found = if f.unmatched.as_deref() == Some("true") {
             self.stats.unmatched_frees += 1;
             None
         } else {
@@ -729,7 +659,7 @@ impl Replay {
         };
         let Some(idx) = found else {
             // A block from before the trace was freed: still a FREE API for the others.
-            if let Some(family) = op_family(row.event_type, f.pool.get()) {
+            if let Some(family) = op_family(row.event_type, f.pool.as_deref()) {
                 self.api(row.pid, family).memory_event(false, true);
             }
             return;
@@ -772,7 +702,7 @@ impl Replay {
     fn access(&mut self, row: &DumpRow<'_>) {
         let addr = match parse_ptr(row.ptr) {
             Some(a) => Some(a),
-            None => self.fields(row.attr).and_then(|f| f.addr.get().and_then(parse_ptr)),
+            None => self.fields(row.attr).and_then(|f| f.addr.as_deref().and_then(parse_ptr)),
         };
         let Some(idx) = addr.and_then(|a| self.resolve(row.pid, a)) else {
             self.stats.unresolved_accesses += 1;

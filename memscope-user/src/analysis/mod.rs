@@ -2,6 +2,7 @@
 //! names them. They read `memscope_dump` only, so they work on any DB Insight opens, ours or
 //! msMemScope's, and need no privileges.
 //!
+//! - [`attr`]: the Attr values each analysis reads, parsed only as far as needed.
 //! - [`db`]: finding the DBs of a trace folder, opening them safely, streaming their rows in time
 //!   order (the one reader every analysis uses), and writing results back into our own `ms_*`
 //!   tables (never into Insight's).
@@ -14,6 +15,7 @@
 //!   forensics, and allocator settings recommended from them (`ms_fragmentation`, `ms_oom`, `ms_advice`).
 
 pub mod advise;
+pub mod attr;
 pub mod db;
 pub mod decompose;
 pub mod degradation;

@@ -29,9 +29,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags};
-use serde::Deserialize;
 use thiserror::Error;
 
+use super::attr::attr_fields;
 use super::db::{text, DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 use super::decompose::{Family, UNKNOWN_OWNER};
 use super::AnalysisError;
@@ -105,7 +105,7 @@ impl StepDb {
         let mut rows = stmt.query([rowid]).map_err(self.read_err())?;
         let Some(row) = rows.next().map_err(self.read_err())? else { return Ok(RowDetails::default()) };
         let get = |i| row.get_ref(i).map_err(self.read_err());
-        let attr = serde_json::from_str::<AttrFields<'_>>(text(get(2)?)).unwrap_or_default();
+        let attr = AttrFields::parse(text(get(2)?)).unwrap_or_default();
         Ok(RowDetails {
             python_stack: clean_stack(text(get(0)?)),
             c_stack: clean_stack(text(get(1)?)),
@@ -131,23 +131,9 @@ pub struct RowDetails {
     pub allocation_id: Option<String>,
 }
 
-/// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
-#[derive(Default, Deserialize)]
-struct AttrFields<'a> {
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    size: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    owner: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    unmatched: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    shadow: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    segment: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    pool: Option<Cow<'a, str>>,
-    #[serde(borrow, default, deserialize_with = "super::db::string_only")]
-    allocation_id: Option<Cow<'a, str>>,
+attr_fields! {
+    /// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
+    struct AttrFields { size, owner, unmatched, shadow, segment, pool, allocation_id }
 }
 
 // ---------------------------------------------------------------- boundaries
@@ -547,7 +533,7 @@ impl Timeline {
         let attr = if plain_free {
             AttrFields::default()
         } else {
-            let Ok(attr) = serde_json::from_str::<AttrFields<'_>>(row.attr) else {
+            let Some(attr) = AttrFields::parse(row.attr) else {
                 self.unreadable += 1;
                 return;
             };
@@ -694,7 +680,6 @@ mod tests {
     use super::testrows::{mstx, step};
     use super::*;
     use crate::analysis::testdb::{dir, TestDb};
-    use crate::store::Attr;
 
     #[derive(Default)]
     struct Ends(Vec<BlockEnd>);

@@ -1,0 +1,204 @@
+//! Reading the `Attr` column: the few string values each analysis needs, out of a JSON object of
+//! a dozen keys, on every one of millions of rows.
+//!
+//! A full serde parse of each Attr was the largest cost of an analysis after SQLite's own, so
+//! [`attr_fields!`] structs first try [`scan`], which only accepts the plain form every writer
+//! uses (a flat object of strings without escapes) and borrows the values. Anything else goes to
+//! serde_json, which decides exactly as before: the fast path accepts nothing serde would refuse
+//! and yields the same values, so results never depend on which path read a row.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+/// Declares a struct of Attr keys read as strings (`Option<Cow<str>>`, named as the keys) with
+/// a `parse` that takes the fast path when it can. Non-string values read as absent, exactly as
+/// Insight's getter treats them; text serde_json refuses (or a key given twice) parses to `None`.
+macro_rules! attr_fields {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident { $($fvis:vis $field:ident),* $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Default, serde::Deserialize)]
+        $vis struct $name<'a> {
+            $(
+                #[serde(borrow, default, deserialize_with = "crate::analysis::attr::string_only")]
+                $fvis $field: Option<std::borrow::Cow<'a, str>>,
+            )*
+        }
+
+        impl<'a> $name<'a> {
+            #[allow(dead_code)] // not every struct is parsed outside tests
+            $vis fn parse(text: &'a str) -> Option<Self> {
+                let mut out = Self::default();
+                let plain = crate::analysis::attr::scan(text, |key, value| {
+                    let slot = match key {
+                        $(stringify!($field) => &mut out.$field,)*
+                        _ => return true,
+                    };
+                    // A key twice is an error to serde: let it say so.
+                    slot.replace(std::borrow::Cow::Borrowed(value)).is_none()
+                });
+                if plain {
+                    Some(out)
+                } else {
+                    serde_json::from_str(text).ok()
+                }
+            }
+        }
+    };
+}
+pub(crate) use attr_fields;
+
+/// JSON whitespace.
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        i += 1;
+    }
+    i
+}
+
+/// A string starting at `i` with no escape or control character in it, and the index after it.
+fn plain_string(text: &str, i: usize) -> Option<(&str, usize)> {
+    let b = text.as_bytes();
+    if b.get(i) != Some(&b'"') {
+        return None;
+    }
+    let start = i + 1;
+    let len = b[start..].iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
+    let end = start + len;
+    // Both ends are ASCII quotes, so the slice is on character boundaries.
+    (b[end] == b'"').then(|| (&text[start..end], end + 1))
+}
+
+/// Calls `pair` with each key and value of `text` when it is a flat JSON object of plain strings
+/// (no escapes), and returns true; false as soon as it is anything else or `pair` returns false
+/// (the caller then parses with serde_json, which handles every other form).
+pub(crate) fn scan<'a>(text: &'a str, mut pair: impl FnMut(&'a str, &'a str) -> bool) -> bool {
+    let b = text.as_bytes();
+    let mut i = skip_ws(b, 0);
+    if b.get(i) != Some(&b'{') {
+        return false;
+    }
+    i = skip_ws(b, i + 1);
+    if b.get(i) == Some(&b'}') {
+        return skip_ws(b, i + 1) == b.len();
+    }
+    loop {
+        let Some((key, next)) = plain_string(text, i) else { return false };
+        i = skip_ws(b, next);
+        if b.get(i) != Some(&b':') {
+            return false;
+        }
+        let Some((value, next)) = plain_string(text, skip_ws(b, i + 1)) else { return false };
+        if !pair(key, value) {
+            return false;
+        }
+        i = skip_ws(b, next);
+        match b.get(i) {
+            Some(b',') => i = skip_ws(b, i + 1),
+            Some(b'}') => return skip_ws(b, i + 1) == b.len(),
+            _ => return false,
+        }
+    }
+}
+
+/// An Attr value as text: Attr values are strings, and anything else (a number, a nested value
+/// from another tool) reads as absent rather than failing the whole row. Borrowed when possible,
+/// so reading millions of rows allocates nothing per key.
+pub(crate) fn string_only<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    struct StringOnly;
+    impl<'de> Visitor<'de> for StringOnly {
+        type Value = Option<Cow<'de, str>>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok(Some(v.into()))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(v.to_owned().into()))
+        }
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+    }
+    d.deserialize_any(StringOnly)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    attr_fields! {
+        #[derive(Debug, PartialEq)]
+        struct Probe { size, owner, shadow }
+    }
+
+    /// What serde alone makes of `text`, to hold the fast path to it.
+    fn by_serde(text: &str) -> Option<Probe<'_>> {
+        serde_json::from_str(text).ok()
+    }
+
+    #[test]
+    fn the_fast_path_agrees_with_serde_on_every_form() {
+        let texts = [
+            r#"{"addr":"0x10","size":"4096","owner":"PTA@model","api":"aclrtMalloc"}"#,
+            r#"{}"#,
+            " { \"size\" : \"1\" ,\n\t\"owner\":\"x\" } \r\n",
+            r#"{"size":"1","size":"2"}"#,                  // a key twice: serde refuses
+            r#"{"other":"1","other":"2","size":"3"}"#,     // an unknown key twice is fine
+            r#"{"size":4096,"owner":null,"shadow":true}"#, // non-strings read as absent
+            r#"{"size":"1","nested":{"owner":"x"},"list":[1,2]}"#, // nested values are skipped
+            r#"{"owner":"a\"b","size":"\u0031"}"#,         // escapes are decoded
+            r#"{"si\u007ae":"5"}"#,                        // even in keys
+            "{\"owner\":\"tab\there\"}",                   // a raw control character
+            r#"{"owner":"ünïcödé","size":"7"}"#,
+            r#"{"size":"1"} x"#,
+            r#"{"size":"1",}"#,
+            r#"{"size" "1"}"#,
+            r#"{"size":"1""#,
+            r#"["1","x","true"]"#, // serde also takes a struct as a sequence
+            r#"{"size":"1"}{}"#,
+            "",
+            "N/A",
+            "   ",
+        ];
+        for text in texts {
+            assert_eq!(Probe::parse(text), by_serde(text), "{text:?}");
+        }
+        let plain = Probe::parse(r#"{"size":"4096","owner":"PTA@kv","shadow":"true"}"#).unwrap();
+        assert!(matches!(plain.owner, Some(Cow::Borrowed("PTA@kv"))), "plain values are borrowed");
+    }
+
+    #[test]
+    fn scan_stops_at_the_first_thing_it_does_not_know() {
+        let mut seen = Vec::new();
+        assert!(scan(r#"{"a":"1","b":""}"#, |k, v| {
+            seen.push((k, v));
+            true
+        }));
+        assert_eq!(seen, [("a", "1"), ("b", "")]);
+        assert!(!scan(r#"{"a":"1","b":2}"#, |_, _| true));
+        assert!(!scan(r#"{"a":"1"}"#, |_, _| false));
+    }
+}
