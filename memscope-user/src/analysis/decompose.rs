@@ -12,8 +12,9 @@
 //! each. The cost is the time-ordered read ([`super::db::TimeOrder`]) plus O(rows), whatever the
 //! number of owners.
 
-use std::collections::HashMap;
 use std::str::FromStr;
+
+use foldhash::HashMap;
 
 use super::attr::attr_fields;
 use super::db::{DumpDb, DumpRow, Fed};

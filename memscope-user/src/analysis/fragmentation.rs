@@ -15,9 +15,10 @@
 //! and kept the rest cached), including the first block taken from a fresh segment bigger than it.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
+use foldhash::HashMap;
 use rusqlite::{params, Connection, OpenFlags, Transaction, TransactionBehavior};
 use serde::Serialize;
 
@@ -38,7 +39,8 @@ pub const SMALL_REQUEST: u64 = 10 * MIB;
 pub struct Options {
     /// Top-K of the OOM forensics (most recent and largest live blocks, owners).
     pub top_k: usize,
-    /// Memory rows between two periodic samples; `None`: about 500 samples over the trace.
+    /// Memory rows between two periodic samples; `None`: about 500 samples over the trace (the
+    /// rows are counted first); `Some(0)`: none.
     pub sample_every: Option<u64>,
 }
 
@@ -832,17 +834,22 @@ pub fn analyse(path: &Path, options: Options) -> Result<Report, AnalysisError> {
     let conn = open_read(path)?;
     let table = dump_table(path, &conn)?;
     let order = TimeOrder::new(&conn, path, &table, SELECTION)?;
-    let scan = order.scan()?;
-    let every = match options.sample_every {
-        Some(n) => n,
-        None => scan.count(&["MALLOC", "FREE"])?.div_ceil(500).max(100),
+    // The default period depends on how many memory rows there are: a first pass counts them.
+    let scan = if options.sample_every.is_none() { Some(order.scan()?) } else { None };
+    let every = match &scan {
+        Some(scan) => scan.count(&["MALLOC", "FREE"])?.div_ceil(500).max(100),
+        None => options.sample_every.unwrap_or(0),
     };
     let new = || Replay { oom: oom::Tracker::new(options.top_k), every, ..Replay::default() };
     let mut replay = new();
-    scan.for_each_row(|fed| match fed {
+    let feed = |fed: Fed<'_>| match fed {
         Fed::Row(row) => replay.apply(row),
         Fed::Restart => replay = new(),
-    })?;
+    };
+    match scan {
+        Some(scan) => scan.for_each_row(feed)?,
+        None => order.for_each_row(feed)?,
+    };
     Ok(replay.finish())
 }
 

@@ -17,11 +17,12 @@
 //! address, and keeps per block the few facts both definitions need, so memory is O(blocks) and
 //! time is the read plus a map lookup per row. Writing and printing the results is [`super::inefficient_out`]'s.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
+use foldhash::{HashMap, HashMapExt};
 use rusqlite::{Connection, OpenFlags};
 
 use super::attr::attr_fields;
@@ -467,7 +468,7 @@ struct Replay {
     owners: Vec<Box<str>>,
     event_types: Vec<Box<str>>,
     existing: Vec<(i64, Box<str>)>,
-    pids: std::collections::HashSet<i64>,
+    pids: foldhash::HashSet<i64>,
     start: Option<i64>,
     stop: Option<i64>,
     first: Option<i64>,
@@ -1488,16 +1489,20 @@ mod tests {
             ))
             .unwrap();
         }
-        let (r, how) = analyse_in(&swapped, &options, |o| o).unwrap();
+        let (many, all) = (usize::MAX, u64::MAX);
+        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(many, many, all)).unwrap();
         assert_eq!(how, ReadOrder::Storage, "a swap holds back one row");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(0, usize::MAX)).unwrap();
+        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(many, many, 0)).unwrap();
+        assert_eq!(how, ReadOrder::Rescanned, "the first swap found while streaming sends it back for the keys");
+        assert_eq!(outcome(&r), outcome(&sorted));
+        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(0, many, 0)).unwrap();
         assert_eq!(how, ReadOrder::Sorted, "no straggler allowed: the first swap sends it to SQLite");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(usize::MAX, 0)).unwrap();
-        assert_eq!(how, ReadOrder::Restarted, "no row may wait: the replay starts again, sorted");
+        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(many, 0, all)).unwrap();
+        assert_eq!(how, ReadOrder::Sorted, "no row may wait: the replay starts again, sorted");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, how) = analyse_in(&moved, &options, |o| o.with_limits(100, usize::MAX)).unwrap();
+        let (r, how) = analyse_in(&moved, &options, |o| o.with_limits(100, many, 0)).unwrap();
         assert_eq!(how, ReadOrder::Sorted);
         assert_eq!(outcome(&r), outcome(&sorted));
     }

@@ -14,10 +14,10 @@
 //! thread's next pool row says what became of them (the allocator gave up, or recovered and
 //! handed out the block), or until another row shows they came from outside the allocator.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
+use foldhash::{HashMap, HashMapExt};
 use serde::Serialize;
 
 use super::db::DumpRow;
@@ -494,7 +494,8 @@ pub fn for_analyze(
     write: bool,
     run_wall_ns: u64,
 ) -> Result<Output, AnalysisError> {
-    let report = fragmentation::analyse(path, fragmentation::Options { top_k: k, sample_every: None })?;
+    // The forensics read no periodic sample, and leaving them out spares counting the rows first.
+    let report = fragmentation::analyse(path, fragmentation::Options { top_k: k, sample_every: Some(0) })?;
     let note = if write {
         let rows = store(path, &report.incidents, run_wall_ns)?;
         Some(format!("wrote {rows} rows into tables {OOM_TABLE} and {OOM_BLOCKS_TABLE} of {}", path.display()))

@@ -24,10 +24,10 @@
 //! owners).
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use foldhash::{HashMap, HashMapExt};
 use rusqlite::{Connection, OpenFlags};
 use thiserror::Error;
 
