@@ -57,17 +57,54 @@ fn skip_spaces(b: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// A string starting at `i` (quotes only delimit strings in the text [`scan`] reads), and the
-/// index after it.
-fn string_at(text: &str, i: usize) -> Option<(&str, usize)> {
-    let b = text.as_bytes();
-    if b.get(i) != Some(&b'"') {
-        return None;
+/// The quotes of a text, in order. Strings in an Attr are a few bytes long, and looking for each
+/// closing quote byte by byte mispredicts a branch per string; finding them 64 bytes at a time as
+/// a bit mask does not.
+struct Quotes<'b> {
+    bytes: &'b [u8],
+    /// Offset of the 64-byte block `mask` describes.
+    base: usize,
+    mask: u64,
+}
+
+impl<'b> Quotes<'b> {
+    fn new(bytes: &'b [u8]) -> Self {
+        Self { bytes, base: 0, mask: quote_mask(bytes) }
     }
-    let start = i + 1;
-    let end = start + b[start..].iter().position(|&c| c == b'"')?;
-    // Both ends are ASCII quotes, so the slice is on character boundaries.
-    Some((&text[start..end], end + 1))
+}
+
+impl Iterator for Quotes<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        while self.mask == 0 {
+            self.base += 64;
+            let rest = self.bytes.get(self.base..).filter(|r| !r.is_empty())?;
+            self.mask = quote_mask(rest);
+        }
+        let at = self.base + self.mask.trailing_zeros() as usize;
+        self.mask &= self.mask - 1;
+        Some(at)
+    }
+}
+
+/// Bit i set where byte i of the first 64 is a quote, eight bytes per step: a byte of `w ^ QUOTES`
+/// is zero exactly at a quote, adding 0x7f to its low seven bits sets its top bit unless it is
+/// zero (and never carries into the next byte), and a multiply gathers the eight top bits.
+fn quote_mask(bytes: &[u8]) -> u64 {
+    const QUOTES: u64 = u64::from_ne_bytes([b'"'; 8]);
+    const LOW7: u64 = u64::from_ne_bytes([0x7f; 8]);
+    const GATHER: u64 = 0x0102_0408_1020_4080;
+    let mut block = [0u8; 64];
+    let n = bytes.len().min(64);
+    block[..n].copy_from_slice(&bytes[..n]);
+    let mut mask = 0;
+    for (k, word) in block.chunks_exact(8).enumerate() {
+        let w = u64::from_le_bytes(word.try_into().expect("8 bytes")) ^ QUOTES;
+        let zero = !((w & LOW7).wrapping_add(LOW7) | w | LOW7);
+        mask |= ((zero >> 7).wrapping_mul(GATHER) >> 56) << (8 * k);
+    }
+    mask
 }
 
 /// Calls `pair` with each key and value of `text` when it is a flat JSON object of plain strings
@@ -81,28 +118,36 @@ pub(crate) fn scan<'a>(text: &'a str, mut pair: impl FnMut(&'a str, &'a str) -> 
     if b.iter().fold(false, |bad, &c| bad | (c < 0x20) | (c == b'\\')) {
         return false;
     }
-    let mut i = skip_spaces(b, 0);
-    if b.get(i) != Some(&b'{') {
+    let mut quotes = Quotes::new(b);
+    // The string that must start at `at`, and the index after it. Both ends are ASCII quotes, so
+    // the slice is on character boundaries.
+    let mut string_at = |at: usize| -> Option<(&'a str, usize)> {
+        let open = quotes.next().filter(|&q| q == at)?;
+        let close = quotes.next()?;
+        Some((&text[open + 1..close], close + 1))
+    };
+    let mut at = skip_spaces(b, 0);
+    if b.get(at) != Some(&b'{') {
         return false;
     }
-    i = skip_spaces(b, i + 1);
-    if b.get(i) == Some(&b'}') {
-        return skip_spaces(b, i + 1) == b.len();
+    at = skip_spaces(b, at + 1);
+    if b.get(at) == Some(&b'}') {
+        return skip_spaces(b, at + 1) == b.len();
     }
     loop {
-        let Some((key, next)) = string_at(text, i) else { return false };
-        i = skip_spaces(b, next);
-        if b.get(i) != Some(&b':') {
+        let Some((key, next)) = string_at(at) else { return false };
+        at = skip_spaces(b, next);
+        if b.get(at) != Some(&b':') {
             return false;
         }
-        let Some((value, next)) = string_at(text, skip_spaces(b, i + 1)) else { return false };
+        let Some((value, next)) = string_at(skip_spaces(b, at + 1)) else { return false };
         if !pair(key, value) {
             return false;
         }
-        i = skip_spaces(b, next);
-        match b.get(i) {
-            Some(b',') => i = skip_spaces(b, i + 1),
-            Some(b'}') => return skip_spaces(b, i + 1) == b.len(),
+        at = skip_spaces(b, next);
+        match b.get(at) {
+            Some(b',') => at = skip_spaces(b, at + 1),
+            Some(b'}') => return skip_spaces(b, at + 1) == b.len(),
             _ => return false,
         }
     }
@@ -194,6 +239,19 @@ mod tests {
         }
         let plain = Probe::parse(r#"{"size":"4096","owner":"PTA@kv","shadow":"true"}"#).unwrap();
         assert!(matches!(plain.owner, Some(Cow::Borrowed("PTA@kv"))), "plain values are borrowed");
+    }
+
+    #[test]
+    fn quotes_are_found_across_blocks() {
+        // Every length around the 64-byte blocks, quotes at every offset pattern.
+        for len in 0..200usize {
+            let text: Vec<u8> =
+                (0..len).map(|i| if (i * 7 + len) % 5 == 0 { b'"' } else { b'a' + (i % 26) as u8 }).collect();
+            let naive: Vec<usize> = (0..len).filter(|&i| text[i] == b'"').collect();
+            assert_eq!(Quotes::new(&text).collect::<Vec<_>>(), naive, "length {len}");
+        }
+        let long = format!("{{{}\"last\":\"x\"}}", "\"k\":\"v\",".repeat(40));
+        assert_eq!(Probe::parse(&long), by_serde(&long));
     }
 
     #[test]

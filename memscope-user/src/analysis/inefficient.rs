@@ -368,7 +368,8 @@ pub struct Stats {
 
 pub struct Report {
     pub options: Options,
-    /// Every block of the trace, in allocation order.
+    /// The blocks that were accessed, in allocation order: neither definition can flag the
+    /// others, and a trace has millions of them ([`Stats::blocks`] counts every block).
     pub blocks: Vec<Block>,
     /// Owner strings; index 0 is "".
     pub owners: Vec<Box<str>>,
@@ -457,7 +458,11 @@ type Key = (i64, u16, u64);
 
 struct Replay {
     options: Options,
-    blocks: Vec<Block>,
+    /// Live blocks by slot (slots of ended blocks are reused), with their allocation number.
+    slots: Vec<Option<(u64, Block)>>,
+    free_slots: Vec<u32>,
+    /// Ended blocks that were accessed, with their allocation number.
+    ended: Vec<(u64, Block)>,
     live: HashMap<Key, u32>,
     /// Live blocks by (process, start), for finding the block that holds an address: pool blocks
     /// first (they lie inside device segments), then device and host blocks.
@@ -480,7 +485,9 @@ impl Replay {
     fn new(options: Options) -> Self {
         Self {
             options,
-            blocks: Vec::new(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            ended: Vec::new(),
             live: HashMap::new(),
             pool_index: BTreeMap::new(),
             other_index: BTreeMap::new(),
@@ -517,6 +524,11 @@ impl Replay {
         self.owners.push(owner.into());
         self.owner_of.insert(owner.into(), i);
         i
+    }
+
+    /// A live block.
+    fn block(&mut self, idx: u32) -> &mut Block {
+        &mut self.slots[idx as usize].as_mut().expect("a live block's slot").1
     }
 
     fn api(&mut self, pid: i64, family: OpFamily) -> &mut ApiState {
@@ -582,9 +594,8 @@ impl Replay {
             max_idle: None,
             last_was_access: false,
         });
-        let idx = self.blocks.len() as u32;
         let owner = self.owner(f.owner.as_deref());
-        self.blocks.push(Block {
+        let block = Block {
             malloc_rowid: row.rowid,
             malloc_id: row.id,
             pid: row.pid,
@@ -604,7 +615,18 @@ impl Replay {
             max_idle_ns: None,
             api,
             flags: 0,
-        });
+        };
+        let slot = Some((self.stats.blocks, block));
+        let idx = match self.free_slots.pop() {
+            Some(idx) => {
+                self.slots[idx as usize] = slot;
+                idx
+            }
+            None => {
+                self.slots.push(slot);
+                (self.slots.len() - 1) as u32
+            }
+        };
         self.stats.blocks += 1;
         self.stats.op_index_blocks += u64::from(family.is_some());
         self.live.insert(key, idx);
@@ -619,15 +641,19 @@ impl Replay {
         }
     }
 
-    /// Ends a block's life (its FREE, a shadow FREE, or a MALLOC over it).
+    /// Ends a block's life (its FREE, a shadow FREE, or a MALLOC over it). No access can reach
+    /// it any more, so only an accessed block is kept.
     fn close(&mut self, idx: u32, ts: i64, end: End) {
-        let b = &mut self.blocks[idx as usize];
+        let (seq, mut b) = self.slots[idx as usize].take().expect("a live block's slot");
+        self.free_slots.push(idx);
         b.end_ns = ts;
         b.end = end;
-        let (pid, ptr, family) = (b.pid, b.ptr, b.family);
-        let index = self.index_of(family);
-        if index.get(&(pid, ptr)) == Some(&idx) {
-            index.remove(&(pid, ptr));
+        let index = self.index_of(b.family);
+        if index.get(&(b.pid, b.ptr)) == Some(&idx) {
+            index.remove(&(b.pid, b.ptr));
+        }
+        if b.accesses > 0 {
+            self.ended.push((seq, b));
         }
     }
 
@@ -665,13 +691,13 @@ impl Replay {
             }
             return;
         };
-        if let Some(family) = self.blocks[idx as usize].api.map(|a| a.family) {
+        if let Some(family) = self.block(idx).api.map(|a| a.family) {
             let st = {
                 let s = self.api(row.pid, family);
                 s.memory_event(false, true);
                 *s
             };
-            let b = &mut self.blocks[idx as usize];
+            let b = self.block(idx);
             let facts = b.api.as_mut().expect("family came from it");
             facts.free = Some(st.api);
             // late_deallocation: the event before this FREE was an access, in an earlier API, and
@@ -691,7 +717,7 @@ impl Replay {
     fn resolve(&self, pid: i64, addr: u64) -> Option<u32> {
         for index in [&self.pool_index, &self.other_index] {
             if let Some((_, &idx)) = index.range((pid, 0)..=(pid, addr)).next_back() {
-                let b = &self.blocks[idx as usize];
+                let b = &self.slots[idx as usize].as_ref().expect("a live block's slot").1;
                 if addr < b.ptr.saturating_add(b.size) {
                     return Some(idx);
                 }
@@ -710,7 +736,7 @@ impl Replay {
             return;
         };
         self.stats.accesses += 1;
-        let b = &mut self.blocks[idx as usize];
+        let b = self.block(idx);
         b.accesses += 1;
         if let Some(prev) = b.last_access_ns {
             let gap = row.ts - prev;
@@ -725,7 +751,7 @@ impl Replay {
             *s
         };
         let threshold = self.options.idle_threshold;
-        let b = &mut self.blocks[idx as usize];
+        let b = self.block(idx);
         let facts = b.api.as_mut().expect("family came from it");
         let api = st.api;
         // temporary_idleness: this access and the one before it are too many APIs apart.
@@ -775,12 +801,17 @@ impl Replay {
         let end_ns = self.stop.or(self.last);
         let live: Vec<u32> = self.live.drain().map(|(_, idx)| idx).collect();
         for idx in live {
-            let b = &mut self.blocks[idx as usize];
+            let (seq, mut b) = self.slots[idx as usize].take().expect("a live block's slot");
             b.end_ns = end_ns.unwrap_or(b.malloc_ns).max(b.malloc_ns);
             b.end = End::Live;
+            if b.accesses > 0 {
+                self.ended.push((seq, b));
+            }
         }
+        self.ended.sort_unstable_by_key(|(seq, _)| *seq);
+        let mut blocks: Vec<Block> = self.ended.into_iter().map(|(_, b)| b).collect();
         let o = &self.options;
-        for b in &mut self.blocks {
+        for b in &mut blocks {
             let life = b.end_ns - b.malloc_ns;
             // Insight's conditions: an access after the allocation instant, then the threshold.
             if let (Some(t), Some(first)) = (o.lazy_used, b.first_access_ns) {
@@ -806,7 +837,7 @@ impl Replay {
         self.stats.processes = self.pids.len() as u64;
         Report {
             options: self.options,
-            blocks: self.blocks,
+            blocks,
             owners: self.owners,
             event_types: self.event_types,
             existing: self.existing,
@@ -1219,7 +1250,8 @@ mod tests {
         t.op(&[Write(B), Free(B)]);
         let r = run(&t.finish(), &Options::default());
         assert_eq!(flags_at(&r, B), "");
-        assert_eq!(r.blocks[1].api.unwrap().first_access, Some(2), "the workspace free was no API");
+        let b = r.blocks.iter().find(|b| b.ptr == B).unwrap();
+        assert_eq!(b.api.unwrap().first_access, Some(2), "the workspace free was no API");
     }
 
     #[test]
@@ -1308,9 +1340,10 @@ mod tests {
         assert_eq!(time_flags(&path, &delayed("400ns")), "");
         assert_eq!(time_flags(&path, &delayed("39%")), "delayed_free");
         assert_eq!(time_flags(&path, &delayed("40%")), "");
-        // Never accessed: nothing to be late after (Insight's rule).
+        // Never accessed: nothing to be late after (Insight's rule), so not even in the report.
         let path = timed("delayed-none", 1000, &[], 2000);
-        assert_eq!(time_flags(&path, &delayed("1ns")), "");
+        let r = run(&path, &delayed("1ns"));
+        assert_eq!((r.blocks.len(), r.stats.blocks), (0, 1));
     }
 
     #[test]
