@@ -14,6 +14,7 @@ use std::time::Duration;
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, DatabaseName, OpenFlags, TransactionBehavior};
 
+mod batch;
 mod order;
 
 pub use order::{DumpRow, Fed, ReadOrder, Selection, TimeOrder};
@@ -236,8 +237,9 @@ impl DumpDb {
 
     /// The distinct `Device Id`s of the memory rows (for a DB whose folder does not name its device).
     pub fn devices(&self) -> Result<Vec<String>, AnalysisError> {
+        // `=` terms rather than IN, as in [`TimeOrder`]: this reads the whole table.
         let sql = format!(
-            "SELECT DISTINCT \"Device Id\" FROM \"{}\" WHERE \"Event\" IN ('MALLOC','FREE') LIMIT 16",
+            "SELECT DISTINCT \"Device Id\" FROM \"{}\" WHERE \"Event\" = 'MALLOC' OR \"Event\" = 'FREE' LIMIT 16",
             self.table
         );
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;

@@ -834,23 +834,22 @@ pub fn analyse(path: &Path, options: Options) -> Result<Report, AnalysisError> {
     let conn = open_read(path)?;
     let table = dump_table(path, &conn)?;
     let order = TimeOrder::new(&conn, path, &table, SELECTION)?;
-    // The default period depends on how many memory rows there are: a first pass counts them.
-    let scan = if options.sample_every.is_none() { Some(order.scan()?) } else { None };
-    let every = match &scan {
-        Some(scan) => scan.count(&["MALLOC", "FREE"])?.div_ceil(500).max(100),
-        None => options.sample_every.unwrap_or(0),
-    };
-    let new = || Replay { oom: oom::Tracker::new(options.top_k), every, ..Replay::default() };
-    let mut replay = new();
+    let every = std::cell::Cell::new(options.sample_every.unwrap_or(0));
+    let new = || Replay { oom: oom::Tracker::new(options.top_k), every: every.get(), ..Replay::default() };
+    // Made at the first row: by then the rows are counted, when the period depends on that.
+    let mut replay = None;
     let feed = |fed: Fed<'_>| match fed {
-        Fed::Row(row) => replay.apply(row),
-        Fed::Restart => replay = new(),
+        Fed::Row(row) => replay.get_or_insert_with(new).apply(row),
+        Fed::Restart => replay = None,
     };
-    match scan {
-        Some(scan) => scan.for_each_row(feed)?,
-        None => order.for_each_row(feed)?,
+    match options.sample_every {
+        Some(_) => order.for_each_row(feed)?,
+        None => {
+            let counted = |n: u64| every.set(n.div_ceil(500).max(100));
+            order.for_each_row_counted(&["MALLOC", "FREE"], counted, feed)?
+        }
     };
-    Ok(replay.finish())
+    Ok(replay.unwrap_or_else(new).finish())
 }
 
 // ---------------------------------------------------------------- writing results

@@ -12,16 +12,24 @@
 //! show, the caller gets [`Fed::Restart`] and the rows again, now from a full first pass over the
 //! keys. Files far out of order (msMemScope writes a MALLOC when its block is freed) are sorted by
 //! SQLite instead. Whatever the path, the rows handed over are exactly the sorted rows.
+//!
+//! SQLite's side (reading pages, decoding records, putting rows in order) runs on a thread of its
+//! own with its own connection, and hands the rows over a few thousand at a time, so the replay
+//! of one row overlaps the reading of the next: each side is about half the work.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OpenFlags};
 
+use super::batch::{Batch, Item, Sender, BATCHES_IN_FLIGHT};
 use super::{int, text};
 use crate::analysis::AnalysisError;
 
-/// One row of the dump, borrowed from SQLite's buffers (10M rows must not mean 70M allocations).
+/// One row of the dump, borrowed from SQLite's buffers or from the batch the reading thread
+/// handed over (10M rows must not mean 70M allocations).
 #[derive(Clone, Copy, Debug)]
 pub struct DumpRow<'a> {
     /// SQLite's rowid: the last tie-break, and how a reported row is fetched again.
@@ -68,7 +76,7 @@ pub enum ReadOrder {
 }
 
 /// (`Timestamp(ns)`, `ID`, rowid): the order rows are replayed in.
-type Key = (i64, i64, i64);
+pub(super) type Key = (i64, i64, i64);
 
 /// Past this many out-of-place rows, SQLite's sort is cheaper than holding rows back.
 const MAX_STRAGGLERS: usize = 100_000;
@@ -131,31 +139,23 @@ enum Streamed {
 /// appending to the file.
 struct Snapshot<'c> {
     conn: &'c Connection,
-    began: bool,
 }
 
 impl<'c> Snapshot<'c> {
     fn begin(conn: &'c Connection) -> rusqlite::Result<Self> {
-        let began = conn.is_autocommit();
-        if began {
-            conn.execute_batch("BEGIN")?;
-        }
-        Ok(Self { conn, began })
+        conn.execute_batch("BEGIN")?;
+        Ok(Self { conn })
     }
 }
 
 impl Drop for Snapshot<'_> {
     fn drop(&mut self) {
-        if self.began {
-            let _ = self.conn.execute_batch("COMMIT");
-        }
+        let _ = self.conn.execute_batch("COMMIT");
     }
 }
 
-/// A dump table read in time order; see the module documentation.
-pub struct TimeOrder<'c> {
-    conn: &'c Connection,
-    path: &'c Path,
+/// What to read, as SQL, and the thresholds: everything the reading thread needs.
+struct Plan {
     /// The table's name, quoted.
     table: String,
     /// `FROM "table" WHERE (...)`, shared by every pass.
@@ -170,8 +170,16 @@ pub struct TimeOrder<'c> {
     tail: u64,
 }
 
-impl<'c> TimeOrder<'c> {
-    pub fn new(conn: &'c Connection, path: &'c Path, table: &str, select: Selection) -> Result<Self, AnalysisError> {
+/// A dump table read in time order; see the module documentation.
+pub struct TimeOrder<'p> {
+    path: &'p Path,
+    plan: Plan,
+}
+
+impl<'p> TimeOrder<'p> {
+    /// `conn` is only asked which columns the table has; the rows are read on a connection of
+    /// the reading thread's own.
+    pub fn new(conn: &Connection, path: &'p Path, table: &str, select: Selection) -> Result<Self, AnalysisError> {
         let read = |source| AnalysisError::Read { path: path.to_owned(), source };
         let have: Vec<String> = conn
             .prepare("SELECT name FROM pragma_table_info(?1)")
@@ -194,9 +202,7 @@ impl<'c> TimeOrder<'c> {
             select.events.iter().map(|e| format!("\"Event\" = '{}'", e.replace('\'', "''"))).collect();
         let table = format!("\"{}\"", table.replace('"', "\"\""));
         let from = format!("FROM {table} WHERE ({})", wanted.join(" OR "));
-        Ok(Self {
-            conn,
-            path,
+        let plan = Plan {
             table,
             from,
             columns,
@@ -206,29 +212,126 @@ impl<'c> TimeOrder<'c> {
             max_stragglers: MAX_STRAGGLERS,
             max_held: MAX_HELD,
             tail: TAIL,
-        })
+        };
+        Ok(Self { path, plan })
     }
 
     /// Lowers the thresholds, for tests to reach every path on small files.
     #[cfg(test)]
     pub(crate) fn with_limits(mut self, max_stragglers: usize, max_held: usize, tail: u64) -> Self {
-        (self.max_stragglers, self.max_held, self.tail) = (max_stragglers, max_held, tail);
+        (self.plan.max_stragglers, self.plan.max_held, self.plan.tail) = (max_stragglers, max_held, tail);
         self
     }
 
+    /// Calls `f` for every selected row in time order, then says how they came.
+    pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        self.hand_over(None, None::<fn(u64)>, f)
+    }
+
+    /// [`Self::for_each_row`] for a replay that needs, before its first row, how many rows of
+    /// `events` (each among the selected ones) there are: `on_count` gets that number first. It
+    /// costs a first pass over every key.
+    pub fn for_each_row_counted(
+        &self,
+        events: &[&str],
+        on_count: impl FnOnce(u64),
+        f: impl FnMut(Fed<'_>),
+    ) -> Result<ReadOrder, AnalysisError> {
+        self.hand_over(Some(events), Some(on_count), f)
+    }
+
+    fn hand_over(
+        &self,
+        count: Option<&[&str]>,
+        mut on_count: Option<impl FnOnce(u64)>,
+        mut f: impl FnMut(Fed<'_>),
+    ) -> Result<ReadOrder, AnalysisError> {
+        let (full_tx, full_rx) = mpsc::sync_channel::<Batch>(BATCHES_IN_FLIGHT);
+        let (empty_tx, empty_rx) = mpsc::channel::<Batch>();
+        std::thread::scope(|scope| {
+            let read = move || {
+                let mut out = Sender::new(full_tx, empty_rx);
+                let how = self.read(count, &mut out);
+                out.send();
+                how
+            };
+            let reading = std::thread::Builder::new()
+                .name("memscope-read".into())
+                .spawn_scoped(scope, read)
+                .map_err(|source| AnalysisError::Io { path: self.path.to_owned(), source })?;
+            for mut batch in full_rx {
+                batch.replay(&mut on_count, &mut f);
+                batch.clear();
+                let _ = empty_tx.send(batch);
+            }
+            match reading.join() {
+                Ok(how) => how,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        })
+    }
+
+    /// The reading thread: every pass, on its own connection, in one snapshot of the file.
+    fn read(&self, count: Option<&[&str]>, out: &mut Sender) -> Result<ReadOrder, AnalysisError> {
+        let read = |source| AnalysisError::Read { path: self.path.to_owned(), source };
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(self.path, flags).map_err(read)?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(read)?;
+        let _snapshot = Snapshot::begin(&conn).map_err(read)?;
+        let reader = Reader { conn: &conn, path: self.path, plan: &self.plan };
+        let mut f = |fed: Fed<'_>| out.push_fed(fed);
+        let Some(count) = count else { return reader.for_each_row(&mut f) };
+        let Keys { stragglers, counts } = reader.stragglers()?;
+        let n = match counts {
+            Some(counts) => {
+                let selected = self.plan.events.iter().zip(counts);
+                selected.filter(|(e, _)| count.contains(e)).map(|(_, n)| n).sum()
+            }
+            None => reader.count(count)?,
+        };
+        out.push(Item::Count(n));
+        let mut f = |fed: Fed<'_>| out.push_fed(fed);
+        if let Some(stragglers) = stragglers {
+            // With every straggler known, only too many held rows stop the stream.
+            if reader.stream(stragglers, &mut f)? == Streamed::Done {
+                return Ok(ReadOrder::Storage);
+            }
+            f(Fed::Restart);
+        }
+        reader.sorted(&mut f)?;
+        Ok(ReadOrder::Sorted)
+    }
+}
+
+/// What a pass over every key found.
+struct Keys {
+    /// The rows that, in storage order, come after a row with a greater key; `None`: more than
+    /// `max_stragglers`.
+    stragglers: Option<BTreeSet<Key>>,
+    /// Rows per entry of [`Selection::events`]; `None` when the pass stopped early.
+    counts: Option<Vec<u64>>,
+}
+
+/// The passes over the rows, on the reading thread's connection.
+struct Reader<'r> {
+    conn: &'r Connection,
+    path: &'r Path,
+    plan: &'r Plan,
+}
+
+impl Reader<'_> {
     fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
         move |source| AnalysisError::Read { path: self.path.to_owned(), source }
     }
 
-    /// Calls `f` for every selected row in time order, then says how they came.
-    pub fn for_each_row(&self, mut f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
-        let _snapshot = Snapshot::begin(self.conn).map_err(self.read_err())?;
-        match self.stream(self.tail_stragglers()?, &mut f)? {
+    /// Streams from the tail's stragglers, and goes back for every key if a late row was missed.
+    fn for_each_row(&self, f: &mut impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        match self.stream(self.tail_stragglers()?, f)? {
             Streamed::Done => return Ok(ReadOrder::Storage),
             Streamed::OutOfPlace => {
                 f(Fed::Restart);
-                if let (Some(stragglers), _) = self.stragglers()? {
-                    if self.stream(stragglers, &mut f)? == Streamed::Done {
+                if let Some(stragglers) = self.stragglers()?.stragglers {
+                    if self.stream(stragglers, f)? == Streamed::Done {
                         return Ok(ReadOrder::Rescanned);
                     }
                     f(Fed::Restart);
@@ -236,20 +339,11 @@ impl<'c> TimeOrder<'c> {
             }
             Streamed::TooManyHeld => f(Fed::Restart), // holding every straggler would hold more
         }
-        self.sorted(&mut f)?;
+        self.sorted(f)?;
         Ok(ReadOrder::Sorted)
     }
 
-    /// Reads every key first, counting the rows of each selected event on the way, for a
-    /// replay that needs those counts before its first row. The rows follow from
-    /// [`Scan::for_each_row`], in the same snapshot of the file.
-    pub fn scan(&self) -> Result<Scan<'_, 'c>, AnalysisError> {
-        let snapshot = Snapshot::begin(self.conn).map_err(self.read_err())?;
-        let (stragglers, counts) = self.stragglers()?;
-        Ok(Scan { order: self, _snapshot: snapshot, stragglers, counts })
-    }
-
-    fn row<'r>(&self, row: &'r rusqlite::Row<'r>) -> Result<DumpRow<'r>, AnalysisError> {
+    fn row<'a>(&self, row: &'a rusqlite::Row<'a>) -> Result<DumpRow<'a>, AnalysisError> {
         let get = |i| row.get_ref(i).map_err(self.read_err());
         let pid = int(get(5)?);
         Ok(DumpRow {
@@ -257,13 +351,13 @@ impl<'c> TimeOrder<'c> {
             id: int(get(1)?),
             event: text(get(2)?),
             event_type: text(get(3)?),
-            name: match self.name_at {
+            name: match self.plan.name_at {
                 Some(i) => text(get(i)?),
                 None => "",
             },
             ts: int(get(4)?),
             pid,
-            tid: match self.tid_at {
+            tid: match self.plan.tid_at {
                 Some(i) => int(get(i)?),
                 None => pid,
             },
@@ -275,9 +369,10 @@ impl<'c> TimeOrder<'c> {
     /// The rows of the last [`TAIL`] rowids that come after a row with a greater key: where a
     /// trace's late rows are, found without reading the whole file.
     fn tail_stragglers(&self) -> Result<BTreeSet<Key>, AnalysisError> {
+        let plan = self.plan;
         let sql = format!(
             "SELECT \"Timestamp(ns)\", \"ID\", rowid {} AND rowid > (SELECT max(rowid) FROM {}) - {} ORDER BY rowid",
-            self.from, self.table, self.tail
+            plan.from, plan.table, plan.tail
         );
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([]).map_err(self.read_err())?;
@@ -295,33 +390,40 @@ impl<'c> TimeOrder<'c> {
         Ok(stragglers)
     }
 
-    /// Every row that, in storage order, comes after a row with a greater key (`None`: more
-    /// than `max_stragglers`), and the rows per entry of [`Selection::events`] (`None` when the
-    /// pass stopped early).
-    fn stragglers(&self) -> Result<(Option<BTreeSet<Key>>, Option<Vec<u64>>), AnalysisError> {
-        let sql = format!("SELECT \"Timestamp(ns)\", \"ID\", rowid, \"Event\" {} ORDER BY rowid", self.from);
+    /// Reads every key; see [`Keys`].
+    fn stragglers(&self) -> Result<Keys, AnalysisError> {
+        let plan = self.plan;
+        let sql = format!("SELECT \"Timestamp(ns)\", \"ID\", rowid, \"Event\" {} ORDER BY rowid", plan.from);
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([]).map_err(self.read_err())?;
         let mut max: Option<Key> = None;
         let mut stragglers = BTreeSet::new();
-        let mut counts = vec![0u64; self.events.len()];
+        let mut counts = vec![0u64; plan.events.len()];
         while let Some(row) = rows.next().map_err(self.read_err())? {
             let get = |i| row.get_ref(i).map_err(self.read_err());
             let key = (int(get(0)?), int(get(1)?), int(get(2)?));
             let event = text(get(3)?);
-            if let Some(n) = self.events.iter().position(|e| *e == event) {
+            if let Some(n) = plan.events.iter().position(|e| *e == event) {
                 counts[n] += 1;
             }
             if max.is_some_and(|m| key < m) {
                 stragglers.insert(key);
-                if stragglers.len() > self.max_stragglers {
-                    return Ok((None, None));
+                if stragglers.len() > plan.max_stragglers {
+                    return Ok(Keys { stragglers: None, counts: None });
                 }
             } else {
                 max = Some(key);
             }
         }
-        Ok((Some(stragglers), Some(counts)))
+        Ok(Keys { stragglers: Some(stragglers), counts: Some(counts) })
+    }
+
+    /// The rows whose `Event` is one of `events`, counted by SQLite.
+    fn count(&self, events: &[&str]) -> Result<u64, AnalysisError> {
+        let wanted: Vec<String> = events.iter().map(|e| format!("'{}'", e.replace('\'', "''"))).collect();
+        let sql = format!("SELECT count(*) {} AND \"Event\" IN ({})", self.plan.from, wanted.join(","));
+        let n: i64 = self.conn.query_row(&sql, [], |r| r.get(0)).map_err(self.read_err())?;
+        Ok(n as u64)
     }
 
     /// Streams in storage order, holding back the rows that come after a key in `pending` until
@@ -329,7 +431,7 @@ impl<'c> TimeOrder<'c> {
     /// pass that ends [`Streamed::Done`] handed over exactly the sorted rows, whatever `pending`
     /// missed.
     fn stream(&self, mut pending: BTreeSet<Key>, f: &mut impl FnMut(Fed<'_>)) -> Result<Streamed, AnalysisError> {
-        let sql = format!("SELECT {} {} ORDER BY rowid", self.columns, self.from);
+        let sql = format!("SELECT {} {} ORDER BY rowid", self.plan.columns, self.plan.from);
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([]).map_err(self.read_err())?;
         let mut held: BTreeMap<Key, HeldRow> = BTreeMap::new();
@@ -349,7 +451,7 @@ impl<'c> TimeOrder<'c> {
                 continue;
             }
             held.insert(key, HeldRow::from(&r));
-            if held.len() > self.max_held {
+            if held.len() > self.plan.max_held {
                 return Ok(Streamed::TooManyHeld);
             }
             while let Some(entry) = held.first_entry() {
@@ -367,48 +469,13 @@ impl<'c> TimeOrder<'c> {
     }
 
     fn sorted(&self, f: &mut impl FnMut(Fed<'_>)) -> Result<(), AnalysisError> {
-        let sql = format!("SELECT {} {} ORDER BY \"Timestamp(ns)\", \"ID\", rowid", self.columns, self.from);
+        let sql = format!("SELECT {} {} ORDER BY \"Timestamp(ns)\", \"ID\", rowid", self.plan.columns, self.plan.from);
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([]).map_err(self.read_err())?;
         while let Some(row) = rows.next().map_err(self.read_err())? {
             f(Fed::Row(self.row(row)?));
         }
         Ok(())
-    }
-}
-
-/// Every key read (see [`TimeOrder::scan`]): the stragglers, and the rows of each event.
-pub struct Scan<'o, 'c> {
-    order: &'o TimeOrder<'c>,
-    _snapshot: Snapshot<'c>,
-    stragglers: Option<BTreeSet<Key>>,
-    counts: Option<Vec<u64>>,
-}
-
-impl Scan<'_, '_> {
-    /// The rows whose `Event` is one of `events` (each among the selected ones).
-    pub fn count(&self, events: &[&str]) -> Result<u64, AnalysisError> {
-        if let Some(counts) = &self.counts {
-            let selected = self.order.events.iter().zip(counts);
-            return Ok(selected.filter(|(e, _)| events.contains(e)).map(|(_, n)| n).sum());
-        }
-        let wanted: Vec<String> = events.iter().map(|e| format!("'{}'", e.replace('\'', "''"))).collect();
-        let sql = format!("SELECT count(*) {} AND \"Event\" IN ({})", self.order.from, wanted.join(","));
-        let n: i64 = self.order.conn.query_row(&sql, [], |r| r.get(0)).map_err(self.order.read_err())?;
-        Ok(n as u64)
-    }
-
-    /// Calls `f` for every selected row in time order, then says how they came.
-    pub fn for_each_row(mut self, mut f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
-        if let Some(stragglers) = self.stragglers.take() {
-            // With every straggler known, only too many held rows stop the stream.
-            if self.order.stream(stragglers, &mut f)? == Streamed::Done {
-                return Ok(ReadOrder::Storage);
-            }
-            f(Fed::Restart);
-        }
-        self.order.sorted(&mut f)?;
-        Ok(ReadOrder::Sorted)
     }
 }
 
@@ -476,15 +543,25 @@ mod tests {
             assert_eq!(got, (want.clone(), restart, after_restart(ReadOrder::Sorted)), "{order:?}");
             let got = run(limits(0, many, 0));
             assert_eq!(got, (want.clone(), restart, after_restart(ReadOrder::Sorted)), "{order:?}");
-            // A full first pass: nothing to restart; the counts come from it, or from SQLite when
-            // it stopped early.
+            // Counted first: a full first pass, so nothing to restart; the count comes before the
+            // first row, from that pass or from SQLite when it stopped early.
             for stragglers in [many, 0] {
                 let reader = limits(stragglers, many, all);
-                let scan = reader.scan().unwrap();
-                assert_eq!(scan.count(&["MALLOC"]).unwrap(), order.len() as u64);
-                assert_eq!(scan.count(&["FREE"]).unwrap(), 0);
-                let how = if in_order || stragglers > 0 { ReadOrder::Storage } else { ReadOrder::Sorted };
-                assert_eq!(fed(|f| scan.for_each_row(f).unwrap()), (want.clone(), 0, how), "{order:?}");
+                for (events, n) in [(&["MALLOC"], order.len() as u64), (&["FREE"], 0)] {
+                    let log = std::cell::RefCell::new(Vec::new());
+                    let on_count = |n: u64| log.borrow_mut().push(Some(n));
+                    let how = reader
+                        .for_each_row_counted(events, on_count, |fed| {
+                            if let Fed::Row(_) = fed {
+                                log.borrow_mut().push(None);
+                            }
+                        })
+                        .unwrap();
+                    let log = log.into_inner();
+                    assert_eq!((log[0], log.len()), (Some(n), order.len() + 1), "{order:?}");
+                    let sorted = if in_order || stragglers > 0 { ReadOrder::Storage } else { ReadOrder::Sorted };
+                    assert_eq!(how, sorted, "{order:?}");
+                }
             }
         }
     }
