@@ -199,8 +199,8 @@ pub fn parse_number(s: &str) -> Option<u64> {
     }
 }
 
-/// Opens a DB that `DumpDb::open` already checked, read-only, for a query of our own (the
-/// replay needs `Name`, `Thread Id` and the OOM rows, which the shared row stream leaves out).
+/// Opens a DB that `DumpDb::open` already checked, read-only, for queries of our own (the rows
+/// themselves are read by [`TimeOrder`] on a connection of its own).
 pub(crate) fn open_read(path: &Path) -> Result<Connection, AnalysisError> {
     let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
         .map_err(|e| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() })?;
