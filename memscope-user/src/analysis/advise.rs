@@ -12,11 +12,12 @@
 //! - garbage_collection_threshold: the pool hit its ceiling and emptied its cache inside an
 //!   allocation, repeatedly (or the runtime refused it and it recovered by flushing): releasing
 //!   cached segments earlier avoids the stalls and the ceiling;
-//! - torch_npu.npu.set_per_process_memory_fraction: several processes share the device.
+//! - torch_npu.npu.set_per_process_memory_fraction: several processes share the device;
+//! - gc.collect() at epoch ends: at the peak, a share of the live tensors were garbage from
+//!   earlier steps that only Python's cyclic garbage collector freed, later ([`super::gc_held`]).
 //!
 //! Settings the data cannot support are not mentioned: MULTI_STREAM_MEMORY_REUSE (the trace sees
-//! no streams), ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE (no ATB workspace events), gc at epoch ends (no
-//! Python garbage-collector events).
+//! no cross-stream use of blocks), ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE (no ATB workspace events).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -26,9 +27,13 @@ use rusqlite::params;
 use serde::Serialize;
 
 use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
+use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
 use super::render::{human_bytes, relative};
 use super::AnalysisError;
+
+/// The id of the one recommendation that is not an allocator setting but a code change.
+pub const GC_AT_EPOCH_END: &str = "gc_at_epoch_end";
 
 /// The allocator's configuration variable (torch_npu reads it once, at its first allocation).
 pub const ALLOC_CONF: &str = "PYTORCH_NPU_ALLOC_CONF";
@@ -123,6 +128,8 @@ pub struct Measured {
     pub fragmentation_ooms: usize,
     pub recovered_refusals: usize,
     pub processes: Vec<ProcessPeak>,
+    /// Tensors freed by Python's garbage collector, and those it held at the peak.
+    pub gc: GcHeld,
 }
 
 /// The advice for one DB.
@@ -183,6 +190,7 @@ fn measure(report: &Report) -> Measured {
         fragmentation_ooms: failures.filter(|i| i.verdict == Verdict::Fragmentation).count(),
         recovered_refusals: report.incidents.iter().filter(|i| i.verdict == Verdict::Recovered).count(),
         processes: report.processes.clone(),
+        gc: GcHeld::default(),
     };
     m.flushes_at_ceiling = report.flushes.iter().filter(|f| at_ceiling(f, &m)).count();
     m
@@ -203,8 +211,9 @@ fn split_limit_mib(mib: u64) -> u64 {
 }
 
 /// The rules, in the order their advice is listed.
-pub fn advise(report: &Report, settings: &BTreeMap<String, String>) -> (Measured, Vec<Recommendation>) {
-    let m = measure(report);
+pub fn advise(report: &Report, settings: &BTreeMap<String, String>, gc: &GcHeld) -> (Measured, Vec<Recommendation>) {
+    let mut m = measure(report);
+    m.gc = gc.clone();
     let current = settings.get(ALLOC_CONF).cloned();
     let conf = AllocConf::parse(current.as_deref().unwrap_or(""));
     let mut recs = Vec::new();
@@ -359,6 +368,42 @@ pub fn advise(report: &Report, settings: &BTreeMap<String, String>) -> (Measured
         });
     }
 
+    // gc at epoch ends: garbage from earlier steps, held by reference cycles, live at the peak.
+    if gc.significant() {
+        let why = format!(
+            "at the peak of {} live tensor memory, {} ({:.0}%, {} block(s)) were tensors from earlier steps that only \
+             Python's garbage collector freed, later: they sat in reference cycles after the program dropped them. \
+             In all the collector freed {} block(s) ({}) past the step they were born in, {:.1} step(s) later on \
+             average; collecting at the end of each epoch (or every few steps when epochs are long) frees them \
+             before the next peak",
+            b(gc.peak_bytes),
+            b(gc.held_at_peak),
+            gc.held_at_peak as f64 * 100.0 / gc.peak_bytes.max(1) as f64,
+            gc.held_blocks_at_peak,
+            gc.late_blocks,
+            b(gc.late_bytes),
+            gc.mean_steps_late
+        );
+        let evidence = ev(&[
+            ("peak_bytes", gc.peak_bytes.into()),
+            ("held_at_peak", gc.held_at_peak.into()),
+            ("held_blocks_at_peak", gc.held_blocks_at_peak.into()),
+            ("late_blocks", gc.late_blocks.into()),
+            ("late_bytes", gc.late_bytes.into()),
+            ("mean_steps_late", gc.mean_steps_late.into()),
+        ]);
+        recs.push(Recommendation {
+            id: GC_AT_EPOCH_END,
+            variable: None,
+            setting: "import gc; gc.collect() at the end of each epoch".to_owned(),
+            value: None,
+            current: None,
+            why,
+            evidence,
+            conflicts_with: Vec::new(),
+        });
+    }
+
     // torch_npu refuses expandable segments together with either of the other two.
     let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
     for r in &mut recs {
@@ -381,7 +426,8 @@ pub fn advise(report: &Report, settings: &BTreeMap<String, String>) -> (Measured
 pub fn analyse(path: &Path, device: &str) -> Result<(Advice, Report), AnalysisError> {
     let report = fragmentation::analyse(path, fragmentation::Options::default())?;
     let settings = read_settings(path)?;
-    let (measured, recommendations) = advise(&report, &settings);
+    let gc = gc_held::analyse(path)?;
+    let (measured, recommendations) = advise(&report, &settings, &gc);
     let advice =
         Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };
     Ok((advice, report))
@@ -400,8 +446,11 @@ pub fn text(advice: &Advice, report: &Report) -> String {
         if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) }
     );
     if m.peak_reserved == 0 {
-        let _ =
-            writeln!(out, "  no caching-pool memory in this trace (no PTA blocks or pool segments): nothing to advise");
+        let _ = writeln!(out, "  no caching-pool memory in this trace (no PTA blocks or pool segments)");
+        if advice.recommendations.is_empty() {
+            let _ = writeln!(out, "  advice: nothing to change");
+        }
+        recommendations(&mut out, advice);
         return out;
     }
     let at = match (m.peak_ts_ns, report.start_ns) {
@@ -434,6 +483,11 @@ pub fn text(advice: &Advice, report: &Report) -> String {
     if advice.recommendations.is_empty() {
         let _ = writeln!(out, "  advice: nothing to change (no rule's evidence was found)");
     }
+    recommendations(&mut out, advice);
+    out
+}
+
+fn recommendations(out: &mut String, advice: &Advice) {
     for (i, r) in advice.recommendations.iter().enumerate() {
         let what = match (r.variable, &r.value) {
             (Some(var), Some(value)) => format!("{var}={value}"),
@@ -446,7 +500,6 @@ pub fn text(advice: &Advice, report: &Report) -> String {
                 writeln!(out, "     either this or {} (torch_npu refuses them together)", r.conflicts_with.join(", "));
         }
     }
-    out
 }
 
 pub const ADVICE_TABLE: &str = "ms_advice";

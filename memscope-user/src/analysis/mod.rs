@@ -11,12 +11,15 @@
 //!   definitions and Insight's time-based ones; results into the MALLOC rows and `ms_inefficient`.
 //! - [`fragmentation`], [`oom`], [`advise`]: the caching pool's fragmentation over time, OOM
 //!   forensics, and allocator settings recommended from them (`ms_fragmentation`, `ms_oom`, `ms_advice`).
+//! - [`gc_held`]: tensors only Python's garbage collector freed, held past their step (the
+//!   advisor's evidence for collecting at epoch ends).
 
 pub mod advise;
 pub mod db;
 pub mod decompose;
 pub mod degradation;
 pub mod fragmentation;
+pub mod gc_held;
 pub mod inefficient;
 pub mod inefficient_out;
 pub mod leaks;

@@ -31,8 +31,9 @@ pub static WORKSPACE_ALLOCATOR: Layout =
 pub static BLOCK: Layout =
     Layout { namespace: "NPUCachingAllocator", name: "Block", members: &["ptr", "size", "device"] };
 
+/// Frees inside a garbage-collector pass are reported as the collector's (its layer is outer).
 const fn pool_spec(fields: &[FieldRead]) -> ProbeSpec {
-    let mut s = spec(layer::POOL, 0, fields);
+    let mut s = spec(layer::POOL, layer::GC, fields);
     s.ret_kind = ret_kind::NONE;
     s
 }

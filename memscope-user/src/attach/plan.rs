@@ -142,6 +142,16 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
                 }
                 plan.notes.push(LayerNote { family, text: "CPU tensor storage (HOST rows on the cpu output)".into() });
             }
+            Family::PythonGc => {
+                for def in Api::all().filter(|d| d.family == Family::PythonGc) {
+                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
+                }
+                plan.notes.push(LayerNote {
+                    family,
+                    text: "collection passes: tensor frees made by the cyclic collector are marked `freed_by: gc`"
+                        .into(),
+                });
+            }
         }
     }
     Ok(plan)

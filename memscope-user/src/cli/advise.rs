@@ -21,8 +21,10 @@ use crate::analysis::db::{self, DbFile, DumpDb};
 /// reserved memory that fragmentation forced, big segments held by small blocks, cache flushes at
 /// a ceiling, failed allocations, processes sharing the device. Recommends, only on evidence and
 /// never what is already set: PYTORCH_NPU_ALLOC_CONF expandable_segments:True, max_split_size_mb,
-/// garbage_collection_threshold, and torch_npu.npu.set_per_process_memory_fraction. The samples
-/// and the advice are written into each DB as tables ms_fragmentation and ms_advice.
+/// garbage_collection_threshold, torch_npu.npu.set_per_process_memory_fraction, and gc.collect()
+/// at epoch ends (when, at the peak, tensors from earlier steps were held by reference cycles
+/// until Python's garbage collector freed them). The samples and the advice are written into
+/// each DB as tables ms_fragmentation and ms_advice.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -77,16 +79,18 @@ fn device_of(file: &DbFile, dump: &DumpDb) -> anyhow::Result<String> {
 }
 
 /// The advice for the DBs of a finished trace, as text (for the end of `trace`); reads only.
-/// Host memory (`device_cpu`) has no caching pool and is left out.
+/// Host memory (`device_cpu`) has no caching pool: it is shown only when CPU tensors were held
+/// by reference cycles (the one rule about host memory).
 pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
     let mut out = Vec::new();
     for file in files(db_paths)? {
-        if file.device.as_deref() == Some("cpu") {
-            continue;
-        }
         let dump = DumpDb::open(&file.path, false)?;
         let device = device_of(&file, &dump)?;
         let (advice, report) = advise::analyse(&file.path, &device)?;
+        let host_advice = advice.recommendations.iter().any(|r| r.id == advise::GC_AT_EPOCH_END);
+        if file.device.as_deref() == Some("cpu") && !host_advice {
+            continue;
+        }
         out.push(advise::text(&advice, &report));
     }
     Ok(out.join("\n"))

@@ -212,6 +212,11 @@ pub enum Op {
     GetDevice {
         device: Option<i32>,
     },
+    /// A pass of Python's cyclic garbage collector over `generation` (0-2) ended; the frees it
+    /// caused came before it, each naming it as their outer call.
+    GcPass {
+        generation: i32,
+    },
 }
 
 /// A traced call.

@@ -36,6 +36,8 @@ pub struct Site {
     pub wall_ns: u64,
     pub pid: u32,
     pub tid: u32,
+    /// The call ran inside a pass of Python's garbage collector (a free the collector caused).
+    pub gc: bool,
 }
 
 /// How a block came to exist.
@@ -478,7 +480,8 @@ impl Tracker {
 
     fn apply_one(&mut self, event: &Event, out: &mut Vec<Output>) {
         if let EventKind::Call(call) = &event.kind {
-            let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid };
+            let gc = call.outer == Some(Api::PyGcCollect);
+            let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, gc };
             self.apply_call(site, call, out);
         }
     }
@@ -616,6 +619,9 @@ impl Tracker {
                     self.remove_block(site, Space::Device, va, fallback, false, None, out);
                     self.remove_segment(site.pid, va);
                 }
+            }
+            Op::GcPass { .. } => {
+                // Its frees came first and carry `site.gc`; the pass itself is not a row.
             }
             Op::SetDevice { .. } | Op::GetDevice { .. } => {
                 // The kernel keeps the thread's device; nothing is stored for these calls.
@@ -992,7 +998,7 @@ impl Tracker {
                 continue;
             }
             out.push(Output::Free {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid },
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
                 device: block.device,
                 space,
                 ptr,
@@ -1014,7 +1020,7 @@ impl Tracker {
             }
             let total = self.pools.get(&(block.device, block.pool, pid)).map_or(0, |s| s.total);
             out.push(Output::PoolFree {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid },
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
                 device: block.device,
                 pool: block.pool,
                 ptr,

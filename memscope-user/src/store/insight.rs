@@ -34,6 +34,9 @@ use crate::model::{AccessKind, DeviceKey, DriverInfo, MstxKind, Origin, Output, 
 
 /// The `Name` of an operator's rows when the marker's text could not be read.
 const NO_NAME: &str = "N/A";
+/// `Attr.freed_by` of a FREE made inside a pass of Python's garbage collector (not msMemScope's:
+/// it cannot see the collector). `analysis::gc_held` reads it.
+pub const GC: &str = "gc";
 
 fn access_type(kind: AccessKind) -> &'static str {
     match kind {
@@ -298,6 +301,9 @@ pub fn to_row(output: &Output) -> Option<Row> {
             if *shadow {
                 attr = attr.with("shadow", "true");
             }
+            if site.gc {
+                attr = attr.with("freed_by", GC);
+            }
             attr = with_driver(attr, site, driver.as_ref());
             row(site, "FREE", block_type(*space), *device, Some(*ptr), attr)
         }
@@ -361,6 +367,9 @@ pub fn to_row(output: &Output) -> Option<Row> {
             if *implied {
                 attr = attr.with("implied", "true");
             }
+            if site.gc {
+                attr = attr.with("freed_by", GC);
+            }
             row(site, "FREE", "PTA", *device, Some(*ptr), attr)
         }
     })
@@ -389,7 +398,7 @@ mod tests {
     }
 
     fn site(api: Api) -> Site {
-        Site { api, wall_ns: 5, pid: 1, tid: 2 }
+        Site { api, wall_ns: 5, pid: 1, tid: 2, gc: false }
     }
 
     #[test]

@@ -1110,19 +1110,24 @@ pub fn listed(text: &str, action: &str, api: &str, symbol: &str, source: &str) -
 /// `ledger`), the markers on PYTHONPATH and the allocator's ledger next to it; waits for both to
 /// exit successfully. Returns the output and the ledger's path.
 pub fn trace_standin_script(env: &TestEnv, script: &str, ledger: &str) -> (Output, PathBuf) {
+    trace_standin_run(env, script, ledger, "out", &[])
+}
+
+/// As [`trace_standin_script`], into `env.scratch/<out>`, with `extra` arguments for the script.
+pub fn trace_standin_run(env: &TestEnv, script: &str, ledger: &str, out: &str, extra: &[&str]) -> (Output, PathBuf) {
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let markers = var("MEMSCOPE_MARKERS");
     let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name(script);
     let ledger = env.scratch.join(ledger);
     let pool = pool_ledger_path(&ledger);
-    let out = env.scratch.join("out");
+    let out = env.scratch.join(out);
     let (out_s, torch_s, ledger_s, workload_s) = (
         out.display().to_string(),
         torch.display().to_string(),
         ledger.display().to_string(),
         workload.display().to_string(),
     );
-    let args = [
+    let mut args = vec![
         "trace",
         "--output",
         &out_s,
@@ -1136,6 +1141,7 @@ pub fn trace_standin_script(env: &TestEnv, script: &str, ledger: &str) -> (Outpu
         "--ledger",
         &ledger_s,
     ];
+    args.extend_from_slice(extra);
     let vars: Vec<(&str, &Path)> =
         vec![("ASCEND_HOME_PATH", &env.ascend_home), ("PYTHONPATH", &markers), ("STANDIN_TORCH_LEDGER", &pool)];
     let (code, stderr) = Tracer::spawn(env, &args, &vars).finish(Duration::from_secs(120));
