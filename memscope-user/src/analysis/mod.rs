@@ -11,6 +11,7 @@
 //!   definitions and Insight's time-based ones; results into the MALLOC rows and `ms_inefficient`.
 //! - [`fragmentation`], [`oom`], [`advise`]: the caching pool's fragmentation over time, OOM
 //!   forensics, and allocator settings recommended from them (`ms_fragmentation`, `ms_oom`, `ms_advice`).
+//! - [`opdiff`]: Myers' shortest edit script, for `compare --level` on operator or kernel sequences.
 
 pub mod advise;
 pub mod db;
@@ -21,6 +22,7 @@ pub mod inefficient;
 pub mod inefficient_out;
 pub mod leaks;
 pub mod oom;
+pub mod opdiff;
 pub mod render;
 pub mod steps;
 
