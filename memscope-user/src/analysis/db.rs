@@ -145,6 +145,18 @@ pub struct RawRow<'a> {
     pub attr: &'a str,
 }
 
+/// A row with its `Name` and `Thread Id`, borrowed like [`RawRow`].
+#[derive(Clone, Copy, Debug)]
+pub struct NamedRow<'a> {
+    pub event: &'a str,
+    pub event_type: &'a str,
+    pub name: &'a str,
+    pub ts: i64,
+    pub pid: i64,
+    pub tid: i64,
+    pub attr: &'a str,
+}
+
 /// Text of a column; numbers written as text by other tools read as "" here, which only drops
 /// rows Insight would drop too.
 fn text(v: ValueRef<'_>) -> &str {
@@ -283,6 +295,43 @@ impl DumpDb {
                 pid: int(get(3)?),
                 ptr: text(get(4)?),
                 attr: text(get(5)?),
+            });
+        }
+        Ok(())
+    }
+
+    /// Calls `f` for every row whose `Event` is one of `events`, in time order (as
+    /// [`Self::for_each_row`]), with the `Name` and `Thread Id` that call sequences need.
+    pub fn for_each_named_row(&self, events: &[&str], mut f: impl FnMut(NamedRow<'_>)) -> Result<(), AnalysisError> {
+        let columns: Vec<String> = self
+            .conn
+            .prepare("SELECT name FROM pragma_table_info(?1)")
+            .and_then(|mut s| s.query_map([self.table], |r| r.get(0))?.collect())
+            .map_err(self.read_err())?;
+        let missing: Vec<&str> =
+            ["Name", "Thread Id"].into_iter().filter(|c| !columns.iter().any(|h| h == c)).collect();
+        if !missing.is_empty() {
+            let (path, table) = (self.path.clone(), self.table.to_owned());
+            return Err(AnalysisError::MissingColumns { path, table, missing: missing.join(", ") });
+        }
+        let list = vec!["?"; events.len()].join(",");
+        let sql = format!(
+            "SELECT \"Event\", \"Event Type\", \"Name\", \"Timestamp(ns)\", \"Process Id\", \"Thread Id\", \"Attr\" \
+             FROM \"{}\" WHERE \"Event\" IN ({list}) ORDER BY \"Timestamp(ns)\", \"ID\"",
+            self.table
+        );
+        let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
+        let mut rows = stmt.query(rusqlite::params_from_iter(events)).map_err(self.read_err())?;
+        while let Some(row) = rows.next().map_err(self.read_err())? {
+            let get = |i| row.get_ref(i).map_err(self.read_err());
+            f(NamedRow {
+                event: text(get(0)?),
+                event_type: text(get(1)?),
+                name: text(get(2)?),
+                ts: int(get(3)?),
+                pid: int(get(4)?),
+                tid: int(get(5)?),
+                attr: text(get(6)?),
             });
         }
         Ok(())
