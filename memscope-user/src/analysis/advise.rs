@@ -14,10 +14,14 @@
 //!   cached segments earlier avoids the stalls and the ceiling;
 //! - torch_npu.npu.set_per_process_memory_fraction: several processes share the device;
 //! - gc.collect() at epoch ends: at the peak, a share of the live tensors were garbage from
-//!   earlier steps that only Python's cyclic garbage collector freed, later ([`super::gc_held`]).
+//!   earlier steps that only Python's cyclic garbage collector freed, later ([`super::gc_held`]);
+//! - MULTI_STREAM_MEMORY_REUSE: blocks freed while still marked on another stream (a
+//!   collective's tensors) waited for that stream, and the pool took new segments meanwhile
+//!   ([`super::stream_reuse`]): 1 when it was off, 3 when it was on (the default) and the blocks
+//!   were freed before the collective was waited for.
 //!
-//! Settings the data cannot support are not mentioned: MULTI_STREAM_MEMORY_REUSE (the trace sees
-//! no cross-stream use of blocks), ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE (no ATB workspace events).
+//! Settings the data cannot support are not mentioned: ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE (no ATB
+//! workspace events).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -30,10 +34,16 @@ use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
 use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
 use super::render::{human_bytes, relative};
+use super::stream_reuse::{self, StreamReuse};
 use super::AnalysisError;
 
 /// The id of the one recommendation that is not an allocator setting but a code change.
 pub const GC_AT_EPOCH_END: &str = "gc_at_epoch_end";
+
+/// torch_npu's multi-stream reuse switch (0 off, 1 erase marks at wait, the default, 2 never
+/// mark, 3 also erase the marks of tensors freed before the wait), and its recommendation's id.
+pub const MULTI_STREAM: &str = "MULTI_STREAM_MEMORY_REUSE";
+pub const MULTI_STREAM_REUSE_ID: &str = "multi_stream_memory_reuse";
 
 /// The allocator's configuration variable (torch_npu reads it once, at its first allocation).
 pub const ALLOC_CONF: &str = "PYTORCH_NPU_ALLOC_CONF";
@@ -130,6 +140,8 @@ pub struct Measured {
     pub processes: Vec<ProcessPeak>,
     /// Tensors freed by Python's garbage collector, and those it held at the peak.
     pub gc: GcHeld,
+    /// Blocks freed while marked on another stream, and what the pool took meanwhile.
+    pub streams: StreamReuse,
 }
 
 /// The advice for one DB.
@@ -191,6 +203,7 @@ fn measure(report: &Report) -> Measured {
         recovered_refusals: report.incidents.iter().filter(|i| i.verdict == Verdict::Recovered).count(),
         processes: report.processes.clone(),
         gc: GcHeld::default(),
+        streams: StreamReuse::default(),
     };
     m.flushes_at_ceiling = report.flushes.iter().filter(|f| at_ceiling(f, &m)).count();
     m
@@ -211,9 +224,15 @@ fn split_limit_mib(mib: u64) -> u64 {
 }
 
 /// The rules, in the order their advice is listed.
-pub fn advise(report: &Report, settings: &BTreeMap<String, String>, gc: &GcHeld) -> (Measured, Vec<Recommendation>) {
+pub fn advise(
+    report: &Report,
+    settings: &BTreeMap<String, String>,
+    gc: &GcHeld,
+    streams: &StreamReuse,
+) -> (Measured, Vec<Recommendation>) {
     let mut m = measure(report);
     m.gc = gc.clone();
+    m.streams = streams.clone();
     let current = settings.get(ALLOC_CONF).cloned();
     let conf = AllocConf::parse(current.as_deref().unwrap_or(""));
     let mut recs = Vec::new();
@@ -368,6 +387,46 @@ pub fn advise(report: &Report, settings: &BTreeMap<String, String>, gc: &GcHeld)
         });
     }
 
+    // MULTI_STREAM_MEMORY_REUSE: blocks waiting for another stream while the pool grew.
+    let reuse = settings.get(MULTI_STREAM).map(|v| v.trim().to_owned());
+    let next = match reuse.as_deref() {
+        Some("0") => Some(("1", "with reuse off nothing erases the marks once the collective was waited for")),
+        None | Some("" | "1") => Some((
+            "3",
+            "they were freed before the collective that marked them was waited for, which reuse mode 1 (the default) does not cover",
+        )),
+        _ => None,
+    };
+    if let (true, Some((value, because))) = (streams.costly(), next) {
+        let why = format!(
+            "{} block(s) ({}) were freed while still marked as used by another stream (recordStream, as a \
+             collective's tensors are); torch_npu keeps such blocks until that stream's work completes, and {because}. \
+             Meanwhile the pool took {} of new segments, in {} step(s) (up to {} freed while marked in one step)",
+            streams.deferred_blocks,
+            b(streams.deferred_bytes),
+            b(streams.grown_while_deferred),
+            streams.steps_grown,
+            b(streams.max_step_deferred_bytes)
+        );
+        let evidence = ev(&[
+            ("deferred_blocks", streams.deferred_blocks.into()),
+            ("deferred_bytes", streams.deferred_bytes.into()),
+            ("max_step_deferred_bytes", streams.max_step_deferred_bytes.into()),
+            ("grown_while_deferred", streams.grown_while_deferred.into()),
+            ("steps_grown", streams.steps_grown.into()),
+        ]);
+        recs.push(Recommendation {
+            id: MULTI_STREAM_REUSE_ID,
+            variable: Some(MULTI_STREAM),
+            setting: value.to_owned(),
+            value: Some(value.to_owned()),
+            current: reuse.clone(),
+            why,
+            evidence,
+            conflicts_with: Vec::new(),
+        });
+    }
+
     // gc at epoch ends: garbage from earlier steps, held by reference cycles, live at the peak.
     if gc.significant() {
         let why = format!(
@@ -427,7 +486,8 @@ pub fn analyse(path: &Path, device: &str) -> Result<(Advice, Report), AnalysisEr
     let report = fragmentation::analyse(path, fragmentation::Options::default())?;
     let settings = read_settings(path)?;
     let gc = gc_held::analyse(path)?;
-    let (measured, recommendations) = advise(&report, &settings, &gc);
+    let streams = stream_reuse::analyse(path)?;
+    let (measured, recommendations) = advise(&report, &settings, &gc, &streams);
     let advice =
         Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };
     Ok((advice, report))

@@ -13,6 +13,8 @@
 //!   forensics, and allocator settings recommended from them (`ms_fragmentation`, `ms_oom`, `ms_advice`).
 //! - [`gc_held`]: tensors only Python's garbage collector freed, held past their step (the
 //!   advisor's evidence for collecting at epoch ends).
+//! - [`stream_reuse`]: blocks freed while another stream still used them, and the pool growth
+//!   meanwhile (the evidence for MULTI_STREAM_MEMORY_REUSE).
 //! - [`calls`], [`opdiff`], [`calldiff`]: a trace's operator or kernel sequence with each call's
 //!   memory delta, Myers' shortest edit script between two of them, and the report of
 //!   `compare --level`.
@@ -32,6 +34,7 @@ pub mod oom;
 pub mod opdiff;
 pub mod render;
 pub mod steps;
+pub mod stream_reuse;
 
 use std::path::PathBuf;
 

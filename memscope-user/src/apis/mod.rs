@@ -74,6 +74,8 @@ pub enum Api {
     AclrtLaunchKernel = 46,
     AclrtBinaryGetFunction = 47,
     PyGcCollect = 48,
+    RecordStream = 49,
+    EraseStream = 50,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.

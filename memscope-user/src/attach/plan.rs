@@ -238,12 +238,18 @@ fn plan_torch(lib: &Library, dwarf_data: &[u8], plan: &mut LibraryPlan) {
     } else {
         "workspace blocks: not visible".to_owned()
     };
+    let marks = has(Api::RecordStream).then(|| {
+        attach.push(Api::RecordStream);
+        attach.extend(has(Api::EraseStream).then_some(Api::EraseStream));
+        "stream marks from recordStream/eraseStream: a block freed while used by another stream is marked on its FREE (`stream_uses`)".to_owned()
+    });
     for api in attach {
         plan.probes.extend(probe(lib, &plan.symbols, api, api.def().symbol));
     }
     plan.specs.extend(specs);
     plan.notes.push(LayerNote { family: Family::TorchNpu, text: caching });
     plan.notes.push(LayerNote { family: Family::TorchNpu, text: workspace });
+    plan.notes.extend(marks.map(|text| LayerNote { family: Family::TorchNpu, text }));
 }
 
 /// How a found debug file is described to the user.

@@ -21,9 +21,10 @@ use crate::analysis::db::{self, DbFile, DumpDb};
 /// reserved memory that fragmentation forced, big segments held by small blocks, cache flushes at
 /// a ceiling, failed allocations, processes sharing the device. Recommends, only on evidence and
 /// never what is already set: PYTORCH_NPU_ALLOC_CONF expandable_segments:True, max_split_size_mb,
-/// garbage_collection_threshold, torch_npu.npu.set_per_process_memory_fraction, and gc.collect()
-/// at epoch ends (when, at the peak, tensors from earlier steps were held by reference cycles
-/// until Python's garbage collector freed them). The samples and the advice are written into
+/// garbage_collection_threshold, torch_npu.npu.set_per_process_memory_fraction,
+/// MULTI_STREAM_MEMORY_REUSE (when blocks freed while another stream still used them made the pool
+/// grow), and gc.collect() at epoch ends (when, at the peak, tensors from earlier steps were held
+/// by reference cycles until Python's garbage collector freed them). The samples and the advice are written into
 /// each DB as tables ms_fragmentation and ms_advice.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]

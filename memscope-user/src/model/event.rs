@@ -212,6 +212,13 @@ pub enum Op {
     GetDevice {
         device: Option<i32>,
     },
+    /// The pool block at `ptr` was marked as used by `stream` (`record`), or the mark was erased:
+    /// freed while marked, the allocator keeps it until that stream's work completes.
+    StreamMark {
+        ptr: Option<u64>,
+        stream: u64,
+        record: bool,
+    },
     /// A pass of Python's cyclic garbage collector over `generation` (0-2) ended; the frees it
     /// caused came before it, each naming it as their outer call.
     GcPass {

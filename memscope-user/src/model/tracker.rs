@@ -141,6 +141,9 @@ pub enum Output {
         /// The free was not seen but follows from the allocator's rules (a workspace use ends
         /// with the next one on its device when only `allocate_workspace` is probed).
         implied: bool,
+        /// Other streams the block was still marked on (`recordStream` without `eraseStream`):
+        /// the allocator keeps it until their work completes.
+        stream_uses: u32,
     },
     /// An address tag changed the owner of a live block reported earlier.
     Retag {
@@ -302,6 +305,8 @@ pub(super) struct PoolBlock {
     /// Born while collection was off: never reported.
     pub(super) hidden: bool,
     pub(super) born_ns: u64,
+    /// Streams it is marked on (`recordStream`, until `eraseStream`).
+    pub(super) streams: Vec<u64>,
 }
 
 /// An external block known by its handle, waiting for `GetBlockPtr`.
@@ -620,6 +625,16 @@ impl Tracker {
                     self.remove_segment(site.pid, va);
                 }
             }
+            Op::StreamMark { ptr: Some(ptr), stream, record } => {
+                if let Some(block) = self.pool_blocks.get_mut(&(site.pid, ptr)) {
+                    if record && !block.streams.contains(&stream) {
+                        block.streams.push(stream);
+                    } else if !record {
+                        block.streams.retain(|s| *s != stream);
+                    }
+                }
+            }
+            Op::StreamMark { ptr: None, .. } => {}
             Op::GcPass { .. } => {
                 // Its frees came first and carry `site.gc`; the pass itself is not a row.
             }
@@ -799,7 +814,8 @@ impl Tracker {
             out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
         }
         let born_ns = site.wall_ns;
-        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns };
+        let streams = Vec::new();
+        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns, streams };
         self.pool_index.insert((site.pid, ptr), ptr.saturating_add(block.size));
         self.pool_blocks.insert((site.pid, ptr), block);
     }
@@ -825,6 +841,7 @@ impl Tracker {
                 if block.hidden {
                     return;
                 }
+                let block_streams = block.streams.len() as u32;
                 out.push(Output::PoolFree {
                     site,
                     device: block.device,
@@ -836,6 +853,7 @@ impl Tracker {
                     total,
                     shadow,
                     implied,
+                    stream_uses: block_streams,
                 });
             }
             None => {
@@ -857,6 +875,7 @@ impl Tracker {
                     total,
                     shadow,
                     implied,
+                    stream_uses: 0,
                 });
             }
         }
@@ -1030,6 +1049,7 @@ impl Tracker {
                 total,
                 shadow: true,
                 implied: false,
+                stream_uses: 0,
             });
         }
     }

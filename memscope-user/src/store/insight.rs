@@ -37,6 +37,10 @@ const NO_NAME: &str = "N/A";
 /// `Attr.freed_by` of a FREE made inside a pass of Python's garbage collector (not msMemScope's:
 /// it cannot see the collector). `analysis::gc_held` reads it.
 pub const GC: &str = "gc";
+/// `Attr` key of a PTA FREE whose block was still marked on other streams (`recordStream`), so
+/// the allocator kept it until their work completed (not msMemScope's). `analysis::stream_reuse`
+/// reads it.
+pub const STREAM_USES: &str = "stream_uses";
 
 fn access_type(kind: AccessKind) -> &'static str {
     match kind {
@@ -349,7 +353,19 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 .with("owner", owner.clone());
             row(site, "MALLOC", "PTA", *device, Some(*ptr), attr)
         }
-        Output::PoolFree { site, device, pool, ptr, size, allocation_id, used, total, shadow, implied } => {
+        Output::PoolFree {
+            site,
+            device,
+            pool,
+            ptr,
+            size,
+            allocation_id,
+            used,
+            total,
+            shadow,
+            implied,
+            stream_uses,
+        } => {
             let mut attr = Attr::new()
                 .addr("addr", *ptr)
                 .with("size", size.unwrap_or(0))
@@ -369,6 +385,9 @@ pub fn to_row(output: &Output) -> Option<Row> {
             }
             if site.gc {
                 attr = attr.with("freed_by", GC);
+            }
+            if *stream_uses > 0 {
+                attr = attr.with(STREAM_USES, u64::from(*stream_uses));
             }
             row(site, "FREE", "PTA", *device, Some(*ptr), attr)
         }

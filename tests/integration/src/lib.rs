@@ -1110,11 +1110,19 @@ pub fn listed(text: &str, action: &str, api: &str, symbol: &str, source: &str) -
 /// `ledger`), the markers on PYTHONPATH and the allocator's ledger next to it; waits for both to
 /// exit successfully. Returns the output and the ledger's path.
 pub fn trace_standin_script(env: &TestEnv, script: &str, ledger: &str) -> (Output, PathBuf) {
-    trace_standin_run(env, script, ledger, "out", &[])
+    trace_standin_run(env, script, ledger, "out", &[], &[])
 }
 
-/// As [`trace_standin_script`], into `env.scratch/<out>`, with `extra` arguments for the script.
-pub fn trace_standin_run(env: &TestEnv, script: &str, ledger: &str, out: &str, extra: &[&str]) -> (Output, PathBuf) {
+/// As [`trace_standin_script`], into `env.scratch/<out>`, with `extra` arguments for the script
+/// and `vars` in its environment.
+pub fn trace_standin_run(
+    env: &TestEnv,
+    script: &str,
+    ledger: &str,
+    out: &str,
+    extra: &[&str],
+    vars: &[(&str, &str)],
+) -> (Output, PathBuf) {
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let markers = var("MEMSCOPE_MARKERS");
     let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name(script);
@@ -1142,8 +1150,10 @@ pub fn trace_standin_run(env: &TestEnv, script: &str, ledger: &str, out: &str, e
         &ledger_s,
     ];
     args.extend_from_slice(extra);
-    let vars: Vec<(&str, &Path)> =
+    let mut vars_all: Vec<(&str, &Path)> =
         vec![("ASCEND_HOME_PATH", &env.ascend_home), ("PYTHONPATH", &markers), ("STANDIN_TORCH_LEDGER", &pool)];
+    vars_all.extend(vars.iter().map(|(k, v)| (*k, Path::new(*v))));
+    let vars = vars_all;
     let (code, stderr) = Tracer::spawn(env, &args, &vars).finish(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{stderr}");
     (read_output(&out), ledger)

@@ -41,7 +41,8 @@ fn run(env: &TestEnv, tag: &str, extra: &[&str]) -> Run {
     // Waits until the markers are attached: libpython, mapped before them, is attached by then.
     let mut args = vec!["--wait-tracer"];
     args.extend_from_slice(extra);
-    let (out, ledger) = trace_standin_run(env, "standin_gc.py", &format!("{tag}.jsonl"), &format!("out-{tag}"), &args);
+    let (out, ledger) =
+        trace_standin_run(env, "standin_gc.py", &format!("{tag}.jsonl"), &format!("out-{tag}"), &args, &[]);
     let text = std::fs::read_to_string(&ledger).unwrap();
     let ledger = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     Run { out, ledger }
