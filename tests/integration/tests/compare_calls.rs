@@ -42,7 +42,8 @@ fn one_inserted_operator_is_found_with_its_memory() {
     let (calls_a, calls_b) = (calls(&ledger_a), calls(&ledger_b));
     assert_eq!(calls_b, calls_a + 1);
     let names_a: Vec<&str> = ledger_a.iter().filter_map(|e| e["op"].as_str()).collect();
-    let extra: Vec<&Value> = ledger_b.iter().filter(|e| e["op"].as_str().is_some_and(|n| !names_a.contains(&n))).collect();
+    let extra: Vec<&Value> =
+        ledger_b.iter().filter(|e| e["op"].as_str().is_some_and(|n| !names_a.contains(&n))).collect();
     assert_eq!(extra.len(), 1, "the workload's extra operator: {extra:?}");
     let extra = extra[0];
 
