@@ -27,6 +27,8 @@ import os
 import threading
 import time
 
+import standin_ctypes
+
 MiB = 1 << 20
 
 try:
@@ -44,17 +46,7 @@ def _gc_phase(phase, _info):
 
 class Job:
     def __init__(self, args):
-        home = os.environ["ASCEND_HOME_PATH"]
-        acl = ctypes.CDLL(os.path.join(home, "lib64", "libascendcl.so"))
-        acl.aclrtSetDevice.argtypes = [ctypes.c_int32]
-        if acl.aclrtSetDevice(0) != 0:
-            raise RuntimeError("aclrtSetDevice(0) failed")
-        self.torch = ctypes.CDLL(args.torch_lib)
-        self.torch.standin_tensor_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
-        self.torch.standin_tensor_alloc.restype = ctypes.c_void_p
-        self.torch.standin_tensor_free.argtypes = [ctypes.c_void_p]
-        self.torch.standin_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t),
-                                             ctypes.POINTER(ctypes.c_size_t)]
+        _, self.torch = standin_ctypes.load(args.torch_lib)
         self.lines = []
         self.step_no = 0
 

@@ -17,9 +17,9 @@ of the tensor allocated after it.
 import argparse
 import ctypes
 import json
-import os
 
 import memscope
+import standin_ctypes
 from memscope import _native
 
 MiB = 1 << 20
@@ -39,17 +39,8 @@ def main():
     if args.wait_tracer:
         memscope.wait_for_tracer()
 
-    vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    acl = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
-    acl.aclrtSetDevice.argtypes = [ctypes.c_int32]
-    acl.aclrtBinaryGetFunction.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(vp)]
-    acl.aclrtLaunchKernel.argtypes = [vp, ctypes.c_uint32, vp, sz, vp]
-    torch = ctypes.CDLL(args.torch_lib)
-    torch.standin_tensor_alloc.argtypes = [sz, ctypes.c_int]
-    torch.standin_tensor_alloc.restype = vp
-    torch.standin_tensor_free.argtypes = [vp]
-    if acl.aclrtSetDevice(0) != 0:
-        raise RuntimeError("aclrtSetDevice(0) failed")
+    vp = ctypes.c_void_p
+    acl, torch = standin_ctypes.load(args.torch_lib)
 
     functions = {}
     ledger = []

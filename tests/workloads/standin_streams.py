@@ -19,11 +19,12 @@ counters and which frees it deferred (STANDIN_TORCH_LEDGER). Neither comes from 
 """
 
 import argparse
-import ctypes
 import json
 import os
 import threading
 import time
+
+import standin_ctypes
 
 MiB = 1 << 20
 
@@ -45,15 +46,7 @@ def main():
     if args.wait_tracer and memscope is not None:
         memscope.wait_for_tracer()
 
-    acl = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
-    acl.aclrtSetDevice.argtypes = [ctypes.c_int32]
-    if acl.aclrtSetDevice(0) != 0:
-        raise RuntimeError("aclrtSetDevice(0) failed")
-    torch = ctypes.CDLL(args.torch_lib)
-    torch.standin_tensor_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
-    torch.standin_tensor_alloc.restype = ctypes.c_void_p
-    torch.standin_tensor_free.argtypes = [ctypes.c_void_p]
-    torch.standin_comm_start.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    _, torch = standin_ctypes.load(args.torch_lib)
     lines = []
 
     def log(**fields):

@@ -113,7 +113,7 @@ pub struct Recommendation {
     pub current: Option<String>,
     /// The evidence in plain words, with its numbers.
     pub why: String,
-    pub evidence: BTreeMap<&'static str, serde_json::Value>,
+    pub evidence: BTreeMap<String, serde_json::Value>,
     /// Recommendations of this list that torch_npu refuses together with this one.
     pub conflicts_with: Vec<&'static str>,
 }
@@ -213,8 +213,16 @@ fn b(v: u64) -> String {
     human_bytes(v as i64)
 }
 
-fn ev(pairs: &[(&'static str, serde_json::Value)]) -> BTreeMap<&'static str, serde_json::Value> {
-    pairs.iter().cloned().collect()
+fn ev(pairs: &[(&'static str, serde_json::Value)]) -> BTreeMap<String, serde_json::Value> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect()
+}
+
+/// Every field of a measurement, as its evidence.
+fn ev_of(measured: &impl Serialize) -> BTreeMap<String, serde_json::Value> {
+    match serde_json::to_value(measured) {
+        Ok(serde_json::Value::Object(fields)) => fields.into_iter().collect(),
+        _ => BTreeMap::new(),
+    }
 }
 
 /// The largest power of two not above `mib`, but above torch_npu's 20 MiB floor for the setting.
@@ -408,13 +416,6 @@ pub fn advise(
             streams.steps_grown,
             b(streams.max_step_deferred_bytes)
         );
-        let evidence = ev(&[
-            ("deferred_blocks", streams.deferred_blocks.into()),
-            ("deferred_bytes", streams.deferred_bytes.into()),
-            ("max_step_deferred_bytes", streams.max_step_deferred_bytes.into()),
-            ("grown_while_deferred", streams.grown_while_deferred.into()),
-            ("steps_grown", streams.steps_grown.into()),
-        ]);
         recs.push(Recommendation {
             id: MULTI_STREAM_REUSE_ID,
             variable: Some(MULTI_STREAM),
@@ -422,7 +423,7 @@ pub fn advise(
             value: Some(value.to_owned()),
             current: reuse.clone(),
             why,
-            evidence,
+            evidence: ev_of(streams),
             conflicts_with: Vec::new(),
         });
     }
@@ -443,14 +444,6 @@ pub fn advise(
             b(gc.late_bytes),
             gc.mean_steps_late
         );
-        let evidence = ev(&[
-            ("peak_bytes", gc.peak_bytes.into()),
-            ("held_at_peak", gc.held_at_peak.into()),
-            ("held_blocks_at_peak", gc.held_blocks_at_peak.into()),
-            ("late_blocks", gc.late_blocks.into()),
-            ("late_bytes", gc.late_bytes.into()),
-            ("mean_steps_late", gc.mean_steps_late.into()),
-        ]);
         recs.push(Recommendation {
             id: GC_AT_EPOCH_END,
             variable: None,
@@ -458,7 +451,7 @@ pub fn advise(
             value: None,
             current: None,
             why,
-            evidence,
+            evidence: ev_of(gc),
             conflicts_with: Vec::new(),
         });
     }
