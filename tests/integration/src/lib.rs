@@ -1158,3 +1158,17 @@ pub fn trace_standin_run(
     assert_eq!(code, Some(0), "{stderr}");
     (read_output(&out), ledger)
 }
+
+/// The torch venv's python and the markers package built for it, or None after saying why.
+pub fn real_torch() -> Option<(PathBuf, PathBuf)> {
+    match (std::env::var_os("MEMSCOPE_REAL_TORCH_PYTHON"), std::env::var_os("MEMSCOPE_MARKERS_TORCH")) {
+        (Some(python), Some(markers)) if Path::new(&python).is_file() => {
+            Some((PathBuf::from(python), PathBuf::from(markers)))
+        }
+        _ => {
+            let why = std::env::var("MEMSCOPE_REAL_TORCH_MISSING").unwrap_or_else(|_| "not set up".into());
+            eprintln!("SKIPPED: no real PyTorch ({why}); `cargo xtask test` prepares target/torch-venv");
+            None
+        }
+    }
+}

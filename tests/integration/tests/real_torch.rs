@@ -51,20 +51,6 @@ const COUNT_END: &str = "ms-count-end";
 /// The workload keeps this quiet on each side of the checkpoint (it sleeps 100 ms).
 const QUIET_NS: u64 = 50_000_000;
 
-/// The torch venv's python and the markers package built for it, or None after saying why.
-fn real_torch() -> Option<(PathBuf, PathBuf)> {
-    match (std::env::var_os("MEMSCOPE_REAL_TORCH_PYTHON"), std::env::var_os("MEMSCOPE_MARKERS_TORCH")) {
-        (Some(python), Some(markers)) if Path::new(&python).is_file() => {
-            Some((PathBuf::from(python), PathBuf::from(markers)))
-        }
-        _ => {
-            let why = std::env::var("MEMSCOPE_REAL_TORCH_MISSING").unwrap_or_else(|_| "not set up".into());
-            eprintln!("SKIPPED: no real PyTorch ({why}); `cargo xtask test` prepares target/torch-venv");
-            None
-        }
-    }
-}
-
 /// `bpftrace` on PATH, if any (MEMSCOPE_BPFTRACE overrides the search; a path that is not a
 /// file there means none).
 fn bpftrace() -> Option<PathBuf> {
