@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context as _};
 use serde::Serialize;
 
+use super::inputs;
 use crate::analysis::calldiff;
 use crate::analysis::calls::{self, Calls, Level};
 use crate::analysis::db::{self, DbFile, DumpDb};
@@ -352,20 +353,6 @@ fn text(d: &PairDiff) -> String {
     out
 }
 
-/// The device a DB holds: its folder's, else the `Device Id`s of its rows.
-fn device_of(file: &DbFile) -> anyhow::Result<String> {
-    if let Some(d) = &file.device {
-        return Ok(d.clone());
-    }
-    let devices = DumpDb::open(&file.path, false)?.devices()?;
-    Ok(if devices.is_empty() { "?".to_owned() } else { devices.join(",") })
-}
-
-fn normalise_device(device: &str) -> &str {
-    let d = device.trim();
-    d.strip_prefix("device_").or_else(|| d.strip_prefix("npu:")).unwrap_or(d)
-}
-
 /// One side's DBs by device, in device order: (device, DB).
 type ByDevice = BTreeMap<(u8, u64, String), (String, PathBuf)>;
 
@@ -373,11 +360,11 @@ type ByDevice = BTreeMap<(u8, u64, String), (String, PathBuf)>;
 fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
     let files_a = db::discover(&args.a).with_context(|| "A")?;
     let files_b = db::discover(&args.b).with_context(|| "B")?;
-    let want = args.device.as_deref().map(normalise_device);
+    let want = args.device.as_deref().map(inputs::normalise_device);
     let by_device = |files: &[DbFile]| -> anyhow::Result<ByDevice> {
         let mut map = BTreeMap::new();
         for f in files {
-            let device = device_of(f)?;
+            let device = inputs::device_of(f)?;
             if want.is_some_and(|w| !device.split(',').any(|d| d == w)) {
                 continue;
             }
@@ -388,8 +375,8 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
         Ok(map)
     };
     if files_a.len() == 1 && files_b.len() == 1 && args.a.is_file() && args.b.is_file() {
-        let device = device_of(&files_a[0])?;
-        let other = device_of(&files_b[0])?;
+        let device = inputs::device_of(&files_a[0])?;
+        let other = inputs::device_of(&files_b[0])?;
         let label = if device == other { device } else { format!("{device} (A) vs {other} (B)") };
         return Ok(vec![(label, files_a[0].path.clone(), files_b[0].path.clone())]);
     }
