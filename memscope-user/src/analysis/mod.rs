@@ -13,11 +13,14 @@
 //!   forensics, and allocator settings recommended from them (`ms_fragmentation`, `ms_oom`, `ms_advice`).
 //! - [`gc_held`]: tensors only Python's garbage collector freed, held past their step (the
 //!   advisor's evidence for collecting at epoch ends).
+//! - [`atb_workspace`]: ATB operations' workspaces and intermediate tensors against the device's
+//!   peak (the advisor's evidence for ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE).
 //! - [`calls`], [`opdiff`], [`calldiff`]: a trace's operator or kernel sequence with each call's
 //!   memory delta, Myers' shortest edit script between two of them, and the report of
 //!   `compare --level`.
 
 pub mod advise;
+pub mod atb_workspace;
 pub mod calldiff;
 pub mod calls;
 pub mod db;
