@@ -9,7 +9,7 @@
 //! ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE changes, which is why the advisor needs it.
 //!
 //! Offsets come from DWARF when the library (or its debug file) describes `atb::RunnerVariantPack`
-//! (`attach::plan`). Release builds of ATB carry no DWARF, so otherwise the offsets of ATB 8.x's
+//! (`attach::plan`). Release builds of ATB carry no DWARF, so otherwise the offsets of the open-source ATB's
 //! public declarations are assumed ([`FALLBACK_OFFSETS`]): the pack starts with two
 //! `SVector<Tensor>` and two `SVector<bool>` of 64+1 inline elements, and that arithmetic is
 //! checked against a compiled copy of the declarations (tests/standin/atb/atb_standin.h) below. An
@@ -33,7 +33,7 @@ pub static RUNNER_VARIANT_PACK: Layout = Layout {
     members: &["workspaceBuffer", "workspaceBufferSize", "intermediateBufferSize"],
 };
 
-/// Offsets of [`RUNNER_VARIANT_PACK`]'s members in ATB 8.x on LP64 targets, used when no DWARF
+/// Offsets of [`RUNNER_VARIANT_PACK`]'s members in the open-source ATB (hicann/ascend-transformer-boost) on LP64 targets, used when no DWARF
 /// describes the pack. `Tensor` is 104 bytes (`TensorDesc` 80: two int enums and `Dims` of eight
 /// `int64_t` plus a count; two pointers; a size), an `SVector<T>` is capacity, size, 65 inline
 /// elements and a heap pointer (6784 bytes for `Tensor`, 96 for `bool`), and the pack's pointers

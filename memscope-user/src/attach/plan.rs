@@ -10,7 +10,7 @@
 //! - mstx: every memory-region function found; regions reported from inside a traced allocator
 //!   call are merged into it (see `model::tracker`).
 //! - ATB: `atb::Runner::Execute`, with `RunnerVariantPack`'s layout from the library's DWARF, or
-//!   its debug file's, else ATB 8.x's offsets (`apis::atb`); the note says which.
+//!   its debug file's, else the open-source ATB's offsets (`apis::atb`); the note says which.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -263,7 +263,7 @@ fn atb_layout(lib: &Library, data: &[u8], debug_dirs: &[PathBuf]) -> (Vec<u64>, 
         }
     }
     let why =
-        "no DWARF describes atb::RunnerVariantPack (none in the library or a debug file): ATB 8.x's layout assumed";
+        "no DWARF describes atb::RunnerVariantPack (none in the library or a debug file): the open-source ATB's layout assumed";
     (crate::apis::atb::FALLBACK_OFFSETS.to_vec(), why.to_owned())
 }
 

@@ -4,7 +4,7 @@
  *
  * What matters to a tracer is the ABI: the mangled name of atb::Runner::Execute and where the
  * workspace fields sit inside the RunnerVariantPack it is handed. The members below follow the
- * public declarations of ATB 8.x (include/atb/types.h, include/atb/svector.h and
+ * declarations of the open-source ATB (include/atb/types.h, include/atb/svector.h and
  * src/atb/utils/runner_variant_pack.h of hicann/ascend-transformer-boost) in order and type, so
  * the offsets the tracer finds in this file's DWARF are the ones it assumes for a stripped real
  * libatb.so (memscope-user/src/apis/atb.rs, FALLBACK_OFFSETS). Member functions are left out.

@@ -3,7 +3,7 @@
  *
  * What it reproduces is what a tracer of ATB sees: the exported atb::Runner::Execute(
  * atb::RunnerVariantPack&) (the symbol msMemScope's ATB hook interposes), called with a pack
- * whose workspace fields sit where ATB 8.x puts them (atb_standin.h), and a workspace the caller
+ * whose workspace fields sit where open-source ATB puts them (atb_standin.h), and a workspace the caller
  * took from torch_npu's workspace allocator, as op-plugin does for ATB operations (the caller
  * allocates: Operation::Setup says how much, Operation::Execute gets the buffer).
  *
