@@ -24,6 +24,10 @@ pub mod layer {
     /// The Python interpreter's cyclic garbage collector (a collection pass): frees reported
     /// inside it were made by the collector, not by the program dropping its last reference.
     pub const GC: u32 = 5;
+    /// A framework operator's execution (ATB's `Runner::Execute`): an operator nested in another
+    /// (a graph's nodes) is part of it, while the allocations and launches it makes are layers
+    /// of their own.
+    pub const OPERATOR: u32 = 6;
     /// Open-call slots per thread, a power of two above the highest layer id (ids 1..SLOTS).
     pub const SLOTS: usize = 8;
 }

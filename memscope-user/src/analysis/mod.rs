@@ -15,11 +15,14 @@
 //!   advisor's evidence for collecting at epoch ends).
 //! - [`stream_reuse`]: blocks freed while another stream still used them, and the pool growth
 //!   meanwhile (the evidence for MULTI_STREAM_MEMORY_REUSE).
+//! - [`atb_workspace`]: ATB operations' workspaces and intermediate tensors against the device's
+//!   peak (the advisor's evidence for ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE).
 //! - [`calls`], [`opdiff`], [`calldiff`]: a trace's operator or kernel sequence with each call's
 //!   memory delta, Myers' shortest edit script between two of them, and the report of
 //!   `compare --level`.
 
 pub mod advise;
+pub mod atb_workspace;
 pub mod calldiff;
 pub mod calls;
 pub mod db;

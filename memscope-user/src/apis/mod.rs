@@ -4,11 +4,13 @@
 //! This table is the only place that knows API semantics. The BPF side is generic, and the model
 //! works on [`Op`]s, so adding an API is a row here plus a stand-in function and a ledger test.
 //! One file per family: [`acl`] (runtime), [`hal`] (driver), [`torch_npu`], [`mstx`], [`c10`]
-//! (PyTorch's CPU allocator), [`python_gc`] (CPython's garbage collector). [`markers`] is the
-//! USDT side: the probes of our markers package.
+//! (PyTorch's CPU allocator), [`python_gc`] (CPython's garbage collector), [`atb`] (Ascend
+//! Transformer Boost operations and their workspaces). [`markers`] is the USDT side: the probes
+//! of our markers package.
 
 mod acl;
 mod acl_access;
+pub mod atb;
 mod c10;
 pub mod hal;
 pub mod markers;
@@ -76,6 +78,7 @@ pub enum Api {
     PyGcCollect = 48,
     RecordStream = 49,
     EraseStream = 50,
+    AtbRunnerExecute = 60,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.
@@ -94,12 +97,14 @@ pub enum Family {
     /// CPython's garbage collector: `libpython3.x.so`, or the interpreter itself when it is
     /// linked statically (Debian's `python3.x`).
     PythonGc,
+    /// Ascend Transformer Boost's operators (`atb::Runner::Execute`): `libatb.so`.
+    Atb,
 }
 
 impl Family {
     /// Outer layer first: the order libraries are attached in.
-    pub const ALL: [Family; 6] =
-        [Family::PythonGc, Family::TorchNpu, Family::C10, Family::Mstx, Family::AclRuntime, Family::Hal];
+    pub const ALL: [Family; 7] =
+        [Family::PythonGc, Family::Atb, Family::TorchNpu, Family::C10, Family::Mstx, Family::AclRuntime, Family::Hal];
 
     /// Library file names (without version suffixes) that carry this family's symbols.
     pub fn library_names(self) -> &'static [&'static str] {
@@ -109,6 +114,7 @@ impl Family {
             Self::TorchNpu => &["libtorch_npu.so"],
             Self::Mstx => &["libms_tools_ext.so"],
             Self::C10 => &["libc10.so"],
+            Self::Atb => &["libatb.so"],
             Self::PythonGc => &[
                 "libpython3.8.so",
                 "libpython3.9.so",
@@ -132,7 +138,7 @@ impl Family {
         match self {
             Self::AclRuntime => Some("Impl"),
             Self::Hal => Some("Inner"),
-            Self::TorchNpu | Self::Mstx | Self::C10 | Self::PythonGc => None,
+            Self::TorchNpu | Self::Mstx | Self::C10 | Self::PythonGc | Self::Atb => None,
         }
     }
 
@@ -145,6 +151,7 @@ impl Family {
             Self::Mstx => "mstx memory regions and markers",
             Self::C10 => "PyTorch CPU allocator (c10)",
             Self::PythonGc => "Python garbage collector",
+            Self::Atb => "Ascend Transformer Boost operators (ATB)",
         }
     }
 }
@@ -203,6 +210,7 @@ impl Api {
             .chain(c10::TABLE.iter())
             .chain(acl_access::TABLE.iter())
             .chain(python_gc::TABLE.iter())
+            .chain(atb::TABLE.iter())
     }
 
     pub fn def(self) -> &'static ApiDef {

@@ -19,13 +19,18 @@ use crate::analysis::db::DumpDb;
 /// trace stored from its environment) and what the caching allocator did: fragmentation over
 /// time (reserved − allocated, the largest free piece inside cached segments, splits), growth of
 /// reserved memory that fragmentation forced, big segments held by small blocks, cache flushes at
-/// a ceiling, failed allocations, processes sharing the device. Recommends, only on evidence and
-/// never what is already set: PYTORCH_NPU_ALLOC_CONF expandable_segments:True, max_split_size_mb,
+/// a ceiling, failed allocations, processes sharing the device, blocks freed while another stream
+/// still used them, and the workspaces of ATB operations (ATB_START/ATB_END rows: kernel scratch
+/// and intermediate tensors) against the device's peak. Recommends, only on evidence and never
+/// what is already set: PYTORCH_NPU_ALLOC_CONF expandable_segments:True, max_split_size_mb,
 /// garbage_collection_threshold, torch_npu.npu.set_per_process_memory_fraction,
-/// MULTI_STREAM_MEMORY_REUSE (when blocks freed while another stream still used them made the pool
-/// grow), and gc.collect() at epoch ends (when, at the peak, tensors from earlier steps were held
-/// by reference cycles until Python's garbage collector freed them). The samples and the advice are written into
-/// each DB as tables ms_fragmentation and ms_advice.
+/// MULTI_STREAM_MEMORY_REUSE (when blocks freed while another stream still used them made the
+/// pool grow), gc.collect() at epoch ends (when, at the peak, tensors from earlier steps were
+/// held by reference cycles until Python's garbage collector freed them), and
+/// ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE=3 (when an ATB operation's intermediate tensors were at least
+/// 10% and 1 MiB of the device's peak while the variable was unset or ATB's default 1; with
+/// ATB_WORKSPACE_MEM_ALLOC_GLOBAL=1 if that is unset). The samples and the advice are written
+/// into each DB as tables ms_fragmentation and ms_advice.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {

@@ -224,6 +224,16 @@ pub enum Op {
     GcPass {
         generation: i32,
     },
+    /// An ATB operation ran (`atb::Runner::Execute`) with the workspace its caller allocated:
+    /// `workspace_size` bytes of kernel scratch at `workspace`, followed by `intermediate_size`
+    /// bytes of the graph's intermediate tensors. `runner` (the Runner object) names the
+    /// operation within its process. Sizes are `None` when the probe could not read them.
+    AtbExecute {
+        runner: u64,
+        workspace: Option<u64>,
+        workspace_size: Option<u64>,
+        intermediate_size: Option<u64>,
+    },
 }
 
 /// A traced call.

@@ -195,6 +195,21 @@ pub enum Output {
         start: bool,
         name: String,
     },
+    /// An ATB operation began (`start`, at its call's entry) or ended (at its return): `OP_LAUNCH`
+    /// rows `ATB_START` / `ATB_END`, on the device of the workspace block it ran in (else the
+    /// thread's). The same workspace facts are on both rows, as msMemScope writes them.
+    AtbLaunch {
+        /// `wall_ns` is this row's time: the entry for the start, the return for the end.
+        site: Site,
+        device: DeviceKey,
+        start: bool,
+        runner: u64,
+        workspace: Option<u64>,
+        workspace_size: Option<u64>,
+        intermediate_size: Option<u64>,
+        /// The operation's `atb::Status` (0: success); known at the end only.
+        status: Option<i32>,
+    },
     /// A kernel was launched (`KERNEL_LAUNCH` rows).
     KernelLaunch {
         site: Site,
@@ -638,6 +653,7 @@ impl Tracker {
             Op::GcPass { .. } => {
                 // Its frees came first and carry `site.gc`; the pass itself is not a row.
             }
+            Op::AtbExecute { .. } => self.atb_execute(site, call, out),
             Op::SetDevice { .. } | Op::GetDevice { .. } => {
                 // The kernel keeps the thread's device; nothing is stored for these calls.
             }

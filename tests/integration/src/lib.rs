@@ -311,10 +311,21 @@ pub struct Tracer {
 
 impl Tracer {
     pub fn spawn(env: &TestEnv, args: &[&str], extra_env: &[(&str, &Path)]) -> Self {
+        let vars: Vec<(&str, Option<&std::ffi::OsStr>)> =
+            extra_env.iter().map(|(k, v)| (*k, Some(v.as_os_str()))).collect();
+        Self::spawn_with(env, args, &vars)
+    }
+
+    /// As [`Self::spawn`], with variables to set (`Some`) or to remove (`None`) so that a launched
+    /// job does not inherit them from whoever runs the tests.
+    pub fn spawn_with(env: &TestEnv, args: &[&str], vars: &[(&str, Option<&std::ffi::OsStr>)]) -> Self {
         let mut cmd = Command::new(&env.bin);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        for (k, v) in extra_env {
-            cmd.env(k, v);
+        for (k, v) in vars {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
         }
         let mut child = cmd.spawn().expect("start memscope-bpf");
         let stderr = child.stderr.take().unwrap();
@@ -1114,7 +1125,7 @@ pub fn trace_standin_script(env: &TestEnv, script: &str, ledger: &str) -> (Outpu
 }
 
 /// As [`trace_standin_script`], into `env.scratch/<out>`, with `extra` arguments for the script
-/// and `vars` in its environment.
+/// and `vars` set in its environment.
 pub fn trace_standin_run(
     env: &TestEnv,
     script: &str,
@@ -1122,6 +1133,21 @@ pub fn trace_standin_run(
     out: &str,
     extra: &[&str],
     vars: &[(&str, &str)],
+) -> (Output, PathBuf) {
+    let job_env: Vec<(&str, Option<&str>)> = vars.iter().map(|(k, v)| (*k, Some(*v))).collect();
+    trace_standin_run_with(env, script, ledger, out, extra, &[], &job_env)
+}
+
+/// As [`trace_standin_run`], also probing `libs` from the start (`--lib`), and with the job's
+/// environment changed: `Some` sets a variable, `None` removes it.
+pub fn trace_standin_run_with(
+    env: &TestEnv,
+    script: &str,
+    ledger: &str,
+    out: &str,
+    extra: &[&str],
+    libs: &[&Path],
+    job_env: &[(&str, Option<&str>)],
 ) -> (Output, PathBuf) {
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let markers = var("MEMSCOPE_MARKERS");
@@ -1135,26 +1161,20 @@ pub fn trace_standin_run(
         ledger.display().to_string(),
         workload.display().to_string(),
     );
-    let mut args = vec![
-        "trace",
-        "--output",
-        &out_s,
-        "--lib",
-        &torch_s,
-        "--",
-        "python3",
-        &workload_s,
-        "--torch-lib",
-        &torch_s,
-        "--ledger",
-        &ledger_s,
-    ];
+    let lib_args: Vec<String> = libs.iter().map(|l| l.display().to_string()).collect();
+    let mut args = vec!["trace", "--output", &out_s, "--lib", &torch_s];
+    for lib in &lib_args {
+        args.extend(["--lib", lib.as_str()]);
+    }
+    args.extend(["--", "python3", &workload_s, "--torch-lib", &torch_s, "--ledger", &ledger_s]);
     args.extend_from_slice(extra);
-    let mut vars_all: Vec<(&str, &Path)> =
-        vec![("ASCEND_HOME_PATH", &env.ascend_home), ("PYTHONPATH", &markers), ("STANDIN_TORCH_LEDGER", &pool)];
-    vars_all.extend(vars.iter().map(|(k, v)| (*k, Path::new(*v))));
-    let vars = vars_all;
-    let (code, stderr) = Tracer::spawn(env, &args, &vars).finish(Duration::from_secs(120));
+    let mut vars: Vec<(&str, Option<&std::ffi::OsStr>)> = vec![
+        ("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str())),
+        ("PYTHONPATH", Some(markers.as_os_str())),
+        ("STANDIN_TORCH_LEDGER", Some(pool.as_os_str())),
+    ];
+    vars.extend(job_env.iter().map(|(k, v)| (*k, v.map(std::ffi::OsStr::new))));
+    let (code, stderr) = Tracer::spawn_with(env, &args, &vars).finish(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{stderr}");
     (read_output(&out), ledger)
 }
