@@ -1192,3 +1192,21 @@ pub fn real_torch() -> Option<(PathBuf, PathBuf)> {
         }
     }
 }
+
+/// Waits for a workload to write `path` (non-empty) and returns its text; fails if the workload
+/// exits first or `timeout` passes.
+pub fn wait_for_file(path: &Path, child: &mut Child, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if !text.is_empty() {
+                return text;
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("workload exited ({status}) before writing {}", path.display());
+        }
+        assert!(Instant::now() < deadline, "no {} after {timeout:?}", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

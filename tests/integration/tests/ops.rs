@@ -21,7 +21,6 @@
 //!    tensors after the attach, so nearly every ledger entry must count.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -52,22 +51,6 @@ type Access = (String, u64, u64, String, String);
 
 fn shape_text(shape: &[u64]) -> String {
     format!("[{}]", shape.iter().map(u64::to_string).collect::<Vec<_>>().join(","))
-}
-
-fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if !text.is_empty() {
-                return text;
-            }
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("workload exited ({status}) before writing {}", path.display());
-        }
-        assert!(Instant::now() < deadline, "no {} after {timeout:?}", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn counts<T: Ord + Clone>(items: &[T]) -> BTreeMap<T, usize> {

@@ -95,22 +95,6 @@ fn read_checkpoint(ledger: &Path) -> Checkpoint {
     c
 }
 
-fn wait_for_file(path: &Path, child: &mut Child, timeout: Duration) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if !text.is_empty() {
-                return text;
-            }
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("workload exited ({status}) before writing {}", path.display());
-        }
-        assert!(Instant::now() < deadline, "no {} after {timeout:?}", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The first file mapped into `pid` whose name matches `pred`.
 fn mapped(pid: u32, pred: impl Fn(&str) -> bool) -> Option<PathBuf> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
