@@ -21,8 +21,15 @@ pub mod layer {
     pub const POOL: u32 = 3;
     /// mstx memory-region reports (a pool describing its blocks; usually from inside a pool call).
     pub const MSTX: u32 = 4;
-    /// Layers a thread can have calls open in at once; layer ids run 1..=SLOTS.
-    pub const SLOTS: usize = 4;
+    /// The Python interpreter's cyclic garbage collector (a collection pass): frees reported
+    /// inside it were made by the collector, not by the program dropping its last reference.
+    pub const GC: u32 = 5;
+    /// A framework operator's execution (ATB's `Runner::Execute`): an operator nested in another
+    /// (a graph's nodes) is part of it, while the allocations and launches it makes are layers
+    /// of their own.
+    pub const OPERATOR: u32 = 6;
+    /// Open-call slots per thread, a power of two above the highest layer id (ids 1..SLOTS).
+    pub const SLOTS: usize = 8;
 }
 
 /// The attach cookie: the spec index in the low half, its layer in the high half, so the return

@@ -248,7 +248,8 @@ fn describe_libraries(probes: &[AttachedProbe]) -> String {
 }
 
 /// Attaches newly mapped libraries of the traced processes; returns the new probes and marker
-/// sites.
+/// sites. The markers go last: a program's `wait_for_tracer()` returns as soon as their
+/// semaphores rise, and by then every library it had mapped must be probed too.
 fn rescan(
     tracer: &mut Tracer,
     pids: impl Iterator<Item = u32>,
@@ -256,15 +257,16 @@ fn rescan(
     quiet: bool,
 ) -> anyhow::Result<(Vec<AttachedProbe>, Vec<AttachedUsdt>)> {
     let mut added = Vec::new();
-    let mut markers = Vec::new();
+    let mut found = Vec::new();
     for pid in pids {
         for lib in libs::from_maps(pid).unwrap_or_default() {
             if !tracer.is_attached(&lib) {
                 added.extend(tracer.attach(&lib, set)?);
-                markers.extend(attach_markers(tracer, std::slice::from_ref(&lib), quiet));
+                found.push(lib);
             }
         }
     }
+    let markers = attach_markers(tracer, &found, quiet);
     Ok((added, markers))
 }
 

@@ -6,6 +6,9 @@
 //! - `late/libacl_rt.so`: a second copy at another path and name, loaded late by a workload the
 //!   way HCCL dlopens libacl_rt.so, to test that the tracer picks up new libraries.
 //! - `bin/alloc_bench`: the benchmark's allocation loop, linked to the stand-in.
+//! - `atb/libatb.so`: the stand-in Ascend Transformer Boost (a graph runner whose workspace the
+//!   caller takes from the stand-in torch_npu), with its DWARF kept so the tracer reads the
+//!   workspace fields' offsets from it.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,6 +24,8 @@ pub struct Built {
     pub late_lib: PathBuf,
     pub alloc_bench: PathBuf,
     pub torch: TorchBuild,
+    /// The stand-in `libatb.so`.
+    pub atb: PathBuf,
     /// The markers package (`markers/`) installed into a folder for PYTHONPATH.
     pub markers: PathBuf,
 }
@@ -70,6 +75,7 @@ pub fn standins() -> anyhow::Result<Built> {
         &[],
     )?;
     let torch = torch_npu(&root, &standin, &lib64)?;
+    let atb = atb(&root, &standin)?;
     let alloc_bench = standin.join("bin/alloc_bench");
     std::fs::create_dir_all(alloc_bench.parent().expect("has a parent"))?;
     sh(Command::new("gcc")
@@ -90,6 +96,7 @@ pub fn standins() -> anyhow::Result<Built> {
         late_lib,
         alloc_bench,
         torch,
+        atb,
         markers: PathBuf::new(),
     })
 }
@@ -158,6 +165,21 @@ fn torch_npu(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchB
         &[],
     )?;
     Ok(TorchBuild { with_debug, without_debug, debug_store, kernel_hook })
+}
+
+/// The stand-in ATB. Not built with hidden visibility: ATB exports `atb::Runner::Execute` (it is
+/// what msMemScope's hook interposes), and not stripped, so its DWARF describes
+/// `RunnerVariantPack` as a debug file would.
+fn atb(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
+    let out = standin.join("atb/libatb.so");
+    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
+    sh(Command::new("g++")
+        .args(["-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fno-omit-frame-pointer", "-fno-ipa-icf"])
+        .args(["-Wall", "-Wextra", "-Werror", "-Wl,-soname,libatb.so"])
+        .arg("-o")
+        .arg(&out)
+        .arg(root.join("tests/standin/atb/standin_atb.cpp")))?;
+    Ok(out)
 }
 
 /// Installs the markers package into target/markers (its C extension is built on the way), as

@@ -13,7 +13,7 @@
 //! is created on the thread's first call, updated in place, and removed at thread exit.
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_buf,
         bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
@@ -60,13 +60,15 @@ pub struct ThreadState {
     /// Device set by the thread's last successful set/get-device call, or -1.
     device: i32,
     _pad: u32,
-    /// One open-call slot per layer (layer ids 1..=SLOTS).
+    /// One open-call slot per layer (layer ids 1..SLOTS).
     open: [Pending; layer::SLOTS],
 }
 
-/// tid -> state. Removed at thread exit by `process::sched_process_exit`.
+/// tid -> state. Removed at thread exit by `process::sched_process_exit`. Allocated on insert
+/// (once per thread) rather than preallocated: a full table of eight-slot states would pin tens
+/// of MiB of kernel memory on every node for threads that mostly never exist.
 #[map]
-pub static THREADS: HashMap<u32, ThreadState> = HashMap::with_max_entries(65536, 0);
+pub static THREADS: HashMap<u32, ThreadState> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
 /// A zeroed template for new entries: the state is too large for the BPF stack.
 #[map]
@@ -82,22 +84,21 @@ fn thread_state(tid: u32) -> Option<&'static mut ThreadState> {
     // SAFETY: per-CPU scratch slot, reset before use.
     unsafe {
         (*blank).device = -1;
-        (*blank).open[0].depth = 0;
-        (*blank).open[1].depth = 0;
-        (*blank).open[2].depth = 0;
-        (*blank).open[3].depth = 0;
+        for open in (*blank).open.iter_mut() {
+            open.depth = 0;
+        }
     }
     // SAFETY: the pointer is a valid map value of the right type.
     #[expect(
         clippy::needless_borrows_for_generic_args,
-        reason = "by value would copy 296 bytes onto the 512-byte BPF stack"
+        reason = "by value would copy the whole state onto the 512-byte BPF stack"
     )]
     THREADS.insert(tid, unsafe { &*blank }, BPF_NOEXIST.into()).ok()?;
     // SAFETY: as above.
     THREADS.get_ptr_mut(tid).map(|s| unsafe { &mut *s })
 }
 
-/// The open-call slot of a layer (layer ids 1..=SLOTS map to slots `id % SLOTS`). The index is
+/// The open-call slot of a layer (layer ids 1..SLOTS map to slots `id % SLOTS`). The index is
 /// a mask of the cookie's bits: a range check gets folded by LLVM into arithmetic whose bound the
 /// verifier cannot follow, a mask it can.
 fn slot(state: &mut ThreadState, layer: u32) -> Option<&mut Pending> {

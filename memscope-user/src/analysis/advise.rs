@@ -12,11 +12,16 @@
 //! - garbage_collection_threshold: the pool hit its ceiling and emptied its cache inside an
 //!   allocation, repeatedly (or the runtime refused it and it recovered by flushing): releasing
 //!   cached segments earlier avoids the stalls and the ceiling;
-//! - torch_npu.npu.set_per_process_memory_fraction: several processes share the device.
-//!
-//! Settings the data cannot support are not mentioned: MULTI_STREAM_MEMORY_REUSE (the trace sees
-//! no streams), ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE (no ATB workspace events), gc at epoch ends (no
-//! Python garbage-collector events).
+//! - torch_npu.npu.set_per_process_memory_fraction: several processes share the device;
+//! - gc.collect() at epoch ends: at the peak, a share of the live tensors were garbage from
+//!   earlier steps that only Python's cyclic garbage collector freed, later ([`super::gc_held`]);
+//! - MULTI_STREAM_MEMORY_REUSE: blocks freed while still marked on another stream (a
+//!   collective's tensors) waited for that stream, and the pool took new segments meanwhile
+//!   ([`super::stream_reuse`]): 1 when it was off, 3 when it was on (the default) and the blocks
+//!   were freed before the collective was waited for;
+//! - ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE=3: an ATB operation's intermediate tensors, which that
+//!   variable's layout algorithm places inside the operation's workspace, were a large share of
+//!   the device's peak while the job ran with ATB's default algorithm ([`super::atb_workspace`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -25,13 +30,33 @@ use std::path::Path;
 use rusqlite::params;
 use serde::Serialize;
 
+use super::atb_workspace::{self, AtbWorkspace};
 use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
+use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
 use super::render::{human_bytes, relative};
+use super::stream_reuse::{self, StreamReuse};
 use super::AnalysisError;
+
+/// The id of the one recommendation that is not an allocator setting but a code change.
+pub const GC_AT_EPOCH_END: &str = "gc_at_epoch_end";
+
+/// torch_npu's multi-stream reuse switch (0 off, 1 erase marks at wait, the default, 2 never
+/// mark, 3 also erase the marks of tensors freed before the wait), and its recommendation's id.
+pub const MULTI_STREAM: &str = "MULTI_STREAM_MEMORY_REUSE";
+pub const MULTI_STREAM_REUSE_ID: &str = "multi_stream_memory_reuse";
 
 /// The allocator's configuration variable (torch_npu reads it once, at its first allocation).
 pub const ALLOC_CONF: &str = "PYTORCH_NPU_ALLOC_CONF";
+
+/// ATB's choice of algorithm for laying out a graph operation's intermediate tensors inside its
+/// workspace, and its switch for planning that layout globally; the rule's id.
+pub const ATB_ALG_TYPE: &str = "ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE";
+pub const ATB_ALLOC_GLOBAL: &str = "ATB_WORKSPACE_MEM_ALLOC_GLOBAL";
+pub const ATB_ALG_RULE: &str = "atb_workspace_mem_alloc_alg_type";
+/// What the rule recommends: the value deployment scripts that tune ATB memory set (with
+/// ATB_WORKSPACE_MEM_ALLOC_GLOBAL=1), against the default 1 of ATB's set_env.
+const ATB_ALG_ADVISED: &str = "3";
 
 /// Fragmentation must have forced the pool to grow at least `FORCED_MIN` times, and the holes
 /// (free memory pinned inside segments in use) must be at least this share of the peak reserved
@@ -98,7 +123,7 @@ pub struct Recommendation {
     pub current: Option<String>,
     /// The evidence in plain words, with its numbers.
     pub why: String,
-    pub evidence: BTreeMap<&'static str, serde_json::Value>,
+    pub evidence: BTreeMap<String, serde_json::Value>,
     /// Recommendations of this list that torch_npu refuses together with this one.
     pub conflicts_with: Vec<&'static str>,
 }
@@ -123,6 +148,12 @@ pub struct Measured {
     pub fragmentation_ooms: usize,
     pub recovered_refusals: usize,
     pub processes: Vec<ProcessPeak>,
+    /// Tensors freed by Python's garbage collector, and those it held at the peak.
+    pub gc: GcHeld,
+    /// Blocks freed while marked on another stream, and what the pool took meanwhile.
+    pub streams: StreamReuse,
+    /// ATB operations' workspaces against the device's peak.
+    pub atb: AtbWorkspace,
 }
 
 /// The advice for one DB.
@@ -183,6 +214,9 @@ fn measure(report: &Report) -> Measured {
         fragmentation_ooms: failures.filter(|i| i.verdict == Verdict::Fragmentation).count(),
         recovered_refusals: report.incidents.iter().filter(|i| i.verdict == Verdict::Recovered).count(),
         processes: report.processes.clone(),
+        gc: GcHeld::default(),
+        streams: StreamReuse::default(),
+        atb: AtbWorkspace::default(),
     };
     m.flushes_at_ceiling = report.flushes.iter().filter(|f| at_ceiling(f, &m)).count();
     m
@@ -192,8 +226,16 @@ fn b(v: u64) -> String {
     human_bytes(v as i64)
 }
 
-fn ev(pairs: &[(&'static str, serde_json::Value)]) -> BTreeMap<&'static str, serde_json::Value> {
-    pairs.iter().cloned().collect()
+fn ev(pairs: &[(&'static str, serde_json::Value)]) -> BTreeMap<String, serde_json::Value> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect()
+}
+
+/// Every field of a measurement, as its evidence.
+fn ev_of(measured: &impl Serialize) -> BTreeMap<String, serde_json::Value> {
+    match serde_json::to_value(measured) {
+        Ok(serde_json::Value::Object(fields)) => fields.into_iter().collect(),
+        _ => BTreeMap::new(),
+    }
 }
 
 /// The largest power of two not above `mib`, but above torch_npu's 20 MiB floor for the setting.
@@ -203,8 +245,17 @@ fn split_limit_mib(mib: u64) -> u64 {
 }
 
 /// The rules, in the order their advice is listed.
-pub fn advise(report: &Report, settings: &BTreeMap<String, String>) -> (Measured, Vec<Recommendation>) {
-    let m = measure(report);
+pub fn advise(
+    report: &Report,
+    settings: &BTreeMap<String, String>,
+    gc: &GcHeld,
+    streams: &StreamReuse,
+    atb: &AtbWorkspace,
+) -> (Measured, Vec<Recommendation>) {
+    let mut m = measure(report);
+    m.gc = gc.clone();
+    m.streams = streams.clone();
+    m.atb = atb.clone();
     let current = settings.get(ALLOC_CONF).cloned();
     let conf = AllocConf::parse(current.as_deref().unwrap_or(""));
     let mut recs = Vec::new();
@@ -359,6 +410,74 @@ pub fn advise(report: &Report, settings: &BTreeMap<String, String>) -> (Measured
         });
     }
 
+    // MULTI_STREAM_MEMORY_REUSE: blocks waiting for another stream while the pool grew.
+    let reuse = settings.get(MULTI_STREAM).map(|v| v.trim().to_owned());
+    let next = match reuse.as_deref() {
+        Some("0") => Some(("1", "with reuse off nothing erases the marks once the collective was waited for")),
+        None | Some("" | "1") => Some((
+            "3",
+            "they were freed before the collective that marked them was waited for, which reuse mode 1 (the default) does not cover",
+        )),
+        _ => None,
+    };
+    if let (true, Some((value, because))) = (streams.costly(), next) {
+        let why = format!(
+            "{} block(s) ({}) were freed while still marked as used by another stream (recordStream, as a \
+             collective's tensors are); torch_npu keeps such blocks until that stream's work completes, and {because}. \
+             Meanwhile the pool took {} of new segments, in {} step(s) (up to {} freed while marked in one step)",
+            streams.deferred_blocks,
+            b(streams.deferred_bytes),
+            b(streams.grown_while_deferred),
+            streams.steps_grown,
+            b(streams.max_step_deferred_bytes)
+        );
+        recs.push(Recommendation {
+            id: MULTI_STREAM_REUSE_ID,
+            variable: Some(MULTI_STREAM),
+            setting: value.to_owned(),
+            value: Some(value.to_owned()),
+            current: reuse.clone(),
+            why,
+            evidence: ev_of(streams),
+            conflicts_with: Vec::new(),
+        });
+    }
+
+    // gc at epoch ends: garbage from earlier steps, held by reference cycles, live at the peak.
+    if gc.significant() {
+        let why = format!(
+            "at the peak of {} live tensor memory, {} ({:.0}%, {} block(s)) were tensors from earlier steps that only \
+             Python's garbage collector freed, later: they sat in reference cycles after the program dropped them. \
+             In all the collector freed {} block(s) ({}) past the step they were born in, {:.1} step(s) later on \
+             average; collecting at the end of each epoch (or every few steps when epochs are long) frees them \
+             before the next peak",
+            b(gc.peak_bytes),
+            b(gc.held_at_peak),
+            gc.held_at_peak as f64 * 100.0 / gc.peak_bytes.max(1) as f64,
+            gc.held_blocks_at_peak,
+            gc.late_blocks,
+            b(gc.late_bytes),
+            gc.mean_steps_late
+        );
+        recs.push(Recommendation {
+            id: GC_AT_EPOCH_END,
+            variable: None,
+            setting: "import gc; gc.collect() at the end of each epoch".to_owned(),
+            value: None,
+            current: None,
+            why,
+            evidence: ev_of(gc),
+            conflicts_with: Vec::new(),
+        });
+    }
+
+    // ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE: intermediates laid out by ATB's default are a large part
+    // of the peak. Only unset or the default 1 are replaced: any other value is a choice.
+    let atb_current = settings.get(ATB_ALG_TYPE).cloned();
+    if atb.significant() && atb_current.as_deref().is_none_or(|v| v.trim() == "1") {
+        recs.push(atb_recommendation(atb, atb_current, settings.get(ATB_ALLOC_GLOBAL).map(String::as_str)));
+    }
+
     // torch_npu refuses expandable segments together with either of the other two.
     let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
     for r in &mut recs {
@@ -377,11 +496,77 @@ pub fn advise(report: &Report, settings: &BTreeMap<String, String>) -> (Measured
     (m, recs)
 }
 
+fn atb_recommendation(atb: &AtbWorkspace, current: Option<String>, global: Option<&str>) -> Recommendation {
+    let top = atb.ops.first().cloned().unwrap_or_default();
+    let mut why = format!(
+        "ATB operations ran {} time(s) ({} operation(s)); the largest, {} (pid {}, {} execution(s)), asked its caller for \
+         a workspace of {}: {} of kernel scratch and {} of intermediate tensors. Those intermediates are {:.0}% of the \
+         peak of {} {}, and ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE, the algorithm that lays them out inside the workspace, was \
+         {}. Another algorithm can place intermediates that are never live together in the same memory: {} is what \
+         deployment scripts tuned for memory set (2 is also worth a try); re-run with it and compare the peak",
+        atb.executions,
+        atb.op_count,
+        top.op,
+        top.pid,
+        top.executions,
+        b(top.total()),
+        b(top.workspace_size),
+        b(top.intermediate_size),
+        atb.intermediate_share() * 100.0,
+        b(atb.peak_bytes),
+        atb.peak_basis,
+        match &current {
+            Some(v) => format!("{} (ATB's default)", v.trim()),
+            None => "unset (ATB's default, 1)".to_owned(),
+        },
+        ATB_ALG_ADVISED,
+    );
+    if global.is_none() {
+        why.push_str(&format!(
+            "; {ATB_ALLOC_GLOBAL} is unset: set it to 1 as well, which those scripts pair with it so that intermediate \
+             memory is sized and laid out over the whole graph"
+        ));
+    }
+    let ops: Vec<serde_json::Value> = atb
+        .ops
+        .iter()
+        .map(|o| {
+            serde_json::json!({"op": o.op, "pid": o.pid, "executions": o.executions,
+                               "workspace_size": o.workspace_size, "intermediate_size": o.intermediate_size})
+        })
+        .collect();
+    let evidence = ev(&[
+        ("executions", atb.executions.into()),
+        ("operations", atb.op_count.into()),
+        ("largest_workspace", atb.largest_workspace.into()),
+        ("largest_intermediate", atb.largest_intermediate.into()),
+        ("largest_total", atb.largest_total.into()),
+        ("peak_bytes", atb.peak_bytes.into()),
+        ("peak_basis", atb.peak_basis.into()),
+        ("intermediate_share", ((atb.intermediate_share() * 1000.0).round() / 1000.0).into()),
+        ("workspace_share", ((atb.total_share() * 1000.0).round() / 1000.0).into()),
+        ("ops", ops.into()),
+    ]);
+    Recommendation {
+        id: ATB_ALG_RULE,
+        variable: Some(ATB_ALG_TYPE),
+        setting: format!("{ATB_ALG_TYPE}={ATB_ALG_ADVISED}"),
+        value: Some(ATB_ALG_ADVISED.to_owned()),
+        current,
+        why,
+        evidence,
+        conflicts_with: Vec::new(),
+    }
+}
+
 /// Runs the replay and the rules on one DB (checked by `DumpDb::open`).
 pub fn analyse(path: &Path, device: &str) -> Result<(Advice, Report), AnalysisError> {
     let report = fragmentation::analyse(path, fragmentation::Options::default())?;
     let settings = read_settings(path)?;
-    let (measured, recommendations) = advise(&report, &settings);
+    let gc = gc_held::analyse(path)?;
+    let streams = stream_reuse::analyse(path)?;
+    let atb = atb_workspace::analyse(path)?;
+    let (measured, recommendations) = advise(&report, &settings, &gc, &streams, &atb);
     let advice =
         Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };
     Ok((advice, report))
@@ -399,9 +584,27 @@ pub fn text(advice: &Advice, report: &Report) -> String {
         "  settings at the start: {ALLOC_CONF} {conf}{}",
         if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) }
     );
+    if m.atb.executions > 0 {
+        let _ = writeln!(
+            out,
+            "  ATB: {} execution(s) of {} operation(s); workspaces up to {} (scratch up to {}, intermediates up to {}), \
+             the intermediates {:.0}% of the peak of {} {}",
+            m.atb.executions,
+            m.atb.op_count,
+            b(m.atb.largest_total),
+            b(m.atb.largest_workspace),
+            b(m.atb.largest_intermediate),
+            m.atb.intermediate_share() * 100.0,
+            b(m.atb.peak_bytes),
+            m.atb.peak_basis
+        );
+    }
     if m.peak_reserved == 0 {
-        let _ =
-            writeln!(out, "  no caching-pool memory in this trace (no PTA blocks or pool segments): nothing to advise");
+        let _ = writeln!(out, "  no caching-pool memory in this trace (no PTA blocks or pool segments)");
+        if advice.recommendations.is_empty() {
+            let _ = writeln!(out, "  advice: nothing to change");
+        }
+        recommendations(&mut out, advice);
         return out;
     }
     let at = match (m.peak_ts_ns, report.start_ns) {
@@ -434,6 +637,11 @@ pub fn text(advice: &Advice, report: &Report) -> String {
     if advice.recommendations.is_empty() {
         let _ = writeln!(out, "  advice: nothing to change (no rule's evidence was found)");
     }
+    recommendations(&mut out, advice);
+    out
+}
+
+fn recommendations(out: &mut String, advice: &Advice) {
     for (i, r) in advice.recommendations.iter().enumerate() {
         let what = match (r.variable, &r.value) {
             (Some(var), Some(value)) => format!("{var}={value}"),
@@ -446,7 +654,6 @@ pub fn text(advice: &Advice, report: &Report) -> String {
                 writeln!(out, "     either this or {} (torch_npu refuses them together)", r.conflicts_with.join(", "));
         }
     }
-    out
 }
 
 pub const ADVICE_TABLE: &str = "ms_advice";
@@ -706,6 +913,82 @@ mod tests {
         assert_eq!(ids(&recs), ["expandable_segments", "max_split_size_mb"]);
         assert_eq!(recs[0].conflicts_with, ["max_split_size_mb"]);
         assert_eq!(recs[1].conflicts_with, ["expandable_segments"]);
+    }
+
+    /// A job whose ATB graph asks for `intermediate` bytes of intermediates next to 32 MiB of
+    /// weights and a 20 MiB activation segment, with ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE and
+    /// ATB_WORKSPACE_MEM_ALLOC_GLOBAL as given.
+    fn atb_job(name: &str, intermediate: u64, alg: Option<&str>, global: Option<&str>) -> std::path::PathBuf {
+        let mut fx = Fx::new(name);
+        if let Some(v) = alg {
+            fx.meta("env.ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE", v);
+        }
+        if let Some(v) = global {
+            fx.meta("env.ATB_WORKSPACE_MEM_ALLOC_GLOBAL", v);
+        }
+        fx.hal(1, 0x1000_0000, 32 * M, "CANN@APP");
+        let block = (intermediate + M + 32).div_ceil(2 * M) * 2 * M;
+        fx.hal(1, 0x2000_0000, block, "CANN@APP");
+        for _ in 0..3 {
+            fx.segment(1, 0x3000_0000, 20 * M, false);
+            fx.block(1, 0x3000_0000, 4 * M, "PTA");
+            fx.atb(1, 0x55, M, intermediate);
+            fx.atb(1, 0x66, M / 2, intermediate / 4);
+            fx.free(1, 0x3000_0000, 4 * M);
+            fx.hal_free(1, 0x3000_0000, 20 * M);
+        }
+        fx.stop()
+    }
+
+    #[test]
+    fn large_atb_intermediates_under_the_default_algorithm_recommend_alg_type_3() {
+        let path = atb_job("advise-atb", 44 * M, None, None);
+        let (advised, report) = analyse(&path, "0").unwrap();
+        let recs = &advised.recommendations;
+        assert_eq!(ids(recs), [ATB_ALG_RULE]);
+        let r = &recs[0];
+        assert_eq!(
+            (r.variable, r.setting.as_str(), r.value.as_deref(), r.current.as_deref()),
+            (Some(ATB_ALG_TYPE), "ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE=3", Some("3"), None)
+        );
+        // Peak: 32 MiB weights + a 46 MiB workspace block + the 20 MiB segment.
+        assert_eq!(
+            (r.evidence["peak_bytes"].as_u64(), r.evidence["largest_intermediate"].as_u64()),
+            (Some(98 * M), Some(44 * M))
+        );
+        assert_eq!((r.evidence["executions"].as_u64(), r.evidence["operations"].as_u64()), (Some(6), Some(2)));
+        assert_eq!(r.evidence["ops"][0]["op"], "Runner@0x55");
+        assert!(r.why.contains("44.0 MiB of intermediate tensors"), "{}", r.why);
+        assert!(r.why.contains("45% of the peak of 98.0 MiB device memory (HAL blocks)"), "{}", r.why);
+        assert!(r.why.contains("was unset (ATB's default, 1)"), "{}", r.why);
+        assert!(r.why.contains("ATB_WORKSPACE_MEM_ALLOC_GLOBAL is unset: set it to 1"), "{}", r.why);
+        let shown = text(&advised, &report);
+        assert!(shown.contains("ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE=3"), "{shown}");
+        assert!(shown.contains("ATB: 6 execution(s) of 2 operation(s)"), "{shown}");
+
+        // The default written out is replaced too; GLOBAL already on is not mentioned.
+        let (_, recs) = advice(&atb_job("advise-atb-1", 44 * M, Some("1"), Some("1")));
+        assert_eq!(ids(&recs), [ATB_ALG_RULE]);
+        assert_eq!(recs[0].current.as_deref(), Some("1"));
+        assert!(recs[0].why.contains("was 1 (ATB's default)"), "{}", recs[0].why);
+        assert!(!recs[0].why.contains("GLOBAL"), "{}", recs[0].why);
+    }
+
+    #[test]
+    fn atb_alg_type_is_never_recommended_when_chosen_or_when_intermediates_are_small() {
+        for set in ["3", "2", "0"] {
+            let (m, recs) = advice(&atb_job(&format!("advise-atb-set{set}"), 44 * M, Some(set), None));
+            assert!(m.atb.significant(), "the evidence is there");
+            assert!(recs.is_empty(), "{set} is a choice: {recs:?}");
+        }
+        // 2.75 MiB of intermediates next to 56 MiB: under the 10% share.
+        let (m, recs) = advice(&atb_job("advise-atb-small", 2816 << 10, None, None));
+        assert_eq!(m.atb.executions, 6);
+        assert!(!m.atb.significant() && recs.is_empty(), "{recs:?}");
+        // No ATB at all: nothing measured, nothing said.
+        let (advised, report) = analyse(&holes("advise-no-atb", None), "0").unwrap();
+        assert_eq!(advised.measured.atb.executions, 0);
+        assert!(!text(&advised, &report).contains("ATB:"));
     }
 
     #[test]

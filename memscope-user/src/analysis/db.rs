@@ -262,6 +262,24 @@ impl DumpDb {
         TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
     }
 
+    /// Calls `f` for every row whose `Event` is one of `events`, in time order (as
+    /// [`Self::for_each_row`]), with the `Name` and `Thread Id` that call sequences need.
+    pub fn for_each_named_row(&self, events: &[&str], f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        let columns: Vec<String> = self
+            .conn
+            .prepare("SELECT name FROM pragma_table_info(?1)")
+            .and_then(|mut s| s.query_map([self.table], |r| r.get(0))?.collect())
+            .map_err(self.read_err())?;
+        let missing: Vec<&str> =
+            ["Name", "Thread Id"].into_iter().filter(|c| !columns.iter().any(|h| h == c)).collect();
+        if !missing.is_empty() {
+            let (path, table) = (self.path.clone(), self.table.to_owned());
+            return Err(AnalysisError::MissingColumns { path, table, missing: missing.join(", ") });
+        }
+        let select = Selection { events, name: true, thread: true };
+        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
+    }
+
     /// Replaces `ms_decompose` with `report` and stamps `ms_meta.decompose_at` (when the DB has our
     /// `ms_meta`; msMemScope's DBs do not, and we add nothing else to them). One transaction:
     /// either all of it lands or the file is unchanged. Returns the rows written.

@@ -1025,6 +1025,15 @@ pub(crate) mod fx {
             self.row("SYSTEM", "STEP", &n.to_string(), 1, 1, None, json!({}));
         }
 
+        /// An ATB operation's ATB_START and ATB_END rows, as the tracer writes them.
+        pub fn atb(&mut self, pid: i64, runner: u64, workspace: u64, intermediate: u64) {
+            let attr = json!({"workspace_ptr": "0x0000000000009000", "workspace_size": workspace.to_string(),
+                              "intermediate_size": intermediate.to_string(), "runner": format!("0x{runner:016x}")});
+            for ty in ["ATB_START", "ATB_END"] {
+                self.row("OP_LAUNCH", ty, "atb::Runner::Execute", pid, pid, None, attr.clone());
+            }
+        }
+
         pub fn meta(&mut self, key: &str, value: &str) {
             self.db.conn().execute("INSERT INTO ms_meta VALUES (?1, ?2)", params![key, value]).unwrap();
         }

@@ -13,19 +13,34 @@
 //!   definitions and Insight's time-based ones; results into the MALLOC rows and `ms_inefficient`.
 //! - [`fragmentation`], [`oom`], [`advise`]: the caching pool's fragmentation over time, OOM
 //!   forensics, and allocator settings recommended from them (`ms_fragmentation`, `ms_oom`, `ms_advice`).
+//! - [`gc_held`]: tensors only Python's garbage collector freed, held past their step (the
+//!   advisor's evidence for collecting at epoch ends).
+//! - [`stream_reuse`]: blocks freed while another stream still used them, and the pool growth
+//!   meanwhile (the evidence for MULTI_STREAM_MEMORY_REUSE).
+//! - [`atb_workspace`]: ATB operations' workspaces and intermediate tensors against the device's
+//!   peak (the advisor's evidence for ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE).
+//! - [`calls`], [`opdiff`], [`calldiff`]: a trace's operator or kernel sequence with each call's
+//!   memory delta, Myers' shortest edit script between two of them, and the report of
+//!   `compare --level`.
 
 pub mod advise;
+pub mod atb_workspace;
 pub mod attr;
+pub mod calldiff;
+pub mod calls;
 pub mod db;
 pub mod decompose;
 pub mod degradation;
 pub mod fragmentation;
+pub mod gc_held;
 pub mod inefficient;
 pub mod inefficient_out;
 pub mod leaks;
 pub mod oom;
+pub mod opdiff;
 pub mod render;
 pub mod steps;
+pub mod stream_reuse;
 
 use std::path::PathBuf;
 
@@ -50,6 +65,10 @@ pub enum AnalysisError {
     MissingColumns { path: PathBuf, table: String, missing: String },
     #[error("{path}: the file is read-only, and the results are written into it (its ms_* result tables); make it writable (chmod u+w) or pass --no-write to only print them")]
     ReadOnly { path: PathBuf },
+    #[error("{path}: no operator calls to compare (OP_LAUNCH rows with ATEN_END or ATB_END); record them by running the workload inside `with memscope.torch.trace_ops():` (the markers package), or compare kernels with --level kernel, or steps and owners without --level")]
+    NoOps { path: PathBuf },
+    #[error("{path}: no kernel calls to compare (KERNEL_LAUNCH rows); they are recorded when aclrtLaunchKernel in libascendcl.so is probed (`memscope-bpf probes --pid PID` lists the probes; --lib adds a library), or compare operators with --level op, or steps and owners without --level")]
+    NoKernels { path: PathBuf },
     #[error("{path}: cannot read the trace: {source}")]
     Read { path: PathBuf, source: rusqlite::Error },
     #[error("{path}: cannot write the results (nothing was changed): {source}; if the file or its folder is read-only make it writable, if a running trace or Insight holds it retry when it is done, or pass --no-write")]
@@ -100,6 +119,13 @@ pub(crate) mod testdb {
                 )
                 .unwrap();
             self.next_id += 1;
+        }
+
+        /// A row with a `Name` (an operator, a kernel) on thread `tid` of process 1.
+        pub fn named(&mut self, event: &str, event_type: &str, name: &str, ts: i64, tid: i64) {
+            self.row(event, event_type, ts, 1, None, Attr::new());
+            let sql = "UPDATE memscope_dump SET Name = ?1, \"Thread Id\" = ?2 WHERE rowid = last_insert_rowid()";
+            self.conn.execute(sql, params![name, tid]).unwrap();
         }
 
         pub fn system(&mut self, what: &str, ts: i64) {

@@ -24,6 +24,15 @@ pub fn human_bytes(bytes: i64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
+/// A change in bytes: `+1.5 MiB`, `-512 B`, `0 B`.
+pub fn signed_bytes(bytes: i64) -> String {
+    if bytes > 0 {
+        format!("+{}", human_bytes(bytes))
+    } else {
+        human_bytes(bytes)
+    }
+}
+
 /// A time after the trace start, in the largest unit that keeps it readable.
 pub fn relative(ns: i64) -> String {
     let sign = if ns < 0 { "-" } else { "+" };

@@ -35,6 +35,7 @@ use super::attr::attr_fields;
 use super::db::{text, DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 use super::decompose::{Family, UNKNOWN_OWNER};
 use super::AnalysisError;
+use crate::store::insight::GC;
 
 /// msMemScope's step range message.
 pub const STEP_RANGE: &str = "step start";
@@ -133,7 +134,7 @@ pub struct RowDetails {
 
 attr_fields! {
     /// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
-    struct AttrFields { size, owner, unmatched, shadow, segment, pool, allocation_id }
+    struct AttrFields { size, owner, unmatched, shadow, segment, pool, allocation_id, freed_by }
 }
 
 // ---------------------------------------------------------------- boundaries
@@ -294,6 +295,8 @@ pub struct BlockEnd {
     pub alloc_ts: i64,
     /// `None`: still live at the end of the trace (no FREE, or only a shadow one).
     pub free_ts: Option<i64>,
+    /// Freed inside a pass of Python's garbage collector (FREE `freed_by` = `gc`).
+    pub by_gc: bool,
     /// The MALLOC row, for [`StepDb::details`].
     pub rowid: i64,
 }
@@ -527,9 +530,12 @@ impl Timeline {
             _ => return,
         };
         let Some(family) = Family::of(row.event_type) else { return };
-        // Half the rows are FREEs, and all a FREE can say here is `shadow` or `unmatched`: most
-        // need no parsing at all.
-        let plain_free = is_free && !row.attr.contains("shadow") && !row.attr.contains("unmatched");
+        // Half the rows are FREEs, and all a FREE can say here is `shadow`, `unmatched` or
+        // `freed_by`: most need no parsing at all.
+        let plain_free = is_free
+            && !row.attr.contains("shadow")
+            && !row.attr.contains("unmatched")
+            && !row.attr.contains("freed_by");
         let attr = if plain_free {
             AttrFields::default()
         } else {
@@ -554,7 +560,8 @@ impl Timeline {
         let key = BlockKey { pid: row.pid, event_type: self.event_type(row.event_type), ptr };
         if is_free {
             if let Some(block) = self.live.remove(&key) {
-                self.close(key, block, Some(row.ts), sink);
+                let by_gc = attr.freed_by.as_deref() == Some(GC);
+                self.close(key, block, Some(row.ts), by_gc, sink);
             }
             return;
         }
@@ -574,7 +581,7 @@ impl Timeline {
         let block = LiveBlock { slot, family, kind, size, birth: self.now(), alloc_ts: row.ts, rowid: row.rowid };
         if let Some(old) = self.live.insert(key, block) {
             // A MALLOC over a live block: the earlier one is taken as freed (as decompose does).
-            self.close(key, old, Some(row.ts), sink);
+            self.close(key, old, Some(row.ts), false, sink);
         }
         let s = &mut self.per_slot[slot as usize];
         s.0 += size;
@@ -582,7 +589,7 @@ impl Timeline {
         self.totals[family as usize] += size;
     }
 
-    fn close(&mut self, key: BlockKey, block: LiveBlock, free_ts: Option<i64>, sink: &mut impl BlockSink) {
+    fn close(&mut self, key: BlockKey, block: LiveBlock, free_ts: Option<i64>, by_gc: bool, sink: &mut impl BlockSink) {
         if free_ts.is_some() {
             let s = &mut self.per_slot[block.slot as usize];
             s.0 -= block.size;
@@ -604,6 +611,7 @@ impl Timeline {
             steps,
             alloc_ts: block.alloc_ts,
             free_ts,
+            by_gc,
             rowid: block.rowid,
         });
     }
@@ -621,7 +629,7 @@ impl Timeline {
         let mut live: Vec<(BlockKey, LiveBlock)> = self.live.drain().collect();
         live.sort_by_key(|(k, b)| (b.alloc_ts, b.rowid, k.ptr));
         for (key, block) in live {
-            self.close(key, block, None, sink);
+            self.close(key, block, None, false, sink);
         }
     }
 

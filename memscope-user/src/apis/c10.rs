@@ -12,9 +12,10 @@ use super::{no_status, spec, Api, ApiDef, Family};
 use crate::model::{Op, Space};
 use crate::record::RawCall;
 
-/// A framework allocator like torch_npu's pools; neither function returns a status.
+/// A framework allocator like torch_npu's pools; neither function returns a status. Frees inside
+/// a garbage-collector pass are reported as the collector's (its layer is outer).
 const fn c10_spec() -> ProbeSpec {
-    let mut s = spec(layer::POOL, 0, &[]);
+    let mut s = spec(layer::POOL, layer::GC, &[]);
     s.ret_kind = ret_kind::NONE;
     s
 }

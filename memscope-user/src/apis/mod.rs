@@ -4,14 +4,18 @@
 //! This table is the only place that knows API semantics. The BPF side is generic, and the model
 //! works on [`Op`]s, so adding an API is a row here plus a stand-in function and a ledger test.
 //! One file per family: [`acl`] (runtime), [`hal`] (driver), [`torch_npu`], [`mstx`], [`c10`]
-//! (PyTorch's CPU allocator). [`markers`] is the USDT side: the probes of our markers package.
+//! (PyTorch's CPU allocator), [`python_gc`] (CPython's garbage collector), [`atb`] (Ascend
+//! Transformer Boost operations and their workspaces). [`markers`] is the USDT side: the probes
+//! of our markers package.
 
 mod acl;
 mod acl_access;
+pub mod atb;
 mod c10;
 pub mod hal;
 pub mod markers;
 mod mstx;
+mod python_gc;
 pub mod torch_npu;
 
 use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS};
@@ -71,6 +75,10 @@ pub enum Api {
     AclrtMemset = 45,
     AclrtLaunchKernel = 46,
     AclrtBinaryGetFunction = 47,
+    PyGcCollect = 48,
+    RecordStream = 49,
+    EraseStream = 50,
+    AtbRunnerExecute = 60,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.
@@ -86,11 +94,17 @@ pub enum Family {
     Mstx,
     /// PyTorch's CPU allocator (`c10::alloc_cpu` / `c10::free_cpu`): `libc10.so`.
     C10,
+    /// CPython's garbage collector: `libpython3.x.so`, or the interpreter itself when it is
+    /// linked statically (Debian's `python3.x`).
+    PythonGc,
+    /// Ascend Transformer Boost's operators (`atb::Runner::Execute`): `libatb.so`.
+    Atb,
 }
 
 impl Family {
     /// Outer layer first: the order libraries are attached in.
-    pub const ALL: [Family; 5] = [Family::TorchNpu, Family::C10, Family::Mstx, Family::AclRuntime, Family::Hal];
+    pub const ALL: [Family; 7] =
+        [Family::PythonGc, Family::Atb, Family::TorchNpu, Family::C10, Family::Mstx, Family::AclRuntime, Family::Hal];
 
     /// Library file names (without version suffixes) that carry this family's symbols.
     pub fn library_names(self) -> &'static [&'static str] {
@@ -100,6 +114,21 @@ impl Family {
             Self::TorchNpu => &["libtorch_npu.so"],
             Self::Mstx => &["libms_tools_ext.so"],
             Self::C10 => &["libc10.so"],
+            Self::Atb => &["libatb.so"],
+            Self::PythonGc => &[
+                "libpython3.8.so",
+                "libpython3.9.so",
+                "libpython3.10.so",
+                "libpython3.11.so",
+                "libpython3.12.so",
+                "libpython3.13.so",
+                "python3.8",
+                "python3.9",
+                "python3.10",
+                "python3.11",
+                "python3.12",
+                "python3.13",
+            ],
         }
     }
 
@@ -109,7 +138,7 @@ impl Family {
         match self {
             Self::AclRuntime => Some("Impl"),
             Self::Hal => Some("Inner"),
-            Self::TorchNpu | Self::Mstx | Self::C10 => None,
+            Self::TorchNpu | Self::Mstx | Self::C10 | Self::PythonGc | Self::Atb => None,
         }
     }
 
@@ -121,6 +150,8 @@ impl Family {
             Self::TorchNpu => "torch_npu allocators (PTA)",
             Self::Mstx => "mstx memory regions and markers",
             Self::C10 => "PyTorch CPU allocator (c10)",
+            Self::PythonGc => "Python garbage collector",
+            Self::Atb => "Ascend Transformer Boost operators (ATB)",
         }
     }
 }
@@ -178,6 +209,8 @@ impl Api {
             .chain(mstx::TABLE.iter())
             .chain(c10::TABLE.iter())
             .chain(acl_access::TABLE.iter())
+            .chain(python_gc::TABLE.iter())
+            .chain(atb::TABLE.iter())
     }
 
     pub fn def(self) -> &'static ApiDef {

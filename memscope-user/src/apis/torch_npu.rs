@@ -14,6 +14,13 @@
 //!   `at::DataPtr` through a hidden pointer in the first argument register (data pointer first);
 //! - mstx memory regions (`super::mstx`), when the process makes them.
 //!
+//! Stream marks, exported: `recordStream(const c10::DataPtr&, c10_npu::NPUStream)` marks a block as
+//! used by another stream (ProcessGroupHCCL does it for a collective's tensors), and
+//! `eraseStream(...)` (MULTI_STREAM_MEMORY_REUSE 1 and 3) drops the mark once the collective was
+//! waited for. A block freed while marked is not reusable until that stream's work completes.
+//! The DataPtr's data pointer is its first word; the NPUStream (a 16-byte `c10::Stream`: device,
+//! then stream id) travels by value in two registers, the id in the third argument register.
+//!
 //! Member functions take `this` as argument 0.
 
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
@@ -31,8 +38,9 @@ pub static WORKSPACE_ALLOCATOR: Layout =
 pub static BLOCK: Layout =
     Layout { namespace: "NPUCachingAllocator", name: "Block", members: &["ptr", "size", "device"] };
 
+/// Frees inside a garbage-collector pass are reported as the collector's (its layer is outer).
 const fn pool_spec(fields: &[FieldRead]) -> ProbeSpec {
-    let mut s = spec(layer::POOL, 0, fields);
+    let mut s = spec(layer::POOL, layer::GC, fields);
     s.ret_kind = ret_kind::NONE;
     s
 }
@@ -55,7 +63,12 @@ fn device_arg(v: u64) -> Option<u32> {
     u32::try_from(v as i32).ok()
 }
 
-pub(super) static TABLE: [ApiDef; 11] = [
+/// A stream mark: the block's address (the DataPtr's first word) and the stream id.
+fn stream_mark(c: &RawCall, record: bool) -> Op {
+    Op::StreamMark { ptr: c.field(0).and_then(non_zero), stream: c.args[2], record }
+}
+
+pub(super) static TABLE: [ApiDef; 13] = [
     ApiDef {
         layout: Some(&BLOCK),
         ..row(
@@ -170,5 +183,19 @@ pub(super) static TABLE: [ApiDef; 11] = [
             device: None,
             handle: None,
         },
+    ),
+    row(
+        Api::RecordStream,
+        "recordStream",
+        "_ZN7c10_npu19NPUCachingAllocator12recordStreamERKN3c107DataPtrENS_9NPUStreamE",
+        pool_spec(&[FieldRead::arg_at_entry(0, 0, 8)]),
+        |c| stream_mark(c, true),
+    ),
+    row(
+        Api::EraseStream,
+        "eraseStream",
+        "_ZN7c10_npu19NPUCachingAllocator11eraseStreamERKN3c107DataPtrENS_9NPUStreamE",
+        pool_spec(&[FieldRead::arg_at_entry(0, 0, 8)]),
+        |c| stream_mark(c, false),
     ),
 ];

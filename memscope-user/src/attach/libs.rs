@@ -6,7 +6,8 @@
 //!    containerised target's files resolve in its own mount namespace;
 //! 3. `$ASCEND_HOME_PATH/lib64` (and `runtime/lib64`) of the target's environment, so libraries
 //!    it will dlopen later are probed before their first call; in launch mode also the
-//!    `LD_LIBRARY_PATH` folders the program will search.
+//!    `LD_LIBRARY_PATH` folders the program will search; `$ATB_HOME_PATH/lib` likewise, where
+//!    Ascend Transformer Boost keeps `libatb.so`.
 //!
 //! Files are identified by (device, inode): the same file reached through two paths (symlinks,
 //! `/proc/PID/root`) is one library, and uprobing it twice would double every event.
@@ -27,6 +28,8 @@ pub enum Origin {
         pid: u32,
     },
     AscendHome,
+    /// `$ATB_HOME_PATH/lib` (set by ATB's set_env.sh).
+    AtbHome,
     LibraryPath,
     /// Named in another traced library's `DT_NEEDED` (the runtime needs the driver).
     Dependency,
@@ -165,7 +168,7 @@ pub fn process_env(pid: u32) -> std::io::Result<HashMap<String, String>> {
         .collect())
 }
 
-/// Libraries under `ASCEND_HOME_PATH` and, if given, the `LD_LIBRARY_PATH` folders, of an
+/// Libraries under `ASCEND_HOME_PATH` and `ATB_HOME_PATH` and, if given, the `LD_LIBRARY_PATH` folders, of an
 /// environment. `root` prefixes the paths (a target's `/proc/PID/root`).
 pub fn from_env(env: &HashMap<String, String>, root: &Path, include_ld_path: bool) -> Vec<Library> {
     let rooted = |p: &str| root.join(p.trim_start_matches('/'));
@@ -174,6 +177,9 @@ pub fn from_env(env: &HashMap<String, String>, root: &Path, include_ld_path: boo
         for dir in ascend_home_dirs(Path::new(home)) {
             found.extend(in_dir(&rooted(&dir.to_string_lossy()), &Origin::AscendHome));
         }
+    }
+    if let Some(home) = env.get("ATB_HOME_PATH").filter(|h| h.starts_with('/')) {
+        found.extend(in_dir(&rooted(&Path::new(home).join("lib").to_string_lossy()), &Origin::AtbHome));
     }
     if include_ld_path {
         for dir in
@@ -240,6 +246,19 @@ mod tests {
         let libs = from_env(&env, Path::new("/"), false);
         assert_eq!(libs.len(), 1, "{libs:?}");
         assert_eq!(libs[0].origin, Origin::AscendHome);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn atb_home_lib_is_searched() {
+        let dir = std::env::temp_dir().join(format!("memscope-libs-atb-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("lib")).unwrap();
+        std::fs::write(dir.join("lib/libatb.so"), b"x").unwrap();
+        let env: HashMap<String, String> = [("ATB_HOME_PATH".to_owned(), dir.display().to_string())].into();
+        let libs = from_env(&env, Path::new("/"), false);
+        assert_eq!(libs.len(), 1, "{libs:?}");
+        assert_eq!((libs[0].origin.clone(), libs[0].path.clone()), (Origin::AtbHome, dir.join("lib/libatb.so")));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -9,6 +9,8 @@
 //!   internals, and nested calls of one layer are one call.
 //! - mstx: every memory-region function found; regions reported from inside a traced allocator
 //!   call are merged into it (see `model::tracker`).
+//! - ATB: `atb::Runner::Execute`, with `RunnerVariantPack`'s layout from the library's DWARF, or
+//!   its debug file's, else the open-source ATB's offsets (`apis::atb`); the note says which.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -127,6 +129,7 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
         match family {
             Family::AclRuntime | Family::Hal => plan_forwarders(lib, set, family, &mut plan),
             Family::TorchNpu => plan_torch(lib, debug_data.as_deref().unwrap_or(&data), &mut plan),
+            Family::Atb => plan_atb(lib, &data, debug_dirs, &mut plan),
             Family::Mstx => {
                 for def in Api::all().filter(|d| d.family == Family::Mstx) {
                     plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
@@ -141,6 +144,16 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
                     plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
                 }
                 plan.notes.push(LayerNote { family, text: "CPU tensor storage (HOST rows on the cpu output)".into() });
+            }
+            Family::PythonGc => {
+                for def in Api::all().filter(|d| d.family == Family::PythonGc) {
+                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
+                }
+                plan.notes.push(LayerNote {
+                    family,
+                    text: "collection passes: tensor frees made by the cyclic collector are marked `freed_by: gc`"
+                        .into(),
+                });
             }
         }
     }
@@ -228,12 +241,54 @@ fn plan_torch(lib: &Library, dwarf_data: &[u8], plan: &mut LibraryPlan) {
     } else {
         "workspace blocks: not visible".to_owned()
     };
+    let marks = has(Api::RecordStream).then(|| {
+        attach.push(Api::RecordStream);
+        attach.extend(has(Api::EraseStream).then_some(Api::EraseStream));
+        "stream marks from recordStream/eraseStream: a block freed while used by another stream is marked on its FREE (`stream_uses`)".to_owned()
+    });
     for api in attach {
         plan.probes.extend(probe(lib, &plan.symbols, api, api.def().symbol));
     }
     plan.specs.extend(specs);
     plan.notes.push(LayerNote { family: Family::TorchNpu, text: caching });
     plan.notes.push(LayerNote { family: Family::TorchNpu, text: workspace });
+    plan.notes.extend(marks.map(|text| LayerNote { family: Family::TorchNpu, text }));
+}
+
+/// Where the offsets of `RunnerVariantPack`'s workspace members came from.
+fn atb_layout(lib: &Library, data: &[u8], debug_dirs: &[PathBuf]) -> (Vec<u64>, String) {
+    let l = &crate::apis::atb::RUNNER_VARIANT_PACK;
+    let offsets = |d: &[u8]| dwarf::member_offsets(d, Some(l.namespace), l.name, l.members);
+    if let Some(found) = offsets(data) {
+        return (found, "from the library's DWARF".to_owned());
+    }
+    let reference = debug::debug_ref(data);
+    if let Some(file) = debug::find(&lib.path, &reference, debug_dirs) {
+        if let Some(found) = std::fs::read(&file.path).ok().as_deref().and_then(offsets) {
+            return (found, format!("from the DWARF of {}", file.path.display()));
+        }
+    }
+    let why =
+        "no DWARF describes atb::RunnerVariantPack (none in the library or a debug file): the open-source ATB's layout assumed";
+    (crate::apis::atb::FALLBACK_OFFSETS.to_vec(), why.to_owned())
+}
+
+fn plan_atb(lib: &Library, data: &[u8], debug_dirs: &[PathBuf], plan: &mut LibraryPlan) {
+    let api = Api::AtbRunnerExecute;
+    let Some(found) = probe(lib, &plan.symbols, api, api.def().symbol) else { return };
+    let (offsets, source) = atb_layout(lib, data, debug_dirs);
+    plan.specs.push((api, spec_with_offsets(api, &offsets)));
+    plan.notes.push(LayerNote {
+        family: Family::Atb,
+        text: format!(
+            "operations from atb::Runner::Execute ({}): ATB_START/ATB_END rows with each one's workspace; RunnerVariantPack {source}: workspaceBuffer +{}, workspaceBufferSize +{}, intermediateBufferSize +{}",
+            found.source.as_str(),
+            offsets[0],
+            offsets[1],
+            offsets[2]
+        ),
+    });
+    plan.probes.push(found);
 }
 
 /// How a found debug file is described to the user.

@@ -2,13 +2,13 @@
 //! reads the DBs and adds `ms_fragmentation` and `ms_advice` to them (unless `--no-write`).
 //! [`advise_text`] is the same report for the end of `trace`, which only prints.
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context as _};
+use anyhow::Context as _;
 
+use super::inputs;
 use crate::analysis::advise;
-use crate::analysis::db::{self, DbFile, DumpDb};
+use crate::analysis::db::DumpDb;
 
 /// Recommend allocator settings for a traced job, each with the evidence that triggered it.
 ///
@@ -19,10 +19,18 @@ use crate::analysis::db::{self, DbFile, DumpDb};
 /// trace stored from its environment) and what the caching allocator did: fragmentation over
 /// time (reserved − allocated, the largest free piece inside cached segments, splits), growth of
 /// reserved memory that fragmentation forced, big segments held by small blocks, cache flushes at
-/// a ceiling, failed allocations, processes sharing the device. Recommends, only on evidence and
-/// never what is already set: PYTORCH_NPU_ALLOC_CONF expandable_segments:True, max_split_size_mb,
-/// garbage_collection_threshold, and torch_npu.npu.set_per_process_memory_fraction. The samples
-/// and the advice are written into each DB as tables ms_fragmentation and ms_advice.
+/// a ceiling, failed allocations, processes sharing the device, blocks freed while another stream
+/// still used them, and the workspaces of ATB operations (ATB_START/ATB_END rows: kernel scratch
+/// and intermediate tensors) against the device's peak. Recommends, only on evidence and never
+/// what is already set: PYTORCH_NPU_ALLOC_CONF expandable_segments:True, max_split_size_mb,
+/// garbage_collection_threshold, torch_npu.npu.set_per_process_memory_fraction,
+/// MULTI_STREAM_MEMORY_REUSE (when blocks freed while another stream still used them made the
+/// pool grow), gc.collect() at epoch ends (when, at the peak, tensors from earlier steps were
+/// held by reference cycles until Python's garbage collector freed them), and
+/// ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE=3 (when an ATB operation's intermediate tensors were at least
+/// 10% and 1 MiB of the device's peak while the variable was unset or ATB's default 1; with
+/// ATB_WORKSPACE_MEM_ALLOC_GLOBAL=1 if that is unset). The samples and the advice are written
+/// into each DB as tables ms_fragmentation and ms_advice.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -46,55 +54,26 @@ pub struct Args {
     pub no_write: bool,
 }
 
-/// The DBs the inputs name, each once, in the order given.
-fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
-    let mut files = Vec::new();
-    let mut seen = HashSet::new();
-    for input in inputs {
-        for file in db::discover(input)? {
-            let key = std::fs::canonicalize(&file.path).unwrap_or_else(|_| file.path.clone());
-            if seen.insert(key) {
-                files.push(file);
-            }
-        }
-    }
-    Ok(files)
-}
-
-/// The device a DB is about: its folder's name, else its rows' `Device Id`s.
-fn device_of(file: &DbFile, dump: &DumpDb) -> anyhow::Result<String> {
-    Ok(match &file.device {
-        Some(d) => d.clone(),
-        None => {
-            let devices = dump.devices()?;
-            if devices.is_empty() {
-                "?".to_owned()
-            } else {
-                devices.join(",")
-            }
-        }
-    })
-}
-
 /// The advice for the DBs of a finished trace, as text (for the end of `trace`); reads only.
-/// Host memory (`device_cpu`) has no caching pool and is left out.
+/// Host memory (`device_cpu`) has no caching pool: it is shown only when CPU tensors were held
+/// by reference cycles (the one rule about host memory).
 pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
     let mut out = Vec::new();
-    for file in files(db_paths)? {
-        if file.device.as_deref() == Some("cpu") {
+    for file in inputs::files(db_paths)? {
+        let device = inputs::device_of(&file)?;
+        let (advice, report) = advise::analyse(&file.path, &device)?;
+        let host_advice = advice.recommendations.iter().any(|r| r.id == advise::GC_AT_EPOCH_END);
+        if file.device.as_deref() == Some("cpu") && !host_advice {
             continue;
         }
-        let dump = DumpDb::open(&file.path, false)?;
-        let device = device_of(&file, &dump)?;
-        let (advice, report) = advise::analyse(&file.path, &device)?;
         out.push(advise::text(&advice, &report));
     }
     Ok(out.join("\n"))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let want = args.device.as_deref().map(|d| d.trim().trim_start_matches("device_").trim_start_matches("npu:"));
-    let files = files(&args.inputs)?;
+    let want = args.device.as_deref().map(inputs::normalise_device);
+    let files = inputs::files(&args.inputs)?;
     let run_wall_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
@@ -102,10 +81,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut json = Vec::new();
     let mut found = Vec::new();
     for file in &files {
-        let dump = DumpDb::open(&file.path, !args.no_write)?;
-        let device = device_of(file, &dump)?;
+        // Opened as a check first: a read-only file fails here, not after the analysis.
+        DumpDb::open(&file.path, !args.no_write)?;
+        let device = inputs::device_of(file)?;
         found.push(device.clone());
-        if want.is_some_and(|w| !device.split(',').any(|d| d == w)) {
+        if want.is_some_and(|w| !inputs::is_device(&device, w)) {
             continue;
         }
         let (advice, report) = advise::analyse(&file.path, &device)?;
@@ -125,10 +105,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(w) = want {
         if texts.is_empty() && json.is_empty() {
-            bail!(
-                "no DB of device {w} among the inputs (devices found: {}); pick one of those with --device",
-                found.join(", ")
-            );
+            return Err(inputs::no_such_device(w, found));
         }
     }
     let text = if args.json {

@@ -4,8 +4,10 @@
 //!
 //! msMemScope's compare diffs kernel or op sequences (reference §4.3), which need op events; the
 //! step view needs only allocations and step markers, and answers the usual question ("which
-//! owner holds more, and from which step on?") directly. Devices are paired by their
-//! `device_<id>` folder; two DB files are compared as given.
+//! owner holds more, and from which step on?") directly. `--level op|kernel` gives msMemScope's
+//! view as well (`analysis::calls`, `analysis::calldiff`): which calls one run made and the other
+//! did not, and which allocated differently. Devices are paired by their `device_<id>` folder;
+//! two DB files are compared as given.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -14,12 +16,15 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context as _};
 use serde::Serialize;
 
+use super::inputs;
+use crate::analysis::calldiff;
+use crate::analysis::calls::{self, Calls, Level};
 use crate::analysis::db::{self, DbFile, DumpDb};
 use crate::analysis::decompose::Family;
-use crate::analysis::render::human_bytes;
+use crate::analysis::render::{human_bytes, signed_bytes as signed};
 use crate::analysis::steps::{StepDb, StepPoint, Timeline};
 
-/// Compare two traces step by step: what grew from A to B, per step and per owner.
+/// Compare two traces: what grew from A to B, per step and per owner, or (--level) which ops or kernels differ.
 ///
 /// The live bytes per family and per owner at the end of each step in A and in B, the
 /// difference, and the owners that grew (or shrank) in B.
@@ -30,6 +35,16 @@ use crate::analysis::steps::{StepDb, StepPoint, Timeline};
 /// Steps come from memscope.step() or mstx `step start` ranges (or --step-marker), numbered as in
 /// `analyze --analysis leaks`; steps only one trace has are listed, not compared. The ends of the
 /// traces are always compared, so traces without steps can be compared too. Nothing is written.
+///
+/// --level op|kernel compares the call sequences instead, as msMemScope's compare does: the
+/// operators (OP_LAUNCH rows, from memscope.torch.trace_ops()) or the kernel launches
+/// (KERNEL_LAUNCH rows) of A and B, aligned by a shortest edit script (Myers' diff on their
+/// names), each call with its memory delta: the size of the next caching-pool (PTA) event after
+/// it, + for an allocation, - for a free. It lists the calls only A or only B made, the matched
+/// calls whose deltas differ (largest first) and the totals.
+///
+///   memscope-bpf compare msout/run_a/ msout/run_b/ --level op
+///   memscope-bpf compare msout/run_a/ msout/run_b/ --level kernel --device 0 --rows 0
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -47,16 +62,33 @@ pub struct Args {
 
     /// Take step boundaries from MSTX marks (or ranges) with this message instead of
     /// memscope.step() / mstx `step start` ranges; each mark starts the next step.
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", conflicts_with = "level")]
     pub step_marker: Option<String>,
 
-    /// Owners listed under "what grew" and "what shrank".
+    /// Compare call sequences instead of steps: op (operators: OP_LAUNCH ends, ATEN_END and
+    /// ATB_END, named by their starts) or kernel (KERNEL_LAUNCH rows). Default: the step view.
+    #[arg(long, value_enum, value_name = "LEVEL")]
+    pub level: Option<Level>,
+
+    /// Owners listed under "what grew" and "what shrank"; with --level, the matched calls whose
+    /// memory deltas differ most.
     #[arg(long, value_name = "N", default_value_t = 10)]
     pub top: usize,
+
+    /// With --level: lines of the edit script printed per device (0: all). Runs of the same call
+    /// with the same deltas are one line, and long stretches of matched calls with equal deltas
+    /// are folded into one.
+    #[arg(long, value_name = "N", default_value_t = 200, requires = "level")]
+    pub rows: usize,
 
     /// Print JSON: an array, one element per device pair, {device, a, b, steps: [{step, ts_a,
     /// ts_b, families: [{family, a, b, diff}], owners: [{family, owner, a, b, diff}]}], grew,
     /// shrank, only_in_a, only_in_b}; the last element of steps is the traces' ends (step "end").
+    /// With --level: {device, level, a, b: {db, calls, unpaired_ends, unattributed_events},
+    /// summary: {calls_a, calls_b, matched, only_a, only_b, delta_a, delta_b, only_a_delta,
+    /// only_b_delta, matched_delta_differs}, largest_delta_diffs, rows}; each row is a run of
+    /// identical edits {kind: same|only_a|only_b, a, b (1-based positions of its first call, null
+    /// on the side without it), name, delta_a, delta_b, count}, every call in order.
     #[arg(long)]
     pub json: bool,
 }
@@ -245,14 +277,6 @@ fn compare(device: &str, a: &Side, b: &Side, top: usize) -> PairDiff {
     }
 }
 
-fn signed(bytes: i64) -> String {
-    if bytes > 0 {
-        format!("+{}", human_bytes(bytes))
-    } else {
-        human_bytes(bytes)
-    }
-}
-
 fn steps_list(steps: &[u64]) -> String {
     match (steps.first(), steps.last()) {
         (Some(f), Some(l)) if steps.len() as u64 == l - f + 1 => format!("{f}..{l}"),
@@ -329,20 +353,6 @@ fn text(d: &PairDiff) -> String {
     out
 }
 
-/// The device a DB holds: its folder's, else the `Device Id`s of its rows.
-fn device_of(file: &DbFile) -> anyhow::Result<String> {
-    if let Some(d) = &file.device {
-        return Ok(d.clone());
-    }
-    let devices = DumpDb::open(&file.path, false)?.devices()?;
-    Ok(if devices.is_empty() { "?".to_owned() } else { devices.join(",") })
-}
-
-fn normalise_device(device: &str) -> &str {
-    let d = device.trim();
-    d.strip_prefix("device_").or_else(|| d.strip_prefix("npu:")).unwrap_or(d)
-}
-
 /// One side's DBs by device, in device order: (device, DB).
 type ByDevice = BTreeMap<(u8, u64, String), (String, PathBuf)>;
 
@@ -350,11 +360,11 @@ type ByDevice = BTreeMap<(u8, u64, String), (String, PathBuf)>;
 fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
     let files_a = db::discover(&args.a).with_context(|| "A")?;
     let files_b = db::discover(&args.b).with_context(|| "B")?;
-    let want = args.device.as_deref().map(normalise_device);
+    let want = args.device.as_deref().map(inputs::normalise_device);
     let by_device = |files: &[DbFile]| -> anyhow::Result<ByDevice> {
         let mut map = BTreeMap::new();
         for f in files {
-            let device = device_of(f)?;
+            let device = inputs::device_of(f)?;
             if want.is_some_and(|w| !device.split(',').any(|d| d == w)) {
                 continue;
             }
@@ -365,8 +375,8 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
         Ok(map)
     };
     if files_a.len() == 1 && files_b.len() == 1 && args.a.is_file() && args.b.is_file() {
-        let device = device_of(&files_a[0])?;
-        let other = device_of(&files_b[0])?;
+        let device = inputs::device_of(&files_a[0])?;
+        let other = inputs::device_of(&files_b[0])?;
         let label = if device == other { device } else { format!("{device} (A) vs {other} (B)") };
         return Ok(vec![(label, files_a[0].path.clone(), files_b[0].path.clone())]);
     }
@@ -404,30 +414,54 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
     Ok(pairs)
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+/// One side of a call comparison: the DB's calls at `level`, or why it has none.
+fn calls_side(path: &Path, level: Level) -> anyhow::Result<Calls> {
+    let db = DumpDb::open(path, false)?;
+    Ok(calls::read(&db, level)?)
+}
+
+/// The step view of every device pair.
+fn step_reports(args: &Args) -> anyhow::Result<Vec<PairDiff>> {
     let marker = args.step_marker.as_deref();
-    let mut texts = Vec::new();
-    let mut jsons = Vec::new();
-    for (device, pa, pb) in pairs(&args)? {
+    let mut reports = Vec::new();
+    for (device, pa, pb) in pairs(args)? {
         let a = side(&pa, marker).context("A")?;
         let b = side(&pb, marker).context("B")?;
-        let d = compare(&device, &a, &b, args.top);
-        if args.json {
-            jsons.push(d);
-        } else {
-            texts.push(text(&d));
-        }
+        reports.push(compare(&device, &a, &b, args.top));
     }
-    let out = if args.json {
-        serde_json::to_string_pretty(&jsons).context("cannot format the JSON report")? + "\n"
+    Ok(reports)
+}
+
+/// The call view (`--level`) of every device pair.
+fn call_reports(args: &Args, level: Level) -> anyhow::Result<Vec<calldiff::CallDiff>> {
+    let mut reports = Vec::new();
+    for (device, pa, pb) in pairs(args)? {
+        let a = calls_side(&pa, level).context("A")?;
+        let b = calls_side(&pb, level).context("B")?;
+        reports.push(calldiff::compare(&device, level, (&pa, &a), (&pb, &b), args.top));
+    }
+    Ok(reports)
+}
+
+/// Prints the reports as one JSON array, or their texts one after the other.
+fn print<T: Serialize>(json: bool, reports: &[T], text: impl Fn(&T) -> String) -> anyhow::Result<()> {
+    let out = if json {
+        serde_json::to_string_pretty(reports).context("cannot format the JSON report")? + "\n"
     } else {
-        texts.join("\n")
+        reports.iter().map(text).collect::<Vec<_>>().join("\n")
     };
     use std::io::Write as _;
     let mut stdout = std::io::stdout().lock();
     match stdout.write_all(out.as_bytes()).and_then(|()| stdout.flush()) {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         r => r.context("cannot write to stdout"),
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.level {
+        Some(level) => print(args.json, &call_reports(&args, level)?, |d| calldiff::text(d, args.rows)),
+        None => print(args.json, &step_reports(&args)?, text),
     }
 }
 
@@ -527,6 +561,108 @@ mod tests {
         let d = diffs(&a, &b, &[]);
         assert_eq!(d[0].device, "0 (A) vs 3 (B)");
         assert_eq!(d[0].grew[0].owner, "PTA@kv_cache");
+    }
+
+    /// A run folder whose devices ran `ops` (name, bytes) inside trace_ops(): per op its start
+    /// and end (broadcast, so in every device's file) and, when bytes > 0, a caching-pool block of
+    /// that size allocated right after the end (the op's delta). Each op launches one kernel
+    /// named after it (`k_<name>`), followed by the same block on the kernel level.
+    fn op_folder(name: &str, devices: &[&str], ops: &[(&str, u64)]) -> PathBuf {
+        let run = dir(name).join("memscope_42_20260101000000_ascend");
+        for dev in devices {
+            let mut db = TestDb::create(&run.join(format!("device_{dev}/dump/memscope_dump_20260101000000.db")));
+            db.system("START_TRACE", 1);
+            for (i, (op, bytes)) in ops.iter().enumerate() {
+                let ts = 100 * (i as i64 + 1);
+                db.named("OP_LAUNCH", "ATEN_START", op, ts, 7);
+                db.named("KERNEL_LAUNCH", "KERNEL_LAUNCH", &format!("k_{op}"), ts + 1, 7);
+                db.named("OP_LAUNCH", "ATEN_END", "N/A", ts + 2, 7);
+                if *bytes > 0 {
+                    db.malloc("PTA", ts + 3, 0x1000 * (i as u64 + 1), *bytes, Some("PTA@activation"));
+                }
+            }
+            db.system("STOP_TRACE", 100 * (ops.len() as i64 + 1));
+        }
+        run
+    }
+
+    fn call_diffs(a: &Path, b: &Path, extra: &[&str]) -> Vec<calldiff::CallDiff> {
+        let mut argv = vec![a.to_str().unwrap(), b.to_str().unwrap()];
+        argv.extend_from_slice(extra);
+        let args = args(&argv);
+        let level = args.level.expect("--level given");
+        pairs(&args)
+            .unwrap()
+            .into_iter()
+            .map(|(d, pa, pb)| {
+                let (ca, cb) = (calls_side(&pa, level).unwrap(), calls_side(&pb, level).unwrap());
+                calldiff::compare(&d, level, (&pa, &ca), (&pb, &cb), args.top)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_call_view_finds_the_one_inserted_op_and_its_allocation() {
+        use crate::analysis::calldiff::Kind;
+        const X: u64 = 3 * MIB;
+        let base: Vec<(&str, u64)> = (0..30)
+            .flat_map(|_| [("aten.mm.default", 4 * MIB), ("aten.add.Tensor", 0), ("aten.relu.default", MIB)])
+            .collect();
+        let mut with_cat = base.clone();
+        with_cat.insert(40, ("aten.cat.default", X));
+        let a = op_folder("cmp-ops-a", &["0", "1"], &base);
+        let b = op_folder("cmp-ops-b", &["0", "1"], &with_cat);
+        for (level, name) in [("op", "aten.cat.default"), ("kernel", "k_aten.cat.default")] {
+            let d = call_diffs(&a, &b, &["--level", level]);
+            assert_eq!(d.iter().map(|d| d.device.as_str()).collect::<Vec<_>>(), ["0", "1"], "per device pair");
+            for d in &d {
+                let s = &d.summary;
+                assert_eq!((s.calls_a, s.calls_b, s.matched, s.only_a, s.only_b), (90, 91, 90, 0, 1), "{level}");
+                assert_eq!((s.only_b_delta, s.delta_b - s.delta_a, s.matched_delta_differs), (X as i64, X as i64, 0));
+                let inserted: Vec<_> = d.rows.iter().filter(|r| r.kind != Kind::Same).collect();
+                assert_eq!(inserted.len(), 1, "{level}: {inserted:?}");
+                let r = inserted[0];
+                assert_eq!(
+                    (r.kind, r.name.as_str(), r.b, r.delta_b, r.count),
+                    (Kind::OnlyB, name, Some(41), Some(X as i64), 1)
+                );
+                assert!(d.largest_delta_diffs.is_empty());
+                let text = calldiff::text(d, 200);
+                assert!(text.contains(&format!("+{:.1} MiB  {name}\n", X as f64 / MIB as f64)), "{text}");
+            }
+        }
+        // A's copy of the op allocating more shows as a matched op with another delta.
+        let mut bigger = base.clone();
+        bigger[10].1 = 6 * MIB;
+        let d = &call_diffs(&a, &op_folder("cmp-ops-c", &["0"], &bigger), &["--level", "op", "--top", "1"])[0];
+        assert_eq!((d.summary.only_a, d.summary.only_b, d.summary.matched_delta_differs), (0, 0, 1));
+        let r = &d.largest_delta_diffs[0];
+        assert_eq!(
+            (r.name.as_str(), r.a, r.delta_a, r.delta_b),
+            ("aten.add.Tensor", Some(11), Some(0), Some(6 * MIB as i64))
+        );
+    }
+
+    #[test]
+    fn the_call_view_needs_calls_and_says_how_to_get_them() {
+        let steps_only = run_folder("cmp-nocalls", &["0"], false);
+        let ops = op_folder("cmp-calls", &["0"], &[("aten.mm.default", MIB)]);
+        let err = run(args(&[ops.to_str().unwrap(), steps_only.to_str().unwrap(), "--level", "op"])).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.starts_with("B: ") && msg.contains("no operator calls") && msg.contains("trace_ops()"), "{msg}");
+        let err = run(args(&[steps_only.to_str().unwrap(), ops.to_str().unwrap(), "--level", "kernel"])).unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(
+            msg.starts_with("A: ") && msg.contains("no kernel calls") && msg.contains("aclrtLaunchKernel"),
+            "{msg}"
+        );
+        // --rows belongs to the call view, --step-marker to the step view.
+        let cli =
+            |argv: &[&str]| crate::cli::Cli::try_parse_from([&["memscope-bpf", "compare", "a", "b"], argv].concat());
+        assert!(cli(&["--rows", "5"]).is_err());
+        assert!(cli(&["--level", "op", "--step-marker", "iter"]).is_err());
+        assert!(cli(&["--level", "kernel", "--rows", "0", "--json"]).is_ok());
+        run(args(&[ops.to_str().unwrap(), ops.to_str().unwrap(), "--level", "op", "--json"])).unwrap();
     }
 
     #[test]

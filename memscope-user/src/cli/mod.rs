@@ -3,6 +3,7 @@
 pub mod advise;
 pub mod analyze;
 pub mod compare;
+mod inputs;
 pub mod probes;
 pub mod trace;
 

@@ -42,6 +42,7 @@ fn origin(o: &Origin) -> String {
         Origin::UserPath => "--lib".into(),
         Origin::Mapped { pid } => format!("mapped by pid {pid}"),
         Origin::AscendHome => "ASCEND_HOME_PATH".into(),
+        Origin::AtbHome => "ATB_HOME_PATH".into(),
         Origin::LibraryPath => "LD_LIBRARY_PATH".into(),
         Origin::Dependency => "needed by a traced library".into(),
     }

@@ -212,6 +212,28 @@ pub enum Op {
     GetDevice {
         device: Option<i32>,
     },
+    /// The pool block at `ptr` was marked as used by `stream` (`record`), or the mark was erased:
+    /// freed while marked, the allocator keeps it until that stream's work completes.
+    StreamMark {
+        ptr: Option<u64>,
+        stream: u64,
+        record: bool,
+    },
+    /// A pass of Python's cyclic garbage collector over `generation` (0-2) ended; the frees it
+    /// caused came before it, each naming it as their outer call.
+    GcPass {
+        generation: i32,
+    },
+    /// An ATB operation ran (`atb::Runner::Execute`) with the workspace its caller allocated:
+    /// `workspace_size` bytes of kernel scratch at `workspace`, followed by `intermediate_size`
+    /// bytes of the graph's intermediate tensors. `runner` (the Runner object) names the
+    /// operation within its process. Sizes are `None` when the probe could not read them.
+    AtbExecute {
+        runner: u64,
+        workspace: Option<u64>,
+        workspace_size: Option<u64>,
+        intermediate_size: Option<u64>,
+    },
 }
 
 /// A traced call.

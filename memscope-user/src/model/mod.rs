@@ -6,8 +6,10 @@
 //! - [`tracker`]: what is alive where — blocks per device, physical handles, reservations — and
 //!   the per-block facts the store writes ([`Output`]).
 //! - [`tags`]: tag spans per thread and owner paths; `marks`: what markers do to the state.
+//! - `atb`: ATB operations as start/end rows placed on their workspace's device.
 
 mod access;
+mod atb;
 pub mod event;
 mod marks;
 mod oom;

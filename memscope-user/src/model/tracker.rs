@@ -36,6 +36,8 @@ pub struct Site {
     pub wall_ns: u64,
     pub pid: u32,
     pub tid: u32,
+    /// The call ran inside a pass of Python's garbage collector (a free the collector caused).
+    pub gc: bool,
 }
 
 /// How a block came to exist.
@@ -139,6 +141,9 @@ pub enum Output {
         /// The free was not seen but follows from the allocator's rules (a workspace use ends
         /// with the next one on its device when only `allocate_workspace` is probed).
         implied: bool,
+        /// Other streams the block was still marked on (`recordStream` without `eraseStream`):
+        /// the allocator keeps it until their work completes.
+        stream_uses: u32,
     },
     /// An address tag changed the owner of a live block reported earlier.
     Retag {
@@ -189,6 +194,21 @@ pub enum Output {
         tid: u32,
         start: bool,
         name: String,
+    },
+    /// An ATB operation began (`start`, at its call's entry) or ended (at its return): `OP_LAUNCH`
+    /// rows `ATB_START` / `ATB_END`, on the device of the workspace block it ran in (else the
+    /// thread's). The same workspace facts are on both rows, as msMemScope writes them.
+    AtbLaunch {
+        /// `wall_ns` is this row's time: the entry for the start, the return for the end.
+        site: Site,
+        device: DeviceKey,
+        start: bool,
+        runner: u64,
+        workspace: Option<u64>,
+        workspace_size: Option<u64>,
+        intermediate_size: Option<u64>,
+        /// The operation's `atb::Status` (0: success); known at the end only.
+        status: Option<i32>,
     },
     /// A kernel was launched (`KERNEL_LAUNCH` rows).
     KernelLaunch {
@@ -300,6 +320,8 @@ pub(super) struct PoolBlock {
     /// Born while collection was off: never reported.
     pub(super) hidden: bool,
     pub(super) born_ns: u64,
+    /// Streams it is marked on (`recordStream`, until `eraseStream`).
+    pub(super) streams: Vec<u64>,
 }
 
 /// An external block known by its handle, waiting for `GetBlockPtr`.
@@ -478,7 +500,8 @@ impl Tracker {
 
     fn apply_one(&mut self, event: &Event, out: &mut Vec<Output>) {
         if let EventKind::Call(call) = &event.kind {
-            let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid };
+            let gc = call.outer == Some(Api::PyGcCollect);
+            let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, gc };
             self.apply_call(site, call, out);
         }
     }
@@ -617,6 +640,20 @@ impl Tracker {
                     self.remove_segment(site.pid, va);
                 }
             }
+            Op::StreamMark { ptr: Some(ptr), stream, record } => {
+                if let Some(block) = self.pool_blocks.get_mut(&(site.pid, ptr)) {
+                    if record && !block.streams.contains(&stream) {
+                        block.streams.push(stream);
+                    } else if !record {
+                        block.streams.retain(|s| *s != stream);
+                    }
+                }
+            }
+            Op::StreamMark { ptr: None, .. } => {}
+            Op::GcPass { .. } => {
+                // Its frees came first and carry `site.gc`; the pass itself is not a row.
+            }
+            Op::AtbExecute { .. } => self.atb_execute(site, call, out),
             Op::SetDevice { .. } | Op::GetDevice { .. } => {
                 // The kernel keeps the thread's device; nothing is stored for these calls.
             }
@@ -793,7 +830,8 @@ impl Tracker {
             out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
         }
         let born_ns = site.wall_ns;
-        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns };
+        let streams = Vec::new();
+        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns, streams };
         self.pool_index.insert((site.pid, ptr), ptr.saturating_add(block.size));
         self.pool_blocks.insert((site.pid, ptr), block);
     }
@@ -819,6 +857,7 @@ impl Tracker {
                 if block.hidden {
                     return;
                 }
+                let block_streams = block.streams.len() as u32;
                 out.push(Output::PoolFree {
                     site,
                     device: block.device,
@@ -830,6 +869,7 @@ impl Tracker {
                     total,
                     shadow,
                     implied,
+                    stream_uses: block_streams,
                 });
             }
             None => {
@@ -851,6 +891,7 @@ impl Tracker {
                     total,
                     shadow,
                     implied,
+                    stream_uses: 0,
                 });
             }
         }
@@ -992,7 +1033,7 @@ impl Tracker {
                 continue;
             }
             out.push(Output::Free {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid },
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
                 device: block.device,
                 space,
                 ptr,
@@ -1014,7 +1055,7 @@ impl Tracker {
             }
             let total = self.pools.get(&(block.device, block.pool, pid)).map_or(0, |s| s.total);
             out.push(Output::PoolFree {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid },
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
                 device: block.device,
                 pool: block.pool,
                 ptr,
@@ -1024,6 +1065,7 @@ impl Tracker {
                 total,
                 shadow: true,
                 implied: false,
+                stream_uses: 0,
             });
         }
     }

@@ -14,6 +14,7 @@
 //! | step boundary (markers `step()`, mstx `step start` range) | `SYSTEM` | `STEP` (Name: the step number) | `N/A` |
 //! | mark, range start / end (markers or mstx) | `MSTX` | `Mark` / `Range_start` / `Range_end` (Name: `"message"`, `Range end from id N`) | `N/A` |
 //! | operator start / end (markers `trace_ops()`) | `OP_LAUNCH` | `ATEN_START` / `ATEN_END` (Name: `aten.mm.default`) | `N/A` |
+//! | ATB operation start / end (`atb::Runner::Execute` entry / return) | `OP_LAUNCH` | `ATB_START` / `ATB_END` (Attr `workspace_ptr`, `workspace_size`, `intermediate_size`, `runner`) | `N/A` |
 //! | an operator's tensor read / written | `ACCESS` | `READ` / `WRITE` (Name: the operator; Attr `dtype`, `shape`) | `0x%016x` |
 //!
 //! Every MALLOC carries its `owner` path (`PTA@vllm@kv_cache`, `CANN@HCCL`, `HOST@weight`): the
@@ -21,7 +22,8 @@
 //! Step, MSTX and OP_LAUNCH rows go to every device's output: each device's analyses need the
 //! steps, and the inefficient-memory analysis numbers a process's memory events by its
 //! operators, in whichever device file the blocks are (an operator's own device is not known
-//! from the marker, and one operator may touch host and device blocks).
+//! from the marker, and one operator may touch host and device blocks). ATB operations are the
+//! exception: their workspace places them on one device, and their rows are that device's.
 //!
 //! `API_ERROR` and `VMM` are ours; Insight ignores Events it does not know.
 
@@ -34,6 +36,13 @@ use crate::model::{AccessKind, DeviceKey, DriverInfo, MstxKind, Origin, Output, 
 
 /// The `Name` of an operator's rows when the marker's text could not be read.
 const NO_NAME: &str = "N/A";
+/// `Attr.freed_by` of a FREE made inside a pass of Python's garbage collector (not msMemScope's:
+/// it cannot see the collector). `analysis::gc_held` reads it.
+pub const GC: &str = "gc";
+/// `Attr` key of a PTA FREE whose block was still marked on other streams (`recordStream`), so
+/// the allocator kept it until their work completed (not msMemScope's). `analysis::stream_reuse`
+/// reads it.
+pub const STREAM_USES: &str = "stream_uses";
 
 fn access_type(kind: AccessKind) -> &'static str {
     match kind {
@@ -238,6 +247,18 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 broadcast: true,
             }
         }
+        Output::AtbLaunch { site, device, start, runner, workspace, workspace_size, intermediate_size, status } => {
+            // msMemScope's keys, plus the intermediate part of the workspace (what
+            // ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE lays out) and the runner that names the operation.
+            let attr = Attr::new()
+                .with_opt("workspace_ptr", workspace.map(Value::Addr))
+                .with_opt("workspace_size", *workspace_size)
+                .with_opt("intermediate_size", *intermediate_size)
+                .addr("runner", *runner)
+                .with_opt("status", *status);
+            let event_type = if *start { "ATB_START" } else { "ATB_END" };
+            row(site, "OP_LAUNCH", event_type, *device, None, attr)
+        }
         Output::KernelLaunch { site, device, name, function, stream, args_size } => {
             let attr = Attr::new().addr("streamId", *stream).addr("function", *function).with("args_size", *args_size);
             let mut r = row(site, "KERNEL_LAUNCH", "KERNEL_LAUNCH", *device, None, attr);
@@ -298,6 +319,9 @@ pub fn to_row(output: &Output) -> Option<Row> {
             if *shadow {
                 attr = attr.with("shadow", "true");
             }
+            if site.gc {
+                attr = attr.with("freed_by", GC);
+            }
             attr = with_driver(attr, site, driver.as_ref());
             row(site, "FREE", block_type(*space), *device, Some(*ptr), attr)
         }
@@ -343,7 +367,19 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 .with("owner", owner.clone());
             row(site, "MALLOC", "PTA", *device, Some(*ptr), attr)
         }
-        Output::PoolFree { site, device, pool, ptr, size, allocation_id, used, total, shadow, implied } => {
+        Output::PoolFree {
+            site,
+            device,
+            pool,
+            ptr,
+            size,
+            allocation_id,
+            used,
+            total,
+            shadow,
+            implied,
+            stream_uses,
+        } => {
             let mut attr = Attr::new()
                 .addr("addr", *ptr)
                 .with("size", size.unwrap_or(0))
@@ -360,6 +396,12 @@ pub fn to_row(output: &Output) -> Option<Row> {
             }
             if *implied {
                 attr = attr.with("implied", "true");
+            }
+            if site.gc {
+                attr = attr.with("freed_by", GC);
+            }
+            if *stream_uses > 0 {
+                attr = attr.with(STREAM_USES, u64::from(*stream_uses));
             }
             row(site, "FREE", "PTA", *device, Some(*ptr), attr)
         }
@@ -389,7 +431,7 @@ mod tests {
     }
 
     fn site(api: Api) -> Site {
-        Site { api, wall_ns: 5, pid: 1, tid: 2 }
+        Site { api, wall_ns: 5, pid: 1, tid: 2, gc: false }
     }
 
     #[test]
@@ -540,6 +582,35 @@ mod tests {
         assert_eq!((w.event_type, w.name.as_ref()), ("WRITE", "N/A"));
         assert_eq!((w.attr.get("type").as_deref(), w.attr.get("tensor").as_deref()), (Some("PTA"), Some("opaque")));
         assert_eq!(w.attr.get("dtype"), None);
+    }
+
+    #[test]
+    fn atb_operations_are_op_launch_rows_on_their_device_with_the_workspace() {
+        let launch = |start: bool, status| {
+            to_row(&Output::AtbLaunch {
+                site: Site { wall_ns: if start { 4 } else { 5 }, ..site(Api::AtbRunnerExecute) },
+                device: DeviceKey::Npu(1),
+                start,
+                runner: 0x55,
+                workspace: Some(0x9000),
+                workspace_size: Some(1 << 20),
+                intermediate_size: Some(3 << 20),
+                status,
+            })
+        };
+        let start = launch(true, None);
+        assert_eq!(
+            (start.event, start.event_type, start.name.as_ref(), start.ts_ns, start.broadcast),
+            ("OP_LAUNCH", "ATB_START", "atb::Runner::Execute", 4, false)
+        );
+        assert_eq!((start.device_id().as_str(), start.ptr_text().as_str()), ("1", "N/A"));
+        assert_eq!(
+            start.attr.to_json(),
+            r#"{"workspace_ptr":"0x0000000000009000","workspace_size":"1048576","intermediate_size":"3145728","runner":"0x0000000000000055"}"#
+        );
+        let end = launch(false, Some(0));
+        assert_eq!((end.event_type, end.ts_ns, end.attr.get("status").as_deref()), ("ATB_END", 5, Some("0")));
+        assert_eq!(end.attr.get("workspace_size").as_deref(), Some("1048576"));
     }
 
     #[test]

@@ -311,10 +311,21 @@ pub struct Tracer {
 
 impl Tracer {
     pub fn spawn(env: &TestEnv, args: &[&str], extra_env: &[(&str, &Path)]) -> Self {
+        let vars: Vec<(&str, Option<&std::ffi::OsStr>)> =
+            extra_env.iter().map(|(k, v)| (*k, Some(v.as_os_str()))).collect();
+        Self::spawn_with(env, args, &vars)
+    }
+
+    /// As [`Self::spawn`], with variables to set (`Some`) or to remove (`None`) so that a launched
+    /// job does not inherit them from whoever runs the tests.
+    pub fn spawn_with(env: &TestEnv, args: &[&str], vars: &[(&str, Option<&std::ffi::OsStr>)]) -> Self {
         let mut cmd = Command::new(&env.bin);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        for (k, v) in extra_env {
-            cmd.env(k, v);
+        for (k, v) in vars {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
         }
         let mut child = cmd.spawn().expect("start memscope-bpf");
         let stderr = child.stderr.take().unwrap();
@@ -1110,35 +1121,92 @@ pub fn listed(text: &str, action: &str, api: &str, symbol: &str, source: &str) -
 /// `ledger`), the markers on PYTHONPATH and the allocator's ledger next to it; waits for both to
 /// exit successfully. Returns the output and the ledger's path.
 pub fn trace_standin_script(env: &TestEnv, script: &str, ledger: &str) -> (Output, PathBuf) {
+    trace_standin_run(env, script, ledger, "out", &[], &[])
+}
+
+/// As [`trace_standin_script`], into `env.scratch/<out>`, with `extra` arguments for the script
+/// and `vars` set in its environment.
+pub fn trace_standin_run(
+    env: &TestEnv,
+    script: &str,
+    ledger: &str,
+    out: &str,
+    extra: &[&str],
+    vars: &[(&str, &str)],
+) -> (Output, PathBuf) {
+    let job_env: Vec<(&str, Option<&str>)> = vars.iter().map(|(k, v)| (*k, Some(*v))).collect();
+    trace_standin_run_with(env, script, ledger, out, extra, &[], &job_env)
+}
+
+/// As [`trace_standin_run`], also probing `libs` from the start (`--lib`), and with the job's
+/// environment changed: `Some` sets a variable, `None` removes it.
+pub fn trace_standin_run_with(
+    env: &TestEnv,
+    script: &str,
+    ledger: &str,
+    out: &str,
+    extra: &[&str],
+    libs: &[&Path],
+    job_env: &[(&str, Option<&str>)],
+) -> (Output, PathBuf) {
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let markers = var("MEMSCOPE_MARKERS");
     let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name(script);
     let ledger = env.scratch.join(ledger);
     let pool = pool_ledger_path(&ledger);
-    let out = env.scratch.join("out");
+    let out = env.scratch.join(out);
     let (out_s, torch_s, ledger_s, workload_s) = (
         out.display().to_string(),
         torch.display().to_string(),
         ledger.display().to_string(),
         workload.display().to_string(),
     );
-    let args = [
-        "trace",
-        "--output",
-        &out_s,
-        "--lib",
-        &torch_s,
-        "--",
-        "python3",
-        &workload_s,
-        "--torch-lib",
-        &torch_s,
-        "--ledger",
-        &ledger_s,
+    let lib_args: Vec<String> = libs.iter().map(|l| l.display().to_string()).collect();
+    let mut args = vec!["trace", "--output", &out_s, "--lib", &torch_s];
+    for lib in &lib_args {
+        args.extend(["--lib", lib.as_str()]);
+    }
+    args.extend(["--", "python3", &workload_s, "--torch-lib", &torch_s, "--ledger", &ledger_s]);
+    args.extend_from_slice(extra);
+    let mut vars: Vec<(&str, Option<&std::ffi::OsStr>)> = vec![
+        ("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str())),
+        ("PYTHONPATH", Some(markers.as_os_str())),
+        ("STANDIN_TORCH_LEDGER", Some(pool.as_os_str())),
     ];
-    let vars: Vec<(&str, &Path)> =
-        vec![("ASCEND_HOME_PATH", &env.ascend_home), ("PYTHONPATH", &markers), ("STANDIN_TORCH_LEDGER", &pool)];
-    let (code, stderr) = Tracer::spawn(env, &args, &vars).finish(Duration::from_secs(120));
+    vars.extend(job_env.iter().map(|(k, v)| (*k, v.map(std::ffi::OsStr::new))));
+    let (code, stderr) = Tracer::spawn_with(env, &args, &vars).finish(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{stderr}");
     (read_output(&out), ledger)
+}
+
+/// The torch venv's python and the markers package built for it, or None after saying why.
+pub fn real_torch() -> Option<(PathBuf, PathBuf)> {
+    match (std::env::var_os("MEMSCOPE_REAL_TORCH_PYTHON"), std::env::var_os("MEMSCOPE_MARKERS_TORCH")) {
+        (Some(python), Some(markers)) if Path::new(&python).is_file() => {
+            Some((PathBuf::from(python), PathBuf::from(markers)))
+        }
+        _ => {
+            let why = std::env::var("MEMSCOPE_REAL_TORCH_MISSING").unwrap_or_else(|_| "not set up".into());
+            eprintln!("SKIPPED: no real PyTorch ({why}); `cargo xtask test` prepares target/torch-venv");
+            None
+        }
+    }
+}
+
+/// Waits for a workload to write `path` (non-empty) and returns its text; fails if the workload
+/// exits first or `timeout` passes.
+pub fn wait_for_file(path: &Path, child: &mut Child, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if !text.is_empty() {
+                return text;
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("workload exited ({status}) before writing {}", path.display());
+        }
+        assert!(Instant::now() < deadline, "no {} after {timeout:?}", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

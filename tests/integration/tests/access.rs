@@ -130,7 +130,7 @@ fn out_of_memory_lists_the_recent_and_largest_live_blocks() {
         newest_first.truncate(10);
         assert_eq!(listed("OOM_RECENT_ALLOC"), newest_first, "{trigger_name}: the most recent {kind} blocks");
         let mut largest = live.clone();
-        largest.sort_by(|a, b| b.1.cmp(&a.1));
+        largest.sort_by_key(|b| std::cmp::Reverse(b.1));
         largest.truncate(10);
         let got: Vec<u64> = listed("OOM_TOP_ALLOC").iter().map(|(_, s)| *s).collect();
         let want: Vec<u64> = largest.iter().map(|(_, s)| *s).collect();

@@ -21,7 +21,6 @@
 //!    tensors after the attach, so nearly every ledger entry must count.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -30,20 +29,6 @@ use serde::Deserialize;
 
 const ALLOC: &str = "c10::alloc_cpu";
 const FREE: &str = "c10::free_cpu";
-
-/// The torch venv's python and the markers package built for it, or None after saying why.
-fn real_torch() -> Option<(PathBuf, PathBuf)> {
-    match (std::env::var_os("MEMSCOPE_REAL_TORCH_PYTHON"), std::env::var_os("MEMSCOPE_MARKERS_TORCH")) {
-        (Some(python), Some(markers)) if Path::new(&python).is_file() => {
-            Some((PathBuf::from(python), PathBuf::from(markers)))
-        }
-        _ => {
-            let why = std::env::var("MEMSCOPE_REAL_TORCH_MISSING").unwrap_or_else(|_| "not set up".into());
-            eprintln!("SKIPPED: no real PyTorch ({why}); `cargo xtask test` prepares target/torch-venv");
-            None
-        }
-    }
-}
 
 /// One access the ledger logged: kind, storage pointer, bytes, dtype, shape.
 type LedgerAccess = (String, u64, u64, String, Vec<u64>);
@@ -66,22 +51,6 @@ type Access = (String, u64, u64, String, String);
 
 fn shape_text(shape: &[u64]) -> String {
     format!("[{}]", shape.iter().map(u64::to_string).collect::<Vec<_>>().join(","))
-}
-
-fn wait_for_file(path: &Path, child: &mut std::process::Child, timeout: Duration) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if !text.is_empty() {
-                return text;
-            }
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("workload exited ({status}) before writing {}", path.display());
-        }
-        assert!(Instant::now() < deadline, "no {} after {timeout:?}", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn counts<T: Ord + Clone>(items: &[T]) -> BTreeMap<T, usize> {

@@ -51,20 +51,6 @@ const COUNT_END: &str = "ms-count-end";
 /// The workload keeps this quiet on each side of the checkpoint (it sleeps 100 ms).
 const QUIET_NS: u64 = 50_000_000;
 
-/// The torch venv's python and the markers package built for it, or None after saying why.
-fn real_torch() -> Option<(PathBuf, PathBuf)> {
-    match (std::env::var_os("MEMSCOPE_REAL_TORCH_PYTHON"), std::env::var_os("MEMSCOPE_MARKERS_TORCH")) {
-        (Some(python), Some(markers)) if Path::new(&python).is_file() => {
-            Some((PathBuf::from(python), PathBuf::from(markers)))
-        }
-        _ => {
-            let why = std::env::var("MEMSCOPE_REAL_TORCH_MISSING").unwrap_or_else(|_| "not set up".into());
-            eprintln!("SKIPPED: no real PyTorch ({why}); `cargo xtask test` prepares target/torch-venv");
-            None
-        }
-    }
-}
-
 /// `bpftrace` on PATH, if any (MEMSCOPE_BPFTRACE overrides the search; a path that is not a
 /// file there means none).
 fn bpftrace() -> Option<PathBuf> {
@@ -107,22 +93,6 @@ fn read_checkpoint(ledger: &Path) -> Checkpoint {
     }
     assert_eq!(c.storage_bytes_weight, c.weight_bytes, "memscope.torch.storage_bytes and torch disagree");
     c
-}
-
-fn wait_for_file(path: &Path, child: &mut Child, timeout: Duration) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if !text.is_empty() {
-                return text;
-            }
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("workload exited ({status}) before writing {}", path.display());
-        }
-        assert!(Instant::now() < deadline, "no {} after {timeout:?}", path.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The first file mapped into `pid` whose name matches `pred`.

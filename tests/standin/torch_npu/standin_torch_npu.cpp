@@ -26,6 +26,15 @@
  *   libascend_kernel_hook.so, the test torch_npu itself applies.
  * The workspace allocator keeps one grow-only block per device and stream.
  *
+ * Streams (MULTI_STREAM_MEMORY_REUSE, default 1): recordStream marks a block as used by another
+ * stream; a block freed while marked is not returned to the pool but waits for that stream's work
+ * (torch_npu records an event and reclaims the block at a later malloc once it completed; here the
+ * work completes at standin_synchronize, the test's device sync). The stand-in collective
+ * (standin_comm_start / standin_comm_wait, what HCCL does) records its tensors on the
+ * communication stream; at wait(), with reuse 1 or 3 it erases those marks (eraseStream) so a
+ * later free returns the block at once; with 3 it also returns blocks already freed while marked;
+ * with 2 it never marks; with 0 it keeps the marks, as stock PyTorch does.
+ *
  * Ground truth for tests: with STANDIN_TORCH_LEDGER=<path>, every block and segment event is
  * appended as one JSON line with the allocator's own allocated/reserved counters after it.
  */
@@ -39,6 +48,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -247,6 +257,15 @@ struct Config {
     }
 };
 
+/* MULTI_STREAM_MEMORY_REUSE, read once (torch_npu's default is 1). */
+int reuse_mode() {
+    static int mode = [] {
+        const char *v = std::getenv("MULTI_STREAM_MEMORY_REUSE");
+        return v != nullptr && *v != '\0' ? std::atoi(v) : 1;
+    }();
+    return mode;
+}
+
 size_t round_size(size_t size) {
     return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
 }
@@ -262,6 +281,46 @@ size_t allocation_size(size_t size) {
 }
 
 }  // namespace
+
+namespace c10 {
+/* Enough of c10::DataPtr (at::DataPtr) for the ABI: returned by value (through a hidden pointer),
+ * passed by reference, data first. */
+struct DataPtr {
+    void *data;
+    void *ctx;
+    void (*deleter)(void *);
+    int16_t device;
+    DataPtr(void *d, void *c, void (*del)(void *), int16_t dev) : data(d), ctx(c), deleter(del), device(dev) {}
+    DataPtr(const DataPtr &) = delete;
+    DataPtr(DataPtr &&other) noexcept : data(other.data), ctx(other.ctx), deleter(other.deleter), device(other.device) {
+        other.deleter = nullptr;
+    }
+    ~DataPtr() {
+        if (deleter) {
+            deleter(ctx);
+        }
+    }
+};
+
+/* c10::Stream: a device (type, index) and a stream id; 16 bytes, passed by value in registers. */
+struct Stream {
+    int8_t device_type;
+    int8_t device_index;
+    int64_t id;
+};
+}  // namespace c10
+
+namespace c10_npu {
+/* c10_npu::NPUStream wraps a c10::Stream; trivially copyable, so passed in two registers. */
+class NPUStream {
+  public:
+    explicit NPUStream(c10::Stream s) : stream_(s) {}
+    int64_t id() const { return stream_.id; }
+
+  private:
+    c10::Stream stream_;
+};
+}  // namespace c10_npu
 
 namespace c10_npu {
 namespace NPUCachingAllocator {
@@ -282,6 +341,8 @@ struct Block {
     Block *prev;
     Block *next;
     void *segment;  // start of the segment (or of the expandable range) it belongs to
+    std::set<int64_t> stream_uses{};  // other streams it was recorded on (recordStream)
+    bool pending = false;           // freed while marked: waiting for those streams' work
 };
 
 struct BlockComparator {
@@ -326,6 +387,11 @@ class DeviceCachingAllocator {
     Block *malloc(int device, size_t size, aclrtStream stream, uint8_t allocator_type = 0);
     void free(Block *block, uint8_t allocator_type = 0);
     void emptyCache();
+    void recordStream(Block *block, int64_t stream);
+    void eraseStream(Block *block, int64_t stream);
+    void release_pending(void *ptr);
+    void released_event(const Block *block);
+    void synchronize();
     Stats stats() {
         std::lock_guard<std::recursive_mutex> guard(mutex_);
         return stats_;
@@ -340,12 +406,14 @@ class DeviceCachingAllocator {
     void shrink_expandable(BlockPool &pool);
     bool should_split(const Block *block, size_t size) const;
     void segment_event(const char *ev, void *ptr, size_t size);
+    void free_block(Block *block);
 
     int device_;
     std::recursive_mutex mutex_;
     BlockPool small_;
     BlockPool large_;
     Stats stats_;
+    std::vector<Block *> pending_;  // freed while marked, in free order
 };
 
 void DeviceCachingAllocator::segment_event(const char *ev, void *ptr, size_t size) {
@@ -585,6 +653,19 @@ HIDDEN_NOINLINE Block *DeviceCachingAllocator::malloc(int device, size_t orig_si
 HIDDEN_NOINLINE void DeviceCachingAllocator::free(Block *block, uint8_t allocator_type) {
     (void)allocator_type;
     std::lock_guard<std::recursive_mutex> guard(mutex_);
+    if (!block->stream_uses.empty()) {
+        // Still in use by another stream's work: it stays allocated until that work completes.
+        block->pending = true;
+        pending_.push_back(block);
+        at_event = AtEvent{stats_.allocated, stats_.reserved};
+        return;
+    }
+    free_block(block);
+}
+
+void DeviceCachingAllocator::free_block(Block *block) {
+    block->pending = false;
+    block->stream_uses.clear();
     block->allocated = false;
     stats_.allocated -= block->size;
     void *ptr = block->ptr;
@@ -623,6 +704,48 @@ void DeviceCachingAllocator::emptyCache() {
     release_cached(false);
 }
 
+void DeviceCachingAllocator::recordStream(Block *block, int64_t stream) {
+    std::lock_guard<std::recursive_mutex> guard(mutex_);
+    block->stream_uses.insert(stream);
+}
+
+void DeviceCachingAllocator::eraseStream(Block *block, int64_t stream) {
+    std::lock_guard<std::recursive_mutex> guard(mutex_);
+    block->stream_uses.erase(stream);
+}
+
+void DeviceCachingAllocator::release_pending(void *ptr) {
+    std::lock_guard<std::recursive_mutex> guard(mutex_);
+    auto it = std::find_if(pending_.begin(), pending_.end(), [ptr](const Block *b) { return b->ptr == ptr; });
+    if (it != pending_.end()) {
+        Block *block = *it;
+        pending_.erase(it);
+        released_event(block);
+        free_block(block);
+    }
+}
+
+/* Every stream's work completed: the blocks waiting for it go back to the pool. */
+void DeviceCachingAllocator::synchronize() {
+    std::lock_guard<std::recursive_mutex> guard(mutex_);
+    std::vector<Block *> done;
+    done.swap(pending_);
+    for (Block *b : done) {
+        released_event(b);
+        free_block(b);
+    }
+}
+
+/* The ledger's record of a block that waited for another stream going back to the pool. */
+void DeviceCachingAllocator::released_event(const Block *block) {
+    if (Ledger::get().on()) {
+        Ledger::get().line(fmt("{\"ev\": \"deferred_release\", \"tid\": %ld, \"t\": %llu, \"device\": %d, \"size\": %zu, "
+                               "\"ptr\": %llu, \"allocated\": %zu, \"reserved\": %zu}",
+                               tid(), now_ns(), device_, block->size, (unsigned long long)(uintptr_t)block->ptr,
+                               stats_.allocated - block->size, stats_.reserved));
+    }
+}
+
 class NpuCachingAllocator {
   public:
     HIDDEN_NOINLINE void malloc(void **devPtr, int device, size_t size, aclrtStream stream);
@@ -647,6 +770,10 @@ class NpuCachingAllocator {
         Block *b = it->second;
         allocated_.erase(it);
         return b;
+    }
+    std::vector<DeviceCachingAllocator *> all_devices() {
+        std::lock_guard<std::mutex> guard(mutex_);
+        return devices_;
     }
 
   private:
@@ -688,6 +815,27 @@ void NpuCachingAllocator::emptyCache() {
     }
     for (auto *d : all) {
         d->emptyCache();
+    }
+}
+
+/* torch_npu's stream marks, exported (the Python bindings and ProcessGroupHCCL call them):
+ * recordStream before a collective on another stream, eraseStream once it was waited for. */
+EXPORT __attribute__((noinline)) void recordStream(const c10::DataPtr &ptr, NPUStream stream) {
+    if (Block *block = caching_allocator.lookup(ptr.data)) {
+        caching_allocator.device(block->device).recordStream(block, stream.id());
+    }
+}
+
+EXPORT __attribute__((noinline)) void eraseStream(const c10::DataPtr &ptr, NPUStream stream) {
+    if (Block *block = caching_allocator.lookup(ptr.data)) {
+        caching_allocator.device(block->device).eraseStream(block, stream.id());
+        return;
+    }
+    // Freed already, waiting for the stream: only reuse mode 3 hands such blocks back now.
+    if (reuse_mode() == 3) {
+        for (auto *d : caching_allocator.all_devices()) {
+            d->release_pending(ptr.data);
+        }
     }
 }
 
@@ -798,23 +946,7 @@ DeviceWorkspaceAllocator &workspace(int device) {
 }  // namespace c10_npu
 
 namespace at {
-/* Enough of at::DataPtr for the ABI: returned by value (through a hidden pointer), data first. */
-struct DataPtr {
-    void *data;
-    void *ctx;
-    void (*deleter)(void *);
-    int16_t device;
-    DataPtr(void *d, void *c, void (*del)(void *), int16_t dev) : data(d), ctx(c), deleter(del), device(dev) {}
-    DataPtr(const DataPtr &) = delete;
-    DataPtr(DataPtr &&other) noexcept : data(other.data), ctx(other.ctx), deleter(other.deleter), device(other.device) {
-        other.deleter = nullptr;
-    }
-    ~DataPtr() {
-        if (deleter) {
-            deleter(ctx);
-        }
-    }
-};
+using c10::DataPtr;
 }  // namespace at
 
 namespace {
@@ -883,14 +1015,44 @@ EXPORT void standin_tensor_free(void *ptr) {
     size_t size = block ? block->size : 0;
     caching_allocator.free(ptr);
     if (Ledger::get().on() && block != nullptr) {
+        // A block freed while marked stays (not merged, not deleted) until its stream's work ends.
         Ledger::get().line(fmt("{\"ev\": \"block_free\", \"pool\": \"caching\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
-                               "\"device\": %d, \"size\": %zu, \"ptr\": %llu, %s}",
+                               "\"device\": %d, \"size\": %zu, \"ptr\": %llu, \"deferred\": %s, %s}",
                                tid(), t0, now_ns(), device, size, (unsigned long long)(uintptr_t)ptr,
-                               counters(device).c_str()));
+                               block->pending ? "true" : "false", counters(device).c_str()));
     }
 }
 
 EXPORT void standin_empty_cache(void) { caching_allocator.emptyCache(); }
+
+/* What ProcessGroupHCCL does around a collective on its communication stream (id 1): mark the
+ * tensors used there (unless reuse mode 2 avoids the marks), and at work.wait() erase the marks
+ * (reuse modes 1 and 3). The tensors of the collective in flight, per thread. */
+thread_local std::vector<void *> comm_tensors;
+
+EXPORT void standin_comm_start(void *ptr, int device) {
+    c10::DataPtr dp(ptr, nullptr, nullptr, (int16_t)device);
+    c10_npu::NPUStream comm(c10::Stream{20, (int8_t)device, 1});
+    if (reuse_mode() != 2) {
+        c10_npu::NPUCachingAllocator::recordStream(dp, comm);
+    }
+    comm_tensors.push_back(ptr);
+}
+
+EXPORT void standin_comm_wait(int device) {
+    int mode = reuse_mode();
+    c10_npu::NPUStream comm(c10::Stream{20, (int8_t)device, 1});
+    if (mode == 1 || mode == 3) {
+        for (void *ptr : comm_tensors) {
+            c10::DataPtr dp(ptr, nullptr, nullptr, (int16_t)device);
+            c10_npu::NPUCachingAllocator::eraseStream(dp, comm);
+        }
+    }
+    comm_tensors.clear();
+}
+
+/* A device synchronize: every stream's work is done. */
+EXPORT void standin_synchronize(int device) { caching_allocator.device(device).synchronize(); }
 
 EXPORT void standin_stats(int device, size_t *allocated, size_t *reserved) {
     auto stats = caching_allocator.device(device).stats();

@@ -57,8 +57,8 @@ pub enum Fed<'a> {
 
 /// The rows a replay reads (by `Event`) and the optional columns it needs.
 #[derive(Clone, Copy, Debug)]
-pub struct Selection {
-    pub events: &'static [&'static str],
+pub struct Selection<'e> {
+    pub events: &'e [&'e str],
     pub name: bool,
     pub thread: bool,
 }
@@ -164,7 +164,7 @@ struct Plan {
     columns: String,
     name_at: Option<usize>,
     tid_at: Option<usize>,
-    events: &'static [&'static str],
+    events: Vec<String>,
     max_stragglers: usize,
     max_held: usize,
     tail: u64,
@@ -179,7 +179,7 @@ pub struct TimeOrder<'p> {
 impl<'p> TimeOrder<'p> {
     /// `conn` is only asked which columns the table has; the rows are read on a connection of
     /// the reading thread's own.
-    pub fn new(conn: &Connection, path: &'p Path, table: &str, select: Selection) -> Result<Self, AnalysisError> {
+    pub fn new(conn: &Connection, path: &'p Path, table: &str, select: Selection<'_>) -> Result<Self, AnalysisError> {
         let read = |source| AnalysisError::Read { path: path.to_owned(), source };
         let have: Vec<String> = conn
             .prepare("SELECT name FROM pragma_table_info(?1)")
@@ -208,7 +208,7 @@ impl<'p> TimeOrder<'p> {
             columns,
             name_at,
             tid_at,
-            events: select.events,
+            events: select.events.iter().map(|e| (*e).to_owned()).collect(),
             max_stragglers: MAX_STRAGGLERS,
             max_held: MAX_HELD,
             tail: TAIL,
@@ -285,7 +285,7 @@ impl<'p> TimeOrder<'p> {
         let n = match counts {
             Some(counts) => {
                 let selected = self.plan.events.iter().zip(counts);
-                selected.filter(|(e, _)| count.contains(e)).map(|(_, n)| n).sum()
+                selected.filter(|(e, _)| count.contains(&e.as_str())).map(|(_, n)| n).sum()
             }
             None => reader.count(count)?,
         };
@@ -403,7 +403,7 @@ impl Reader<'_> {
             let get = |i| row.get_ref(i).map_err(self.read_err());
             let key = (int(get(0)?), int(get(1)?), int(get(2)?));
             let event = text(get(3)?);
-            if let Some(n) = plan.events.iter().position(|e| *e == event) {
+            if let Some(n) = plan.events.iter().position(|e| e == event) {
                 counts[n] += 1;
             }
             if max.is_some_and(|m| key < m) {

@@ -1,0 +1,163 @@
+//! Ascend Transformer Boost (`libatb.so`): one probe on `atb::Runner::Execute(RunnerVariantPack&)`,
+//! the function msMemScope's ATB hook interposes (reference: msmemscope-and-insight.md §5), which
+//! every ATB operation runs through with the workspace its caller allocated.
+//!
+//! What is read, at entry, from the pack (argument 1; argument 0 is the runner, `this`):
+//! `workspaceBuffer` and `workspaceBufferSize` (the kernels' scratch) and `intermediateBufferSize`
+//! (the graph's intermediate tensors, laid out right after the scratch in the same caller-provided
+//! buffer; ATB's Setup asks the caller for the sum of the two). The intermediate part is what
+//! ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE changes, which is why the advisor needs it.
+//!
+//! Offsets come from DWARF when the library (or its debug file) describes `atb::RunnerVariantPack`
+//! (`attach::plan`). Release builds of ATB carry no DWARF, so otherwise the offsets of the open-source ATB's
+//! public declarations are assumed ([`FALLBACK_OFFSETS`]): the pack starts with two
+//! `SVector<Tensor>` and two `SVector<bool>` of 64+1 inline elements, and that arithmetic is
+//! checked against a compiled copy of the declarations (tests/standin/atb/atb_standin.h) below. An
+//! ATB whose pack changed shape would give wrong sizes, which is why `probes` says which source
+//! was used.
+//!
+//! A graph runner executes its nodes' runners through the same function; those nested calls are
+//! one call of this layer, so one ATB operation is one record, with the outermost pack (the whole
+//! graph's workspace). The runner's name is a `std::string` the generic probe cannot copy, so
+//! operations are told apart by their runner's address.
+
+use memscope_common::spec::{layer, FieldRead, ProbeSpec};
+
+use super::{no_status, spec, Api, ApiDef, Family, Layout};
+use crate::model::Op;
+
+/// `atb::RunnerVariantPack`: the members read, in field order.
+pub static RUNNER_VARIANT_PACK: Layout = Layout {
+    namespace: "atb",
+    name: "RunnerVariantPack",
+    members: &["workspaceBuffer", "workspaceBufferSize", "intermediateBufferSize"],
+};
+
+/// Offsets of [`RUNNER_VARIANT_PACK`]'s members in the open-source ATB (hicann/ascend-transformer-boost) on LP64 targets, used when no DWARF
+/// describes the pack. `Tensor` is 104 bytes (`TensorDesc` 80: two int enums and `Dims` of eight
+/// `int64_t` plus a count; two pointers; a size), an `SVector<T>` is capacity, size, 65 inline
+/// elements and a heap pointer (6784 bytes for `Tensor`, 96 for `bool`), and the pack's pointers
+/// and sizes follow the four vectors from byte 13760.
+pub const FALLBACK_OFFSETS: [u64; 3] = [13784, 13792, 13808];
+
+const fn execute_spec(offsets: [u64; 3]) -> ProbeSpec {
+    spec(
+        layer::OPERATOR,
+        0,
+        &[
+            FieldRead::arg_at_entry(1, offsets[0] as u32, 8),
+            FieldRead::arg_at_entry(1, offsets[1] as u32, 8),
+            FieldRead::arg_at_entry(1, offsets[2] as u32, 8),
+        ],
+    )
+}
+
+pub(super) static TABLE: [ApiDef; 1] = [ApiDef {
+    api: Api::AtbRunnerExecute,
+    name: "atb::Runner::Execute",
+    symbol: "_ZN3atb6Runner7ExecuteERNS_17RunnerVariantPackE",
+    family: Family::Atb,
+    // Returns atb::Status, 0 on success.
+    spec: execute_spec(FALLBACK_OFFSETS),
+    decode: |c| Op::AtbExecute {
+        runner: c.args[0],
+        workspace: c.field(0),
+        workspace_size: c.field(1),
+        intermediate_size: c.field(2),
+    },
+    out_of_memory: no_status,
+    layout: Some(&RUNNER_VARIANT_PACK),
+}];
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::process::Command;
+
+    use super::*;
+    use crate::record::RawCall;
+
+    fn raw(fields: [Option<u64>; 4]) -> RawCall {
+        RawCall {
+            spec_id: Api::AtbRunnerExecute.spec_id(),
+            tgid: 1,
+            tid: 2,
+            entry_mono_ns: 10,
+            return_mono_ns: 20,
+            args: [0x5000, 0x7000, 0, 0, 0, 0],
+            ret: 0,
+            fields,
+            outer_spec: None,
+            cfg_device: None,
+            cfg_module: None,
+            thread_device: Some(0),
+            text: None,
+            blob: None,
+        }
+    }
+
+    #[test]
+    fn execute_decodes_the_runner_and_the_packs_workspace() {
+        let def = Api::AtbRunnerExecute.def();
+        let op = (def.decode)(&raw([Some(0x9000), Some(1 << 20), Some(44 << 20), None]));
+        assert_eq!(
+            op,
+            Op::AtbExecute {
+                runner: 0x5000,
+                workspace: Some(0x9000),
+                workspace_size: Some(1 << 20),
+                intermediate_size: Some(44 << 20),
+            }
+        );
+        // A field the probe could not read stays unknown rather than zero.
+        let op = (def.decode)(&raw([None, Some(512), None, None]));
+        assert!(matches!(op, Op::AtbExecute { workspace: None, intermediate_size: None, .. }));
+    }
+
+    #[test]
+    fn the_spec_reads_the_pack_at_entry_on_its_own_layer() {
+        let s = Api::AtbRunnerExecute.def().spec;
+        assert_eq!(s.layer, layer::OPERATOR);
+        for (i, offset) in FALLBACK_OFFSETS.iter().enumerate() {
+            let f = s.fields[i];
+            assert_eq!((f.arg, f.at_entry, f.width, u64::from(f.offset)), (1, 1, 8, *offset));
+        }
+        assert!(s.reads_at_entry());
+    }
+
+    /// The fallback offsets are the layout of ATB's declarations as a compiler lays them out:
+    /// the stand-in header mirrors them member for member. Skipped without a C++ compiler.
+    #[test]
+    fn fallback_offsets_match_the_declarations_compiled() {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let header = root.join("tests/standin/atb/atb_standin.h");
+        let dir = std::env::temp_dir().join(format!("memscope-atb-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = dir.join("pack.cpp");
+        // Linked, not a relocatable object: the DWARF reader does not apply relocations.
+        let object = dir.join("libpack.so");
+        std::fs::write(
+            &source,
+            format!(
+                "#include \"{}\"\natb::RunnerVariantPack *keep_pack_type() {{ return nullptr; }}\n",
+                header.display()
+            ),
+        )
+        .unwrap();
+        let Ok(status) = Command::new("g++")
+            .args(["-std=c++17", "-g", "-fno-eliminate-unused-debug-types", "-shared", "-fPIC", "-o"])
+            .arg(&object)
+            .arg(&source)
+            .status()
+        else {
+            eprintln!("no g++: skipped");
+            return;
+        };
+        assert!(status.success(), "the stand-in ATB header does not compile");
+        let data = std::fs::read(&object).unwrap();
+        let l = &RUNNER_VARIANT_PACK;
+        let found = crate::attach::dwarf::member_offsets(&data, Some(l.namespace), l.name, l.members);
+        assert_eq!(found, Some(FALLBACK_OFFSETS.to_vec()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

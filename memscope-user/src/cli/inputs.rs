@@ -1,0 +1,55 @@
+//! The DB arguments of the offline verbs (`analyze`, `advise`, `compare`): which DB files they
+//! name, which device each holds, and `--device` as a user may write it. One place, so the verbs
+//! accept the same inputs and say the same thing when a device is not among them.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use crate::analysis::db::{self, DbFile, DumpDb};
+
+/// The DBs the inputs name (files, trace folders, folders of traces), each once, in the order
+/// given. Every input is resolved before any is analysed, so a typo in the last one fails first.
+pub fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
+    let mut files = Vec::new();
+    let mut seen = HashSet::new();
+    for input in inputs {
+        for file in db::discover(input)? {
+            let key = std::fs::canonicalize(&file.path).unwrap_or_else(|_| file.path.clone());
+            if seen.insert(key) {
+                files.push(file);
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// The device a DB holds: its `device_<id>` folder's, else the `Device Id`s of its rows
+/// (comma-joined; `?` when it has none).
+pub fn device_of(file: &DbFile) -> anyhow::Result<String> {
+    if let Some(d) = &file.device {
+        return Ok(d.clone());
+    }
+    let devices = DumpDb::open(&file.path, false)?.devices()?;
+    Ok(if devices.is_empty() { "?".to_owned() } else { devices.join(",") })
+}
+
+/// `--device` as written (`0`, `device_0`, `npu:0`, `cpu`) -> the id DB folders use.
+pub fn normalise_device(device: &str) -> &str {
+    let d = device.trim();
+    d.strip_prefix("device_").or_else(|| d.strip_prefix("npu:")).unwrap_or(d)
+}
+
+/// Whether a DB holding `device` (possibly comma-joined) is the one asked for.
+pub fn is_device(device: &str, want: &str) -> bool {
+    device.split(',').any(|d| d == want)
+}
+
+/// The error for a `--device` no input has, listing those they have.
+pub fn no_such_device(want: &str, mut found: Vec<String>) -> anyhow::Error {
+    found.sort_by_key(|d| db::device_order(Some(d)));
+    found.dedup();
+    anyhow::anyhow!(
+        "no DB of device {want} among the inputs (devices found: {}); pick one of those with --device",
+        if found.is_empty() { "none".to_owned() } else { found.join(", ") }
+    )
+}

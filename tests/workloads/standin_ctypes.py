@@ -1,0 +1,26 @@
+"""The STAND-IN runtime and torch_npu libraries (tests only) as ctypes handles, with the argument
+types the test workloads use, and the device set: one place instead of a copy per workload.
+"""
+
+import ctypes
+import os
+
+VP, SZ = ctypes.c_void_p, ctypes.c_size_t
+
+
+def load(torch_lib, device=0):
+    """(acl, torch): libascendcl.so from $ASCEND_HOME_PATH/lib64 with `device` set, and the
+    stand-in libtorch_npu.so at `torch_lib`."""
+    acl = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
+    acl.aclrtSetDevice.argtypes = [ctypes.c_int32]
+    acl.aclrtBinaryGetFunction.argtypes = [VP, ctypes.c_char_p, ctypes.POINTER(VP)]
+    acl.aclrtLaunchKernel.argtypes = [VP, ctypes.c_uint32, VP, SZ, VP]
+    if acl.aclrtSetDevice(device) != 0:
+        raise RuntimeError(f"aclrtSetDevice({device}) failed")
+    torch = ctypes.CDLL(torch_lib)
+    torch.standin_tensor_alloc.argtypes = [SZ, ctypes.c_int]
+    torch.standin_tensor_alloc.restype = VP
+    torch.standin_tensor_free.argtypes = [VP]
+    torch.standin_stats.argtypes = [ctypes.c_int, ctypes.POINTER(SZ), ctypes.POINTER(SZ)]
+    torch.standin_comm_start.argtypes = [VP, ctypes.c_int]
+    return acl, torch
