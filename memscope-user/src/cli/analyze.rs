@@ -5,12 +5,12 @@
 //! `crate::analysis`, and prints; every input problem is reported before or instead of any
 //! write, so a mistake costs one line and never a damaged DB.
 
-use std::collections::HashSet;
 use std::io::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
 
+use super::inputs;
 use crate::analysis::db::{self, DbFile, DumpDb};
 use crate::analysis::decompose::{self, TimeSpec};
 use crate::analysis::render;
@@ -143,12 +143,6 @@ pub struct Args {
 
     #[command(flatten)]
     pub leaks: crate::analysis::leaks::Options,
-}
-
-/// `0`, `device_0`, `npu:0` all name device 0.
-fn normalise_device(device: &str) -> &str {
-    let d = device.trim();
-    d.strip_prefix("device_").or_else(|| d.strip_prefix("npu:")).unwrap_or(d)
 }
 
 /// Writes to stdout; once the reader has gone (`| head`) the analyses still run and write their
@@ -311,20 +305,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     let points = if args.at.is_empty() { vec![TimeSpec::Peak, TimeSpec::End] } else { args.at.clone() };
-    let want_device = args.device.as_deref().map(normalise_device);
+    let want_device = args.device.as_deref().map(inputs::normalise_device);
     let write = !args.no_write;
 
     // Every input is resolved first, so a typo in the last one does not come after output.
-    let mut files: Vec<DbFile> = Vec::new();
-    let mut seen = HashSet::new();
-    for input in &args.inputs {
-        for file in db::discover(input)? {
-            let key = std::fs::canonicalize(&file.path).unwrap_or_else(|_| file.path.clone());
-            if seen.insert(key) {
-                files.push(file);
-            }
-        }
-    }
+    let files = inputs::files(&args.inputs)?;
 
     let run_wall_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -341,19 +326,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         let mut dump = DumpDb::open(&file.path, write)?;
-        let device = match &file.device {
-            Some(d) => d.clone(),
-            None => {
-                let devices = dump.devices()?;
-                if devices.is_empty() {
-                    "?".to_owned()
-                } else {
-                    devices.join(",")
-                }
-            }
-        };
+        let device = inputs::device_of(file)?;
         if let Some(want) = want_device {
-            if !device.split(',').any(|d| d == want) {
+            if !inputs::is_device(&device, want) {
                 other_devices.push(device);
                 continue;
             }
@@ -375,12 +350,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if analysed == 0 {
         if let Some(want) = want_device {
-            other_devices.sort_by_key(|d| db::device_order(Some(d)));
-            other_devices.dedup();
-            bail!(
-                "no DB of device {want} among the inputs (devices found: {}); pick one of those with --device",
-                if other_devices.is_empty() { "none".to_owned() } else { other_devices.join(", ") }
-            );
+            return Err(inputs::no_such_device(want, other_devices));
         }
     }
     if args.json {
