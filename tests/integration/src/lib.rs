@@ -1210,3 +1210,18 @@ pub fn wait_for_file(path: &Path, child: &mut Child, timeout: Duration) -> Strin
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// `memscope-bpf advise OUT --json --device 0`, as a user runs it on a trace's folder: the advice
+/// for device 0.
+pub fn advise_device0(env: &TestEnv, out: &Output) -> serde_json::Value {
+    let dir = out.run_dir.to_str().unwrap();
+    let run = Command::new(&env.bin).args(["advise", dir, "--json", "--device", "0"]).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    all.as_array().expect("one element per DB")[0].clone()
+}
+
+/// The recommendation `id` of an advice, if given.
+pub fn recommendation<'a>(advice: &'a serde_json::Value, id: &str) -> Option<&'a serde_json::Value> {
+    advice["recommendations"].as_array()?.iter().find(|r| r["id"] == id)
+}

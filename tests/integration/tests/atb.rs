@@ -15,7 +15,6 @@ use std::process::Command;
 
 use memscope_integration::*;
 use serde::Deserialize;
-use serde_json::Value;
 
 const ALG: &str = "ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE";
 const RULE: &str = "atb_workspace_mem_alloc_alg_type";
@@ -100,18 +99,6 @@ fn peaks(run: &Run) -> (u64, u64) {
     (allocated, reserved)
 }
 
-fn advise(env: &TestEnv, run: &Run) -> Value {
-    let dir = run.out.run_dir.to_str().unwrap();
-    let out = Command::new(&env.bin).args(["advise", dir, "--json", "--device", "0"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let all: Value = serde_json::from_slice(&out.stdout).unwrap();
-    all.as_array().unwrap()[0].clone()
-}
-
-fn atb_advice(advice: &Value) -> Option<&Value> {
-    advice["recommendations"].as_array().unwrap().iter().find(|r| r["id"] == RULE)
-}
-
 /// Every execution is one ATB_START/ATB_END pair on device 0, with the pack the stand-in ran with.
 fn check_rows(run: &Run) {
     assert!(!run.executions.is_empty());
@@ -166,8 +153,9 @@ fn atb_workspaces_are_traced_and_alg_type_3_is_advised_and_lowers_the_peak() {
     let default = run(&env, "default", "large", None);
     check_rows(&default);
     assert!(default.executions.iter().all(|e| e.alg_type == 1), "the stand-in ran its default layout");
-    let advice = advise(&env, &default);
-    let rec = atb_advice(&advice).unwrap_or_else(|| panic!("no ATB advice for large intermediates: {advice:#}"));
+    let advice = advise_device0(&env, &default.out);
+    let rec =
+        recommendation(&advice, RULE).unwrap_or_else(|| panic!("no ATB advice for large intermediates: {advice:#}"));
     assert_eq!((rec["variable"].as_str(), rec["value"].as_str()), (Some(ALG), Some("3")), "{rec:#}");
     assert!(rec["current"].is_null(), "{rec:#}");
     let ev = &rec["evidence"];
@@ -186,9 +174,9 @@ fn atb_workspaces_are_traced_and_alg_type_3_is_advised_and_lowers_the_peak() {
     let fixed = run(&env, "alg3", "large", Some("3"));
     check_rows(&fixed);
     assert!(fixed.executions.iter().all(|e| e.alg_type == 3));
-    let advice = advise(&env, &fixed);
+    let advice = advise_device0(&env, &fixed.out);
     assert_eq!(advice["settings"][ALG], "3", "{advice:#}");
-    assert!(atb_advice(&advice).is_none(), "advised again after following it: {advice:#}");
+    assert!(recommendation(&advice, RULE).is_none(), "advised again after following it: {advice:#}");
     let (allocated_after, reserved_after) = peaks(&fixed);
     eprintln!(
         "peaks (allocator ledgers): reserved {reserved_before} -> {reserved_after}, allocated {allocated_before} -> {allocated_after}"
@@ -201,8 +189,8 @@ fn atb_workspaces_are_traced_and_alg_type_3_is_advised_and_lowers_the_peak() {
     // Small intermediates: ATB is measured, nothing is advised.
     let small = run(&env, "small", "small", None);
     check_rows(&small);
-    let advice = advise(&env, &small);
-    assert!(atb_advice(&advice).is_none(), "small intermediates advised: {advice:#}");
+    let advice = advise_device0(&env, &small.out);
+    assert!(recommendation(&advice, RULE).is_none(), "small intermediates advised: {advice:#}");
     let atb = &advice["measured"]["atb"];
     assert_eq!(atb["executions"], small.executions.len(), "{advice:#}");
     let share = atb["largest_intermediate"].as_f64().unwrap() / atb["peak_bytes"].as_f64().unwrap();

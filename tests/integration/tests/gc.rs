@@ -9,11 +9,9 @@
 //! by at least the garbage the advice reported; a run without cycles has no collector frees at all.
 
 use std::collections::BTreeMap;
-use std::process::Command;
 
 use memscope_integration::*;
 use serde::Deserialize;
-use serde_json::Value;
 
 #[derive(Debug, Deserialize)]
 struct Line {
@@ -46,19 +44,6 @@ fn run(env: &TestEnv, tag: &str, extra: &[&str]) -> Run {
     let text = std::fs::read_to_string(&ledger).unwrap();
     let ledger = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     Run { out, ledger }
-}
-
-/// `advise --json` for device 0.
-fn advise(env: &TestEnv, run: &Run) -> Value {
-    let dir = run.out.run_dir.to_str().unwrap();
-    let out = Command::new(&env.bin).args(["advise", dir, "--json", "--device", "0"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let all: Value = serde_json::from_slice(&out.stdout).unwrap();
-    all.as_array().unwrap()[0].clone()
-}
-
-fn gc_advice(advice: &Value) -> Option<&Value> {
-    advice["recommendations"].as_array().unwrap().iter().find(|r| r["id"] == "gc_at_epoch_end")
 }
 
 /// The PTA frees the trace wrote (shadow ones excepted), in order: (ptr, freed by the collector).
@@ -116,8 +101,9 @@ fn collector_frees_are_marked_and_collecting_at_step_ends_is_advised_and_helps()
     assert!(frees.iter().filter(|f| f.1).count() >= 20, "the scenario's collector freed too little: {frees:?}");
     assert_eq!(traced_frees(&cycles), frees, "FREE rows marked freed_by=gc must be exactly the collector's frees");
 
-    let advice = advise(&env, &cycles);
-    let rec = gc_advice(&advice).unwrap_or_else(|| panic!("no gc advice for the cyclic run: {advice:#}"));
+    let advice = advise_device0(&env, &cycles.out);
+    let rec = recommendation(&advice, "gc_at_epoch_end")
+        .unwrap_or_else(|| panic!("no gc advice for the cyclic run: {advice:#}"));
     let ev = &rec["evidence"];
     let (late_blocks, late_bytes, held) = expected(&cycles);
     assert!(held > 0, "the scenario held no garbage at its peak");
@@ -134,8 +120,8 @@ fn collector_frees_are_marked_and_collecting_at_step_ends_is_advised_and_helps()
     // Following the advice: collect after each step.
     let fixed = run(&env, "fixed", &["--scenario", "cycles", "--gc-at-step-end"]);
     assert_eq!(traced_frees(&fixed), ledger_frees(&fixed));
-    let advice = advise(&env, &fixed);
-    assert!(gc_advice(&advice).is_none(), "advised again after following it: {advice:#}");
+    let advice = advise_device0(&env, &fixed.out);
+    assert!(recommendation(&advice, "gc_at_epoch_end").is_none(), "advised again after following it: {advice:#}");
     assert!(
         max_allocated(&fixed) + held <= max_allocated(&cycles),
         "collecting at step ends must lower the allocator's peak by the garbage held: {} then {}, held {held}",
@@ -147,5 +133,5 @@ fn collector_frees_are_marked_and_collecting_at_step_ends_is_advised_and_helps()
     let frees = traced_frees(&clean);
     assert_eq!(frees, ledger_frees(&clean));
     assert!(frees.iter().all(|f| !f.1), "no collector frees without cycles: {frees:?}");
-    assert!(gc_advice(&advise(&env, &clean)).is_none());
+    assert!(recommendation(&advise_device0(&env, &clean.out), "gc_at_epoch_end").is_none());
 }

@@ -10,7 +10,6 @@
 
 use memscope_integration::*;
 use serde_json::Value;
-use std::process::Command;
 
 struct Run {
     out: Output,
@@ -52,11 +51,7 @@ fn peak_reserved(run: &Run) -> u64 {
 
 /// The MULTI_STREAM_MEMORY_REUSE recommendation for device 0, if any.
 fn reuse_advice(env: &TestEnv, run: &Run) -> Option<Value> {
-    let dir = run.out.run_dir.to_str().unwrap();
-    let out = Command::new(&env.bin).args(["advise", dir, "--json", "--device", "0"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let all: Value = serde_json::from_slice(&out.stdout).unwrap();
-    all[0]["recommendations"].as_array().unwrap().iter().find(|r| r["id"] == "multi_stream_memory_reuse").cloned()
+    recommendation(&advise_device0(env, &run.out), "multi_stream_memory_reuse").cloned()
 }
 
 #[test]
