@@ -37,6 +37,10 @@ def main():
     acl.aclrtMemset.argtypes = [vp, sz, ctypes.c_int32, sz]
     acl.aclrtBinaryGetFunction.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(vp)]
     acl.aclrtLaunchKernel.argtypes = [vp, ctypes.c_uint32, vp, sz, vp]
+    acl.aclrtKernelArgsInit.argtypes = [vp, ctypes.POINTER(vp)]
+    acl.aclrtKernelArgsAppend.argtypes = [vp, vp, sz, ctypes.POINTER(vp)]
+    acl.aclrtKernelArgsFinalize.argtypes = [vp]
+    acl.aclrtLaunchKernelWithConfig.argtypes = [vp, ctypes.c_uint32, vp, vp, vp, vp]
     torch = ctypes.CDLL(args.torch_lib)
     torch.standin_tensor_alloc.argtypes = [sz, ctypes.c_int]
     torch.standin_tensor_alloc.restype = vp
@@ -88,6 +92,22 @@ def main():
     ledger.append({"kind": "launch", "name": "matmul_kernel", "args_size": ctypes.sizeof(buf)})
     for block_type, block, addr in [("HAL", a, a), ("HAL", b, b + 8), ("PTA", t, t + 64)]:
         expect("UNKNOWN", block_type, block, addr, "aclrtLaunchKernel")
+
+    # The newer path: parameters appended one by one to an argument handle (two block addresses,
+    # an integer, a 16-byte struct whose second word is an address inside a block), then launched.
+    g = vp()
+    check(acl.aclrtBinaryGetFunction(None, b"add_kernel", ctypes.byref(g)))
+    handle = vp()
+    check(acl.aclrtKernelArgsInit(g, ctypes.byref(handle)))
+    params = [(ctypes.c_uint64 * 1)(c + 32), (ctypes.c_uint64 * 1)(t), (ctypes.c_uint64 * 1)(7),
+              (ctypes.c_uint64 * 2)(0, a + 100)]
+    for p in params:
+        check(acl.aclrtKernelArgsAppend(handle, ctypes.addressof(p), ctypes.sizeof(p), None))
+    check(acl.aclrtKernelArgsFinalize(handle))
+    check(acl.aclrtLaunchKernelWithConfig(g, 4, None, None, handle, None))
+    ledger.append({"kind": "launch", "name": "add_kernel", "args_size": sum(ctypes.sizeof(p) for p in params)})
+    for block_type, block, addr in [("HAL", c, c + 32), ("PTA", t, t), ("HAL", a, a + 100)]:
+        expect("UNKNOWN", block_type, block, addr, "aclrtLaunchKernelWithConfig")
 
     # Out of memory at the runtime: every live HAL block of the device is listed (3 + the
     # allocator's segment), largest and newest first; then at the allocator: its live blocks.

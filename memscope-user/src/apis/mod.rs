@@ -78,6 +78,9 @@ pub enum Api {
     PyGcCollect = 48,
     RecordStream = 49,
     EraseStream = 50,
+    AclrtKernelArgsInit = 51,
+    AclrtKernelArgsAppend = 52,
+    AclrtLaunchKernelWithConfig = 53,
     AtbRunnerExecute = 60,
 }
 

@@ -204,6 +204,18 @@ pub enum Op {
         args_size: u64,
         stream: u64,
     },
+    /// A kernel argument list on a handle: created (`append: None`, the list starts empty) or one
+    /// parameter appended (its bytes, as copied at the call).
+    KernelArgs {
+        handle: u64,
+        append: Option<Vec<u8>>,
+    },
+    /// A kernel launched with the argument list built on `handle`.
+    LaunchArgs {
+        function: u64,
+        handle: u64,
+        stream: u64,
+    },
     /// The kernel a function handle stands for.
     KernelName {
         function: Option<u64>,

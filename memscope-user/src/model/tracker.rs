@@ -402,6 +402,8 @@ pub struct Tracker {
     pub(super) ranges: HashMap<(u32, bool, u64), (u32, String)>,
     /// Kernel names by (pid, function handle), from `aclrtBinaryGetFunction`.
     pub(super) kernel_names: HashMap<(u32, u64), String>,
+    /// Kernel argument lists by (pid, args handle), built by `aclrtKernelArgsAppend`.
+    kernel_args: HashMap<(u32, u64), Vec<u8>>,
     /// The last step number per process.
     pub(super) steps: HashMap<u32, u64>,
     /// Open operators per (pid, tid), innermost last (markers `trace_ops()`).
@@ -669,6 +671,23 @@ impl Tracker {
                 self.kernel_names.insert((site.pid, function), name.clone());
             }
             Op::KernelName { .. } => {}
+            Op::KernelArgs { handle, append: None } if !failed => {
+                self.kernel_args.insert((site.pid, handle), Vec::new());
+            }
+            Op::KernelArgs { handle, append: Some(ref bytes) } if !failed => {
+                let list = self.kernel_args.entry((site.pid, handle)).or_default();
+                // A launch copies at most this much of a plain argument buffer; the same bound here.
+                let room = memscope_common::record::BLOB_LEN.saturating_sub(list.len());
+                list.extend_from_slice(&bytes[..bytes.len().min(room)]);
+            }
+            Op::KernelArgs { .. } => {}
+            Op::LaunchArgs { function, handle, stream } => {
+                // Taken, not kept: a list is built for one launch, and the runtime reports no end of
+                // a handle, so keeping them would grow with every launch of a long job.
+                let args = self.kernel_args.remove(&(site.pid, handle)).unwrap_or_default();
+                let size = args.len() as u64;
+                self.launch(site, call, function, &args, size, stream, out);
+            }
             Op::Marker(ref marker) => {
                 let event = Event { wall_ns: site.wall_ns, pid: site.pid, tid: site.tid, kind: EventKind::Exit };
                 self.apply_marker(&event, marker, Some(call.api), out);
@@ -1149,6 +1168,41 @@ mod tests {
             t.apply(e, &mut out);
         }
         (t, out)
+    }
+
+    #[test]
+    fn a_handle_launch_uses_the_parameters_appended_to_its_handle() {
+        let args = |handle, append| call(Api::AclrtKernelArgsAppend, 1, Some(0), 0, Op::KernelArgs { handle, append });
+        let word = |v: u64| Some(v.to_le_bytes().to_vec());
+        let launch = |handle| {
+            call(Api::AclrtLaunchKernelWithConfig, 1, Some(0), 0, Op::LaunchArgs { function: 9, handle, stream: 3 })
+        };
+        let (_, out) = run(&[
+            malloc(Some(0x1000), 64, Some(0), 0),
+            malloc(Some(0x2000), 64, Some(0), 0),
+            args(7, None),
+            args(7, word(0x1010)),
+            args(8, word(0x2000)), // another handle's list
+            args(7, word(5)),
+            launch(7),
+            launch(7), // the list was taken by the first launch
+        ]);
+        let accessed: Vec<u64> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Access { block, .. } => Some(*block),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(accessed, [0x1000], "only the block named on handle 7, once");
+        let sizes: Vec<u64> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::KernelLaunch { args_size, .. } => Some(*args_size),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sizes, [16, 0]);
     }
 
     #[test]

@@ -123,6 +123,17 @@ ACL_FUNC_VISIBILITY aclError aclrtBinaryGetFunction(const aclrtBinHandle binHand
                                                     aclrtFuncHandle *funcHandle);
 ACL_FUNC_VISIBILITY aclError aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const void *argsData,
                                                size_t argsSize, void *stream);
+/* The newer launch path: arguments appended one by one to an opaque handle, then launched. */
+typedef void *aclrtArgsHandle;
+typedef void *aclrtParamHandle;
+typedef struct aclrtLaunchKernelCfg aclrtLaunchKernelCfg;
+ACL_FUNC_VISIBILITY aclError aclrtKernelArgsInit(aclrtFuncHandle funcHandle, aclrtArgsHandle *argsHandle);
+ACL_FUNC_VISIBILITY aclError aclrtKernelArgsAppend(aclrtArgsHandle argsHandle, void *param, size_t paramSize,
+                                                   aclrtParamHandle *paramHandle);
+ACL_FUNC_VISIBILITY aclError aclrtKernelArgsFinalize(aclrtArgsHandle argsHandle);
+ACL_FUNC_VISIBILITY aclError aclrtLaunchKernelWithConfig(aclrtFuncHandle funcHandle, uint32_t blockDim,
+                                                         void *stream, aclrtLaunchKernelCfg *cfg,
+                                                         aclrtArgsHandle argsHandle, void *reserve);
 ACL_FUNC_VISIBILITY aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment,
                                                     void *expectPtr, uint64_t flags);
 ACL_FUNC_VISIBILITY aclError aclrtReleaseMemAddress(void *virPtr);

@@ -266,6 +266,64 @@ STANDIN_EXPORT aclError aclrtLaunchKernelImpl(aclrtFuncHandle funcHandle, uint32
     return ACL_SUCCESS;
 }
 
+/* An argument list being built: the appended parameters, packed as the kernel will see them. */
+struct standin_args {
+    aclrtFuncHandle function;
+    unsigned char data[4096];
+    size_t len;
+    int final;
+};
+
+STANDIN_EXPORT aclError aclrtKernelArgsInitImpl(aclrtFuncHandle funcHandle, aclrtArgsHandle *argsHandle) {
+    if (funcHandle == NULL || argsHandle == NULL) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    struct standin_args *a = calloc(1, sizeof *a);
+    if (a == NULL) {
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    a->function = funcHandle;
+    *argsHandle = a;
+    return ACL_SUCCESS;
+}
+
+STANDIN_EXPORT aclError aclrtKernelArgsAppendImpl(aclrtArgsHandle argsHandle, void *param, size_t paramSize,
+                                                 aclrtParamHandle *paramHandle) {
+    struct standin_args *a = argsHandle;
+    if (a == NULL || param == NULL || a->final || paramSize > sizeof a->data - a->len) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    memcpy(a->data + a->len, param, paramSize);
+    if (paramHandle != NULL) {
+        *paramHandle = a->data + a->len;
+    }
+    a->len += paramSize;
+    return ACL_SUCCESS;
+}
+
+STANDIN_EXPORT aclError aclrtKernelArgsFinalizeImpl(aclrtArgsHandle argsHandle) {
+    struct standin_args *a = argsHandle;
+    if (a == NULL) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    a->final = 1;
+    return ACL_SUCCESS;
+}
+
+STANDIN_EXPORT aclError aclrtLaunchKernelWithConfigImpl(aclrtFuncHandle funcHandle, uint32_t blockDim, void *stream,
+                                                       aclrtLaunchKernelCfg *cfg, aclrtArgsHandle argsHandle,
+                                                       void *reserve) {
+    (void)blockDim;
+    (void)stream;
+    (void)cfg;
+    (void)reserve;
+    struct standin_args *a = argsHandle;
+    if (funcHandle == NULL || a == NULL || !a->final || a->function != funcHandle) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return ACL_SUCCESS;
+}
+
 /* ---- virtual memory (expandable segments) ---- */
 
 STANDIN_EXPORT aclError aclrtReserveMemAddressImpl(void **virPtr, size_t size, size_t alignment,
@@ -391,6 +449,21 @@ STANDIN_EXPORT aclError aclrtBinaryGetFunction(const aclrtBinHandle binHandle, c
 STANDIN_EXPORT aclError aclrtLaunchKernel(aclrtFuncHandle funcHandle, uint32_t blockDim, const void *argsData,
                                           size_t argsSize, void *stream) {
     return aclrtLaunchKernelImpl(funcHandle, blockDim, argsData, argsSize, stream);
+}
+STANDIN_EXPORT aclError aclrtKernelArgsInit(aclrtFuncHandle funcHandle, aclrtArgsHandle *argsHandle) {
+    return aclrtKernelArgsInitImpl(funcHandle, argsHandle);
+}
+STANDIN_EXPORT aclError aclrtKernelArgsAppend(aclrtArgsHandle argsHandle, void *param, size_t paramSize,
+                                              aclrtParamHandle *paramHandle) {
+    return aclrtKernelArgsAppendImpl(argsHandle, param, paramSize, paramHandle);
+}
+STANDIN_EXPORT aclError aclrtKernelArgsFinalize(aclrtArgsHandle argsHandle) {
+    return aclrtKernelArgsFinalizeImpl(argsHandle);
+}
+STANDIN_EXPORT aclError aclrtLaunchKernelWithConfig(aclrtFuncHandle funcHandle, uint32_t blockDim, void *stream,
+                                                    aclrtLaunchKernelCfg *cfg, aclrtArgsHandle argsHandle,
+                                                    void *reserve) {
+    return aclrtLaunchKernelWithConfigImpl(funcHandle, blockDim, stream, cfg, argsHandle, reserve);
 }
 STANDIN_EXPORT aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, void *expectPtr,
                                                uint64_t flags) {
