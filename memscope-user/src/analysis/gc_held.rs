@@ -55,49 +55,60 @@ impl GcHeld {
     }
 }
 
+/// A block the collector freed: its life and how many steps it outlived its birth step by.
 #[derive(Clone, Copy)]
-struct Interval {
+struct Freed {
     alloc_ts: i64,
-    /// `i64::MAX` while live at the end.
     free_ts: i64,
     size: u64,
-    /// Freed by the collector in a later step (see the module comment; the last-boundary rule
-    /// is applied once the boundaries are all known).
-    late: bool,
     steps_late: u64,
 }
 
+/// Follows the live tensor bytes (for the peak) and keeps only the blocks the collector freed
+/// in a later step than their birth: memory stays proportional to those, not to the trace.
 #[derive(Default)]
 struct Collect {
-    blocks: Vec<Interval>,
+    late: Vec<Freed>,
     /// Blocks and bytes the collector freed, late or not.
     freed: (u64, u64),
+    live: i64,
+    peak: i64,
+    peak_ts: Option<i64>,
+}
+
+fn is_tensor(family: Family, kind: BlockKind) -> bool {
+    match family {
+        Family::Pta => kind == BlockKind::Block,
+        Family::Host => true,
+        Family::Hal => false,
+    }
 }
 
 impl BlockSink for Collect {
-    fn block_end(&mut self, e: &BlockEnd) {
-        let tensor = match e.family {
-            Family::Pta => e.kind == BlockKind::Block,
-            Family::Host => true,
-            Family::Hal => false,
-        };
-        if !tensor || e.size <= 0 {
+    fn block_start(&mut self, family: Family, kind: BlockKind, size: i64, ts: i64) {
+        if !is_tensor(family, kind) || size <= 0 {
             return;
         }
-        let (late, steps_late) = match (e.by_gc, e.steps) {
-            (true, Some((born, ended))) if ended > born => (true, ended - born),
-            _ => (false, 0),
-        };
-        self.blocks.push(Interval {
-            alloc_ts: e.alloc_ts,
-            free_ts: e.free_ts.unwrap_or(i64::MAX),
-            size: e.size as u64,
-            late,
-            steps_late,
-        });
-        if e.by_gc {
-            self.freed.0 += 1;
-            self.freed.1 += e.size as u64;
+        self.live += size;
+        if self.live > self.peak {
+            self.peak = self.live;
+            self.peak_ts = Some(ts);
+        }
+    }
+
+    fn block_end(&mut self, e: &BlockEnd) {
+        if !is_tensor(e.family, e.kind) || e.size <= 0 {
+            return;
+        }
+        let Some(free_ts) = e.free_ts else { return };
+        self.live -= e.size;
+        if !e.by_gc {
+            return;
+        }
+        self.freed.0 += 1;
+        self.freed.1 += e.size as u64;
+        if let Some((born, ended)) = e.steps.filter(|(born, ended)| ended > born) {
+            self.late.push(Freed { alloc_ts: e.alloc_ts, free_ts, size: e.size as u64, steps_late: ended - born });
         }
     }
 
@@ -110,44 +121,22 @@ impl Collect {
     fn report(&self, boundaries: &[i64]) -> GcHeld {
         let mut r = GcHeld { boundaries: boundaries.len(), ..GcHeld::default() };
         (r.freed_blocks, r.freed_bytes) = self.freed;
-        let last_boundary = boundaries.last().copied();
-        let is_late = |b: &Interval| b.late && last_boundary.is_some_and(|last| b.free_ts < last);
-        let mut steps = 0u64;
-        for b in self.blocks.iter().filter(|b| is_late(b)) {
-            r.late_blocks += 1;
-            r.late_bytes += b.size;
-            steps += b.steps_late;
-        }
+        r.peak_bytes = self.peak.max(0) as u64;
+        r.peak_ts = self.peak_ts;
+        // Late frees after the last boundary do not count (see the module comment).
+        let Some(&last) = boundaries.last() else { return r };
+        let late: Vec<&Freed> = self.late.iter().filter(|b| b.free_ts < last).collect();
+        r.late_blocks = late.len() as u64;
+        r.late_bytes = late.iter().map(|b| b.size).sum();
         if r.late_blocks > 0 {
-            r.mean_steps_late = steps as f64 / r.late_blocks as f64;
+            r.mean_steps_late = late.iter().map(|b| b.steps_late).sum::<u64>() as f64 / r.late_blocks as f64;
         }
-        // The peak: frees before allocations at the same instant, so a block replaced in place
-        // does not count twice.
-        let mut edges: Vec<(i64, i64)> = Vec::with_capacity(self.blocks.len() * 2);
-        for b in &self.blocks {
-            edges.push((b.alloc_ts, b.size as i64));
-            if b.free_ts != i64::MAX {
-                edges.push((b.free_ts, -(b.size as i64)));
-            }
-        }
-        edges.sort_unstable();
-        let (mut live, mut peak) = (0i64, 0i64);
-        for (ts, delta) in edges {
-            live += delta;
-            if live > peak {
-                peak = live;
-                r.peak_ts = Some(ts);
-            }
-        }
-        r.peak_bytes = peak.max(0) as u64;
         let Some(at) = r.peak_ts else { return r };
         // The step running at the peak began at the latest boundary at or before it.
         let Some(step_start) = boundaries.iter().rev().find(|&&ts| ts <= at).copied() else { return r };
-        for b in self.blocks.iter().filter(|b| is_late(b)) {
-            if b.alloc_ts < step_start && b.alloc_ts <= at && at < b.free_ts {
-                r.held_at_peak += b.size;
-                r.held_blocks_at_peak += 1;
-            }
+        for b in late.iter().filter(|b| b.alloc_ts < step_start && b.alloc_ts <= at && at < b.free_ts) {
+            r.held_at_peak += b.size;
+            r.held_blocks_at_peak += 1;
         }
         r
     }

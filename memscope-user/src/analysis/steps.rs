@@ -303,6 +303,8 @@ pub struct BlockEnd {
 
 /// Receives every block as it ends.
 pub trait BlockSink {
+    /// A block was born (in time order, like the ends): for a sink that follows the live bytes.
+    fn block_start(&mut self, _family: Family, _kind: BlockKind, _size: i64, _ts: i64) {}
     fn block_end(&mut self, end: &BlockEnd);
     /// The replay starts over (see [`StepDb::for_each_row`]): forget every block so far.
     fn restart(&mut self);
@@ -583,6 +585,7 @@ impl Timeline {
             // A MALLOC over a live block: the earlier one is taken as freed (as decompose does).
             self.close(key, old, Some(row.ts), false, sink);
         }
+        sink.block_start(family, kind, size, row.ts);
         let s = &mut self.per_slot[slot as usize];
         s.0 += size;
         s.1 += 1;
