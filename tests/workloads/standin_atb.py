@@ -26,6 +26,8 @@ import os
 import threading
 import time
 
+import standin_ctypes
+
 MiB = 1 << 20
 
 try:
@@ -51,22 +53,7 @@ class Execution(ctypes.Structure):
 
 class Job:
     def __init__(self, args):
-        home = os.environ["ASCEND_HOME_PATH"]
-        acl = ctypes.CDLL(os.path.join(home, "lib64", "libascendcl.so"))
-        acl.aclrtSetDevice.argtypes = [ctypes.c_int32]
-        if acl.aclrtSetDevice(0) != 0:
-            raise RuntimeError("aclrtSetDevice(0) failed")
-        t = ctypes.CDLL(args.torch_lib)
-        t.standin_tensor_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
-        t.standin_tensor_alloc.restype = ctypes.c_void_p
-        t.standin_tensor_free.argtypes = [ctypes.c_void_p]
-        t.standin_stats.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
-        t.standin_workspace_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
-        t.standin_workspace_alloc.restype = ctypes.c_void_p
-        t.standin_workspace_ptr.argtypes = [ctypes.c_void_p]
-        t.standin_workspace_ptr.restype = ctypes.c_void_p
-        t.standin_workspace_free.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        self.torch = t
+        _, self.torch = standin_ctypes.load(args.torch_lib)
         a = ctypes.CDLL(args.atb_lib)
         a.standin_atb_graph_create.argtypes = [ctypes.c_uint64]
         a.standin_atb_graph_create.restype = ctypes.c_void_p
@@ -84,9 +71,7 @@ class Job:
         self.lines.append(fields)
 
     def stats(self):
-        allocated, reserved = ctypes.c_size_t(), ctypes.c_size_t()
-        self.torch.standin_stats(0, ctypes.byref(allocated), ctypes.byref(reserved))
-        return allocated.value, reserved.value
+        return standin_ctypes.stats(self.torch)
 
     def tensor(self, size):
         ptr = self.torch.standin_tensor_alloc(size, 0)

@@ -23,4 +23,16 @@ def load(torch_lib, device=0):
     torch.standin_tensor_free.argtypes = [VP]
     torch.standin_stats.argtypes = [ctypes.c_int, ctypes.POINTER(SZ), ctypes.POINTER(SZ)]
     torch.standin_comm_start.argtypes = [VP, ctypes.c_int]
+    torch.standin_workspace_alloc.argtypes = [SZ, ctypes.c_int]
+    torch.standin_workspace_alloc.restype = VP
+    torch.standin_workspace_ptr.argtypes = [VP]
+    torch.standin_workspace_ptr.restype = VP
+    torch.standin_workspace_free.argtypes = [VP, ctypes.c_int]
     return acl, torch
+
+
+def stats(torch, device=0):
+    """The stand-in caching allocator's own (allocated, reserved) bytes on `device`."""
+    allocated, reserved = SZ(), SZ()
+    torch.standin_stats(device, ctypes.byref(allocated), ctypes.byref(reserved))
+    return allocated.value, reserved.value

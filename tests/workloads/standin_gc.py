@@ -20,7 +20,6 @@ reserved bytes after every allocation (`standin_stats`).
 """
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -55,9 +54,7 @@ class Job:
         self.lines.append(fields)
 
     def stats(self):
-        allocated, reserved = ctypes.c_size_t(), ctypes.c_size_t()
-        self.torch.standin_stats(0, ctypes.byref(allocated), ctypes.byref(reserved))
-        return allocated.value, reserved.value
+        return standin_ctypes.stats(self.torch)
 
     def alloc(self, size):
         ptr = self.torch.standin_tensor_alloc(size, 0)
