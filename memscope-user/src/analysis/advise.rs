@@ -704,12 +704,7 @@ mod tests {
 
     /// Three 20 MiB segments of 6 MiB blocks with 6 and 8 MiB holes (36 MiB), then two 11 MiB
     /// requests that fit none: two fragmentation-forced segments.
-    fn holes(name: &str, conf: Option<&str>) -> std::path::PathBuf {
-        let mut fx = Fx::new(name);
-        if let Some(conf) = conf {
-            fx.meta("env.PYTORCH_NPU_ALLOC_CONF", conf);
-        }
-        fx.meta("env.HCCL_BUFFSIZE", "200");
+    fn holes_rows(fx: &mut Fx) {
         let bases = [0x1000_0000u64, 0x2000_0000, 0x3000_0000];
         for base in bases {
             fx.segment(1, base, 20 * M, false);
@@ -727,6 +722,15 @@ mod tests {
             fx.segment(1, base, 12 * M, false);
             fx.block(1, base, 12 * M, "PTA");
         }
+    }
+
+    fn holes(name: &str, conf: Option<&str>) -> std::path::PathBuf {
+        let mut fx = Fx::new(name);
+        if let Some(conf) = conf {
+            fx.meta("env.PYTORCH_NPU_ALLOC_CONF", conf);
+        }
+        fx.meta("env.HCCL_BUFFSIZE", "200");
+        holes_rows(&mut fx);
         fx.stop()
     }
 
@@ -888,23 +892,7 @@ mod tests {
     fn conflicting_recommendations_say_so() {
         // Holes and a pinned big segment in one trace: both fire, and torch_npu takes only one.
         let mut fx = Fx::new("advise-both");
-        let bases = [0x1000_0000u64, 0x2000_0000, 0x3000_0000];
-        for base in bases {
-            fx.segment(1, base, 20 * M, false);
-            for i in 0..3 {
-                fx.block(1, base + i * 6 * M, 6 * M, "PTA");
-            }
-        }
-        for (i, base) in bases.iter().enumerate() {
-            fx.free(1, base + 12 * M, 6 * M);
-            if i > 0 {
-                fx.free(1, *base, 6 * M);
-            }
-        }
-        for base in [0x4000_0000u64, 0x5000_0000] {
-            fx.segment(1, base, 12 * M, false);
-            fx.block(1, base, 12 * M, "PTA");
-        }
+        holes_rows(&mut fx);
         fx.segment(1, 0x6000_0000, 64 * M, false);
         fx.block(1, 0x6000_0000, 4 * M, "PTA");
         fx.segment(1, 0x7000_0000, 64 * M, false);
