@@ -18,6 +18,23 @@ pub(super) struct Hit {
     pub(super) pool: Option<Pool>,
 }
 
+impl Hit {
+    /// The ACCESS row of a use of this block at `addr`.
+    fn row(&self, site: Site, addr: u64, size: Option<u64>, kind: AccessKind) -> Output {
+        Output::Access {
+            site,
+            device: self.device,
+            block_type: self.block_type,
+            block: self.block,
+            allocation_id: self.allocation_id,
+            pool: self.pool,
+            addr,
+            size,
+            kind,
+        }
+    }
+}
+
 impl Tracker {
     pub(super) fn block_at(&self, pid: u32, addr: u64) -> Option<Hit> {
         if let Some((&(_, start), _)) =
@@ -53,17 +70,7 @@ impl Tracker {
             return;
         }
         if let Some(hit) = self.block_at(site.pid, addr) {
-            out.push(Output::Access {
-                site,
-                device: hit.device,
-                block_type: hit.block_type,
-                block: hit.block,
-                allocation_id: hit.allocation_id,
-                pool: hit.pool,
-                addr,
-                size,
-                kind,
-            });
+            out.push(hit.row(site, addr, size, kind));
         }
     }
 
@@ -96,17 +103,7 @@ impl Tracker {
             }
             if let Some(hit) = self.block_at(site.pid, addr) {
                 if seen.insert((hit.block_type, hit.block)) {
-                    out.push(Output::Access {
-                        site,
-                        device: hit.device,
-                        block_type: hit.block_type,
-                        block: hit.block,
-                        allocation_id: hit.allocation_id,
-                        pool: hit.pool,
-                        addr,
-                        size: None,
-                        kind: AccessKind::Unknown,
-                    });
+                    out.push(hit.row(site, addr, None, AccessKind::Unknown));
                 }
             }
         }
