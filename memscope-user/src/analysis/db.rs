@@ -315,21 +315,25 @@ impl DumpDb {
                 }
             }
         }
-        let has_meta: bool = tx
-            .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| {
-                r.get::<_, i64>(0)
-            })
-            .map_err(err)?
-            > 0;
-        if has_meta {
-            // Delete then insert: works whether or not `key` is unique in this file.
-            tx.execute("DELETE FROM ms_meta WHERE key = 'decompose_at'", []).map_err(err)?;
-            tx.execute("INSERT INTO ms_meta (key, value) VALUES ('decompose_at', ?1)", [run_wall_ns.to_string()])
-                .map_err(err)?;
-        }
+        stamp_meta(&tx, &[("decompose_at", run_wall_ns.to_string())]).map_err(err)?;
         tx.commit().map_err(err)?;
         Ok(written)
     }
+}
+
+/// Sets `ms_meta` keys inside a result-writing transaction, when the file has `ms_meta` (ours do;
+/// msMemScope's do not, and get none). Delete then insert: works whether or not `key` is unique.
+pub(crate) fn stamp_meta(tx: &rusqlite::Transaction<'_>, pairs: &[(&str, String)]) -> rusqlite::Result<()> {
+    let has: i64 =
+        tx.query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))?;
+    if has == 0 {
+        return Ok(());
+    }
+    for (key, value) in pairs {
+        tx.execute("DELETE FROM ms_meta WHERE key = ?1", [key])?;
+        tx.execute("INSERT INTO ms_meta (key, value) VALUES (?1, ?2)", [key, value.as_str()])?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

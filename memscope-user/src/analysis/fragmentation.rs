@@ -886,14 +886,7 @@ pub(crate) fn write_tables(
         tx.execute_batch(&format!("DROP TABLE IF EXISTS {name}; {create}")).map_err(err)?;
     }
     let written = fill(&tx).map_err(err)?;
-    let has_meta: i64 = tx
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
-        .map_err(err)?;
-    if has_meta > 0 {
-        tx.execute("DELETE FROM ms_meta WHERE key = ?1", [meta_key]).map_err(err)?;
-        tx.execute("INSERT INTO ms_meta (key, value) VALUES (?1, ?2)", params![meta_key, run_wall_ns.to_string()])
-            .map_err(err)?;
-    }
+    super::db::stamp_meta(&tx, &[(meta_key, run_wall_ns.to_string())]).map_err(err)?;
     tx.commit().map_err(err)?;
     Ok(written)
 }

@@ -159,22 +159,11 @@ pub fn write_results(path: &Path, report: &Report, run_wall_ns: u64) -> Result<W
         }
         written.table_rows = accessed.len();
     }
-    let has_meta: bool = tx
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| {
-            r.get::<_, i64>(0)
-        })
-        .map_err(err)?
-        > 0;
-    if has_meta {
-        tx.execute("DELETE FROM ms_meta WHERE key IN ('inefficient_at', 'inefficient_options')", []).map_err(err)?;
-        tx.execute("INSERT INTO ms_meta (key, value) VALUES ('inefficient_at', ?1)", [run_wall_ns.to_string()])
-            .map_err(err)?;
-        tx.execute(
-            "INSERT INTO ms_meta (key, value) VALUES ('inefficient_options', ?1)",
-            [options_json(&report.options).to_string()],
-        )
-        .map_err(err)?;
-    }
+    let stamps = [
+        ("inefficient_at", run_wall_ns.to_string()),
+        ("inefficient_options", options_json(&report.options).to_string()),
+    ];
+    super::db::stamp_meta(&tx, &stamps).map_err(err)?;
     tx.commit().map_err(err)?;
     Ok(written)
 }

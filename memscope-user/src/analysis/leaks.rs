@@ -334,14 +334,7 @@ pub fn write(path: &Path, report: &LeakReport, run_wall_ns: u64) -> Result<usize
             }
         }
     }
-    let has_meta: i64 = tx
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
-        .map_err(err)?;
-    if has_meta > 0 {
-        tx.execute("DELETE FROM ms_meta WHERE key = 'leaks_at'", []).map_err(err)?;
-        tx.execute("INSERT INTO ms_meta (key, value) VALUES ('leaks_at', ?1)", [run_wall_ns.to_string()])
-            .map_err(err)?;
-    }
+    super::db::stamp_meta(&tx, &[("leaks_at", run_wall_ns.to_string())]).map_err(err)?;
     tx.commit().map_err(err)?;
     Ok(written)
 }
