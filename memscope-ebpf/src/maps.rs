@@ -17,7 +17,8 @@ pub static EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);
 #[map]
 pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-/// Processes (tgids) whose calls are recorded. Launch mode also inserts new tasks from fork.
+/// Processes (tgids) whose calls are recorded. Following forks also inserts new tasks (processes
+/// and threads alike: the tracepoint cannot tell them apart, and thread keys are harmless).
 #[map]
 pub static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(8192, 0);
 
@@ -39,7 +40,7 @@ const WAKEUP_INTERVAL_NS: u64 = 1_000_000;
 #[map]
 static LAST_WAKEUP: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-/// Whether the traced set grows with fork (launch mode).
+/// Whether the traced set grows with fork (the default; `--no-follow` turns it off).
 #[no_mangle]
 static FOLLOW_FORKS: Global<u32> = Global::new(0);
 

@@ -20,6 +20,7 @@ mod clock;
 mod launch;
 mod model;
 mod preflight;
+mod procs;
 mod record;
 mod session;
 mod store;

@@ -22,6 +22,7 @@ use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
 use crate::model::{Event, EventKind, Output, Tracker};
+use crate::procs;
 use crate::record::ring::Consumer;
 use crate::store::{insight, Format, Meta, ProbeRow, Retag, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, Summary};
@@ -58,6 +59,8 @@ pub struct Plan {
     pub probe_set: ProbeSet,
     pub ring_bytes: u32,
     pub quiet: bool,
+    /// Trace the processes the target forks too, and stop when the last traced process exits.
+    pub follow: bool,
     /// Report nothing until the program starts collection (markers `start()`).
     pub wait_for_start: bool,
 }
@@ -155,7 +158,16 @@ fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool) -> Vec<Att
     attached
 }
 
-/// Resolves when the target process ends, with a description of how.
+/// The traced processes other than the target that are still running: the kernel's traced set
+/// (complete even before the ring delivers the fork records), or, if it cannot be read, the
+/// children those records named.
+fn still_traced(tracer: &Tracer, children: &BTreeSet<u32>, target: u32) -> Vec<u32> {
+    let ids = tracer.traced_ids().unwrap_or_else(|_| children.iter().copied().collect());
+    procs::running(ids, target)
+}
+
+/// Resolves when the target process ends, with a description of how. The trace goes on while
+/// traced children run (see [`procs::Ending`]).
 async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::Result<i32>>>) -> String {
     if let Some(rx) = waiter {
         return match rx.await {
@@ -201,9 +213,11 @@ impl Recorder {
     fn on_event(&mut self, event: Event) {
         match &event.kind {
             EventKind::Call(_) => self.calls += 1,
-            EventKind::Fork { child } => {
+            // The fork tracepoint also sees new threads; only processes have maps to rescan.
+            EventKind::Fork { child } if procs::liveness(*child) == procs::Liveness::Running => {
                 self.children.insert(*child);
             }
+            EventKind::Fork { .. } => {}
             EventKind::Exit => {
                 self.children.remove(&event.pid);
             }
@@ -282,6 +296,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         probe_set,
         ring_bytes,
         quiet,
+        follow,
         wait_for_start,
     } = plan;
     let pid = target.pid();
@@ -293,11 +308,13 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let opts = LoadOptions {
         ring_bytes,
         wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION,
-        follow_forks: launch_mode,
+        follow_forks: follow,
         debug_dirs,
     };
-    let mut tracer =
-        Tracer::load(&opts, pid, (!launch_mode).then_some(pid)).context("cannot load the eBPF programs")?;
+    // A child's uprobes hit in its own address space: following children means probing every
+    // process and filtering by the traced set in the kernel, as launch mode always does.
+    let scope_pid = (!launch_mode && !follow).then_some(pid);
+    let mut tracer = Tracer::load(&opts, pid, scope_pid).context("cannot load the eBPF programs")?;
     tracer.trace_process(pid).context("cannot register the target process")?;
 
     let mut probes = Vec::new();
@@ -346,7 +363,11 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         probes.len(),
         if libraries.len() == 1 { "1 library".to_owned() } else { format!("{} libraries", libraries.len()) },
         describe_libraries(&probes),
-        if launch_mode { " and its children" } else { "" },
+        match (follow, launch_mode) {
+            (true, true) => " and its children".to_owned(),
+            (true, false) => format!(" and the children it forks from now on (--no-follow: pid {pid} alone)"),
+            (false, _) => String::new(),
+        },
     );
     if !markers.is_empty() {
         note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(&markers)));
@@ -387,6 +408,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     tokio::pin!(deadline);
     let exited = target_exit(pid, waiter);
     tokio::pin!(exited);
+    let mut ending = procs::Ending::default();
     let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
     let mut last_commit = Instant::now();
     let mut last_rescan = Instant::now();
@@ -396,7 +418,15 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             _ = sigint.recv() => break "interrupted (SIGINT)".to_owned(),
             _ = sigterm.recv() => break "terminated (SIGTERM)".to_owned(),
             reason = &mut deadline => break reason,
-            reason = &mut exited => break reason,
+            reason = &mut exited, if !ending.target_gone() => {
+                // Its children are in the kernel's traced set already; drain so that their fork
+                // records reach the model and the rescan before the rest is traced alone.
+                consumer.drain(|e| recorder.on_event(e));
+                match ending.target_exited(reason, &still_traced(&tracer, &recorder.children, pid)) {
+                    Ok(reason) => break reason,
+                    Err(waiting) => note(quiet, waiting),
+                }
+            }
             guard = ring_fd.readable() => {
                 if let Ok(mut guard) = guard {
                     guard.clear_ready();
@@ -405,6 +435,11 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             }
             _ = drain_tick.tick() => {
                 consumer.drain(|e| recorder.on_event(e));
+                if ending.target_gone() {
+                    if let Some(reason) = ending.check(&still_traced(&tracer, &recorder.children, pid)) {
+                        break reason;
+                    }
+                }
                 if last_commit.elapsed() >= COMMIT_EVERY {
                     recorder.store.commit()?;
                     last_commit = Instant::now();
@@ -468,6 +503,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         ("records_lost".into(), lost.to_string()),
         ("records_undecodable".into(), consumer.stats.undecodable.to_string()),
     ];
+    let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost)).collect();
     let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
     if written.is_empty() {
         let _ = std::fs::remove_dir(&run_dir);

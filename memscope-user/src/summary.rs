@@ -1,5 +1,10 @@
 //! The end-of-trace report printed to stderr: why it stopped, what was recorded and lost, and per
 //! device the peak, what is still live and where its file is.
+//!
+//! Records lost from a full ring make the counts wrong in known directions, and the report says
+//! which: every recorded call happened, so counts are lower bounds; a lost free leaves its block
+//! live and a lost allocation hides one, so peak and live bytes may be off either way (and frees
+//! can outnumber allocations, when the lost records were allocations).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -46,6 +51,19 @@ pub struct Summary {
     pub pools: Vec<PoolLine>,
 }
 
+/// What loss does to the counts, as the summary and `ms_meta` `loss_effect` say it.
+pub const LOSS_EFFECT: &str = "allocs, frees and failures are lower bounds (frees may outnumber allocs); peak and live bytes may be off either way";
+
+/// The `ms_meta` keys that say whether the counts are exact: `counts_exact`, and with loss,
+/// `loss_effect`.
+pub fn loss_meta(lost: u64) -> Vec<(String, String)> {
+    let mut meta = vec![("counts_exact".to_owned(), (lost == 0).to_string())];
+    if lost > 0 {
+        meta.push(("loss_effect".to_owned(), LOSS_EFFECT.to_owned()));
+    }
+    meta
+}
+
 /// Bytes in binary units with one decimal.
 pub fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -74,6 +92,13 @@ impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "memscope-bpf: stopped ({}) after {:.1} s", self.stop_reason, self.elapsed.as_secs_f64())?;
         writeln!(f, "memscope-bpf: {} calls recorded, {} lost (ring buffer full, all CPUs)", self.calls, self.lost)?;
+        if self.lost > 0 {
+            writeln!(
+                f,
+                "memscope-bpf: warning: {} records lost: {LOSS_EFFECT}; a larger --ring-mb rides out longer bursts",
+                self.lost
+            )?;
+        }
         if self.undecodable > 0 {
             writeln!(f, "memscope-bpf: {} records could not be decoded", self.undecodable)?;
         }
@@ -84,10 +109,12 @@ impl fmt::Display for Summary {
                 self.run_dir.display()
             )?;
         }
+        // Under loss the counts are at least what was recorded.
+        let at_least = if self.lost > 0 { ">=" } else { "" };
         for d in &self.devices {
             writeln!(
                 f,
-                "  {:<11} peak {:>10}  live at end {:>10} in {} blocks  ({} allocs, {} frees, {} failed)",
+                "  {:<11} peak {:>10}  live at end {:>10} in {} blocks  ({at_least}{} allocs, {at_least}{} frees, {at_least}{} failed)",
                 device_name(d.device),
                 human(d.peak),
                 human(d.live_bytes),
@@ -128,6 +155,51 @@ impl fmt::Display for Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn summary(lost: u64) -> Summary {
+        Summary {
+            stop_reason: "target exited".into(),
+            elapsed: Duration::from_secs(2),
+            calls: 1000,
+            lost,
+            undecodable: 0,
+            run_dir: PathBuf::from("/tmp/run"),
+            devices: vec![DeviceLine {
+                device: DeviceKey::Npu(0),
+                peak: 4096,
+                live_bytes: 0,
+                live_blocks: 0,
+                mallocs: 400,
+                frees: 420,
+                failures: 0,
+                file: None,
+            }],
+            pools: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn loss_marks_the_counts_it_affects() {
+        let text = summary(37).to_string();
+        assert!(text.contains("1000 calls recorded, 37 lost"), "{text}");
+        assert!(text.contains("warning: 37 records lost: allocs, frees and failures are lower bounds"), "{text}");
+        assert!(text.contains("peak and live bytes may be off either way"), "{text}");
+        assert!(text.contains("(>=400 allocs, >=420 frees, >=0 failed)"), "{text}");
+        assert_eq!(
+            loss_meta(37),
+            [("counts_exact".to_owned(), "false".to_owned()), ("loss_effect".to_owned(), LOSS_EFFECT.to_owned())]
+        );
+    }
+
+    #[test]
+    fn without_loss_the_counts_are_exact() {
+        let text = summary(0).to_string();
+        assert!(text.contains("1000 calls recorded, 0 lost"), "{text}");
+        assert!(!text.contains("warning"), "{text}");
+        assert!(!text.contains(">="), "{text}");
+        assert!(text.contains("(400 allocs, 420 frees, 0 failed)"), "{text}");
+        assert_eq!(loss_meta(0), [("counts_exact".to_owned(), "true".to_owned())]);
+    }
 
     #[test]
     fn human_units() {

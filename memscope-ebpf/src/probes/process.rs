@@ -1,6 +1,8 @@
-//! Process lifecycle: `sched_process_fork` grows the traced set in launch mode (children of the
-//! launched program), `sched_process_exit` shrinks it and forgets per-thread state, so a reused
-//! thread id never inherits a dead thread's device or half a call.
+//! Process lifecycle: `sched_process_fork` grows the traced set with the children of traced
+//! processes (unless the trace was started with `--no-follow`), `sched_process_exit` shrinks it
+//! and forgets per-thread state, so a reused thread id never inherits a dead thread's device or
+//! half a call. Userspace reads the set to know when the last traced process has exited: an
+//! entry leaves it in the exit tracepoint, before the process's pidfd says it exited.
 //!
 //! Field offsets come from the tracepoint's format file at load time (they moved between kernel
 //! versions: `parent_comm` became a `__data_loc` string in 6.x).

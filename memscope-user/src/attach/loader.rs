@@ -30,6 +30,9 @@ use super::usdt::{self, UsdtSite};
 use super::usdt_notes::UsdtNoteError;
 use crate::apis::Api;
 
+/// Entries of the `TRACED` map (memscope-ebpf/src/maps.rs).
+const TRACED_CAPACITY: usize = 8192;
+
 /// The compiled eBPF object, built by build.rs with aya-build.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memscope"));
 
@@ -209,6 +212,21 @@ impl Tracer {
         let mut traced: BpfHashMap<_, u32, u32> =
             BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
         traced.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "TRACED", source })
+    }
+
+    /// The ids in the kernel's traced set: traced processes and, while they run, the threads
+    /// they created (the fork tracepoint sees both alike).
+    pub fn traced_ids(&self) -> Result<Vec<u32>, LoadError> {
+        let map = self.ebpf.map("TRACED").ok_or(LoadError::Missing("TRACED"))?;
+        let traced: BpfHashMap<_, u32, u32> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
+        // A key deleted under the walk restarts it from the first key: bound the walk so that
+        // constant churn cannot hold it, and let duplicates fall out in the caller's set.
+        traced
+            .keys()
+            .take(2 * TRACED_CAPACITY)
+            .collect::<Result<_, _>>()
+            .map_err(|source| LoadError::Map { name: "TRACED", source })
     }
 
     /// Whether this file is already probed.

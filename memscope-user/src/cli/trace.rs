@@ -25,7 +25,8 @@ use crate::store::Format;
 /// Attach:  memscope-bpf trace --pid 4242 --output ./msout
 /// Launch:  memscope-bpf trace --output ./msout -- python train.py
 ///
-/// Stops on Ctrl-C, SIGTERM, --duration, or when the target exits; then writes one DB per device
+/// Stops on Ctrl-C, SIGTERM, --duration, or when the target and the children it forked have all
+/// exited (--no-follow: the target alone is traced and awaited); then writes one DB per device
 /// under OUTPUT/memscope_<pid>_<time>_ascend/ and prints a summary. Needs root.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
@@ -65,6 +66,14 @@ pub struct Args {
     /// (64 MiB holds about 440k calls; see docs/benchmarks.md).
     #[arg(long, value_name = "MIB", default_value_t = 64)]
     pub ring_mb: u32,
+
+    /// Trace only the target process, not the children it forks. By default every process the
+    /// target forks (after the attach, with --pid) is traced too, and the trace goes on until
+    /// the last of them exits; in attach mode that puts the probes on the libraries for every
+    /// process (others that map them trap and are filtered out in the kernel), --no-follow
+    /// keeps them on the target alone.
+    #[arg(long)]
+    pub no_follow: bool,
 
     /// Print only errors and the final summary.
     #[arg(short, long)]
@@ -178,6 +187,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         probe_set: args.probe_set,
         ring_bytes: args.ring_mb * 1024 * 1024,
         quiet: args.quiet,
+        follow: !args.no_follow,
         wait_for_start: args.wait_for_start,
     };
     let runtime =
