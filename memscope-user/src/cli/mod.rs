@@ -81,8 +81,8 @@ mod tests {
     fn a_duration_too_long_for_the_clock_is_an_error_not_a_panic() {
         let err = parse_duration("99999999999999999999").unwrap_err();
         assert!(err.contains("too long") && err.contains("--duration"), "{err}");
-        let err = parse_duration("1e400").unwrap_err();
-        assert!(err.contains("not a duration") || err.contains("positive"), "{err}");
+        // Past f64's range the number is infinite.
+        assert!(parse_duration(&format!("1{}", "0".repeat(400))).is_err());
         assert!(parse_duration("99999999999999999999h").is_err());
         // The longest accepted one still fits.
         assert_eq!(parse_duration("1000000000h").unwrap(), Duration::from_secs(3_600_000_000_000));

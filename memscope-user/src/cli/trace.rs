@@ -137,16 +137,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
-    // Before the output folder is made: a wrong pid leaves nothing behind.
-    if let Some(pid) = args.pid {
-        preflight::check_pid(pid)?;
-    }
-    preflight::check_output(&args.output)?;
     super::probes::check_debug_dirs(&args.debug_dirs)?;
     let user = user_libraries(&args.libs)?;
 
     let (target, libraries) = match args.pid {
         Some(pid) => {
+            // Before the output folder is made: a wrong pid leaves nothing behind.
+            preflight::check_pid(pid)?;
             let libraries = attach_libraries(pid, &user)?;
             if libraries.is_empty() {
                 return Err(PreflightError::NoLibrary {
@@ -154,9 +151,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 }
                 .into());
             }
+            preflight::check_output(&args.output)?;
             (Target::Pid(pid), libraries)
         }
         None => {
+            preflight::check_output(&args.output)?;
             let libraries = launch_libraries(&user);
             if libraries.is_empty() {
                 return Err(PreflightError::NoLibrary {
