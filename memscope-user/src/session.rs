@@ -10,13 +10,14 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
+use anyhow::Context as _;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::oneshot;
 
 use crate::attach::libs::{self, Library};
+use crate::attach::loader::AttachError;
 use crate::attach::loader::LoadOptions;
 use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 use crate::clock::{self, Clock};
@@ -25,7 +26,7 @@ use crate::model::{Event, EventKind, Output, Tracker};
 use crate::procs;
 use crate::record::ring::Consumer;
 use crate::store::{insight, Format, Meta, ProbeRow, Retag, RunLayout, Store, Writer};
-use crate::summary::{DeviceLine, PoolLine, Summary};
+use crate::summary::{DeviceLine, PoolLine, SkippedLibrary, Summary};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
@@ -152,7 +153,10 @@ fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool) -> Vec<Att
                     note(quiet, format!("warning: marker site skipped: {why}"));
                 }
             }
-            Err(e) => note(quiet, format!("warning: markers in {} are not traced: {e}", lib.shown)),
+            Err(e) => note(
+                quiet,
+                format!("warning: markers in {} are not traced: {}", lib.shown, crate::attach::with_causes(&e)),
+            ),
         }
     }
     attached
@@ -263,25 +267,74 @@ fn describe_libraries(probes: &[AttachedProbe]) -> String {
 
 /// Attaches newly mapped libraries of the traced processes; returns the new probes and marker
 /// sites. The markers go last: a program's `wait_for_tracer()` returns as soon as their
-/// semaphores rise, and by then every library it had mapped must be probed too.
+/// semaphores rise, and by then every library it had mapped must be probed too. A library that
+/// cannot be probed (not an ELF file, replaced or gone since the maps were read) is a warning,
+/// added to `skipped` and to `ms_meta`; tracing goes on with the others.
 fn rescan(
     tracer: &mut Tracer,
     pids: impl Iterator<Item = u32>,
     set: ProbeSet,
     quiet: bool,
+    skipped: &mut Vec<SkippedLibrary>,
+    store: &mut Writer,
 ) -> anyhow::Result<(Vec<AttachedProbe>, Vec<AttachedUsdt>)> {
     let mut added = Vec::new();
     let mut found = Vec::new();
+    let before = skipped.len();
     for pid in pids {
         for lib in libs::from_maps(pid).unwrap_or_default() {
-            if !tracer.is_attached(&lib) {
-                added.extend(tracer.attach(&lib, set)?);
-                found.push(lib);
+            if tracer.is_attached(&lib) {
+                continue;
+            }
+            match tracer.attach(&lib, set) {
+                Ok(probes) => {
+                    added.extend(probes);
+                    found.push(lib);
+                }
+                Err(e) => skipped.push(skip(quiet, &lib, &e)),
             }
         }
     }
+    if skipped.len() > before {
+        store.set_meta(skipped_meta(skipped))?;
+    }
     let markers = attach_markers(tracer, &found, quiet);
     Ok((added, markers))
+}
+
+/// Warns about a library that cannot be probed; the warning names the file and why.
+fn skip(quiet: bool, lib: &Library, e: &AttachError) -> SkippedLibrary {
+    let reason = crate::attach::with_causes(e);
+    note(quiet, format!("warning: {} is not traced: {reason}", lib.shown));
+    SkippedLibrary { library: lib.shown.clone(), reason }
+}
+
+/// `ms_meta.libraries_skipped` (how many) and `ms_meta.skipped_libraries` (a JSON array of
+/// `{"library", "reason"}`).
+fn skipped_meta(skipped: &[SkippedLibrary]) -> Meta {
+    let list: Vec<serde_json::Value> =
+        skipped.iter().map(|s| serde_json::json!({ "library": s.library, "reason": s.reason })).collect();
+    vec![
+        ("libraries_skipped".into(), skipped.len().to_string()),
+        ("skipped_libraries".into(), serde_json::Value::Array(list).to_string()),
+    ]
+}
+
+/// The error when no library could be probed at start: the ones without the API, and why each
+/// unusable one was refused.
+fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]) -> anyhow::Error {
+    let refused: Vec<String> = skipped.iter().map(|s| format!("{} ({})", s.library, s.reason)).collect();
+    let usable: Vec<&str> =
+        libraries.iter().map(|l| l.shown.as_str()).filter(|l| !skipped.iter().any(|s| s.library == *l)).collect();
+    let mut text = String::new();
+    if !usable.is_empty() {
+        text = format!("none of {} exports the ACL memory API (aclrtMalloc, aclrtFree, ...)", usable.join(", "));
+    }
+    if !refused.is_empty() {
+        let sep = if text.is_empty() { "" } else { "; " };
+        text = format!("{text}{sep}no usable library: {}", refused.join("; "));
+    }
+    anyhow::anyhow!("{text}; pass --lib with the right library")
 }
 
 pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
@@ -317,17 +370,22 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let mut tracer = Tracer::load(&opts, pid, scope_pid).context("cannot load the eBPF programs")?;
     tracer.trace_process(pid).context("cannot register the target process")?;
 
+    // One unusable file among the candidates is a warning; none usable is the error.
     let mut probes = Vec::new();
+    let mut skipped = Vec::new();
+    let mut usable = Vec::new();
     for lib in &libraries {
-        probes.extend(tracer.attach(lib, probe_set).with_context(|| format!("cannot probe {}", lib.shown))?);
+        match tracer.attach(lib, probe_set) {
+            Ok(attached) => {
+                probes.extend(attached);
+                usable.push(lib.clone());
+            }
+            Err(e) => skipped.push(skip(quiet, lib, &e)),
+        }
     }
-    let markers = attach_markers(&mut tracer, &libraries, quiet);
+    let markers = attach_markers(&mut tracer, &usable, quiet);
     if probes.is_empty() {
-        let shown: Vec<&str> = libraries.iter().map(|l| l.shown.as_str()).collect();
-        bail!(
-            "none of {} exports the ACL memory API (aclrtMalloc, aclrtFree, ...); pass --lib with the right library",
-            shown.join(", ")
-        );
+        return Err(nothing_to_probe(&libraries, &skipped));
     }
 
     let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
@@ -344,6 +402,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         ("format".into(), format!("{format:?}").to_lowercase()),
     ];
     meta.extend(allocator_env(pid));
+    if !skipped.is_empty() {
+        meta.extend(skipped_meta(&skipped));
+    }
     let run_dir = layout.root().to_owned();
     let mut store = Writer::start(Store::new(layout, format, start_wall, meta));
     store.add_probes(probe_rows(&probes, start_wall))?;
@@ -447,7 +508,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
                 if last_rescan.elapsed() >= RESCAN_EVERY {
                     last_rescan = Instant::now();
                     let pids = std::iter::once(pid).chain(recorder.children.iter().copied()).collect::<Vec<_>>();
-                    let (added, markers) = rescan(&mut tracer, pids.into_iter(), probe_set, quiet)?;
+                    let (added, markers) = rescan(&mut tracer, pids.into_iter(), probe_set, quiet, &mut skipped, &mut recorder.store)?;
                     if !added.is_empty() {
                         note(quiet, format!("attached {} more probes in {} (loaded after the trace started)", added.len(), describe_libraries(&added)));
                         recorder.store.add_probes(probe_rows(&added, clock::wall_ns()))?;
@@ -531,5 +592,6 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         run_dir,
         devices,
         pools,
+        skipped_libraries: skipped,
     })
 }

@@ -39,6 +39,13 @@ pub struct PoolLine {
     pub live_blocks: u64,
 }
 
+/// A library that could not be probed, and why (it was warned about when found).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkippedLibrary {
+    pub library: String,
+    pub reason: String,
+}
+
 #[derive(Clone, Debug)]
 pub struct Summary {
     pub stop_reason: String,
@@ -49,6 +56,8 @@ pub struct Summary {
     pub run_dir: PathBuf,
     pub devices: Vec<DeviceLine>,
     pub pools: Vec<PoolLine>,
+    /// Libraries found but not traced (at start or loaded later), in the order met.
+    pub skipped_libraries: Vec<SkippedLibrary>,
 }
 
 /// What loss does to the counts, as the summary and `ms_meta` `loss_effect` say it.
@@ -101,6 +110,12 @@ impl fmt::Display for Summary {
         }
         if self.undecodable > 0 {
             writeln!(f, "memscope-bpf: {} records could not be decoded", self.undecodable)?;
+        }
+        if !self.skipped_libraries.is_empty() {
+            let n = self.skipped_libraries.len();
+            let names: Vec<&str> = self.skipped_libraries.iter().map(|s| s.library.as_str()).collect();
+            let what = if n == 1 { "library" } else { "libraries" };
+            writeln!(f, "memscope-bpf: {n} {what} not traced (see the warnings): {}", names.join(", "))?;
         }
         if self.devices.is_empty() {
             writeln!(

@@ -155,6 +155,64 @@ pub(crate) fn int(v: ValueRef<'_>) -> i64 {
     }
 }
 
+/// Opens a trace DB read-only.
+///
+/// A DB still in WAL mode (its trace was killed before folding the WAL in) can only be read
+/// with its `-shm` index, which SQLite creates beside it: in a read-only folder without one it
+/// cannot open at all. With no `-wal` left to read (or an empty one), the main file is the
+/// whole DB and is opened `immutable`; otherwise the rows in the `-wal` cannot be read here,
+/// and the error says to copy the folder somewhere writable.
+pub fn open_read_only(path: &Path) -> Result<Connection, AnalysisError> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let err = match open_checked(path, flags) {
+        Ok(conn) => return Ok(conn),
+        Err(e) => e,
+    };
+    if !wal_index_missing(&err, path) {
+        return Err(AnalysisError::NotSqlite { path: path.to_owned(), why: err.to_string() });
+    }
+    let wal = PathBuf::from(format!("{}-wal", path.display()));
+    if fs::metadata(&wal).is_ok_and(|m| m.len() > 0) {
+        return Err(AnalysisError::WalInReadOnlyFolder { path: path.to_owned(), wal });
+    }
+    let uri = format!("file:{}?immutable=1", uri_path(path));
+    Connection::open_with_flags(uri, flags | OpenFlags::SQLITE_OPEN_URI)
+        .map_err(|e| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() })
+}
+
+/// Opens `path` and reads its schema once, where a missing WAL index shows.
+fn open_checked(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
+    let conn = Connection::open_with_flags(path, flags)?;
+    conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
+    Ok(conn)
+}
+
+/// Whether an open failed because a WAL-mode DB's `-shm` cannot be made beside it.
+fn wal_index_missing(err: &rusqlite::Error, path: &Path) -> bool {
+    let code = err.sqlite_error_code();
+    matches!(code, Some(rusqlite::ErrorCode::CannotOpen | rusqlite::ErrorCode::ReadOnly)) && in_wal_mode(path)
+}
+
+/// Whether the file's header says WAL mode (read and write versions 2).
+fn in_wal_mode(path: &Path) -> bool {
+    let mut head = [0u8; 20];
+    fs::File::open(path).and_then(|mut f| f.read_exact(&mut head)).is_ok() && head[18] == 2 && head[19] == 2
+}
+
+/// A path as the path part of an SQLite URI (percent-encoded but for `/` and unreserved bytes).
+fn uri_path(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for &b in path.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"/-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// An open trace DB.
 pub struct DumpDb {
     path: PathBuf,
@@ -167,10 +225,18 @@ impl DumpDb {
     /// read. With `write`, also that the results can be written back.
     pub fn open(path: &Path, write: bool) -> Result<Self, AnalysisError> {
         Self::check_header(path)?;
-        let flags = if write { OpenFlags::SQLITE_OPEN_READ_WRITE } else { OpenFlags::SQLITE_OPEN_READ_ONLY }
-            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let not_sqlite = |e: rusqlite::Error| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() };
-        let conn = Connection::open_with_flags(path, flags).map_err(not_sqlite)?;
+        let conn = if write {
+            // Where it cannot even be read, the read-only open says why; the write check below
+            // then names the fix for the results.
+            match open_checked(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX) {
+                Ok(conn) => conn,
+                Err(e) if wal_index_missing(&e, path) => open_read_only(path)?,
+                Err(e) => return Err(not_sqlite(e)),
+            }
+        } else {
+            open_read_only(path)?
+        };
         // Insight or a still-running trace may hold the lock for a moment.
         conn.busy_timeout(Duration::from_secs(5)).map_err(not_sqlite)?;
         Self::from_connection(path, conn, write)

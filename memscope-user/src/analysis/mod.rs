@@ -59,6 +59,8 @@ pub enum AnalysisError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: not an SQLite database ({why}); give the memscope_dump_*.db file that `trace` wrote (a CSV trace cannot be analysed: trace with --format db)")]
     NotSqlite { path: PathBuf, why: String },
+    #[error("{path}: the trace did not finish, so its last rows are still in {wal}, and SQLite cannot read them in this read-only folder (it must create the -shm index beside them); copy the trace folder somewhere writable and analyse the copy")]
+    WalInReadOnlyFolder { path: PathBuf, wal: PathBuf },
     #[error("{path}: no memscope_dump table (tables: {tables}); this is not a trace DB written by memscope-bpf or msMemScope")]
     NoDumpTable { path: PathBuf, tables: String },
     #[error("{path}: table {table} lacks the column(s) {missing}; the DB is not in msMemScope's format")]

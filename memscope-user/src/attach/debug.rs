@@ -8,7 +8,9 @@
 //!    `/usr/lib/debug/<library folder>/`, and in each `--debug-dir`.
 //!
 //! A candidate is accepted only if it matches: same build id, or the debuglink's CRC32. A debug
-//! file from another build would put probes at wrong offsets.
+//! file from another build would put probes at wrong offsets. Candidates are opened as
+//! `attach::file` does (regular files only, bounded, this machine's ELF): the debuglink names
+//! a file next to the library, in a folder the target may control.
 
 use std::path::{Path, PathBuf};
 
@@ -76,13 +78,13 @@ pub fn find(library: &Path, r: &DebugRef, extra_dirs: &[PathBuf]) -> Option<Debu
 }
 
 fn matches_build_id(candidate: &Path, id: &[u8]) -> bool {
-    let Ok(data) = std::fs::read(candidate) else { return false };
+    let Ok(data) = super::file::map_debug_file(candidate) else { return false };
     object::File::parse(&*data).ok().and_then(|f| f.build_id().ok().flatten().map(<[u8]>::to_vec)).as_deref()
         == Some(id)
 }
 
 fn crc_matches(candidate: &Path, crc: u32) -> bool {
-    std::fs::read(candidate).is_ok_and(|data| crc32fast::hash(&data) == crc)
+    super::file::crc32(candidate).is_ok_and(|found| found == crc)
 }
 
 #[cfg(test)]

@@ -11,11 +11,14 @@ use std::path::PathBuf;
 use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
 use thiserror::Error;
 
+use super::file::FileError;
+
+/// Messages leave the cause out: it is the error's `source`, printed after it (`{:#}`).
 #[derive(Debug, Error)]
 pub enum ElfError {
-    #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
-    #[error("{path} is not an ELF file this tool can read: {source}")]
+    #[error(transparent)]
+    File(#[from] FileError),
+    #[error("{path} is not an ELF file this tool can read")]
     Parse { path: PathBuf, source: object::Error },
 }
 
@@ -55,7 +58,7 @@ impl ElfSymbols {
     /// Reads `path` and keeps the functions named in `wanted`.
     #[cfg(test)]
     pub fn load(path: &std::path::Path, wanted: &HashSet<String>) -> Result<Self, ElfError> {
-        let data = std::fs::read(path).map_err(|source| ElfError::Read { path: path.to_owned(), source })?;
+        let data = super::file::map_library(path)?;
         Self::parse(&data, wanted).map_err(|source| ElfError::Parse { path: path.to_owned(), source })
     }
 

@@ -18,6 +18,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use super::file::{check_regular, FileError};
 use crate::apis::{Api, Family};
 
 /// Where a library was found (shown to the user and stored with the probes).
@@ -70,6 +71,7 @@ pub fn wanted_symbols() -> std::collections::HashSet<String> {
     Api::all().flat_map(|d| d.api.symbols()).collect()
 }
 
+/// A candidate, if it is a regular file (devices and FIFOs a target names are never opened).
 fn library(path: PathBuf, shown: String, origin: Origin) -> Option<Library> {
     let meta = std::fs::metadata(&path).ok()?;
     meta.is_file().then(|| Library { path, shown, file_id: (meta.dev(), meta.ino()), origin })
@@ -87,13 +89,20 @@ pub fn in_dir(dir: &Path, origin: &Origin) -> Vec<Library> {
     found
 }
 
-/// `--lib PATH`: a file (any name: it is looked into for the API symbols) or a folder.
-pub fn from_user_path(path: &Path) -> std::io::Result<Vec<Library>> {
-    let meta = std::fs::metadata(path)?;
+/// `--lib PATH`: a file (any name: it is looked into for the API symbols) or a folder. Anything
+/// else (a device, a FIFO) is refused by name, before it is opened.
+pub fn from_user_path(path: &Path) -> Result<Vec<Library>, FileError> {
+    let meta = std::fs::metadata(path).map_err(|source| FileError::Open { path: path.to_owned(), source })?;
     if meta.is_dir() {
         return Ok(in_dir(path, &Origin::UserPath));
     }
-    Ok(library(path.to_owned(), path.display().to_string(), Origin::UserPath).into_iter().collect())
+    let meta = check_regular(path)?;
+    Ok(vec![Library {
+        path: path.to_owned(),
+        shown: path.display().to_string(),
+        file_id: (meta.dev(), meta.ino()),
+        origin: Origin::UserPath,
+    }])
 }
 
 /// Known libraries mapped executable in a process.
@@ -124,7 +133,7 @@ pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
 /// first: its `DT_RUNPATH`/`DT_RPATH` folders (with `$ORIGIN` expanded), then its own folder.
 /// Probing them before the program loads them means their first calls are seen too.
 pub fn dependencies(lib: &Library) -> Vec<Library> {
-    let Ok(data) = std::fs::read(&lib.path) else { return Vec::new() };
+    let Ok(data) = super::file::map_library(&lib.path) else { return Vec::new() };
     let Ok(deps) = crate::attach::elf::dependencies(&data) else { return Vec::new() };
     let origin = lib.path.parent().unwrap_or(Path::new("/")).to_owned();
     let mut dirs: Vec<PathBuf> = deps
@@ -259,6 +268,26 @@ mod tests {
         let libs = from_env(&env, Path::new("/"), false);
         assert_eq!(libs.len(), 1, "{libs:?}");
         assert_eq!((libs[0].origin.clone(), libs[0].path.clone()), (Origin::AtbHome, dir.join("lib/libatb.so")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_user_path_that_is_not_a_file_or_folder_is_named_as_such() {
+        let err = from_user_path(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert_eq!(err, "/dev/zero is not a regular file (it is a character device)");
+        let err = from_user_path(Path::new("/nonexistent/libascendcl.so")).unwrap_err();
+        assert!(matches!(err, FileError::Open { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_fifo_named_like_a_library_in_a_folder_is_not_a_candidate() {
+        let dir = std::env::temp_dir().join(format!("memscope-libs-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = std::ffi::CString::new(dir.join("libascendcl.so.9").as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(from_user_path(&dir).unwrap().is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -15,7 +15,7 @@ use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf};
-use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use memscope_common::spec::ProbeSpec;
@@ -36,15 +36,16 @@ const TRACED_CAPACITY: usize = 8192;
 /// The compiled eBPF object, built by build.rs with aya-build.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memscope"));
 
+/// Messages leave the cause out: it is the error's `source`, printed after it (`{:#}`).
 #[derive(Debug, Error)]
 pub enum LoadError {
-    #[error("the kernel refused the eBPF object: {0}")]
+    #[error("the kernel refused the eBPF object")]
     Load(#[from] EbpfError),
     #[error("the eBPF object has no program or map named `{0}` (build mismatch; rebuild with `cargo xtask build`)")]
     Missing(&'static str),
-    #[error("cannot load or attach `{name}`: {source}")]
+    #[error("cannot load or attach `{name}`")]
     Program { name: &'static str, source: ProgramError },
-    #[error("cannot use map `{name}`: {source}")]
+    #[error("cannot use map `{name}`")]
     Map { name: &'static str, source: MapError },
     #[error("tracefs is not available ({0}); mount it with `mount -t tracefs nodev /sys/kernel/tracing`")]
     Tracefs(String),
@@ -54,18 +55,24 @@ pub enum LoadError {
 pub enum AttachError {
     #[error(transparent)]
     Elf(#[from] ElfError),
-    #[error("cannot attach {kind} to `{symbol}` in {library}: {source}")]
+    #[error("cannot attach {kind} to `{symbol}` in {library}")]
     Probe { kind: &'static str, symbol: String, library: String, source: Box<ProgramError> },
     #[error("cannot write a probe spec: {0}")]
     Spec(Box<MapError>),
-    #[error("cannot read the USDT notes of {library}: {source}")]
+    #[error("cannot read the USDT notes of {library}")]
     Notes { library: String, source: UsdtNoteError },
-    #[error("cannot attach the marker probe {probe} in {library}: {source}")]
+    #[error("cannot attach the marker probe {probe} in {library}")]
     Usdt { probe: String, library: String, source: Box<PerfUprobeError> },
     #[error(
-        "more than {MAX_USDT_SPECS} distinct USDT argument layouts; the markers package should have one per probe          (is a modified copy loaded?)"
+        "{library} needs {needed} more USDT argument layouts, and only {left} of the {MAX_USDT_SPECS} are left; \
+         the markers package has one per probe (is a modified copy loaded?)"
     )]
-    TooManyUsdtSpecs,
+    TooManyUsdtSpecs { library: String, needed: usize, left: usize },
+}
+
+/// How many of `specs` (a library's sites) need a layout slot that `known` does not have yet.
+fn new_layouts<'a>(known: &HashMap<UsdtSpec, u32>, specs: impl Iterator<Item = &'a UsdtSpec>) -> usize {
+    specs.filter(|s| !known.contains_key(*s)).collect::<HashSet<_>>().len()
 }
 
 /// An attached marker site.
@@ -113,6 +120,8 @@ pub struct Tracer {
     usdt_specs: HashMap<UsdtSpec, u32>,
     /// Held for the trace's life: dropping one detaches it and lowers its semaphore.
     usdt_links: Vec<RefCtrProbe>,
+    /// Files that could not be probed, by (file id, path tried).
+    refused: HashSet<((u64, u64), PathBuf)>,
     scope_pid: Option<u32>,
     scope: UProbeScope,
     debug_dirs: Vec<PathBuf>,
@@ -200,6 +209,7 @@ impl Tracer {
             usdt_files: HashSet::new(),
             usdt_specs: HashMap::new(),
             usdt_links: Vec::new(),
+            refused: HashSet::new(),
             scope_pid: scope_pid.filter(|p| *p != 0),
             scope,
             debug_dirs: opts.debug_dirs.clone(),
@@ -229,17 +239,45 @@ impl Tracer {
             .map_err(|source| LoadError::Map { name: "TRACED", source })
     }
 
-    /// Whether this file is already probed.
+    /// Whether this file is already probed, or was refused under this path (a file that cannot be
+    /// probed is not retried, nor warned about, at every rescan; reached through another path,
+    /// e.g. another process's root, it is tried again).
     pub fn is_attached(&self, lib: &Library) -> bool {
-        self.attached_files.contains(&lib.file_id)
+        self.attached_files.contains(&lib.file_id) || self.refused.contains(&(lib.file_id, lib.path.clone()))
     }
 
     /// Probes the traced APIs in one library, as [`plan`] decides. Returns what was attached
-    /// (empty if the file was already probed or holds none of the APIs).
+    /// (empty if the file was already probed or holds none of the APIs). On an error nothing of
+    /// this library stays attached: a library is traced whole or not at all.
     pub fn attach(&mut self, lib: &Library, set: ProbeSet) -> Result<Vec<AttachedProbe>, AttachError> {
-        if !self.attached_files.insert(lib.file_id) {
+        if self.is_attached(lib) {
             return Ok(Vec::new());
         }
+        let mut links = Vec::new();
+        match self.attach_planned(lib, set, &mut links) {
+            Ok(probes) => {
+                self.attached_files.insert(lib.file_id);
+                Ok(probes)
+            }
+            Err(e) => {
+                for (program, link) in links {
+                    let prog: &mut UProbe =
+                        self.ebpf.program_mut(program).expect("loaded").try_into().expect("a uprobe");
+                    let _ = prog.detach(link);
+                }
+                self.refused.insert((lib.file_id, lib.path.clone()));
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Tracer::attach`]'s work; `links` collects what was attached, for undoing it.
+    fn attach_planned(
+        &mut self,
+        lib: &Library,
+        set: ProbeSet,
+        links: &mut Vec<(&'static str, UProbeLinkId)>,
+    ) -> Result<Vec<AttachedProbe>, AttachError> {
         let plan = plan(lib, set, &self.debug_dirs)?;
         if !plan.specs.is_empty() {
             let map = self.ebpf.map_mut("SPECS").expect("loaded in Tracer::load");
@@ -257,12 +295,13 @@ impl Tracer {
                     location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
                     cookie: Some(memscope_common::spec::cookie(probe.api.spec_id(), probe.api.def().spec.layer)),
                 };
-                prog.attach(point, &lib.path, self.scope).map_err(|source| AttachError::Probe {
+                let link = prog.attach(point, &lib.path, self.scope).map_err(|source| AttachError::Probe {
                     kind,
                     symbol: probe.symbol.clone(),
                     library: lib.shown.clone(),
                     source: Box::new(source),
                 })?;
+                links.push((program, link));
             }
         }
         Ok(plan.probes)
@@ -270,16 +309,31 @@ impl Tracer {
 
     /// Attaches the markers' USDT sites in one library (none if it carries none of ours).
     /// Sites already attached are skipped; the notes of ours that cannot be used are returned
-    /// as warnings.
+    /// as warnings. On an error none of this library's sites stays attached.
     pub fn attach_usdt(&mut self, lib: &super::libs::Library) -> Result<(Vec<AttachedUsdt>, Vec<String>), AttachError> {
         if !self.usdt_files.insert(lib.file_id) {
             return Ok((Vec::new(), Vec::new()));
         }
-        let data = std::fs::read(&lib.path)
-            .map_err(|source| AttachError::Elf(ElfError::Read { path: lib.path.clone(), source }))?;
+        let data = super::file::map_library(&lib.path).map_err(|e| AttachError::Elf(ElfError::File(e)))?;
         let plan = usdt::plan(&data).map_err(|source| AttachError::Notes { library: lib.shown.clone(), source })?;
+        // Refused before anything is attached: a site without a layout slot cannot be read.
+        let needed = new_layouts(&self.usdt_specs, plan.sites.iter().map(|s| &s.spec));
+        let left = MAX_USDT_SPECS as usize - self.usdt_specs.len();
+        if needed > left {
+            return Err(AttachError::TooManyUsdtSpecs { library: lib.shown.clone(), needed, left });
+        }
+        let before = self.usdt_links.len();
+        let attached = self.attach_sites(lib, &plan.sites);
+        if attached.is_err() {
+            // Dropping a link detaches it and lowers its semaphore.
+            self.usdt_links.truncate(before);
+        }
+        Ok((attached?, plan.skipped))
+    }
+
+    fn attach_sites(&mut self, lib: &Library, sites: &[UsdtSite]) -> Result<Vec<AttachedUsdt>, AttachError> {
         let mut attached = Vec::new();
-        for site in &plan.sites {
+        for site in sites {
             let index = self.usdt_spec_index(site)?;
             let prog: &mut UProbe = self
                 .ebpf
@@ -317,17 +371,16 @@ impl Tracer {
                 semaphore_offset: site.semaphore_offset,
             });
         }
-        Ok((attached, plan.skipped))
+        Ok(attached)
     }
 
     fn usdt_spec_index(&mut self, site: &UsdtSite) -> Result<u32, AttachError> {
         if let Some(index) = self.usdt_specs.get(&site.spec) {
             return Ok(*index);
         }
+        // Checked for the whole library before its first site (`new_layouts`).
         let index = u32::try_from(self.usdt_specs.len()).expect("bounded by MAX_USDT_SPECS");
-        if index >= MAX_USDT_SPECS {
-            return Err(AttachError::TooManyUsdtSpecs);
-        }
+        assert!(index < MAX_USDT_SPECS, "layouts counted before attaching");
         let map = self.ebpf.map_mut("USDT_SPECS").expect("in the eBPF object");
         let mut specs: Array<_, UsdtSpec> =
             Array::try_from(map).map_err(|source| AttachError::Spec(Box::new(source)))?;
@@ -349,5 +402,33 @@ impl Tracer {
             PerCpuArray::try_from(map).map_err(|source| LoadError::Map { name: "DROPS", source })?;
         let values = drops.get(&0, 0).map_err(|source| LoadError::Map { name: "DROPS", source })?;
         Ok(values.iter().copied().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attach::usdt_args::{build_spec, parse_args, Arch};
+
+    fn spec(stack_offset: usize) -> UsdtSpec {
+        let args = parse_args(&format!("8@{stack_offset}(%rsp)"), Arch::X86_64).unwrap();
+        build_spec(&args, None, 0).unwrap()
+    }
+
+    #[test]
+    fn layouts_are_counted_once_and_known_ones_are_free() {
+        let sites: Vec<UsdtSpec> = (0..300).map(|i| spec(8 * (i % 257))).collect();
+        let mut known = HashMap::new();
+        assert_eq!(new_layouts(&known, sites.iter()), 257, "257 distinct layouts among 300 sites");
+        known.insert(spec(0), 0);
+        assert_eq!(new_layouts(&known, sites.iter()), 256);
+        assert!(new_layouts(&HashMap::new(), sites.iter()) > MAX_USDT_SPECS as usize);
+    }
+
+    #[test]
+    fn too_many_layouts_is_one_sentence_without_a_run_of_spaces() {
+        let e = AttachError::TooManyUsdtSpecs { library: "/x/_native.so".into(), needed: 257, left: 256 }.to_string();
+        assert!(!e.contains("  "), "{e}");
+        assert!(e.contains("257") && e.contains("/x/_native.so"), "{e}");
     }
 }

@@ -81,7 +81,7 @@ const BPF_PERF_EVENT: u32 = 41;
 
 #[derive(Debug, Error)]
 pub enum PerfUprobeError {
-    #[error("cannot read {path} (perf uprobes need Linux >= 4.17 with CONFIG_UPROBE_EVENTS): {source}")]
+    #[error("cannot read {path} (perf uprobes need Linux >= 4.17 with CONFIG_UPROBE_EVENTS)")]
     NoUprobePmu { path: PathBuf, source: io::Error },
     #[error("cannot parse {path}: {text:?}")]
     BadPmuFile { path: PathBuf, text: String },
@@ -96,16 +96,14 @@ pub enum PerfUprobeError {
     BadPid(u32),
     #[error("library path {0:?} contains a NUL byte")]
     PathHasNul(PathBuf),
-    #[error(
-        "perf_event_open for a uprobe at {path}:{offset:#x} (semaphore offset {ref_ctr_offset:?}) failed: {source}"
-    )]
+    #[error("perf_event_open for a uprobe at {path}:{offset:#x} (semaphore offset {ref_ctr_offset:?}) failed")]
     PerfEventOpen { path: PathBuf, offset: u64, ref_ctr_offset: Option<u64>, source: io::Error },
     #[error(
-        "BPF_LINK_CREATE for the uprobe at {path}:{offset:#x} failed: {source}; BPF cookies on perf events \
-         need Linux >= 5.15, and PERF_EVENT_IOC_SET_BPF is not used instead because it would drop the cookie"
+        "BPF_LINK_CREATE for the uprobe at {path}:{offset:#x} failed (BPF cookies on perf events need \
+         Linux >= 5.15, and PERF_EVENT_IOC_SET_BPF is not used instead because it would drop the cookie)"
     )]
     LinkCreate { path: PathBuf, offset: u64, source: io::Error },
-    #[error("enabling the uprobe at {path}:{offset:#x} failed: {source}")]
+    #[error("enabling the uprobe at {path}:{offset:#x} failed")]
     Enable { path: PathBuf, offset: u64, source: io::Error },
 }
 

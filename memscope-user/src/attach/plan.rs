@@ -20,6 +20,7 @@ use memscope_common::spec::{FieldRead, ProbeSpec};
 use super::debug::{self, DebugFile, Found};
 use super::dwarf;
 use super::elf::{ElfError, ElfSymbols, SymbolSource};
+use super::file;
 use super::libs::{wanted_symbols, Library};
 use super::loader::{AttachedProbe, ProbeSet};
 use crate::apis::{Api, Family};
@@ -84,7 +85,7 @@ fn spec_with_offsets(api: Api, offsets: &[u64]) -> ProbeSpec {
 
 /// Plans one library. `debug_dirs` are the user's `--debug-dir` folders.
 pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<LibraryPlan, ElfError> {
-    let data = std::fs::read(&lib.path).map_err(|source| ElfError::Read { path: lib.path.clone(), source })?;
+    let data = file::map_library(&lib.path)?;
     let wanted = wanted_symbols();
     let parse_err = |source| ElfError::Parse { path: lib.path.clone(), source };
     let own = ElfSymbols::parse(&data, &wanted).map_err(parse_err)?;
@@ -99,7 +100,7 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
     } else {
         match debug::find(&lib.path, &reference, debug_dirs) {
             Some(found) => {
-                debug_data = std::fs::read(&found.path).ok();
+                debug_data = file::map_debug_file(&found.path).ok();
                 DebugStatus::Found(found)
             }
             None => DebugStatus::Missing {
@@ -263,9 +264,9 @@ fn atb_layout(lib: &Library, data: &[u8], debug_dirs: &[PathBuf]) -> (Vec<u64>, 
         return (found, "from the library's DWARF".to_owned());
     }
     let reference = debug::debug_ref(data);
-    if let Some(file) = debug::find(&lib.path, &reference, debug_dirs) {
-        if let Some(found) = std::fs::read(&file.path).ok().as_deref().and_then(offsets) {
-            return (found, format!("from the DWARF of {}", file.path.display()));
+    if let Some(debug_file) = debug::find(&lib.path, &reference, debug_dirs) {
+        if let Some(found) = file::map_debug_file(&debug_file.path).ok().as_deref().and_then(offsets) {
+            return (found, format!("from the DWARF of {}", debug_file.path.display()));
         }
     }
     let why =

@@ -58,7 +58,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     if !(seconds.is_finite() && seconds > 0.0) {
         return Err(format!("`{text}` must be a positive duration"));
     }
-    Ok(Duration::from_secs_f64(seconds))
+    Duration::try_from_secs_f64(seconds).map_err(|_| {
+        format!("`{text}` is too long a duration (more than {} s); omit --duration to trace until stopped", u64::MAX)
+    })
 }
 
 #[cfg(test)]
@@ -73,6 +75,17 @@ mod tests {
         assert!(parse_duration("0").is_err());
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("x").is_err());
+    }
+
+    #[test]
+    fn a_duration_too_long_for_the_clock_is_an_error_not_a_panic() {
+        let err = parse_duration("99999999999999999999").unwrap_err();
+        assert!(err.contains("too long") && err.contains("--duration"), "{err}");
+        // Past f64's range the number is infinite.
+        assert!(parse_duration(&format!("1{}", "0".repeat(400))).is_err());
+        assert!(parse_duration("99999999999999999999h").is_err());
+        // The longest accepted one still fits.
+        assert_eq!(parse_duration("1000000000h").unwrap(), Duration::from_secs(3_600_000_000_000));
     }
 
     #[test]

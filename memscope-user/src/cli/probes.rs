@@ -48,6 +48,13 @@ fn origin(o: &Origin) -> String {
     }
 }
 
+/// The known libraries a process maps, or why its maps cannot be read (`trace` says the same).
+pub fn mapped_libraries(pid: u32) -> anyhow::Result<Vec<Library>> {
+    libs::from_maps(pid).with_context(|| {
+        format!("cannot read /proc/{pid}/maps (are you allowed to inspect this process? another user's needs root or CAP_SYS_PTRACE)")
+    })
+}
+
 pub fn check_debug_dirs(dirs: &[PathBuf]) -> anyhow::Result<()> {
     for dir in dirs {
         if !dir.is_dir() {
@@ -62,7 +69,7 @@ pub fn check_debug_dirs(dirs: &[PathBuf]) -> anyhow::Result<()> {
 
 /// The markers' USDT sites of a library, if it has any of ours; returns whether it had.
 fn describe_markers(lib: &Library, text: &mut String) -> bool {
-    let Ok(data) = std::fs::read(&lib.path) else { return false };
+    let Ok(data) = crate::attach::file::map_library(&lib.path) else { return false };
     let plan = match crate::attach::usdt::plan(&data) {
         Ok(plan) => plan,
         Err(e) => {
@@ -107,14 +114,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     check_debug_dirs(&args.debug_dirs)?;
     let mut found: Vec<Library> = Vec::new();
     for path in &args.libs {
-        found.extend(libs::from_user_path(path).with_context(|| format!("--lib {}: cannot read it", path.display()))?);
+        found.extend(libs::from_user_path(path).context("--lib")?);
     }
     if let Some(pid) = args.pid {
         preflight::check_pid(pid)?;
-        found.extend(
-            libs::from_maps(pid)
-                .with_context(|| format!("cannot read /proc/{pid}/maps (are you allowed to inspect this process?)"))?,
-        );
+        found.extend(mapped_libraries(pid)?);
         if let Ok(env) = libs::process_env(pid) {
             found.extend(libs::from_env(&env, Path::new(&format!("/proc/{pid}/root")), false));
         }
@@ -131,7 +135,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let plan = match plan(lib, args.probe_set, &args.debug_dirs) {
             Ok(p) => p,
             Err(e) => {
-                let _ = writeln!(text, "  unreadable: {e}");
+                let _ = writeln!(text, "  unreadable: {}", crate::attach::with_causes(&e));
                 continue;
             }
         };

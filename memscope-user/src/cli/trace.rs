@@ -108,19 +108,20 @@ fn launch_libraries(user: &[Library]) -> Vec<Library> {
 }
 
 /// Libraries for a running process: `--lib`, what it has mapped, and its `ASCEND_HOME_PATH`.
-fn attach_libraries(pid: u32, user: &[Library]) -> Vec<Library> {
+/// Maps that cannot be read are the error `probes` gives, not "no library".
+fn attach_libraries(pid: u32, user: &[Library]) -> anyhow::Result<Vec<Library>> {
     let mut all = user.to_vec();
-    all.extend(libs::from_maps(pid).unwrap_or_default());
+    all.extend(super::probes::mapped_libraries(pid)?);
     if let Ok(env) = libs::process_env(pid) {
         all.extend(libs::from_env(&env, Path::new(&format!("/proc/{pid}/root")), false));
     }
-    libs::with_dependencies(all)
+    Ok(libs::with_dependencies(all))
 }
 
 fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> {
     let mut found = Vec::new();
     for path in paths {
-        let libs = libs::from_user_path(path).with_context(|| format!("--lib {}: cannot read it", path.display()))?;
+        let libs = libs::from_user_path(path).context("--lib")?;
         if libs.is_empty() {
             bail!("--lib {}: no Ascend runtime library in this folder (looked for libascendcl.so, libacl_rt.so, libacl_rt_impl.so)", path.display());
         }
@@ -145,23 +146,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
-    preflight::check_output(&args.output)?;
     super::probes::check_debug_dirs(&args.debug_dirs)?;
     let user = user_libraries(&args.libs)?;
 
     let (target, libraries) = match args.pid {
         Some(pid) => {
+            // Before the output folder is made: a wrong pid leaves nothing behind.
             preflight::check_pid(pid)?;
-            let libraries = attach_libraries(pid, &user);
+            let libraries = attach_libraries(pid, &user)?;
             if libraries.is_empty() {
                 return Err(PreflightError::NoLibrary {
                     where_: format!("in process {pid} (its maps and ASCEND_HOME_PATH)"),
                 }
                 .into());
             }
+            preflight::check_output(&args.output)?;
             (Target::Pid(pid), libraries)
         }
         None => {
+            preflight::check_output(&args.output)?;
             let libraries = launch_libraries(&user);
             if libraries.is_empty() {
                 return Err(PreflightError::NoLibrary {

@@ -211,6 +211,15 @@ impl Store {
         Ok(())
     }
 
+    /// Sets run-level metadata learnt while tracing: outputs created from now on start with it,
+    /// and every output gets it when it is finished.
+    pub fn set_meta(&mut self, meta: &Meta) {
+        for (k, v) in meta {
+            self.meta.retain(|(key, _)| key != k);
+            self.meta.push((k.clone(), v.clone()));
+        }
+    }
+
     pub fn commit(&mut self) -> Result<(), StoreError> {
         for open in self.open.values_mut() {
             open.sink.commit()?;

@@ -20,6 +20,7 @@ const IN_FLIGHT: usize = 64;
 enum Msg {
     Rows(Vec<Row>),
     Probes(Vec<ProbeRow>),
+    Meta(Meta),
     Retag(Retag),
     Commit,
     Finish { stop_wall_ns: u64, meta: Meta, lost_per_cpu: Vec<u64> },
@@ -40,6 +41,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>) -> Result<Vec<Written>, StoreError
                 }
             }
             Msg::Probes(probes) => store.add_probes(&probes)?,
+            Msg::Meta(meta) => store.set_meta(&meta),
             Msg::Retag(retag) => store.retag(&retag)?,
             Msg::Commit => store.commit()?,
             Msg::Finish { stop_wall_ns, meta, lost_per_cpu } => {
@@ -98,6 +100,11 @@ impl Writer {
     pub fn add_probes(&mut self, probes: Vec<ProbeRow>) -> Result<(), StoreError> {
         self.send_batch()?;
         self.send(Msg::Probes(probes))
+    }
+
+    /// Sets run-level `ms_meta` keys learnt while tracing (written when each output closes).
+    pub fn set_meta(&mut self, meta: Meta) -> Result<(), StoreError> {
+        self.send(Msg::Meta(meta))
     }
 
     /// Changes a block's owner; ordered after the rows written before it.

@@ -22,7 +22,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::Connection;
 
 use super::batch::{Batch, Item, Sender, BATCHES_IN_FLIGHT};
 use super::{int, text};
@@ -274,8 +274,7 @@ impl<'p> TimeOrder<'p> {
     /// The reading thread: every pass, on its own connection, in one snapshot of the file.
     fn read(&self, count: Option<&[&str]>, out: &mut Sender) -> Result<ReadOrder, AnalysisError> {
         let read = |source| AnalysisError::Read { path: self.path.to_owned(), source };
-        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = Connection::open_with_flags(self.path, flags).map_err(read)?;
+        let conn = super::open_read_only(self.path)?;
         conn.busy_timeout(Duration::from_secs(5)).map_err(read)?;
         let _snapshot = Snapshot::begin(&conn).map_err(read)?;
         let reader = Reader { conn: &conn, path: self.path, plan: &self.plan };
