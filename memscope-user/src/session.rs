@@ -2,8 +2,9 @@
 //!
 //! The loop drains the ring buffer (on wakeup and on a 20 ms timer), feeds each event to the
 //! model and each resulting fact to the store, commits at least every second, and looks for newly
-//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, `--duration` or the target's exit,
-//! then drains what is left, writes shadow frees for live blocks and closes every file.
+//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, `--duration` or when the last
+//! traced process has exited (the target, then the children it forked: [`procs`]), then drains
+//! what is left, writes shadow frees for live blocks and closes every file.
 
 use std::collections::BTreeSet;
 use std::os::fd::{FromRawFd, OwnedFd};

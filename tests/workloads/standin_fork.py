@@ -6,8 +6,8 @@ through the stand-in libascendcl.so, and each writes its own ledger in standin_t
 (PARENT_LEDGER and CHILD_LEDGER, named on the command line): the ground truth the tests compare
 the tracer's DB with.
 
---orphan: the parent forks and exits at once; the child waits until it has been reparented (its
-parent is gone), then makes its pairs. --go-file: the parent loads the library, writes
+--orphan: the parent makes a tenth of the pairs, forks and exits at once; the child waits until
+it has been reparented (its parent is gone), then makes its pairs. --go-file: the parent loads the library, writes
 --ready-file, and makes no call until the test creates the go file (after attaching the
 tracer); then it forks, and both make their pairs.
 """
@@ -79,6 +79,8 @@ def main():
         while not os.path.exists(args.go_file):
             time.sleep(0.01)
     parent = os.getpid()
+    if args.orphan:
+        pairs(lib, 0, args.pairs // 10, args.pause_every, args.parent_ledger)
     child = os.fork()
     if child == 0:
         code = 0
@@ -92,9 +94,9 @@ def main():
             code = 1
         os._exit(code)
     if args.orphan:
-        # Leave at once: the child does its work after we are gone.
-        with open(args.parent_ledger, "w") as f:
-            f.write("")
+        # The child does its work after we are gone. Linger a moment first: the tracer reads our
+        # libraries through /proc/PID/root, which vanishes with us (not what this tests).
+        time.sleep(1)
         return 0
     pairs(lib, 0, args.pairs, args.pause_every, args.parent_ledger)
     _, status = os.waitpid(child, 0)
