@@ -98,24 +98,30 @@ impl Drop for Workload {
 }
 
 /// Starts standin_fork.py (parent and child make pairs once the go file exists), attaches
-/// `trace --pid` with `extra`, lets it go, and returns (parent ledger, child ledger, output,
-/// stderr).
-fn fork_after_attach(env: &TestEnv, extra: &[&str]) -> (Vec<Entry>, Vec<Entry>, u32, Output, String) {
+/// `trace --pid` with `extra`, lets it go, and returns (parent ledger, child ledger, child pid,
+/// output, stderr). With `child_lib` the child makes its pairs through a copy of the runtime
+/// that only it loads, once the tracer says it has probed it (found in the child's maps).
+fn fork_after_attach(
+    env: &TestEnv,
+    extra: &[&str],
+    child_lib: Option<&Path>,
+) -> (Vec<Entry>, Vec<Entry>, u32, Output, String) {
     let out = env.scratch.join("out");
     let (parent_ledger, child_ledger) = (env.scratch.join("parent.jsonl"), env.scratch.join("child.jsonl"));
     let (ready, go) = (env.scratch.join("ready"), env.scratch.join("go"));
-    let mut workload = Workload(
-        Command::new("python3")
-            .arg(fork_workload())
-            .args([&parent_ledger, &child_ledger])
-            .args(["--pairs", &PAIRS.to_string(), "--ready-file"])
-            .arg(&ready)
-            .arg("--go-file")
-            .arg(&go)
-            .env("ASCEND_HOME_PATH", &env.ascend_home)
-            .spawn()
-            .expect("start the workload"),
-    );
+    let (child_ready, child_go) = (env.scratch.join("child-ready"), env.scratch.join("child-go"));
+    let mut cmd = Command::new("python3");
+    cmd.arg(fork_workload())
+        .args([&parent_ledger, &child_ledger])
+        .args(["--pairs", &PAIRS.to_string(), "--ready-file"])
+        .arg(&ready)
+        .arg("--go-file")
+        .arg(&go)
+        .env("ASCEND_HOME_PATH", &env.ascend_home);
+    if let Some(lib) = child_lib {
+        cmd.arg("--child-lib").arg(lib).arg("--child-ready").arg(&child_ready).arg("--child-go").arg(&child_go);
+    }
+    let mut workload = Workload(cmd.spawn().expect("start the workload"));
     let pid = wait_for_file(&ready, &mut workload.0, Duration::from_secs(30));
     let out_s = out.display().to_string();
     let mut args = vec!["trace", "--pid", pid.trim(), "--output", &out_s];
@@ -123,6 +129,16 @@ fn fork_after_attach(env: &TestEnv, extra: &[&str]) -> (Vec<Entry>, Vec<Entry>, 
     let mut tracer = Tracer::spawn(env, &args, &[]);
     tracer.wait_live(Duration::from_secs(30));
     std::fs::write(&go, "").unwrap();
+    if let Some(lib) = child_lib {
+        wait_for_file(&child_ready, &mut workload.0, Duration::from_secs(30));
+        let name = lib.file_name().unwrap().to_str().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !tracer.stderr().lines().any(|l| l.contains("more probes in") && l.contains(name)) {
+            assert!(Instant::now() < deadline, "the child's {name} was not probed:\n{}", tracer.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::write(&child_go, "").unwrap();
+    }
     assert_eq!(wait_child(&mut workload.0, Duration::from_secs(120)), 0, "the workload (parent or child) failed");
     let (code, stderr) = tracer.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
@@ -134,7 +150,8 @@ fn fork_after_attach(env: &TestEnv, extra: &[&str]) -> (Vec<Entry>, Vec<Entry>, 
 #[test]
 fn attach_mode_follows_a_child_forked_after_the_attach() {
     let env = env("procs_fork_after_attach");
-    let (parent, child, child_pid, out, stderr) = fork_after_attach(&env, &[]);
+    // The child's calls go through a library only it loads: found by rescanning the child.
+    let (parent, child, child_pid, out, stderr) = fork_after_attach(&env, &[], Some(&env.late_lib));
     let parent_pid = out.call_rows().iter().map(|r| r.pid).find(|p| *p != child_pid).expect("rows of the parent");
     // Every call of each process after the attach, exactly (neither made one before).
     assert_exact(&parent, &of_pid(&out, parent_pid));
@@ -146,7 +163,7 @@ fn attach_mode_follows_a_child_forked_after_the_attach() {
 #[test]
 fn attach_mode_with_no_follow_traces_the_target_alone() {
     let env = env("procs_no_follow");
-    let (parent, _child, child_pid, out, stderr) = fork_after_attach(&env, &["--no-follow"]);
+    let (parent, _child, child_pid, out, stderr) = fork_after_attach(&env, &["--no-follow"], None);
     assert!(!stderr.contains("children it forks"), "{stderr}");
     let rows = out.call_rows();
     assert!(rows.iter().all(|r| r.pid != child_pid), "the child {child_pid} was traced despite --no-follow");
