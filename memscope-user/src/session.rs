@@ -366,7 +366,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         describe_libraries(&probes),
         match (follow, launch_mode) {
             (true, true) => " and its children".to_owned(),
-            (true, false) => format!(" and the children it forks from now on (--no-follow: pid {pid} alone)"),
+            (true, false) => format!(" and the children it forks from now on (--no-follow traces pid {pid} alone)"),
             (false, _) => String::new(),
         },
     );
@@ -436,7 +436,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             }
             _ = drain_tick.tick() => {
                 consumer.drain(|e| recorder.on_event(e));
-                if ending.target_gone() {
+                if ending.check_due() {
                     if let Some(reason) = ending.check(&still_traced(&tracer, &recorder.children, pid)) {
                         break reason;
                     }
