@@ -98,6 +98,8 @@ def main():
                 with open(args.child_ready, "w") as f:
                     f.write(str(os.getpid()))
                 while not os.path.exists(args.child_go):
+                    if os.getppid() != parent:
+                        raise RuntimeError("the parent died (the test gave up) before the go")
                     time.sleep(0.01)
             pairs(lib, 1, args.pairs, args.pause_every, args.child_ledger)
         except BaseException as e:  # the exit code says it failed
