@@ -255,7 +255,8 @@ fn describe_libraries(probes: &[AttachedProbe]) -> String {
 /// sites. The markers go last: a program's `wait_for_tracer()` returns as soon as their
 /// semaphores rise, and by then every library it had mapped must be probed too. A library that
 /// cannot be probed (not an ELF file, replaced or gone since the maps were read) is a warning,
-/// added to `skipped` and to `ms_meta`; tracing goes on with the others.
+/// added to `skipped` and to `ms_meta`; tracing goes on with the others. Only a process that
+/// ended between its maps read and the attach is no warning.
 fn rescan(
     tracer: &mut Tracer,
     pids: impl Iterator<Item = u32>,
@@ -277,6 +278,10 @@ fn rescan(
                     added.extend(probes);
                     found.push(lib);
                 }
+                // A process that ended meanwhile takes its view of the files (`/proc/PID/root`)
+                // with it: nothing is wrong with the library, which is tried again if another
+                // traced process maps it.
+                Err(_) if std::fs::metadata(format!("/proc/{pid}/root")).is_err() => {}
                 Err(e) => skipped.push(skip(quiet, &lib, &e)),
             }
         }
