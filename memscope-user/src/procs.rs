@@ -10,6 +10,11 @@
 
 use std::collections::BTreeSet;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+/// How often the traced set is looked at once the target has exited: each look reads the status
+/// of every traced process and thread.
+const CHECK_EVERY: Duration = Duration::from_millis(100);
 
 /// What a pid in the traced set is now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,12 +88,23 @@ pub struct Ending {
     target_exit: Option<String>,
     /// Every child that was still running after the target's exit.
     awaited: BTreeSet<u32>,
+    last_check: Option<Instant>,
 }
 
 impl Ending {
     /// Whether the target has exited.
     pub fn target_gone(&self) -> bool {
         self.target_exit.is_some()
+    }
+
+    /// Whether the traced set should be looked at now: after the target's exit, at most every
+    /// [`CHECK_EVERY`].
+    pub fn check_due(&mut self) -> bool {
+        if !self.target_gone() || self.last_check.is_some_and(|t| t.elapsed() < CHECK_EVERY) {
+            return false;
+        }
+        self.last_check = Some(Instant::now());
+        true
     }
 
     /// The target exited (`reason`), leaving `running` (its traced descendants still alive).
@@ -187,10 +203,13 @@ mod tests {
     fn the_trace_ends_with_the_last_child_not_the_target() {
         let mut ending = Ending::default();
         assert!(!ending.target_gone());
+        assert!(!ending.check_due(), "nothing to look at while the target runs");
         assert_eq!(ending.check(&[]), None, "nothing ends before the target does");
         let note = ending.target_exited("target exited with status 0".into(), &[41]).unwrap_err();
         assert_eq!(note, "target exited with status 0; still tracing 1 child process (pid 41) until it exits");
         assert!(ending.target_gone());
+        assert!(ending.check_due(), "the first look comes at once");
+        assert!(!ending.check_due(), "the next one waits");
         assert_eq!(ending.check(&[41, 42]), None);
         assert_eq!(
             ending.check(&[]).as_deref(),

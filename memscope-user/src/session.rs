@@ -2,8 +2,9 @@
 //!
 //! The loop drains the ring buffer (on wakeup and on a 20 ms timer), feeds each event to the
 //! model and each resulting fact to the store, commits at least every second, and looks for newly
-//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, `--duration` or the target's exit,
-//! then drains what is left, writes shadow frees for live blocks and closes every file.
+//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, `--duration` or when the last
+//! traced process has exited (the target, then the children it forked: [`procs`]), then drains
+//! what is left, writes shadow frees for live blocks and closes every file.
 
 use std::collections::BTreeSet;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -269,7 +270,8 @@ fn describe_libraries(probes: &[AttachedProbe]) -> String {
 /// sites. The markers go last: a program's `wait_for_tracer()` returns as soon as their
 /// semaphores rise, and by then every library it had mapped must be probed too. A library that
 /// cannot be probed (not an ELF file, replaced or gone since the maps were read) is a warning,
-/// added to `skipped` and to `ms_meta`; tracing goes on with the others.
+/// added to `skipped` and to `ms_meta`; tracing goes on with the others. Only a process that
+/// ended between its maps read and the attach is no warning.
 fn rescan(
     tracer: &mut Tracer,
     pids: impl Iterator<Item = u32>,
@@ -291,6 +293,10 @@ fn rescan(
                     added.extend(probes);
                     found.push(lib);
                 }
+                // A process that ended meanwhile takes its view of the files (`/proc/PID/root`)
+                // with it: nothing is wrong with the library, which is tried again if another
+                // traced process maps it.
+                Err(_) if std::fs::metadata(format!("/proc/{pid}/root")).is_err() => {}
                 Err(e) => skipped.push(skip(quiet, &lib, &e)),
             }
         }
@@ -426,7 +432,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         describe_libraries(&probes),
         match (follow, launch_mode) {
             (true, true) => " and its children".to_owned(),
-            (true, false) => format!(" and the children it forks from now on (--no-follow: pid {pid} alone)"),
+            (true, false) => format!(" and the children it forks from now on (--no-follow traces pid {pid} alone)"),
             (false, _) => String::new(),
         },
     );
@@ -496,7 +502,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             }
             _ = drain_tick.tick() => {
                 consumer.drain(|e| recorder.on_event(e));
-                if ending.target_gone() {
+                if ending.check_due() {
                     if let Some(reason) = ending.check(&still_traced(&tracer, &recorder.children, pid)) {
                         break reason;
                     }

@@ -6,10 +6,11 @@ through the stand-in libascendcl.so, and each writes its own ledger in standin_t
 (PARENT_LEDGER and CHILD_LEDGER, named on the command line): the ground truth the tests compare
 the tracer's DB with.
 
---orphan: the parent forks and exits at once; the child waits until it has been reparented (its
-parent is gone), then makes its pairs. --go-file: the parent loads the library, writes
---ready-file, and makes no call until the test creates the go file (after attaching the
-tracer); then it forks, and both make their pairs.
+--orphan: the parent makes a tenth of the pairs, forks and exits; the child waits until it has
+been reparented (its parent is gone), then makes its pairs. --go-file: the parent loads the
+library, writes --ready-file, and makes no call until the test creates the go file (after
+attaching the tracer); then it forks, and both make their pairs. --child-lib: the child makes
+its pairs through a library only it loads, once the test says the tracer has probed it.
 """
 
 import argparse
@@ -21,8 +22,8 @@ import threading
 import time
 
 
-def load(home):
-    lib = ctypes.CDLL(os.path.join(home, "lib64", "libascendcl.so"))
+def load(path):
+    lib = ctypes.CDLL(path)
     vpp = ctypes.POINTER(ctypes.c_void_p)
     lib.aclrtSetDevice.argtypes = [ctypes.c_int32]
     lib.aclrtMalloc.argtypes = [vpp, ctypes.c_size_t, ctypes.c_int]
@@ -70,8 +71,12 @@ def main():
     ap.add_argument("--orphan", action="store_true")
     ap.add_argument("--ready-file")
     ap.add_argument("--go-file")
+    ap.add_argument("--child-lib", help="the child loads this copy of the runtime after the fork, writes "
+                    "--child-ready, waits for --child-go and makes its pairs through it")
+    ap.add_argument("--child-ready")
+    ap.add_argument("--child-go")
     args = ap.parse_args()
-    lib = load(os.environ["ASCEND_HOME_PATH"])
+    lib = load(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
     if args.ready_file:
         with open(args.ready_file, "w") as f:
             f.write(str(os.getpid()))
@@ -79,6 +84,8 @@ def main():
         while not os.path.exists(args.go_file):
             time.sleep(0.01)
     parent = os.getpid()
+    if args.orphan:
+        pairs(lib, 0, args.pairs // 10, args.pause_every, args.parent_ledger)
     child = os.fork()
     if child == 0:
         code = 0
@@ -86,15 +93,23 @@ def main():
             if args.orphan:
                 while os.getppid() == parent:
                     time.sleep(0.005)
+            if args.child_lib:
+                lib = load(args.child_lib)
+                with open(args.child_ready, "w") as f:
+                    f.write(str(os.getpid()))
+                while not os.path.exists(args.child_go):
+                    if os.getppid() != parent:
+                        raise RuntimeError("the parent died (the test gave up) before the go")
+                    time.sleep(0.01)
             pairs(lib, 1, args.pairs, args.pause_every, args.child_ledger)
         except BaseException as e:  # the exit code says it failed
             print(f"child: {e!r}", file=sys.stderr)
             code = 1
         os._exit(code)
     if args.orphan:
-        # Leave at once: the child does its work after we are gone.
-        with open(args.parent_ledger, "w") as f:
-            f.write("")
+        # The child does its work after we are gone. Linger a moment first: the tracer reads our
+        # libraries through /proc/PID/root, which vanishes with us (not what this tests).
+        time.sleep(1)
         return 0
     pairs(lib, 0, args.pairs, args.pause_every, args.parent_ledger)
     _, status = os.waitpid(child, 0)

@@ -44,7 +44,9 @@ pub struct Args {
     pub duration: Option<Duration>,
 
     /// Also probe this library: a file of any name (e.g. a copy of libascendcl.so) or a folder.
-    /// Repeatable. By default libraries come from the target's maps and ASCEND_HOME_PATH.
+    /// Repeatable. By default libraries come from the target's maps and ASCEND_HOME_PATH. A file
+    /// that cannot be probed (not a 64-bit ELF of this machine, over 2 GiB) is a warning, and an
+    /// error only when no library is left to probe.
     #[arg(long = "lib", value_name = "PATH")]
     pub libs: Vec<PathBuf>,
 

@@ -207,3 +207,86 @@ fn a_fifo_where_a_debug_file_is_looked_for_is_never_opened() {
     assert!(status.success(), "{text}");
     assert!(text.contains("debug file: not found"), "the FIFO is no debug file:\n{text}");
 }
+
+/// C source of a markers-like module with `sites` `memscope:step` USDT sites, each reading its
+/// argument from another stack slot (so each needs its own argument layout), all sharing one
+/// semaphore; `memscope_many_sema()` returns the semaphore's value.
+fn many_layouts_c(sites: usize) -> String {
+    let mut body = String::new();
+    for i in 0..sites {
+        body.push_str(&format!(
+            "    __asm__ __volatile__(\"990: nop\\n.pushsection .note.stapsdt,\\\"\\\",@note\\n.balign 4\\n\
+             .4byte 992f-991f, 994f-993f, 3\\n991: .asciz \\\"stapsdt\\\"\\n992: .balign 4\\n\
+             993: .8byte 990b\\n.8byte _.stapsdt.base\\n.8byte memscope_many_semaphore\\n\
+             .asciz \\\"memscope\\\"\\n.asciz \\\"step\\\"\\n.asciz \\\"8@{}(%rsp)\\\"\\n994: .balign 4\\n.popsection\\n\");\n",
+            8 * i
+        ));
+    }
+    format!(
+        "__asm__(\".pushsection .stapsdt.base,\\\"a\\\",@progbits\\n_.stapsdt.base: .space 1\\n.popsection\\n\");\n\
+         __attribute__((section(\".probes\"), used)) volatile unsigned short memscope_many_semaphore = 0;\n\
+         unsigned memscope_many_sema(void) {{ return memscope_many_semaphore; }}\n\
+         void memscope_many_fire(void) {{\n{body}}}\n"
+    )
+}
+
+#[test]
+fn markers_needing_more_layouts_than_there_are_attach_none_and_say_so_once() {
+    let env = env("libs_many_layouts");
+    let module = env.scratch.join("memscope/_native_many.so");
+    std::fs::create_dir_all(module.parent().unwrap()).unwrap();
+    let src = env.scratch.join("many.c");
+    std::fs::write(&src, many_layouts_c(257)).unwrap();
+    let cc = Command::new("cc").args(["-shared", "-fPIC", "-O0", "-o"]).arg(&module).arg(&src).output();
+    match cc {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!("cc failed: {}", String::from_utf8_lossy(&out.stderr)),
+        Err(e) => {
+            println!("SKIPPED: cannot run cc: {e}");
+            return;
+        }
+    }
+    // The target maps the stand-in runtime and the module, and reports the semaphore's value.
+    let sema = env.scratch.join("sema.txt");
+    let script = format!(
+        "import ctypes, os, time\n\
+         ctypes.CDLL(os.path.join(os.environ['ASCEND_HOME_PATH'], 'lib64', 'libascendcl.so'))\n\
+         m = ctypes.CDLL({module:?})\n\
+         end = time.monotonic() + 30\n\
+         while time.monotonic() < end:\n\
+         \x20   open({sema:?} + '.tmp', 'w').write(str(m.memscope_many_sema()))\n\
+         \x20   os.replace({sema:?} + '.tmp', {sema:?})\n\
+         \x20   time.sleep(0.02)\n"
+    );
+    let mut target =
+        Command::new("python3").args(["-c", &script]).env("ASCEND_HOME_PATH", &env.ascend_home).spawn().unwrap();
+    let read_sema = || std::fs::read_to_string(&sema).ok().and_then(|s| s.trim().parse::<u32>().ok());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while read_sema().is_none() {
+        assert!(Instant::now() < deadline, "the target never reported its semaphore");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (pid, out) = (target.id().to_string(), env.scratch.join("out").display().to_string());
+    let mut tracer = Tracer::spawn(&env, &["trace", "--pid", &pid, "--output", &out, "--duration", "3"], &[]);
+    tracer.wait_live(LIVE_TIMEOUT);
+    std::thread::sleep(Duration::from_millis(500));
+    // While traced: no site of the module is live, so the kernel raised its semaphore 0 times.
+    let raised = read_sema();
+    if raised != Some(0) {
+        tracer.signal(libc::SIGKILL);
+        let _ = target.kill();
+        panic!(
+            "sites stayed live ({raised:?} raises) though the module is said not to be traced:\n{}",
+            tracer.stderr()
+        );
+    }
+    let (code, stderr) = tracer.finish(Duration::from_secs(60));
+    let _ = target.kill();
+    let _ = target.wait();
+    assert_eq!(code, Some(0), "{stderr}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.contains("markers in") && l.contains("_native_many.so are not traced"))
+        .unwrap_or_else(|| panic!("no warning for the module:\n{stderr}"));
+    assert!(warning.contains("257 more USDT argument layouts") && !warning.contains("  "), "{warning}");
+}

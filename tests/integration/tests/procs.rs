@@ -70,10 +70,11 @@ fn launch_mode_follows_a_child_that_outlives_the_launched_program() {
     let ledger = wait_ledger(&child_ledger, Duration::from_secs(60));
     assert_eq!(pairs_in(&ledger), PAIRS, "the child made all its pairs");
     let child = ledger_pid(&child_ledger);
+    let parent = read_ledger(&parent_ledger);
+    assert_eq!(pairs_in(&parent), PAIRS / 10, "the parent made its pairs before the fork");
     let out = read_output(&out);
-    // The launched program made no call; every call of the child is there, in order, exactly.
-    assert_exact(&ledger, &out);
-    assert!(out.call_rows().iter().all(|r| r.pid == child), "rows of another process than the child {child}");
+    // Every call of each, in order, exactly: the parent's before it left, the child's after.
+    assert_exact(&parent.iter().chain(&ledger).cloned().collect::<Vec<_>>(), &out);
     let db = out.db("device_1");
     let stop_ns: u64 = meta(db, "stop_ns").unwrap().parse().unwrap();
     let last = ledger.iter().map(|e| e.t1).max().unwrap();
@@ -84,31 +85,61 @@ fn launch_mode_follows_a_child_that_outlives_the_launched_program() {
     assert_eq!(meta(db, "counts_exact").as_deref(), Some("true"), "no record was lost");
 }
 
+/// A workload killed if the test fails while it waits for its go file.
+struct Workload(std::process::Child);
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// Starts standin_fork.py (parent and child make pairs once the go file exists), attaches
-/// `trace --pid` with `extra`, lets it go, and returns (parent ledger, child ledger, output,
-/// stderr).
-fn fork_after_attach(env: &TestEnv, extra: &[&str]) -> (Vec<Entry>, Vec<Entry>, u32, Output, String) {
+/// `trace --pid` with `extra`, lets it go, and returns (parent ledger, child ledger, child pid,
+/// output, stderr). With `child_lib` the child makes its pairs through a copy of the runtime
+/// that only it loads, once the tracer says it has probed it (found in the child's maps).
+fn fork_after_attach(
+    env: &TestEnv,
+    extra: &[&str],
+    child_lib: Option<&Path>,
+) -> (Vec<Entry>, Vec<Entry>, u32, Output, String) {
     let out = env.scratch.join("out");
     let (parent_ledger, child_ledger) = (env.scratch.join("parent.jsonl"), env.scratch.join("child.jsonl"));
     let (ready, go) = (env.scratch.join("ready"), env.scratch.join("go"));
-    let mut workload = Command::new("python3")
-        .arg(fork_workload())
+    let (child_ready, child_go) = (env.scratch.join("child-ready"), env.scratch.join("child-go"));
+    let mut cmd = Command::new("python3");
+    cmd.arg(fork_workload())
         .args([&parent_ledger, &child_ledger])
         .args(["--pairs", &PAIRS.to_string(), "--ready-file"])
         .arg(&ready)
         .arg("--go-file")
         .arg(&go)
-        .env("ASCEND_HOME_PATH", &env.ascend_home)
-        .spawn()
-        .expect("start the workload");
-    let pid = wait_for_file(&ready, &mut workload, Duration::from_secs(30));
+        .env("ASCEND_HOME_PATH", &env.ascend_home);
+    if let Some(lib) = child_lib {
+        cmd.arg("--child-lib").arg(lib).arg("--child-ready").arg(&child_ready).arg("--child-go").arg(&child_go);
+    }
+    let mut workload = Workload(cmd.spawn().expect("start the workload"));
+    let pid = wait_for_file(&ready, &mut workload.0, Duration::from_secs(30));
     let out_s = out.display().to_string();
     let mut args = vec!["trace", "--pid", pid.trim(), "--output", &out_s];
     args.extend_from_slice(extra);
     let mut tracer = Tracer::spawn(env, &args, &[]);
     tracer.wait_live(Duration::from_secs(30));
     std::fs::write(&go, "").unwrap();
-    assert_eq!(wait_child(&mut workload, Duration::from_secs(120)), 0, "the workload (parent or child) failed");
+    if let Some(lib) = child_lib {
+        wait_for_file(&child_ready, &mut workload.0, Duration::from_secs(30));
+        let name = lib.file_name().unwrap().to_str().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !tracer.stderr().lines().any(|l| l.contains("more probes in") && l.contains(name)) {
+            assert!(Instant::now() < deadline, "the child's {name} was not probed:\n{}", tracer.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::write(&child_go, "").unwrap();
+    }
+    assert_eq!(wait_child(&mut workload.0, Duration::from_secs(120)), 0, "the workload (parent or child) failed");
     let (code, stderr) = tracer.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
     let (parent, child) = (read_ledger(&parent_ledger), read_ledger(&child_ledger));
@@ -119,19 +150,20 @@ fn fork_after_attach(env: &TestEnv, extra: &[&str]) -> (Vec<Entry>, Vec<Entry>, 
 #[test]
 fn attach_mode_follows_a_child_forked_after_the_attach() {
     let env = env("procs_fork_after_attach");
-    let (parent, child, child_pid, out, stderr) = fork_after_attach(&env, &[]);
-    assert!(stderr.contains("and the children it forks from now on"), "following is said:\n{stderr}");
+    // The child's calls go through a library only it loads: found by rescanning the child.
+    let (parent, child, child_pid, out, stderr) = fork_after_attach(&env, &[], Some(&env.late_lib));
     let parent_pid = out.call_rows().iter().map(|r| r.pid).find(|p| *p != child_pid).expect("rows of the parent");
     // Every call of each process after the attach, exactly (neither made one before).
     assert_exact(&parent, &of_pid(&out, parent_pid));
     assert_exact(&child, &of_pid(&out, child_pid));
     assert!(out.call_rows().iter().all(|r| r.pid == parent_pid || r.pid == child_pid));
+    assert!(stderr.contains("and the children it forks from now on"), "following is said:\n{stderr}");
 }
 
 #[test]
 fn attach_mode_with_no_follow_traces_the_target_alone() {
     let env = env("procs_no_follow");
-    let (parent, _child, child_pid, out, stderr) = fork_after_attach(&env, &["--no-follow"]);
+    let (parent, _child, child_pid, out, stderr) = fork_after_attach(&env, &["--no-follow"], None);
     assert!(!stderr.contains("children it forks"), "{stderr}");
     let rows = out.call_rows();
     assert!(rows.iter().all(|r| r.pid != child_pid), "the child {child_pid} was traced despite --no-follow");
@@ -148,8 +180,10 @@ fn a_full_ring_marks_the_counts_it_affects() {
     const PAIRS: u64 = 300_000;
     let (out_s, bench_s, pairs) = (out.display().to_string(), bench.display().to_string(), PAIRS.to_string());
     let args = ["trace", "--ring-mb", "1", "--output", &out_s, "--", &bench_s, &pairs];
-    let (code, stderr) =
-        Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]).finish(Duration::from_secs(300));
+    // The loop's run path names the stand-in it was built against; this checkout's comes first.
+    let lib64 = env.ascend_home.join("lib64");
+    let vars = [("ASCEND_HOME_PATH", env.ascend_home.as_path()), ("LD_LIBRARY_PATH", lib64.as_path())];
+    let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(300));
     assert_eq!(code, Some(0), "{stderr}");
     let out = read_output(&out);
     let db = out.db("device_0");
