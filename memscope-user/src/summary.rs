@@ -15,6 +15,8 @@ pub struct DeviceLine {
     pub live_blocks: u64,
     pub mallocs: u64,
     pub frees: u64,
+    /// Frees of blocks born before the trace (in `ms_untracked_frees`, not Insight's table).
+    pub untracked_frees: u64,
     pub failures: u64,
     pub file: Option<PathBuf>,
 }
@@ -96,6 +98,13 @@ impl fmt::Display for Summary {
                 d.frees,
                 d.failures
             )?;
+            if d.untracked_frees > 0 {
+                writeln!(
+                    f,
+                    "              {} of the frees were of blocks allocated before the trace (table ms_untracked_frees)",
+                    d.untracked_frees
+                )?;
+            }
             let pools: Vec<&PoolLine> = self.pools.iter().filter(|p| p.device == d.device).collect();
             let shared = pools.iter().any(|p| p.pid != pools[0].pid);
             for p in pools {
@@ -118,7 +127,7 @@ impl fmt::Display for Summary {
         if self.devices.iter().any(|d| d.device == DeviceKey::Unknown) {
             writeln!(
                 f,
-                "  (device ?: threads that chose their device before the trace started; their device shows once they call aclrtSetDevice/aclrtGetDevice)"
+                "  (device ?: threads that chose their device before the trace started, until they named one; kept apart from the device files, which Insight opens)"
             )?;
         }
         Ok(())
