@@ -172,6 +172,7 @@ fn without_debug_info_or_mstx_only_exported_paths_are_seen_and_probes_says_so() 
                 (k.clone(), (p.clone(), r.iter().filter(|r| r.name != "allocate_workspace").cloned().collect()))
             })
             .collect(),
+        untracked: out.untracked.clone(),
     };
     assert_pta(&without_workspace, &external_only, check);
     // Every workspace use is a MALLOC at its address; its end is implied by the next use.
