@@ -139,6 +139,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn frees_of_blocks_from_before_the_trace_are_counted_per_device() {
+        let line = |device, untracked_frees| DeviceLine {
+            device,
+            peak: 0,
+            live_bytes: 0,
+            live_blocks: 0,
+            mallocs: 1,
+            frees: 4,
+            untracked_frees,
+            failures: 0,
+            file: None,
+        };
+        let summary = Summary {
+            stop_reason: "target exited".into(),
+            elapsed: Duration::from_secs(1),
+            calls: 5,
+            lost: 0,
+            undecodable: 0,
+            run_dir: PathBuf::from("/tmp/x"),
+            devices: vec![line(DeviceKey::Npu(0), 3), line(DeviceKey::Npu(1), 0)],
+            pools: vec![],
+        };
+        let text = summary.to_string();
+        let said: Vec<&str> = text.lines().filter(|l| l.contains("allocated before the trace")).collect();
+        assert_eq!(said.len(), 1, "{text}");
+        assert!(said[0].trim_start().starts_with("3 of the frees"), "{text}");
+    }
+
+    #[test]
     fn human_units() {
         assert_eq!(human(0), "0 B");
         assert_eq!(human(1023), "1023 B");
