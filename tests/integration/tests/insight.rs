@@ -6,12 +6,27 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use memscope_integration::*;
 
 /// `nobody`: a user other than the tests' own, as `sudo` names the invoking user.
 const SUDO_ID: u32 = 65534;
+
+/// A file in a test's scratch folder naming the `uid:gid` its DBs belong to, for the sweep.
+const OWNER_NOTE: &str = "expected_owner";
+
+/// The owner a DB under the scratch folder must have: the one noted by the test that wrote it
+/// ([`OWNER_NOTE`] in a folder above it), else the tests' own.
+fn noted_owner(db: &Path, scratch: &Path) -> (u32, u32) {
+    for dir in db.ancestors().take_while(|d| d.starts_with(scratch)) {
+        if let Ok(text) = std::fs::read_to_string(dir.join(OWNER_NOTE)) {
+            let (uid, gid) = text.trim().split_once(':').expect("uid:gid");
+            return (uid.parse().unwrap(), gid.parse().unwrap());
+        }
+    }
+    expected_owner()
+}
 
 fn walk(root: &Path) -> Vec<PathBuf> {
     let mut all = vec![root.to_owned()];
@@ -29,6 +44,7 @@ fn walk(root: &Path) -> Vec<PathBuf> {
 #[test]
 fn under_sudo_the_invoking_user_owns_every_folder_and_file_and_only_they_can_read_them() {
     let env = env("sudo_owner");
+    std::fs::write(env.scratch.join(OWNER_NOTE), format!("{SUDO_ID}:{SUDO_ID}")).unwrap();
     let out = env.scratch.join("out/nested");
     let ledger = env.scratch.join("ledger.jsonl");
     let out_s = out.display().to_string();
@@ -168,9 +184,8 @@ fn every_db_the_privileged_tier_wrote_passes_insights_import_rules() {
         .filter(|p| std::fs::metadata(p).unwrap().mtime() as u64 >= since)
         .collect();
     assert!(!dbs.is_empty(), "no DB under {} since {since}", scratch.display());
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-    eprintln!("checking {} DBs written in the last {} s", dbs.len(), now.saturating_sub(since));
+    eprintln!("checking {} DBs under {} written since {since} (unix s)", dbs.len(), scratch.display());
     for db in &dbs {
-        insight_rules(db);
+        insight_rules_for(db, noted_owner(db, &scratch));
     }
 }
