@@ -1378,6 +1378,15 @@ pub fn insight_rules_for(db: &Path, owner: (u32, u32)) {
     }
 }
 
+/// The frees of blocks from before the trace that the tracer's summary counts, all devices.
+pub fn summary_untracked_frees(stderr: &str) -> u64 {
+    stderr
+        .lines()
+        .filter_map(|l| l.trim().split_once(" of the frees were of blocks allocated before the trace"))
+        .map(|(n, _)| n.parse::<u64>().unwrap())
+        .sum()
+}
+
 /// [`insight_rules_for`] with the owner the tests expect ([`expected_owner`]).
 pub fn insight_rules(db: &Path) {
     insight_rules_for(db, expected_owner());
