@@ -585,6 +585,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             live_blocks: s.live_blocks,
             mallocs: s.mallocs,
             frees: s.frees,
+            untracked_frees: s.untracked_frees,
             failures: s.failures,
             file: written.iter().find(|w| w.device == device).map(|w| w.path.clone()),
         })

@@ -20,6 +20,8 @@ pub struct DeviceLine {
     pub live_blocks: u64,
     pub mallocs: u64,
     pub frees: u64,
+    /// Frees of blocks born before the trace (in `ms_untracked_frees`, not Insight's table).
+    pub untracked_frees: u64,
     pub failures: u64,
     pub file: Option<PathBuf>,
 }
@@ -138,6 +140,13 @@ impl fmt::Display for Summary {
                 d.frees,
                 d.failures
             )?;
+            if d.untracked_frees > 0 {
+                writeln!(
+                    f,
+                    "              {} of the frees were of blocks allocated before the trace (table ms_untracked_frees)",
+                    d.untracked_frees
+                )?;
+            }
             let pools: Vec<&PoolLine> = self.pools.iter().filter(|p| p.device == d.device).collect();
             let shared = pools.iter().any(|p| p.pid != pools[0].pid);
             for p in pools {
@@ -160,7 +169,7 @@ impl fmt::Display for Summary {
         if self.devices.iter().any(|d| d.device == DeviceKey::Unknown) {
             writeln!(
                 f,
-                "  (device ?: threads that chose their device before the trace started; their device shows once they call aclrtSetDevice/aclrtGetDevice)"
+                "  (device ?: threads that chose their device before the trace started, until they named one; kept apart from the device files, which Insight opens)"
             )?;
         }
         Ok(())
@@ -214,6 +223,35 @@ mod tests {
         assert!(!text.contains(">="), "{text}");
         assert!(text.contains("(400 allocs, 420 frees, 0 failed)"), "{text}");
         assert_eq!(loss_meta(0), [("counts_exact".to_owned(), "true".to_owned())]);
+    }
+
+    #[test]
+    fn frees_of_blocks_from_before_the_trace_are_counted_per_device() {
+        let line = |device, untracked_frees| DeviceLine {
+            device,
+            peak: 0,
+            live_bytes: 0,
+            live_blocks: 0,
+            mallocs: 1,
+            frees: 4,
+            untracked_frees,
+            failures: 0,
+            file: None,
+        };
+        let summary = Summary {
+            stop_reason: "target exited".into(),
+            elapsed: Duration::from_secs(1),
+            calls: 5,
+            lost: 0,
+            undecodable: 0,
+            run_dir: PathBuf::from("/tmp/x"),
+            devices: vec![line(DeviceKey::Npu(0), 3), line(DeviceKey::Npu(1), 0)],
+            pools: vec![],
+        };
+        let text = summary.to_string();
+        let said: Vec<&str> = text.lines().filter(|l| l.contains("allocated before the trace")).collect();
+        assert_eq!(said.len(), 1, "{text}");
+        assert!(said[0].trim_start().starts_with("3 of the frees"), "{text}");
     }
 
     #[test]

@@ -73,6 +73,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         "--ignored",
     ]))?;
     let scratch = root.join("target/privileged-tests");
+    // The sweep below checks the DBs written from here on (a filtered run leaves older ones).
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs().saturating_sub(1);
     let mut cmd = privileged("cargo");
     match &real_torch_npu {
         Ok(lib) => cmd.env("MEMSCOPE_REAL_TORCH_NPU", lib),
@@ -105,6 +107,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         cmd.arg(filter);
     }
     sh(&mut cmd)?;
+    eprintln!("xtask test: every DB the privileged tier wrote, against MindStudio Insight's import rules");
+    sh(privileged("cargo")
+        .current_dir(&root)
+        .env("MEMSCOPE_SCRATCH", &scratch)
+        .env("MEMSCOPE_SWEEP_SINCE", since.to_string())
+        .args(["test", "-p", "memscope-integration", "--test", "insight", "--"])
+        .args(["--ignored", "--exact", "every_db_the_privileged_tier_wrote_passes_insights_import_rules"]))?;
     if let Err(why) = &real_torch_npu {
         eprintln!("xtask test: passed, but the real torch_npu library test was SKIPPED: {why}");
     }

@@ -35,7 +35,8 @@ pub struct Args {
     #[arg(short, long, value_name = "PID", conflicts_with = "command")]
     pub pid: Option<u32>,
 
-    /// Folder for the results; each run gets its own folder inside it.
+    /// Folder for the results; each run gets its own folder inside it. Folders are made 0700 and
+    /// files 0600; under sudo they belong to the user who ran sudo (SUDO_UID/SUDO_GID).
     #[arg(short, long, value_name = "DIR", default_value = "memscopeDumpResults")]
     pub output: PathBuf,
 

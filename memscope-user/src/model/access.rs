@@ -53,8 +53,13 @@ impl Tracker {
         if b.hidden {
             return None;
         }
-        let block_type = if b.device == DeviceKey::Cpu { "HOST" } else { "HAL" };
-        Some(Hit { device: b.device, block_type, block: start, allocation_id: b.allocation_id, pool: None })
+        Some(Hit {
+            device: b.device,
+            block_type: space.event_type(),
+            block: start,
+            allocation_id: b.allocation_id,
+            pool: None,
+        })
     }
 
     pub(super) fn access(
@@ -89,7 +94,7 @@ impl Tracker {
         if self.is_paused(site.pid) {
             return;
         }
-        let device = call.thread_device.map_or(DeviceKey::Unknown, DeviceKey::Npu);
+        let device = self.thread_device(site, call);
         let name = self.kernel_names.get(&(site.pid, function)).cloned();
         out.push(Output::KernelLaunch { site, device, name, function, stream, args_size });
         if call.status != 0 {

@@ -8,7 +8,7 @@
 //! that holds its workspace (the caller took it from torch_npu's workspace allocator), else to the
 //! thread's device, so each device's file holds the operations whose memory is on it.
 
-use super::event::{Call, DeviceKey, Op};
+use super::event::{Call, Op};
 use super::tracker::{Output, Site, Tracker};
 
 impl Tracker {
@@ -20,9 +20,7 @@ impl Tracker {
         let device = workspace
             .filter(|p| *p != 0)
             .and_then(|p| self.block_at(site.pid, p))
-            .map(|hit| hit.device)
-            .or(call.thread_device.map(DeviceKey::Npu))
-            .unwrap_or(DeviceKey::Unknown);
+            .map_or_else(|| self.thread_device(site, call), |hit| hit.device);
         let launch = |site, start, status| Output::AtbLaunch {
             site,
             device,

@@ -14,6 +14,18 @@ pub enum Space {
     Cpu,
 }
 
+impl Space {
+    /// The `Event Type` of this memory's MALLOC/FREE rows, as msMemScope writes them: pinned host
+    /// memory is `HOST_PINNED` (Insight's decomposition accepts it), CPU tensors are `HOST`.
+    pub fn event_type(self) -> &'static str {
+        match self {
+            Self::Device => "HAL",
+            Self::Host => "HOST_PINNED",
+            Self::Cpu => "HOST",
+        }
+    }
+}
+
 /// Which per-device output an event belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DeviceKey {

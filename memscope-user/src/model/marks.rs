@@ -25,14 +25,6 @@ use crate::apis::Api;
 /// msMemScope's step range message.
 pub const STEP_RANGE: &str = "step start";
 
-/// Row kinds of a block, for the store to find its MALLOC row.
-fn event_type(space: Space) -> &'static str {
-    match space {
-        Space::Device => "HAL",
-        Space::Host | Space::Cpu => "HOST",
-    }
-}
-
 impl Tracker {
     /// Applies one marker of `event`'s thread; `api` is the mstx call it came from, if any.
     pub(super) fn apply_marker(&mut self, event: &Event, marker: &Marker, api: Option<Api>, out: &mut Vec<Output>) {
@@ -167,8 +159,9 @@ impl Tracker {
             return;
         }
         block.labels[slot] = Some(label);
-        if let (false, Some(owner)) = (block.hidden, block.base.owner(&block.labels)) {
-            out.push(Output::Retag { device: block.device, pid, event_type: event_type(key.1), ptr: key.2, owner });
+        if !block.hidden {
+            let owner = block.base.owner(&block.labels);
+            out.push(Output::Retag { device: block.device, pid, event_type: key.1.event_type(), ptr: key.2, owner });
         }
     }
 }

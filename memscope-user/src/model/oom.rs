@@ -5,7 +5,6 @@
 //! (which include the pool's segments).
 
 use super::event::DeviceKey;
-use super::tags;
 use super::tracker::{Output, OwnerBase, Site, Tracker};
 
 /// msMemScope's default K (`--analysis oom:K`).
@@ -17,7 +16,7 @@ struct Listed {
     size: u64,
     born_ns: u64,
     allocation_id: u64,
-    owner: Option<String>,
+    owner: String,
 }
 
 impl Tracker {
@@ -39,13 +38,13 @@ impl Tracker {
             self.blocks
                 .iter()
                 .filter(|((pid, _, _), b)| *pid == site.pid && b.device == device && !b.hidden)
-                .map(|((_, _, ptr), b)| Listed {
-                    block_type: if device == DeviceKey::Cpu { "HOST" } else { "HAL" },
+                .map(|((_, space, ptr), b)| Listed {
+                    block_type: space.event_type(),
                     ptr: *ptr,
                     size: b.size,
                     born_ns: b.born_ns,
                     allocation_id: b.allocation_id,
-                    owner: b.base.owner(&b.labels).or_else(|| Some(tags::owner_path(&b.base.label(), &b.labels))),
+                    owner: b.base.owner(&b.labels),
                 })
                 .collect()
         };
@@ -70,7 +69,8 @@ fn listed(site: Site, device: DeviceKey, recent: bool, rank: usize, b: &Listed) 
         ptr: b.ptr,
         size: b.size,
         born_ns: b.born_ns,
-        owner: b.owner.clone(),
+        allocation_id: b.allocation_id,
+        owner: Some(b.owner.clone()),
     }
 }
 

@@ -106,11 +106,6 @@ pub fn owner_path(framework: &str, labels: &Labels) -> String {
     path
 }
 
-/// Whether any level is set.
-pub fn any(labels: &Labels) -> bool {
-    labels.iter().any(Option::is_some)
-}
-
 /// The level an address tag's label replaces (user tags go to the first user level).
 pub fn tag_level(level: u8) -> Option<usize> {
     match level {

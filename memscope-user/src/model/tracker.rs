@@ -231,6 +231,8 @@ pub enum Output {
         ptr: u64,
         size: u64,
         born_ns: u64,
+        /// The listed block's, so the row names the same block as its MALLOC.
+        allocation_id: u64,
         owner: Option<String>,
     },
     /// A step boundary (`SYSTEM`/`STEP`), numbered per process.
@@ -280,6 +282,8 @@ pub enum OwnerBase {
 }
 
 impl OwnerBase {
+    /// msMemScope's label: `CANN@<module>`, `CANN@UNKNOWN` for device memory whose module was not
+    /// seen (a mapping, a runtime call whose driver call was not traced), `HOST`, or the pool's.
     pub fn label(self) -> String {
         match self {
             Self::Hal(Some(m)) => hal::owner(m),
@@ -289,13 +293,10 @@ impl OwnerBase {
         }
     }
 
-    /// The owner path with these labels; `None` when nothing is known (a device block without a
-    /// module and without tags keeps no owner, as before tags existed).
-    pub fn owner(self, labels: &Labels) -> Option<String> {
-        if self == Self::Hal(None) && !tags::any(labels) {
-            return None;
-        }
-        Some(tags::owner_path(&self.label(), labels))
+    /// The owner path with these labels. Every block has one: Insight leaves a block without an
+    /// owner out of its decomposition tree, so the tree would not add up to the curve.
+    pub fn owner(self, labels: &Labels) -> String {
+        tags::owner_path(&self.label(), labels)
     }
 }
 
@@ -349,7 +350,12 @@ pub struct DeviceStats {
     pub live_blocks: u64,
     pub mallocs: u64,
     pub frees: u64,
+    /// Frees of blocks the trace never saw allocated (born before an attach), device and pool
+    /// blocks alike; their rows go to `ms_untracked_frees`, not to Insight's table.
+    pub untracked_frees: u64,
     pub failures: u64,
+    /// The last `allocation_id` given on this device's file. One counter for every kind of block
+    /// in the file (device, pool, host), since Insight groups a file's rows by this id alone.
     next_allocation_id: u64,
 }
 
@@ -368,6 +374,8 @@ pub(super) struct Live {
 #[derive(Clone, Copy, Debug)]
 struct Physical {
     device: DeviceKey,
+    /// The CANN module that created it (`halMemCreate`'s flag), the owner of its mappings.
+    module: Option<u16>,
 }
 
 /// The live state of everything traced.
@@ -379,8 +387,10 @@ pub struct Tracker {
     physical: HashMap<(u32, u64), Physical>,
     reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
     devices: BTreeMap<DeviceKey, DeviceStats>,
-    /// Allocation ids of pool blocks, per (device, pool).
-    pool_ids: BTreeMap<(DeviceKey, Pool), u64>,
+    /// The device each thread last named itself (a driver flag, a malloc config's device, ...),
+    /// by (pid, tid): used for its calls while the kernel does not know the thread's device (it
+    /// chose it before an attach).
+    learnt_devices: HashMap<(u32, u32), u32>,
     /// Per (device, pool, process): each process has its own allocator, so its counters are its
     /// own even when processes share a device.
     pools: BTreeMap<(DeviceKey, Pool, u32), PoolStats>,
@@ -457,6 +467,7 @@ impl Tracker {
         let EventKind::Call(call) = &event.kind else {
             if event.kind == EventKind::Exit {
                 self.tags.forget_process(event.pid);
+                self.learnt_devices.retain(|(pid, _), _| *pid != event.pid);
                 self.ops.retain(|(pid, _), _| *pid != event.pid);
                 let tids: Vec<u32> =
                     self.inner.iter().filter(|(_, v)| v.iter().any(|e| e.pid == event.pid)).map(|(t, _)| *t).collect();
@@ -504,16 +515,46 @@ impl Tracker {
         if let EventKind::Call(call) = &event.kind {
             let gc = call.outer == Some(Api::PyGcCollect);
             let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, gc };
+            self.learn_device(site, call);
             self.apply_call(site, call, out);
         }
     }
 
-    fn thread_device(call: &Call) -> DeviceKey {
-        call.thread_device.map_or(DeviceKey::Unknown, DeviceKey::Npu)
+    /// The device of the calling thread: the kernel's (from its set/get-device calls), else the
+    /// one it last named itself.
+    pub(super) fn thread_device(&self, site: Site, call: &Call) -> DeviceKey {
+        call.thread_device
+            .or_else(|| self.learnt_devices.get(&(site.pid, site.tid)).copied())
+            .map_or(DeviceKey::Unknown, DeviceKey::Npu)
+    }
+
+    /// Notes the device a successful call names for the thread it ran on. The kernel learns a
+    /// thread's device only from set/get-device calls, so after an attach a thread that chose
+    /// its device earlier is known by these until it calls one of them again.
+    fn learn_device(&mut self, site: Site, call: &Call) {
+        if call.status != 0 || call.thread_device.is_some() {
+            return;
+        }
+        let named = match call.op {
+            Op::Malloc { space: Space::Device, device, .. }
+            | Op::MallocPhysical { device, .. }
+            | Op::PoolMalloc { device, .. } => device,
+            _ => None,
+        };
+        if let Some(device) = named {
+            self.learnt_devices.insert((site.pid, site.tid), device);
+        }
     }
 
     fn stats(&mut self, device: DeviceKey) -> &mut DeviceStats {
         self.devices.entry(device).or_default()
+    }
+
+    /// The next `allocation_id` of `device`'s file, for a block of any kind.
+    fn next_allocation_id(&mut self, device: DeviceKey) -> u64 {
+        let stats = self.stats(device);
+        stats.next_allocation_id += 1;
+        stats.next_allocation_id
     }
 
     #[allow(clippy::too_many_arguments, reason = "a failure carries whatever the call had")]
@@ -549,7 +590,7 @@ impl Tracker {
         let failed = call.status != 0;
         match call.op {
             Op::Malloc { space, size, ptr, policy, device, module, driver } => {
-                let device = space_device(space, device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu));
+                let device = space_device(space, device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu));
                 match ptr {
                     Some(ptr) if !failed => {
                         let taken = driver.map_or(size, |d| d.size);
@@ -561,7 +602,7 @@ impl Tracker {
                 }
             }
             Op::Free { space, ptr, driver } => {
-                let fallback = space_device(space, Self::thread_device(call));
+                let fallback = space_device(space, self.thread_device(site, call));
                 if failed {
                     let device = self.blocks.get(&(site.pid, space, ptr)).map_or(fallback, |b| b.device);
                     self.fail(site, call, device, None, Some(ptr), driver, out);
@@ -571,7 +612,7 @@ impl Tracker {
                 }
             }
             Op::Reserve { size, va, .. } => {
-                let device = Self::thread_device(call);
+                let device = self.thread_device(site, call);
                 match va {
                     Some(va) if !failed => {
                         self.reserved.insert((site.pid, va), (device, size));
@@ -584,7 +625,7 @@ impl Tracker {
             Op::Release { va } => {
                 let (device, size) = match self.reserved.get(&(site.pid, va)) {
                     Some(&(device, size)) => (device, Some(size)),
-                    None => (Self::thread_device(call), None),
+                    None => (self.thread_device(site, call), None),
                 };
                 if failed {
                     self.fail(site, call, device, None, Some(va), None, out);
@@ -594,10 +635,11 @@ impl Tracker {
                 }
             }
             Op::MallocPhysical { size, handle, device, driver, .. } => {
-                let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
                 match handle {
                     Some(handle) if !failed => {
-                        self.physical.insert((site.pid, handle), Physical { device });
+                        let module = driver.and_then(|d| d.module);
+                        self.physical.insert((site.pid, handle), Physical { device, module });
                         let step = VmmStep::MallocPhysical;
                         out.push(Output::Vmm { site, device, step, addr: handle, size: Some(size), driver });
                     }
@@ -606,7 +648,7 @@ impl Tracker {
             }
             Op::FreePhysical { handle, driver } => {
                 let device =
-                    self.physical.get(&(site.pid, handle)).map_or_else(|| Self::thread_device(call), |p| p.device);
+                    self.physical.get(&(site.pid, handle)).map_or_else(|| self.thread_device(site, call), |p| p.device);
                 if failed {
                     self.fail(site, call, device, None, Some(handle), driver, out);
                 } else {
@@ -617,7 +659,7 @@ impl Tracker {
             }
             Op::Map { va, size, offset, handle, .. } => {
                 let device =
-                    self.physical.get(&(site.pid, handle)).map_or_else(|| Self::thread_device(call), |p| p.device);
+                    self.physical.get(&(site.pid, handle)).map_or_else(|| self.thread_device(site, call), |p| p.device);
                 if failed {
                     self.fail(site, call, device, Some(size), Some(va), None, out);
                 } else {
@@ -634,7 +676,7 @@ impl Tracker {
                 }
             }
             Op::Unmap { va } => {
-                let fallback = Self::thread_device(call);
+                let fallback = self.thread_device(site, call);
                 if failed {
                     self.fail(site, call, fallback, None, Some(va), None, out);
                 } else {
@@ -693,7 +735,7 @@ impl Tracker {
                 self.apply_marker(&event, marker, Some(call.api), out);
             }
             Op::PoolMalloc { pool, ptr, size, req, device, handle } => {
-                let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
                 match (ptr, handle) {
                     (Some(ptr), _) => {
                         if pool == Pool::Workspace && call.api == Api::AllocateWorkspace {
@@ -726,7 +768,7 @@ impl Tracker {
                     // A block allocated before an attach is unknown; its own device field (when
                     // the source reads it) still places its free, also on a thread whose device
                     // the trace never learnt.
-                    let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                    let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
                     self.remove_pool_block(site, ptr, pool, device, false, false, out);
                 }
             }
@@ -762,7 +804,7 @@ impl Tracker {
             Op::MstxRegion { domain, register, device, ptr, size, .. } => {
                 let pool = self.domains.get(&(site.pid, domain)).copied();
                 let (Some(pool), Some(ptr)) = (pool, ptr) else { return };
-                let device = device.map_or_else(|| Self::thread_device(call), DeviceKey::Npu);
+                let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
                 if register {
                     self.add_pool_block(site, device, pool, ptr, size.unwrap_or(0), size, out);
                 } else {
@@ -831,12 +873,7 @@ impl Tracker {
         if self.pool_blocks.contains_key(&(site.pid, ptr)) {
             self.remove_pool_block(site, ptr, pool, device, true, false, out);
         }
-        let allocation_id = {
-            // Numbered per device and pool, like the rows of one file, whatever the process.
-            let next = self.pool_ids.entry((device, pool)).or_default();
-            *next += 1;
-            *next
-        };
+        let allocation_id = self.next_allocation_id(device);
         let stats = self.pools.entry((device, pool, site.pid)).or_default();
         stats.used += size;
         stats.peak_used = stats.peak_used.max(stats.used);
@@ -845,7 +882,7 @@ impl Tracker {
         let labels = self.tags.labels(site.pid, site.tid);
         let hidden = self.is_paused(site.pid);
         if !hidden {
-            let owner = OwnerBase::Pool(pool).owner(&labels).unwrap_or_default();
+            let owner = OwnerBase::Pool(pool).owner(&labels);
             out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
         }
         let born_ns = site.wall_ns;
@@ -892,6 +929,7 @@ impl Tracker {
                 });
             }
             None => {
+                self.stats(fallback).untracked_frees += 1;
                 let stats = self.pools.entry((fallback, pool, site.pid)).or_default();
                 let (used, total) = (stats.used, stats.total);
                 if self.is_paused(site.pid) {
@@ -935,24 +973,27 @@ impl Tracker {
         if self.blocks.contains_key(&(site.pid, space, ptr)) {
             self.remove_block(site, space, ptr, device, true, None, out);
         }
-        let stats = self.stats(device);
-        stats.next_allocation_id += 1;
-        stats.used += size;
-        stats.peak = stats.peak.max(stats.used);
-        stats.live_blocks += 1;
-        stats.mallocs += 1;
-        let (allocation_id, used) = (stats.next_allocation_id, stats.used);
         let base = match (space, origin) {
             (Space::Host | Space::Cpu, _) => OwnerBase::Host,
             (Space::Device, Origin::Direct { module, driver, .. }) => {
                 OwnerBase::Hal(driver.and_then(|d| d.module).or(module))
             }
-            (Space::Device, Origin::Mapped { .. }) => OwnerBase::Hal(None),
+            // Mapped pages belong to the module that created their physical memory.
+            (Space::Device, Origin::Mapped { handle, .. }) => {
+                OwnerBase::Hal(self.physical.get(&(site.pid, handle)).and_then(|p| p.module))
+            }
         };
+        let allocation_id = self.next_allocation_id(device);
+        let stats = self.stats(device);
+        stats.used += size;
+        stats.peak = stats.peak.max(stats.used);
+        stats.live_blocks += 1;
+        stats.mallocs += 1;
+        let used = stats.used;
         let labels = self.tags.labels(site.pid, site.tid);
         let hidden = self.is_paused(site.pid);
         if !hidden {
-            let owner = base.owner(&labels);
+            let owner = Some(base.owner(&labels));
             let segment = None;
             out.push(Output::Malloc {
                 site,
@@ -1013,6 +1054,7 @@ impl Tracker {
             None => {
                 let stats = self.stats(fallback);
                 stats.frees += 1;
+                stats.untracked_frees += 1;
                 let used = stats.used;
                 if self.is_paused(site.pid) {
                     return;
@@ -1432,7 +1474,7 @@ mod tests {
         ]);
         let Output::PoolMalloc { used, total, allocation_id, .. } = out[3] else { panic!("{out:?}") };
         assert_eq!((used, total), (8192, 4 << 20), "process 2's allocator, not the sum of both");
-        assert_eq!(allocation_id, 2, "ids are per device and pool, so rows of one file never share one");
+        assert_eq!(allocation_id, 4, "ids are per device file, whatever the process or layer");
         assert_eq!(t.pools().count(), 2);
     }
 
@@ -1466,5 +1508,208 @@ mod tests {
         let Output::PoolFree { device, size, .. } = out[0] else { panic!("{out:?}") };
         assert_eq!(device, DeviceKey::Npu(1));
         assert_eq!(size, None, "unknown to the trace, so Insight must skip it");
+    }
+
+    /// Every MALLOC-like output as (file, allocation_id, what).
+    fn ids(out: &[Output]) -> Vec<(DeviceKey, u64, &'static str)> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Malloc { device, allocation_id, space, .. } => {
+                    Some((*device, *allocation_id, space.event_type()))
+                }
+                Output::PoolMalloc { device, allocation_id, pool, .. } => Some((*device, *allocation_id, pool.owner())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn host_malloc(api: Api, space: Space, ptr: u64) -> Event {
+        let op = Op::Malloc { space, size: 64, ptr: Some(ptr), policy: None, device: None, module: None, driver: None };
+        call(api, 1, Some(0), 0, op)
+    }
+
+    fn workspace_malloc(ptr: u64, size: u64, device: u32) -> Event {
+        let op = Op::PoolMalloc {
+            pool: Pool::Workspace,
+            ptr: Some(ptr),
+            size: Some(size),
+            req: Some(size),
+            device: Some(device),
+            handle: None,
+        };
+        call(Api::WorkspaceMalloc, 1, None, 0, op)
+    }
+
+    #[test]
+    fn allocation_ids_are_unique_in_each_file_across_layers() {
+        // A caching segment (HAL) and its first block (PTA) share an address; a workspace
+        // segment and block; a plain runtime block; host pinned and CPU tensor memory. Insight
+        // groups a file's ACCESS/MALLOC/FREE rows by allocation_id alone.
+        let (_, out) = run(&[
+            with_outer(malloc(Some(0x10_0000), 2 << 20, Some(0), 0), Api::DeviceCachingAllocatorMalloc),
+            pool_malloc(0x10_0000, 4096, 0),
+            with_outer(malloc(Some(0x40_0000), 1 << 20, Some(0), 0), Api::WorkspaceMalloc),
+            workspace_malloc(0x40_0000, 1 << 20, 0),
+            malloc(Some(0x90_0000), 512, Some(0), 0),
+            pool_malloc(0x10_1000, 4096, 0),
+            host_malloc(Api::AclrtMallocHost, Space::Host, 0x7000),
+            host_malloc(Api::C10AllocCpu, Space::Cpu, 0x8000),
+        ]);
+        let all = ids(&out);
+        assert_eq!(all.len(), 8, "{out:?}");
+        let mut seen = std::collections::HashSet::new();
+        for (device, id, what) in &all {
+            assert!(seen.insert((*device, *id)), "{what} reuses id {id} in {device:?}'s file: {all:?}");
+        }
+        let npu0: Vec<u64> = all.iter().filter(|(d, _, _)| *d == DeviceKey::Npu(0)).map(|(_, id, _)| *id).collect();
+        assert_eq!(npu0, [1, 2, 3, 4, 5, 6], "one counter for the whole file, in allocation order");
+        let cpu: Vec<u64> = all.iter().filter(|(d, _, _)| *d == DeviceKey::Cpu).map(|(_, id, _)| *id).collect();
+        assert_eq!(cpu, [1, 2]);
+    }
+
+    #[test]
+    fn accesses_and_oom_listings_carry_the_id_of_the_block_they_name() {
+        let copy = call(Api::AclrtMemcpy, 1, Some(0), 0, Op::Copy { dst: 0x10_0010, src: 0x90_0000, size: 16 });
+        let oom = call(
+            Api::AclrtMalloc,
+            1,
+            Some(0),
+            207_001,
+            Op::Malloc {
+                space: Space::Device,
+                size: 1 << 40,
+                ptr: None,
+                policy: None,
+                device: None,
+                module: None,
+                driver: None,
+            },
+        );
+        let (_, out) = run(&[
+            with_outer(malloc(Some(0x10_0000), 2 << 20, Some(0), 0), Api::DeviceCachingAllocatorMalloc),
+            pool_malloc(0x10_0000, 4096, 0),
+            malloc(Some(0x90_0000), 512, Some(0), 0),
+            copy,
+            oom,
+        ]);
+        let id_of = |ptr: u64, kind: &str| {
+            ids(&out)
+                .into_iter()
+                .zip(out.iter().filter(|o| matches!(o, Output::Malloc { .. } | Output::PoolMalloc { .. })))
+                .find(|((_, _, what), o)| {
+                    *what == kind
+                        && matches!(o, Output::Malloc { ptr: p, .. } | Output::PoolMalloc { ptr: p, .. } if *p == ptr)
+                })
+                .map(|((_, id, _), _)| id)
+                .unwrap()
+        };
+        let (pta, hal) = (id_of(0x10_0000, "PTA"), id_of(0x90_0000, "HAL"));
+        assert_ne!(pta, id_of(0x10_0000, "HAL"), "a segment and its first block are two blocks");
+        let accessed: Vec<(u64, u64)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Access { block, allocation_id, .. } => Some((*block, *allocation_id)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            accessed,
+            [(0x90_0000, hal), (0x10_0000, pta)],
+            "read from the HAL block, written into the PTA block"
+        );
+        let listed: Vec<(u64, u64)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::OomBlock { ptr, allocation_id, recent: true, .. } => Some((*ptr, *allocation_id)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(listed, [(0x90_0000, hal), (0x10_0000, id_of(0x10_0000, "HAL"))]);
+    }
+
+    #[test]
+    fn every_device_block_has_an_owner() {
+        let map = |va, handle| {
+            call(Api::AclrtMapMem, 1, Some(0), 0, Op::Map { va, size: 2 << 20, offset: 0, handle, flags: 0 })
+        };
+        let physical = |handle, driver| {
+            let op = Op::MallocPhysical { size: 2 << 20, handle: Some(handle), device: Some(0), flags: 0, driver };
+            call(Api::AclrtMallocPhysical, 1, Some(0), 0, op)
+        };
+        let created =
+            DriverInfo { api: Api::HalMemCreate, flag: Some(3 << 56), size: 2 << 20, module: Some(3), page: None };
+        let (_, out) = run(&[
+            malloc(Some(0x1000), 64, Some(0), 0), // a runtime call whose driver call was not seen
+            physical(0xa, None),
+            map(0x7000_0000, 0xa), // a mapping of memory whose creator was not seen
+            physical(0xb, Some(created)),
+            map(0x7020_0000, 0xb), // created by HCCL (module 3)
+            driver_alloc(0x9000, 4096, 0, 33),
+        ]);
+        let owners: Vec<Option<String>> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Malloc { owner, .. } => Some(owner.clone()),
+                _ => None,
+            })
+            .collect();
+        let want = ["CANN@UNKNOWN", "CANN@UNKNOWN", &hal::owner(3), &hal::owner(33)];
+        assert_eq!(owners, want.map(|o| Some(o.to_owned())));
+    }
+
+    #[test]
+    fn a_thread_whose_device_the_kernel_does_not_know_is_placed_by_the_device_it_names() {
+        // After an attach, thread 1 chose its device earlier: the kernel knows none.
+        let plain = |ptr| malloc(Some(ptr), 64, None, 0);
+        let launch = call(
+            Api::AclrtLaunchKernel,
+            1,
+            None,
+            0,
+            Op::Launch { function: 1, args: Vec::new(), args_size: 0, stream: 0 },
+        );
+        let mut other = malloc(Some(0x5000), 64, None, 0);
+        other.tid = 2;
+        let merged = [with_outer(driver_alloc(0x2000, 4096, 1, 33), Api::AclrtMalloc), plain(0x2000)];
+        let (_, out) = run(&[
+            &[plain(0x1000)],
+            &merged[..],
+            &[plain(0x3000), launch, other, malloc(Some(0x4000), 64, Some(0), 0)],
+        ]
+        .concat());
+        let devices: Vec<(u64, DeviceKey)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Malloc { ptr, device, .. } => Some((*ptr, *device)),
+                Output::KernelLaunch { device, .. } => Some((0, *device)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            devices,
+            [
+                (0x1000, DeviceKey::Unknown), // before it named any
+                (0x2000, DeviceKey::Npu(1)),  // the driver's flag names device 1
+                (0x3000, DeviceKey::Npu(1)),  // learnt
+                (0, DeviceKey::Npu(1)),
+                (0x5000, DeviceKey::Unknown), // another thread learns nothing from it
+                (0x4000, DeviceKey::Npu(0)),  // the kernel's device wins once known
+            ]
+        );
+    }
+
+    #[test]
+    fn frees_of_blocks_never_seen_are_counted_apart() {
+        let pool_free =
+            Op::PoolFree { pool: Pool::Caching, ptr: Some(0x5000), handle: None, size: Some(4096), device: Some(0) };
+        let (t, out) = run(&[
+            free(0x99, Some(0)),
+            call(Api::DeviceCachingAllocatorFree, 1, None, 0, pool_free),
+            malloc(Some(0x1000), 8, Some(0), 0),
+            free(0x1000, Some(0)),
+        ]);
+        assert!(matches!(out[0], Output::Free { size: None, allocation_id: None, .. }));
+        let npu0 = t.devices().find(|(k, _)| *k == DeviceKey::Npu(0)).unwrap().1;
+        assert_eq!((npu0.untracked_frees, npu0.frees), (2, 2), "a device and a pool block from before the trace");
     }
 }

@@ -103,6 +103,10 @@ impl Attr {
         }
     }
 
+    pub fn has(&self, key: &str) -> bool {
+        self.0.iter().any(|(k, _)| *k == key)
+    }
+
     #[cfg(test)]
     pub fn get(&self, key: &str) -> Option<String> {
         self.0.iter().find(|(k, _)| *k == key).map(|(_, v)| {

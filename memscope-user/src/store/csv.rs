@@ -1,17 +1,24 @@
 //! The CSV sink: msMemScope's dump CSV (header `ID,Event,...,Call Stack(C)`, Attr quoted in its
-//! `{k:v,...}` form). Our own tables have no CSV form; their facts are in the DB format only.
+//! `{k:v,...}` form). Our own tables have no CSV form; their facts are in the DB format only,
+//! except the frees of blocks the trace never saw allocated, which go to a file of their own
+//! beside the dump (`ms_untracked_frees_<digits>.csv`, the same columns), as they go to a table
+//! of their own in a DB.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use super::insight::Row;
-use super::schema::csv_header;
+use super::owner::Owner;
+use super::schema::{csv_header, UNTRACKED_FREES_TABLE};
 use super::{Meta, ProbeRow, Sink, StoreError};
 
 pub struct CsvSink {
     out: BufWriter<File>,
     path: PathBuf,
+    owner: Owner,
+    /// Created on the first untracked free.
+    untracked: Option<(BufWriter<File>, PathBuf)>,
 }
 
 /// RFC 4180 quoting: only when needed, doubling inner quotes.
@@ -24,12 +31,19 @@ pub fn field(text: &str) -> String {
 }
 
 impl CsvSink {
-    pub fn create(path: &Path) -> Result<Self, StoreError> {
+    pub fn create(path: &Path, owner: Owner) -> Result<Self, StoreError> {
         let io = |source| StoreError::Io { path: path.to_owned(), source };
-        let file = File::create(path).map_err(io)?;
+        let file = owner.create_file(path).map_err(io)?;
         let mut out = BufWriter::new(file);
         writeln!(out, "{}", csv_header()).map_err(io)?;
-        Ok(Self { out, path: path.to_owned() })
+        Ok(Self { out, path: path.to_owned(), owner, untracked: None })
+    }
+
+    /// `ms_untracked_frees_<digits>.csv` beside `memscope_dump_<digits>.csv`.
+    fn untracked_path(&self) -> PathBuf {
+        let name = self.path.file_name().and_then(|n| n.to_str()).unwrap_or("memscope_dump.csv");
+        let digits = name.strip_prefix("memscope_dump_").unwrap_or(name);
+        self.path.with_file_name(format!("{UNTRACKED_FREES_TABLE}_{digits}"))
     }
 
     fn io(&self) -> impl Fn(std::io::Error) -> StoreError + '_ {
@@ -64,7 +78,22 @@ impl Sink for CsvSink {
         writeln!(self.out, "{}", line(id, row)).map_err(self.io())
     }
 
+    fn insert_untracked(&mut self, id: u64, row: &Row) -> Result<(), StoreError> {
+        if self.untracked.is_none() {
+            let path = self.untracked_path();
+            let io = |source| StoreError::Io { path: path.clone(), source };
+            let mut out = BufWriter::new(self.owner.create_file(&path).map_err(io)?);
+            writeln!(out, "{}", csv_header()).map_err(io)?;
+            self.untracked = Some((out, path));
+        }
+        let (out, path) = self.untracked.as_mut().expect("created above");
+        writeln!(out, "{}", line(id, row)).map_err(|source| StoreError::Io { path: path.clone(), source })
+    }
+
     fn commit(&mut self) -> Result<(), StoreError> {
+        if let Some((out, path)) = &mut self.untracked {
+            out.flush().map_err(|source| StoreError::Io { path: path.clone(), source })?;
+        }
         self.out.flush().map_err(self.io())
     }
 
@@ -79,7 +108,7 @@ impl Sink for CsvSink {
     }
 
     fn finish(mut self: Box<Self>, _meta: &Meta, _lost: &[u64]) -> Result<PathBuf, StoreError> {
-        self.out.flush().map_err(self.io())?;
+        self.commit()?;
         self.out.get_ref().sync_all().map_err(self.io())?;
         Ok(self.path.clone())
     }

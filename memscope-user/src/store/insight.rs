@@ -4,7 +4,7 @@
 //! | output | Event | Event Type | Ptr |
 //! |---|---|---|---|
 //! | device block allocated / freed | `MALLOC` / `FREE` | `HAL` | `0x%016x` |
-//! | host block allocated / freed | `MALLOC` / `FREE` | `HOST` (Attr `pinned`) | `0x%016x` |
+//! | pinned host block allocated / freed (`aclrtMallocHost`) | `MALLOC` / `FREE` | `HOST_PINNED` (Attr `pinned`) | `0x%016x` |
 //! | allocation failed for lack of memory (runtime 207001, driver 6) | `OOM_DETAIL` | `OOM_TRIGGER` | `N/A` |
 //! | any other failed call | `API_ERROR` | `HAL` / `HOST` | `N/A` |
 //! | address reserve/release, physical alloc/free | `VMM` | `RESERVE` / `RELEASE` / `PHYSICAL_MALLOC` / `PHYSICAL_FREE` | `N/A` |
@@ -26,6 +26,10 @@
 //! exception: their workspace places them on one device, and their rows are that device's.
 //!
 //! `API_ERROR` and `VMM` are ours; Insight ignores Events it does not know.
+//!
+//! The FREE of a block the trace never saw allocated (born before an attach) has no size and no
+//! `allocation_id` (Attr `unmatched`): Insight would count it as a block of size 0 or pair it
+//! with an unrelated one, so the store keeps it out of `memscope_dump` ([`is_untracked_free`]).
 
 use std::borrow::Cow;
 
@@ -39,6 +43,8 @@ const NO_NAME: &str = "N/A";
 /// `Attr.freed_by` of a FREE made inside a pass of Python's garbage collector (not msMemScope's:
 /// it cannot see the collector). `analysis::gc_held` reads it.
 pub const GC: &str = "gc";
+/// `Attr` key of a FREE of a block the trace never saw allocated.
+pub const UNMATCHED: &str = "unmatched";
 /// `Attr` key of a PTA FREE whose block was still marked on other streams (`recordStream`), so
 /// the allocator kept it until their work completed (not msMemScope's). `analysis::stream_reuse`
 /// reads it.
@@ -109,11 +115,10 @@ impl Row {
     }
 }
 
-fn block_type(space: Space) -> &'static str {
-    match space {
-        Space::Device => "HAL",
-        Space::Host | Space::Cpu => "HOST",
-    }
+/// Whether `row` is the FREE of a block the trace never saw allocated: such rows go to our own
+/// `ms_untracked_frees`, never to Insight's table.
+pub fn is_untracked_free(row: &Row) -> bool {
+    row.event == "FREE" && row.attr.has(UNMATCHED)
 }
 
 /// Pinned host memory is marked as msMemScope does; CPU-allocator memory is not pinned.
@@ -175,9 +180,10 @@ fn marker_row(event_type: &'static str, name: String, wall_ns: u64, pid: u32, ti
 pub fn to_row(output: &Output) -> Option<Row> {
     Some(match output {
         Output::Retag { .. } => return None,
-        Output::OomBlock { site, device, recent, rank, block_type, ptr, size, born_ns, owner } => {
+        Output::OomBlock { site, device, recent, rank, block_type, ptr, size, born_ns, allocation_id, owner } => {
             let attr = Attr::new()
                 .with("pool", *block_type)
+                .with("allocation_id", *allocation_id)
                 .addr("ptr", *ptr)
                 .with("size", *size)
                 .with("timestamp", *born_ns)
@@ -299,7 +305,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 }
             };
             let attr = attr.with_opt("owner", owner.clone()).with_opt("segment", segment.map(Pool::as_str));
-            row(site, "MALLOC", block_type(*space), *device, Some(*ptr), attr)
+            row(site, "MALLOC", space.event_type(), *device, Some(*ptr), attr)
         }
         Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } => {
             let mut attr = Attr::new()
@@ -314,7 +320,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 attr = attr.with("pinned", "true");
             }
             if size.is_none() {
-                attr = attr.with("unmatched", "true");
+                attr = attr.with(UNMATCHED, "true");
             }
             if *shadow {
                 attr = attr.with("shadow", "true");
@@ -323,7 +329,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 attr = attr.with("freed_by", GC);
             }
             attr = with_driver(attr, site, driver.as_ref());
-            row(site, "FREE", block_type(*space), *device, Some(*ptr), attr)
+            row(site, "FREE", space.event_type(), *device, Some(*ptr), attr)
         }
         Output::Failed { site, device, status, out_of_memory, size, ptr, driver } => {
             let space_type = if *device == DeviceKey::Cpu { "HOST" } else { "HAL" };
@@ -389,7 +395,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 .with("total", *total)
                 .with("pool", pool.as_str());
             if size.is_none() {
-                attr = attr.with("unmatched", "true");
+                attr = attr.with(UNMATCHED, "true");
             }
             if *shadow {
                 attr = attr.with("shadow", "true");
@@ -503,11 +509,11 @@ mod tests {
     }
 
     #[test]
-    fn host_blocks_are_host_and_pinned() {
-        let r = to_row(&Output::Malloc {
-            site: site(Api::AclrtMallocHost),
+    fn pinned_host_blocks_are_host_pinned_and_cpu_tensors_host() {
+        let host = |api, space| Output::Malloc {
+            site: site(api),
             device: DeviceKey::Cpu,
-            space: Space::Host,
+            space,
             ptr: 0x1,
             size: 1,
             allocation_id: 1,
@@ -516,9 +522,29 @@ mod tests {
             req_size: 1,
             owner: Some("HOST".into()),
             segment: None,
-        });
-        assert_eq!((r.event_type, r.device_id().as_str()), ("HOST", "cpu"));
-        assert_eq!(r.attr.get("pinned").as_deref(), Some("true"));
+        };
+        let pinned = to_row(&host(Api::AclrtMallocHost, Space::Host));
+        assert_eq!((pinned.event_type, pinned.device_id().as_str()), ("HOST_PINNED", "cpu"), "msMemScope's name");
+        assert_eq!(pinned.attr.get("pinned").as_deref(), Some("true"));
+        let tensor = to_row(&host(Api::C10AllocCpu, Space::Cpu));
+        assert_eq!((tensor.event_type, tensor.attr.get("pinned")), ("HOST", None), "a CPU tensor is not pinned");
+    }
+
+    #[test]
+    fn a_free_of_a_block_never_seen_is_kept_out_of_insights_table() {
+        let free = |size| Output::Free {
+            site: site(Api::AclrtFree),
+            device: DeviceKey::Npu(0),
+            space: Space::Device,
+            ptr: 0x1,
+            size,
+            allocation_id: size.map(|_| 1),
+            used: 0,
+            shadow: false,
+            driver: None,
+        };
+        assert!(is_untracked_free(&to_row(&free(None))));
+        assert!(!is_untracked_free(&to_row(&free(Some(8)))));
     }
 
     #[test]

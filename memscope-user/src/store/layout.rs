@@ -4,14 +4,20 @@
 //! <output>/memscope_<pid>_<YYYYmmddHHMMSS>_ascend/
 //!     device_<id>/dump/memscope_dump_<YYYYmmddHHMMSS>.db|.csv
 //!     device_cpu/dump/...        host memory
-//!     device_unknown/dump/...    device memory whose device the trace could not learn
+//!     unknown_device_<YYYYmmddHHMMSS>.db|.csv   calls whose device the trace could not learn
 //! ```
 //!
-//! Insight only accepts files named `memscope_dump_<digits>.db`, so the stamp is digits only.
+//! Insight only accepts files named `memscope_dump_<digits>.db`, so the stamp is digits only. It
+//! also ignores every row whose `Device Id` is `N/A`, and says "No memory events could be found"
+//! of a file holding only such rows: calls of a thread whose device is unknown therefore go to a
+//! run-level file under another name, never to a device file Insight cannot open.
+//!
+//! Folders are 0700 and files 0600, handed to the `sudo` user when there is one ([`Owner`]).
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
+pub use super::owner::Owner;
 use super::StoreError;
 use crate::model::DeviceKey;
 
@@ -19,6 +25,7 @@ use crate::model::DeviceKey;
 pub struct RunLayout {
     root: PathBuf,
     stamp: String,
+    owner: Owner,
 }
 
 /// Local time as `YYYYmmddHHMMSS`.
@@ -39,9 +46,9 @@ pub fn local_stamp(wall_secs: i64) -> String {
     )
 }
 
-/// Checks that `dir` can hold output, creating it if needed.
+/// Checks that `dir` can hold output, creating it if needed (0700, for the `sudo` user).
 pub fn ensure_writable(dir: &Path) -> Result<(), StoreError> {
-    fs::create_dir_all(dir).map_err(|source| StoreError::Io { path: dir.to_owned(), source })?;
+    Owner::from_env().create_dir_all(dir).map_err(|source| StoreError::Io { path: dir.to_owned(), source })?;
     let probe = dir.join(format!(".memscope-write-test-{}", std::process::id()));
     fs::write(&probe, b"").map_err(|source| StoreError::Io { path: dir.to_owned(), source })?;
     let _ = fs::remove_file(&probe);
@@ -52,13 +59,18 @@ impl RunLayout {
     /// Creates the run folder under `output`. A second run in the same second gets a suffix
     /// rather than mixing its files into the first one's.
     pub fn create(output: &Path, pid: u32, wall_secs: i64) -> Result<Self, StoreError> {
+        Self::create_for(output, pid, wall_secs, Owner::from_env())
+    }
+
+    /// As [`Self::create`], with the files handed to `owner`.
+    pub fn create_for(output: &Path, pid: u32, wall_secs: i64, owner: Owner) -> Result<Self, StoreError> {
         ensure_writable(output)?;
         let stamp = local_stamp(wall_secs);
         let base = format!("memscope_{pid}_{stamp}_ascend");
         let mut root = output.join(&base);
         let mut n = 1;
         loop {
-            match fs::create_dir(&root) {
+            match owner.create_dir(&root) {
                 Ok(()) => break,
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                     n += 1;
@@ -67,7 +79,7 @@ impl RunLayout {
                 Err(source) => return Err(StoreError::Io { path: root, source }),
             }
         }
-        Ok(Self { root, stamp })
+        Ok(Self { root, stamp, owner })
     }
 
     pub fn root(&self) -> &Path {
@@ -83,12 +95,41 @@ impl RunLayout {
         self.root.join(name)
     }
 
+    /// The folder of `device`'s file; the run folder itself for the unknown device.
     pub fn dump_dir(&self, device: DeviceKey) -> PathBuf {
-        self.device_dir(device).join("dump")
+        match device {
+            DeviceKey::Unknown => self.root.clone(),
+            _ => self.device_dir(device).join("dump"),
+        }
     }
 
     pub fn dump_file(&self, device: DeviceKey, ext: &str) -> PathBuf {
-        self.dump_dir(device).join(format!("memscope_dump_{}.{ext}", self.stamp))
+        let name = match device {
+            DeviceKey::Unknown => "unknown_device",
+            _ => "memscope_dump",
+        };
+        self.dump_dir(device).join(format!("{name}_{}.{ext}", self.stamp))
+    }
+
+    /// Creates `device`'s folder (0700, for the owner).
+    pub fn create_dump_dir(&self, device: DeviceKey) -> Result<PathBuf, StoreError> {
+        let dir = self.dump_dir(device);
+        self.owner.create_dir_all(&dir).map_err(|source| StoreError::Io { path: dir.clone(), source })?;
+        Ok(dir)
+    }
+
+    /// Creates an empty file of the run (0600, for the owner).
+    pub fn create_file(&self, path: &Path) -> Result<fs::File, StoreError> {
+        self.owner.create_file(path).map_err(|source| StoreError::Io { path: path.to_owned(), source })
+    }
+
+    pub fn owner(&self) -> Owner {
+        self.owner
+    }
+
+    /// Sets the modes and owner of everything in the run folder, whoever created it.
+    pub fn hand_over(&self) -> Result<(), StoreError> {
+        self.owner.hand_over_tree(&self.root).map_err(|source| StoreError::Io { path: self.root.clone(), source })
     }
 }
 
@@ -107,6 +148,13 @@ mod tests {
         assert_eq!(digits.len(), 14);
         assert!(digits.bytes().all(|b| b.is_ascii_digit()), "{name}");
         assert!(file.to_str().unwrap().contains("/device_1/dump/"));
+        let unknown = layout.dump_file(DeviceKey::Unknown, "db");
+        assert_eq!(unknown.parent(), Some(layout.root()), "a run-level file, not a device folder");
+        let name = unknown.file_name().unwrap().to_str().unwrap();
+        assert!(
+            !name.starts_with("memscope_dump_") && !name.starts_with("leaks_dump_"),
+            "Insight must not pick it: {name}"
+        );
         let again = RunLayout::create(&tmp, 42, 1_700_000_000).unwrap();
         assert_ne!(again.root(), layout.root(), "a second run must not reuse the folder");
         fs::remove_dir_all(&tmp).unwrap();

@@ -5,7 +5,7 @@
 //! - [`insight`]: model outputs to `memscope_dump` rows (Event / Event Type / Attr vocabulary).
 //! - [`attr`]: the Attr column, as compact JSON with string values (DB) or msMemScope's CSV form.
 //! - [`schema`]: table and column definitions.
-//! - [`layout`]: where files go.
+//! - [`layout`]: where files go; `owner`: their modes and owner (0700/0600, the `sudo` user).
 //! - [`sqlite`], [`csv`]: the two sinks. The store creates one per device on first use.
 //!
 //! Durability: rows go into an open transaction that [`Store::commit`] closes at least every
@@ -17,6 +17,7 @@ pub mod attr;
 pub mod csv;
 pub mod insight;
 pub mod layout;
+mod owner;
 pub mod schema;
 pub mod sqlite;
 mod sqlite_raw;
@@ -77,6 +78,9 @@ pub struct Written {
 pub trait Sink: Send {
     /// Appends a row; `id` is the row's `ID` (1-based, per file).
     fn insert(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
+    /// Appends the FREE of a block the trace never saw allocated to `ms_untracked_frees` (its
+    /// own `ID`s, 1-based), out of Insight's table.
+    fn insert_untracked(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
     /// Makes everything inserted so far durable.
     fn commit(&mut self) -> Result<(), StoreError>;
     /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block).
@@ -89,6 +93,7 @@ pub trait Sink: Send {
 struct Open {
     sink: Box<dyn Sink>,
     next_id: u64,
+    next_untracked_id: u64,
 }
 
 /// Routes rows to per-device sinks, creating them lazily.
@@ -139,14 +144,21 @@ impl Store {
 
     fn sink(&mut self, device: DeviceKey) -> Result<&mut Open, StoreError> {
         if !self.open.contains_key(&device) {
-            let dir = self.layout.dump_dir(device);
-            std::fs::create_dir_all(&dir).map_err(|source| StoreError::Io { path: dir.clone(), source })?;
+            self.layout.create_dump_dir(device)?;
             let mut sink: Box<dyn Sink> = match self.format {
-                Format::Db => Box::new(sqlite::DbSink::create(&self.layout.dump_file(device, "db"), &self.meta)?),
-                Format::Csv => Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"))?),
+                Format::Db => {
+                    // Created here with its mode and owner; SQLite gives its -wal and -shm files
+                    // the same.
+                    let path = self.layout.dump_file(device, "db");
+                    self.layout.create_file(&path)?;
+                    Box::new(sqlite::DbSink::create(&path, &self.meta)?)
+                }
+                Format::Csv => {
+                    Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"), self.layout.owner())?)
+                }
             };
             sink.add_probes(&self.probes)?;
-            let mut open = Open { sink, next_id: 1 };
+            let mut open = Open { sink, next_id: 1, next_untracked_id: 1 };
             let start = insight::system_row("START_TRACE", self.start_wall_ns, device, &self.meta);
             open.sink.insert(open.next_id, &start)?;
             open.next_id += 1;
@@ -175,6 +187,11 @@ impl Store {
             return Ok(());
         }
         let open = self.sink(row.device)?;
+        if insight::is_untracked_free(row) {
+            open.sink.insert_untracked(open.next_untracked_id, row)?;
+            open.next_untracked_id += 1;
+            return Ok(());
+        }
         let id = open.next_id;
         open.sink.insert(id, row)?;
         open.next_id += 1;
@@ -249,6 +266,56 @@ impl Store {
             let path = open.sink.finish(&meta, lost_per_cpu)?;
             written.push(Written { device, path });
         }
+        // Whatever else was created in the run folder (by SQLite, by another writer) gets the
+        // same modes and owner.
+        self.layout.hand_over()?;
         Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+    use crate::apis::Api;
+    use crate::model::{Output, Site, Space};
+
+    fn free(device: DeviceKey, size: Option<u64>) -> Row {
+        let site = Site { api: Api::AclrtFree, wall_ns: 7, pid: 1, tid: 1, gc: false };
+        let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
+        insight::to_row(&Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver }).unwrap()
+    }
+
+    fn count(path: &std::path::Path, table: &str) -> i64 {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0)).unwrap()
+    }
+
+    #[test]
+    fn untracked_frees_and_unknown_devices_stay_out_of_the_files_insight_opens() {
+        let out = std::env::temp_dir().join(format!("memscope-store-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
+        let mut store = Store::new(layout.clone(), Format::Db, 5, vec![]);
+        store.write(&free(DeviceKey::Npu(0), None)).unwrap();
+        store.write(&free(DeviceKey::Npu(0), Some(8))).unwrap();
+        store.write(&free(DeviceKey::Unknown, None)).unwrap();
+        let written = store.finish(9, &vec![], &[]).unwrap();
+        let path = |d| written.iter().find(|w| w.device == d).unwrap().path.clone();
+        let (npu0, unknown) = (path(DeviceKey::Npu(0)), path(DeviceKey::Unknown));
+        // START_TRACE, the known free, STOP_TRACE; the untracked one in our own table.
+        assert_eq!((count(&npu0, "memscope_dump"), count(&npu0, "ms_untracked_frees")), (3, 1));
+        assert_eq!(unknown.parent(), Some(layout.root()));
+        assert!(unknown.file_name().unwrap().to_str().unwrap().starts_with("unknown_device_"));
+        assert_eq!(count(&unknown, "ms_untracked_frees"), 1);
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        for p in [npu0.as_path(), unknown.as_path()] {
+            assert_eq!(mode(p), 0o600, "{}", p.display());
+        }
+        for p in [layout.root(), npu0.parent().unwrap(), npu0.parent().unwrap().parent().unwrap()] {
+            assert_eq!(mode(p), 0o700, "{}", p.display());
+        }
+        std::fs::remove_dir_all(&out).unwrap();
     }
 }

@@ -3,9 +3,12 @@
 //! creates in the file itself (`memory_allocation`, `memory_block`, `status_info`).
 
 /// Version of our own tables (`ms_meta.schema_version`); bump on any change to them.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 pub const DUMP_TABLE: &str = "memscope_dump";
+/// Frees of blocks the trace never saw allocated, in `memscope_dump`'s columns: kept out of
+/// Insight's table, which would pair them with unrelated blocks or count blocks of size 0.
+pub const UNTRACKED_FREES_TABLE: &str = "ms_untracked_frees";
 
 /// The 12 columns of `memscope_dump`, in order, with their SQLite types.
 pub const DUMP_COLUMNS: [(&str, &str); 12] = [
@@ -28,15 +31,25 @@ pub const DUMP_COLUMNS: [(&str, &str); 12] = [
 pub const INSIGHT_OWNED_TABLES: [&str; 3] = ["memory_allocation", "memory_block", "status_info"];
 
 pub fn create_dump_table() -> String {
+    create_rows_table(DUMP_TABLE)
+}
+
+/// A table with `memscope_dump`'s columns.
+pub fn create_rows_table(table: &str) -> String {
     let columns: Vec<String> = DUMP_COLUMNS.iter().map(|(name, ty)| format!("\"{name}\" {ty}")).collect();
-    format!("CREATE TABLE IF NOT EXISTS {DUMP_TABLE} ({})", columns.join(", "))
+    format!("CREATE TABLE IF NOT EXISTS {table} ({})", columns.join(", "))
 }
 
 /// An INSERT of `rows` rows into `memscope_dump`, parameters in column order, row after row.
 pub fn insert_dump_rows(rows: usize) -> String {
+    insert_rows(DUMP_TABLE, rows)
+}
+
+/// An INSERT of `rows` rows into a table with `memscope_dump`'s columns.
+pub fn insert_rows(table: &str, rows: usize) -> String {
     let names: Vec<String> = DUMP_COLUMNS.iter().map(|(name, _)| format!("\"{name}\"")).collect();
     let one = format!("({})", vec!["?"; DUMP_COLUMNS.len()].join(","));
-    format!("INSERT INTO {DUMP_TABLE} ({}) VALUES {}", names.join(", "), vec![one; rows].join(","))
+    format!("INSERT INTO {table} ({}) VALUES {}", names.join(", "), vec![one; rows].join(","))
 }
 
 /// Our own tables (documented in docs/db-schema.md).

@@ -58,6 +58,7 @@ impl DbSink {
         conn.pragma_update(None, "wal_autocheckpoint", 8192).map_err(err)?;
         conn.pragma_update(None, "cache_size", -32768).map_err(err)?;
         conn.execute_batch(&schema::create_dump_table()).map_err(err)?;
+        conn.execute_batch(&schema::create_rows_table(schema::UNTRACKED_FREES_TABLE)).map_err(err)?;
         conn.execute_batch(schema::OWN_TABLES).map_err(err)?;
         let sink = Self { full: None, single: None, conn, path: path.to_owned(), batch: Batch::default() };
         sink.write_meta(meta)?;
@@ -146,6 +147,30 @@ impl Sink for DbSink {
         if self.batch.rows.len() >= BATCH_ROWS {
             self.flush()?;
         }
+        Ok(())
+    }
+
+    fn insert_untracked(&mut self, id: u64, row: &Row) -> Result<(), StoreError> {
+        // Rare (frees of blocks from before an attach): one statement per row is enough.
+        let mut attr = String::new();
+        row.attr.write_json(&mut attr);
+        let mut stmt =
+            self.conn.prepare_cached(&schema::insert_rows(schema::UNTRACKED_FREES_TABLE, 1)).map_err(self.err())?;
+        stmt.execute(params![
+            id as i64,
+            row.event,
+            row.event_type,
+            row.name.as_ref(),
+            row.ts_ns as i64,
+            row.pid,
+            row.tid,
+            row.device_id(),
+            row.ptr_text(),
+            attr,
+            "",
+            "",
+        ])
+        .map_err(self.err())?;
         Ok(())
     }
 

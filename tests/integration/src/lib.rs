@@ -135,9 +135,16 @@ impl DbRow {
 /// Everything one trace wrote.
 pub struct Output {
     pub run_dir: PathBuf,
-    /// Per device folder, its file and rows in ID order.
+    /// Per device folder, its file and rows in ID order; the calls of threads whose device the
+    /// trace never learnt (the run-level `unknown_device_*` file) under [`UNKNOWN_DEVICE`].
     pub files: BTreeMap<String, (PathBuf, Vec<DbRow>)>,
+    /// Frees of blocks the trace never saw allocated (`ms_untracked_frees` of every file, or
+    /// the `ms_untracked_frees_*.csv` files), in file then ID order.
+    pub untracked: Vec<DbRow>,
 }
+
+/// The key of the run-level file of calls with no known device in [`Output::files`].
+pub const UNKNOWN_DEVICE: &str = "unknown_device";
 
 impl Output {
     pub fn rows(&self) -> impl Iterator<Item = &DbRow> {
@@ -145,11 +152,13 @@ impl Output {
     }
     /// MALLOC/FREE/VMM/OOM/API_ERROR rows, without SYSTEM rows and shadow frees, and without the
     /// rows about uses of blocks (ACCESS, KERNEL_LAUNCH, OP_LAUNCH), markers (MSTX) and the
-    /// blocks listed with an OOM trigger, which have tests of their own.
+    /// blocks listed with an OOM trigger, which have tests of their own; with the untracked frees,
+    /// which are calls too.
     pub fn call_rows(&self) -> Vec<&DbRow> {
         const NOT_CALLS: [&str; 5] = ["SYSTEM", "ACCESS", "KERNEL_LAUNCH", "OP_LAUNCH", "MSTX"];
         const LISTINGS: [&str; 2] = ["OOM_RECENT_ALLOC", "OOM_TOP_ALLOC"];
         self.rows()
+            .chain(&self.untracked)
             .filter(|r| {
                 !NOT_CALLS.contains(&r.event.as_str()) && !LISTINGS.contains(&r.event_type.as_str()) && !r.is_shadow()
             })
@@ -183,12 +192,17 @@ fn parse_attr_json(text: &str) -> BTreeMap<String, String> {
 }
 
 pub fn read_db(path: &Path, folder: &str) -> Vec<DbRow> {
+    read_table(path, "memscope_dump", folder)
+}
+
+/// The rows of a table with `memscope_dump`'s columns (`memscope_dump`, `ms_untracked_frees`).
+pub fn read_table(path: &Path, table: &str, folder: &str) -> Vec<DbRow> {
     let conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
     let mut stmt = conn
-        .prepare(
+        .prepare(&format!(
             "SELECT \"ID\", \"Event\", \"Event Type\", \"Name\", \"Timestamp(ns)\", \"Process Id\", \"Thread Id\", \"Device Id\", \"Ptr\", \"Attr\" \
-             FROM memscope_dump ORDER BY \"ID\"",
-        )
+             FROM {table} ORDER BY \"ID\""
+        ))
         .unwrap();
     stmt.query_map([], |r| {
         Ok(DbRow {
@@ -273,31 +287,60 @@ pub fn read_csv(path: &Path, folder: &str) -> Vec<DbRow> {
         .collect()
 }
 
-/// Reads every device file of the run under `output` (DB or CSV).
+/// A file's rows and its untracked frees.
+fn read_dump_file(file: &Path, folder: &str, untracked: &mut Vec<DbRow>) -> Vec<DbRow> {
+    if file.extension().is_some_and(|x| x == "db") {
+        untracked.extend(read_table(file, "ms_untracked_frees", folder));
+        return read_db(file, folder);
+    }
+    let name = file.file_name().unwrap().to_string_lossy();
+    let digits = name.rsplit('_').next().unwrap();
+    let beside = file.with_file_name(format!("ms_untracked_frees_{digits}"));
+    if beside.is_file() {
+        untracked.extend(read_csv(&beside, folder));
+    }
+    read_csv(file, folder)
+}
+
+/// Reads every device file of the run under `output` (DB or CSV), and the run-level file of
+/// calls with no known device. Every DB named for Insight must pass its import rules
+/// ([`insight_rules`]): this is where the tests read what the tracer wrote, so no DB escapes.
 pub fn read_output(output: &Path) -> Output {
     let run_dir = run_dir(output);
     let mut files = BTreeMap::new();
+    let mut untracked = Vec::new();
     for entry in std::fs::read_dir(&run_dir).unwrap() {
-        let dev_dir = entry.unwrap().path();
-        let folder = dev_dir.file_name().unwrap().to_string_lossy().into_owned();
-        let dump = dev_dir.join("dump");
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_file() {
+            assert!(name.starts_with("unknown_device_"), "unexpected file in the run folder: {}", path.display());
+            assert_private(&path, expected_owner());
+            let rows = read_dump_file(&path, UNKNOWN_DEVICE, &mut untracked);
+            files.insert(UNKNOWN_DEVICE.to_owned(), (path, rows));
+            continue;
+        }
+        let dump = path.join("dump");
         let mut found: Vec<PathBuf> = std::fs::read_dir(&dump)
             .unwrap_or_else(|e| panic!("{}: {e}", dump.display()))
             .map(|e| e.unwrap().path())
             .filter(|p| p.extension().is_some_and(|x| x == "db" || x == "csv"))
+            .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with("ms_untracked_frees_"))
             .collect();
         assert_eq!(found.len(), 1, "one dump file per device folder: {found:?}");
         let file = found.pop().unwrap();
-        let name = file.file_name().unwrap().to_string_lossy().into_owned();
-        let digits = name.trim_start_matches("memscope_dump_").trim_end_matches(".db").trim_end_matches(".csv");
+        let file_name = file.file_name().unwrap().to_string_lossy().into_owned();
+        let digits = file_name.trim_start_matches("memscope_dump_").trim_end_matches(".db").trim_end_matches(".csv");
         assert!(
-            name.starts_with("memscope_dump_") && digits.bytes().all(|b| b.is_ascii_digit()),
-            "Insight needs memscope_dump_<digits>: {name}"
+            file_name.starts_with("memscope_dump_") && digits.bytes().all(|b| b.is_ascii_digit()),
+            "Insight needs memscope_dump_<digits>: {file_name}"
         );
-        let rows = if name.ends_with(".db") { read_db(&file, &folder) } else { read_csv(&file, &folder) };
-        files.insert(folder, (file, rows));
+        if file_name.ends_with(".db") {
+            insight_rules(&file);
+        }
+        let rows = read_dump_file(&file, &name, &mut untracked);
+        files.insert(name, (file, rows));
     }
-    Output { run_dir, files }
+    Output { run_dir, files, untracked }
 }
 
 // ---------------------------------------------------------------- processes
@@ -506,16 +549,17 @@ pub fn expect(e: &Entry) -> Option<Expect> {
         }
     };
     Some(match e.api.as_str() {
+        // Pinned host memory, named as msMemScope names it (Insight's decomposition accepts it).
         "aclrtMallocHost" => Expect {
             event: "MALLOC",
-            event_type: "HOST",
+            event_type: "HOST_PINNED",
             device: Some("cpu".into()),
             ptr: e.ptr,
             attrs: vec![("size", e.size?)],
         },
         "aclrtFreeHost" => Expect {
             event: "FREE",
-            event_type: "HOST",
+            event_type: "HOST_PINNED",
             device: Some("cpu".into()),
             ptr: e.ptr,
             attrs: vec![("size", e.size?)],
@@ -1224,4 +1268,146 @@ pub fn advise_device0(env: &TestEnv, out: &Output) -> serde_json::Value {
 /// The recommendation `id` of an advice, if given.
 pub fn recommendation<'a>(advice: &'a serde_json::Value, id: &str) -> Option<&'a serde_json::Value> {
     advice["recommendations"].as_array()?.iter().find(|r| r["id"] == id)
+}
+
+// ---------------------------------------------------------------- MindStudio Insight's import rules
+
+/// Event Types Insight's decomposition request accepts (its `MemScopeDefs.h`), plus `HOST`
+/// (CPU tensors, as msMemScope writes them): Insight imports `HOST` blocks into its curve but its
+/// decomposition view rejects the type, so a file's `HOST` rows are shown there as nothing.
+pub const INSIGHT_BLOCK_TYPES: [&str; 7] = ["PTA", "MINDSPORE", "ATB", "HAL", "PTA_WORKSPACE", "HOST_PINNED", "HOST"];
+
+/// Block types whose MALLOC Insight's decomposition tree needs an `owner` for.
+const OWNED_TYPES: [&str; 4] = ["HAL", "PTA", "PTA_WORKSPACE", "HOST_PINNED"];
+
+/// The user and group that should own a run's files: `SUDO_UID`/`SUDO_GID` when the tests (and
+/// so the tracers they start) run under sudo, else the tests' own.
+pub fn expected_owner() -> (u32, u32) {
+    let id = |name| std::env::var(name).ok().and_then(|v| v.parse::<u32>().ok());
+    match (id("SUDO_UID"), id("SUDO_GID")) {
+        (Some(uid), Some(gid)) => (uid, gid),
+        // SAFETY: no arguments.
+        _ => unsafe { (libc::geteuid(), libc::getegid()) },
+    }
+}
+
+/// Whether `name` is what Insight's importer looks for: `^(memscope|leaks)_dump_\d+\.db$`.
+pub fn insight_file_name(name: &str) -> bool {
+    let digits = name.strip_prefix("memscope_dump_").or_else(|| name.strip_prefix("leaks_dump_"));
+    digits.and_then(|d| d.strip_suffix(".db")).is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Mode and owner of a file or folder of a run: 0600 files, 0700 folders, never world-writable,
+/// owned by `owner`.
+pub fn assert_private(path: &Path, owner: (u32, u32)) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mode = m.mode() & 0o7777;
+    let want = if m.is_dir() { 0o700 } else { 0o600 };
+    assert_eq!(mode, want, "{} has mode {mode:o}, not {want:o}", path.display());
+    assert_eq!(mode & 0o002, 0, "{} is world-writable", path.display());
+    assert_eq!((m.uid(), m.gid()), owner, "{} is not owned by the expected user", path.display());
+}
+
+/// Applies MindStudio Insight's import rules (shared/reference/stacks-daemon-exports.md §6: its
+/// MemScope parser and database code) to one DB the tracer wrote, expecting `owner` to own it.
+pub fn insight_rules_for(db: &Path, owner: (u32, u32)) {
+    let shown = db.display();
+    let name = db.file_name().unwrap().to_string_lossy();
+    assert!(insight_file_name(&name), "Insight does not import a file named {name}");
+    // The file, every file beside it (-wal, -shm), its dump/ and device_<id>/ folders.
+    let dir = db.parent().unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        assert_private(&entry.unwrap().path(), owner);
+    }
+    for folder in db.ancestors().skip(1).take(3) {
+        assert_private(folder, owner);
+    }
+    let conn = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let columns: Vec<String> = conn
+        .prepare("SELECT name FROM pragma_table_info('memscope_dump') ORDER BY cid")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(columns, CSV_HEADER.split(',').collect::<Vec<_>>(), "{shown}: Insight reads the columns by position");
+    let rows = read_db(db, "") /* every Attr value a string, or it panics */;
+    // Insight reads only rows with a device.
+    let placed: Vec<&DbRow> = rows.iter().filter(|r| !matches!(r.device.as_str(), "N/A" | "" | "host")).collect();
+    assert!(
+        placed.iter().any(|r| r.device.parse::<u32>().is_ok() || r.device == "cpu"),
+        "{shown}: no row with a device (Insight: \"No memory events could be found\")"
+    );
+    let (min, max) = (placed.iter().map(|r| r.ts).min().unwrap(), placed.iter().map(|r| r.ts).max().unwrap());
+    assert!(min > 0 && max > min, "{shown}: timestamps {min}..{max}");
+    let mut mallocs: HashMap<&str, &DbRow> = HashMap::new();
+    for r in rows.iter().filter(|r| r.event == "MALLOC" || r.event == "FREE") {
+        assert!(INSIGHT_BLOCK_TYPES.contains(&r.event_type.as_str()), "{shown}: Event Type Insight rejects: {r:?}");
+        assert!(r.attr_u64("size").is_some_and(|s| s > 0), "{shown}: Insight skips a block of no size: {r:?}");
+        if r.event == "MALLOC" {
+            let id = r.attr.get("allocation_id").unwrap_or_else(|| panic!("{shown}: MALLOC without id: {r:?}"));
+            if let Some(other) = mallocs.insert(id, r) {
+                panic!("{shown}: allocation_id {id} names two blocks (Insight merges them):\n  {other:?}\n  {r:?}");
+            }
+            if OWNED_TYPES.contains(&r.event_type.as_str()) {
+                assert!(
+                    r.attr.get("owner").is_some_and(|o| !o.is_empty()),
+                    "{shown}: the decomposition tree leaves out a block without an owner: {r:?}"
+                );
+            }
+        }
+    }
+    let named = |r: &DbRow, key: &str| -> Option<u64> { r.attr.get(key).map(|_| r.attr_u64(key).unwrap()) };
+    for r in &rows {
+        let listing = matches!(r.event_type.as_str(), "OOM_RECENT_ALLOC" | "OOM_TOP_ALLOC");
+        if !(r.event == "FREE" || r.event == "ACCESS" || listing) {
+            continue;
+        }
+        let id = r.attr.get("allocation_id").unwrap_or_else(|| panic!("{shown}: no allocation_id: {r:?}"));
+        let m = mallocs.get(id.as_str()).unwrap_or_else(|| panic!("{shown}: allocation_id {id} has no MALLOC: {r:?}"));
+        let block = match r.event.as_str() {
+            "FREE" => {
+                assert_eq!(r.event_type, m.event_type, "{shown}: FREE and MALLOC of another type: {r:?} {m:?}");
+                r.ptr_value()
+            }
+            "ACCESS" => named(r, "block"),
+            _ => named(r, "ptr"),
+        };
+        assert_eq!(block, m.ptr_value(), "{shown}: {r:?} names another block than its MALLOC {m:?}");
+    }
+}
+
+/// The frees of blocks from before the trace that the tracer's summary counts, all devices.
+pub fn summary_untracked_frees(stderr: &str) -> u64 {
+    stderr
+        .lines()
+        .filter_map(|l| l.trim().split_once(" of the frees were of blocks allocated before the trace"))
+        .map(|(n, _)| n.parse::<u64>().unwrap())
+        .sum()
+}
+
+/// [`insight_rules_for`] with the owner the tests expect ([`expected_owner`]).
+pub fn insight_rules(db: &Path) {
+    insight_rules_for(db, expected_owner());
+}
+
+/// Every DB named like Insight's files under `root`, at any depth.
+pub fn insight_dbs_under(root: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![root.to_owned()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let kind = entry.file_type().unwrap();
+            if kind.is_dir() {
+                stack.push(path);
+            } else if kind.is_file() && path.file_name().and_then(|n| n.to_str()).is_some_and(insight_file_name) {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
 }

@@ -172,6 +172,7 @@ fn without_debug_info_or_mstx_only_exported_paths_are_seen_and_probes_says_so() 
                 (k.clone(), (p.clone(), r.iter().filter(|r| r.name != "allocate_workspace").cloned().collect()))
             })
             .collect(),
+        untracked: out.untracked.clone(),
     };
     assert_pta(&without_workspace, &external_only, check);
     // Every workspace use is a MALLOC at its address; its end is implied by the next use.
@@ -238,6 +239,10 @@ fn attached_by_pid_mid_run_every_later_block_is_seen_without_preload() {
         &["--duration", "5", "--step-sleep-ms", "10", "--torch-lib", &lib, "--empty-cache-every", "3"],
     );
     let (out, live) = (run.out, run.live);
+    // Frees of blocks from before the attach are in ms_untracked_frees (not Insight's table),
+    // and the summary counts them.
+    assert!(!out.untracked.is_empty(), "the weights, allocated before the attach, are freed after it");
+    assert_eq!(summary_untracked_frees(&run.stderr), out.untracked.len() as u64, "{}", run.stderr);
     let pool = read_pool_ledger(&pool_ledger_path(&ledger));
     assert!(pool.iter().any(|e| e.t0.is_some_and(|t| t < live)), "the workload allocated before the attach");
     let check = PtaCheck { after_ns: live, ..ALL };
