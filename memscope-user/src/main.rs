@@ -21,7 +21,9 @@ mod launch;
 mod model;
 mod preflight;
 mod record;
+mod say;
 mod session;
+mod stop;
 mod store;
 mod summary;
 
@@ -35,7 +37,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             // One line: what failed, then why (anyhow's alternate form joins the chain).
-            eprintln!("memscope-bpf: error: {err:#}");
+            say::say!("memscope-bpf: error: {err:#}");
             ExitCode::from(1)
         }
     }

@@ -2,8 +2,10 @@
 //!
 //! The loop drains the ring buffer (on wakeup and on a 20 ms timer), feeds each event to the
 //! model and each resulting fact to the store, commits at least every second, and looks for newly
-//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, `--duration` or the target's exit,
-//! then drains what is left, writes shadow frees for live blocks and closes every file.
+//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, SIGHUP, `--duration` or the
+//! target's exit, then drains what is left, hands the probes to a thread that detaches them (slow
+//! in the kernel, see `stop`), and meanwhile writes shadow frees for live blocks and closes every
+//! file: the DBs are complete before the detaching is.
 
 use std::collections::BTreeSet;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -13,7 +15,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::oneshot;
 
 use crate::attach::libs::{self, Library};
@@ -23,6 +24,8 @@ use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::record::ring::Consumer;
+use crate::say::say;
+use crate::stop::{Detaching, Signals};
 use crate::store::{insight, Format, Meta, ProbeRow, Retag, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, Summary};
 
@@ -233,7 +236,7 @@ impl Recorder {
 
 fn note(quiet: bool, msg: impl AsRef<str>) {
     if !quiet {
-        eprintln!("memscope-bpf: {}", msg.as_ref());
+        say!("memscope-bpf: {}", msg.as_ref());
     }
 }
 
@@ -270,7 +273,13 @@ fn rescan(
     Ok((added, markers))
 }
 
-pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
+/// A trace whose DBs are finished, with its probes still being detached.
+pub struct Finished {
+    pub summary: Summary,
+    pub detaching: Detaching,
+}
+
+pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let Plan {
         command,
         mut target,
@@ -325,6 +334,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         ("clock".into(), format!("CLOCK_MONOTONIC + {} ns offset measured at start", clock.offset().as_nanos())),
         ("ring_bytes".into(), ring_bytes.to_string()),
         ("format".into(), format!("{format:?}").to_lowercase()),
+        ("probe_links".into(), tracer.link_kind()),
     ];
     meta.extend(allocator_env(pid));
     let run_dir = layout.root().to_owned();
@@ -341,7 +351,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     .map_err(|e| e.into_parts().1)
     .context("cannot poll the ring buffer")?;
 
-    eprintln!(
+    say!(
         "memscope-bpf: live: {} probes on {} ({}); tracing pid {pid}{}",
         probes.len(),
         if libraries.len() == 1 { "1 library".to_owned() } else { format!("{} libraries", libraries.len()) },
@@ -373,8 +383,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         children: BTreeSet::new(),
         error: None,
     };
-    let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut signals = Signals::new()?;
     let deadline = async {
         match duration {
             Some(d) => {
@@ -393,8 +402,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
 
     let stop_reason = loop {
         tokio::select! {
-            _ = sigint.recv() => break "interrupted (SIGINT)".to_owned(),
-            _ = sigterm.recv() => break "terminated (SIGTERM)".to_owned(),
+            reason = signals.next() => break reason.to_owned(),
             reason = &mut deadline => break reason,
             reason = &mut exited => break reason,
             guard = ring_fd.readable() => {
@@ -429,6 +437,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         }
     };
 
+    note(quiet, format!("stopping ({stop_reason})…"));
     // Everything the target did before we stopped is in the ring already.
     consumer.drain(|e| recorder.on_event(e));
     if let Some(err) = recorder.error.take() {
@@ -437,7 +446,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let stop_wall = clock::wall_ns();
     let lost_per_cpu = tracer.lost_per_cpu().unwrap_or_default();
     let lost: u64 = lost_per_cpu.iter().sum();
-    drop(tracer);
+    // From here on nothing is read from the probes: they detach while the DBs are finished.
+    let detaching = Detaching::start(tracer, signals);
 
     let Recorder { mut tracker, mut store, mut outputs, calls, markers, .. } = recorder;
     let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
@@ -486,7 +496,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             file: written.iter().find(|w| w.device == device).map(|w| w.path.clone()),
         })
         .collect();
-    Ok(Summary {
+    let summary = Summary {
         stop_reason,
         elapsed: started.elapsed(),
         calls,
@@ -495,5 +505,6 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         run_dir,
         devices,
         pools,
-    })
+    };
+    Ok(Finished { summary, detaching })
 }

@@ -17,6 +17,7 @@ use crate::attach::libs::{self, Library};
 use crate::attach::ProbeSet;
 use crate::launch;
 use crate::preflight::{self, PreflightError};
+use crate::say::say;
 use crate::session::{self, Plan, Target};
 use crate::store::Format;
 
@@ -182,8 +183,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;
-    let summary = runtime.block_on(session::run(plan))?;
-    eprint!("{summary}");
+    let quiet = args.quiet;
+    let session::Finished { summary, detaching } = runtime.block_on(session::run(plan))?;
+    crate::say::text(format_args!("{summary}"));
     if let Some(list) = &args_analysis {
         if summary.run_dir.is_dir() {
             super::analyze::run_on(&summary.run_dir, list).context("the analyses of the finished trace failed")?;
@@ -193,10 +195,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !summary.pools.is_empty() && format == Format::Db {
         let dbs: Vec<std::path::PathBuf> = summary.devices.iter().filter_map(|d| d.file.clone()).collect();
         match super::advise::advise_text(&dbs) {
-            Ok(text) if !text.trim().is_empty() => eprintln!("{}", text.trim_end()),
+            Ok(text) if !text.trim().is_empty() => say!("{}", text.trim_end()),
             Ok(_) => {}
-            Err(e) => eprintln!("memscope-bpf: warning: no allocator advice: {e:#}"),
+            Err(e) => say!("memscope-bpf: warning: no allocator advice: {e:#}"),
         }
     }
+    // Last: the DBs, the summary and the analyses did not wait for the probes to go.
+    runtime.block_on(detaching.wait(quiet));
     Ok(())
 }
