@@ -26,8 +26,9 @@ use crate::store::Format;
 /// Attach:  memscope-bpf trace --pid 4242 --output ./msout
 /// Launch:  memscope-bpf trace --output ./msout -- python train.py
 ///
-/// Stops on Ctrl-C, SIGTERM, --duration, or when the target exits; then writes one DB per device
-/// under OUTPUT/memscope_<pid>_<time>_ascend/ and prints a summary. Needs root.
+/// Stops on Ctrl-C, SIGTERM, SIGHUP, --duration, or when the target exits; then finishes one DB
+/// per device under OUTPUT/memscope_<pid>_<time>_ascend/ (within about a second) and prints a
+/// summary while the probes detach (Ctrl-C again: exit without waiting for that). Needs root.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -39,7 +40,7 @@ pub struct Args {
     #[arg(short, long, value_name = "DIR", default_value = "memscopeDumpResults")]
     pub output: PathBuf,
 
-    /// Stop after this long (e.g. 30, 30s, 5m). Default: until Ctrl-C, SIGTERM or target exit.
+    /// Stop after this long (e.g. 30, 30s, 5m). Default: until Ctrl-C, SIGTERM, SIGHUP or target exit.
     #[arg(short, long, value_name = "TIME", value_parser = parse_duration)]
     pub duration: Option<Duration>,
 
