@@ -106,9 +106,11 @@ fn one(built: &Built, root: &Path, out: &Path, blocks: u64) -> anyhow::Result<(S
         }
     }
     let probes = stderr.split(": live: ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or("?").to_owned();
-    let live = stderr.split("live at end").nth(1).and_then(|r| r.split(" in ").nth(1)).map_or("?", |r| {
-        r.split_whitespace().next().unwrap_or("?")
-    });
+    let live = stderr
+        .split("live at end")
+        .nth(1)
+        .and_then(|r| r.split(" in ").nth(1))
+        .map_or("?", |r| r.split_whitespace().next().unwrap_or("?"));
     Ok((probes, complete, exited, live.to_owned()))
 }
 

@@ -287,10 +287,8 @@ impl Tracer {
             return true;
         }
         let offsets: Vec<u64> = probes.iter().map(|p| p.file_offset).collect();
-        let cookies: Vec<u64> = probes
-            .iter()
-            .map(|p| memscope_common::spec::cookie(p.api.spec_id(), p.api.def().spec.layer))
-            .collect();
+        let cookies: Vec<u64> =
+            probes.iter().map(|p| memscope_common::spec::cookie(p.api.spec_id(), p.api.def().spec.layer)).collect();
         let mut links = Vec::with_capacity(2);
         for (prog, ret) in [(&multi.exit, true), (&multi.enter, false)] {
             match uprobe_multi::attach(prog.as_fd(), &lib.path, &offsets, &cookies, ret, self.scope_pid) {

@@ -112,7 +112,10 @@ impl MultiPrograms {
         obj.relocate_maps(fds.iter().map(|(n, fd)| (n.as_str(), *fd, &maps[n])), &text)
             .map_err(|e| MultiError::Relocate { name: "maps", why: e.to_string() })?;
         obj.relocate_calls(&text).map_err(|e| MultiError::Relocate { name: "calls", why: e.to_string() })?;
-        Ok(Self { enter: load_one(&obj, "call_enter", "call_enter_um")?, exit: load_one(&obj, "call_exit", "call_exit_um")? })
+        Ok(Self {
+            enter: load_one(&obj, "call_enter", "call_enter_um")?,
+            exit: load_one(&obj, "call_exit", "call_exit_um")?,
+        })
     }
 }
 
@@ -179,11 +182,14 @@ pub fn attach(
     };
     // SAFETY: `attr` is a valid `link_create` attribute; the path, offsets and cookies it points
     // at outlive the call and hold `cnt` entries; the kernel only reads them.
-    let fd = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, &attr as *const UprobeMultiAttr, size_of_val(&attr))
-    };
+    let fd =
+        unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, &attr as *const UprobeMultiAttr, size_of_val(&attr)) };
     if fd < 0 {
-        return Err(MultiError::Link { path: path.to_owned(), count: offsets.len(), source: io::Error::last_os_error() });
+        return Err(MultiError::Link {
+            path: path.to_owned(),
+            count: offsets.len(),
+            source: io::Error::last_os_error(),
+        });
     }
     // SAFETY: a non-negative return of BPF_LINK_CREATE is a new file descriptor we own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })

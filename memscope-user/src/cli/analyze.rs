@@ -252,7 +252,11 @@ fn decompose_one(dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyh
     }
     if cx.write {
         let rows = dump.write_decompose(&report, cx.run_wall_ns)?;
-        crate::say::say!("memscope-bpf: wrote {rows} rows into table {} of {}", db::DECOMPOSE_TABLE, cx.file.path.display());
+        crate::say::say!(
+            "memscope-bpf: wrote {rows} rows into table {} of {}",
+            db::DECOMPOSE_TABLE,
+            cx.file.path.display()
+        );
     }
     Ok(())
 }
