@@ -95,13 +95,18 @@ impl Detaching {
 }
 
 /// Closes the multi-uprobe links on a thread each (their grace-period waits overlap: nothing
-/// serialises them in the kernel), while this thread drops the rest of the tracer.
+/// serialises them in the kernel), and the marker sites' perf events likewise (they overlap
+/// less, see the module doc), while this thread drops the rest of the tracer.
 fn detach(mut tracer: Tracer) {
-    let closers: Vec<_> = tracer
-        .take_multi_links()
-        .into_iter()
-        .map(|link| std::thread::Builder::new().name("memscope-unlink".into()).spawn(move || drop(link)))
-        .collect();
+    let spawn =
+        |what: Box<dyn Send>| std::thread::Builder::new().name("memscope-unlink".into()).spawn(move || drop(what));
+    let mut closers = Vec::new();
+    for link in tracer.take_multi_links() {
+        closers.push(spawn(Box::new(link)));
+    }
+    for site in tracer.take_usdt_links() {
+        closers.push(spawn(Box::new(site)));
+    }
     drop(tracer);
     for closer in closers.into_iter().flatten() {
         let _ = closer.join();

@@ -229,6 +229,12 @@ impl Tracer {
         std::mem::take(&mut self.multi_links)
     }
 
+    /// Takes the marker sites' links out, for the same reason (their closes overlap less: each
+    /// is a perf event, which the kernel unregisters under one lock).
+    pub fn take_usdt_links(&mut self) -> Vec<RefCtrProbe> {
+        std::mem::take(&mut self.usdt_links)
+    }
+
     /// Starts recording calls of process `pid`.
     pub fn trace_process(&mut self, pid: u32) -> Result<(), LoadError> {
         let map = self.ebpf.map_mut("TRACED").ok_or(LoadError::Missing("TRACED"))?;
@@ -291,7 +297,7 @@ impl Tracer {
             probes.iter().map(|p| memscope_common::spec::cookie(p.api.spec_id(), p.api.def().spec.layer)).collect();
         let mut links = Vec::with_capacity(2);
         for (prog, ret) in [(&multi.exit, true), (&multi.enter, false)] {
-            match uprobe_multi::attach(prog.as_fd(), &lib.path, &offsets, &cookies, ret, self.scope_pid) {
+            match uprobe_multi::attach(prog.as_fd(), &lib.path, &offsets, &cookies, None, ret, self.scope_pid) {
                 Ok(link) => links.push(link),
                 // Dropping the return link (if made) detaches it again.
                 Err(_) => return false,
@@ -311,6 +317,9 @@ impl Tracer {
         let data = std::fs::read(&lib.path)
             .map_err(|source| AttachError::Elf(ElfError::Read { path: lib.path.clone(), source }))?;
         let plan = usdt::plan(&data).map_err(|source| AttachError::Notes { library: lib.shown.clone(), source })?;
+        if let Some(attached) = self.attach_usdt_multi(lib, &plan.sites)? {
+            return Ok((attached, plan.skipped));
+        }
         let mut attached = Vec::new();
         for site in &plan.sites {
             let index = self.usdt_spec_index(site)?;
@@ -351,6 +360,48 @@ impl Tracer {
             });
         }
         Ok((attached, plan.skipped))
+    }
+
+    /// The sites of one library as one multi-uprobe link with their semaphores; `None` (nothing
+    /// attached) where the kernel cannot, and each site gets its own perf event instead.
+    fn attach_usdt_multi(
+        &mut self,
+        lib: &Library,
+        sites: &[UsdtSite],
+    ) -> Result<Option<Vec<AttachedUsdt>>, AttachError> {
+        if self.multi.is_err() || sites.is_empty() {
+            return Ok(None);
+        }
+        let mut cookies = Vec::with_capacity(sites.len());
+        for site in sites {
+            cookies.push(u64::from(self.usdt_spec_index(site)?));
+        }
+        let offsets: Vec<u64> = sites.iter().map(|s| s.file_offset).collect();
+        let semaphores: Vec<u64> = sites.iter().map(|s| s.semaphore_offset.unwrap_or(0)).collect();
+        let Ok(multi) = &self.multi else { return Ok(None) };
+        let Ok(link) = uprobe_multi::attach(
+            multi.usdt.as_fd(),
+            &lib.path,
+            &offsets,
+            &cookies,
+            Some(&semaphores),
+            false,
+            self.scope_pid,
+        ) else {
+            return Ok(None);
+        };
+        self.multi_links.push(link);
+        Ok(Some(
+            sites
+                .iter()
+                .map(|site| AttachedUsdt {
+                    library: lib.shown.clone(),
+                    probe: format!("{}:{}", crate::apis::markers::PROVIDER, site.def.name),
+                    file_offset: site.file_offset,
+                    semaphore_offset: site.semaphore_offset,
+                })
+                .collect(),
+        ))
     }
 
     fn usdt_spec_index(&mut self, site: &UsdtSite) -> Result<u32, AttachError> {

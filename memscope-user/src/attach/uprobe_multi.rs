@@ -48,10 +48,11 @@ pub enum MultiError {
     Link { path: PathBuf, count: usize, source: io::Error },
 }
 
-/// `call_enter` and `call_exit` loaded for `BPF_TRACE_UPROBE_MULTI`.
+/// `call_enter`, `call_exit` and `usdt_hit` loaded for `BPF_TRACE_UPROBE_MULTI`.
 pub struct MultiPrograms {
     pub enter: OwnedFd,
     pub exit: OwnedFd,
+    pub usdt: OwnedFd,
 }
 
 /// `union bpf_attr` for `BPF_PROG_LOAD`, up to `expected_attach_type`.
@@ -115,6 +116,7 @@ impl MultiPrograms {
         Ok(Self {
             enter: load_one(&obj, "call_enter", "call_enter_um")?,
             exit: load_one(&obj, "call_exit", "call_exit_um")?,
+            usdt: load_one(&obj, "usdt_hit", "usdt_hit_um")?,
         })
     }
 }
@@ -154,17 +156,21 @@ fn load_one(obj: &Object, name: &'static str, kernel_name: &str) -> Result<Owned
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// Attaches `prog` (one of [`MultiPrograms`]) at every offset of `path`, each with its cookie;
-/// `ret` makes them return probes. `pid` limits them to one process.
+/// Attaches `prog` (one of [`MultiPrograms`]) at every offset of `path`, each with its cookie
+/// and, for USDT sites, the file offset of its semaphore (0: none), which the kernel then
+/// raises and lowers as the perf-event path does; `ret` makes them return probes. `pid` limits
+/// them to one process.
 pub fn attach(
     prog: BorrowedFd<'_>,
     path: &Path,
     offsets: &[u64],
     cookies: &[u64],
+    ref_ctr_offsets: Option<&[u64]>,
     ret: bool,
     pid: Option<u32>,
 ) -> Result<OwnedFd, MultiError> {
     assert_eq!(offsets.len(), cookies.len(), "one cookie per offset");
+    assert!(ref_ctr_offsets.is_none_or(|r| r.len() == offsets.len()), "one semaphore offset per offset");
     let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| MultiError::PathHasNul(path.to_owned()))?;
     let attr = UprobeMultiAttr {
         prog_fd: prog.as_raw_fd() as u32,
@@ -173,7 +179,7 @@ pub fn attach(
         flags: 0,
         path: c_path.as_ptr() as u64,
         offsets: offsets.as_ptr() as u64,
-        ref_ctr_offsets: 0,
+        ref_ctr_offsets: ref_ctr_offsets.map_or(0, |r| r.as_ptr() as u64),
         cookies: cookies.as_ptr() as u64,
         cnt: offsets.len() as u32,
         multi_flags: if ret { BPF_F_UPROBE_MULTI_RETURN } else { 0 },
