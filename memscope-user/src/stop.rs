@@ -7,8 +7,9 @@
 //! grace period (`docker stop`, Kubernetes: 10 s) is shorter than that, so the session finishes
 //! its DBs first, while this module's thread detaches, and the summary prints before the
 //! detaching ends. A second stop signal skips the wait for it; the DBs are complete by then.
-//! Where the kernel has multi-uprobe links the loader uses two per library, which wait once each
-//! and are closed here in parallel, and the wait is short anyway (0.15 s for 171 probes).
+//! Where the kernel has multi-uprobe links the loader uses two per library (and one per markers
+//! module), which wait once each and are closed here in parallel, and the wait is short anyway
+//! (0.15 s for 171 probes).
 
 use std::time::{Duration, Instant};
 
