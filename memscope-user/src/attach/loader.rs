@@ -10,8 +10,9 @@
 //!   attached through our own perf-event path so the kernel raises (and, when the tracer goes,
 //!   however it goes, lowers) the markers' semaphores.
 //! - where the kernel has multi-uprobe links, a library's return probes are one link and its
-//!   entry probes another (`uprobe_multi`: detaching waits for the kernel once per link instead
-//!   of once per probe); elsewhere each probe is an aya perf-event link.
+//!   entry probes another, and a module's marker sites one more (`uprobe_multi`: detaching
+//!   waits for the kernel once per link instead of once per probe); elsewhere each probe is an
+//!   aya perf-event link and each marker site a perf event of our own.
 
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
@@ -118,9 +119,11 @@ pub struct Tracer {
     scope_pid: Option<u32>,
     scope: UProbeScope,
     debug_dirs: Vec<PathBuf>,
-    /// `call_enter`/`call_exit` loaded for multi-uprobe links, or why the kernel refused them.
+    /// `call_enter`/`call_exit`/`usdt_hit` loaded for multi-uprobe links, or why the kernel
+    /// refused them.
     multi: Result<MultiPrograms, String>,
-    /// The multi-uprobe links, two per probed library; dropping one detaches all its probes.
+    /// The multi-uprobe links, two per probed library and one per markers module; dropping one
+    /// detaches all its probes.
     multi_links: Vec<OwnedFd>,
 }
 
