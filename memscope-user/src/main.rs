@@ -22,7 +22,9 @@ mod model;
 mod preflight;
 mod procs;
 mod record;
+mod say;
 mod session;
+mod stop;
 mod store;
 mod summary;
 
@@ -36,7 +38,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             // One line: what failed, then why (anyhow's alternate form joins the chain).
-            eprintln!("memscope-bpf: error: {err:#}");
+            say::say!("memscope-bpf: error: {err:#}");
             ExitCode::from(1)
         }
     }

@@ -2,9 +2,11 @@
 //!
 //! The loop drains the ring buffer (on wakeup and on a 20 ms timer), feeds each event to the
 //! model and each resulting fact to the store, commits at least every second, and looks for newly
-//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, `--duration` or when the last
-//! traced process has exited (the target, then the children it forked: [`procs`]), then drains
-//! what is left, writes shadow frees for live blocks and closes every file.
+//! loaded libraries every 250 ms. It stops on Ctrl-C, SIGTERM, SIGHUP, `--duration` or when the
+//! last traced process has exited (the target, then the children it forked: [`procs`]), then
+//! drains what is left, hands the probes to a thread that detaches them (slow in the kernel, see
+//! `stop`), and meanwhile writes shadow frees for live blocks and closes every file: the DBs are
+//! complete before the detaching is.
 
 use std::collections::BTreeSet;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -14,7 +16,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::oneshot;
 
 use crate::attach::libs::{self, Library};
@@ -26,6 +27,8 @@ use crate::launch::{self, Launched};
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::procs;
 use crate::record::ring::Consumer;
+use crate::say::say;
+use crate::stop::{Detaching, Signals};
 use crate::store::{insight, Format, Meta, ProbeRow, Retag, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, SkippedLibrary, Summary};
 
@@ -252,7 +255,7 @@ impl Recorder {
 
 fn note(quiet: bool, msg: impl AsRef<str>) {
     if !quiet {
-        eprintln!("memscope-bpf: {}", msg.as_ref());
+        say!("memscope-bpf: {}", msg.as_ref());
     }
 }
 
@@ -343,7 +346,13 @@ fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]) -> anyhow
     anyhow::anyhow!("{text}; pass --lib with the right library")
 }
 
-pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
+/// A trace whose DBs are finished, with its probes still being detached.
+pub struct Finished {
+    pub summary: Summary,
+    pub detaching: Detaching,
+}
+
+pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let Plan {
         command,
         mut target,
@@ -406,6 +415,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         ("clock".into(), format!("CLOCK_MONOTONIC + {} ns offset measured at start", clock.offset().as_nanos())),
         ("ring_bytes".into(), ring_bytes.to_string()),
         ("format".into(), format!("{format:?}").to_lowercase()),
+        ("probe_links".into(), tracer.link_kind()),
     ];
     meta.extend(allocator_env(pid));
     if !skipped.is_empty() {
@@ -425,7 +435,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     .map_err(|e| e.into_parts().1)
     .context("cannot poll the ring buffer")?;
 
-    eprintln!(
+    say!(
         "memscope-bpf: live: {} probes on {} ({}); tracing pid {pid}{}",
         probes.len(),
         if libraries.len() == 1 { "1 library".to_owned() } else { format!("{} libraries", libraries.len()) },
@@ -461,8 +471,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         children: BTreeSet::new(),
         error: None,
     };
-    let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut signals = Signals::new()?;
     let deadline = async {
         match duration {
             Some(d) => {
@@ -482,8 +491,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
 
     let stop_reason = loop {
         tokio::select! {
-            _ = sigint.recv() => break "interrupted (SIGINT)".to_owned(),
-            _ = sigterm.recv() => break "terminated (SIGTERM)".to_owned(),
+            reason = signals.next() => break reason.to_owned(),
             reason = &mut deadline => break reason,
             reason = &mut exited, if !ending.target_gone() => {
                 // Its children are in the kernel's traced set already; drain so that their fork
@@ -531,6 +539,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         }
     };
 
+    note(quiet, format!("stopping ({stop_reason})…"));
     // Everything the target did before we stopped is in the ring already.
     consumer.drain(|e| recorder.on_event(e));
     if let Some(err) = recorder.error.take() {
@@ -539,7 +548,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let stop_wall = clock::wall_ns();
     let lost_per_cpu = tracer.lost_per_cpu().unwrap_or_default();
     let lost: u64 = lost_per_cpu.iter().sum();
-    drop(tracer);
+    // From here on nothing is read from the probes: they detach while the DBs are finished.
+    let detaching = Detaching::start(tracer, signals);
 
     let Recorder { mut tracker, mut store, mut outputs, calls, markers, .. } = recorder;
     let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
@@ -590,7 +600,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             file: written.iter().find(|w| w.device == device).map(|w| w.path.clone()),
         })
         .collect();
-    Ok(Summary {
+    let summary = Summary {
         stop_reason,
         elapsed: started.elapsed(),
         calls,
@@ -600,5 +610,6 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         devices,
         pools,
         skipped_libraries: skipped,
-    })
+    };
+    Ok(Finished { summary, detaching })
 }

@@ -195,10 +195,12 @@ mod tests {
                 live_blocks: 0,
                 mallocs: 400,
                 frees: 420,
+                untracked_frees: 0,
                 failures: 0,
                 file: None,
             }],
             pools: Vec::new(),
+            skipped_libraries: Vec::new(),
         }
     }
 
@@ -247,6 +249,7 @@ mod tests {
             run_dir: PathBuf::from("/tmp/x"),
             devices: vec![line(DeviceKey::Npu(0), 3), line(DeviceKey::Npu(1), 0)],
             pools: vec![],
+            skipped_libraries: vec![],
         };
         let text = summary.to_string();
         let said: Vec<&str> = text.lines().filter(|l| l.contains("allocated before the trace")).collect();

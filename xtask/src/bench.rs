@@ -6,8 +6,9 @@
 //! probe attach are not counted. Each aclrtMalloc/aclrtFree of the stand-in runtime calls the
 //! stand-in driver, so a full trace probes 8 functions per pair. The bpftrace script does the work
 //! a leak tracer must do at minimum on the same 8: save the out-pointer at entry, read the result
-//! at return and keep a live-block map, and drop the block on free. Results go to target/bench/results.md; copy them into
-//! docs/benchmarks.md with the command line.
+//! at return and keep a live-block map, and drop the block on free. Last, the stop: SIGTERM to a
+//! complete DB and to exit with many probes and live blocks (`bench_stop`). Results go to
+//! target/bench/results.md; copy them into docs/benchmarks.md with the command line.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -31,6 +32,15 @@ pub struct Options {
     /// Allocation pairs traced for the analysis-throughput DB (each pair is 2 rows; 0 skips it).
     #[arg(long, default_value_t = 5_000_000)]
     pub analysis_pairs: u64,
+    /// Live blocks held by the job whose stop is timed (SIGTERM to a complete DB; 0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub stop_blocks: u64,
+    /// Stops timed.
+    #[arg(long, default_value_t = 3)]
+    pub stop_rounds: usize,
+    /// Only the stop-time measurement.
+    #[arg(long)]
+    pub stop_only: bool,
 }
 
 struct Sample {
@@ -126,6 +136,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let root = root();
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
+    if opts.stop_only {
+        let md = crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
+        std::fs::write(dir.join("results-stop.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
     let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
     let (mut base, mut ours, mut peer) = (Vec::new(), Vec::new(), Vec::new());
     let mut details = Vec::new();
@@ -179,6 +195,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
     if opts.analysis_pairs > 0 {
         md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), opts.analysis_pairs)?);
+    }
+    if opts.stop_blocks > 0 {
+        md.push_str(&crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
     }
     std::fs::write(dir.join("results.md"), &md)?;
     println!("{md}");

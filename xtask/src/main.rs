@@ -9,6 +9,7 @@
 mod bench;
 mod bench_analysis;
 mod bench_markers;
+mod bench_stop;
 mod build;
 mod demo;
 mod setup;

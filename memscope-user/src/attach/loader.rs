@@ -9,9 +9,14 @@
 //! - USDT sites (the markers) get their argument spec written before their probe, and are
 //!   attached through our own perf-event path so the kernel raises (and, when the tracer goes,
 //!   however it goes, lowers) the markers' semaphores.
+//! - where the kernel has multi-uprobe links, a library's return probes are one link and its
+//!   entry probes another, and a module's marker sites one more (`uprobe_multi`: detaching
+//!   waits for the kernel once per link instead of once per probe); elsewhere each probe is an
+//!   aya perf-event link and each marker site a perf event of our own.
 
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf};
@@ -26,6 +31,7 @@ use super::elf::{ElfError, SymbolSource};
 use super::libs::Library;
 use super::perf_uprobe::{self, PerfUprobeError, RefCtrProbe};
 use super::plan::plan;
+use super::uprobe_multi::{self, MultiPrograms};
 use super::usdt::{self, UsdtSite};
 use super::usdt_notes::UsdtNoteError;
 use crate::apis::Api;
@@ -125,6 +131,12 @@ pub struct Tracer {
     scope_pid: Option<u32>,
     scope: UProbeScope,
     debug_dirs: Vec<PathBuf>,
+    /// `call_enter`/`call_exit`/`usdt_hit` loaded for multi-uprobe links, or why the kernel
+    /// refused them.
+    multi: Result<MultiPrograms, String>,
+    /// The multi-uprobe links, two per probed library and one per markers module; dropping one
+    /// detaches all its probes.
+    multi_links: Vec<OwnedFd>,
 }
 
 fn tracefs_root() -> Result<&'static Path, LoadError> {
@@ -203,6 +215,7 @@ impl Tracer {
             prog.load().map_err(|source| LoadError::Program { name, source })?;
         }
         let scope = scope_pid.and_then(NonZeroU32::new).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
+        let multi = MultiPrograms::load(EBPF_OBJECT, &ebpf).map_err(|e| e.to_string());
         Ok(Self {
             ebpf,
             attached_files: HashSet::new(),
@@ -213,7 +226,29 @@ impl Tracer {
             scope_pid: scope_pid.filter(|p| *p != 0),
             scope,
             debug_dirs: opts.debug_dirs.clone(),
+            multi,
+            multi_links: Vec::new(),
         })
+    }
+
+    /// How the probes are linked, for `ms_meta`: `uprobe_multi`, or `perf_event` and why.
+    pub fn link_kind(&self) -> String {
+        match &self.multi {
+            Ok(_) => "uprobe_multi".into(),
+            Err(why) => format!("perf_event ({why})"),
+        }
+    }
+
+    /// Takes the multi-uprobe links out, so that they can be closed in parallel (each close
+    /// waits for the kernel on its own).
+    pub fn take_multi_links(&mut self) -> Vec<OwnedFd> {
+        std::mem::take(&mut self.multi_links)
+    }
+
+    /// Takes the marker sites' links out, for the same reason (their closes overlap less: each
+    /// is a perf event, which the kernel unregisters under one lock).
+    pub fn take_usdt_links(&mut self) -> Vec<RefCtrProbe> {
+        std::mem::take(&mut self.usdt_links)
     }
 
     /// Starts recording calls of process `pid`.
@@ -287,6 +322,9 @@ impl Tracer {
                 specs.set(api.spec_id(), *spec, 0).map_err(|source| AttachError::Spec(Box::new(source)))?;
             }
         }
+        if self.attach_multi(lib, &plan.probes) {
+            return Ok(plan.probes);
+        }
         for (program, kind) in [("call_exit", "return probe"), ("call_enter", "entry probe")] {
             let prog: &mut UProbe =
                 self.ebpf.program_mut(program).expect("loaded in Tracer::load").try_into().expect("a uprobe program");
@@ -307,6 +345,28 @@ impl Tracer {
         Ok(plan.probes)
     }
 
+    /// Attaches `probes` as two multi-uprobe links, returns first; false (nothing attached) where
+    /// the kernel cannot, and the per-probe links are used instead.
+    fn attach_multi(&mut self, lib: &Library, probes: &[AttachedProbe]) -> bool {
+        let Ok(multi) = &self.multi else { return false };
+        if probes.is_empty() {
+            return true;
+        }
+        let offsets: Vec<u64> = probes.iter().map(|p| p.file_offset).collect();
+        let cookies: Vec<u64> =
+            probes.iter().map(|p| memscope_common::spec::cookie(p.api.spec_id(), p.api.def().spec.layer)).collect();
+        let mut links = Vec::with_capacity(2);
+        for (prog, ret) in [(&multi.exit, true), (&multi.enter, false)] {
+            match uprobe_multi::attach(prog.as_fd(), &lib.path, &offsets, &cookies, None, ret, self.scope_pid) {
+                Ok(link) => links.push(link),
+                // Dropping the return link (if made) detaches it again.
+                Err(_) => return false,
+            }
+        }
+        self.multi_links.extend(links);
+        true
+    }
+
     /// Attaches the markers' USDT sites in one library (none if it carries none of ours).
     /// Sites already attached are skipped; the notes of ours that cannot be used are returned
     /// as warnings. On an error none of this library's sites stays attached.
@@ -321,6 +381,9 @@ impl Tracer {
         let left = MAX_USDT_SPECS as usize - self.usdt_specs.len();
         if needed > left {
             return Err(AttachError::TooManyUsdtSpecs { library: lib.shown.clone(), needed, left });
+        }
+        if let Some(attached) = self.attach_usdt_multi(lib, &plan.sites)? {
+            return Ok((attached, plan.skipped));
         }
         let before = self.usdt_links.len();
         let attached = self.attach_sites(lib, &plan.sites);
@@ -372,6 +435,48 @@ impl Tracer {
             });
         }
         Ok(attached)
+    }
+
+    /// The sites of one library as one multi-uprobe link with their semaphores; `None` (nothing
+    /// attached) where the kernel cannot, and each site gets its own perf event instead.
+    fn attach_usdt_multi(
+        &mut self,
+        lib: &Library,
+        sites: &[UsdtSite],
+    ) -> Result<Option<Vec<AttachedUsdt>>, AttachError> {
+        if self.multi.is_err() || sites.is_empty() {
+            return Ok(None);
+        }
+        let mut cookies = Vec::with_capacity(sites.len());
+        for site in sites {
+            cookies.push(u64::from(self.usdt_spec_index(site)?));
+        }
+        let offsets: Vec<u64> = sites.iter().map(|s| s.file_offset).collect();
+        let semaphores: Vec<u64> = sites.iter().map(|s| s.semaphore_offset.unwrap_or(0)).collect();
+        let Ok(multi) = &self.multi else { return Ok(None) };
+        let Ok(link) = uprobe_multi::attach(
+            multi.usdt.as_fd(),
+            &lib.path,
+            &offsets,
+            &cookies,
+            Some(&semaphores),
+            false,
+            self.scope_pid,
+        ) else {
+            return Ok(None);
+        };
+        self.multi_links.push(link);
+        Ok(Some(
+            sites
+                .iter()
+                .map(|site| AttachedUsdt {
+                    library: lib.shown.clone(),
+                    probe: format!("{}:{}", crate::apis::markers::PROVIDER, site.def.name),
+                    file_offset: site.file_offset,
+                    semaphore_offset: site.semaphore_offset,
+                })
+                .collect(),
+        ))
     }
 
     fn usdt_spec_index(&mut self, site: &UsdtSite) -> Result<u32, AttachError> {

@@ -11,6 +11,7 @@
 //! - [`usdt_args`]: a USDT site's argument text decoded into the spec the BPF side follows.
 //! - [`perf_uprobe`]: uprobe attach with a USDT semaphore and a cookie, which aya lacks.
 //! - [`usdt`]: which sites of a library are our markers, ready to attach.
+//! - [`uprobe_multi`]: a library's probes of one program as one link, detached in one wait.
 
 pub mod debug;
 pub mod dwarf;
@@ -20,6 +21,7 @@ pub mod libs;
 pub mod loader;
 pub mod perf_uprobe;
 pub mod plan;
+pub mod uprobe_multi;
 pub mod usdt;
 pub mod usdt_args;
 pub mod usdt_notes;

@@ -206,7 +206,7 @@ fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mu
                 cx.args.json,
             )?;
             if let Some(line) = done.wrote {
-                eprintln!("memscope-bpf: {line}");
+                crate::say::say!("memscope-bpf: {line}");
             }
             if cx.args.json {
                 out.json.push(done.json)
@@ -227,7 +227,7 @@ fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mu
         Analysis::Oom(k) => {
             let done = crate::analysis::oom::for_analyze(dump.path(), cx.device, k, cx.write, cx.run_wall_ns)?;
             if let Some(line) = done.note {
-                eprintln!("memscope-bpf: {line}");
+                crate::say::say!("memscope-bpf: {line}");
             }
             if cx.args.json {
                 out.json.push(done.json)
@@ -252,7 +252,11 @@ fn decompose_one(dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyh
     }
     if cx.write {
         let rows = dump.write_decompose(&report, cx.run_wall_ns)?;
-        eprintln!("memscope-bpf: wrote {rows} rows into table {} of {}", db::DECOMPOSE_TABLE, cx.file.path.display());
+        crate::say::say!(
+            "memscope-bpf: wrote {rows} rows into table {} of {}",
+            db::DECOMPOSE_TABLE,
+            cx.file.path.display()
+        );
     }
     Ok(())
 }

@@ -17,6 +17,7 @@ use crate::attach::libs::{self, Library};
 use crate::attach::ProbeSet;
 use crate::launch;
 use crate::preflight::{self, PreflightError};
+use crate::say::say;
 use crate::session::{self, Plan, Target};
 use crate::store::Format;
 
@@ -25,9 +26,10 @@ use crate::store::Format;
 /// Attach:  memscope-bpf trace --pid 4242 --output ./msout
 /// Launch:  memscope-bpf trace --output ./msout -- python train.py
 ///
-/// Stops on Ctrl-C, SIGTERM, --duration, or when the target and the children it forked have all
-/// exited (--no-follow: the target alone is traced and awaited); then writes one DB per device
-/// under OUTPUT/memscope_<pid>_<time>_ascend/ and prints a summary. Needs root.
+/// Stops on Ctrl-C, SIGTERM, SIGHUP, --duration, or when the target and the children it forked
+/// have all exited (--no-follow: the target alone is traced and awaited); then finishes one DB
+/// per device under OUTPUT/memscope_<pid>_<time>_ascend/ and prints a summary while the probes
+/// detach (Ctrl-C again: exit without waiting for that). Needs root.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -40,7 +42,7 @@ pub struct Args {
     #[arg(short, long, value_name = "DIR", default_value = "memscopeDumpResults")]
     pub output: PathBuf,
 
-    /// Stop after this long (e.g. 30, 30s, 5m). Default: until Ctrl-C, SIGTERM or target exit.
+    /// Stop after this long (e.g. 30, 30s, 5m). Default: until Ctrl-C, SIGTERM, SIGHUP or target exit.
     #[arg(short, long, value_name = "TIME", value_parser = parse_duration)]
     pub duration: Option<Duration>,
 
@@ -198,8 +200,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;
-    let summary = runtime.block_on(session::run(plan))?;
-    eprint!("{summary}");
+    let quiet = args.quiet;
+    let session::Finished { summary, detaching } = runtime.block_on(session::run(plan))?;
+    crate::say::text(format_args!("{summary}"));
     if let Some(list) = &args_analysis {
         if summary.run_dir.is_dir() {
             super::analyze::run_on(&summary.run_dir, list).context("the analyses of the finished trace failed")?;
@@ -209,10 +212,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !summary.pools.is_empty() && format == Format::Db {
         let dbs: Vec<std::path::PathBuf> = summary.devices.iter().filter_map(|d| d.file.clone()).collect();
         match super::advise::advise_text(&dbs) {
-            Ok(text) if !text.trim().is_empty() => eprintln!("{}", text.trim_end()),
+            Ok(text) if !text.trim().is_empty() => say!("{}", text.trim_end()),
             Ok(_) => {}
-            Err(e) => eprintln!("memscope-bpf: warning: no allocator advice: {e:#}"),
+            Err(e) => say!("memscope-bpf: warning: no allocator advice: {e:#}"),
         }
     }
+    // Last: the DBs, the summary and the analyses did not wait for the probes to go.
+    runtime.block_on(detaching.wait(quiet));
     Ok(())
 }

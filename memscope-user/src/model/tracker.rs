@@ -1084,10 +1084,11 @@ impl Tracker {
             self.flush_inner(tid, out);
         }
         let at = wall_ns.max(self.last_wall_ns) + 1;
-        let mut live: Vec<((u32, Space, u64), Live)> = self.blocks.iter().map(|(k, v)| (*k, v.clone())).collect();
-        live.sort_by_key(|(_, b)| (b.device, b.allocation_id));
+        // By reference: at stop a million live blocks are common, and the DB waits for this.
+        let mut live: Vec<(&(u32, Space, u64), &Live)> = self.blocks.iter().collect();
+        live.sort_unstable_by_key(|(_, b)| (b.device, b.allocation_id));
         let mut used: BTreeMap<DeviceKey, u64> = self.devices.iter().map(|(k, v)| (*k, v.used)).collect();
-        for ((pid, space, ptr), block) in live {
+        for (&(pid, space, ptr), block) in live {
             let remaining = used.entry(block.device).or_default();
             *remaining -= block.size;
             if block.hidden {
@@ -1105,10 +1106,10 @@ impl Tracker {
                 driver: None,
             });
         }
-        let mut live: Vec<((u32, u64), PoolBlock)> = self.pool_blocks.iter().map(|(k, v)| (*k, v.clone())).collect();
-        live.sort_by_key(|(_, b)| (b.device, b.pool, b.allocation_id));
+        let mut live: Vec<(&(u32, u64), &PoolBlock)> = self.pool_blocks.iter().collect();
+        live.sort_unstable_by_key(|(_, b)| (b.device, b.pool, b.allocation_id));
         let mut used: BTreeMap<(DeviceKey, Pool, u32), u64> = self.pools.iter().map(|(k, v)| (*k, v.used)).collect();
-        for ((pid, ptr), block) in live {
+        for (&(pid, ptr), block) in live {
             let remaining = used.entry((block.device, block.pool, pid)).or_default();
             *remaining -= block.size;
             if block.hidden {

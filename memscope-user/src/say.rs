@@ -1,0 +1,25 @@
+//! Lines for the person watching, on stderr, written so that stderr can never end a trace.
+//!
+//! `eprintln!` panics when the write fails, and a trace's stderr is often a pipe whose reader
+//! goes away first (`trace ... 2>&1 | head -1`, a log shipper that restarts): the tracer then
+//! died with rc 101 before finishing its DBs. Rust ignores SIGPIPE, so such a write returns
+//! EPIPE; these helpers drop that error (and any other: there is nobody left to tell).
+
+use std::fmt;
+use std::io::Write as _;
+
+/// Writes `args` to stderr as they are, ignoring write errors.
+pub fn text(args: fmt::Arguments<'_>) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_fmt(args);
+    let _ = err.flush();
+}
+
+/// `eprintln!` that ignores write errors.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::say::text(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+pub(crate) use say;
