@@ -42,7 +42,8 @@ fn of_pid(out: &Output, pid: u32) -> Output {
             (folder.clone(), (path.clone(), rows.iter().filter(|r| r.pid == pid).cloned().collect()))
         })
         .collect();
-    Output { run_dir: out.run_dir.clone(), files }
+    let untracked = out.untracked.iter().filter(|r| r.pid == pid).cloned().collect();
+    Output { run_dir: out.run_dir.clone(), files, untracked }
 }
 
 fn pairs_in(ledger: &[Entry]) -> usize {
