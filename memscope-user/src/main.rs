@@ -21,6 +21,8 @@ mod launch;
 mod model;
 mod preflight;
 mod record;
+mod recorder;
+mod replay;
 mod session;
 mod store;
 mod summary;

@@ -21,9 +21,10 @@ use crate::attach::loader::LoadOptions;
 use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
-use crate::model::{Event, EventKind, Output, Tracker};
+use crate::model::Tracker;
 use crate::record::ring::Consumer;
-use crate::store::{insight, Format, Meta, ProbeRow, Retag, RunLayout, Store, Writer};
+use crate::recorder::Recorder;
+use crate::store::{insight, Format, Meta, ProbeRow, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, Summary};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
@@ -187,50 +188,6 @@ async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::
     }
 }
 
-struct Recorder {
-    tracker: Tracker,
-    store: Writer,
-    outputs: Vec<Output>,
-    calls: u64,
-    markers: u64,
-    children: BTreeSet<u32>,
-    error: Option<anyhow::Error>,
-}
-
-impl Recorder {
-    fn on_event(&mut self, event: Event) {
-        match &event.kind {
-            EventKind::Call(_) => self.calls += 1,
-            EventKind::Fork { child } => {
-                self.children.insert(*child);
-            }
-            EventKind::Exit => {
-                self.children.remove(&event.pid);
-            }
-            EventKind::Marker(_) => self.markers += 1,
-        }
-        self.tracker.apply(&event, &mut self.outputs);
-        self.flush_outputs();
-    }
-
-    fn flush_outputs(&mut self) {
-        for output in self.outputs.drain(..) {
-            if self.error.is_some() {
-                continue;
-            }
-            let written = match output {
-                Output::Retag { device, pid, event_type, ptr, owner } => {
-                    self.store.retag(Retag { device, pid, event_type, ptr, owner })
-                }
-                output => insight::to_row(&output).map_or(Ok(()), |row| self.store.write(row)),
-            };
-            if let Err(e) = written {
-                self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));
-            }
-        }
-    }
-}
-
 fn note(quiet: bool, msg: impl AsRef<str>) {
     if !quiet {
         eprintln!("memscope-bpf: {}", msg.as_ref());
@@ -364,15 +321,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
         None
     };
 
-    let mut recorder = Recorder {
-        tracker: if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() },
-        store,
-        outputs: Vec::new(),
-        calls: 0,
-        markers: 0,
-        children: BTreeSet::new(),
-        error: None,
-    };
+    let mut recorder =
+        Recorder::new(if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() }, store);
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let deadline = async {
@@ -439,7 +389,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
     let lost: u64 = lost_per_cpu.iter().sum();
     drop(tracer);
 
-    let Recorder { mut tracker, mut store, mut outputs, calls, markers, .. } = recorder;
+    let Recorder { mut tracker, mut store, calls, markers, .. } = recorder;
     let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
     let pools: Vec<PoolLine> = tracker
         .pools()
@@ -454,12 +404,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Summary> {
             live_blocks: s.live_blocks,
         })
         .collect();
-    tracker.finish(stop_wall, &mut outputs);
-    for output in &outputs {
-        if let Some(row) = insight::to_row(output) {
-            store.write(row)?;
-        }
-    }
+    tracker.finish(stop_wall, |output| insight::to_row(&output).map_or(Ok(()), |row| store.write(row)))?;
     let final_meta: Meta = vec![
         ("stop_ns".into(), stop_wall.to_string()),
         ("stop_reason".into(), stop_reason.clone()),

@@ -31,6 +31,16 @@ pub struct Options {
     /// Allocation pairs traced for the analysis-throughput DB (each pair is 2 rows; 0 skips it).
     #[arg(long, default_value_t = 5_000_000)]
     pub analysis_pairs: u64,
+    /// Allocation pairs replayed through the consumer alone (`bench-consumer`; 0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub consumer_pairs: u64,
+    /// Blocks left live at the stop for the memory figure (0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub live_blocks: u64,
+    /// Only the consumer's figures (throughput, memory, loss by rate): no pair rounds, markers
+    /// or analyses.
+    #[arg(long)]
+    pub consumer_only: bool,
 }
 
 struct Sample {
@@ -126,6 +136,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let root = root();
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
+    if opts.consumer_only {
+        let md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
+        std::fs::write(dir.join("results.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
     let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
     let (mut base, mut ours, mut peer) = (Vec::new(), Vec::new(), Vec::new());
     let mut details = Vec::new();
@@ -177,6 +193,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     md.push_str(&format!("\nmemscope-bpf per run: {}\n", details.join("; ")));
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
+    md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
     if opts.analysis_pairs > 0 {
         md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), opts.analysis_pairs)?);
     }

@@ -8,6 +8,7 @@
 
 mod bench;
 mod bench_analysis;
+mod bench_consumer;
 mod bench_markers;
 mod build;
 mod demo;
