@@ -32,7 +32,7 @@ impl Tracker {
                     size: b.size,
                     born_ns: b.born_ns,
                     allocation_id: b.allocation_id,
-                    owner: OwnerBase::Pool(b.pool).owner(&b.labels),
+                    owner: OwnerBase::Pool(b.pool).owner(tags::of(&b.labels)),
                 })
                 .collect()
         } else {
@@ -45,7 +45,10 @@ impl Tracker {
                     size: b.size,
                     born_ns: b.born_ns,
                     allocation_id: b.allocation_id,
-                    owner: b.base.owner(&b.labels).or_else(|| Some(tags::owner_path(&b.base.label(), &b.labels))),
+                    owner: b
+                        .base
+                        .owner(tags::of(&b.labels))
+                        .or_else(|| Some(tags::owner_path(&b.base.label(), tags::of(&b.labels)))),
                 })
                 .collect()
         };
