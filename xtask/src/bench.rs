@@ -37,6 +37,9 @@ pub struct Options {
     /// Blocks left live at the stop for the memory figure (0 skips it).
     #[arg(long, default_value_t = 1_000_000)]
     pub live_blocks: u64,
+    /// Seconds of the allocation loop per offered rate in the loss-by-rate figure (0 skips it).
+    #[arg(long, default_value_t = 5)]
+    pub loss_seconds: u64,
     /// Only the consumer's figures (throughput, memory, loss by rate): no pair rounds, markers
     /// or analyses.
     #[arg(long)]
@@ -137,7 +140,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
     if opts.consumer_only {
-        let md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
+        let mut md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
+        if opts.loss_seconds > 0 {
+            md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
+        }
         std::fs::write(dir.join("results.md"), &md)?;
         println!("{md}");
         return Ok(());
@@ -194,6 +200,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     md.push_str(&format!("\nmemscope-bpf per run: {}\n", details.join("; ")));
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
     md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
+    if opts.loss_seconds > 0 {
+        md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
+    }
     if opts.analysis_pairs > 0 {
         md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), opts.analysis_pairs)?);
     }

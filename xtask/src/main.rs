@@ -9,6 +9,7 @@
 mod bench;
 mod bench_analysis;
 mod bench_consumer;
+mod bench_loss;
 mod bench_markers;
 mod build;
 mod demo;

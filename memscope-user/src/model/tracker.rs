@@ -1244,7 +1244,11 @@ mod tests {
         t.apply(&malloc(None, 1 << 40, Some(0), 207_001), &mut out);
         assert!(matches!(out[0], Output::Failed { status: 207_001, size: Some(s), .. } if s == 1 << 40));
         out.clear();
-        t.finish(5_000, |o| Ok::<_, ()>(out.push(o))).unwrap();
+        t.finish(5_000, |o| {
+            out.push(o);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
         assert!(out.is_empty(), "a failed allocation must not get a shadow free: {out:?}");
     }
 
@@ -1351,7 +1355,11 @@ mod tests {
     fn finish_writes_shadow_frees_after_the_last_event() {
         let (mut t, _) = run(&[malloc(Some(0x1), 10, Some(0), 0), malloc(Some(0x2), 20, Some(0), 0)]);
         let mut out = Vec::new();
-        t.finish(0, |o| Ok::<_, ()>(out.push(o))).unwrap();
+        t.finish(0, |o| {
+            out.push(o);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
         assert_eq!(out.len(), 2);
         for o in &out {
             let Output::Free { shadow, site, .. } = o else { panic!("{o:?}") };
