@@ -7,7 +7,9 @@
 //!                            ├─ record   drain the ring buffer, decode records into events
 //!                            ├─ store    per-device SQLite/CSV in msMemScope's layout
 //!                            ├─ analysis offline analyses of written DBs (decompose; `analyze`)
-//!                            └─ session  the trace loop tying them together
+//!                            ├─ session  the trace loop tying them together
+//!                            ├─ replay   the consumer on synthetic records (`bench-consumer`)
+//!                            └─ recorder events through the model into rows (both of the above)
 //!                                  └─ model   events, live blocks per device (no I/O)
 //!                                        └─ apis   what each traced API means
 //! ```
@@ -22,6 +24,8 @@ mod model;
 mod preflight;
 mod procs;
 mod record;
+mod recorder;
+mod replay;
 mod say;
 mod session;
 mod stop;

@@ -24,12 +24,13 @@ use crate::attach::loader::LoadOptions;
 use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
-use crate::model::{Event, EventKind, Output, Tracker};
+use crate::model::Tracker;
 use crate::procs;
 use crate::record::ring::Consumer;
+use crate::recorder::Recorder;
 use crate::say::say;
 use crate::stop::{Detaching, Signals};
-use crate::store::{insight, Format, Meta, ProbeRow, Retag, RunLayout, Store, Writer};
+use crate::store::{insight, Format, Meta, ProbeRow, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, SkippedLibrary, Summary};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
@@ -203,52 +204,6 @@ async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::
             && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
         {
             return "target exited".to_owned();
-        }
-    }
-}
-
-struct Recorder {
-    tracker: Tracker,
-    store: Writer,
-    outputs: Vec<Output>,
-    calls: u64,
-    markers: u64,
-    children: BTreeSet<u32>,
-    error: Option<anyhow::Error>,
-}
-
-impl Recorder {
-    fn on_event(&mut self, event: Event) {
-        match &event.kind {
-            EventKind::Call(_) => self.calls += 1,
-            // The fork tracepoint also sees new threads; only processes have maps to rescan.
-            EventKind::Fork { child } if procs::liveness(*child) == procs::Liveness::Running => {
-                self.children.insert(*child);
-            }
-            EventKind::Fork { .. } => {}
-            EventKind::Exit => {
-                self.children.remove(&event.pid);
-            }
-            EventKind::Marker(_) => self.markers += 1,
-        }
-        self.tracker.apply(&event, &mut self.outputs);
-        self.flush_outputs();
-    }
-
-    fn flush_outputs(&mut self) {
-        for output in self.outputs.drain(..) {
-            if self.error.is_some() {
-                continue;
-            }
-            let written = match output {
-                Output::Retag { device, pid, event_type, ptr, owner } => {
-                    self.store.retag(Retag { device, pid, event_type, ptr, owner })
-                }
-                output => insight::to_row(&output).map_or(Ok(()), |row| self.store.write(row)),
-            };
-            if let Err(e) = written {
-                self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));
-            }
         }
     }
 }
@@ -462,15 +417,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         None
     };
 
-    let mut recorder = Recorder {
-        tracker: if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() },
-        store,
-        outputs: Vec::new(),
-        calls: 0,
-        markers: 0,
-        children: BTreeSet::new(),
-        error: None,
-    };
+    let mut recorder =
+        Recorder::new(if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() }, store);
     let mut signals = Signals::new()?;
     let deadline = async {
         match duration {
@@ -551,7 +499,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     // From here on nothing is read from the probes: they detach while the DBs are finished.
     let detaching = Detaching::start(tracer, signals);
 
-    let Recorder { mut tracker, mut store, mut outputs, calls, markers, .. } = recorder;
+    let Recorder { mut tracker, mut store, calls, markers, .. } = recorder;
     let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
     let pools: Vec<PoolLine> = tracker
         .pools()
@@ -566,12 +514,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
             live_blocks: s.live_blocks,
         })
         .collect();
-    tracker.finish(stop_wall, &mut outputs);
-    for output in &outputs {
-        if let Some(row) = insight::to_row(output) {
-            store.write(row)?;
-        }
-    }
+    tracker.finish(stop_wall, |output| insight::to_row(&output).map_or(Ok(()), |row| store.write(row)))?;
     let final_meta: Meta = vec![
         ("stop_ns".into(), stop_wall.to_string()),
         ("stop_reason".into(), stop_reason.clone()),

@@ -41,6 +41,19 @@ pub struct Options {
     /// Only the stop-time measurement.
     #[arg(long)]
     pub stop_only: bool,
+    /// Allocation pairs replayed through the consumer alone (`bench-consumer`; 0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub consumer_pairs: u64,
+    /// Blocks left live at the stop for the memory figure (0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub live_blocks: u64,
+    /// Seconds of the allocation loop per offered rate in the loss-by-rate figure (0 skips it).
+    #[arg(long, default_value_t = 5)]
+    pub loss_seconds: u64,
+    /// Only the consumer's figures (throughput, memory, loss by rate): no pair rounds, markers
+    /// or analyses.
+    #[arg(long)]
+    pub consumer_only: bool,
 }
 
 struct Sample {
@@ -142,6 +155,15 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         println!("{md}");
         return Ok(());
     }
+    if opts.consumer_only {
+        let mut md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
+        if opts.loss_seconds > 0 {
+            md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
+        }
+        std::fs::write(dir.join("results.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
     let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
     let (mut base, mut ours, mut peer) = (Vec::new(), Vec::new(), Vec::new());
     let mut details = Vec::new();
@@ -193,6 +215,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     md.push_str(&format!("\nmemscope-bpf per run: {}\n", details.join("; ")));
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
+    md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
+    if opts.loss_seconds > 0 {
+        md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
+    }
     if opts.analysis_pairs > 0 {
         md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), opts.analysis_pairs)?);
     }

@@ -8,6 +8,8 @@
 
 mod bench;
 mod bench_analysis;
+mod bench_consumer;
+mod bench_loss;
 mod bench_markers;
 mod bench_stop;
 mod build;

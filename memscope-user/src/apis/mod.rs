@@ -18,15 +18,18 @@ mod mstx;
 mod python_gc;
 pub mod torch_npu;
 
-use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS};
+use std::sync::OnceLock;
+
+use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS, MAX_SPECS};
 
 use crate::model::Op;
 use crate::record::RawCall;
 
 /// A traced API. The discriminant is the spec index in the BPF `SPECS` map (and part of the
 /// attach cookie), so it must stay below `MAX_SPECS` and never be renumbered within one build.
+/// One byte (`MAX_SPECS` is 256): every live block keeps the API that made it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(u32)]
+#[repr(u8)]
 pub enum Api {
     AclrtSetDevice = 1,
     AclrtGetDevice = 2,
@@ -216,12 +219,24 @@ impl Api {
             .chain(atb::TABLE.iter())
     }
 
+    /// The table by spec id: every record and row looks its API up, several times.
+    fn by_id() -> &'static [Option<&'static ApiDef>; MAX_SPECS as usize] {
+        static BY_ID: OnceLock<[Option<&'static ApiDef>; MAX_SPECS as usize]> = OnceLock::new();
+        BY_ID.get_or_init(|| {
+            let mut table = [None; MAX_SPECS as usize];
+            for def in Self::all() {
+                table[def.api as usize] = Some(def);
+            }
+            table
+        })
+    }
+
     pub fn def(self) -> &'static ApiDef {
-        Self::all().find(|def| def.api == self).expect("every Api variant has a table row (checked by a unit test)")
+        Self::by_id()[self as usize].expect("every Api variant has a table row (checked by a unit test)")
     }
 
     pub fn from_spec_id(id: u32) -> Option<Self> {
-        Self::all().find(|def| def.api as u32 == id).map(|def| def.api)
+        Self::by_id().get(usize::try_from(id).ok()?).copied().flatten().map(|def| def.api)
     }
 
     pub fn spec_id(self) -> u32 {
@@ -250,8 +265,6 @@ impl Api {
 
 #[cfg(test)]
 mod tests {
-    use memscope_common::spec::MAX_SPECS;
-
     use super::*;
 
     #[test]

@@ -2,6 +2,7 @@
 
 pub mod advise;
 pub mod analyze;
+mod bench_consumer;
 pub mod compare;
 mod inputs;
 pub mod probes;
@@ -27,6 +28,9 @@ enum Command {
     Analyze(analyze::Args),
     Compare(compare::Args),
     Advise(advise::Args),
+    /// Replays synthetic ring records through the consumer (for `cargo xtask bench`).
+    #[command(hide = true)]
+    BenchConsumer(bench_consumer::Args),
 }
 
 impl Cli {
@@ -37,6 +41,7 @@ impl Cli {
             Command::Analyze(args) => analyze::run(args),
             Command::Compare(args) => compare::run(args),
             Command::Advise(args) => advise::run(args),
+            Command::BenchConsumer(args) => bench_consumer::run(&args),
         }
     }
 }

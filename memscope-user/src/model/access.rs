@@ -6,8 +6,8 @@
 
 use std::collections::HashSet;
 
-use super::event::{Call, DeviceKey, Pool};
-use super::tracker::{AccessKind, Output, Site, Tracker};
+use super::event::{Call, DeviceKey, Pool, Space};
+use super::tracker::{AccessKind, Live, Output, PoolBlock, Site, Tracker};
 
 /// A live block found by address.
 pub(super) struct Hit {
@@ -37,19 +37,14 @@ impl Hit {
 
 impl Tracker {
     pub(super) fn block_at(&self, pid: u32, addr: u64) -> Option<Hit> {
-        if let Some((&(_, start), _)) =
-            self.pool_index.range((pid, 0)..=(pid, addr)).next_back().filter(|(_, end)| addr < **end)
-        {
-            let b = self.pool_blocks.get(&(pid, start))?;
+        if let Some((&(_, start), b)) = self.pool_block_at(pid, addr) {
             if b.hidden {
                 return None;
             }
             let (device, pool) = (b.device, Some(b.pool));
             return Some(Hit { device, block_type: "PTA", block: start, allocation_id: b.allocation_id, pool });
         }
-        let (&(_, start), &(space, _)) =
-            self.block_index.range((pid, 0)..=(pid, addr)).next_back().filter(|(_, (_, end))| addr < *end)?;
-        let b = self.blocks.get(&(pid, space, start))?;
+        let (&(_, space, start), b) = self.device_block_at(pid, addr)?;
         if b.hidden {
             return None;
         }
@@ -60,6 +55,28 @@ impl Tracker {
             allocation_id: b.allocation_id,
             pool: None,
         })
+    }
+
+    /// The live pool block whose range holds `addr`.
+    pub(super) fn pool_block_at(&self, pid: u32, addr: u64) -> Option<(&(u32, u64), &PoolBlock)> {
+        self.pool_blocks
+            .range((pid, 0)..=(pid, addr))
+            .next_back()
+            .filter(|(&(_, start), b)| addr < start.saturating_add(b.size))
+    }
+
+    /// The live device or host block whose range holds `addr` (of the spaces, the one that
+    /// starts nearest below it).
+    pub(super) fn device_block_at(&self, pid: u32, addr: u64) -> Option<(&(u32, Space, u64), &Live)> {
+        [Space::Device, Space::Host, Space::Cpu]
+            .into_iter()
+            .filter_map(|space| {
+                self.blocks
+                    .range((pid, space, 0)..=(pid, space, addr))
+                    .next_back()
+                    .filter(|(&(_, _, start), b)| addr < start.saturating_add(b.size))
+            })
+            .max_by_key(|(&(_, _, start), _)| start)
     }
 
     pub(super) fn access(

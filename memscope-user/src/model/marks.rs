@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use super::event::{level, Event, Marker, Space};
-use super::tags;
+use super::tags::{self, BlockLabels, Labels};
 use super::tracker::{AccessKind, MstxKind, Output, Tracker};
 use crate::apis::Api;
 
@@ -122,21 +122,18 @@ impl Tracker {
     /// range holds the address.
     fn retag(&mut self, pid: u32, addr: u64, level: u8, label: &str, out: &mut Vec<Output>) {
         let Some(slot) = tags::tag_level(level) else { return };
-        let label: Arc<str> = Arc::from(label);
 
         let pool_key = if self.pool_blocks.contains_key(&(pid, addr)) {
             Some((pid, addr))
         } else {
-            self.pool_index.range((pid, 0)..=(pid, addr)).next_back().filter(|(_, end)| addr < **end).map(|(k, _)| *k)
+            self.pool_block_at(pid, addr).map(|(k, _)| *k)
         };
         if let Some(key) = pool_key {
             let block = self.pool_blocks.get_mut(&key).expect("found above");
-            if block.labels[slot].as_deref() == Some(&*label) {
-                return;
-            }
-            block.labels[slot] = Some(label);
+            let Some(labels) = relabelled(&block.labels, slot, label) else { return };
+            block.labels = Some(labels);
             if !block.hidden {
-                let owner = tags::owner_path(block.pool.owner(), &block.labels);
+                let owner = tags::owner_path(block.pool.owner(), tags::of(&block.labels));
                 out.push(Output::Retag { device: block.device, pid, event_type: "PTA", ptr: key.1, owner });
             }
             return;
@@ -146,24 +143,29 @@ impl Tracker {
             [Space::Device, Space::Cpu, Space::Host].into_iter().find(|s| self.blocks.contains_key(&(pid, *s, addr)));
         let key = match exact {
             Some(space) => Some((pid, space, addr)),
-            None => self
-                .block_index
-                .range((pid, 0)..=(pid, addr))
-                .next_back()
-                .filter(|(_, (_, end))| addr < *end)
-                .map(|((_, start), (space, _))| (pid, *space, *start)),
+            None => self.device_block_at(pid, addr).map(|(k, _)| *k),
         };
         let Some(key) = key else { return };
         let block = self.blocks.get_mut(&key).expect("found above");
-        if block.labels[slot].as_deref() == Some(&*label) {
-            return;
-        }
-        block.labels[slot] = Some(label);
+        let Some(labels) = relabelled(&block.labels, slot, label) else { return };
+        block.labels = Some(labels);
         if !block.hidden {
-            let owner = block.base.owner(&block.labels);
+            let owner = block.base.owner(tags::of(&block.labels));
             out.push(Output::Retag { device: block.device, pid, event_type: key.1.event_type(), ptr: key.2, owner });
         }
     }
+}
+
+/// A block's labels with `label` at `slot`, as its own copy (the old one may be shared with
+/// other blocks); `None` when the block already has that label there.
+fn relabelled(labels: &BlockLabels, slot: usize, label: &str) -> Option<Arc<Labels>> {
+    let labels = tags::of(labels);
+    if labels[slot].as_deref() == Some(label) {
+        return None;
+    }
+    let mut changed = labels.clone();
+    changed[slot] = Some(Arc::from(label));
+    Some(Arc::new(changed))
 }
 
 #[cfg(test)]
@@ -255,6 +257,41 @@ mod tests {
             ["PTA@vllm@model_weight", "PTA", "PTA@vllm", "retag:PTA@kv_cache"],
             "thread 2 has no spans; the tag inside a block re-owns it once; no block, no retag"
         );
+    }
+
+    #[test]
+    fn blocks_born_under_the_same_spans_share_labels_and_a_retag_changes_only_its_block() {
+        let mut t = Tracker::new();
+        let out = run(
+            &mut t,
+            &[
+                push(1, level::COMPONENT, "vllm"),
+                pool_malloc(1, 0x1000, 64),
+                pool_malloc(1, 0x2000, 64),
+                cpu_malloc(1, 0x9000, 32),
+                marker(1, Marker::AddrTag { addr: 0x1000, level: level::DETAIL_1, label: "kv_cache".into() }),
+                marker(1, Marker::AddrTag { addr: 0x9000, level: level::DETAIL_1, label: "weight".into() }),
+                pool_malloc(1, 0x3000, 64),
+            ],
+        );
+        assert_eq!(
+            owners(&out),
+            ["PTA@vllm", "PTA@vllm", "HOST@vllm", "retag:PTA@vllm@kv_cache", "retag:HOST@vllm@weight", "PTA@vllm"]
+        );
+        let labels = |ptr| t.pool_blocks[&(100, ptr)].labels.clone().expect("labelled");
+        assert!(Arc::ptr_eq(&labels(0x2000), &labels(0x3000)), "one copy for the blocks of one span");
+        assert!(!Arc::ptr_eq(&labels(0x1000), &labels(0x2000)), "the retagged block has its own");
+        // The other blocks kept their owner: tagging them with the same label again re-owns them.
+        let out = run(
+            &mut t,
+            &[marker(1, Marker::AddrTag { addr: 0x2000, level: level::DETAIL_1, label: "kv_cache".into() })],
+        );
+        assert_eq!(owners(&out), ["retag:PTA@vllm@kv_cache"]);
+        let out = run(
+            &mut t,
+            &[marker(1, Marker::AddrTag { addr: 0x1000, level: level::DETAIL_1, label: "kv_cache".into() })],
+        );
+        assert!(out.is_empty(), "already its label: {out:?}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! (which include the pool's segments).
 
 use super::event::DeviceKey;
+use super::tags;
 use super::tracker::{Output, OwnerBase, Site, Tracker};
 
 /// msMemScope's default K (`--analysis oom:K`).
@@ -31,7 +32,7 @@ impl Tracker {
                     size: b.size,
                     born_ns: b.born_ns,
                     allocation_id: b.allocation_id,
-                    owner: OwnerBase::Pool(b.pool).owner(&b.labels),
+                    owner: OwnerBase::Pool(b.pool).owner(tags::of(&b.labels)),
                 })
                 .collect()
         } else {
@@ -44,7 +45,7 @@ impl Tracker {
                     size: b.size,
                     born_ns: b.born_ns,
                     allocation_id: b.allocation_id,
-                    owner: b.base.owner(&b.labels),
+                    owner: b.base.owner(tags::of(&b.labels)),
                 })
                 .collect()
         };

@@ -19,6 +19,18 @@ use super::event::level;
 /// The labels of levels 1..=7 (index = level; 0, the framework, comes from the allocator).
 pub type Labels = [Option<Arc<str>>; 8];
 
+/// The labels a live block keeps: one copy shared by every block allocated under the same open
+/// spans, and nothing at all for a block allocated under none (most of them). A block's state
+/// is otherwise a few words, so a per-block array of labels would be most of the tracer's memory.
+pub type BlockLabels = Option<Arc<Labels>>;
+
+static NO_LABELS: Labels = [const { None }; 8];
+
+/// The labels behind a [`BlockLabels`].
+pub fn of(labels: &BlockLabels) -> &Labels {
+    labels.as_deref().unwrap_or(&NO_LABELS)
+}
+
 /// Open spans of one level: (label, repeats), newest last.
 type Stack = Vec<(Arc<str>, u32)>;
 
@@ -27,6 +39,8 @@ struct ThreadTags {
     /// Levels 1..=4 (index 0 unused: the framework is not a span).
     system: [Stack; 5],
     user: Stack,
+    /// The labels these spans give, made once for all the blocks allocated until they change.
+    shared: BlockLabels,
 }
 
 impl ThreadTags {
@@ -51,7 +65,9 @@ pub struct Tags {
 
 impl Tags {
     pub fn push(&mut self, pid: u32, tid: u32, level: u8, label: &str) {
-        let Some(stack) = self.threads.entry((pid, tid)).or_default().stack(level) else { return };
+        let thread = self.threads.entry((pid, tid)).or_default();
+        thread.shared = None;
+        let Some(stack) = thread.stack(level) else { return };
         match stack.last_mut() {
             Some((top, repeats)) if &**top == label => *repeats += 1,
             _ => stack.push((Arc::from(label), 1)),
@@ -62,6 +78,7 @@ impl Tags {
     /// (opened before the attach, or a caller's mismatch).
     pub fn pop(&mut self, pid: u32, tid: u32, level: u8, label: &str) -> bool {
         let Some(thread) = self.threads.get_mut(&(pid, tid)) else { return false };
+        thread.shared = None;
         let Some(stack) = thread.stack(level) else { return false };
         let Some(at) = stack.iter().rposition(|(l, _)| &**l == label) else { return false };
         stack[at].1 -= 1;
@@ -88,6 +105,20 @@ impl Tags {
         labels
     }
 
+    /// [`Self::labels`], shared with the thread's other blocks born under the same spans.
+    pub fn block_labels(&mut self, pid: u32, tid: u32) -> BlockLabels {
+        if let Some(shared) = &self.threads.get(&(pid, tid))?.shared {
+            return Some(shared.clone());
+        }
+        let labels = self.labels(pid, tid);
+        if !any(&labels) {
+            return None;
+        }
+        let shared = Arc::new(labels);
+        self.threads.get_mut(&(pid, tid)).expect("looked up above").shared = Some(shared.clone());
+        Some(shared)
+    }
+
     /// Forgets a process's threads (it exited).
     pub fn forget_process(&mut self, pid: u32) {
         self.threads.retain(|(p, _), _| *p != pid);
@@ -104,6 +135,11 @@ pub fn owner_path(framework: &str, labels: &Labels) -> String {
         path.push_str(label);
     }
     path
+}
+
+/// Whether any level has a label.
+fn any(labels: &Labels) -> bool {
+    labels.iter().any(Option::is_some)
 }
 
 /// The level an address tag's label replaces (user tags go to the first user level).

@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool, Space};
-use super::tags::{self, Labels, Tags};
+use super::tags::{self, BlockLabels, Labels, Tags};
 use crate::apis::{hal, Api, Family};
 
 /// Who did it and when.
@@ -317,7 +317,7 @@ pub(super) struct PoolBlock {
     pub(super) size: u64,
     pub(super) allocation_id: u64,
     api: Api,
-    pub(super) labels: Labels,
+    pub(super) labels: BlockLabels,
     /// Born while collection was off: never reported.
     pub(super) hidden: bool,
     pub(super) born_ns: u64,
@@ -359,6 +359,8 @@ pub struct DeviceStats {
     next_allocation_id: u64,
 }
 
+/// A live device or host block. Kept small (48 bytes): a job can hold a million of them, and the
+/// tracer's memory is mostly these.
 #[derive(Clone, Debug)]
 pub(super) struct Live {
     pub(super) device: DeviceKey,
@@ -366,10 +368,12 @@ pub(super) struct Live {
     pub(super) allocation_id: u64,
     api: Api,
     pub(super) base: OwnerBase,
-    pub(super) labels: Labels,
+    pub(super) labels: BlockLabels,
     pub(super) hidden: bool,
     pub(super) born_ns: u64,
 }
+
+const _: () = assert!(std::mem::size_of::<Live>() <= 48, "a live block's state grew: see Live");
 
 #[derive(Clone, Copy, Debug)]
 struct Physical {
@@ -381,9 +385,13 @@ struct Physical {
 /// The live state of everything traced.
 #[derive(Debug, Default)]
 pub struct Tracker {
-    /// Driver calls waiting for the runtime call they ran inside of, per thread.
-    inner: HashMap<u32, Vec<Event>>,
-    pub(super) blocks: HashMap<(u32, Space, u64), Live>,
+    /// Driver calls waiting for the runtime call they ran inside of, per thread (looked up for
+    /// every call, hence the fast hash).
+    inner: HashMap<u32, Vec<Event>, foldhash::fast::RandomState>,
+    /// Live device and host blocks, ordered so that the block holding an address inside it is
+    /// found without a scan (and without a second index: a B-tree also has no resize that
+    /// briefly doubles a million-entry table).
+    pub(super) blocks: BTreeMap<(u32, Space, u64), Live>,
     physical: HashMap<(u32, u64), Physical>,
     reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
     devices: BTreeMap<DeviceKey, DeviceStats>,
@@ -394,11 +402,8 @@ pub struct Tracker {
     /// Per (device, pool, process): each process has its own allocator, so its counters are its
     /// own even when processes share a device.
     pools: BTreeMap<(DeviceKey, Pool, u32), PoolStats>,
-    pub(super) pool_blocks: HashMap<(u32, u64), PoolBlock>,
-    /// Live pool blocks and device/host blocks by (pid, start) -> end, so an address tag finds
-    /// the block that holds an address inside it without scanning every block.
-    pub(super) pool_index: BTreeMap<(u32, u64), u64>,
-    pub(super) block_index: BTreeMap<(u32, u64), (Space, u64)>,
+    /// Live pool blocks by (pid, start), ordered like `blocks`.
+    pub(super) pool_blocks: BTreeMap<(u32, u64), PoolBlock>,
     handles: HashMap<(u32, u64), PendingHandle>,
     /// External block handles whose address is known.
     handle_ptrs: HashMap<(u32, u64), u64>,
@@ -482,25 +487,29 @@ impl Tracker {
             self.inner.entry(event.tid).or_default().push(event.clone());
             return;
         }
-        let held = self.inner.remove(&event.tid).unwrap_or_default();
-        let (merged, standalone): (Vec<Event>, Vec<Event>) = held.into_iter().partition(|e| match &e.kind {
-            EventKind::Call(inner) => inner.outer == Some(call.api),
-            _ => false,
-        });
-        for e in &standalone {
-            self.apply_one(e, out);
-        }
-        if merged.is_empty() {
-            self.apply_one(event, out);
-            return;
-        }
-        let mut call = call.clone();
-        for e in &merged {
-            if let EventKind::Call(inner) = &e.kind {
-                merge_inner(&mut call, inner);
+        // The common case, a call with nothing held (or one driver call), allocates nothing: the
+        // thread's list keeps its capacity for the next driver call.
+        let mut held = match self.inner.get_mut(&event.tid) {
+            Some(held) if !held.is_empty() => std::mem::take(held),
+            _ => return self.apply_one(event, out),
+        };
+        let mut merged: Option<Call> = None;
+        for e in &held {
+            match &e.kind {
+                EventKind::Call(inner) if inner.outer == Some(call.api) => {
+                    merge_inner(merged.get_or_insert_with(|| call.clone()), inner);
+                }
+                _ => self.apply_one(e, out),
             }
         }
-        self.apply_one(&Event { kind: EventKind::Call(call), ..event.clone() }, out);
+        held.clear();
+        if let Some(list) = self.inner.get_mut(&event.tid) {
+            *list = held;
+        }
+        match merged {
+            None => self.apply_one(event, out),
+            Some(call) => self.apply_one(&Event { kind: EventKind::Call(call), ..*event }, out),
+        }
     }
 
     /// Applies the held driver calls of a thread whose runtime call never came (its record was
@@ -879,16 +888,15 @@ impl Tracker {
         stats.peak_used = stats.peak_used.max(stats.used);
         stats.live_blocks += 1;
         let (used, total) = (stats.used, stats.total);
-        let labels = self.tags.labels(site.pid, site.tid);
+        let labels = self.tags.block_labels(site.pid, site.tid);
         let hidden = self.is_paused(site.pid);
         if !hidden {
-            let owner = OwnerBase::Pool(pool).owner(&labels);
+            let owner = OwnerBase::Pool(pool).owner(tags::of(&labels));
             out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
         }
         let born_ns = site.wall_ns;
         let streams = Vec::new();
         let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns, streams };
-        self.pool_index.insert((site.pid, ptr), ptr.saturating_add(block.size));
         self.pool_blocks.insert((site.pid, ptr), block);
     }
 
@@ -903,7 +911,6 @@ impl Tracker {
         implied: bool,
         out: &mut Vec<Output>,
     ) {
-        self.pool_index.remove(&(site.pid, ptr));
         match self.pool_blocks.remove(&(site.pid, ptr)) {
             Some(block) => {
                 let stats = self.pools.entry((block.device, block.pool, site.pid)).or_default();
@@ -990,10 +997,10 @@ impl Tracker {
         stats.live_blocks += 1;
         stats.mallocs += 1;
         let used = stats.used;
-        let labels = self.tags.labels(site.pid, site.tid);
+        let labels = self.tags.block_labels(site.pid, site.tid);
         let hidden = self.is_paused(site.pid);
         if !hidden {
-            let owner = Some(base.owner(&labels));
+            let owner = Some(base.owner(tags::of(&labels)));
             let segment = None;
             out.push(Output::Malloc {
                 site,
@@ -1011,7 +1018,6 @@ impl Tracker {
         }
         let born_ns = site.wall_ns;
         let block = Live { device, size, allocation_id, api: site.api, base, labels, hidden, born_ns };
-        self.block_index.insert((site.pid, ptr), (space, ptr.saturating_add(block.size)));
         self.blocks.insert((site.pid, space, ptr), block);
     }
 
@@ -1026,9 +1032,6 @@ impl Tracker {
         driver: Option<DriverInfo>,
         out: &mut Vec<Output>,
     ) {
-        if self.block_index.get(&(site.pid, ptr)).is_some_and(|(s, _)| *s == space) {
-            self.block_index.remove(&(site.pid, ptr));
-        }
         match self.blocks.remove(&(site.pid, space, ptr)) {
             Some(block) => {
                 let stats = self.stats(block.device);
@@ -1077,12 +1080,16 @@ impl Tracker {
 
     /// Ends the trace at `wall_ns`: held driver calls are applied, then every block still alive
     /// gets a shadow free one nanosecond later, in allocation order per device. Totals (`used`,
-    /// `live_blocks`) are left as they were at the end, for the summary.
-    pub fn finish(&mut self, wall_ns: u64, out: &mut Vec<Output>) {
+    /// `live_blocks`) are left as they were at the end, for the summary. Each fact goes to `emit`
+    /// as it is made: with a million live blocks, a list of them all would double the memory the
+    /// tracer holds at the stop.
+    pub fn finish<E>(&mut self, wall_ns: u64, mut emit: impl FnMut(Output) -> Result<(), E>) -> Result<(), E> {
+        let mut held = Vec::new();
         let tids: Vec<u32> = self.inner.keys().copied().collect();
         for tid in tids {
-            self.flush_inner(tid, out);
+            self.flush_inner(tid, &mut held);
         }
+        held.into_iter().try_for_each(&mut emit)?;
         let at = wall_ns.max(self.last_wall_ns) + 1;
         // By reference: at stop a million live blocks are common, and the DB waits for this.
         let mut live: Vec<(&(u32, Space, u64), &Live)> = self.blocks.iter().collect();
@@ -1094,7 +1101,7 @@ impl Tracker {
             if block.hidden {
                 continue;
             }
-            out.push(Output::Free {
+            emit(Output::Free {
                 site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
                 device: block.device,
                 space,
@@ -1104,7 +1111,7 @@ impl Tracker {
                 used: *remaining,
                 shadow: true,
                 driver: None,
-            });
+            })?;
         }
         let mut live: Vec<(&(u32, u64), &PoolBlock)> = self.pool_blocks.iter().collect();
         live.sort_unstable_by_key(|(_, b)| (b.device, b.pool, b.allocation_id));
@@ -1116,7 +1123,7 @@ impl Tracker {
                 continue;
             }
             let total = self.pools.get(&(block.device, block.pool, pid)).map_or(0, |s| s.total);
-            out.push(Output::PoolFree {
+            emit(Output::PoolFree {
                 site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
                 device: block.device,
                 pool: block.pool,
@@ -1128,8 +1135,9 @@ impl Tracker {
                 shadow: true,
                 implied: false,
                 stream_uses: 0,
-            });
+            })?;
         }
+        Ok(())
     }
 }
 
@@ -1279,7 +1287,11 @@ mod tests {
         t.apply(&malloc(None, 1 << 40, Some(0), 207_001), &mut out);
         assert!(matches!(out[0], Output::Failed { status: 207_001, size: Some(s), .. } if s == 1 << 40));
         out.clear();
-        t.finish(5_000, &mut out);
+        t.finish(5_000, |o| {
+            out.push(o);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
         assert!(out.is_empty(), "a failed allocation must not get a shadow free: {out:?}");
     }
 
@@ -1386,7 +1398,11 @@ mod tests {
     fn finish_writes_shadow_frees_after_the_last_event() {
         let (mut t, _) = run(&[malloc(Some(0x1), 10, Some(0), 0), malloc(Some(0x2), 20, Some(0), 0)]);
         let mut out = Vec::new();
-        t.finish(0, &mut out);
+        t.finish(0, |o| {
+            out.push(o);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
         assert_eq!(out.len(), 2);
         for o in &out {
             let Output::Free { shadow, site, .. } = o else { panic!("{o:?}") };

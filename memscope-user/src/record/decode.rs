@@ -185,11 +185,15 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     }
 }
 
-/// The raw bytes of a record, as the BPF side writes them.
+/// The raw bytes of a record, as the BPF side writes them (tests, and the consumer benchmark).
+pub fn as_bytes<T: Copy>(record: &T) -> &[u8] {
+    // SAFETY: T is a padding-free repr(C) record (sizes are asserted in memscope-common).
+    unsafe { std::slice::from_raw_parts((record as *const T).cast::<u8>(), size_of::<T>()) }
+}
+
 #[cfg(test)]
 pub fn encode<T: Copy>(record: &T) -> Vec<u8> {
-    // SAFETY: T is a padding-free repr(C) record (sizes are asserted in memscope-common).
-    unsafe { std::slice::from_raw_parts((record as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+    as_bytes(record).to_vec()
 }
 
 #[cfg(test)]

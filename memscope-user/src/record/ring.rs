@@ -23,15 +23,13 @@ pub struct ConsumerStats {
 
 pub struct Consumer {
     ring: RingBuf<MapData>,
-    clock: Clock,
     pub stats: ConsumerStats,
-    /// Buffers copied at a call's entry, waiting for the call's record on the same thread.
-    blobs: HashMap<u32, RawBlob>,
+    decoder: Decoder,
 }
 
 impl Consumer {
     pub fn new(ring: RingBuf<MapData>, clock: Clock) -> Self {
-        Self { ring, clock, stats: ConsumerStats::default(), blobs: HashMap::new() }
+        Self { ring, stats: ConsumerStats::default(), decoder: Decoder::new(clock) }
     }
 
     pub fn ring(&self) -> &RingBuf<MapData> {
@@ -41,27 +39,47 @@ impl Consumer {
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
         while let Some(item) = self.ring.next() {
-            self.stats.records += 1;
-            match decode(&item) {
-                Ok(Record::Blob(blob)) => {
-                    self.blobs.insert(blob.tid, blob);
-                }
-                Ok(Record::Call(mut call)) if self.blobs.contains_key(&call.tid) => {
-                    let blob = self.blobs.remove(&call.tid).expect("checked");
-                    if blob.spec_id == call.spec_id {
-                        call.blob = Some(blob.data);
-                    }
-                    match to_event(Record::Call(call), self.clock) {
-                        Some(event) => sink(event),
-                        None => self.stats.unknown_api += 1,
-                    }
-                }
-                Ok(record) => match to_event(record, self.clock) {
-                    Some(event) => sink(event),
-                    None => self.stats.unknown_api += 1,
-                },
-                Err(_) => self.stats.undecodable += 1,
+            self.decoder.feed(&item, &mut self.stats, &mut sink);
+        }
+    }
+}
+
+/// Ring records to events, one record at a time: what the consumer does with each sample, also
+/// used to replay records that did not come from a ring (`bench-consumer`).
+pub struct Decoder {
+    clock: Clock,
+    /// Buffers copied at a call's entry, waiting for the call's record on the same thread
+    /// (looked up for every record, hence the fast hash).
+    blobs: HashMap<u32, RawBlob, foldhash::fast::RandomState>,
+}
+
+impl Decoder {
+    pub fn new(clock: Clock) -> Self {
+        Self { clock, blobs: HashMap::default() }
+    }
+
+    /// Decodes one record; the event it makes, if any, goes to `sink`.
+    pub fn feed(&mut self, bytes: &[u8], stats: &mut ConsumerStats, sink: &mut impl FnMut(Event)) {
+        stats.records += 1;
+        match decode(bytes) {
+            Ok(Record::Blob(blob)) => {
+                self.blobs.insert(blob.tid, blob);
             }
+            Ok(Record::Call(mut call)) if self.blobs.contains_key(&call.tid) => {
+                let blob = self.blobs.remove(&call.tid).expect("checked");
+                if blob.spec_id == call.spec_id {
+                    call.blob = Some(blob.data);
+                }
+                match to_event(Record::Call(call), self.clock) {
+                    Some(event) => sink(event),
+                    None => stats.unknown_api += 1,
+                }
+            }
+            Ok(record) => match to_event(record, self.clock) {
+                Some(event) => sink(event),
+                None => stats.unknown_api += 1,
+            },
+            Err(_) => stats.undecodable += 1,
         }
     }
 }

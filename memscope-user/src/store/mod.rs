@@ -23,7 +23,7 @@ pub mod sqlite;
 mod sqlite_raw;
 pub mod writer;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use thiserror::Error;
@@ -94,6 +94,22 @@ struct Open {
     sink: Box<dyn Sink>,
     next_id: u64,
     next_untracked_id: u64,
+    /// The `ID` of each live block's MALLOC row, by (pid, Event Type, Ptr), so an owner change
+    /// can find it. One entry per live block (a million in a large job), so the key is packed
+    /// and the map a B-tree, which never doubles its storage the way a growing hash table does.
+    malloc_ids: BTreeMap<(u32, u8, u64), u64>,
+}
+
+/// The block row kinds an owner change can name, as a byte for [`Open::malloc_ids`].
+fn event_type_code(event_type: &str) -> u8 {
+    match event_type {
+        "HAL" => 0,
+        "HOST" => 1,
+        "PTA" => 2,
+        "HOST_PINNED" => 3,
+        "PTA_WORKSPACE" => 4,
+        _ => u8::MAX,
+    }
 }
 
 /// Routes rows to per-device sinks, creating them lazily.
@@ -109,9 +125,6 @@ pub struct Store {
     broadcast: Vec<Row>,
     /// Broadcast rows past the limit, which an output created after them does not get.
     not_replayed: u64,
-    /// The `ID` of each live block's MALLOC row, by (device, pid, Event Type, Ptr), so an owner
-    /// change can find it.
-    malloc_ids: HashMap<(DeviceKey, u32, &'static str, u64), u64>,
 }
 
 /// Broadcast rows kept for replay into outputs created later.
@@ -138,7 +151,6 @@ impl Store {
             open: BTreeMap::new(),
             broadcast: Vec::new(),
             not_replayed: 0,
-            malloc_ids: HashMap::new(),
         }
     }
 
@@ -158,7 +170,7 @@ impl Store {
                 }
             };
             sink.add_probes(&self.probes)?;
-            let mut open = Open { sink, next_id: 1, next_untracked_id: 1 };
+            let mut open = Open { sink, next_id: 1, next_untracked_id: 1, malloc_ids: BTreeMap::new() };
             let start = insight::system_row("START_TRACE", self.start_wall_ns, device, &self.meta);
             open.sink.insert(open.next_id, &start)?;
             open.next_id += 1;
@@ -196,13 +208,13 @@ impl Store {
         open.sink.insert(id, row)?;
         open.next_id += 1;
         if let Some(ptr) = row.ptr {
-            let key = (row.device, row.pid, row.event_type, ptr);
+            let key = (row.pid, event_type_code(row.event_type), ptr);
             match row.event {
                 "MALLOC" => {
-                    self.malloc_ids.insert(key, id);
+                    open.malloc_ids.insert(key, id);
                 }
                 "FREE" => {
-                    self.malloc_ids.remove(&key);
+                    open.malloc_ids.remove(&key);
                 }
                 _ => {}
             }
@@ -213,11 +225,10 @@ impl Store {
     /// Rewrites the owner of a live block's MALLOC row; a block whose row is unknown (born
     /// before the trace) is left alone.
     pub fn retag(&mut self, retag: &Retag) -> Result<(), StoreError> {
-        let key = (retag.device, retag.pid, retag.event_type, retag.ptr);
-        let (Some(id), Some(open)) = (self.malloc_ids.get(&key), self.open.get_mut(&retag.device)) else {
-            return Ok(());
-        };
-        open.sink.update_owner(*id, &retag.owner)
+        let key = (retag.pid, event_type_code(retag.event_type), retag.ptr);
+        let Some(open) = self.open.get_mut(&retag.device) else { return Ok(()) };
+        let Some(&id) = open.malloc_ids.get(&key) else { return Ok(()) };
+        open.sink.update_owner(id, &retag.owner)
     }
 
     pub fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError> {

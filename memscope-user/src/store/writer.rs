@@ -14,8 +14,9 @@ use super::{Meta, ProbeRow, Retag, Row, Store, StoreError, Written};
 
 /// Rows per message.
 const BATCH: usize = 1024;
-/// Messages in flight: about 64k rows (a few tens of MB) between the session and the disk.
-const IN_FLIGHT: usize = 64;
+/// Messages in flight: about 16k rows (about 10 MB) between the session and the disk. A longer
+/// stall waits in the ring buffer, which holds records at a fifth of a row's size in memory here.
+const IN_FLIGHT: usize = 16;
 
 enum Msg {
     Rows(Vec<Row>),

@@ -1,0 +1,61 @@
+//! Events to rows: each event goes through the model, and each fact it adds goes to the store
+//! as a row (or as an owner change of an earlier row). The trace loop and the consumer benchmark
+//! (`bench-consumer`) both feed events here, so the benchmark times the trace's own path.
+
+use std::collections::BTreeSet;
+
+use crate::model::{Event, EventKind, Output, Tracker};
+use crate::procs;
+use crate::store::{insight, Retag, Writer};
+
+pub struct Recorder {
+    pub tracker: Tracker,
+    pub store: Writer,
+    pub outputs: Vec<Output>,
+    pub calls: u64,
+    pub markers: u64,
+    /// Processes forked by the traced ones and still running.
+    pub children: BTreeSet<u32>,
+    /// The first write error; the trace stops on it.
+    pub error: Option<anyhow::Error>,
+}
+
+impl Recorder {
+    pub fn new(tracker: Tracker, store: Writer) -> Self {
+        Self { tracker, store, outputs: Vec::new(), calls: 0, markers: 0, children: BTreeSet::new(), error: None }
+    }
+
+    pub fn on_event(&mut self, event: Event) {
+        match &event.kind {
+            EventKind::Call(_) => self.calls += 1,
+            // The fork tracepoint also sees new threads; only processes have maps to rescan.
+            EventKind::Fork { child } if procs::liveness(*child) == procs::Liveness::Running => {
+                self.children.insert(*child);
+            }
+            EventKind::Fork { .. } => {}
+            EventKind::Exit => {
+                self.children.remove(&event.pid);
+            }
+            EventKind::Marker(_) => self.markers += 1,
+        }
+        self.tracker.apply(&event, &mut self.outputs);
+        self.flush_outputs();
+    }
+
+    fn flush_outputs(&mut self) {
+        for output in self.outputs.drain(..) {
+            if self.error.is_some() {
+                continue;
+            }
+            let written = match output {
+                Output::Retag { device, pid, event_type, ptr, owner } => {
+                    self.store.retag(Retag { device, pid, event_type, ptr, owner })
+                }
+                output => insight::to_row(&output).map_or(Ok(()), |row| self.store.write(row)),
+            };
+            if let Err(e) = written {
+                self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));
+            }
+        }
+    }
+}

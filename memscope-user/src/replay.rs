@@ -1,0 +1,219 @@
+//! The consumer on its own: synthetic ring records replayed through the trace's path (decode →
+//! apis → tracker → rows → SQLite on the store thread), for `cargo xtask bench`. It measures what
+//! userspace costs per record and what it holds per live block, without BPF and without the
+//! traced program competing for the CPU.
+//!
+//! The records are the bytes the BPF programs write for the stand-in allocation loop
+//! (`tests/bench/alloc_bench.c`, built from the ABI in `memscope_common::record`): per pair, the
+//! driver's `halMemAlloc` (nested in the runtime's call, so its record comes first), then
+//! `aclrtMalloc`, `halMemFree` and `aclrtFree`. `live` blocks are allocated first and never
+//! freed, so they are live at the stop and get their shadow frees there.
+
+use std::mem::size_of;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use memscope_common::record::{CallRecord, RecordHeader, RecordKind, TEXT_LEN};
+
+use crate::apis::Api;
+use crate::clock::{self, Clock};
+use crate::model::Tracker;
+use crate::record::decode::as_bytes;
+use crate::record::ring::{ConsumerStats, Decoder};
+use crate::recorder::Recorder;
+use crate::store::{insight, Format, Meta, RunLayout, Store, Writer};
+
+/// The process id written in the replayed records (and in the run folder's name).
+pub const PID: u32 = 4242;
+/// Records generated per chunk: small, so the generator's buffer stays out of the peak memory.
+const CHUNK: usize = 4096;
+const RECORD: usize = size_of::<CallRecord>();
+/// `MEM_DEV_VAL << MEM_VIRT_BIT | APP << 56`: device memory of device 0 for module APP, as the
+/// stand-in runtime asks the driver.
+const FLAG: u64 = (1 << 10) | (33 << 56);
+
+pub struct Options {
+    pub pairs: u64,
+    pub live: u64,
+    pub output: PathBuf,
+}
+
+pub struct Report {
+    pub records: u64,
+    /// Records the consumer could not decode or map to an API (0 when the generator is right).
+    pub rejected: u64,
+    pub wall: Duration,
+    /// CPU time of the whole process (all threads) less the generator's own.
+    pub cpu: Duration,
+    /// `VmHWM`: the process's peak resident memory, in KiB.
+    pub peak_rss_kib: u64,
+    pub files: Vec<PathBuf>,
+}
+
+/// The records of the allocation loop, in the order one thread's ring records arrive.
+struct Generator {
+    mono_ns: u64,
+    next: u64,
+    live_left: u64,
+    pairs_left: u64,
+}
+
+impl Generator {
+    fn record(&mut self, api: Api, outer: Option<Api>, args: [u64; 3], result: Option<u64>, out: &mut Vec<u8>) {
+        self.mono_ns += 500;
+        let mut fields = [0; memscope_common::spec::MAX_FIELDS];
+        fields[0] = result.unwrap_or(0);
+        out.extend_from_slice(as_bytes(&CallRecord {
+            hdr: RecordHeader { kind: RecordKind::Call as u32, cpu: 0, ts_ns: self.mono_ns, tgid: PID, tid: PID },
+            spec_id: api.spec_id(),
+            thread_device: 0,
+            entry_ns: self.mono_ns - 400,
+            args: [args[0], args[1], args[2], 0, 0, 0],
+            ret: 0,
+            fields,
+            fields_ok: u32::from(result.is_some()),
+            outer_spec: outer.map_or(0, Api::spec_id),
+            cfg_device: -1,
+            cfg_module: -1,
+            text: [0; TEXT_LEN],
+        }));
+    }
+
+    fn malloc(&mut self, ptr: u64, size: u64, out: &mut Vec<u8>) {
+        let out_ptr = 0x7ffd_0000_1000;
+        let driver_size = (size + 32).div_ceil(32) * 32;
+        self.record(Api::HalMemAlloc, Some(Api::AclrtMalloc), [out_ptr, driver_size, FLAG], Some(ptr), out);
+        self.record(Api::AclrtMalloc, None, [out_ptr, size, 0], Some(ptr), out);
+    }
+
+    fn free(&mut self, ptr: u64, out: &mut Vec<u8>) {
+        self.record(Api::HalMemFree, Some(Api::AclrtFree), [ptr, 0, 0], None, out);
+        self.record(Api::AclrtFree, None, [ptr, 0, 0], None, out);
+    }
+
+    /// The next records (up to about [`CHUNK`], back to back); empty at the end.
+    fn fill(&mut self, out: &mut Vec<u8>) {
+        out.clear();
+        while out.len() < CHUNK * RECORD && (self.live_left > 0 || self.pairs_left > 0) {
+            let size = 4096 + (self.next & 63);
+            if self.live_left > 0 {
+                // Live blocks at increasing addresses, as an allocator hands out fresh memory.
+                let ptr = 0x1000_0000_0000 + self.next * 0x1200;
+                self.malloc(ptr, size, out);
+                self.live_left -= 1;
+            } else {
+                // A pair reuses one address, as the stand-in's allocator does for a freed block.
+                let ptr = 0x2000_0000_0000;
+                self.malloc(ptr, size, out);
+                self.free(ptr, out);
+                self.pairs_left -= 1;
+            }
+            self.next += 1;
+        }
+    }
+}
+
+fn thread_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+fn process_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+fn cpu_clock(id: libc::clockid_t) -> Duration {
+    // SAFETY: zeroed timespec is a valid out-parameter.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer, known clock id.
+    unsafe { libc::clock_gettime(id, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// `VmHWM` of this process, in KiB (0 if /proc cannot say).
+pub fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn store(output: &Path, start_wall: u64) -> anyhow::Result<Writer> {
+    let layout = RunLayout::create(output, PID, (start_wall / 1_000_000_000) as i64)?;
+    let meta: Meta = vec![("tool".into(), "memscope-bpf bench-consumer".into())];
+    Ok(Writer::start(Store::new(layout, Format::Db, start_wall, meta)))
+}
+
+/// Replays the records and closes the DB as a trace's stop does.
+pub fn run(opts: &Options) -> anyhow::Result<Report> {
+    let clock = Clock::calibrate();
+    let start_wall = clock::wall_ns();
+    let mut recorder = Recorder::new(Tracker::new(), store(&opts.output, start_wall)?);
+    let mut decoder = Decoder::new(clock);
+    let mut stats = ConsumerStats::default();
+    let mut generator =
+        Generator { mono_ns: clock::monotonic_ns(), next: 0, live_left: opts.live, pairs_left: opts.pairs };
+    let mut chunk = Vec::with_capacity((CHUNK + 4) * RECORD);
+    let (started, cpu_start) = (Instant::now(), process_cpu());
+    let mut generating = Duration::ZERO;
+    loop {
+        let before = thread_cpu();
+        generator.fill(&mut chunk);
+        generating += thread_cpu() - before;
+        if chunk.is_empty() {
+            break;
+        }
+        for record in chunk.chunks(RECORD) {
+            decoder.feed(record, &mut stats, &mut |e| recorder.on_event(e));
+        }
+        if let Some(e) = recorder.error.take() {
+            return Err(e);
+        }
+    }
+    let Recorder { mut tracker, mut store, .. } = recorder;
+    let stop_wall = clock::wall_ns();
+    tracker.finish(stop_wall, |output| insight::to_row(&output).map_or(Ok(()), |row| store.write(row)))?;
+    let written = store.finish(stop_wall, Vec::new(), Vec::new()).context("cannot finish the DB")?;
+    Ok(Report {
+        records: stats.records,
+        rejected: stats.undecodable + stats.unknown_api,
+        wall: started.elapsed(),
+        cpu: (process_cpu() - cpu_start).saturating_sub(generating),
+        peak_rss_kib: peak_rss_kib(),
+        files: written.into_iter().map(|w| w.path).collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use rusqlite::Connection;
+
+    use super::*;
+
+    fn count(db: &Connection, sql: &str) -> i64 {
+        db.query_row(sql, [], |r| r.get(0)).unwrap()
+    }
+
+    #[test]
+    fn every_generated_call_becomes_the_rows_the_loop_would_write() {
+        let dir = std::env::temp_dir().join(format!("memscope-replay-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let report = run(&Options { pairs: 3000, live: 700, output: dir.clone() }).unwrap();
+        assert_eq!(report.records, (3000 * 4 + 700 * 2), "4 records per pair, 2 per live block");
+        assert_eq!(report.rejected, 0);
+        assert_eq!(report.files.len(), 1, "all on device 0: {:?}", report.files);
+        let db = Connection::open(&report.files[0]).unwrap();
+        // The generator's ledger: one MALLOC per pair and live block, a FREE per pair, and a
+        // shadow FREE per live block; the driver calls are folded into the runtime's rows.
+        assert_eq!(count(&db, "SELECT count(*) FROM memscope_dump WHERE Event = 'MALLOC'"), 3700);
+        assert_eq!(count(&db, "SELECT count(*) FROM memscope_dump WHERE Event = 'FREE'"), 3700);
+        assert_eq!(count(&db, "SELECT count(*) FROM memscope_dump WHERE Name LIKE 'hal%'"), 0);
+        assert_eq!(
+            count(&db, "SELECT count(*) FROM memscope_dump WHERE Event = 'FREE' AND Attr LIKE '%\"shadow\"%'"),
+            700
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,124 @@
+//! `cargo xtask bench`, the consumer's part: how fast userspace turns records into rows, and how
+//! much memory the tracer holds per live block.
+//!
+//! - Throughput: `memscope-bpf bench-consumer` replays synthetic ring records of the allocation
+//!   loop (built from the record ABI) through the trace's own decode → tracker → rows → SQLite
+//!   path, with no BPF and no traced program competing for the CPUs. It reports records per
+//!   second of wall time and per second of CPU time (all its threads together, that is records
+//!   per core).
+//! - Memory: the real tracer, tracing `alloc_bench 0 LIVE` (LIVE blocks still allocated when the
+//!   program exits, so they are live at the tracer's stop, shadow frees and all). Its peak
+//!   resident memory (`VmHWM`) is read from /proc every 10 ms until it exits; the replay's own
+//!   `VmHWM` with the same live blocks is the consumer's share (no ring buffer, no BPF).
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+
+use crate::build::Built;
+use crate::util::privileged;
+
+/// What one `bench-consumer` run printed: `key value` pairs.
+struct Replay {
+    fields: Vec<(String, String)>,
+}
+
+impl Replay {
+    fn get(&self, key: &str) -> anyhow::Result<f64> {
+        self.fields
+            .iter()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.parse().ok())
+            .with_context(|| format!("bench-consumer printed no {key}"))
+    }
+}
+
+fn replay(binary: &Path, out: &Path, pairs: u64, live: u64) -> anyhow::Result<Replay> {
+    let _ = std::fs::remove_dir_all(out);
+    std::fs::create_dir_all(out)?;
+    let (stdout, _) = crate::bench::run_capture(
+        Command::new(binary)
+            .args(["bench-consumer", "--pairs", &pairs.to_string(), "--live", &live.to_string(), "--output"])
+            .arg(out),
+    )?;
+    let line = stdout.lines().find(|l| l.starts_with("records ")).context("no result line from bench-consumer")?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let fields = words.chunks(2).filter(|c| c.len() == 2).map(|c| (c[0].to_owned(), c[1].to_owned())).collect();
+    let _ = std::fs::remove_dir_all(out);
+    Ok(Replay { fields })
+}
+
+fn vm_hwm_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+/// The tracer's peak resident memory (KiB) while tracing a program that exits with `live`
+/// blocks allocated, and its summary line of calls recorded.
+fn tracer_peak(built: &Built, out: &Path, live: u64) -> anyhow::Result<(u64, String)> {
+    let _ = std::fs::remove_dir_all(out);
+    let mut child = privileged(built.binary.to_str().expect("utf-8 path"))
+        .args(["trace", "--quiet", "--output"])
+        .arg(out)
+        .arg("--lib")
+        .arg(&built.libascendcl)
+        .arg("--")
+        .arg(&built.alloc_bench)
+        .args(["0", &live.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot start memscope-bpf trace")?;
+    let pid = child.id();
+    let mut peak = 0;
+    while child.try_wait()?.is_none() {
+        peak = peak.max(vm_hwm_kib(pid).unwrap_or(0));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let output = child.wait_with_output()?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if !output.status.success() {
+        bail!("memscope-bpf trace failed ({}):\n{stderr}", output.status);
+    }
+    let recorded = stderr.lines().find(|l| l.contains("calls recorded")).unwrap_or("").trim().to_owned();
+    let _ = std::fs::remove_dir_all(out);
+    Ok((peak, recorded))
+}
+
+fn mib(kib: f64) -> f64 {
+    kib / 1024.0
+}
+
+pub fn run(built: &Built, dir: &Path, pairs: u64, live: u64) -> anyhow::Result<String> {
+    let mut md = String::from("\n## The consumer: records per second, memory per live block\n\n");
+    if pairs > 0 {
+        eprintln!("xtask bench: replaying {pairs} allocation pairs through the consumer");
+        let r = replay(&built.binary, &dir.join("replay"), pairs, 0)?;
+        md.push_str(&format!(
+            "`memscope-bpf bench-consumer --pairs {pairs}`: {:.0} records (4 per pair: runtime and driver \
+             calls, merged into 2 rows), {:.2} s wall, {:.2} s CPU (all threads): **{:.0} records/s per core**, \
+             {:.0} records/s wall.\n",
+            r.get("records")?,
+            r.get("wall_s")?,
+            r.get("cpu_s")?,
+            r.get("records_per_cpu_s")?,
+            r.get("records_per_s")?,
+        ));
+    }
+    if live > 0 {
+        eprintln!("xtask bench: {live} live blocks, replayed and traced");
+        let r = replay(&built.binary, &dir.join("replay"), 0, live)?;
+        let (peak, recorded) = tracer_peak(built, &dir.join("out-live"), live)?;
+        md.push_str(&format!(
+            "\nWith {live} live blocks at the stop: the tracer's peak RSS (VmHWM) **{:.0} MiB** tracing \
+             `alloc_bench 0 {live}` ({recorded}); the consumer alone (`bench-consumer --pairs 0 --live {live}`, no \
+             ring, no BPF) {:.0} MiB.\n",
+            mib(peak as f64),
+            mib(r.get("peak_rss_kib")?),
+        ));
+    }
+    Ok(md)
+}
