@@ -1113,12 +1113,16 @@ pub fn assert_segments(pool: &[PoolEntry], out: &Output) {
             // workload's own runtime calls); each segment step takes the nearest unused row.
             let mut used = vec![false; got.len()];
             for e in here.iter() {
+                // The runtime call ran between the allocator's `t0` and `t`: a slow one (20 MiB
+                // of fresh pages on a loaded machine) starts well before the step is logged.
                 let t = e.t.unwrap();
+                let t0 = e.t0.unwrap_or(t);
+                let off = |ts: u64| if ts < t0 { t0 - ts } else { ts.saturating_sub(t) };
                 let (i, r) = got
                     .iter()
                     .enumerate()
-                    .filter(|(i, r)| !used[*i] && r.ts.abs_diff(t) <= CLOCK_TOLERANCE_NS)
-                    .min_by_key(|(_, r)| r.ts.abs_diff(t))
+                    .filter(|(i, r)| !used[*i] && off(r.ts) <= CLOCK_TOLERANCE_NS)
+                    .min_by_key(|(_, r)| off(r.ts))
                     .unwrap_or_else(|| panic!("no {name} {event} row for segment event {e:?}"));
                 used[i] = true;
                 assert_eq!(r.device, e.device.to_string(), "{r:?} {e:?}");

@@ -405,7 +405,9 @@ class DeviceCachingAllocator {
     void release_cached(bool oversize_only);
     void shrink_expandable(BlockPool &pool);
     bool should_split(const Block *block, size_t size) const;
-    void segment_event(const char *ev, void *ptr, size_t size);
+    // `t0`: taken before the runtime call the step made, so a test can place that call's row
+    // between `t0` and `t` however long the call took.
+    void segment_event(const char *ev, void *ptr, size_t size, unsigned long long t0);
     void free_block(Block *block);
 
     int device_;
@@ -416,11 +418,11 @@ class DeviceCachingAllocator {
     std::vector<Block *> pending_;  // freed while marked, in free order
 };
 
-void DeviceCachingAllocator::segment_event(const char *ev, void *ptr, size_t size) {
+void DeviceCachingAllocator::segment_event(const char *ev, void *ptr, size_t size, unsigned long long t0) {
     if (Ledger::get().on()) {
-        Ledger::get().line(fmt("{\"ev\": \"%s\", \"tid\": %ld, \"t\": %llu, \"device\": %d, \"ptr\": %llu, \"size\": %zu, "
-                               "\"allocated\": %zu, \"reserved\": %zu}",
-                               ev, tid(), now_ns(), device_, (unsigned long long)(uintptr_t)ptr, size, stats_.allocated,
+        Ledger::get().line(fmt("{\"ev\": \"%s\", \"tid\": %ld, \"t0\": %llu, \"t\": %llu, \"device\": %d, \"ptr\": %llu, "
+                               "\"size\": %zu, \"allocated\": %zu, \"reserved\": %zu}",
+                               ev, tid(), t0, now_ns(), device_, (unsigned long long)(uintptr_t)ptr, size, stats_.allocated,
                                stats_.reserved));
     }
 }
@@ -467,11 +469,12 @@ Block *DeviceCachingAllocator::alloc_block(BlockPool &pool, size_t size, aclrtSt
         }
     }
     void *ptr = nullptr;
+    unsigned long long t0 = now_ns();
     if (aclrtMallocAlign32(&ptr, alloc, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS) {
         return nullptr;
     }
     stats_.reserved += alloc;
-    segment_event("segment_alloc", ptr, alloc);
+    segment_event("segment_alloc", ptr, alloc, t0);
     return new Block{device_, stream, alloc, 0, &pool, ptr, false, nullptr, nullptr, ptr};
 }
 
@@ -512,13 +515,14 @@ Block *DeviceCachingAllocator::grow_expandable(BlockPool &pool, size_t size, acl
         if (aclrtMallocPhysical(&handle, seg->page, &prop, 0) != ACL_SUCCESS) {
             return nullptr;
         }
+        unsigned long long t0 = now_ns();
         if (aclrtMapMem(at, seg->page, 0, handle, 0) != ACL_SUCCESS) {
             aclrtFreePhysical(handle);
             return nullptr;
         }
         seg->handles.push_back(handle);
         stats_.reserved += seg->page;
-        segment_event("segment_map", at, seg->page);
+        segment_event("segment_map", at, seg->page, t0);
     }
     size_t grown = pages * seg->page;
     if (tail != nullptr) {
@@ -548,10 +552,11 @@ void DeviceCachingAllocator::shrink_expandable(BlockPool &pool) {
         pool.blocks.erase(b);
         for (size_t i = seg->handles.size(); i > start; i--) {
             void *at = (char *)seg->base + (i - 1) * seg->page;
+            unsigned long long t0 = now_ns();
             aclrtUnmapMem(at);
             aclrtFreePhysical(seg->handles[i - 1]);
             stats_.reserved -= seg->page;
-            segment_event("segment_unmap", at, seg->page);
+            segment_event("segment_unmap", at, seg->page, t0);
         }
         seg->handles.resize(start);
         size_t cut = (char *)b->ptr + b->size - ((char *)seg->base + start * seg->page);
@@ -571,9 +576,10 @@ void DeviceCachingAllocator::shrink_expandable(BlockPool &pool) {
 void DeviceCachingAllocator::release_block(Block *block) {
     BlockPool *pool = block->pool;
     pool->blocks.erase(block);
+    unsigned long long t0 = now_ns();
     aclrtFree(block->ptr);
     stats_.reserved -= block->size;
-    segment_event("segment_free", block->ptr, block->size);
+    segment_event("segment_free", block->ptr, block->size, t0);
     delete block;
 }
 
