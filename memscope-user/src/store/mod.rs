@@ -38,9 +38,9 @@ use crate::model::DeviceKey;
 
 #[derive(Debug, Error)]
 pub enum StoreError {
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path} (check the free space and permissions of the --output folder)")]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("SQLite error on {path}: {source}")]
+    #[error("cannot write the trace DB {path} (check the free space and permissions of the --output folder)")]
     Sqlite { path: PathBuf, source: rusqlite::Error },
 }
 
