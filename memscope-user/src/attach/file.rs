@@ -49,9 +49,10 @@ pub const MAX_LIBRARY_BYTES: u64 = 2 << 30;
 /// The largest file accepted as a separate debug file (8 GiB): DWARF of a large C++ library can
 /// be several times the library's size.
 pub const MAX_DEBUG_FILE_BYTES: u64 = 8 << 30;
-/// The largest file copied into memory where it cannot be leased (1 GiB): above torch_npu's
-/// library, the largest real candidate, and a passing cost (freed when the parse is done).
-pub const MAX_COPY_BYTES: u64 = 1 << 30;
+/// The largest file copied into memory where it cannot be leased (512 MiB): five times
+/// torch_npu 2.14's `libtorch_npu.so` (97 MB), the largest real candidate, and a passing cost
+/// (freed when the parse is done).
+pub const MAX_COPY_BYTES: u64 = 512 << 20;
 
 #[derive(Debug, Error)]
 pub enum FileError {
