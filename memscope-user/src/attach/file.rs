@@ -428,6 +428,70 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Drops CAP_LEASE from this thread's effective set (capabilities are per thread), so that
+    /// a file of another user cannot be leased from it, as for an unprivileged tracer.
+    fn drop_cap_lease_in_this_thread() -> bool {
+        const CAP_LEASE: u32 = 28;
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: i32,
+        }
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        let mut header = Header { version: 0x2008_0522, pid: 0 };
+        let mut data = [Data::default(); 2];
+        // SAFETY: capget/capset (version 3: two data words) on the calling thread.
+        unsafe {
+            if libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) != 0 {
+                return false;
+            }
+            data[0].effective &= !(1 << CAP_LEASE);
+            libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) == 0
+        }
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_leased_is_read_into_memory_and_a_large_one_refused() {
+        // SAFETY: no arguments.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("SKIPPED: needs root, to hand a file to another user and drop CAP_LEASE");
+            return;
+        }
+        let dir = scratch("nolease");
+        let lib = dir.join("libascendcl.so.9");
+        let original = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        std::fs::write(&lib, &original).unwrap();
+        let big = dir.join("libascend_hal.so");
+        File::create(&big).unwrap().set_len(MAX_COPY_BYTES + 1).unwrap();
+        for f in [&lib, &big] {
+            std::os::unix::fs::chown(f, Some(65534), Some(65534)).unwrap();
+        }
+        let (lib2, big2) = (lib.clone(), big.clone());
+        std::thread::spawn(move || {
+            assert!(drop_cap_lease_in_this_thread(), "capset");
+            // Ground truth that this thread cannot lease it: the kernel says so.
+            assert!(lease(&File::open(&lib2).unwrap()).is_err(), "a lease without CAP_LEASE on another's file");
+            let data = map_library(&lib2).unwrap();
+            assert!(!data.is_leased());
+            // A copy: whatever happens to the file now, the bytes stay.
+            std::fs::OpenOptions::new().write(true).truncate(true).open(&lib2).unwrap();
+            assert!(*data == original[..]);
+            let wanted: std::collections::HashSet<String> = ["main".to_owned()].into();
+            assert!(crate::attach::elf::ElfSymbols::parse(&data, &wanted).unwrap().get("main").is_some());
+            let err = map(&big2, MAX_LIBRARY_BYTES).err().expect("too large to copy");
+            assert!(matches!(err, FileError::NoLease { size, .. } if size == MAX_COPY_BYTES + 1), "{err}");
+        })
+        .join()
+        .unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn crc_of_a_file_is_the_crc_of_its_bytes() {
         let dir = scratch("crc");
