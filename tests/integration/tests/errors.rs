@@ -295,6 +295,8 @@ fn failing_commands_say_each_cause_once() {
     let probes = Command::new(&env.bin).args(["probes", "--lib", lib.to_str().unwrap()]).output().unwrap();
     let listed = String::from_utf8_lossy(&probes.stdout);
     assert!(listed.contains("unreadable:") && !listed.lines().any(repeats_a_cause), "{listed}");
+    let code = probes.status.code().unwrap_or(-1);
+    fails_saying_each_cause_once("probes --lib of a damaged library", code, &String::from_utf8_lossy(&probes.stderr));
 }
 
 #[test]
