@@ -23,7 +23,8 @@
 //!   until the lease is given back, which is when the [`Mapped`] is dropped (after the parse,
 //!   milliseconds), or at most `/proc/sys/fs/lease-break-time` (45 s by default) later;
 //! - a file open for writing now cannot be leased (`EAGAIN`) and is refused: it is being
-//!   written, so its symbols are not to be trusted either;
+//!   written, so its symbols are not to be trusted either (on NFS and SMB, whose clients say
+//!   `EAGAIN` whenever the server holds back a delegation, it is copied as below instead);
 //! - the break is announced by SIGIO, whose default action would end the tracer: a no-op
 //!   handler is installed before the first lease (a handler, not `SIG_IGN`, so that a program
 //!   launched by the tracer does not inherit an ignored SIGIO).
@@ -188,13 +189,31 @@ fn lease(file: &File) -> std::io::Result<()> {
     }
 }
 
+/// Whether `file` is on NFS or SMB, whose clients answer a lease request with `EAGAIN` whenever
+/// the server has granted no delegation (oplock), writers or not: there it means "no lease".
+fn on_network_file_system(file: &File) -> bool {
+    const NFS: i64 = 0x6969;
+    const SMB: i64 = 0x517b;
+    const CIFS: i64 = 0xff53_4d42;
+    const SMB2: i64 = 0xfe53_4d42;
+    // SAFETY: statfs is plain data, for which all-zero bytes are valid.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs on a descriptor we own, into a struct of the right type.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
+        return false;
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between architectures.
+    let kind = fs.f_type as i64;
+    matches!(kind, NFS | SMB | CIFS | SMB2)
+}
+
 /// Maps a regular file of at most `limit` bytes, under a read lease (or copies it, see the
 /// module doc).
 pub fn map(path: &Path, limit: u64) -> Result<Mapped, FileError> {
     let (file, _) = open_regular(path, limit)?;
     let leased = match lease(&file) {
         Ok(()) => true,
-        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && !on_network_file_system(&file) => {
             return Err(FileError::BeingWritten { path: path.to_owned() })
         }
         Err(source) => {
