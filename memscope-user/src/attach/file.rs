@@ -21,7 +21,8 @@
 //! `CAP_LEASE`, and anyone may lease a file they own):
 //! - while it is held, whoever truncates the file or opens it for writing waits in the kernel
 //!   until the lease is given back, which is when the [`Mapped`] is dropped (after the parse,
-//!   milliseconds), or at most `/proc/sys/fs/lease-break-time` (45 s by default) later;
+//!   milliseconds). The kernel takes a lease back itself after `/proc/sys/fs/lease-break-time`
+//!   (45 s by default), so only a parse longer than that could still see the file shrink;
 //! - a file open for writing now cannot be leased (`EAGAIN`) and is refused: it is being
 //!   written, so its symbols are not to be trusted either (on NFS and SMB, whose clients say
 //!   `EAGAIN` whenever the server holds back a delegation, it is copied as below instead);
