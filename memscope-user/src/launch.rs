@@ -21,7 +21,7 @@ pub enum LaunchError {
     Nul,
     #[error("cannot start the program: {0}")]
     Os(std::io::Error),
-    #[error("cannot execute `{program}`: {source}")]
+    #[error("cannot execute `{program}` (give a program file that you may execute)")]
     Exec { program: String, source: std::io::Error },
 }
 

@@ -41,8 +41,8 @@ fn main() -> ExitCode {
     match cli.run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            // One line: what failed, then why (anyhow's alternate form joins the chain).
-            say::say!("memscope-bpf: error: {err:#}");
+            // One line: what failed, then why, each cause once.
+            say::say!("memscope-bpf: error: {}", attach::with_causes(err.as_ref()));
             ExitCode::from(1)
         }
     }

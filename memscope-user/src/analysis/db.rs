@@ -169,20 +169,21 @@ pub fn open_read_only(path: &Path) -> Result<Connection, AnalysisError> {
         Err(e) => e,
     };
     if !wal_index_missing(&err, path) {
-        return Err(AnalysisError::NotSqlite { path: path.to_owned(), why: err.to_string() });
+        return Err(AnalysisError::opening(path, err));
     }
     let wal = PathBuf::from(format!("{}-wal", path.display()));
     if fs::metadata(&wal).is_ok_and(|m| m.len() > 0) {
         return Err(AnalysisError::WalInReadOnlyFolder { path: path.to_owned(), wal });
     }
     let uri = format!("file:{}?immutable=1", uri_path(path));
-    Connection::open_with_flags(uri, flags | OpenFlags::SQLITE_OPEN_URI)
-        .map_err(|e| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() })
+    Connection::open_with_flags(uri, flags | OpenFlags::SQLITE_OPEN_URI).map_err(|e| AnalysisError::opening(path, e))
 }
 
 /// Opens `path` and reads its schema once, where a missing WAL index shows.
 fn open_checked(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
     let conn = Connection::open_with_flags(path, flags)?;
+    // Insight or a still-running trace may hold the lock for a moment.
+    conn.busy_timeout(Duration::from_secs(5))?;
     conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
     Ok(conn)
 }
@@ -225,7 +226,7 @@ impl DumpDb {
     /// read. With `write`, also that the results can be written back.
     pub fn open(path: &Path, write: bool) -> Result<Self, AnalysisError> {
         Self::check_header(path)?;
-        let not_sqlite = |e: rusqlite::Error| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() };
+        let not_sqlite = |e: rusqlite::Error| AnalysisError::opening(path, e);
         let conn = if write {
             // Where it cannot even be read, the read-only open says why; the write check below
             // then names the fix for the results.
@@ -237,7 +238,6 @@ impl DumpDb {
         } else {
             open_read_only(path)?
         };
-        // Insight or a still-running trace may hold the lock for a moment.
         conn.busy_timeout(Duration::from_secs(5)).map_err(not_sqlite)?;
         Self::from_connection(path, conn, write)
     }
@@ -260,7 +260,7 @@ impl DumpDb {
 
     /// The checks that need an open connection (split out so tests can hand in a read-only one).
     fn from_connection(path: &Path, conn: Connection, write: bool) -> Result<Self, AnalysisError> {
-        let not_sqlite = |e: rusqlite::Error| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() };
+        let not_sqlite = |e: rusqlite::Error| AnalysisError::opening(path, e);
         // The first real read: a damaged or encrypted file fails here.
         let tables: Vec<String> = conn
             .prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")

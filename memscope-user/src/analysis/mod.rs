@@ -42,7 +42,7 @@ pub mod render;
 pub mod steps;
 pub mod stream_reuse;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
@@ -55,12 +55,16 @@ pub enum AnalysisError {
     NotFound { path: PathBuf },
     #[error("{path}: no memscope_dump_*.db under this folder (looked for device_*/dump/memscope_dump_*.db in it and in its subfolders); give the trace output folder memscope_<pid>_<time>_ascend/ or a .db file (a CSV trace cannot be analysed: trace with --format db)")]
     NoDbInFolder { path: PathBuf },
-    #[error("{path}: cannot read it: {source}")]
+    #[error("{path}: cannot read it (check that you may read it and its folder)")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: not an SQLite database ({why}); give the memscope_dump_*.db file that `trace` wrote (a CSV trace cannot be analysed: trace with --format db)")]
     NotSqlite { path: PathBuf, why: String },
     #[error("{path}: the trace did not finish, so its last rows are still in {wal}, and SQLite cannot read them in this read-only folder (it must create the -shm index beside them); copy the trace folder somewhere writable and analyse the copy")]
     WalInReadOnlyFolder { path: PathBuf, wal: PathBuf },
+    #[error(
+        "{path}: another process holds the DB locked (a running trace, Insight or sqlite3); retry when it is done"
+    )]
+    Locked { path: PathBuf },
     #[error("{path}: no memscope_dump table (tables: {tables}); this is not a trace DB written by memscope-bpf or msMemScope")]
     NoDumpTable { path: PathBuf, tables: String },
     #[error("{path}: table {table} lacks the column(s) {missing}; the DB is not in msMemScope's format")]
@@ -71,10 +75,22 @@ pub enum AnalysisError {
     NoOps { path: PathBuf },
     #[error("{path}: no kernel calls to compare (KERNEL_LAUNCH rows); they are recorded when aclrtLaunchKernel in libascendcl.so is probed (`memscope-bpf probes --pid PID` lists the probes; --lib adds a library), or compare operators with --level op, or steps and owners without --level")]
     NoKernels { path: PathBuf },
-    #[error("{path}: cannot read the trace: {source}")]
+    #[error("{path}: cannot read the trace (the DB is damaged or was changed by another tool; trace the job again)")]
     Read { path: PathBuf, source: rusqlite::Error },
-    #[error("{path}: cannot write the results (nothing was changed): {source}; if the file or its folder is read-only make it writable, if a running trace or Insight holds it retry when it is done, or pass --no-write")]
+    #[error("{path}: cannot write the results, nothing was changed (if the file or its folder is read-only make it writable, if a running trace or Insight holds it retry when it is done, or pass --no-write)")]
     Write { path: PathBuf, source: rusqlite::Error },
+}
+
+impl AnalysisError {
+    /// A DB that SQLite could not open or read the schema of: locked by someone else (a lock
+    /// held past the busy timeout), or not an SQLite database at all.
+    pub(crate) fn opening(path: &Path, e: rusqlite::Error) -> Self {
+        use rusqlite::ErrorCode::{DatabaseBusy, DatabaseLocked};
+        match e.sqlite_error_code() {
+            Some(DatabaseBusy | DatabaseLocked) => Self::Locked { path: path.to_owned() },
+            _ => Self::NotSqlite { path: path.to_owned(), why: e.to_string() },
+        }
+    }
 }
 
 #[cfg(test)]

@@ -215,7 +215,7 @@ impl Tracer {
             prog.load().map_err(|source| LoadError::Program { name, source })?;
         }
         let scope = scope_pid.and_then(NonZeroU32::new).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
-        let multi = MultiPrograms::load(EBPF_OBJECT, &ebpf).map_err(|e| e.to_string());
+        let multi = MultiPrograms::load(EBPF_OBJECT, &ebpf).map_err(|e| super::with_causes(&e));
         Ok(Self {
             ebpf,
             attached_files: HashSet::new(),

@@ -28,15 +28,46 @@ pub mod usdt_notes;
 
 pub use loader::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 
-/// An error followed by its causes (`what: why: why`), for warnings that are printed where
-/// anyhow's `{:#}` is not at hand. Error messages in this module leave their cause to this.
+/// An error followed by its causes (`what: why: why`), each said once: the CLI's error line and
+/// the warnings printed where anyhow's `{:#}` is not at hand. Error messages leave their cause to
+/// this; a cause that only says again what the text before it says (rusqlite's "database disk
+/// image is malformed: Error code 11: The database disk image is malformed") is left out.
 pub fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
     let mut text = err.to_string();
+    let mut last = text.to_lowercase();
     let mut cause = err.source();
     while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
+        let said = c.to_string();
+        let lower = said.to_lowercase();
+        if !last.contains(&lower) && !lower.contains(&last) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        last = lower;
         cause = c.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot read the trace")]
+    struct Outer {
+        source: rusqlite::Error,
+    }
+
+    #[test]
+    fn each_cause_is_said_once() {
+        // A real rusqlite error, whose own source repeats its text with a code.
+        let conn = rusqlite::Connection::open_in_memory().unwrap();
+        let source = conn.execute_batch("SELECT * FROM no_such_table").unwrap_err();
+        let plain = source.to_string();
+        let text = super::with_causes(&Outer { source });
+        assert_eq!(text.matches(plain.as_str()).count(), 1, "{text}");
+        assert!(text.starts_with("cannot read the trace: "), "{text}");
+        let io = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let nested = anyhow::Error::new(io).context("cannot write x");
+        assert_eq!(super::with_causes(nested.as_ref()), "cannot write x: No space left on device (os error 28)");
+    }
 }

@@ -40,11 +40,11 @@ pub enum MultiError {
     NoMap(String),
     #[error("cannot relocate `{name}`: {why}")]
     Relocate { name: &'static str, why: String },
-    #[error("the kernel refused `{name}` as a multi-uprobe program (Linux >= 6.6 needed): {source}")]
+    #[error("the kernel refused `{name}` as a multi-uprobe program (Linux >= 6.6 needed)")]
     Load { name: &'static str, source: io::Error },
     #[error("library path {0:?} contains a NUL byte")]
     PathHasNul(PathBuf),
-    #[error("BPF_LINK_CREATE (uprobe multi, {count} offsets) on {path} failed: {source}")]
+    #[error("BPF_LINK_CREATE (uprobe multi, {count} offsets) on {path} failed")]
     Link { path: PathBuf, count: usize, source: io::Error },
 }
 

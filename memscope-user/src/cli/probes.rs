@@ -130,12 +130,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     // Built whole, then written once: a reader that stops early (`| head`) is not an error.
     let mut text = String::new();
+    let mut unreadable = 0;
     for lib in &found {
         let _ = writeln!(text, "{} ({})", lib.shown, origin(&lib.origin));
         let plan = match plan(lib, args.probe_set, &args.debug_dirs) {
             Ok(p) => p,
             Err(e) => {
                 let _ = writeln!(text, "  unreadable: {}", crate::attach::with_causes(&e));
+                unreadable += 1;
                 continue;
             }
         };
@@ -180,7 +182,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     match std::io::stdout().lock().write_all(text.as_bytes()) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("cannot write to stdout"),
-        _ => Ok(()),
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => return Err(e).context("cannot write to stdout"),
+        _ => {}
     }
+    // Nothing could be inspected: a failed command, though each file's reason is listed.
+    if unreadable == found.len() {
+        let what = if unreadable == 1 {
+            "the library found cannot".to_owned()
+        } else {
+            format!("none of the {unreadable} libraries found can")
+        };
+        bail!("{what} be read (listed as unreadable, with why); pass --lib a readable runtime library");
+    }
+    Ok(())
 }

@@ -38,9 +38,9 @@ use crate::model::DeviceKey;
 
 #[derive(Debug, Error)]
 pub enum StoreError {
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {path} (check the free space and permissions of the --output folder)")]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("SQLite error on {path}: {source}")]
+    #[error("cannot write the trace DB {path} (check the free space and permissions of the --output folder)")]
     Sqlite { path: PathBuf, source: rusqlite::Error },
 }
 
@@ -86,6 +86,11 @@ pub trait Sink: Send {
     /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block).
     fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError>;
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError>;
+    /// Run metadata learnt while tracing, durable with the next commit (a tracer killed later
+    /// still leaves it); formats without a metadata table ignore it.
+    fn set_meta(&mut self, _meta: &Meta) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Final metadata and per-CPU losses, then close.
     fn finish(self: Box<Self>, meta: &Meta, lost_per_cpu: &[u64]) -> Result<PathBuf, StoreError>;
 }
@@ -240,12 +245,16 @@ impl Store {
     }
 
     /// Sets run-level metadata learnt while tracing: outputs created from now on start with it,
-    /// and every output gets it when it is finished.
-    pub fn set_meta(&mut self, meta: &Meta) {
+    /// open ones get it with their next commit, and every output gets it when it is finished.
+    pub fn set_meta(&mut self, meta: &Meta) -> Result<(), StoreError> {
         for (k, v) in meta {
             self.meta.retain(|(key, _)| key != k);
             self.meta.push((k.clone(), v.clone()));
         }
+        for open in self.open.values_mut() {
+            open.sink.set_meta(meta)?;
+        }
+        Ok(())
     }
 
     pub fn commit(&mut self) -> Result<(), StoreError> {

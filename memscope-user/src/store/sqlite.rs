@@ -199,6 +199,10 @@ impl Sink for DbSink {
         Ok(())
     }
 
+    fn set_meta(&mut self, meta: &Meta) -> Result<(), StoreError> {
+        self.write_meta(meta)
+    }
+
     fn commit(&mut self) -> Result<(), StoreError> {
         self.flush()?;
         self.conn.execute_batch("COMMIT; BEGIN").map_err(self.err())

@@ -42,7 +42,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>) -> Result<Vec<Written>, StoreError
                 }
             }
             Msg::Probes(probes) => store.add_probes(&probes)?,
-            Msg::Meta(meta) => store.set_meta(&meta),
+            Msg::Meta(meta) => store.set_meta(&meta)?,
             Msg::Retag(retag) => store.retag(&retag)?,
             Msg::Commit => store.commit()?,
             Msg::Finish { stop_wall_ns, meta, lost_per_cpu } => {

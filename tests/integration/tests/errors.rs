@@ -137,11 +137,181 @@ fn probes_by_pid_lists_the_library_the_process_mapped() {
     assert!(!text.contains("/proc/"), "paths are shown as the process sees them: {text}");
 }
 
-/// Whether a message says one thing twice in a row (`a: b: b`), as when an error's text
-/// includes its cause and the cause is printed again after it.
+/// The part of a message that says again what an earlier part of it said (`a: b: b`, or
+/// `a (…: b): b`), as when an error's text includes its cause and the cause is printed again after
+/// it. Parts are split at ": "; short ones (a word, a short file name) are not counted.
+fn repeated_cause(line: &str) -> Option<String> {
+    let said = ["memscope-bpf: error: ", "memscope-bpf: warning: ", "memscope-bpf: "]
+        .iter()
+        .find_map(|prefix| line.strip_prefix(prefix))
+        .unwrap_or(line);
+    let parts: Vec<String> = said.split(": ").map(|p| p.trim().to_lowercase()).collect();
+    for (j, later) in parts.iter().enumerate().filter(|(_, p)| p.len() >= 8) {
+        if let Some(earlier) = parts[..j].iter().find(|e| e.len() >= 8 && (e.contains(later) || later.contains(*e))) {
+            return Some(format!("{earlier:?} then {later:?}"));
+        }
+    }
+    None
+}
+
 fn repeats_a_cause(line: &str) -> bool {
-    let parts: Vec<&str> = line.split(": ").collect();
-    parts.windows(2).any(|w| w[0] == w[1])
+    repeated_cause(line).is_some()
+}
+
+/// A tmpfs mounted for one test, unmounted when dropped (also when the test fails).
+struct Mount(std::path::PathBuf);
+
+impl Mount {
+    fn tmpfs(dir: &Path, options: &str) -> Option<Self> {
+        std::fs::create_dir_all(dir).unwrap();
+        let ok = Command::new("mount").args(["-t", "tmpfs", "-o", options, "tmpfs"]).arg(dir).status().ok()?.success();
+        ok.then(|| Self(dir.to_owned()))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// Asserts a command failed with a non-zero exit and an error line, and that no line of its
+/// stderr says a cause twice; returns the error line.
+fn fails_saying_each_cause_once(what: &str, code: i32, stderr: &str) -> String {
+    assert!(code != 0 && code != 101, "{what}: exit {code}, expected a clean failure:\n{stderr}");
+    let line = stderr.lines().rfind(|l| l.starts_with("memscope-bpf: error: "));
+    let line = line.unwrap_or_else(|| panic!("{what}: no error line:\n{stderr}")).to_owned();
+    for l in stderr.lines() {
+        assert!(repeated_cause(l).is_none(), "{what}: a cause said twice ({}):\n{l}", repeated_cause(l).unwrap());
+    }
+    line
+}
+
+#[test]
+fn failing_commands_say_each_cause_once() {
+    let env = env("err_each_cause_once");
+    let dir = &env.scratch;
+    let bin = |args: &[&str]| run(&env.bin, args);
+    let traced = |output: &Path, program: &[&str]| {
+        let out = Command::new(&env.bin)
+            .args(["trace", "--quiet", "--output", output.to_str().unwrap(), "--"])
+            .args(program)
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let workload = env.workload.parent().unwrap().join("standin_badlibs.py").display().to_string();
+    let ledger = dir.join("ledger.jsonl").display().to_string();
+    let job = ["python3", workload.as_str(), "--ledger", ledger.as_str(), "--rounds", "3"];
+
+    // A real trace DB to damage.
+    let (code, stderr) = traced(&dir.join("good"), &job);
+    assert_eq!(code, 0, "{stderr}");
+    let db = read_output(&dir.join("good")).db("device_0").to_owned();
+
+    // analyze: not SQLite; SQLite without the dump table; damaged pages; locked by a writer.
+    let text = dir.join("notes.db");
+    std::fs::write(&text, b"plain text, not a database\n").unwrap();
+    let (code, stderr) = bin(&["analyze", text.to_str().unwrap()]);
+    fails_saying_each_cause_once("analyze on a text file", code, &stderr);
+    let other = dir.join("other.db");
+    rusqlite::Connection::open(&other).unwrap().execute_batch("CREATE TABLE t (a)").unwrap();
+    let (code, stderr) = bin(&["analyze", other.to_str().unwrap()]);
+    fails_saying_each_cause_once("analyze on a DB without its table", code, &stderr);
+    let damaged = dir.join("damaged.db");
+    let mut bytes = std::fs::read(&db).unwrap();
+    let page = 4096;
+    assert!(bytes.len() > 4 * page, "the DB has pages past its schema");
+    let end = bytes.len() - page;
+    bytes[2 * page..end].fill(0xff);
+    std::fs::write(&damaged, &bytes).unwrap();
+    let (code, stderr) = bin(&["analyze", "--no-write", damaged.to_str().unwrap()]);
+    let line = fails_saying_each_cause_once("analyze on a damaged DB", code, &stderr);
+    assert!(line.contains("damaged.db"), "{line}");
+    let locked = dir.join("locked.db");
+    std::fs::copy(&db, &locked).unwrap();
+    let holder = rusqlite::Connection::open(&locked).unwrap();
+    holder.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let (code, stderr) = bin(&["analyze", locked.to_str().unwrap()]);
+    let line = fails_saying_each_cause_once("analyze on a locked DB", code, &stderr);
+    assert!(line.contains("locked") && !line.contains("not an SQLite"), "{line}");
+    drop(holder);
+
+    // trace --output: a file, a read-only file system, one without inodes, one without space.
+    let a_file = dir.join("a-file");
+    std::fs::write(&a_file, b"").unwrap();
+    let (code, stderr) = traced(&a_file.join("out"), &job);
+    fails_saying_each_cause_once("trace --output under a file", code, &stderr);
+    let (code, stderr) = traced(&a_file, &job);
+    fails_saying_each_cause_once("trace --output onto a file", code, &stderr);
+    match Mount::tmpfs(&dir.join("ro"), "ro,size=1m") {
+        Some(m) => {
+            let (code, stderr) = traced(&m.0, &job);
+            fails_saying_each_cause_once("trace --output on a read-only file system", code, &stderr);
+        }
+        None => println!("SKIPPED (read-only output): cannot mount a tmpfs here"),
+    }
+    // Room for the folders but not the DB file: the trace starts, then cannot write.
+    match Mount::tmpfs(&dir.join("inodes"), "size=1m,nr_inodes=4") {
+        Some(m) => {
+            let (code, stderr) = traced(&m.0, &job);
+            fails_saying_each_cause_once("trace --output with no inode left for the DB", code, &stderr);
+        }
+        None => println!("SKIPPED (no inodes): cannot mount a tmpfs here"),
+    }
+    match Mount::tmpfs(&dir.join("full"), "size=40k") {
+        Some(m) => {
+            let (code, stderr) = traced(&m.0, &job);
+            fails_saying_each_cause_once("trace --output on a full file system", code, &stderr);
+        }
+        None => println!("SKIPPED (full): cannot mount a tmpfs here"),
+    }
+
+    // trace of a program that is not executable.
+    let script = dir.join("not-executable");
+    std::fs::write(&script, b"#!/bin/sh\ntrue\n").unwrap();
+    let (code, stderr) = traced(&dir.join("noexec"), &[script.to_str().unwrap()]);
+    let line = fails_saying_each_cause_once("trace of a file that is not executable", code, &stderr);
+    assert!(line.contains("not-executable"), "{line}");
+
+    // A damaged library: an ELF header of this machine with a section table past the end.
+    let lib = dir.join("libascendcl.so");
+    let mut elf = vec![0u8; 64];
+    elf[..4].copy_from_slice(b"\x7fELF");
+    (elf[4], elf[5], elf[6]) = (2, 1, 1);
+    elf[16..18].copy_from_slice(&3u16.to_le_bytes());
+    let machine: u16 = if cfg!(target_arch = "aarch64") { 183 } else { 62 };
+    elf[18..20].copy_from_slice(&machine.to_le_bytes());
+    elf[0x28..0x30].copy_from_slice(&(1u64 << 30).to_le_bytes());
+    elf[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+    elf[0x3c..0x3e].copy_from_slice(&5u16.to_le_bytes());
+    elf.extend_from_slice(&[b'x'; 100]);
+    std::fs::write(&lib, &elf).unwrap();
+    let (code, stderr) =
+        bin(&["trace", "--lib", lib.to_str().unwrap(), "--output", dir.join("badlib").to_str().unwrap(), "--", "true"]);
+    fails_saying_each_cause_once("trace --lib of a damaged library", code, &stderr);
+    let probes = Command::new(&env.bin).args(["probes", "--lib", lib.to_str().unwrap()]).output().unwrap();
+    let listed = String::from_utf8_lossy(&probes.stdout);
+    assert!(listed.contains("unreadable:") && !listed.lines().any(repeats_a_cause), "{listed}");
+    let code = probes.status.code().unwrap_or(-1);
+    fails_saying_each_cause_once("probes --lib of a damaged library", code, &String::from_utf8_lossy(&probes.stderr));
+}
+
+#[test]
+fn a_repeated_cause_is_seen_by_the_check() {
+    // The reported forms, as the check must see them (it is what the test above relies on).
+    assert!(repeats_a_cause("memscope-bpf: error: x.so: Unknown file magic: Unknown file magic"));
+    assert!(repeats_a_cause(
+        "error: cannot write /o/x.db: No space left on device (os error 28): No space left on device (os error 28)"
+    ));
+    assert!(repeats_a_cause(
+        "memscope-bpf: error: d.db: cannot write the results: database is locked; retry: database is locked"
+    ));
+    assert!(!repeats_a_cause(
+        "memscope-bpf: error: cannot open /x/libascendcl.so: No such file or directory (os error 2)"
+    ));
 }
 
 #[test]

@@ -100,6 +100,42 @@ fn a_library_removed_between_the_maps_read_and_its_attach_is_a_warning_and_later
     assert_exact(&ledger, &out);
 }
 
+#[test]
+fn a_library_skipped_mid_trace_is_in_ms_meta_before_the_finish() {
+    let env = env("libs_skip_killed");
+    let (out, ledger) = (env.scratch.join("out"), env.scratch.join("ledger.jsonl"));
+    let bad = env.scratch.join("bad");
+    let bad_s = bad.display().to_string();
+    // Enough calls after the bad file is mapped (20 ms a round) for commits to follow the skip.
+    let mut tracer = launch(&env, &out, &ledger, &[], &["--non-elf", &bad_s, "--rounds", "300"]);
+    tracer.wait_live(LIVE_TIMEOUT);
+    let file = bad.join("libascendcl.so.9").display().to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !tracer.stderr().contains(&format!("warning: {file} is not traced")) {
+        assert!(Instant::now() < deadline, "the bad file was never skipped:\n{}", tracer.stderr());
+        assert!(tracer.child.try_wait().unwrap().is_none(), "the tracer ended:\n{}", tracer.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Two commit periods (1 s each) while the job goes on calling, then no chance to finish.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(tracer.child.try_wait().unwrap().is_none(), "the tracer ended early:\n{}", tracer.stderr());
+    tracer.signal(libc::SIGKILL);
+    let (code, stderr) = tracer.finish(Duration::from_secs(10));
+    assert_eq!(code, None, "killed:\n{stderr}");
+    let run = run_dir(&out);
+    // The launched job outlives its tracer: end it (its pid is in the run folder's name).
+    let name = run.file_name().unwrap().to_string_lossy().into_owned();
+    if let Some(pid) = name.split('_').nth(1).and_then(|p| p.parse::<i32>().ok()) {
+        // SAFETY: plain kill(2) of the job this test launched.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let out = read_output(&out);
+    assert!(!out.files.is_empty(), "the killed trace left its DB");
+    assert_eq!(run_meta(&out, "libraries_skipped").as_deref(), Some("1"), "the skip is durable before the finish");
+    let skipped = skipped(&out);
+    assert!(skipped.len() == 1 && skipped[0].0 == file && skipped[0].1.contains("not an ELF file"), "{skipped:?}");
+}
+
 /// A copy of the stand-in runtime with its ELF header changed: `class` (1: 32-bit) and machine.
 fn foreign_elf(source: &Path, to: &Path, class: u8, machine: u16) {
     let mut data = std::fs::read(source).unwrap();
@@ -139,12 +175,16 @@ fn bad_files_in_a_lib_folder_are_refused_one_by_one_and_none_is_read_whole() {
     foreign_elf(&env.libascendcl, &dir.join("libacl_rt_impl.so"), 1, 3); // i386
     std::fs::write(dir.join("libascendcl.so.2"), b"not an ELF file\n").unwrap();
     mkfifo(&dir.join("libascend_hal.so.9"));
+    // A good copy that someone holds open for writing (it may change under a parse).
+    std::fs::copy(&env.libascendcl, dir.join("libascendcl.so.8")).unwrap();
+    let writer = std::fs::OpenOptions::new().append(true).open(dir.join("libascendcl.so.8")).unwrap();
     let dir_s = dir.display().to_string();
     let mut tracer = launch(&env, &out, &ledger, &["--lib", &dir_s, "--ring-mb", "4"], &["--rounds", "20"]);
     tracer.wait_live(LIVE_TIMEOUT);
     // Read before the tracer exits: the peak covers the start-up, where candidates are opened.
     let rss = peak_rss(tracer.child.id());
     let (code, stderr) = tracer.finish(Duration::from_secs(120));
+    drop(writer);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(rss < 256 << 20, "the tracer's peak RSS is {} MiB: a candidate was read whole", rss >> 20);
     let warned = |name: &str, why: &str| {
@@ -155,9 +195,10 @@ fn bad_files_in_a_lib_folder_are_refused_one_by_one_and_none_is_read_whole() {
     assert!(warned("libacl_rt.so", "64-bit aarch64 ELF file, not a 64-bit x86-64"), "{stderr}");
     assert!(warned("libacl_rt_impl.so", "32-bit i386 ELF file"), "{stderr}");
     assert!(warned("libascendcl.so.2", "is not an ELF file"), "{stderr}");
+    assert!(warned("libascendcl.so.8", "is open for writing by another process"), "{stderr}");
     assert!(!stderr.contains("libascend_hal.so.9"), "a FIFO is not a candidate:\n{stderr}");
     let out = read_output(&out);
-    assert_eq!(run_meta(&out, "libraries_skipped").as_deref(), Some("4"));
+    assert_eq!(run_meta(&out, "libraries_skipped").as_deref(), Some("5"));
     // Nothing was attached in the refused files (the aarch64 copy has the symbols at x86 offsets).
     let (db, _) = out.files.values().next().unwrap();
     let conn = rusqlite::Connection::open(db).unwrap();
