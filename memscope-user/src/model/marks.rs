@@ -18,8 +18,9 @@
 use std::sync::Arc;
 
 use super::event::{level, Event, Marker, Space};
+use super::output::{AccessKind, MstxKind, Output};
 use super::tags::{self, BlockLabels, Labels};
-use super::tracker::{AccessKind, MstxKind, Output, Tracker};
+use super::tracker::Tracker;
 use crate::apis::Api;
 
 /// msMemScope's step range message.

@@ -4,9 +4,11 @@
 //! tensors hold the memory); a runtime or driver failure lists the device's runtime blocks
 //! (which include the pool's segments).
 
+use super::blocks::OwnerBase;
 use super::event::DeviceKey;
+use super::output::{Output, Site};
 use super::tags;
-use super::tracker::{Output, OwnerBase, Site, Tracker};
+use super::tracker::Tracker;
 
 /// msMemScope's default K (`--analysis oom:K`).
 pub const OOM_TOP_K: usize = 10;
