@@ -88,7 +88,7 @@ mod tests {
     fn run(t: &mut Tracker, events: &[Event]) -> Vec<Output> {
         let mut out = Vec::new();
         for e in events {
-            t.apply(e, &mut out);
+            t.apply(e.clone(), &mut out);
         }
         out
     }

@@ -10,39 +10,14 @@
 //! - Owners: the allocator's label (the driver module, host) and the thread's open tag spans at
 //!   the allocation; an address tag later replaces one level (see `marks`).
 
-use super::event::{Call, DeviceKey, DriverInfo, Op, Pool, Space};
+use std::collections::btree_map::Entry;
+
+use super::event::{Call, DeviceKey, DriverInfo, Op, Space};
 use super::output::{Origin, Output, Site};
-use super::tags::{self, BlockLabels, Labels};
+use super::owners::OwnerBase;
+use super::tags::BlockLabels;
 use super::tracker::Tracker;
-use crate::apis::{hal, Api};
-
-/// The allocator part of a block's owner (msMemScope's FRAMEWORK level).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OwnerBase {
-    /// Device memory: `CANN@<module>` when the driver's module is known.
-    Hal(Option<u16>),
-    Host,
-    Pool(Pool),
-}
-
-impl OwnerBase {
-    /// msMemScope's label: `CANN@<module>`, `CANN@UNKNOWN` for device memory whose module was not
-    /// seen (a mapping, a runtime call whose driver call was not traced), `HOST`, or the pool's.
-    pub fn label(self) -> String {
-        match self {
-            Self::Hal(Some(m)) => hal::owner(m),
-            Self::Hal(None) => "CANN@UNKNOWN".to_owned(),
-            Self::Host => "HOST".to_owned(),
-            Self::Pool(pool) => pool.owner().to_owned(),
-        }
-    }
-
-    /// The owner path with these labels. Every block has one: Insight leaves a block without an
-    /// owner out of its decomposition tree, so the tree would not add up to the curve.
-    pub fn owner(self, labels: &Labels) -> String {
-        tags::owner_path(&self.label(), labels)
-    }
-}
+use crate::apis::Api;
 
 /// A live device or host block. Kept small (48 bytes): a job can hold a million of them, and the
 /// tracer's memory is mostly these.
@@ -110,12 +85,6 @@ impl Tracker {
         out: &mut Vec<Output>,
     ) {
         let (size, req_size) = sizes;
-        // The runtime handed out an address we still consider live: the free was missed (it
-        // happened before an attach, or its record was dropped). Retire the stale block first so
-        // the totals stay true to what the runtime says is allocated.
-        if self.blocks.contains_key(&(site.pid, space, ptr)) {
-            self.remove_block(site, space, ptr, device, true, None, out);
-        }
         let base = match (space, origin) {
             (Space::Host | Space::Cpu, _) => OwnerBase::Host,
             (Space::Device, Origin::Direct { module, driver, .. }) => {
@@ -124,18 +93,35 @@ impl Tracker {
             // Mapped pages belong to the module that created their physical memory.
             (Space::Device, Origin::Mapped { handle, .. }) => OwnerBase::Hal(self.physical_module(site.pid, handle)),
         };
-        let allocation_id = self.next_allocation_id(device);
-        let stats = self.stats(device);
+        let labels = self.tags.block_labels(site.pid, site.tid);
+        let hidden = self.is_paused(site.pid);
+        let owner = (!hidden).then(|| self.owners.get(base, &labels));
+        let key = (site.pid, space, ptr);
+        // One search of the table for a new block, the common case.
+        let slot = match self.blocks.entry(key) {
+            Entry::Vacant(slot) => slot,
+            Entry::Occupied(_) => {
+                // The runtime handed out an address we still consider live: the free was missed
+                // (it happened before an attach, or its record was dropped). Retire the stale
+                // block first so the totals stay true to what the runtime says is allocated.
+                self.remove_block(site, space, ptr, device, true, None, out);
+                match self.blocks.entry(key) {
+                    Entry::Vacant(slot) => slot,
+                    Entry::Occupied(_) => unreachable!("removed above"),
+                }
+            }
+        };
+        let stats = self.devices.entry(device).or_default();
+        let allocation_id = stats.take_allocation_id();
         stats.used += size;
         stats.peak = stats.peak.max(stats.used);
         stats.live_blocks += 1;
         stats.mallocs += 1;
         let used = stats.used;
-        let labels = self.tags.block_labels(site.pid, site.tid);
-        let hidden = self.is_paused(site.pid);
-        if !hidden {
-            let owner = Some(base.owner(tags::of(&labels)));
-            let segment = None;
+        let born_ns = site.wall_ns;
+        slot.insert(Live { device, size, allocation_id, api: site.api, base, labels, hidden, born_ns });
+        if let Some(owner) = owner {
+            let (owner, segment) = (Some(owner), None);
             out.push(Output::Malloc {
                 site,
                 device,
@@ -150,9 +136,6 @@ impl Tracker {
                 segment,
             });
         }
-        let born_ns = site.wall_ns;
-        let block = Live { device, size, allocation_id, api: site.api, base, labels, hidden, born_ns };
-        self.blocks.insert((site.pid, space, ptr), block);
     }
 
     #[allow(clippy::too_many_arguments, reason = "the fallback device and driver only matter for some callers")]
@@ -218,6 +201,7 @@ mod tests {
     use super::super::testing::*;
     use super::*;
     use crate::apis::Api;
+    use crate::model::Pool;
 
     #[test]
     fn malloc_then_free_pairs_with_size_and_id() {
@@ -247,7 +231,7 @@ mod tests {
     fn failed_malloc_is_no_block_and_no_leak() {
         let mut t = Tracker::new();
         let mut out = Vec::new();
-        t.apply(&malloc(None, 1 << 40, Some(0), 207_001), &mut out);
+        t.apply(malloc(None, 1 << 40, Some(0), 207_001), &mut out);
         assert!(matches!(out[0], Output::Failed { status: 207_001, size: Some(s), .. } if s == 1 << 40));
         out.clear();
         t.finish(5_000, |o| {
@@ -350,11 +334,11 @@ mod tests {
         let owners: Vec<Option<String>> = out
             .iter()
             .filter_map(|o| match o {
-                Output::Malloc { owner, .. } => Some(owner.clone()),
+                Output::Malloc { owner, .. } => Some(owner.as_deref().map(str::to_owned)),
                 _ => None,
             })
             .collect();
-        let want = ["CANN@UNKNOWN", "CANN@UNKNOWN", &hal::owner(3), &hal::owner(33)];
+        let want = ["CANN@UNKNOWN", "CANN@UNKNOWN", &crate::apis::hal::owner(3), &crate::apis::hal::owner(33)];
         assert_eq!(owners, want.map(|o| Some(o.to_owned())));
     }
 

@@ -28,6 +28,14 @@ pub struct DeviceStats {
     next_allocation_id: u64,
 }
 
+impl DeviceStats {
+    /// The next `allocation_id` of this device's file, for a block of any kind.
+    pub(super) fn take_allocation_id(&mut self) -> u64 {
+        self.next_allocation_id += 1;
+        self.next_allocation_id
+    }
+}
+
 impl Tracker {
     /// The device of the calling thread: the kernel's (from its set/get-device calls), else the
     /// one it last named itself.
@@ -59,9 +67,7 @@ impl Tracker {
 
     /// The next `allocation_id` of `device`'s file, for a block of any kind.
     pub(super) fn next_allocation_id(&mut self, device: DeviceKey) -> u64 {
-        let stats = self.stats(device);
-        stats.next_allocation_id += 1;
-        stats.next_allocation_id
+        self.stats(device).take_allocation_id()
     }
 }
 

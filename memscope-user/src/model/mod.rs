@@ -20,6 +20,7 @@ mod finish;
 mod marks;
 mod oom;
 pub mod output;
+mod owners;
 mod pools;
 pub mod tags;
 #[cfg(test)]

@@ -2,8 +2,14 @@
 //! earlier row), in the order the events that made them happened; and the small types they
 //! carry. The model makes them and never reads them back; `store::insight` turns them into rows.
 
+use std::sync::Arc;
+
 use super::event::{DeviceKey, DriverInfo, Pool, Space};
 use crate::apis::Api;
+
+/// A block's owner path (`PTA@vllm@kv_cache`), shared by the rows of every block born under the
+/// same allocator and spans.
+pub type Owner = Arc<str>;
 
 /// Who did it and when.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,7 +57,7 @@ pub enum Output {
         used: u64,
         origin: Origin,
         /// The owner path, when anything is known about it (module, host, tags).
-        owner: Option<String>,
+        owner: Option<Owner>,
         /// Taken inside a framework allocator's call: a segment of that pool (its reserved
         /// memory, which the pool's blocks are carved from).
         segment: Option<Pool>,
@@ -101,7 +107,7 @@ pub enum Output {
         allocation_id: u64,
         used: u64,
         total: u64,
-        owner: String,
+        owner: Owner,
     },
     PoolFree {
         site: Site,

@@ -11,10 +11,10 @@
 //! - Pools that report through mstx (domains `ptaCaching`, `msleaks`, `ptaWorkspace`) have their
 //!   regions as blocks, merged into the allocator call they were reported from when traced.
 
-use super::blocks::OwnerBase;
 use super::event::{Call, DeviceKey, Op, Pool};
 use super::output::{Output, Site};
-use super::tags::{self, BlockLabels};
+use super::owners::OwnerBase;
+use super::tags::BlockLabels;
 use super::tracker::Tracker;
 use crate::apis::{Api, Family};
 
@@ -233,7 +233,7 @@ impl Tracker {
         let labels = self.tags.block_labels(site.pid, site.tid);
         let hidden = self.is_paused(site.pid);
         if !hidden {
-            let owner = OwnerBase::Pool(pool).owner(tags::of(&labels));
+            let owner = self.owners.get(OwnerBase::Pool(pool), &labels);
             out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
         }
         let born_ns = site.wall_ns;

@@ -42,7 +42,7 @@ pub fn run(events: &[Event]) -> (Tracker, Vec<Output>) {
     let mut t = Tracker::new();
     let mut out = Vec::new();
     for e in events {
-        t.apply(e, &mut out);
+        t.apply(e.clone(), &mut out);
     }
     (t, out)
 }

@@ -26,6 +26,7 @@ use super::blocks::Live;
 use super::devices::DeviceStats;
 use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool, Space};
 use super::output::{Output, Site};
+use super::owners::Owners;
 use super::pools::{PendingHandle, PoolBlock, PoolStats, Segment};
 use super::tags::Tags;
 use super::vmm::Physical;
@@ -33,52 +34,57 @@ use crate::apis::{Api, Family};
 
 /// Where the store's tests name it.
 #[cfg(test)]
-pub use super::blocks::OwnerBase;
+pub use super::owners::OwnerBase;
+
+/// The tracker's hash maps. Most calls look several up (held driver calls, segments, the
+/// thread's spans, ...), most of them empty or tiny, so the hash is the fast one.
+pub(super) type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The live state of everything traced.
 #[derive(Debug, Default)]
 pub struct Tracker {
-    /// Driver calls waiting for the runtime call they ran inside of, per thread (looked up for
-    /// every call, hence the fast hash).
-    inner: HashMap<u32, Vec<Event>, foldhash::fast::RandomState>,
+    /// Driver calls waiting for the runtime call they ran inside of, per thread.
+    inner: Map<u32, Vec<Event>>,
     /// Live device and host blocks, ordered so that the block holding an address inside it is
     /// found without a scan (and without a second index: a B-tree also has no resize that
     /// briefly doubles a million-entry table).
     pub(super) blocks: BTreeMap<(u32, Space, u64), Live>,
-    pub(super) physical: HashMap<(u32, u64), Physical>,
-    pub(super) reserved: HashMap<(u32, u64), (DeviceKey, u64)>,
+    pub(super) physical: Map<(u32, u64), Physical>,
+    pub(super) reserved: Map<(u32, u64), (DeviceKey, u64)>,
     pub(super) devices: BTreeMap<DeviceKey, DeviceStats>,
     /// The device each thread last named itself (a driver flag, a malloc config's device, ...),
     /// by (pid, tid): used for its calls while the kernel does not know the thread's device (it
     /// chose it before an attach).
-    pub(super) learnt_devices: HashMap<(u32, u32), u32>,
+    pub(super) learnt_devices: Map<(u32, u32), u32>,
     /// Per (device, pool, process): each process has its own allocator, so its counters are its
     /// own even when processes share a device.
     pub(super) pools: BTreeMap<(DeviceKey, Pool, u32), PoolStats>,
     /// Live pool blocks by (pid, start), ordered like `blocks`.
     pub(super) pool_blocks: BTreeMap<(u32, u64), PoolBlock>,
-    pub(super) handles: HashMap<(u32, u64), PendingHandle>,
+    pub(super) handles: Map<(u32, u64), PendingHandle>,
     /// External block handles whose address is known.
-    pub(super) handle_ptrs: HashMap<(u32, u64), u64>,
-    pub(super) segments: HashMap<(u32, u64), Segment>,
-    pub(super) domains: HashMap<(u32, u64), Pool>,
+    pub(super) handle_ptrs: Map<(u32, u64), u64>,
+    pub(super) segments: Map<(u32, u64), Segment>,
+    pub(super) domains: Map<(u32, u64), Pool>,
     /// The open workspace use per device, when workspace frees are not probed.
-    pub(super) workspace_open: HashMap<(u32, DeviceKey), u64>,
+    pub(super) workspace_open: Map<(u32, DeviceKey), u64>,
     pub(super) last_wall_ns: u64,
     pub(super) tags: Tags,
+    /// Owner paths shared by the rows of blocks born under the same spans.
+    pub(super) owners: Owners,
     /// Open ranges by (pid, from mstx, id): the thread and label of their tag span.
-    pub(super) ranges: HashMap<(u32, bool, u64), (u32, String)>,
+    pub(super) ranges: Map<(u32, bool, u64), (u32, String)>,
     /// Kernel names by (pid, function handle), from `aclrtBinaryGetFunction`.
-    pub(super) kernel_names: HashMap<(u32, u64), String>,
+    pub(super) kernel_names: Map<(u32, u64), String>,
     /// Kernel argument lists by (pid, args handle), built by `aclrtKernelArgsAppend`.
-    pub(super) kernel_args: HashMap<(u32, u64), Vec<u8>>,
+    pub(super) kernel_args: Map<(u32, u64), Vec<u8>>,
     /// The last step number per process.
-    pub(super) steps: HashMap<u32, u64>,
+    pub(super) steps: Map<u32, u64>,
     /// Open operators per (pid, tid), innermost last (markers `trace_ops()`).
-    pub(super) ops: HashMap<(u32, u32), Vec<String>>,
+    pub(super) ops: Map<(u32, u32), Vec<String>>,
     /// Processes that asked to be recorded (`true`, markers `start()`) or not (`false`,
     /// `stop()`); the others follow `paused_by_default`.
-    pub(super) collect: HashMap<u32, bool>,
+    pub(super) collect: Map<u32, bool>,
     /// Record nothing until a process asks (`trace --wait-for-start`).
     paused_by_default: bool,
 }
@@ -109,52 +115,59 @@ impl Tracker {
     }
 
     /// Applies one event, appending what it adds to `out`.
-    pub fn apply(&mut self, event: &Event, out: &mut Vec<Output>) {
+    pub fn apply(&mut self, mut event: Event, out: &mut Vec<Output>) {
         self.last_wall_ns = self.last_wall_ns.max(event.wall_ns);
         if let EventKind::Marker(marker) = &event.kind {
-            self.apply_marker(event, marker, None, out);
-            return;
+            return self.apply_marker(&event, marker, None, out);
         }
-        let EventKind::Call(call) = &event.kind else {
-            if event.kind == EventKind::Exit {
-                self.tags.forget_process(event.pid);
-                self.learnt_devices.retain(|(pid, _), _| *pid != event.pid);
-                self.ops.retain(|(pid, _), _| *pid != event.pid);
-                let tids: Vec<u32> =
-                    self.inner.iter().filter(|(_, v)| v.iter().any(|e| e.pid == event.pid)).map(|(t, _)| *t).collect();
-                for tid in tids {
-                    self.flush_inner(tid, out);
-                }
-            }
-            return;
+        let call = match &mut event.kind {
+            EventKind::Call(call) => call,
+            EventKind::Exit => return self.process_exited(event.pid, out),
+            EventKind::Marker(_) | EventKind::Fork { .. } => return,
         };
         let detail = call.api.family() == Family::Hal || matches!(call.op, Op::MstxRegion { .. });
         if call.outer.is_some() && detail {
-            self.inner.entry(event.tid).or_default().push(event.clone());
+            self.inner.entry(event.tid).or_default().push(event);
             return;
         }
-        // The common case, a call with nothing held (or one driver call), allocates nothing: the
-        // thread's list keeps its capacity for the next driver call.
-        let mut held = match self.inner.get_mut(&event.tid) {
-            Some(held) if !held.is_empty() => std::mem::take(held),
-            _ => return self.apply_one(event, out),
+        // The common cases, a call with nothing held or with only its own driver calls, allocate
+        // nothing: the thread's list keeps its capacity for the next driver call.
+        let Some(held) = self.inner.get_mut(&event.tid).filter(|held| !held.is_empty()) else {
+            return self.apply_one(&event, out);
         };
-        let mut merged: Option<Call> = None;
-        for e in &held {
-            match &e.kind {
-                EventKind::Call(inner) if inner.outer == Some(call.api) => {
-                    merge_inner(merged.get_or_insert_with(|| call.clone()), inner);
+        let inside = |e: &Event| matches!(&e.kind, EventKind::Call(inner) if inner.outer == Some(call.api));
+        if held.iter().all(inside) {
+            for e in held.drain(..) {
+                if let EventKind::Call(inner) = &e.kind {
+                    merge_inner(call, inner);
                 }
-                _ => self.apply_one(e, out),
+            }
+            return self.apply_one(&event, out);
+        }
+        // Others are held too (their runtime call was lost): they are facts of their own, in order.
+        let mut held = std::mem::take(held);
+        for e in held.drain(..) {
+            match &e.kind {
+                EventKind::Call(inner) if inner.outer == Some(call.api) => merge_inner(call, inner),
+                _ => self.apply_one(&e, out),
             }
         }
-        held.clear();
         if let Some(list) = self.inner.get_mut(&event.tid) {
             *list = held;
         }
-        match merged {
-            None => self.apply_one(event, out),
-            Some(call) => self.apply_one(&Event { kind: EventKind::Call(call), ..*event }, out),
+        self.apply_one(&event, out);
+    }
+
+    /// A process ended: its threads' spans, devices and operators go, and the driver calls they
+    /// still held are facts of their own.
+    fn process_exited(&mut self, pid: u32, out: &mut Vec<Output>) {
+        self.tags.forget_process(pid);
+        self.learnt_devices.retain(|(p, _), _| *p != pid);
+        self.ops.retain(|(p, _), _| *p != pid);
+        let tids: Vec<u32> =
+            self.inner.iter().filter(|(_, v)| v.iter().any(|e| e.pid == pid)).map(|(t, _)| *t).collect();
+        for tid in tids {
+            self.flush_inner(tid, out);
         }
     }
 
@@ -312,5 +325,40 @@ mod tests {
         let (_, out) = run(&[driver_alloc(0x1000, 4096, 0, 3), malloc(Some(0x2000), 512, Some(0), 0)]);
         assert_eq!(out.len(), 2);
         assert!(matches!(out[0], Output::Malloc { site: Site { api: Api::HalMemAlloc, .. }, size: 4096, .. }));
+    }
+
+    #[test]
+    fn driver_calls_whose_runtime_call_was_lost_are_facts_of_their_own_in_order() {
+        let driver_free = |ptr| {
+            let driver = DriverInfo { api: Api::HalMemFree, flag: None, size: 0, module: None, page: None };
+            call(Api::HalMemFree, 1, None, 0, Op::Free { space: Space::Device, ptr, driver: Some(driver) })
+        };
+        let (_, out) = run(&[
+            malloc(Some(0x9000), 64, Some(0), 0),
+            // aclrtMalloc's driver call, whose own record was lost; then a free's two calls.
+            with_outer(driver_alloc(0x1000, 544, 1, 33), Api::AclrtMalloc),
+            with_outer(driver_free(0x9000), Api::AclrtFree),
+            free(0x9000, Some(0)),
+            // Another lost one, then the process exits.
+            with_outer(driver_alloc(0x2000, 4096, 1, 33), Api::AclrtMalloc),
+            Event { wall_ns: 5_000, pid: 100, tid: 100, kind: EventKind::Exit },
+        ]);
+        let facts: Vec<(Api, u64, Option<Api>)> = out
+            .iter()
+            .map(|o| match o {
+                Output::Malloc { site, ptr, .. } => (site.api, *ptr, None),
+                Output::Free { site, ptr, driver, .. } => (site.api, *ptr, driver.map(|d| d.api)),
+                _ => panic!("{o:?}"),
+            })
+            .collect();
+        assert_eq!(
+            facts,
+            [
+                (Api::AclrtMalloc, 0x9000, None),
+                (Api::HalMemAlloc, 0x1000, None),
+                (Api::AclrtFree, 0x9000, Some(Api::HalMemFree)),
+                (Api::HalMemAlloc, 0x2000, None),
+            ]
+        );
     }
 }
