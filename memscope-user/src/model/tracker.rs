@@ -125,8 +125,8 @@ impl Tracker {
             EventKind::Exit => return self.process_exited(event.pid, out),
             EventKind::Marker(_) | EventKind::Fork { .. } => return,
         };
-        let detail = call.api.family() == Family::Hal || matches!(call.op, Op::MstxRegion { .. });
-        if call.outer.is_some() && detail {
+        let detail = || call.api.family() == Family::Hal || matches!(call.op, Op::MstxRegion { .. });
+        if call.outer.is_some() && detail() {
             self.inner.entry(event.tid).or_default().push(event);
             return;
         }
@@ -137,11 +137,12 @@ impl Tracker {
         };
         let inside = |e: &Event| matches!(&e.kind, EventKind::Call(inner) if inner.outer == Some(call.api));
         if held.iter().all(inside) {
-            for e in held.drain(..) {
+            for e in held.iter() {
                 if let EventKind::Call(inner) = &e.kind {
                     merge_inner(call, inner);
                 }
             }
+            held.clear();
             return self.apply_one(&event, out);
         }
         // Others are held too (their runtime call was lost): they are facts of their own, in order.
