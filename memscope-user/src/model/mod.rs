@@ -7,7 +7,8 @@
 //! - [`tracker`]: what is alive where, updated one event at a time; it hands each event to the
 //!   part that owns its kind of memory: `blocks` (device and host blocks), `vmm` (reservations,
 //!   physical handles, mappings), `pools` (framework pools), `devices` (per-device totals, the
-//!   device a thread is on); `finish` writes the stop's shadow frees.
+//!   device a thread is on), `owners` (owner paths, made once per allocator and spans); `finish`
+//!   writes the stop's shadow frees.
 //! - [`tags`]: tag spans per thread and owner paths; `marks`: what markers do to the state.
 //! - `access`: uses of blocks; `atb`: ATB operations; `oom`: what was alive at an OOM.
 

@@ -7,6 +7,7 @@
 //! - `vmm`: reserved ranges, physical handles, mappings (a mapping is a block);
 //! - `pools`: framework pool blocks, segments and totals;
 //! - `devices`: per-device totals and ids, the device a thread is on;
+//! - `owners`: the owner paths of new blocks, made once and shared;
 //! - `access`, `atb`, `marks`, `oom`: uses of blocks, ATB operations, markers, OOM listings;
 //! - `finish`: the shadow frees at the stop.
 //!
