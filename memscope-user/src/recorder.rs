@@ -38,24 +38,27 @@ impl Recorder {
             }
             EventKind::Marker(_) => self.markers += 1,
         }
-        self.tracker.apply(&event, &mut self.outputs);
+        self.tracker.apply(event, &mut self.outputs);
         self.flush_outputs();
     }
 
+    /// Writes the facts of the last event; the list keeps its capacity for the next one.
     fn flush_outputs(&mut self) {
-        for output in self.outputs.drain(..) {
-            if self.error.is_some() {
-                continue;
-            }
+        // After the first error nothing more is written: the trace stops on it.
+        let writing = if self.error.is_none() { self.outputs.len() } else { 0 };
+        for output in &mut self.outputs[..writing] {
             let written = match output {
                 Output::Retag { device, pid, event_type, ptr, owner } => {
-                    self.store.retag(Retag { device, pid, event_type, ptr, owner })
+                    let owner = std::mem::take(owner);
+                    self.store.retag(Retag { device: *device, pid: *pid, event_type, ptr: *ptr, owner })
                 }
-                output => insight::to_row(&output).map_or(Ok(()), |row| self.store.write(row)),
+                output => insight::to_row(output).map_or(Ok(()), |row| self.store.write(row)),
             };
             if let Err(e) = written {
                 self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));
+                break;
             }
         }
+        self.outputs.clear();
     }
 }

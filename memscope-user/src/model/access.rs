@@ -6,8 +6,11 @@
 
 use std::collections::HashSet;
 
-use super::event::{Call, DeviceKey, Pool, Space};
-use super::tracker::{AccessKind, Live, Output, PoolBlock, Site, Tracker};
+use super::blocks::Live;
+use super::event::{Call, DeviceKey, Op, Pool, Space};
+use super::output::{AccessKind, Output, Site};
+use super::pools::PoolBlock;
+use super::tracker::Tracker;
 
 /// A live block found by address.
 pub(super) struct Hit {
@@ -79,6 +82,42 @@ impl Tracker {
             .max_by_key(|(&(_, _, start), _)| start)
     }
 
+    /// A call that uses memory: a copy, a set, a kernel launch, or one of the calls that name a
+    /// kernel or build its argument list for a later launch.
+    pub(super) fn apply_use(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
+        let failed = call.status != 0;
+        match call.op {
+            Op::Copy { dst, src, size } => {
+                self.access(site, call, src, Some(size), AccessKind::Read, out);
+                self.access(site, call, dst, Some(size), AccessKind::Write, out);
+            }
+            Op::Set { ptr, size } => self.access(site, call, ptr, Some(size), AccessKind::Write, out),
+            Op::Launch { function, ref args, args_size, stream } => {
+                self.launch(site, call, function, args, args_size, stream, out);
+            }
+            Op::KernelName { function: Some(function), name: Some(ref name) } => {
+                self.kernel_names.insert((site.pid, function), name.clone());
+            }
+            Op::KernelArgs { handle, append: None } if !failed => {
+                self.kernel_args.insert((site.pid, handle), Vec::new());
+            }
+            Op::KernelArgs { handle, append: Some(ref bytes) } if !failed => {
+                let list = self.kernel_args.entry((site.pid, handle)).or_default();
+                // A launch copies at most this much of a plain argument buffer; the same bound here.
+                let room = memscope_common::record::BLOB_LEN.saturating_sub(list.len());
+                list.extend_from_slice(&bytes[..bytes.len().min(room)]);
+            }
+            Op::LaunchArgs { function, handle, stream } => {
+                // Taken, not kept: a list is built for one launch, and the runtime reports no end of
+                // a handle, so keeping them would grow with every launch of a long job.
+                let args = self.kernel_args.remove(&(site.pid, handle)).unwrap_or_default();
+                let size = args.len() as u64;
+                self.launch(site, call, function, &args, size, stream, out);
+            }
+            _ => {}
+        }
+    }
+
     pub(super) fn access(
         &mut self,
         site: Site,
@@ -129,5 +168,107 @@ impl Tracker {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use crate::apis::Api;
+
+    #[test]
+    fn a_handle_launch_uses_the_parameters_appended_to_its_handle() {
+        let args = |handle, append| call(Api::AclrtKernelArgsAppend, 1, Some(0), 0, Op::KernelArgs { handle, append });
+        let word = |v: u64| Some(v.to_le_bytes().to_vec());
+        let launch = |handle| {
+            call(Api::AclrtLaunchKernelWithConfig, 1, Some(0), 0, Op::LaunchArgs { function: 9, handle, stream: 3 })
+        };
+        let (_, out) = run(&[
+            malloc(Some(0x1000), 64, Some(0), 0),
+            malloc(Some(0x2000), 64, Some(0), 0),
+            args(7, None),
+            args(7, word(0x1010)),
+            args(8, word(0x2000)), // another handle's list
+            args(7, word(5)),
+            launch(7),
+            launch(7), // the list was taken by the first launch
+        ]);
+        let accessed: Vec<u64> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Access { block, .. } => Some(*block),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(accessed, [0x1000], "only the block named on handle 7, once");
+        let sizes: Vec<u64> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::KernelLaunch { args_size, .. } => Some(*args_size),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sizes, [16, 0]);
+    }
+
+    #[test]
+    fn accesses_and_oom_listings_carry_the_id_of_the_block_they_name() {
+        let copy = call(Api::AclrtMemcpy, 1, Some(0), 0, Op::Copy { dst: 0x10_0010, src: 0x90_0000, size: 16 });
+        let oom = call(
+            Api::AclrtMalloc,
+            1,
+            Some(0),
+            207_001,
+            Op::Malloc {
+                space: Space::Device,
+                size: 1 << 40,
+                ptr: None,
+                policy: None,
+                device: None,
+                module: None,
+                driver: None,
+            },
+        );
+        let (_, out) = run(&[
+            with_outer(malloc(Some(0x10_0000), 2 << 20, Some(0), 0), Api::DeviceCachingAllocatorMalloc),
+            pool_malloc(0x10_0000, 4096, 0),
+            malloc(Some(0x90_0000), 512, Some(0), 0),
+            copy,
+            oom,
+        ]);
+        let id_of = |ptr: u64, kind: &str| {
+            ids(&out)
+                .into_iter()
+                .zip(out.iter().filter(|o| matches!(o, Output::Malloc { .. } | Output::PoolMalloc { .. })))
+                .find(|((_, _, what), o)| {
+                    *what == kind
+                        && matches!(o, Output::Malloc { ptr: p, .. } | Output::PoolMalloc { ptr: p, .. } if *p == ptr)
+                })
+                .map(|((_, id, _), _)| id)
+                .unwrap()
+        };
+        let (pta, hal) = (id_of(0x10_0000, "PTA"), id_of(0x90_0000, "HAL"));
+        assert_ne!(pta, id_of(0x10_0000, "HAL"), "a segment and its first block are two blocks");
+        let accessed: Vec<(u64, u64)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Access { block, allocation_id, .. } => Some((*block, *allocation_id)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            accessed,
+            [(0x90_0000, hal), (0x10_0000, pta)],
+            "read from the HAL block, written into the PTA block"
+        );
+        let listed: Vec<(u64, u64)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::OomBlock { ptr, allocation_id, recent: true, .. } => Some((*ptr, *allocation_id)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(listed, [(0x90_0000, hal), (0x10_0000, id_of(0x10_0000, "HAL"))]);
     }
 }

@@ -9,7 +9,8 @@
 //! thread's device, so each device's file holds the operations whose memory is on it.
 
 use super::event::{Call, Op};
-use super::tracker::{Output, Site, Tracker};
+use super::output::{Output, Site};
+use super::tracker::Tracker;
 
 impl Tracker {
     pub(super) fn atb_execute(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
@@ -87,7 +88,7 @@ mod tests {
     fn run(t: &mut Tracker, events: &[Event]) -> Vec<Output> {
         let mut out = Vec::new();
         for e in events {
-            t.apply(e, &mut out);
+            t.apply(e.clone(), &mut out);
         }
         out
     }

@@ -18,8 +18,9 @@
 use std::sync::Arc;
 
 use super::event::{level, Event, Marker, Space};
+use super::output::{AccessKind, MstxKind, Output};
 use super::tags::{self, BlockLabels, Labels};
-use super::tracker::{AccessKind, MstxKind, Output, Tracker};
+use super::tracker::Tracker;
 use crate::apis::Api;
 
 /// msMemScope's step range message.
@@ -219,7 +220,7 @@ mod tests {
     fn run(tracker: &mut Tracker, events: &[Event]) -> Vec<Output> {
         let mut out = Vec::new();
         for e in events {
-            tracker.apply(e, &mut out);
+            tracker.apply(e.clone(), &mut out);
         }
         out
     }
@@ -227,8 +228,8 @@ mod tests {
     fn owners(out: &[Output]) -> Vec<String> {
         out.iter()
             .filter_map(|o| match o {
-                Output::PoolMalloc { owner, .. } => Some(owner.clone()),
-                Output::Malloc { owner, .. } => owner.clone(),
+                Output::PoolMalloc { owner, .. } => Some(owner.to_string()),
+                Output::Malloc { owner, .. } => owner.as_deref().map(str::to_owned),
                 Output::Retag { owner, .. } => Some(format!("retag:{owner}")),
                 _ => None,
             })

@@ -3,18 +3,32 @@
 //! directly.
 //!
 //! - [`event`]: what happened, as typed events ([`Event`], [`Op`]).
-//! - [`tracker`]: what is alive where — blocks per device, physical handles, reservations — and
-//!   the per-block facts the store writes ([`Output`]).
+//! - [`output`]: the facts the store writes ([`Output`]).
+//! - [`tracker`]: what is alive where, updated one event at a time; it hands each event to the
+//!   part that owns its kind of memory: `blocks` (device and host blocks), `vmm` (reservations,
+//!   physical handles, mappings), `pools` (framework pools), `devices` (per-device totals, the
+//!   device a thread is on), `owners` (owner paths, made once per allocator and spans); `finish`
+//!   writes the stop's shadow frees.
 //! - [`tags`]: tag spans per thread and owner paths; `marks`: what markers do to the state.
-//! - `atb`: ATB operations as start/end rows placed on their workspace's device.
+//! - `access`: uses of blocks; `atb`: ATB operations; `oom`: what was alive at an OOM.
 
 mod access;
 mod atb;
+mod blocks;
+mod devices;
 pub mod event;
+mod finish;
 mod marks;
 mod oom;
+pub mod output;
+mod owners;
+mod pools;
 pub mod tags;
+#[cfg(test)]
+mod testing;
 pub mod tracker;
+mod vmm;
 
 pub use event::{level, Call, DeviceKey, DriverInfo, Event, EventKind, Marker, Op, PageType, Pool, Space};
-pub use tracker::{AccessKind, MstxKind, Origin, Output, Site, Tracker, VmmStep};
+pub use output::{AccessKind, MstxKind, Origin, Output, Site, VmmStep};
+pub use tracker::Tracker;

@@ -5,8 +5,10 @@
 //! (which include the pool's segments).
 
 use super::event::DeviceKey;
+use super::output::{Output, Site};
+use super::owners::OwnerBase;
 use super::tags;
-use super::tracker::{Output, OwnerBase, Site, Tracker};
+use super::tracker::Tracker;
 
 /// msMemScope's default K (`--analysis oom:K`).
 pub const OOM_TOP_K: usize = 10;
@@ -109,10 +111,10 @@ mod tests {
         // 12 blocks: sizes grow then shrink, so "recent" and "largest" differ.
         let sizes = [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 5, 6];
         for (i, size) in sizes.iter().enumerate() {
-            t.apply(&pool_call(100 + i as u64, Some(0x1000 * (i as u64 + 1)), *size), &mut out);
+            t.apply(pool_call(100 + i as u64, Some(0x1000 * (i as u64 + 1)), *size), &mut out);
         }
         out.clear();
-        t.apply(&pool_call(500, None, 1 << 30), &mut out);
+        t.apply(pool_call(500, None, 1 << 30), &mut out);
         assert!(matches!(out[0], Output::Failed { out_of_memory: true, .. }));
         let listed = |want_recent: bool| -> Vec<(usize, u64)> {
             out.iter()

@@ -60,7 +60,7 @@ impl ThreadTags {
 /// All threads' open spans.
 #[derive(Debug, Default)]
 pub struct Tags {
-    threads: HashMap<(u32, u32), ThreadTags>,
+    threads: HashMap<(u32, u32), ThreadTags, foldhash::fast::RandomState>,
 }
 
 impl Tags {

@@ -8,6 +8,8 @@
 //! Values are kept typed until written: a row is built for every traced call, and formatting
 //! numbers straight into the output buffer keeps allocations off that path.
 
+use std::sync::Arc;
+
 /// One value, formatted when written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Value {
@@ -17,6 +19,8 @@ pub enum Value {
     Addr(u64),
     Static(&'static str),
     Text(String),
+    /// Text shared with other rows (an owner path).
+    Shared(Arc<str>),
 }
 
 /// Appends `0x%016x` without going through `core::fmt` (this runs for every row).
@@ -39,6 +43,7 @@ impl Value {
             Self::Addr(v) => push_addr(out, *v),
             Self::Static(s) => out.push_str(s),
             Self::Text(s) => out.push_str(s),
+            Self::Shared(s) => out.push_str(s),
         }
     }
 
@@ -48,6 +53,7 @@ impl Value {
             Self::U64(_) | Self::I64(_) | Self::Addr(_) => true,
             Self::Static(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
             Self::Text(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
+            Self::Shared(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
         }
     }
 }
@@ -75,6 +81,11 @@ impl From<&'static str> for Value {
 impl From<String> for Value {
     fn from(v: String) -> Self {
         Self::Text(v)
+    }
+}
+impl From<Arc<str>> for Value {
+    fn from(v: Arc<str>) -> Self {
+        Self::Shared(v)
     }
 }
 

@@ -1,0 +1,145 @@
+//! Per-device totals and ids, and which device a thread is on.
+//!
+//! - Each device's file has one `allocation_id` counter for every kind of block in it (device,
+//!   pool, host): Insight groups a file's rows by this id alone.
+//! - The kernel learns a thread's device only from its set/get-device calls. After an attach, a
+//!   thread that chose its device earlier is known by the device its calls name (a driver flag,
+//!   a malloc config's device, a physical handle's property, a pool block's device) until it
+//!   calls one of them again.
+
+use super::event::{Call, DeviceKey, Op, Space};
+use super::output::Site;
+use super::tracker::Tracker;
+
+/// Per-device totals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    pub used: u64,
+    pub peak: u64,
+    pub live_blocks: u64,
+    pub mallocs: u64,
+    pub frees: u64,
+    /// Frees of blocks the trace never saw allocated (born before an attach), device and pool
+    /// blocks alike; their rows go to `ms_untracked_frees`, not to Insight's table.
+    pub untracked_frees: u64,
+    pub failures: u64,
+    /// The last `allocation_id` given on this device's file. One counter for every kind of block
+    /// in the file (device, pool, host), since Insight groups a file's rows by this id alone.
+    next_allocation_id: u64,
+}
+
+impl DeviceStats {
+    /// The next `allocation_id` of this device's file, for a block of any kind.
+    pub(super) fn take_allocation_id(&mut self) -> u64 {
+        self.next_allocation_id += 1;
+        self.next_allocation_id
+    }
+}
+
+impl Tracker {
+    /// The device of the calling thread: the kernel's (from its set/get-device calls), else the
+    /// one it last named itself.
+    pub(super) fn thread_device(&self, site: Site, call: &Call) -> DeviceKey {
+        call.thread_device
+            .or_else(|| self.learnt_devices.get(&(site.pid, site.tid)).copied())
+            .map_or(DeviceKey::Unknown, DeviceKey::Npu)
+    }
+
+    /// Notes the device a successful call names for the thread it ran on.
+    pub(super) fn learn_device(&mut self, site: Site, call: &Call) {
+        if call.status != 0 || call.thread_device.is_some() {
+            return;
+        }
+        let named = match call.op {
+            Op::Malloc { space: Space::Device, device, .. }
+            | Op::MallocPhysical { device, .. }
+            | Op::PoolMalloc { device, .. } => device,
+            _ => None,
+        };
+        if let Some(device) = named {
+            self.learnt_devices.insert((site.pid, site.tid), device);
+        }
+    }
+
+    pub(super) fn stats(&mut self, device: DeviceKey) -> &mut DeviceStats {
+        self.devices.entry(device).or_default()
+    }
+
+    /// The next `allocation_id` of `device`'s file, for a block of any kind.
+    pub(super) fn next_allocation_id(&mut self, device: DeviceKey) -> u64 {
+        self.stats(device).take_allocation_id()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use crate::apis::Api;
+    use crate::model::*;
+
+    #[test]
+    fn config_device_wins_over_thread_device() {
+        let e = call(
+            Api::AclrtMallocWithCfg,
+            1,
+            Some(0),
+            0,
+            Op::Malloc {
+                space: Space::Device,
+                size: 4,
+                ptr: Some(0x40),
+                policy: Some(0),
+                device: Some(1),
+                module: Some(3),
+                driver: None,
+            },
+        );
+        let (_, out) = run(&[e]);
+        assert!(matches!(
+            out[0],
+            Output::Malloc { device: DeviceKey::Npu(1), origin: Origin::Direct { module: Some(3), .. }, .. }
+        ));
+    }
+
+    #[test]
+    fn a_thread_whose_device_the_kernel_does_not_know_is_placed_by_the_device_it_names() {
+        // After an attach, thread 1 chose its device earlier: the kernel knows none.
+        let plain = |ptr| malloc(Some(ptr), 64, None, 0);
+        let launch = call(
+            Api::AclrtLaunchKernel,
+            1,
+            None,
+            0,
+            Op::Launch { function: 1, args: Vec::new(), args_size: 0, stream: 0 },
+        );
+        let mut other = malloc(Some(0x5000), 64, None, 0);
+        other.tid = 2;
+        let merged = [with_outer(driver_alloc(0x2000, 4096, 1, 33), Api::AclrtMalloc), plain(0x2000)];
+        let (_, out) = run(&[
+            &[plain(0x1000)],
+            &merged[..],
+            &[plain(0x3000), launch, other, malloc(Some(0x4000), 64, Some(0), 0)],
+        ]
+        .concat());
+        let devices: Vec<(u64, DeviceKey)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Malloc { ptr, device, .. } => Some((*ptr, *device)),
+                Output::KernelLaunch { device, .. } => Some((0, *device)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            devices,
+            [
+                (0x1000, DeviceKey::Unknown), // before it named any
+                (0x2000, DeviceKey::Npu(1)),  // the driver's flag names device 1
+                (0x3000, DeviceKey::Npu(1)),  // learnt
+                (0, DeviceKey::Npu(1)),
+                (0x5000, DeviceKey::Unknown), // another thread learns nothing from it
+                (0x4000, DeviceKey::Npu(0)),  // the kernel's device wins once known
+            ]
+        );
+    }
+}
