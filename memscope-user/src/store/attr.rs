@@ -10,12 +10,14 @@
 
 /// One value, formatted when written.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Value {
+pub enum Value<'a> {
     U64(u64),
     I64(i64),
     /// `0x%016x`.
     Addr(u64),
-    Static(&'static str),
+    /// Borrowed from the model output the row is made from (or static).
+    Str(&'a str),
+    /// Made for this row (rare rows only: the hot ones borrow).
     Text(String),
 }
 
@@ -31,72 +33,113 @@ pub fn push_addr(out: &mut String, v: u64) {
     out.push_str(std::str::from_utf8(&buf).expect("ASCII"));
 }
 
-impl Value {
+/// Whether `s` can go between JSON quotes as it is.
+fn is_plain(s: &str) -> bool {
+    s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\')
+}
+
+impl Value<'_> {
     fn write(&self, out: &mut String) {
         match self {
             Self::U64(v) => out.push_str(itoa::Buffer::new().format(*v)),
             Self::I64(v) => out.push_str(itoa::Buffer::new().format(*v)),
             Self::Addr(v) => push_addr(out, *v),
-            Self::Static(s) => out.push_str(s),
+            Self::Str(s) => out.push_str(s),
             Self::Text(s) => out.push_str(s),
         }
     }
 
-    /// Whether the formatted value could need JSON escaping.
-    fn is_plain(&self) -> bool {
-        match self {
-            Self::U64(_) | Self::I64(_) | Self::Addr(_) => true,
-            Self::Static(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
-            Self::Text(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
+    /// Appends the value as a JSON string.
+    fn write_json(&self, out: &mut String) {
+        let text = match self {
+            Self::Str(s) => *s,
+            Self::Text(s) => s.as_str(),
+            _ => {
+                out.push('"');
+                self.write(out);
+                out.push('"');
+                return;
+            }
+        };
+        if is_plain(text) {
+            out.push('"');
+            out.push_str(text);
+            out.push('"');
+        } else {
+            // serde_json escapes quotes, backslashes and control characters.
+            out.push_str(&serde_json::Value::from(text).to_string());
         }
     }
 }
 
-impl From<u64> for Value {
+impl From<u64> for Value<'_> {
     fn from(v: u64) -> Self {
         Self::U64(v)
     }
 }
-impl From<u16> for Value {
+impl From<u16> for Value<'_> {
     fn from(v: u16) -> Self {
         Self::U64(v.into())
     }
 }
-impl From<i32> for Value {
+impl From<i32> for Value<'_> {
     fn from(v: i32) -> Self {
         Self::I64(v.into())
     }
 }
-impl From<&'static str> for Value {
-    fn from(v: &'static str) -> Self {
-        Self::Static(v)
+impl<'a> From<&'a str> for Value<'a> {
+    fn from(v: &'a str) -> Self {
+        Self::Str(v)
     }
 }
-impl From<String> for Value {
+impl From<String> for Value<'_> {
     fn from(v: String) -> Self {
         Self::Text(v)
     }
 }
 
-/// Ordered key/value pairs (order is kept so output is stable and diffable).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Attr(Vec<(&'static str, Value)>);
+/// The most keys a row has (a device MALLOC with every driver detail has 15).
+pub const CAPACITY: usize = 16;
 
-impl Attr {
+/// Ordered key/value pairs (order is kept so output is stable and diffable), held inline: a row
+/// is built for every traced call, and a heap allocation per row (freed on the store thread) was
+/// a tenth of the consumer's time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attr<'a> {
+    len: usize,
+    pairs: [(&'static str, Value<'a>); CAPACITY],
+}
+
+impl Default for Attr<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<'a> Attr<'a> {
     pub fn new() -> Self {
-        Self(Vec::with_capacity(8))
+        Self { len: 0, pairs: [const { ("", Value::U64(0)) }; CAPACITY] }
     }
 
-    pub fn with(mut self, key: &'static str, value: impl Into<Value>) -> Self {
-        self.0.push((key, value.into()));
+    fn pairs(&self) -> &[(&'static str, Value<'a>)] {
+        &self.pairs[..self.len]
+    }
+
+    #[inline]
+    pub fn with(mut self, key: &'static str, value: impl Into<Value<'a>>) -> Self {
+        assert!(self.len < CAPACITY, "more than {CAPACITY} Attr keys (adding {key})");
+        self.pairs[self.len] = (key, value.into());
+        self.len += 1;
         self
     }
 
+    #[inline]
     pub fn addr(self, key: &'static str, addr: u64) -> Self {
         self.with(key, Value::Addr(addr))
     }
 
-    pub fn with_opt(self, key: &'static str, value: Option<impl Into<Value>>) -> Self {
+    #[inline]
+    pub fn with_opt<V: Into<Value<'a>>>(self, key: &'static str, value: Option<V>) -> Self {
         match value {
             Some(v) => self.with(key, v),
             None => self,
@@ -104,12 +147,12 @@ impl Attr {
     }
 
     pub fn has(&self, key: &str) -> bool {
-        self.0.iter().any(|(k, _)| *k == key)
+        self.pairs().iter().any(|(k, _)| *k == key)
     }
 
     #[cfg(test)]
     pub fn get(&self, key: &str) -> Option<String> {
-        self.0.iter().find(|(k, _)| *k == key).map(|(_, v)| {
+        self.pairs().iter().find(|(k, _)| *k == key).map(|(_, v)| {
             let mut s = String::new();
             v.write(&mut s);
             s
@@ -119,23 +162,14 @@ impl Attr {
     /// Appends `{"k":"v",...}` (no whitespace) to `out`.
     pub fn write_json(&self, out: &mut String) {
         out.push('{');
-        for (i, (k, v)) in self.0.iter().enumerate() {
+        for (i, (k, v)) in self.pairs().iter().enumerate() {
             if i > 0 {
                 out.push(',');
             }
             out.push('"');
             out.push_str(k);
             out.push_str("\":");
-            if v.is_plain() {
-                out.push('"');
-                v.write(out);
-                out.push('"');
-            } else {
-                let mut raw = String::new();
-                v.write(&mut raw);
-                // serde_json escapes quotes, backslashes and control characters.
-                out.push_str(&serde_json::Value::from(raw).to_string());
-            }
+            v.write_json(out);
         }
         out.push('}');
     }
@@ -147,19 +181,25 @@ impl Attr {
         s
     }
 
-    /// msMemScope's CSV form, `{k:v,...}`. Values are written as-is; the CSV writer quotes the
-    /// whole field.
-    pub fn to_csv_form(&self) -> String {
-        let mut s = String::from("{");
-        for (i, (k, v)) in self.0.iter().enumerate() {
+    /// Appends msMemScope's CSV form, `{k:v,...}`. Values are written as-is; the CSV writer
+    /// quotes the whole field.
+    pub fn write_csv_form(&self, out: &mut String) {
+        out.push('{');
+        for (i, (k, v)) in self.pairs().iter().enumerate() {
             if i > 0 {
-                s.push(',');
+                out.push(',');
             }
-            s.push_str(k);
-            s.push(':');
-            v.write(&mut s);
+            out.push_str(k);
+            out.push(':');
+            v.write(out);
         }
-        s.push('}');
+        out.push('}');
+    }
+
+    #[cfg(test)]
+    pub fn to_csv_form(&self) -> String {
+        let mut s = String::new();
+        self.write_csv_form(&mut s);
         s
     }
 }

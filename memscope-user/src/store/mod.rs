@@ -4,6 +4,7 @@
 //!
 //! - [`insight`]: model outputs to `memscope_dump` rows (Event / Event Type / Attr vocabulary).
 //! - [`attr`]: the Attr column, as compact JSON with string values (DB) or msMemScope's CSV form.
+//! - [`batch`]: rows formatted on the producing side, moved to the store thread a batch at a time.
 //! - [`schema`]: table and column definitions.
 //! - [`layout`]: where files go; `owner`: their modes and owner (0700/0600, the `sudo` user).
 //! - [`sqlite`], [`csv`]: the two sinks. The store creates one per device on first use.
@@ -14,6 +15,7 @@
 //! Insight expects.
 
 pub mod attr;
+pub mod batch;
 pub mod csv;
 pub mod insight;
 pub mod layout;
@@ -30,6 +32,7 @@ use thiserror::Error;
 
 #[cfg(test)]
 pub use attr::Attr;
+pub use batch::{Batch, RowText};
 pub use insight::Row;
 pub use layout::RunLayout;
 pub use writer::Writer;
@@ -74,13 +77,14 @@ pub struct Written {
     pub path: PathBuf,
 }
 
-/// One device's output.
+/// One device's output. Every row it gets has its device's `Device Id`, whatever the row's
+/// `device` (a broadcast row's is another output's).
 pub trait Sink: Send {
     /// Appends a row; `id` is the row's `ID` (1-based, per file).
-    fn insert(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
+    fn insert(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
     /// Appends the FREE of a block the trace never saw allocated to `ms_untracked_frees` (its
     /// own `ID`s, 1-based), out of Insight's table.
-    fn insert_untracked(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
+    fn insert_untracked(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
     /// Makes everything inserted so far durable.
     fn commit(&mut self) -> Result<(), StoreError>;
     /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block).
@@ -122,7 +126,7 @@ pub struct Store {
     open: BTreeMap<DeviceKey, Open>,
     /// Rows every output gets (steps, marks, operators): kept to replay into outputs created
     /// later, at most [`REPLAY_LIMIT`].
-    broadcast: Vec<Row>,
+    broadcast: Batch,
     /// Broadcast rows past the limit, which an output created after them does not get.
     not_replayed: u64,
 }
@@ -149,9 +153,14 @@ impl Store {
             meta,
             probes: Vec::new(),
             open: BTreeMap::new(),
-            broadcast: Vec::new(),
+            broadcast: Batch::default(),
             not_replayed: 0,
         }
+    }
+
+    /// The form rows must be formatted in for this store's sinks.
+    pub fn format(&self) -> Format {
+        self.format
     }
 
     fn sink(&mut self, device: DeviceKey) -> Result<&mut Open, StoreError> {
@@ -163,19 +172,19 @@ impl Store {
                     // the same.
                     let path = self.layout.dump_file(device, "db");
                     self.layout.create_file(&path)?;
-                    Box::new(sqlite::DbSink::create(&path, &self.meta)?)
+                    Box::new(sqlite::DbSink::create(&path, device, &self.meta)?)
                 }
                 Format::Csv => {
-                    Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"), self.layout.owner())?)
+                    Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"), device, self.layout.owner())?)
                 }
             };
             sink.add_probes(&self.probes)?;
             let mut open = Open { sink, next_id: 1, next_untracked_id: 1, malloc_ids: BTreeMap::new() };
             let start = insight::system_row("START_TRACE", self.start_wall_ns, device, &self.meta);
-            open.sink.insert(open.next_id, &start)?;
+            open.sink.insert(open.next_id, batch::single(&start, self.format).get(0))?;
             open.next_id += 1;
-            for row in &self.broadcast {
-                open.sink.insert(open.next_id, &Row { device, ..row.clone() })?;
+            for row in self.broadcast.iter() {
+                open.sink.insert(open.next_id, row)?;
                 open.next_id += 1;
             }
             self.open.insert(device, open);
@@ -183,23 +192,28 @@ impl Store {
         Ok(self.open.get_mut(&device).expect("inserted above"))
     }
 
-    pub fn write(&mut self, row: &Row) -> Result<(), StoreError> {
-        if row.broadcast {
-            for (device, open) in &mut self.open {
-                open.sink.insert(open.next_id, &Row { device: *device, ..row.clone() })?;
+    pub fn write_batch(&mut self, rows: &Batch) -> Result<(), StoreError> {
+        rows.iter().try_for_each(|row| self.write(row))
+    }
+
+    pub fn write(&mut self, row: RowText<'_>) -> Result<(), StoreError> {
+        let head = row.head;
+        if head.broadcast {
+            for open in self.open.values_mut() {
+                open.sink.insert(open.next_id, row)?;
                 open.next_id += 1;
             }
             // Kept for outputs created later, up to a bound: operator rows can be millions, and
             // a job's device outputs normally all exist after its first allocations.
             if self.broadcast.len() < REPLAY_LIMIT {
-                self.broadcast.push(row.clone());
+                self.broadcast.push_text(row);
             } else {
                 self.not_replayed += 1;
             }
             return Ok(());
         }
-        let open = self.sink(row.device)?;
-        if insight::is_untracked_free(row) {
+        let open = self.sink(head.device)?;
+        if head.untracked {
             open.sink.insert_untracked(open.next_untracked_id, row)?;
             open.next_untracked_id += 1;
             return Ok(());
@@ -207,9 +221,11 @@ impl Store {
         let id = open.next_id;
         open.sink.insert(id, row)?;
         open.next_id += 1;
-        if let Some(ptr) = row.ptr {
-            let key = (row.pid, event_type_code(row.event_type), ptr);
-            match row.event {
+        // A shadow FREE is written at the stop, when no owner change can follow: its block's
+        // entry is left for the map's drop, which is quicker than a million removals.
+        if let (Some(ptr), false) = (head.ptr, head.shadow) {
+            let key = (head.pid, event_type_code(head.event_type), ptr);
+            match head.event {
                 "MALLOC" => {
                     open.malloc_ids.insert(key, id);
                 }
@@ -273,7 +289,7 @@ impl Store {
         let mut written = Vec::new();
         for (device, mut open) in std::mem::take(&mut self.open) {
             let stop = insight::system_row("STOP_TRACE", stop_wall_ns, device, &meta);
-            open.sink.insert(open.next_id, &stop)?;
+            open.sink.insert(open.next_id, batch::single(&stop, self.format).get(0))?;
             let path = open.sink.finish(&meta, lost_per_cpu)?;
             written.push(Written { device, path });
         }
@@ -292,10 +308,11 @@ mod tests {
     use crate::apis::Api;
     use crate::model::{Output, Site, Space};
 
-    fn free(device: DeviceKey, size: Option<u64>) -> Row {
+    fn free(device: DeviceKey, size: Option<u64>) -> Batch {
         let site = Site { api: Api::AclrtFree, wall_ns: 7, pid: 1, tid: 1, gc: false };
         let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
-        insight::to_row(&Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver }).unwrap()
+        let output = Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver };
+        batch::single(&insight::to_row(&output).unwrap(), Format::Db)
     }
 
     fn count(path: &std::path::Path, table: &str) -> i64 {
@@ -309,9 +326,9 @@ mod tests {
         let _ = std::fs::remove_dir_all(&out);
         let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
         let mut store = Store::new(layout.clone(), Format::Db, 5, vec![]);
-        store.write(&free(DeviceKey::Npu(0), None)).unwrap();
-        store.write(&free(DeviceKey::Npu(0), Some(8))).unwrap();
-        store.write(&free(DeviceKey::Unknown, None)).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(0), None)).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(0), Some(8))).unwrap();
+        store.write_batch(&free(DeviceKey::Unknown, None)).unwrap();
         let written = store.finish(9, &vec![], &[]).unwrap();
         let path = |d| written.iter().find(|w| w.device == d).unwrap().path.clone();
         let (npu0, unknown) = (path(DeviceKey::Npu(0)), path(DeviceKey::Unknown));
