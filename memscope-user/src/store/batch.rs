@@ -81,7 +81,6 @@ impl Batch {
             Format::Csv => row.attr.write_csv_form(text),
         }
         let end = offset(text);
-        let free = row.event == "FREE";
         self.heads.push(Head {
             event: row.event,
             event_type: row.event_type,
@@ -91,8 +90,8 @@ impl Batch {
             device: row.device,
             ptr: row.ptr,
             broadcast: row.broadcast,
-            untracked: free && is_untracked_free(row),
-            shadow: free && row.attr.has("shadow"),
+            untracked: is_untracked_free(row),
+            shadow: row.shadow,
             start,
             name_end,
             ptr_end,
@@ -157,7 +156,7 @@ mod tests {
     use super::*;
     use crate::store::Attr;
 
-    fn row(name: &str, ptr: Option<u64>, attr: Attr<'static>) -> Row<'static> {
+    fn row(name: &str, ptr: Option<u64>, attr: Attr, untracked: bool, shadow: bool) -> Row<'static> {
         Row {
             event: "FREE",
             event_type: "HAL",
@@ -169,14 +168,17 @@ mod tests {
             ptr,
             attr,
             broadcast: false,
+            untracked,
+            shadow,
         }
     }
 
     #[test]
     fn each_row_reads_back_its_own_columns() {
         let mut batch = Batch::default();
-        batch.push(&row("aclrtFree", Some(0x10), Attr::new().with("size", 8u64).with("shadow", "true")), Format::Db);
-        batch.push(&row("", None, Attr::new().with("unmatched", "true")), Format::Csv);
+        let shadow = Attr::new().with("size", 8u64).with("shadow", "true");
+        batch.push(&row("aclrtFree", Some(0x10), shadow, false, true), Format::Db);
+        batch.push(&row("", None, Attr::new().with("unmatched", "true"), true, false), Format::Csv);
         let mut copy = Batch::default();
         copy.push_text(batch.get(1));
         copy.push_text(batch.get(0));

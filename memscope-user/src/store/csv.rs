@@ -147,6 +147,8 @@ mod tests {
             ptr: Some(0xff),
             attr: Attr::new().addr("addr", 0xff).with("size", 9u64),
             broadcast: false,
+            untracked: false,
+            shadow: false,
         };
         let l = line(5, single(&row, Format::Csv).get(0), "1");
         assert_eq!(l, "5,MALLOC,HAL,aclrtMalloc,17,3,4,1,0x00000000000000ff,\"{addr:0x00000000000000ff,size:9}\",,");

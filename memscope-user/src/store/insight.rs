@@ -60,7 +60,7 @@ fn access_type(kind: AccessKind) -> &'static str {
 
 /// msMemScope's aten ACCESS keys from the markers' tensor description: `float32[4,8]` is dtype
 /// `float32` and shape `[4,8]`; a description of another form is kept whole as `tensor`.
-fn with_tensor_desc<'a>(attr: Attr<'a>, desc: Option<&'a str>) -> Attr<'a> {
+fn with_tensor_desc(attr: Attr, desc: Option<&str>) -> Attr {
     let Some(desc) = desc else { return attr };
     match desc.find('[') {
         Some(i) if i > 0 => attr.with("dtype", &desc[..i]).with("shape", &desc[i..]),
@@ -69,8 +69,8 @@ fn with_tensor_desc<'a>(attr: Attr<'a>, desc: Option<&'a str>) -> Attr<'a> {
 }
 
 /// One `memscope_dump` row, before its per-file `ID`. It borrows its text from the model output
-/// it is made from and holds its Attr inline, so making one allocates nothing; the writer
-/// formats it into a batch at once ([`super::batch`]).
+/// it is made from and its Attr reuses a buffer, so making one allocates nothing; the writer
+/// copies it into a batch at once ([`super::batch`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Row<'a> {
     pub event: &'static str,
@@ -81,9 +81,13 @@ pub struct Row<'a> {
     pub tid: u32,
     pub device: DeviceKey,
     pub ptr: Option<u64>,
-    pub attr: Attr<'a>,
+    pub attr: Attr,
     /// Written to every device's output (its `device` is replaced by each output's).
     pub broadcast: bool,
+    /// The FREE of a block the trace never saw allocated (Attr `unmatched`).
+    pub untracked: bool,
+    /// A FREE made up at the stop for a block still live (Attr `shadow`).
+    pub shadow: bool,
 }
 
 impl Row<'_> {
@@ -110,7 +114,7 @@ impl Row<'_> {
 /// Whether `row` is the FREE of a block the trace never saw allocated: such rows go to our own
 /// `ms_untracked_frees`, never to Insight's table.
 pub fn is_untracked_free(row: &Row<'_>) -> bool {
-    row.event == "FREE" && row.attr.has(UNMATCHED)
+    row.untracked
 }
 
 /// Pinned host memory is marked as msMemScope does; CPU-allocator memory is not pinned.
@@ -124,7 +128,7 @@ fn row<'a>(
     event_type: &'static str,
     device: DeviceKey,
     ptr: Option<u64>,
-    attr: Attr<'a>,
+    attr: Attr,
 ) -> Row<'a> {
     Row {
         event,
@@ -137,12 +141,14 @@ fn row<'a>(
         ptr,
         attr,
         broadcast: false,
+        untracked: false,
+        shadow: false,
     }
 }
 
 /// Attr keys for the driver call behind a fact: the driver API when it differs from the row's
 /// (a merged runtime + driver call), its flag, module and page class.
-fn with_driver<'a>(mut attr: Attr<'a>, site: &Site, driver: Option<&DriverInfo>) -> Attr<'a> {
+fn with_driver(mut attr: Attr, site: &Site, driver: Option<&DriverInfo>) -> Attr {
     let Some(d) = driver else { return attr };
     if d.api != site.api {
         attr = attr.with("hal_api", d.api.name());
@@ -155,7 +161,7 @@ fn with_driver<'a>(mut attr: Attr<'a>, site: &Site, driver: Option<&DriverInfo>)
     }
 }
 
-fn with_module(attr: Attr<'_>, module: Option<u16>) -> Attr<'_> {
+fn with_module(attr: Attr, module: Option<u16>) -> Attr {
     match module {
         Some(m) => attr.with("module_id", m).with("owner", hal::owner(m)),
         None => attr,
@@ -163,9 +169,23 @@ fn with_module(attr: Attr<'_>, module: Option<u16>) -> Attr<'_> {
 }
 
 /// A row not tied to a block or call: steps and marks.
-fn marker_row<'a>(event_type: &'static str, name: String, wall_ns: u64, pid: u32, tid: u32, attr: Attr<'a>) -> Row<'a> {
+fn marker_row<'a>(event_type: &'static str, name: String, wall_ns: u64, pid: u32, tid: u32, attr: Attr) -> Row<'a> {
     let (event, device, ptr) = (if event_type == "STEP" { "SYSTEM" } else { "MSTX" }, DeviceKey::Unknown, None);
-    Row { event, event_type, name: Cow::Owned(name), ts_ns: wall_ns, pid, tid, device, ptr, attr, broadcast: true }
+    let name = Cow::Owned(name);
+    Row {
+        event,
+        event_type,
+        name,
+        ts_ns: wall_ns,
+        pid,
+        tid,
+        device,
+        ptr,
+        attr,
+        broadcast: true,
+        untracked: false,
+        shadow: false,
+    }
 }
 
 /// The row for one model output; `None` for outputs that change earlier rows ([`Output::Retag`]).
@@ -228,6 +248,8 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
                 ptr: Some(*addr),
                 attr: with_tensor_desc(attr, desc.as_deref()),
                 broadcast: false,
+                untracked: false,
+                shadow: false,
             }
         }
         Output::OpLaunch { wall_ns, pid, tid, start, name } => {
@@ -243,6 +265,8 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
                 ptr: None,
                 attr: Attr::new(),
                 broadcast: true,
+                untracked: false,
+                shadow: false,
             }
         }
         Output::AtbLaunch { site, device, start, runner, workspace, workspace_size, intermediate_size, status } => {
@@ -324,7 +348,8 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
                 attr = attr.with("freed_by", GC);
             }
             attr = with_driver(attr, site, driver.as_ref());
-            row(site, "FREE", space.event_type(), *device, Some(*ptr), attr)
+            let r = row(site, "FREE", space.event_type(), *device, Some(*ptr), attr);
+            Row { untracked: size.is_none(), shadow: *shadow, ..r }
         }
         Output::Failed { site, device, status, out_of_memory, size, ptr, driver } => {
             let space_type = if *device == DeviceKey::Cpu { "HOST" } else { "HAL" };
@@ -404,7 +429,8 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
             if *stream_uses > 0 {
                 attr = attr.with(STREAM_USES, u64::from(*stream_uses));
             }
-            row(site, "FREE", "PTA", *device, Some(*ptr), attr)
+            let r = row(site, "FREE", "PTA", *device, Some(*ptr), attr);
+            Row { untracked: size.is_none(), shadow: *shadow, ..r }
         }
     })
 }
@@ -419,7 +445,21 @@ pub fn system_row<'m>(event_type: &'static str, ts_ns: u64, device: DeviceKey, m
         .with_opt("mode", get("mode"))
         .with_opt("stop_reason", if event_type == "STOP_TRACE" { get("stop_reason") } else { None });
     let name = Cow::Borrowed(event_type);
-    Row { event: "SYSTEM", event_type, name, ts_ns, pid, tid: pid, device, ptr: None, attr, broadcast: false }
+    let (broadcast, untracked, shadow) = (false, false, false);
+    Row {
+        event: "SYSTEM",
+        event_type,
+        name,
+        ts_ns,
+        pid,
+        tid: pid,
+        device,
+        ptr: None,
+        attr,
+        broadcast,
+        untracked,
+        shadow,
+    }
 }
 
 #[cfg(test)]
@@ -502,6 +542,7 @@ mod tests {
         assert_eq!((r.event, r.event_type), ("FREE", "HAL"));
         assert_eq!(r.attr.get("size").as_deref(), Some("64"));
         assert_eq!(r.attr.get("shadow").as_deref(), Some("true"));
+        assert!(r.shadow && !r.untracked);
     }
 
     #[test]

@@ -87,6 +87,11 @@ pub trait Sink: Send {
     fn insert_untracked(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
     /// Makes everything inserted so far durable.
     fn commit(&mut self) -> Result<(), StoreError>;
+    /// The stop has begun: what follows is its rows, then [`Sink::finish`], which must complete
+    /// the output as fast as it can.
+    fn stopping(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block).
     fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError>;
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError>;
@@ -129,6 +134,8 @@ pub struct Store {
     broadcast: Batch,
     /// Broadcast rows past the limit, which an output created after them does not get.
     not_replayed: u64,
+    /// A shadow FREE came: the stop has begun (they are only made there, by `Tracker::finish`).
+    stopping: bool,
 }
 
 /// Broadcast rows kept for replay into outputs created later.
@@ -155,6 +162,7 @@ impl Store {
             open: BTreeMap::new(),
             broadcast: Batch::default(),
             not_replayed: 0,
+            stopping: false,
         }
     }
 
@@ -198,6 +206,12 @@ impl Store {
 
     pub fn write(&mut self, row: RowText<'_>) -> Result<(), StoreError> {
         let head = row.head;
+        if head.shadow && !self.stopping {
+            self.stopping = true;
+            for open in self.open.values_mut() {
+                open.sink.stopping()?;
+            }
+        }
         if head.broadcast {
             for open in self.open.values_mut() {
                 open.sink.insert(open.next_id, row)?;
