@@ -134,7 +134,7 @@ pub struct Store {
     broadcast: Batch,
     /// Broadcast rows past the limit, which an output created after them does not get.
     not_replayed: u64,
-    /// A shadow FREE came: the stop has begun (they are only made there, by `Tracker::finish`).
+    /// The stop has begun ([`Store::stopping`]): only its rows and [`Store::finish`] follow.
     stopping: bool,
 }
 
@@ -206,12 +206,6 @@ impl Store {
 
     pub fn write(&mut self, row: RowText<'_>) -> Result<(), StoreError> {
         let head = row.head;
-        if head.shadow && !self.stopping {
-            self.stopping = true;
-            for open in self.open.values_mut() {
-                open.sink.stopping()?;
-            }
-        }
         if head.broadcast {
             for open in self.open.values_mut() {
                 open.sink.insert(open.next_id, row)?;
@@ -226,6 +220,7 @@ impl Store {
             }
             return Ok(());
         }
+        let stop_shadow = self.stopping && head.shadow;
         let open = self.sink(head.device)?;
         if head.untracked {
             open.sink.insert_untracked(open.next_untracked_id, row)?;
@@ -235,9 +230,9 @@ impl Store {
         let id = open.next_id;
         open.sink.insert(id, row)?;
         open.next_id += 1;
-        // A shadow FREE is written at the stop, when no owner change can follow: its block's
-        // entry is left for the map's drop, which is quicker than a million removals.
-        if let (Some(ptr), false) = (head.ptr, head.shadow) {
+        // Once the stop has begun no owner change can follow: the shadow FREEs of its live blocks
+        // leave their entries to the map's drop, which is quicker than a million removals.
+        if let (Some(ptr), false) = (head.ptr, stop_shadow) {
             let key = (head.pid, event_type_code(head.event_type), ptr);
             match head.event {
                 "MALLOC" => {
@@ -276,6 +271,16 @@ impl Store {
             self.meta.retain(|(key, _)| key != k);
             self.meta.push((k.clone(), v.clone()));
         }
+    }
+
+    /// The stop has begun: what follows is the shadow FREEs of the live blocks and [`Store::finish`],
+    /// which the sinks may write as fast as they can ([`Sink::stopping`]).
+    pub fn stopping(&mut self) -> Result<(), StoreError> {
+        self.stopping = true;
+        for open in self.open.values_mut() {
+            open.sink.stopping()?;
+        }
+        Ok(())
     }
 
     pub fn commit(&mut self) -> Result<(), StoreError> {
@@ -327,6 +332,50 @@ mod tests {
         let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
         let output = Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver };
         batch::single(&insight::to_row(&output).unwrap(), Format::Db)
+    }
+
+    fn live_block_rows(shadow: bool) -> Batch {
+        let site = Site { api: Api::AclrtMalloc, wall_ns: 7, pid: 1, tid: 1, gc: false };
+        let (device, space, ptr, size) = (DeviceKey::Npu(0), Space::Device, 0x20, 8);
+        let origin = crate::model::Origin::Direct { policy: None, module: None, driver: None };
+        let (req_size, allocation_id, used, owner, segment) = (8, 1, 8, Some("CANN@APP".to_owned()), None);
+        let malloc =
+            Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment };
+        let site = Site { api: Api::AclrtFree, ..site };
+        let (size, allocation_id, driver) = (Some(8), Some(1), None);
+        let free = Output::Free { site, device, space, ptr, size, allocation_id, used: 0, shadow, driver };
+        let mut batch = Batch::default();
+        for output in [malloc, free] {
+            batch.push(&insight::to_row(&output).unwrap(), Format::Db);
+        }
+        batch
+    }
+
+    #[test]
+    fn rows_after_the_stop_began_complete_the_db() {
+        let out = std::env::temp_dir().join(format!("memscope-store-stop-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
+        let mut store = Store::new(layout, Format::Db, 5, vec![]);
+        let rows = live_block_rows(true);
+        store.write(rows.get(0)).unwrap();
+        store.stopping().unwrap();
+        store.write(rows.get(1)).unwrap();
+        let written = store.finish(9, &vec![], &[]).unwrap();
+        let db = rusqlite::Connection::open(&written[0].path).unwrap();
+        let events: Vec<String> = db
+            .prepare("SELECT \"Event Type\" || ':' || Event FROM memscope_dump ORDER BY ID")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(events, ["START_TRACE:SYSTEM", "HAL:MALLOC", "HAL:FREE", "STOP_TRACE:SYSTEM"]);
+        let journal: String = db.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+        assert_eq!(journal, "delete", "the WAL is folded");
+        let wal = written[0].path.with_extension("db-wal");
+        assert!(!wal.exists(), "{} is left", wal.display());
+        std::fs::remove_dir_all(&out).unwrap();
     }
 
     fn count(path: &std::path::Path, table: &str) -> i64 {

@@ -26,6 +26,7 @@ enum Msg {
     Meta(Meta),
     Retag(Retag),
     Commit,
+    Stopping,
     Finish { stop_wall_ns: u64, meta: Meta, lost_per_cpu: Vec<u64> },
 }
 
@@ -51,6 +52,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Ve
             Msg::Meta(meta) => store.set_meta(&meta),
             Msg::Retag(retag) => store.retag(&retag)?,
             Msg::Commit => store.commit()?,
+            Msg::Stopping => store.stopping()?,
             Msg::Finish { stop_wall_ns, meta, lost_per_cpu } => {
                 return store.finish(stop_wall_ns, &meta, &lost_per_cpu)
             }
@@ -126,6 +128,13 @@ impl Writer {
     pub fn commit(&mut self) -> Result<(), StoreError> {
         self.send_batch()?;
         self.send(Msg::Commit)
+    }
+
+    /// The stop has begun: the rows that follow (the live blocks' shadow FREEs) and
+    /// [`Writer::finish`] complete the outputs, and are written for speed (see `Sink::stopping`).
+    pub fn stopping(&mut self) -> Result<(), StoreError> {
+        self.send_batch()?;
+        self.send(Msg::Stopping)
     }
 
     pub fn finish(mut self, stop_wall_ns: u64, meta: Meta, lost_per_cpu: Vec<u64>) -> Result<Vec<Written>, StoreError> {
