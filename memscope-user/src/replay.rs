@@ -174,6 +174,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
     }
     let Recorder { mut tracker, mut store, .. } = recorder;
     let stop_wall = clock::wall_ns();
+    store.stopping()?;
     tracker.finish(stop_wall, |output| insight::to_row(&output).map_or(Ok(()), |row| store.write(row)))?;
     let written = store.finish(stop_wall, Vec::new(), Vec::new()).context("cannot finish the DB")?;
     Ok(Report {

@@ -514,6 +514,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
             live_blocks: s.live_blocks,
         })
         .collect();
+    store.stopping()?;
     tracker.finish(stop_wall, |output| insight::to_row(&output).map_or(Ok(()), |row| store.write(row)))?;
     let final_meta: Meta = vec![
         ("stop_ns".into(), stop_wall.to_string()),

@@ -5,101 +5,120 @@
 //! and groups accesses with `LIKE '%"allocation_id":"N"%'`, which only matches compact JSON.
 //! In CSV it is msMemScope's unquoted form `{key:value,...}`.
 //!
-//! Values are kept typed until written: a row is built for every traced call, and formatting
-//! numbers straight into the output buffer keeps allocations off that path.
+//! Pairs are written as JSON the moment they are added, into a buffer each thread reuses: a row is
+//! built for every traced call, so building one must neither allocate nor copy a large value
+//! around. The CSV form is read back from the JSON (CSV output is the rare case).
 
-use std::sync::Arc;
+use std::cell::Cell;
 
-/// One value, formatted when written.
+/// One value, formatted as it is added.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Value {
+pub enum Value<'a> {
     U64(u64),
     I64(i64),
     /// `0x%016x`.
     Addr(u64),
-    Static(&'static str),
+    Str(&'a str),
     Text(String),
-    /// Text shared with other rows (an owner path).
-    Shared(Arc<str>),
 }
 
 /// Appends `0x%016x` without going through `core::fmt` (this runs for every row).
 pub fn push_addr(out: &mut String, v: u64) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut buf = [0u8; 18];
-    buf[0] = b'0';
-    buf[1] = b'x';
-    for i in 0..16 {
-        buf[17 - i] = HEX[((v >> (i * 4)) & 0xf) as usize];
-    }
-    out.push_str(std::str::from_utf8(&buf).expect("ASCII"));
-}
-
-impl Value {
-    fn write(&self, out: &mut String) {
-        match self {
-            Self::U64(v) => out.push_str(itoa::Buffer::new().format(*v)),
-            Self::I64(v) => out.push_str(itoa::Buffer::new().format(*v)),
-            Self::Addr(v) => push_addr(out, *v),
-            Self::Static(s) => out.push_str(s),
-            Self::Text(s) => out.push_str(s),
-            Self::Shared(s) => out.push_str(s),
-        }
-    }
-
-    /// Whether the formatted value could need JSON escaping.
-    fn is_plain(&self) -> bool {
-        match self {
-            Self::U64(_) | Self::I64(_) | Self::Addr(_) => true,
-            Self::Static(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
-            Self::Text(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
-            Self::Shared(s) => s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
-        }
+    out.reserve(18);
+    out.push_str("0x");
+    for i in (0..16).rev() {
+        out.push(char::from(HEX[((v >> (i * 4)) & 0xf) as usize]));
     }
 }
 
-impl From<u64> for Value {
+/// Appends `s` as the inside of a JSON string.
+fn push_escaped(out: &mut String, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push_str(s);
+    } else {
+        // serde_json escapes quotes, backslashes and control characters.
+        let quoted = serde_json::Value::from(s).to_string();
+        out.push_str(&quoted[1..quoted.len() - 1]);
+    }
+}
+
+impl From<u64> for Value<'_> {
     fn from(v: u64) -> Self {
         Self::U64(v)
     }
 }
-impl From<u16> for Value {
+impl From<u16> for Value<'_> {
     fn from(v: u16) -> Self {
         Self::U64(v.into())
     }
 }
-impl From<i32> for Value {
+impl From<i32> for Value<'_> {
     fn from(v: i32) -> Self {
         Self::I64(v.into())
     }
 }
-impl From<&'static str> for Value {
-    fn from(v: &'static str) -> Self {
-        Self::Static(v)
+impl<'a> From<&'a str> for Value<'a> {
+    fn from(v: &'a str) -> Self {
+        Self::Str(v)
     }
 }
-impl From<String> for Value {
+impl From<String> for Value<'_> {
     fn from(v: String) -> Self {
         Self::Text(v)
     }
 }
-impl From<Arc<str>> for Value {
-    fn from(v: Arc<str>) -> Self {
-        Self::Shared(v)
+
+thread_local! {
+    /// The buffer of the last Attr dropped on this thread, for the next one: a row is made for
+    /// every traced call, and one allocation each (freed on the store thread) was a tenth of
+    /// the consumer's time.
+    static SPARE: Cell<String> = const { Cell::new(String::new()) };
+}
+
+/// Ordered key/value pairs (order is kept so output is stable and diffable), written as JSON as
+/// they are added: `{"k":"v",...` without the closing brace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attr {
+    json: String,
+}
+
+impl Default for Attr {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
-/// Ordered key/value pairs (order is kept so output is stable and diffable).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Attr(Vec<(&'static str, Value)>);
+impl Drop for Attr {
+    fn drop(&mut self) {
+        let json = std::mem::take(&mut self.json);
+        // Fails only while the thread exits; the buffer is then simply freed.
+        let _ = SPARE.try_with(|spare| spare.set(json));
+    }
+}
 
 impl Attr {
     pub fn new() -> Self {
-        Self(Vec::with_capacity(8))
+        let mut json = SPARE.try_with(Cell::take).unwrap_or_default();
+        json.clear();
+        json.reserve(256);
+        json.push('{');
+        Self { json }
     }
 
-    pub fn with(mut self, key: &'static str, value: impl Into<Value>) -> Self {
-        self.0.push((key, value.into()));
+    pub fn with<'a>(mut self, key: &'static str, value: impl Into<Value<'a>>) -> Self {
+        let out = &mut self.json;
+        out.push_str(if out.len() > 1 { ",\"" } else { "\"" });
+        out.push_str(key);
+        out.push_str("\":\"");
+        match value.into() {
+            Value::U64(v) => out.push_str(itoa::Buffer::new().format(v)),
+            Value::I64(v) => out.push_str(itoa::Buffer::new().format(v)),
+            Value::Addr(v) => push_addr(out, v),
+            Value::Str(s) => push_escaped(out, s),
+            Value::Text(s) => push_escaped(out, &s),
+        }
+        out.push('"');
         self
     }
 
@@ -107,47 +126,39 @@ impl Attr {
         self.with(key, Value::Addr(addr))
     }
 
-    pub fn with_opt(self, key: &'static str, value: Option<impl Into<Value>>) -> Self {
+    pub fn with_opt<'a, V: Into<Value<'a>>>(self, key: &'static str, value: Option<V>) -> Self {
         match value {
             Some(v) => self.with(key, v),
             None => self,
         }
     }
 
+    /// Whether `key` is set. Keys are plain and every quote inside a value is escaped, so a key
+    /// is `"key":` right after the opening brace or a comma.
+    #[cfg(test)]
     pub fn has(&self, key: &str) -> bool {
-        self.0.iter().any(|(k, _)| *k == key)
+        let bytes = self.json.as_bytes();
+        self.json.match_indices(key).any(|(i, _)| {
+            let after = &bytes[i + key.len()..];
+            i >= 2 && bytes[i - 1] == b'"' && matches!(bytes[i - 2], b'{' | b',') && after.starts_with(b"\":")
+        })
+    }
+
+    /// The pairs, with their values unescaped.
+    fn pairs(&self) -> Vec<(String, String)> {
+        let object = format!("[{}]", self.json[1..].replace("\":\"", "\",\""));
+        let flat: Vec<String> = serde_json::from_str(&object).expect("an Attr is JSON of strings");
+        flat.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect()
     }
 
     #[cfg(test)]
     pub fn get(&self, key: &str) -> Option<String> {
-        self.0.iter().find(|(k, _)| *k == key).map(|(_, v)| {
-            let mut s = String::new();
-            v.write(&mut s);
-            s
-        })
+        self.pairs().into_iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }
 
     /// Appends `{"k":"v",...}` (no whitespace) to `out`.
     pub fn write_json(&self, out: &mut String) {
-        out.push('{');
-        for (i, (k, v)) in self.0.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            out.push('"');
-            out.push_str(k);
-            out.push_str("\":");
-            if v.is_plain() {
-                out.push('"');
-                v.write(out);
-                out.push('"');
-            } else {
-                let mut raw = String::new();
-                v.write(&mut raw);
-                // serde_json escapes quotes, backslashes and control characters.
-                out.push_str(&serde_json::Value::from(raw).to_string());
-            }
-        }
+        out.push_str(&self.json);
         out.push('}');
     }
 
@@ -158,19 +169,25 @@ impl Attr {
         s
     }
 
-    /// msMemScope's CSV form, `{k:v,...}`. Values are written as-is; the CSV writer quotes the
-    /// whole field.
-    pub fn to_csv_form(&self) -> String {
-        let mut s = String::from("{");
-        for (i, (k, v)) in self.0.iter().enumerate() {
+    /// Appends msMemScope's CSV form, `{k:v,...}`. Values are written as-is; the CSV writer
+    /// quotes the whole field. (Taken from the JSON: CSV output is the rare case.)
+    pub fn write_csv_form(&self, out: &mut String) {
+        out.push('{');
+        for (i, (k, v)) in self.pairs().iter().enumerate() {
             if i > 0 {
-                s.push(',');
+                out.push(',');
             }
-            s.push_str(k);
-            s.push(':');
-            v.write(&mut s);
+            out.push_str(k);
+            out.push(':');
+            out.push_str(v);
         }
-        s.push('}');
+        out.push('}');
+    }
+
+    #[cfg(test)]
+    pub fn to_csv_form(&self) -> String {
+        let mut s = String::new();
+        self.write_csv_form(&mut s);
         s
     }
 }
@@ -196,6 +213,33 @@ mod tests {
         let a = Attr::new().with("owner", "a\"b\\c\n".to_owned());
         let v: serde_json::Value = serde_json::from_str(&a.to_json()).unwrap();
         assert_eq!(v["owner"], "a\"b\\c\n");
+    }
+
+    #[test]
+    fn a_key_is_found_only_as_a_key() {
+        let a = Attr::new().with("owner", r#"x","shadow":"true"#).with("size", 1u64);
+        assert!(a.has("owner") && a.has("size"));
+        assert!(!a.has("shadow"), "text inside a value is not a key: {}", a.to_json());
+        assert!(!a.has("own") && !a.has("wner"));
+        assert!(!Attr::new().has("size"));
+    }
+
+    #[test]
+    fn csv_form_reads_escaped_values_back_raw() {
+        let a = Attr::new().with("owner", "a\"b\\c:d,\"x\":\"y").with("size", 2u64);
+        assert_eq!(a.to_csv_form(), "{owner:a\"b\\c:d,\"x\":\"y,size:2}");
+        assert_eq!(Attr::new().to_csv_form(), "{}");
+    }
+
+    #[test]
+    fn a_reused_buffer_starts_empty() {
+        for _ in 0..3 {
+            let a = Attr::new().with("size", 9u64);
+            assert_eq!(a.to_json(), r#"{"size":"9"}"#);
+        }
+        let first = Attr::new().with("a", 1u64);
+        let second = Attr::new().with("b", 2u64);
+        assert_eq!((first.to_json(), second.to_json()), (r#"{"a":"1"}"#.to_owned(), r#"{"b":"2"}"#.to_owned()));
     }
 
     #[test]

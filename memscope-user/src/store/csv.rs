@@ -8,14 +8,17 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use super::insight::Row;
+use super::batch::{write_device_id, RowText};
 use super::owner::Owner;
 use super::schema::{csv_header, UNTRACKED_FREES_TABLE};
 use super::{Meta, ProbeRow, Sink, StoreError};
+use crate::model::DeviceKey;
 
 pub struct CsvSink {
     out: BufWriter<File>,
     path: PathBuf,
+    /// The `Device Id` of every row.
+    device: String,
     owner: Owner,
     /// Created on the first untracked free.
     untracked: Option<(BufWriter<File>, PathBuf)>,
@@ -31,12 +34,15 @@ pub fn field(text: &str) -> String {
 }
 
 impl CsvSink {
-    pub fn create(path: &Path, owner: Owner) -> Result<Self, StoreError> {
+    /// A new CSV at `path` for `device`'s rows.
+    pub fn create(path: &Path, device: DeviceKey, owner: Owner) -> Result<Self, StoreError> {
         let io = |source| StoreError::Io { path: path.to_owned(), source };
         let file = owner.create_file(path).map_err(io)?;
         let mut out = BufWriter::new(file);
         writeln!(out, "{}", csv_header()).map_err(io)?;
-        Ok(Self { out, path: path.to_owned(), owner, untracked: None })
+        let mut text = String::new();
+        write_device_id(device, &mut text);
+        Ok(Self { out, path: path.to_owned(), device: text, owner, untracked: None })
     }
 
     /// `ms_untracked_frees_<digits>.csv` beside `memscope_dump_<digits>.csv`.
@@ -51,21 +57,21 @@ impl CsvSink {
     }
 }
 
-/// One CSV line for a row (without the newline).
-pub fn line(id: u64, row: &Row) -> String {
-    let attr = row.attr.to_csv_form();
+/// One CSV line for a row of `device` (without the newline); `row.attr` is in the CSV form.
+pub fn line(id: u64, row: RowText<'_>, device: &str) -> String {
     // msMemScope always quotes the Attr field.
-    let attr = format!("\"{}\"", attr.replace('"', "\"\""));
+    let attr = format!("\"{}\"", row.attr.replace('"', "\"\""));
+    let head = row.head;
     [
         id.to_string(),
-        field(row.event),
-        field(row.event_type),
-        field(&row.name),
-        row.ts_ns.to_string(),
-        row.pid.to_string(),
-        row.tid.to_string(),
-        field(&row.device_id()),
-        field(&row.ptr_text()),
+        field(head.event),
+        field(head.event_type),
+        field(row.name),
+        head.ts_ns.to_string(),
+        head.pid.to_string(),
+        head.tid.to_string(),
+        field(device),
+        field(row.ptr),
         attr,
         String::new(),
         String::new(),
@@ -74,11 +80,11 @@ pub fn line(id: u64, row: &Row) -> String {
 }
 
 impl Sink for CsvSink {
-    fn insert(&mut self, id: u64, row: &Row) -> Result<(), StoreError> {
-        writeln!(self.out, "{}", line(id, row)).map_err(self.io())
+    fn insert(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError> {
+        writeln!(self.out, "{}", line(id, row, &self.device)).map_err(self.io())
     }
 
-    fn insert_untracked(&mut self, id: u64, row: &Row) -> Result<(), StoreError> {
+    fn insert_untracked(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError> {
         if self.untracked.is_none() {
             let path = self.untracked_path();
             let io = |source| StoreError::Io { path: path.clone(), source };
@@ -87,7 +93,7 @@ impl Sink for CsvSink {
             self.untracked = Some((out, path));
         }
         let (out, path) = self.untracked.as_mut().expect("created above");
-        writeln!(out, "{}", line(id, row)).map_err(|source| StoreError::Io { path: path.clone(), source })
+        writeln!(out, "{}", line(id, row, &self.device)).map_err(|source| StoreError::Io { path: path.clone(), source })
     }
 
     fn commit(&mut self) -> Result<(), StoreError> {
@@ -117,8 +123,8 @@ impl Sink for CsvSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::DeviceKey;
-    use crate::store::Attr;
+    use crate::store::batch::single;
+    use crate::store::{Attr, Format, Row};
 
     #[test]
     fn header_is_msmemscopes() {
@@ -141,8 +147,10 @@ mod tests {
             ptr: Some(0xff),
             attr: Attr::new().addr("addr", 0xff).with("size", 9u64),
             broadcast: false,
+            untracked: false,
+            shadow: false,
         };
-        let l = line(5, &row);
+        let l = line(5, single(&row, Format::Csv).get(0), "1");
         assert_eq!(l, "5,MALLOC,HAL,aclrtMalloc,17,3,4,1,0x00000000000000ff,\"{addr:0x00000000000000ff,size:9}\",,");
         // Parse it back with a minimal RFC 4180 reader: 12 fields.
         let mut fields = Vec::new();

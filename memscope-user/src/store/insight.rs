@@ -63,17 +63,19 @@ fn access_type(kind: AccessKind) -> &'static str {
 fn with_tensor_desc(attr: Attr, desc: Option<&str>) -> Attr {
     let Some(desc) = desc else { return attr };
     match desc.find('[') {
-        Some(i) if i > 0 => attr.with("dtype", desc[..i].to_owned()).with("shape", desc[i..].to_owned()),
-        _ => attr.with("tensor", desc.to_owned()),
+        Some(i) if i > 0 => attr.with("dtype", &desc[..i]).with("shape", &desc[i..]),
+        _ => attr.with("tensor", desc),
     }
 }
 
-/// One `memscope_dump` row, before its per-file `ID`.
+/// One `memscope_dump` row, before its per-file `ID`. It borrows its text from the model output
+/// it is made from and its Attr reuses a buffer, so making one allocates nothing; the writer
+/// copies it into a batch at once ([`super::batch`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Row {
+pub struct Row<'a> {
     pub event: &'static str,
     pub event_type: &'static str,
-    pub name: Cow<'static, str>,
+    pub name: Cow<'a, str>,
     pub ts_ns: u64,
     pub pid: u32,
     pub tid: u32,
@@ -82,32 +84,26 @@ pub struct Row {
     pub attr: Attr,
     /// Written to every device's output (its `device` is replaced by each output's).
     pub broadcast: bool,
+    /// The FREE of a block the trace never saw allocated (Attr `unmatched`).
+    pub untracked: bool,
+    /// A FREE made up at the stop for a block still live (Attr `shadow`).
+    pub shadow: bool,
 }
 
-impl Row {
-    /// Appends the `Device Id` column: the device number, `cpu`, or `N/A`.
-    pub fn write_device_id(&self, out: &mut String) {
-        match self.device {
-            DeviceKey::Npu(n) => out.push_str(itoa::Buffer::new().format(n)),
-            DeviceKey::Cpu => out.push_str("cpu"),
-            DeviceKey::Unknown => out.push_str("N/A"),
-        }
-    }
-
+impl Row<'_> {
     /// Appends the `Ptr` column: `0x%016x`, or `N/A`.
     pub fn write_ptr(&self, out: &mut String) {
-        match self.ptr {
-            Some(p) => super::attr::push_addr(out, p),
-            None => out.push_str("N/A"),
-        }
+        super::batch::write_ptr(self.ptr, out);
     }
 
+    #[cfg(test)]
     pub fn device_id(&self) -> String {
         let mut s = String::new();
-        self.write_device_id(&mut s);
+        super::batch::write_device_id(self.device, &mut s);
         s
     }
 
+    #[cfg(test)]
     pub fn ptr_text(&self) -> String {
         let mut s = String::new();
         self.write_ptr(&mut s);
@@ -117,8 +113,8 @@ impl Row {
 
 /// Whether `row` is the FREE of a block the trace never saw allocated: such rows go to our own
 /// `ms_untracked_frees`, never to Insight's table.
-pub fn is_untracked_free(row: &Row) -> bool {
-    row.event == "FREE" && row.attr.has(UNMATCHED)
+pub fn is_untracked_free(row: &Row<'_>) -> bool {
+    row.untracked
 }
 
 /// Pinned host memory is marked as msMemScope does; CPU-allocator memory is not pinned.
@@ -126,14 +122,14 @@ fn pinned(space: Space) -> bool {
     space == Space::Host
 }
 
-fn row(
+fn row<'a>(
     site: &Site,
     event: &'static str,
     event_type: &'static str,
     device: DeviceKey,
     ptr: Option<u64>,
     attr: Attr,
-) -> Row {
+) -> Row<'a> {
     Row {
         event,
         event_type,
@@ -145,6 +141,8 @@ fn row(
         ptr,
         attr,
         broadcast: false,
+        untracked: false,
+        shadow: false,
     }
 }
 
@@ -171,13 +169,27 @@ fn with_module(attr: Attr, module: Option<u16>) -> Attr {
 }
 
 /// A row not tied to a block or call: steps and marks.
-fn marker_row(event_type: &'static str, name: String, wall_ns: u64, pid: u32, tid: u32, attr: Attr) -> Row {
+fn marker_row<'a>(event_type: &'static str, name: String, wall_ns: u64, pid: u32, tid: u32, attr: Attr) -> Row<'a> {
     let (event, device, ptr) = (if event_type == "STEP" { "SYSTEM" } else { "MSTX" }, DeviceKey::Unknown, None);
-    Row { event, event_type, name: Cow::Owned(name), ts_ns: wall_ns, pid, tid, device, ptr, attr, broadcast: true }
+    let name = Cow::Owned(name);
+    Row {
+        event,
+        event_type,
+        name,
+        ts_ns: wall_ns,
+        pid,
+        tid,
+        device,
+        ptr,
+        attr,
+        broadcast: true,
+        untracked: false,
+        shadow: false,
+    }
 }
 
 /// The row for one model output; `None` for outputs that change earlier rows ([`Output::Retag`]).
-pub fn to_row(output: &Output) -> Option<Row> {
+pub fn to_row(output: &Output) -> Option<Row<'_>> {
     Some(match output {
         Output::Retag { .. } => return None,
         Output::OomBlock { site, device, recent, rank, block_type, ptr, size, born_ns, allocation_id, owner } => {
@@ -188,7 +200,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 .with("size", *size)
                 .with("timestamp", *born_ns)
                 .with("rank", *rank as u64)
-                .with_opt("owner", owner.clone());
+                .with_opt("owner", owner.as_deref());
             let event_type = if *recent { "OOM_RECENT_ALLOC" } else { "OOM_TOP_ALLOC" };
             row(site, "OOM_DETAIL", event_type, *device, Some(*ptr), attr)
         }
@@ -228,7 +240,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
             Row {
                 event: "ACCESS",
                 event_type: access_type(*kind),
-                name: Cow::Owned(name.to_owned()),
+                name: Cow::Borrowed(name),
                 ts_ns: *wall_ns,
                 pid: *pid,
                 tid: *tid,
@@ -236,14 +248,16 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 ptr: Some(*addr),
                 attr: with_tensor_desc(attr, desc.as_deref()),
                 broadcast: false,
+                untracked: false,
+                shadow: false,
             }
         }
         Output::OpLaunch { wall_ns, pid, tid, start, name } => {
-            let name = if name.is_empty() { NO_NAME.to_owned() } else { name.clone() };
+            let name = if name.is_empty() { NO_NAME } else { name.as_str() };
             Row {
                 event: "OP_LAUNCH",
                 event_type: if *start { "ATEN_START" } else { "ATEN_END" },
-                name: Cow::Owned(name),
+                name: Cow::Borrowed(name),
                 ts_ns: *wall_ns,
                 pid: *pid,
                 tid: *tid,
@@ -251,6 +265,8 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 ptr: None,
                 attr: Attr::new(),
                 broadcast: true,
+                untracked: false,
+                shadow: false,
             }
         }
         Output::AtbLaunch { site, device, start, runner, workspace, workspace_size, intermediate_size, status } => {
@@ -268,7 +284,10 @@ pub fn to_row(output: &Output) -> Option<Row> {
         Output::KernelLaunch { site, device, name, function, stream, args_size } => {
             let attr = Attr::new().addr("streamId", *stream).addr("function", *function).with("args_size", *args_size);
             let mut r = row(site, "KERNEL_LAUNCH", "KERNEL_LAUNCH", *device, None, attr);
-            r.name = Cow::Owned(name.clone().unwrap_or_else(|| format!("kernel@{function:#x}")));
+            r.name = match name {
+                Some(name) => Cow::Borrowed(name.as_str()),
+                None => Cow::Owned(format!("kernel@{function:#x}")),
+            };
             r
         }
         Output::Step { wall_ns, pid, tid, number } => {
@@ -304,7 +323,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
                     attr.with("vmm", "true").addr("handle", *handle).with("offset", *offset)
                 }
             };
-            let attr = attr.with_opt("owner", owner.clone()).with_opt("segment", segment.map(Pool::as_str));
+            let attr = attr.with_opt("owner", owner.as_deref()).with_opt("segment", segment.map(Pool::as_str));
             row(site, "MALLOC", space.event_type(), *device, Some(*ptr), attr)
         }
         Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } => {
@@ -329,7 +348,8 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 attr = attr.with("freed_by", GC);
             }
             attr = with_driver(attr, site, driver.as_ref());
-            row(site, "FREE", space.event_type(), *device, Some(*ptr), attr)
+            let r = row(site, "FREE", space.event_type(), *device, Some(*ptr), attr);
+            Row { untracked: size.is_none(), shadow: *shadow, ..r }
         }
         Output::Failed { site, device, status, out_of_memory, size, ptr, driver } => {
             let space_type = if *device == DeviceKey::Cpu { "HOST" } else { "HAL" };
@@ -370,7 +390,7 @@ pub fn to_row(output: &Output) -> Option<Row> {
                 .with("used", *used)
                 .with("total", *total)
                 .with("pool", pool.as_str())
-                .with("owner", owner.clone());
+                .with("owner", &**owner);
             row(site, "MALLOC", "PTA", *device, Some(*ptr), attr)
         }
         Output::PoolFree {
@@ -409,14 +429,15 @@ pub fn to_row(output: &Output) -> Option<Row> {
             if *stream_uses > 0 {
                 attr = attr.with(STREAM_USES, u64::from(*stream_uses));
             }
-            row(site, "FREE", "PTA", *device, Some(*ptr), attr)
+            let r = row(site, "FREE", "PTA", *device, Some(*ptr), attr);
+            Row { untracked: size.is_none(), shadow: *shadow, ..r }
         }
     })
 }
 
 /// A `SYSTEM` row opening or closing one device's trace.
-pub fn system_row(event_type: &'static str, ts_ns: u64, device: DeviceKey, meta: &Meta) -> Row {
-    let get = |key: &str| meta.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
+pub fn system_row<'m>(event_type: &'static str, ts_ns: u64, device: DeviceKey, meta: &'m Meta) -> Row<'m> {
+    let get = |key: &str| meta.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
     let pid: u32 = get("target_pid").and_then(|p| p.parse().ok()).unwrap_or(0);
     let attr = Attr::new()
         .with("tool", "memscope-bpf")
@@ -424,7 +445,21 @@ pub fn system_row(event_type: &'static str, ts_ns: u64, device: DeviceKey, meta:
         .with_opt("mode", get("mode"))
         .with_opt("stop_reason", if event_type == "STOP_TRACE" { get("stop_reason") } else { None });
     let name = Cow::Borrowed(event_type);
-    Row { event: "SYSTEM", event_type, name, ts_ns, pid, tid: pid, device, ptr: None, attr, broadcast: false }
+    let (broadcast, untracked, shadow) = (false, false, false);
+    Row {
+        event: "SYSTEM",
+        event_type,
+        name,
+        ts_ns,
+        pid,
+        tid: pid,
+        device,
+        ptr: None,
+        attr,
+        broadcast,
+        untracked,
+        shadow,
+    }
 }
 
 #[cfg(test)]
@@ -432,8 +467,9 @@ mod tests {
     use super::*;
     use crate::apis::Api;
 
-    fn to_row(output: &Output) -> Row {
-        super::to_row(output).expect("a row")
+    /// The row of `output`, which it borrows (kept for the test's life).
+    fn to_row(output: Output) -> Row<'static> {
+        super::to_row(Box::leak(Box::new(output))).expect("a row")
     }
 
     fn site(api: Api) -> Site {
@@ -442,7 +478,7 @@ mod tests {
 
     #[test]
     fn device_malloc_is_hal_with_insight_keys() {
-        let r = to_row(&Output::Malloc {
+        let r = to_row(Output::Malloc {
             site: site(Api::AclrtMalloc),
             device: DeviceKey::Npu(1),
             space: Space::Device,
@@ -469,7 +505,7 @@ mod tests {
     #[test]
     fn pool_blocks_are_pta_with_counters_and_owner() {
         for (pool, owner) in [(Pool::Caching, "PTA"), (Pool::Workspace, "PTA_WORKSPACE")] {
-            let r = to_row(&Output::PoolMalloc {
+            let r = to_row(Output::PoolMalloc {
                 site: site(Api::DeviceCachingAllocatorMalloc),
                 device: DeviceKey::Npu(0),
                 pool,
@@ -492,7 +528,7 @@ mod tests {
 
     #[test]
     fn free_carries_size_and_shadow_mark() {
-        let r = to_row(&Output::Free {
+        let r = to_row(Output::Free {
             site: site(Api::AclrtFree),
             device: DeviceKey::Npu(0),
             space: Space::Device,
@@ -506,6 +542,7 @@ mod tests {
         assert_eq!((r.event, r.event_type), ("FREE", "HAL"));
         assert_eq!(r.attr.get("size").as_deref(), Some("64"));
         assert_eq!(r.attr.get("shadow").as_deref(), Some("true"));
+        assert!(r.shadow && !r.untracked);
     }
 
     #[test]
@@ -523,10 +560,10 @@ mod tests {
             owner: Some("HOST".into()),
             segment: None,
         };
-        let pinned = to_row(&host(Api::AclrtMallocHost, Space::Host));
+        let pinned = to_row(host(Api::AclrtMallocHost, Space::Host));
         assert_eq!((pinned.event_type, pinned.device_id().as_str()), ("HOST_PINNED", "cpu"), "msMemScope's name");
         assert_eq!(pinned.attr.get("pinned").as_deref(), Some("true"));
-        let tensor = to_row(&host(Api::C10AllocCpu, Space::Cpu));
+        let tensor = to_row(host(Api::C10AllocCpu, Space::Cpu));
         assert_eq!((tensor.event_type, tensor.attr.get("pinned")), ("HOST", None), "a CPU tensor is not pinned");
     }
 
@@ -543,21 +580,21 @@ mod tests {
             shadow: false,
             driver: None,
         };
-        assert!(is_untracked_free(&to_row(&free(None))));
-        assert!(!is_untracked_free(&to_row(&free(Some(8)))));
+        assert!(is_untracked_free(&to_row(free(None))));
+        assert!(!is_untracked_free(&to_row(free(Some(8)))));
     }
 
     #[test]
     fn steps_and_marks_are_broadcast_rows_in_msmemscope_names() {
-        let step = to_row(&Output::Step { wall_ns: 9, pid: 1, tid: 2, number: 3 });
+        let step = to_row(Output::Step { wall_ns: 9, pid: 1, tid: 2, number: 3 });
         assert_eq!((step.event, step.event_type, step.name.as_ref(), step.broadcast), ("SYSTEM", "STEP", "3", true));
         let kind = MstxKind::RangeStart;
         let start =
-            to_row(&Output::Mstx { wall_ns: 9, pid: 1, tid: 2, api: None, kind, id: Some(4), message: "fwd".into() });
+            to_row(Output::Mstx { wall_ns: 9, pid: 1, tid: 2, api: None, kind, id: Some(4), message: "fwd".into() });
         assert_eq!((start.event, start.event_type, start.name.as_ref()), ("MSTX", "Range_start", "\"fwd\""));
         let kind = MstxKind::RangeEnd;
         let end =
-            to_row(&Output::Mstx { wall_ns: 9, pid: 1, tid: 2, api: None, kind, id: Some(4), message: String::new() });
+            to_row(Output::Mstx { wall_ns: 9, pid: 1, tid: 2, api: None, kind, id: Some(4), message: String::new() });
         assert_eq!(end.name.as_ref(), "Range end from id 4");
         assert!(super::to_row(&Output::Retag {
             device: DeviceKey::Npu(0),
@@ -572,16 +609,16 @@ mod tests {
     #[test]
     fn operators_are_broadcast_op_launch_rows_and_their_tensors_accesses() {
         let start =
-            to_row(&Output::OpLaunch { wall_ns: 9, pid: 1, tid: 2, start: true, name: "aten.mm.default".into() });
+            to_row(Output::OpLaunch { wall_ns: 9, pid: 1, tid: 2, start: true, name: "aten.mm.default".into() });
         assert_eq!(
             (start.event, start.event_type, start.name.as_ref(), start.broadcast, start.ptr_text().as_str()),
             ("OP_LAUNCH", "ATEN_START", "aten.mm.default", true, "N/A")
         );
-        let end = to_row(&Output::OpLaunch { wall_ns: 9, pid: 1, tid: 2, start: false, name: String::new() });
+        let end = to_row(Output::OpLaunch { wall_ns: 9, pid: 1, tid: 2, start: false, name: String::new() });
         assert_eq!((end.event_type, end.name.as_ref()), ("ATEN_END", "N/A"));
 
         let access = |kind, pool, op: Option<&str>, desc: Option<&str>| {
-            to_row(&Output::OpAccess {
+            to_row(Output::OpAccess {
                 wall_ns: 9,
                 pid: 1,
                 tid: 2,
@@ -613,7 +650,7 @@ mod tests {
     #[test]
     fn atb_operations_are_op_launch_rows_on_their_device_with_the_workspace() {
         let launch = |start: bool, status| {
-            to_row(&Output::AtbLaunch {
+            to_row(Output::AtbLaunch {
                 site: Site { wall_ns: if start { 4 } else { 5 }, ..site(Api::AtbRunnerExecute) },
                 device: DeviceKey::Npu(1),
                 start,
@@ -641,7 +678,7 @@ mod tests {
 
     #[test]
     fn out_of_memory_is_an_oom_trigger_and_other_errors_are_api_errors() {
-        let oom = to_row(&Output::Failed {
+        let oom = to_row(Output::Failed {
             site: site(Api::AclrtMalloc),
             device: DeviceKey::Npu(0),
             status: 207_001,
@@ -653,7 +690,7 @@ mod tests {
         assert_eq!((oom.event, oom.event_type), ("OOM_DETAIL", "OOM_TRIGGER"));
         assert_eq!(oom.attr.get("req_size").as_deref(), Some("10"));
         assert_eq!(oom.ptr_text(), "N/A");
-        let err = to_row(&Output::Failed {
+        let err = to_row(Output::Failed {
             site: site(Api::AclrtFree),
             device: DeviceKey::Npu(0),
             status: 100_000,

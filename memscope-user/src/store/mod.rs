@@ -4,6 +4,7 @@
 //!
 //! - [`insight`]: model outputs to `memscope_dump` rows (Event / Event Type / Attr vocabulary).
 //! - [`attr`]: the Attr column, as compact JSON with string values (DB) or msMemScope's CSV form.
+//! - [`batch`]: rows formatted on the producing side, moved to the store thread a batch at a time.
 //! - [`schema`]: table and column definitions.
 //! - [`layout`]: where files go; `owner`: their modes and owner (0700/0600, the `sudo` user).
 //! - [`sqlite`], [`csv`]: the two sinks. The store creates one per device on first use.
@@ -14,6 +15,7 @@
 //! Insight expects.
 
 pub mod attr;
+pub mod batch;
 pub mod csv;
 pub mod insight;
 pub mod layout;
@@ -30,6 +32,7 @@ use thiserror::Error;
 
 #[cfg(test)]
 pub use attr::Attr;
+pub use batch::{Batch, RowText};
 pub use insight::Row;
 pub use layout::RunLayout;
 pub use writer::Writer;
@@ -74,15 +77,21 @@ pub struct Written {
     pub path: PathBuf,
 }
 
-/// One device's output.
+/// One device's output. Every row it gets has its device's `Device Id`, whatever the row's
+/// `device` (a broadcast row's is another output's).
 pub trait Sink: Send {
     /// Appends a row; `id` is the row's `ID` (1-based, per file).
-    fn insert(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
+    fn insert(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
     /// Appends the FREE of a block the trace never saw allocated to `ms_untracked_frees` (its
     /// own `ID`s, 1-based), out of Insight's table.
-    fn insert_untracked(&mut self, id: u64, row: &Row) -> Result<(), StoreError>;
+    fn insert_untracked(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
     /// Makes everything inserted so far durable.
     fn commit(&mut self) -> Result<(), StoreError>;
+    /// The stop has begun: what follows is its rows, then [`Sink::finish`], which must complete
+    /// the output as fast as it can.
+    fn stopping(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block).
     fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError>;
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError>;
@@ -127,9 +136,11 @@ pub struct Store {
     open: BTreeMap<DeviceKey, Open>,
     /// Rows every output gets (steps, marks, operators): kept to replay into outputs created
     /// later, at most [`REPLAY_LIMIT`].
-    broadcast: Vec<Row>,
+    broadcast: Batch,
     /// Broadcast rows past the limit, which an output created after them does not get.
     not_replayed: u64,
+    /// The stop has begun ([`Store::stopping`]): only its rows and [`Store::finish`] follow.
+    stopping: bool,
 }
 
 /// Broadcast rows kept for replay into outputs created later.
@@ -154,9 +165,15 @@ impl Store {
             meta,
             probes: Vec::new(),
             open: BTreeMap::new(),
-            broadcast: Vec::new(),
+            broadcast: Batch::default(),
             not_replayed: 0,
+            stopping: false,
         }
+    }
+
+    /// The form rows must be formatted in for this store's sinks.
+    pub fn format(&self) -> Format {
+        self.format
     }
 
     fn sink(&mut self, device: DeviceKey) -> Result<&mut Open, StoreError> {
@@ -168,19 +185,19 @@ impl Store {
                     // the same.
                     let path = self.layout.dump_file(device, "db");
                     self.layout.create_file(&path)?;
-                    Box::new(sqlite::DbSink::create(&path, &self.meta)?)
+                    Box::new(sqlite::DbSink::create(&path, device, &self.meta)?)
                 }
                 Format::Csv => {
-                    Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"), self.layout.owner())?)
+                    Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"), device, self.layout.owner())?)
                 }
             };
             sink.add_probes(&self.probes)?;
             let mut open = Open { sink, next_id: 1, next_untracked_id: 1, malloc_ids: BTreeMap::new() };
             let start = insight::system_row("START_TRACE", self.start_wall_ns, device, &self.meta);
-            open.sink.insert(open.next_id, &start)?;
+            open.sink.insert(open.next_id, batch::single(&start, self.format).get(0))?;
             open.next_id += 1;
-            for row in &self.broadcast {
-                open.sink.insert(open.next_id, &Row { device, ..row.clone() })?;
+            for row in self.broadcast.iter() {
+                open.sink.insert(open.next_id, row)?;
                 open.next_id += 1;
             }
             self.open.insert(device, open);
@@ -188,23 +205,29 @@ impl Store {
         Ok(self.open.get_mut(&device).expect("inserted above"))
     }
 
-    pub fn write(&mut self, row: &Row) -> Result<(), StoreError> {
-        if row.broadcast {
-            for (device, open) in &mut self.open {
-                open.sink.insert(open.next_id, &Row { device: *device, ..row.clone() })?;
+    pub fn write_batch(&mut self, rows: &Batch) -> Result<(), StoreError> {
+        rows.iter().try_for_each(|row| self.write(row))
+    }
+
+    pub fn write(&mut self, row: RowText<'_>) -> Result<(), StoreError> {
+        let head = row.head;
+        if head.broadcast {
+            for open in self.open.values_mut() {
+                open.sink.insert(open.next_id, row)?;
                 open.next_id += 1;
             }
             // Kept for outputs created later, up to a bound: operator rows can be millions, and
             // a job's device outputs normally all exist after its first allocations.
             if self.broadcast.len() < REPLAY_LIMIT {
-                self.broadcast.push(row.clone());
+                self.broadcast.push_text(row);
             } else {
                 self.not_replayed += 1;
             }
             return Ok(());
         }
-        let open = self.sink(row.device)?;
-        if insight::is_untracked_free(row) {
+        let stop_shadow = self.stopping && head.shadow;
+        let open = self.sink(head.device)?;
+        if head.untracked {
             open.sink.insert_untracked(open.next_untracked_id, row)?;
             open.next_untracked_id += 1;
             return Ok(());
@@ -212,9 +235,11 @@ impl Store {
         let id = open.next_id;
         open.sink.insert(id, row)?;
         open.next_id += 1;
-        if let Some(ptr) = row.ptr {
-            let key = (row.pid, event_type_code(row.event_type), ptr);
-            match row.event {
+        // Once the stop has begun no owner change can follow: the shadow FREEs of its live blocks
+        // leave their entries to the map's drop, which is quicker than a million removals.
+        if let (Some(ptr), false) = (head.ptr, stop_shadow) {
+            let key = (head.pid, event_type_code(head.event_type), ptr);
+            match head.event {
                 "MALLOC" => {
                     open.malloc_ids.insert(key, id);
                 }
@@ -257,6 +282,16 @@ impl Store {
         Ok(())
     }
 
+    /// The stop has begun: what follows is the shadow FREEs of the live blocks and [`Store::finish`],
+    /// which the sinks may write as fast as they can ([`Sink::stopping`]).
+    pub fn stopping(&mut self) -> Result<(), StoreError> {
+        self.stopping = true;
+        for open in self.open.values_mut() {
+            open.sink.stopping()?;
+        }
+        Ok(())
+    }
+
     pub fn commit(&mut self) -> Result<(), StoreError> {
         for open in self.open.values_mut() {
             open.sink.commit()?;
@@ -282,7 +317,7 @@ impl Store {
         let mut written = Vec::new();
         for (device, mut open) in std::mem::take(&mut self.open) {
             let stop = insight::system_row("STOP_TRACE", stop_wall_ns, device, &meta);
-            open.sink.insert(open.next_id, &stop)?;
+            open.sink.insert(open.next_id, batch::single(&stop, self.format).get(0))?;
             let path = open.sink.finish(&meta, lost_per_cpu)?;
             written.push(Written { device, path });
         }
@@ -301,10 +336,55 @@ mod tests {
     use crate::apis::Api;
     use crate::model::{Output, Site, Space};
 
-    fn free(device: DeviceKey, size: Option<u64>) -> Row {
+    fn free(device: DeviceKey, size: Option<u64>) -> Batch {
         let site = Site { api: Api::AclrtFree, wall_ns: 7, pid: 1, tid: 1, gc: false };
         let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
-        insight::to_row(&Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver }).unwrap()
+        let output = Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver };
+        batch::single(&insight::to_row(&output).unwrap(), Format::Db)
+    }
+
+    fn live_block_rows(shadow: bool) -> Batch {
+        let site = Site { api: Api::AclrtMalloc, wall_ns: 7, pid: 1, tid: 1, gc: false };
+        let (device, space, ptr, size) = (DeviceKey::Npu(0), Space::Device, 0x20, 8);
+        let origin = crate::model::Origin::Direct { policy: None, module: None, driver: None };
+        let (req_size, allocation_id, used, owner, segment) = (8, 1, 8, Some(std::sync::Arc::from("CANN@APP")), None);
+        let malloc =
+            Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment };
+        let site = Site { api: Api::AclrtFree, ..site };
+        let (size, allocation_id, driver) = (Some(8), Some(1), None);
+        let free = Output::Free { site, device, space, ptr, size, allocation_id, used: 0, shadow, driver };
+        let mut batch = Batch::default();
+        for output in [malloc, free] {
+            batch.push(&insight::to_row(&output).unwrap(), Format::Db);
+        }
+        batch
+    }
+
+    #[test]
+    fn rows_after_the_stop_began_complete_the_db() {
+        let out = std::env::temp_dir().join(format!("memscope-store-stop-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
+        let mut store = Store::new(layout, Format::Db, 5, vec![]);
+        let rows = live_block_rows(true);
+        store.write(rows.get(0)).unwrap();
+        store.stopping().unwrap();
+        store.write(rows.get(1)).unwrap();
+        let written = store.finish(9, &vec![], &[]).unwrap();
+        let db = rusqlite::Connection::open(&written[0].path).unwrap();
+        let events: Vec<String> = db
+            .prepare("SELECT \"Event Type\" || ':' || Event FROM memscope_dump ORDER BY ID")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(events, ["START_TRACE:SYSTEM", "HAL:MALLOC", "HAL:FREE", "STOP_TRACE:SYSTEM"]);
+        let journal: String = db.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+        assert_eq!(journal, "delete", "the WAL is folded");
+        let wal = written[0].path.with_extension("db-wal");
+        assert!(!wal.exists(), "{} is left", wal.display());
+        std::fs::remove_dir_all(&out).unwrap();
     }
 
     fn count(path: &std::path::Path, table: &str) -> i64 {
@@ -318,9 +398,9 @@ mod tests {
         let _ = std::fs::remove_dir_all(&out);
         let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
         let mut store = Store::new(layout.clone(), Format::Db, 5, vec![]);
-        store.write(&free(DeviceKey::Npu(0), None)).unwrap();
-        store.write(&free(DeviceKey::Npu(0), Some(8))).unwrap();
-        store.write(&free(DeviceKey::Unknown, None)).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(0), None)).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(0), Some(8))).unwrap();
+        store.write_batch(&free(DeviceKey::Unknown, None)).unwrap();
         let written = store.finish(9, &vec![], &[]).unwrap();
         let path = |d| written.iter().find(|w| w.device == d).unwrap().path.clone();
         let (npu0, unknown) = (path(DeviceKey::Npu(0)), path(DeviceKey::Unknown));

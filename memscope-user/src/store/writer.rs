@@ -4,13 +4,15 @@
 //! tens of MB, and while it runs the ring fills and the kernel drops records (measured: 2-10 % of
 //! a 600k events/s burst lost with a 16 MiB ring when the store ran inline). The session hands
 //! rows to [`Writer`] in batches over a bounded channel; the writer thread owns the [`Store`].
+//! Rows are formatted into their batch on the session's side ([`Batch`]), and emptied batches come
+//! back over a second channel to be filled again.
 //! The bound keeps memory in check: if the disk is slower than the events for long, the channel
 //! fills, the session waits, the ring fills, and the kernel's drop counter says so.
 
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::thread::JoinHandle;
 
-use super::{Meta, ProbeRow, Retag, Row, Store, StoreError, Written};
+use super::{Batch, Format, Meta, ProbeRow, Retag, Row, Store, StoreError, Written};
 
 /// Rows per message.
 const BATCH: usize = 1024;
@@ -19,32 +21,38 @@ const BATCH: usize = 1024;
 const IN_FLIGHT: usize = 16;
 
 enum Msg {
-    Rows(Vec<Row>),
+    Rows(Batch),
     Probes(Vec<ProbeRow>),
     Meta(Meta),
     Retag(Retag),
     Commit,
+    Stopping,
     Finish { stop_wall_ns: u64, meta: Meta, lost_per_cpu: Vec<u64> },
 }
 
 pub struct Writer {
     tx: Option<SyncSender<Msg>>,
-    batch: Vec<Row>,
+    batch: Batch,
+    format: Format,
+    /// Batches the store thread has written and emptied.
+    spare: Receiver<Batch>,
     thread: Option<JoinHandle<Result<Vec<Written>, StoreError>>>,
 }
 
-fn serve(mut store: Store, rx: Receiver<Msg>) -> Result<Vec<Written>, StoreError> {
+fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Vec<Written>, StoreError> {
     for msg in rx {
         match msg {
-            Msg::Rows(rows) => {
-                for row in &rows {
-                    store.write(row)?;
-                }
+            Msg::Rows(mut rows) => {
+                store.write_batch(&rows)?;
+                rows.clear();
+                // The session may be gone (finishing): then the batch is simply dropped.
+                let _ = spare.send(rows);
             }
             Msg::Probes(probes) => store.add_probes(&probes)?,
             Msg::Meta(meta) => store.set_meta(&meta)?,
             Msg::Retag(retag) => store.retag(&retag)?,
             Msg::Commit => store.commit()?,
+            Msg::Stopping => store.stopping()?,
             Msg::Finish { stop_wall_ns, meta, lost_per_cpu } => {
                 return store.finish(stop_wall_ns, &meta, &lost_per_cpu)
             }
@@ -58,11 +66,13 @@ fn serve(mut store: Store, rx: Receiver<Msg>) -> Result<Vec<Written>, StoreError
 impl Writer {
     pub fn start(store: Store) -> Self {
         let (tx, rx) = sync_channel(IN_FLIGHT);
+        let (spare_tx, spare) = channel();
+        let format = store.format();
         let thread = std::thread::Builder::new()
             .name("memscope-store".into())
-            .spawn(move || serve(store, rx))
+            .spawn(move || serve(store, rx, spare_tx))
             .expect("spawning the store thread");
-        Self { tx: Some(tx), batch: Vec::with_capacity(BATCH), thread: Some(thread) }
+        Self { tx: Some(tx), batch: Batch::default(), format, spare, thread: Some(thread) }
     }
 
     /// Sends a message; if the writer has stopped, returns the error it stopped with.
@@ -81,11 +91,10 @@ impl Writer {
         }
     }
 
-    pub fn write(&mut self, row: Row) -> Result<(), StoreError> {
-        self.batch.push(row);
+    pub fn write(&mut self, row: Row<'_>) -> Result<(), StoreError> {
+        self.batch.push(&row, self.format);
         if self.batch.len() >= BATCH {
-            let rows = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
-            self.send(Msg::Rows(rows))?;
+            self.send_batch()?;
         }
         Ok(())
     }
@@ -94,7 +103,8 @@ impl Writer {
         if self.batch.is_empty() {
             return Ok(());
         }
-        let rows = std::mem::take(&mut self.batch);
+        let next = self.spare.try_recv().unwrap_or_default();
+        let rows = std::mem::replace(&mut self.batch, next);
         self.send(Msg::Rows(rows))
     }
 
@@ -118,6 +128,13 @@ impl Writer {
     pub fn commit(&mut self) -> Result<(), StoreError> {
         self.send_batch()?;
         self.send(Msg::Commit)
+    }
+
+    /// The stop has begun: the rows that follow (the live blocks' shadow FREEs) and
+    /// [`Writer::finish`] complete the outputs, and are written for speed (see `Sink::stopping`).
+    pub fn stopping(&mut self) -> Result<(), StoreError> {
+        self.send_batch()?;
+        self.send(Msg::Stopping)
     }
 
     pub fn finish(mut self, stop_wall_ns: u64, meta: Meta, lost_per_cpu: Vec<u64>) -> Result<Vec<Written>, StoreError> {

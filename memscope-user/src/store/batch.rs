@@ -1,0 +1,193 @@
+//! Rows formatted on the producing side, in batches moved whole to the store thread.
+//!
+//! A row's text columns (Name, Ptr, Attr) are written once, back to back, into the batch's one
+//! buffer as soon as the row is made; the fixed columns stay typed beside it in a [`Head`]. A
+//! batch is two allocations for a thousand rows, and the writer hands emptied batches back for
+//! reuse, so steady state allocates nothing per row on either thread.
+
+use super::attr::push_addr;
+use super::insight::{is_untracked_free, Row};
+use super::Format;
+use crate::model::DeviceKey;
+
+/// A row's typed columns, and where its text columns are in the batch's buffer.
+#[derive(Clone, Debug)]
+pub struct Head {
+    pub event: &'static str,
+    pub event_type: &'static str,
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub device: DeviceKey,
+    pub ptr: Option<u64>,
+    /// Written to every device's output (its `Device Id` is each output's).
+    pub broadcast: bool,
+    /// The FREE of a block the trace never saw allocated ([`is_untracked_free`]).
+    pub untracked: bool,
+    /// A FREE the tracer made up at the stop for a block still live.
+    pub shadow: bool,
+    /// Name is `text[start..name_end]`, Ptr `text[name_end..ptr_end]`, Attr `text[ptr_end..end]`.
+    start: u32,
+    name_end: u32,
+    ptr_end: u32,
+    end: u32,
+}
+
+/// One row of a batch: its head and its text columns.
+#[derive(Clone, Copy, Debug)]
+pub struct RowText<'t> {
+    pub head: &'t Head,
+    pub name: &'t str,
+    /// `0x%016x` or `N/A`.
+    pub ptr: &'t str,
+    /// JSON for a DB, msMemScope's `{k:v,...}` for CSV.
+    pub attr: &'t str,
+}
+
+#[derive(Debug, Default)]
+pub struct Batch {
+    text: String,
+    heads: Vec<Head>,
+}
+
+fn offset(text: &str) -> u32 {
+    u32::try_from(text.len()).expect("a batch's text stays far under 4 GiB")
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.heads.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.heads.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.text.clear();
+        self.heads.clear();
+    }
+
+    /// Formats `row` (its Attr in `format`'s form) onto the end of the batch.
+    pub fn push(&mut self, row: &Row<'_>, format: Format) {
+        let text = &mut self.text;
+        let start = offset(text);
+        text.push_str(&row.name);
+        let name_end = offset(text);
+        row.write_ptr(text);
+        let ptr_end = offset(text);
+        match format {
+            Format::Db => row.attr.write_json(text),
+            Format::Csv => row.attr.write_csv_form(text),
+        }
+        let end = offset(text);
+        self.heads.push(Head {
+            event: row.event,
+            event_type: row.event_type,
+            ts_ns: row.ts_ns,
+            pid: row.pid,
+            tid: row.tid,
+            device: row.device,
+            ptr: row.ptr,
+            broadcast: row.broadcast,
+            untracked: is_untracked_free(row),
+            shadow: row.shadow,
+            start,
+            name_end,
+            ptr_end,
+            end,
+        });
+    }
+
+    /// Copies a row of another batch onto the end of this one.
+    pub fn push_text(&mut self, row: RowText<'_>) {
+        let start = offset(&self.text);
+        for part in [row.name, row.ptr, row.attr] {
+            self.text.push_str(part);
+        }
+        let name_end = start + offset(row.name);
+        let ptr_end = name_end + offset(row.ptr);
+        let end = offset(&self.text);
+        self.heads.push(Head { start, name_end, ptr_end, end, ..row.head.clone() });
+    }
+
+    pub fn get(&self, i: usize) -> RowText<'_> {
+        let head = &self.heads[i];
+        let at = |from: u32, to: u32| &self.text[from as usize..to as usize];
+        RowText {
+            head,
+            name: at(head.start, head.name_end),
+            ptr: at(head.name_end, head.ptr_end),
+            attr: at(head.ptr_end, head.end),
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = RowText<'_>> {
+        (0..self.len()).map(|i| self.get(i))
+    }
+}
+
+/// A row formatted on its own (the store's START/STOP rows, tests).
+pub fn single(row: &Row<'_>, format: Format) -> Batch {
+    let mut batch = Batch::default();
+    batch.push(row, format);
+    batch
+}
+
+/// Appends a `Device Id` column: the device number, `cpu`, or `N/A`.
+pub fn write_device_id(device: DeviceKey, out: &mut String) {
+    match device {
+        DeviceKey::Npu(n) => out.push_str(itoa::Buffer::new().format(n)),
+        DeviceKey::Cpu => out.push_str("cpu"),
+        DeviceKey::Unknown => out.push_str("N/A"),
+    }
+}
+
+/// Appends a `Ptr` column: `0x%016x`, or `N/A`.
+pub fn write_ptr(ptr: Option<u64>, out: &mut String) {
+    match ptr {
+        Some(p) => push_addr(out, p),
+        None => out.push_str("N/A"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Attr;
+
+    fn row(name: &str, ptr: Option<u64>, attr: Attr, untracked: bool, shadow: bool) -> Row<'static> {
+        Row {
+            event: "FREE",
+            event_type: "HAL",
+            name: name.to_owned().into(),
+            ts_ns: 3,
+            pid: 1,
+            tid: 2,
+            device: DeviceKey::Npu(0),
+            ptr,
+            attr,
+            broadcast: false,
+            untracked,
+            shadow,
+        }
+    }
+
+    #[test]
+    fn each_row_reads_back_its_own_columns() {
+        let mut batch = Batch::default();
+        let shadow = Attr::new().with("size", 8u64).with("shadow", "true");
+        batch.push(&row("aclrtFree", Some(0x10), shadow, false, true), Format::Db);
+        batch.push(&row("", None, Attr::new().with("unmatched", "true"), true, false), Format::Csv);
+        let mut copy = Batch::default();
+        copy.push_text(batch.get(1));
+        copy.push_text(batch.get(0));
+        let a = copy.get(1);
+        assert_eq!((a.name, a.ptr, a.attr), ("aclrtFree", "0x0000000000000010", r#"{"size":"8","shadow":"true"}"#));
+        assert!(a.head.shadow && !a.head.untracked);
+        let b = copy.get(0);
+        assert_eq!((b.name, b.ptr, b.attr), ("", "N/A", "{unmatched:true}"));
+        assert!(b.head.untracked && !b.head.shadow);
+        assert_eq!(copy.iter().count(), 2);
+    }
+}
