@@ -95,10 +95,11 @@ pub struct CallRecord {
     pub _reserved: u8,
 }
 
-/// [`CallRecord::cfg_module`] when the config named no module.
+/// [`CallRecord::cfg_module`] when the config named no module (so module 0xffff reads as none;
+/// ACL's module ids are far below it).
 pub const NO_MODULE: u16 = u16::MAX;
 
-/// A traced call whose spec has a text argument (domain names, mstx messages, tensor names):
+/// A traced call whose spec has a text argument (mstx messages and domain names, kernel names):
 /// the call, its header's kind [`RecordKind::CallText`], then the text.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
