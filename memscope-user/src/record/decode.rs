@@ -1,8 +1,9 @@
 //! Ring-buffer bytes to typed records.
 //!
-//! Each record is checked against the size its header's kind promises before any field is read,
-//! and read with `read_unaligned` (the ring only guarantees 8-byte alignment of the sample, and a
-//! truncated or unknown record must be an error, never undefined behaviour).
+//! Each record is checked against the size its header's kind promises before any field is read
+//! (a truncated or unknown record must be an error, never undefined behaviour), then read in place
+//! where it is aligned for its type (ring samples are 8-byte aligned) and from an unaligned copy
+//! otherwise. Calls, almost every record, go straight to a [`RawCall`] ([`decode_call`]).
 
 use std::mem::{align_of, size_of};
 
