@@ -4,9 +4,9 @@
 //!
 //! Records are sized for the common case: a call record is 136 bytes (144 in the ring with the
 //! kernel's 8-byte header), and only the few APIs with a text argument pay for the text, in a
-//! [`CallTextRecord`]. The ring's size is a trade of memory (the kernel maps its pages twice and
-//! the tracer's RSS counts both) against how many records a burst can leave waiting, so every
-//! byte of the common record is a byte of either.
+//! [`CallTextRecord`]. The ring's size is a trade of memory (the tracer maps all of it) against
+//! how many records a burst can leave waiting, so every byte of the common record is a byte of
+//! either.
 
 /// Arguments captured at function entry. Six is every integer register of the x86-64 and arm64
 /// calling conventions that the traced APIs use.

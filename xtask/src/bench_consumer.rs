@@ -64,8 +64,8 @@ fn status_kib(status: &str, key: &str) -> Option<u64> {
 }
 
 /// Resident KiB of the process's BPF map mappings, from /proc/PID/smaps: the ring buffer's
-/// (its data pages are mapped twice, and RSS counts both, as RssFile) and a page or two of
-/// others.
+/// (counted in RssFile; twice its size where a reader maps its data pages twice, as aya's does)
+/// and a page or two of others.
 fn bpf_map_rss_kib(pid: u32) -> Option<u64> {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
     let mut in_map = false;
@@ -166,9 +166,8 @@ pub fn run(built: &Built, dir: &Path, pairs: u64, live: u64) -> anyhow::Result<S
         let (peak, recorded) = tracer_peak(built, &dir.join("out-live"), live)?;
         md.push_str(&format!(
             "\nWith {live} live blocks at the stop: the tracer's peak RSS (VmHWM) **{:.0} MiB** tracing \
-             `alloc_bench 0 {live}` ({recorded}), of which the ring buffer's mapping {:.0} MiB (the kernel maps \
-             its pages twice and RSS counts both; at the peak RssAnon {:.0} MiB, RssFile {:.0} MiB with the ring \
-             in it): {:.0} MiB without it. The consumer alone (`bench-consumer --pairs 0 --live {live}`, no \
+             `alloc_bench 0 {live}` ({recorded}), of which the ring buffer's mapping {:.0} MiB (at the peak \
+             RssAnon {:.0} MiB, RssFile {:.0} MiB with the ring in it): {:.0} MiB without it. The consumer alone (`bench-consumer --pairs 0 --live {live}`, no \
              ring, no BPF) {:.0} MiB.\n",
             mib(peak.hwm as f64),
             mib(peak.ring as f64),

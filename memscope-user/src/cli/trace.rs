@@ -78,8 +78,7 @@ pub struct Args {
 
     /// Ring buffer size in MiB, a power of two. Larger rides out longer bursts without losses:
     /// 32 MiB holds about 233k calls waiting (144 bytes each; calls with a text argument take
-    /// 280), and costs 64 MiB of the tracer's RSS, as the kernel maps it twice (see
-    /// docs/benchmarks.md).
+    /// 280), and is that much of the tracer's RSS (see docs/benchmarks.md).
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_RING_MB)]
     pub ring_mb: u32,
 

@@ -3,13 +3,14 @@
 //! The BPF side wakes us only when a lot is waiting (see `maps::output`), so the consumer also
 //! drains on a short timer; both paths call [`Consumer::drain`].
 
-use aya::maps::{MapData, RingBuf};
+use aya::maps::MapData;
 
 use std::collections::HashMap;
 
 use memscope_common::record::RecordKind;
 
 use super::decode::{self, RawBlob, RawCall, Record};
+use super::ring_map::{RingMap, RingMapError};
 use crate::apis::Api;
 use crate::clock::Clock;
 use crate::model::{Call, Event, EventKind};
@@ -24,25 +25,26 @@ pub struct ConsumerStats {
 }
 
 pub struct Consumer {
-    ring: RingBuf<MapData>,
+    ring: RingMap,
     pub stats: ConsumerStats,
     decoder: Decoder,
 }
 
 impl Consumer {
-    pub fn new(ring: RingBuf<MapData>, clock: Clock) -> Self {
-        Self { ring, stats: ConsumerStats::default(), decoder: Decoder::new(clock) }
+    /// Maps the ring buffer map (`EVENTS`) for reading.
+    pub fn new(ring: MapData, clock: Clock) -> Result<Self, RingMapError> {
+        Ok(Self { ring: RingMap::new(ring)?, stats: ConsumerStats::default(), decoder: Decoder::new(clock) })
     }
 
-    pub fn ring(&self) -> &RingBuf<MapData> {
+    /// The ring, for polling its descriptor.
+    pub fn ring(&self) -> &RingMap {
         &self.ring
     }
 
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
-        while let Some(item) = self.ring.next() {
-            self.decoder.feed(&item, &mut self.stats, &mut sink);
-        }
+        let Self { ring, stats, decoder } = self;
+        ring.drain(|record| decoder.feed(record, stats, &mut sink));
     }
 }
 
