@@ -1,6 +1,12 @@
 //! Ring-buffer records. Every record starts with a [`RecordHeader`]; its `kind` says which
 //! payload struct the whole record is. Userspace checks the length against the kind's size before
 //! reading anything (see `memscope-user/src/record/decode.rs`).
+//!
+//! Records are sized for the common case: a call record is 136 bytes (144 in the ring with the
+//! kernel's 8-byte header), and only the few APIs with a text argument pay for the text, in a
+//! [`CallTextRecord`]. The ring's size is a trade of memory (the tracer maps all of it) against
+//! how many records a burst can leave waiting, so every byte of the common record is a byte of
+//! either.
 
 /// Arguments captured at function entry. Six is every integer register of the x86-64 and arm64
 /// calling conventions that the traced APIs use.
@@ -24,6 +30,8 @@ pub enum RecordKind {
     Usdt = 4,
     /// A buffer an API call passed, copied at its entry: [`BlobRecord`].
     Blob = 5,
+    /// A traced function with a text argument returned: [`CallTextRecord`].
+    CallText = 6,
 }
 
 impl RecordKind {
@@ -35,6 +43,7 @@ impl RecordKind {
             3 => Some(Self::Exit),
             4 => Some(Self::Usdt),
             5 => Some(Self::Blob),
+            6 => Some(Self::CallText),
             _ => None,
         }
     }
@@ -57,14 +66,12 @@ pub struct RecordHeader {
 }
 
 /// One traced call, emitted when the outermost traced function of its layer returns on a thread.
+/// The narrow fields are narrow so the record fits 136 bytes (see the module comment): spec ids
+/// are below [`crate::spec::MAX_SPECS`], and the config's module id is 16 bits in ACL.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CallRecord {
     pub hdr: RecordHeader,
-    /// The attach cookie: index of the [`crate::spec::ProbeSpec`] that describes this API.
-    pub spec_id: u32,
-    /// The device the thread last set with a successful set-device call, or -1 if none was seen.
-    pub thread_device: i32,
     /// CLOCK_MONOTONIC nanoseconds at function entry (the header's `ts_ns` is the return).
     pub entry_ns: u64,
     /// Integer argument registers at entry.
@@ -73,15 +80,32 @@ pub struct CallRecord {
     pub ret: u64,
     /// Values of the spec's field reads (out-pointers, struct fields), in spec order.
     pub fields: [u64; crate::spec::MAX_FIELDS],
-    /// Bit i set: `fields[i]` was read successfully.
-    pub fields_ok: u32,
+    /// The attach cookie: index of the [`crate::spec::ProbeSpec`] that describes this API.
+    pub spec_id: u16,
     /// The spec id of the call open in the spec's outer layer on this thread, or 0.
-    pub outer_spec: u32,
+    pub outer_spec: u16,
+    /// The device the thread last set with a successful set-device call, or -1 if none was seen.
+    pub thread_device: i32,
     /// Device id found in the call's malloc config, or -1.
     pub cfg_device: i32,
-    /// Module id found in the call's malloc config, or -1.
-    pub cfg_module: i32,
-    /// The spec's text argument, NUL-terminated (empty if none).
+    /// Module id found in the call's malloc config, or [`NO_MODULE`].
+    pub cfg_module: u16,
+    /// Bit i set: `fields[i]` was read successfully.
+    pub fields_ok: u8,
+    pub _reserved: u8,
+}
+
+/// [`CallRecord::cfg_module`] when the config named no module (so module 0xffff reads as none;
+/// ACL's module ids are far below it).
+pub const NO_MODULE: u16 = u16::MAX;
+
+/// A traced call whose spec has a text argument (mstx messages and domain names, kernel names):
+/// the call, its header's kind [`RecordKind::CallText`], then the text.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CallTextRecord {
+    pub call: CallRecord,
+    /// The spec's text argument, NUL-terminated (empty if it could not be read).
     pub text: [u8; TEXT_LEN],
 }
 
@@ -143,6 +167,10 @@ const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
 const _: () = assert!(core::mem::size_of::<BlobRecord>() == 24 + 16 + BLOB_LEN);
 const _: () =
     assert!(core::mem::size_of::<UsdtRecord>() == 24 + 8 + 8 * crate::usdt::USDT_MAX_ARGS + crate::usdt::USDT_TEXT_LEN);
-const _: () = assert!(core::mem::size_of::<CallRecord>() == 24 + 16 + 48 + 8 + 32 + 16 + TEXT_LEN);
+const _: () = assert!(core::mem::size_of::<CallRecord>() == 24 + 8 + 48 + 8 + 32 + 16);
+const _: () = assert!(core::mem::size_of::<CallRecord>() == 136);
+const _: () = assert!(core::mem::size_of::<CallTextRecord>() == 136 + TEXT_LEN);
+const _: () = assert!(crate::spec::MAX_SPECS <= u16::MAX as u32);
+const _: () = assert!(crate::spec::MAX_FIELDS <= 8);
 const _: () = assert!(core::mem::size_of::<ForkRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<ExitRecord>() == 32);

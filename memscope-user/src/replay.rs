@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use memscope_common::record::{CallRecord, RecordHeader, RecordKind, TEXT_LEN};
+use memscope_common::record::{CallRecord, RecordHeader, RecordKind, NO_MODULE};
 
 use crate::apis::Api;
 use crate::clock::{self, Clock};
@@ -66,17 +66,17 @@ impl Generator {
         fields[0] = result.unwrap_or(0);
         out.extend_from_slice(as_bytes(&CallRecord {
             hdr: RecordHeader { kind: RecordKind::Call as u32, cpu: 0, ts_ns: self.mono_ns, tgid: PID, tid: PID },
-            spec_id: api.spec_id(),
+            spec_id: api.spec_id() as u16,
             thread_device: 0,
             entry_ns: self.mono_ns - 400,
             args: [args[0], args[1], args[2], 0, 0, 0],
             ret: 0,
             fields,
-            fields_ok: u32::from(result.is_some()),
-            outer_spec: outer.map_or(0, Api::spec_id),
+            fields_ok: u8::from(result.is_some()),
+            outer_spec: outer.map_or(0, |a| a.spec_id() as u16),
             cfg_device: -1,
-            cfg_module: -1,
-            text: [0; TEXT_LEN],
+            cfg_module: NO_MODULE,
+            _reserved: 0,
         }));
     }
 

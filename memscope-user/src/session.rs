@@ -381,7 +381,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;
 
-    let mut consumer = Consumer::new(tracer.take_ring()?, clock);
+    let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
     // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd` (both live
     // until the end of this function, and `ring_fd` is declared later so it is dropped first).
     let ring_fd = unsafe {

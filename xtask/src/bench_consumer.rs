@@ -8,8 +8,9 @@
 //!   per core).
 //! - Memory: the real tracer, tracing `alloc_bench 0 LIVE` (LIVE blocks still allocated when the
 //!   program exits, so they are live at the tracer's stop, shadow frees and all). Its peak
-//!   resident memory (`VmHWM`) is read from /proc every 10 ms until it exits; the replay's own
-//!   `VmHWM` with the same live blocks is the consumer's share (no ring buffer, no BPF).
+//!   resident memory (`VmHWM`) is read from /proc every 10 ms until it exits, with the part of it
+//!   that is the ring buffer's mapping (from /proc/PID/smaps); the replay's own `VmHWM` with the
+//!   same live blocks is the consumer's share (no ring buffer, no BPF).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -50,14 +51,65 @@ fn replay(binary: &Path, out: &Path, pairs: u64, live: u64) -> anyhow::Result<Re
     Ok(Replay { fields })
 }
 
-fn vm_hwm_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()
+/// A `kB` line of /proc/PID/status (`VmHWM`, `RssAnon`, `RssFile`).
+fn status_kib(status: &str, key: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
 }
 
-/// The tracer's peak resident memory (KiB) while tracing a program that exits with `live`
-/// blocks allocated, and its summary line of calls recorded.
-fn tracer_peak(built: &Built, out: &Path, live: u64) -> anyhow::Result<(u64, String)> {
+/// Resident KiB of the process's BPF map mappings, from /proc/PID/smaps: the ring buffer's
+/// (counted in RssFile; twice its size where a reader maps its data pages twice, as aya's does)
+/// and a page or two of others.
+fn bpf_map_rss_kib(pid: u32) -> Option<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let mut in_map = false;
+    let mut total = 0;
+    for line in smaps.lines() {
+        // A mapping's header line has an address range and no `Key:` form.
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            in_map = line.ends_with("anon_inode:bpf-map");
+        } else if in_map {
+            total += status_kib(line, "Rss").unwrap_or(0);
+        }
+    }
+    Some(total)
+}
+
+/// The tracer's memory at its peak, in KiB.
+#[derive(Default)]
+struct Peak {
+    hwm: u64,
+    /// `RssAnon` and `RssFile` when the peak was last raised.
+    anon: u64,
+    file: u64,
+    /// The BPF map mappings' share (the ring buffer's), the most seen.
+    ring: u64,
+}
+
+impl Peak {
+    /// Reads /proc once; the breakdown only when the high-water mark rose.
+    fn poll(&mut self, pid: u32) {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return };
+        let hwm = status_kib(&status, "VmHWM").unwrap_or(0);
+        if hwm > self.hwm {
+            self.hwm = hwm;
+            self.anon = status_kib(&status, "RssAnon").unwrap_or(0);
+            self.file = status_kib(&status, "RssFile").unwrap_or(0);
+            self.ring = self.ring.max(bpf_map_rss_kib(pid).unwrap_or(0));
+        }
+    }
+}
+
+/// The tracer's peak resident memory while tracing a program that exits with `live` blocks
+/// allocated, and its summary line of calls recorded.
+fn tracer_peak(built: &Built, out: &Path, live: u64) -> anyhow::Result<(Peak, String)> {
     let _ = std::fs::remove_dir_all(out);
     let mut child = privileged(built.binary.to_str().expect("utf-8 path"))
         .args(["trace", "--quiet", "--output"])
@@ -73,9 +125,9 @@ fn tracer_peak(built: &Built, out: &Path, live: u64) -> anyhow::Result<(u64, Str
         .spawn()
         .context("cannot start memscope-bpf trace")?;
     let pid = child.id();
-    let mut peak = 0;
+    let mut peak = Peak::default();
     while child.try_wait()?.is_none() {
-        peak = peak.max(vm_hwm_kib(pid).unwrap_or(0));
+        peak.poll(pid);
         std::thread::sleep(Duration::from_millis(10));
     }
     let output = child.wait_with_output()?;
@@ -114,9 +166,14 @@ pub fn run(built: &Built, dir: &Path, pairs: u64, live: u64) -> anyhow::Result<S
         let (peak, recorded) = tracer_peak(built, &dir.join("out-live"), live)?;
         md.push_str(&format!(
             "\nWith {live} live blocks at the stop: the tracer's peak RSS (VmHWM) **{:.0} MiB** tracing \
-             `alloc_bench 0 {live}` ({recorded}); the consumer alone (`bench-consumer --pairs 0 --live {live}`, no \
+             `alloc_bench 0 {live}` ({recorded}), of which the ring buffer's mapping {:.0} MiB (at the peak \
+             RssAnon {:.0} MiB, RssFile {:.0} MiB with the ring in it): {:.0} MiB without it. The consumer alone (`bench-consumer --pairs 0 --live {live}`, no \
              ring, no BPF) {:.0} MiB.\n",
-            mib(peak as f64),
+            mib(peak.hwm as f64),
+            mib(peak.ring as f64),
+            mib(peak.anon as f64),
+            mib(peak.file as f64),
+            mib(peak.hwm.saturating_sub(peak.ring) as f64),
             mib(r.get("peak_rss_kib")?),
         ));
     }

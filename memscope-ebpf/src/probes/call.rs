@@ -24,7 +24,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use memscope_common::{
-    record::{BlobRecord, CallRecord, RecordHeader, RecordKind, BLOB_LEN, MAX_ARGS},
+    record::{BlobRecord, CallRecord, CallTextRecord, RecordHeader, RecordKind, BLOB_LEN, MAX_ARGS, NO_MODULE},
     spec::{
         acl_layout, cfg_kind, device_effect, field_source, layer, ret_kind, split_cookie, FieldRead, ProbeSpec,
         MAX_FIELDS,
@@ -230,54 +230,81 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     // The outermost call's spec decides what to read: an inner `...Impl` shares its arguments.
     let spec: &ProbeSpec = SPECS.get(open.spec_id)?;
     let ret: u64 = ctx.ret();
-    let succeeded = spec.ret_kind == ret_kind::NONE || ret as u32 == 0;
-
     // The record is built in place in the ring buffer: it and the open call together would not
-    // fit the 512-byte BPF stack.
-    let mut entry = reserve::<CallRecord>()?;
-    // SAFETY: `entry` is a reserved, exclusively owned CallRecord-sized slot; every field is
-    // written below before submit.
-    let record = unsafe { &mut *entry.as_mut_ptr() };
+    // fit the 512-byte BPF stack. Two reserve sites because a reservation's size must be a
+    // constant: only the few APIs with a text argument pay for its bytes.
+    if spec.text_arg >= 0 {
+        let mut entry = reserve::<CallTextRecord>()?;
+        // SAFETY: a reserved, exclusively owned slot; every field is written before submit.
+        let record = unsafe { &mut *entry.as_mut_ptr() };
+        fill_call(&mut record.call, RecordKind::CallText, spec, open, ret, pid_tgid, state);
+        // Only the terminator: the string read writes the rest.
+        record.text[0] = 0;
+        if let Some(text) = nonzero_arg(&record.call.args, i64::from(spec.text_arg)) {
+            // SAFETY: bounded, checked user read; the buffer stays NUL-terminated on failure.
+            let _ = unsafe { bpf_probe_read_user_str_bytes(text as *const u8, &mut record.text) };
+        }
+        submit(entry);
+    } else {
+        let mut entry = reserve::<CallRecord>()?;
+        // SAFETY: as above.
+        let record = unsafe { &mut *entry.as_mut_ptr() };
+        fill_call(record, RecordKind::Call, spec, open, ret, pid_tgid, state);
+        submit(entry);
+    }
+    Some(())
+}
+
+/// Writes every field of a call's record, and what a successful set-device call does to the
+/// thread's device. Inlined: it has more arguments than a BPF call may take, and each of the two
+/// reserve sites gets its own copy with the record's type known.
+#[inline(always)]
+fn fill_call(
+    record: &mut CallRecord,
+    kind: RecordKind,
+    spec: &ProbeSpec,
+    open: &Pending,
+    ret: u64,
+    pid_tgid: u64,
+    state: *mut ThreadState,
+) {
     record.hdr = RecordHeader {
-        kind: RecordKind::Call as u32,
+        kind: kind as u32,
         cpu: 0,
         // SAFETY: helper without arguments.
         ts_ns: unsafe { bpf_ktime_get_ns() },
         tgid: (pid_tgid >> 32) as u32,
-        tid,
+        tid: pid_tgid as u32,
     };
-    record.spec_id = open.spec_id;
+    // Below MAX_SPECS: the spec was found in the array.
+    record.spec_id = open.spec_id as u16;
     record.entry_ns = open.entry_ns;
     record.args = open.args;
     record.ret = ret;
     record.fields = open.fields;
-    record.fields_ok = open.fields_ok;
+    let mut fields_ok = open.fields_ok;
+    read_fields(spec, &record.args, ret, false, &mut record.fields, &mut fields_ok);
+    record.fields_ok = fields_ok as u8;
     record.outer_spec = 0;
+    record._reserved = 0;
     record.cfg_device = -1;
-    record.cfg_module = -1;
-    // Only the terminator: clearing the whole buffer would cost every call 17 stores for the few
-    // APIs that carry text.
-    record.text[0] = 0;
-    read_fields(spec, &record.args, ret, false, &mut record.fields, &mut record.fields_ok);
-
+    record.cfg_module = NO_MODULE;
     if spec.cfg_kind == cfg_kind::MALLOC_CONFIG {
         if let Some(cfg) = nonzero_arg(&record.args, i64::from(spec.cfg_arg)) {
             read_malloc_config(cfg, record);
         }
     }
-    if let Some(text) = nonzero_arg(&record.args, i64::from(spec.text_arg)) {
-        // SAFETY: bounded, checked user read; the buffer stays NUL-terminated on failure.
-        let _ = unsafe { bpf_probe_read_user_str_bytes(text as *const u8, &mut record.text) };
-    }
-    // SAFETY: as above (another slot of the same state).
+    // SAFETY: the thread's state from a successful lookup; only this thread touches it, and
+    // `open` is another slot of it, only read.
     let state = unsafe { &mut *state };
     if spec.outer_layer != 0 {
         if let Some(outer) = slot(state, spec.outer_layer) {
             if outer.depth > 0 {
-                record.outer_spec = outer.spec_id;
+                record.outer_spec = outer.spec_id as u16;
             }
         }
     }
+    let succeeded = spec.ret_kind == ret_kind::NONE || ret as u32 == 0;
     if succeeded {
         match spec.device_effect {
             device_effect::SET_FROM_ARG0 => state.device = record.args[0] as i32,
@@ -286,8 +313,6 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
         }
     }
     record.thread_device = state.device;
-    submit(entry);
-    Some(())
 }
 
 fn read_user(at: u64, width: u8) -> Option<u64> {
@@ -371,7 +396,7 @@ fn read_malloc_config(cfg: u64, record: &mut CallRecord) {
         };
         match kind {
             acl_layout::ATTR_DEVICE_ID => record.cfg_device = value as i32,
-            acl_layout::ATTR_MODULE_ID => record.cfg_module = (value & 0xffff) as i32,
+            acl_layout::ATTR_MODULE_ID => record.cfg_module = value as u16,
             _ => {}
         }
     }

@@ -19,7 +19,7 @@ use std::num::NonZeroU32;
 use std::os::fd::{AsFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
@@ -494,10 +494,12 @@ impl Tracer {
         Ok(index)
     }
 
-    /// The ring buffer, handed to the consumer once.
-    pub fn take_ring(&mut self) -> Result<RingBuf<MapData>, LoadError> {
-        let map = self.ebpf.take_map("EVENTS").ok_or(LoadError::Missing("EVENTS"))?;
-        RingBuf::try_from(map).map_err(|source| LoadError::Map { name: "EVENTS", source })
+    /// The ring buffer map, handed to the consumer once (which maps it: `record::ring_map`).
+    pub fn take_ring(&mut self) -> Result<MapData, LoadError> {
+        match self.ebpf.take_map("EVENTS") {
+            Some(aya::maps::Map::RingBuf(map)) => Ok(map),
+            _ => Err(LoadError::Missing("EVENTS")),
+        }
     }
 
     /// Records lost because the ring was full, per CPU.

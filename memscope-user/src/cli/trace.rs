@@ -21,6 +21,15 @@ use crate::say::say;
 use crate::session::{self, Plan, Target};
 use crate::store::Format;
 
+/// The default ring buffer, in MiB: as many call records as the 64 MiB ring held when every call
+/// record carried a 136-byte text field (64 MiB / 288 bytes in the ring: about 233k), in half the
+/// memory. Each sample takes the record and the kernel's 8-byte header.
+const DEFAULT_RING_MB: u32 = 32;
+const _: () = assert!(
+    DEFAULT_RING_MB as usize * (1 << 20) / (std::mem::size_of::<memscope_common::record::CallRecord>() + 8)
+        >= 64 * (1 << 20) / (280 + 8)
+);
+
 /// Record accelerator memory events of a running job or of a program launched under the tracer.
 ///
 /// Attach:  memscope-bpf trace --pid 4242 --output ./msout
@@ -67,9 +76,10 @@ pub struct Args {
     #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
     pub probe_set: ProbeSet,
 
-    /// Ring buffer size in MiB, a power of two. Larger rides out longer bursts without losses
-    /// (64 MiB holds about 440k calls; see docs/benchmarks.md).
-    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    /// Ring buffer size in MiB, a power of two. Larger rides out longer bursts without losses:
+    /// 32 MiB holds about 233k calls waiting (144 bytes each; calls with a text argument take
+    /// 280), and is that much of the tracer's RSS (see docs/benchmarks.md).
+    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_RING_MB)]
     pub ring_mb: u32,
 
     /// Trace only the target process, not the children it forks. By default every process the

@@ -1,12 +1,15 @@
 //! Ring-buffer bytes to typed records.
 //!
-//! Each record is checked against the size its header's kind promises before any field is read,
-//! and read with `read_unaligned` (the ring only guarantees 8-byte alignment of the sample, and a
-//! truncated or unknown record must be an error, never undefined behaviour).
+//! Each record is checked against the size its header's kind promises before any field is read
+//! (a truncated or unknown record must be an error, never undefined behaviour), then read in place
+//! where it is aligned for its type (ring samples are 8-byte aligned) and from an unaligned copy
+//! otherwise. Calls, almost every record, go straight to a [`RawCall`] ([`decode_call`]).
 
-use std::mem::size_of;
+use std::mem::{align_of, size_of};
 
-use memscope_common::record::{BlobRecord, CallRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord};
+use memscope_common::record::{
+    BlobRecord, CallRecord, CallTextRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord, NO_MODULE,
+};
 use memscope_common::spec::MAX_FIELDS;
 use memscope_common::usdt::USDT_MAX_ARGS;
 use thiserror::Error;
@@ -111,6 +114,21 @@ fn read<T: Copy>(bytes: &[u8]) -> T {
     unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
 }
 
+/// Runs `f` on the record at the start of `bytes`, in place when it is aligned for `T` (ring
+/// samples are 8-byte aligned, as are the replay's), else on a copy: the consumer reads a few
+/// fields of each record and has no use for a copy of all of it.
+fn view<T: Copy, R>(bytes: &[u8], f: impl FnOnce(&T) -> R) -> R {
+    debug_assert!(bytes.len() >= size_of::<T>());
+    let at = bytes.as_ptr();
+    if at.align_offset(align_of::<T>()) == 0 {
+        // SAFETY: aligned, long enough (checked by the caller), and T is plain-old-data for which
+        // any bytes are a value; the ring does not change a sample until it is released.
+        f(unsafe { &*at.cast::<T>() })
+    } else {
+        f(&read(bytes))
+    }
+}
+
 fn need<T>(kind: RecordKind, bytes: &[u8]) -> Result<(), DecodeError> {
     if bytes.len() < size_of::<T>() {
         return Err(DecodeError::Truncated { kind, len: bytes.len(), need: size_of::<T>() });
@@ -122,55 +140,82 @@ fn non_negative(v: i32) -> Option<u32> {
     u32::try_from(v).ok()
 }
 
-/// Decodes one ring-buffer sample.
-pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+/// A NUL-terminated (or buffer-long) text field; `None` when empty.
+fn text(bytes: &[u8]) -> Option<String> {
+    let len = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+    (len > 0).then(|| String::from_utf8_lossy(&bytes[..len]).into_owned())
+}
+
+/// The record's kind, from its header.
+pub fn kind(bytes: &[u8]) -> Result<RecordKind, DecodeError> {
     if bytes.len() < size_of::<RecordHeader>() {
         return Err(DecodeError::TooShortForHeader { len: bytes.len(), need: size_of::<RecordHeader>() });
     }
-    let header: RecordHeader = read(bytes);
-    let kind = RecordKind::from_u32(header.kind).ok_or(DecodeError::UnknownKind { kind: header.kind })?;
+    // The kind is the header's first field.
+    let id = u32::from_ne_bytes(bytes[..4].try_into().expect("checked length"));
+    RecordKind::from_u32(id).ok_or(DecodeError::UnknownKind { kind: id })
+}
+
+fn call(r: &CallRecord, text: Option<String>) -> RawCall {
+    RawCall {
+        spec_id: u32::from(r.spec_id),
+        tgid: r.hdr.tgid,
+        tid: r.hdr.tid,
+        entry_mono_ns: r.entry_ns,
+        return_mono_ns: r.hdr.ts_ns,
+        args: r.args,
+        ret: r.ret,
+        fields: std::array::from_fn(|i| (r.fields_ok & (1 << i) != 0).then_some(r.fields[i])),
+        outer_spec: (r.outer_spec != 0).then_some(u32::from(r.outer_spec)),
+        cfg_device: non_negative(r.cfg_device),
+        cfg_module: (r.cfg_module != NO_MODULE).then_some(r.cfg_module),
+        thread_device: non_negative(r.thread_device),
+        text,
+        blob: None,
+    }
+}
+
+/// Decodes a call record, with or without its text ([`RecordKind::Call`] or
+/// [`RecordKind::CallText`]), without the detour through [`Record`]: calls are almost every
+/// record.
+pub fn decode_call(kind: RecordKind, bytes: &[u8]) -> Result<RawCall, DecodeError> {
     match kind {
         RecordKind::Call => {
             need::<CallRecord>(kind, bytes)?;
-            let r: CallRecord = read(bytes);
-            let fields = std::array::from_fn(|i| (r.fields_ok & (1 << i) != 0).then_some(r.fields[i]));
-            let text_len = r.text.iter().position(|b| *b == 0).unwrap_or(r.text.len());
-            Ok(Record::Call(RawCall {
-                spec_id: r.spec_id,
-                tgid: r.hdr.tgid,
-                tid: r.hdr.tid,
-                entry_mono_ns: r.entry_ns,
-                return_mono_ns: r.hdr.ts_ns,
-                args: r.args,
-                ret: r.ret,
-                fields,
-                outer_spec: (r.outer_spec != 0).then_some(r.outer_spec),
-                cfg_device: non_negative(r.cfg_device),
-                cfg_module: u16::try_from(r.cfg_module).ok(),
-                thread_device: non_negative(r.thread_device),
-                text: (text_len > 0).then(|| String::from_utf8_lossy(&r.text[..text_len]).into_owned()),
-                blob: None,
-            }))
+            Ok(view(bytes, |r: &CallRecord| call(r, None)))
         }
+        _ => {
+            need::<CallTextRecord>(kind, bytes)?;
+            Ok(view(bytes, |r: &CallTextRecord| call(&r.call, text(&r.text))))
+        }
+    }
+}
+
+/// Decodes one ring-buffer sample.
+pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
+    let kind = kind(bytes)?;
+    match kind {
+        RecordKind::Call | RecordKind::CallText => decode_call(kind, bytes).map(Record::Call),
         RecordKind::Usdt => {
             need::<UsdtRecord>(kind, bytes)?;
-            let r: UsdtRecord = read(bytes);
-            let text_len = r.text.iter().position(|b| *b == 0).unwrap_or(r.text.len());
-            Ok(Record::Usdt(RawUsdt {
-                spec_id: r.spec_id,
-                probe: r.probe,
-                tgid: r.hdr.tgid,
-                tid: r.hdr.tid,
-                mono_ns: r.hdr.ts_ns,
-                args: r.args,
-                text: (text_len > 0).then(|| String::from_utf8_lossy(&r.text[..text_len]).into_owned()),
+            Ok(view(bytes, |r: &UsdtRecord| {
+                Record::Usdt(RawUsdt {
+                    spec_id: r.spec_id,
+                    probe: r.probe,
+                    tgid: r.hdr.tgid,
+                    tid: r.hdr.tid,
+                    mono_ns: r.hdr.ts_ns,
+                    args: r.args,
+                    text: text(&r.text),
+                })
             }))
         }
         RecordKind::Blob => {
             need::<BlobRecord>(kind, bytes)?;
-            let r: BlobRecord = read(bytes);
-            let len = (r.len as usize).min(r.data.len());
-            Ok(Record::Blob(RawBlob { spec_id: r.spec_id, tid: r.hdr.tid, data: r.data[..len].to_vec() }))
+            Ok(view(bytes, |r: &BlobRecord| {
+                let len = (r.len as usize).min(r.data.len());
+                Record::Blob(RawBlob { spec_id: r.spec_id, tid: r.hdr.tid, data: r.data[..len].to_vec() })
+            }))
         }
         RecordKind::Fork => {
             need::<ForkRecord>(kind, bytes)?;
@@ -198,7 +243,7 @@ pub fn encode<T: Copy>(record: &T) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use memscope_common::record::RecordHeader;
+    use memscope_common::record::{RecordHeader, TEXT_LEN};
 
     use super::*;
 
@@ -215,12 +260,15 @@ mod tests {
             outer_spec: 0,
             cfg_device: -1,
             cfg_module: 7,
-            text: {
-                let mut t = [0; memscope_common::record::TEXT_LEN];
-                t[..10].copy_from_slice(b"ptaCaching");
-                t
-            },
+            _reserved: 0,
         }
+    }
+
+    fn with_text(text: &[u8]) -> CallTextRecord {
+        let mut r = CallTextRecord { call: call(), text: [0; TEXT_LEN] };
+        r.call.hdr.kind = RecordKind::CallText as u32;
+        r.text[..text.len()].copy_from_slice(text);
+        r
     }
 
     #[test]
@@ -235,7 +283,41 @@ mod tests {
         assert_eq!(c.cfg_device, None, "-1 means absent");
         assert_eq!(c.cfg_module, Some(7));
         assert_eq!(c.thread_device, Some(1));
+        assert_eq!(c.text, None, "a plain call record has no text");
+    }
+
+    #[test]
+    fn absent_module_and_wide_ids_decode() {
+        let mut r = call();
+        r.cfg_module = NO_MODULE;
+        r.cfg_device = 2;
+        r.spec_id = 255;
+        r.outer_spec = 254;
+        let Record::Call(c) = decode(&encode(&r)).unwrap() else { panic!() };
+        assert_eq!((c.cfg_module, c.cfg_device), (None, Some(2)));
+        assert_eq!((c.spec_id, c.outer_spec), (255, Some(254)));
+    }
+
+    #[test]
+    fn text_record_is_the_call_and_its_text() {
+        let Record::Call(c) = decode(&encode(&with_text(b"ptaCaching"))).unwrap() else { panic!("not a call") };
         assert_eq!(c.text.as_deref(), Some("ptaCaching"));
+        assert_eq!((c.spec_id, c.tgid, c.tid, c.args[1]), (3, 42, 43, 4096), "the call part as in a plain record");
+        assert_eq!(c.fields, [Some(0xdead_beef_0000), None, None, Some(77)]);
+        let Record::Call(c) = decode(&encode(&with_text(b""))).unwrap() else { panic!() };
+        assert_eq!(c.text, None, "an unreadable string is no text");
+    }
+
+    #[test]
+    fn records_decode_in_place_and_from_unaligned_bytes_alike() {
+        let bytes = encode(&with_text(b"kv"));
+        let mut shifted = vec![0u8; bytes.len() + 1];
+        shifted[1..].copy_from_slice(&bytes);
+        assert_eq!(decode(&shifted[1..]), decode(&bytes));
+        let bytes = encode(&call());
+        let mut shifted = vec![0u8; bytes.len() + 3];
+        shifted[3..].copy_from_slice(&bytes);
+        assert_eq!(decode(&shifted[3..]), decode(&bytes));
     }
 
     #[test]
@@ -258,17 +340,12 @@ mod tests {
 
     #[test]
     fn unread_out_pointer_is_none_and_text_is_bounded() {
-        let mut r = call();
-        r.fields_ok = 0;
-        r.text = [b'x'; memscope_common::record::TEXT_LEN];
-        r.outer_spec = 5;
+        let mut r = with_text(&[b'x'; TEXT_LEN]);
+        r.call.fields_ok = 0;
+        r.call.outer_spec = 5;
         let Record::Call(c) = decode(&encode(&r)).unwrap() else { panic!() };
         assert_eq!(c.result(), None);
-        assert_eq!(
-            c.text.as_deref().map(str::len),
-            Some(memscope_common::record::TEXT_LEN),
-            "an unterminated text stops at the buffer end"
-        );
+        assert_eq!(c.text.as_deref().map(str::len), Some(TEXT_LEN), "an unterminated text stops at the buffer end");
         assert_eq!(c.outer_spec, Some(5));
     }
 
@@ -283,6 +360,17 @@ mod tests {
         let mut unknown = call();
         unknown.hdr.kind = 99;
         assert_eq!(decode(&encode(&unknown)), Err(DecodeError::UnknownKind { kind: 99 }));
+        // A text record cut after its call part is truncated, not a call without text.
+        let mut cut = call();
+        cut.hdr.kind = RecordKind::CallText as u32;
+        assert_eq!(
+            decode(&encode(&cut)),
+            Err(DecodeError::Truncated {
+                kind: RecordKind::CallText,
+                len: bytes.len(),
+                need: size_of::<CallTextRecord>()
+            })
+        );
     }
 
     #[test]

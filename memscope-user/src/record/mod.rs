@@ -1,7 +1,8 @@
-//! Getting records out of the kernel: draining the ring buffer ([`ring`]) and turning its bytes
-//! into checked, typed records ([`decode`]).
+//! Getting records out of the kernel: mapping the ring buffer ([`ring_map`]), draining it
+//! ([`ring`]) and turning its bytes into checked, typed records ([`decode`]).
 
 pub mod decode;
 pub mod ring;
+pub mod ring_map;
 
 pub use decode::{RawCall, RawUsdt};

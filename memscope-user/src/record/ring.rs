@@ -3,11 +3,14 @@
 //! The BPF side wakes us only when a lot is waiting (see `maps::output`), so the consumer also
 //! drains on a short timer; both paths call [`Consumer::drain`].
 
-use aya::maps::{MapData, RingBuf};
+use aya::maps::MapData;
 
 use std::collections::HashMap;
 
-use super::decode::{decode, RawBlob, Record};
+use memscope_common::record::RecordKind;
+
+use super::decode::{self, RawBlob, RawCall, Record};
+use super::ring_map::{RingMap, RingMapError};
 use crate::apis::Api;
 use crate::clock::Clock;
 use crate::model::{Call, Event, EventKind};
@@ -22,25 +25,26 @@ pub struct ConsumerStats {
 }
 
 pub struct Consumer {
-    ring: RingBuf<MapData>,
+    ring: RingMap,
     pub stats: ConsumerStats,
     decoder: Decoder,
 }
 
 impl Consumer {
-    pub fn new(ring: RingBuf<MapData>, clock: Clock) -> Self {
-        Self { ring, stats: ConsumerStats::default(), decoder: Decoder::new(clock) }
+    /// Maps the ring buffer map (`EVENTS`) for reading.
+    pub fn new(ring: MapData, clock: Clock) -> Result<Self, RingMapError> {
+        Ok(Self { ring: RingMap::new(ring)?, stats: ConsumerStats::default(), decoder: Decoder::new(clock) })
     }
 
-    pub fn ring(&self) -> &RingBuf<MapData> {
+    /// The ring, for polling its descriptor.
+    pub fn ring(&self) -> &RingMap {
         &self.ring
     }
 
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
-        while let Some(item) = self.ring.next() {
-            self.decoder.feed(&item, &mut self.stats, &mut sink);
-        }
+        let Self { ring, stats, decoder } = self;
+        ring.drain(|record| decoder.feed(record, stats, &mut sink));
     }
 }
 
@@ -61,52 +65,76 @@ impl Decoder {
     /// Decodes one record; the event it makes, if any, goes to `sink`.
     pub fn feed(&mut self, bytes: &[u8], stats: &mut ConsumerStats, sink: &mut impl FnMut(Event)) {
         stats.records += 1;
-        match decode(bytes) {
-            Ok(Record::Blob(blob)) => {
-                self.blobs.insert(blob.tid, blob);
+        let Ok(kind) = decode::kind(bytes) else {
+            stats.undecodable += 1;
+            return;
+        };
+        let event = if matches!(kind, RecordKind::Call | RecordKind::CallText) {
+            // Almost every record: straight to the call, whose event reads it by reference.
+            let Ok(mut call) = decode::decode_call(kind, bytes) else {
+                stats.undecodable += 1;
+                return;
+            };
+            if !self.blobs.is_empty() {
+                self.join_blob(&mut call);
             }
-            Ok(Record::Call(mut call)) if self.blobs.contains_key(&call.tid) => {
-                let blob = self.blobs.remove(&call.tid).expect("checked");
-                if blob.spec_id == call.spec_id {
-                    call.blob = Some(blob.data);
+            call_event(&call, self.clock)
+        } else {
+            match decode::decode(bytes) {
+                Ok(Record::Blob(blob)) => {
+                    self.blobs.insert(blob.tid, blob);
+                    return;
                 }
-                match to_event(Record::Call(call), self.clock) {
-                    Some(event) => sink(event),
-                    None => stats.unknown_api += 1,
+                Ok(record) => to_event(record, self.clock),
+                Err(_) => {
+                    stats.undecodable += 1;
+                    return;
                 }
             }
-            Ok(record) => match to_event(record, self.clock) {
-                Some(event) => sink(event),
-                None => stats.unknown_api += 1,
-            },
-            Err(_) => stats.undecodable += 1,
+        };
+        match event {
+            Some(event) => sink(event),
+            None => stats.unknown_api += 1,
         }
     }
+
+    /// Gives a call the buffer its thread's last blob record copied, when that was the same
+    /// call's (a blob whose call was not recorded is dropped with the next call).
+    fn join_blob(&mut self, call: &mut RawCall) {
+        if let Some(blob) = self.blobs.remove(&call.tid) {
+            if blob.spec_id == call.spec_id {
+                call.blob = Some(blob.data);
+            }
+        }
+    }
+}
+
+/// A decoded call as a model event; `None` for an API this build does not know.
+fn call_event(raw: &RawCall, clock: Clock) -> Option<Event> {
+    let api = Api::from_spec_id(raw.spec_id)?;
+    let def = api.def();
+    // A function without a status (void, or a pointer result) never fails by its return.
+    let status = if def.spec.ret_kind == memscope_common::spec::ret_kind::NONE { 0 } else { raw.status() };
+    Some(Event {
+        wall_ns: clock.to_wall(raw.return_mono_ns),
+        pid: raw.tgid,
+        tid: raw.tid,
+        kind: EventKind::Call(Call {
+            api,
+            entry_wall_ns: clock.to_wall(raw.entry_mono_ns),
+            status,
+            out_of_memory: status != 0 && (def.out_of_memory)(status),
+            outer: raw.outer_spec.and_then(Api::from_spec_id),
+            thread_device: raw.thread_device,
+            op: (def.decode)(raw),
+        }),
+    })
 }
 
 /// A decoded record as a model event; `None` for a call of an API this build does not know.
 pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
     Some(match record {
-        Record::Call(raw) => {
-            let api = Api::from_spec_id(raw.spec_id)?;
-            // A function without a status (void, or a pointer result) never fails by its return.
-            let status =
-                if api.def().spec.ret_kind == memscope_common::spec::ret_kind::NONE { 0 } else { raw.status() };
-            Event {
-                wall_ns: clock.to_wall(raw.return_mono_ns),
-                pid: raw.tgid,
-                tid: raw.tid,
-                kind: EventKind::Call(Call {
-                    api,
-                    entry_wall_ns: clock.to_wall(raw.entry_mono_ns),
-                    status,
-                    out_of_memory: status != 0 && (api.def().out_of_memory)(status),
-                    outer: raw.outer_spec.and_then(Api::from_spec_id),
-                    thread_device: raw.thread_device,
-                    op: (api.def().decode)(&raw),
-                }),
-            }
-        }
+        Record::Call(raw) => return call_event(&raw, clock),
         Record::Usdt(raw) => Event {
             wall_ns: clock.to_wall(raw.mono_ns),
             pid: raw.tgid,
@@ -128,7 +156,6 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
 mod tests {
     use super::*;
     use crate::model::{Op, Space};
-    use crate::record::RawCall;
 
     fn raw(spec_id: u32, args: [u64; 6], ret: u64, out: Option<u64>) -> RawCall {
         RawCall {
