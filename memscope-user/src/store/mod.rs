@@ -16,6 +16,8 @@
 
 pub mod attr;
 pub mod batch;
+mod btree;
+mod bulk;
 pub mod csv;
 pub mod insight;
 pub mod layout;
@@ -45,6 +47,8 @@ pub enum StoreError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("cannot write the trace DB {path} (check the free space and permissions of the --output folder)")]
     Sqlite { path: PathBuf, source: rusqlite::Error },
+    #[error("cannot append rows to the trace DB {path}")]
+    Pages { path: PathBuf, source: bulk::BulkError },
 }
 
 /// Output format, as msMemScope's `--format`.

@@ -40,16 +40,6 @@ pub fn create_rows_table(table: &str) -> String {
     format!("CREATE TABLE IF NOT EXISTS {table} ({})", columns.join(", "))
 }
 
-/// An INSERT of `rows` rows of one device into a table with `memscope_dump`'s columns. The
-/// `Device Id` (`device`) and the empty call stacks are constants of the statement, so a row
-/// binds 9 parameters (in column order, row after row): binding was a fifth of an insert's cost.
-pub fn insert_device_rows(table: &str, rows: usize, device: &str) -> String {
-    let names: Vec<String> = DUMP_COLUMNS.iter().map(|(name, _)| format!("\"{name}\"")).collect();
-    let device = device.replace('\'', "''");
-    let one = format!("(?,?,?,?,?,?,?,'{device}',?,?,'','')");
-    format!("INSERT INTO {table} ({}) VALUES {}", names.join(", "), vec![one; rows].join(","))
-}
-
 /// Our own tables (documented in docs/db-schema.md).
 pub const OWN_TABLES: &str = "
 CREATE TABLE IF NOT EXISTS ms_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -1,62 +1,71 @@
 //! The SQLite sink: `memscope_dump` for Insight plus our `ms_*` tables, in WAL mode with one open
 //! transaction that `commit` closes and reopens.
 //!
+//! `memscope_dump`'s rows are appended as whole pages ([`super::bulk`]): through SQL, a row's
+//! VDBE program, binds and B-tree descent were most of the store thread's time. Everything else
+//! (our own tables, owner changes of rows already written) is SQL, queued and run between two of
+//! the page writer's transactions, as its rule requires. Those are rare next to the rows.
+//!
 //! WAL, not a rollback journal, although the WAL costs a second copy of every page (the
-//! checkpoint; 2 M bench rows took 1.4 s of CPU with a rollback journal, 1.9 s in WAL): with a
-//! rollback journal a reader (`analyze` on a live trace, Insight opening it) holds off the
-//! writer's commits and cache spills for as long as it reads, the store thread waits, and the
-//! ring buffer overflows; committed rows survive a SIGKILL either way. The WAL's cost is cut
-//! instead by 64 KiB pages, a sixteenth of the per-page work (B-tree balancing, frame headers,
-//! checkpoint lookups) of 4 KiB pages for the same bytes: the same rows took 2.7 s with 4 KiB.
+//! checkpoint): with a rollback journal a reader (`analyze` on a live trace, Insight opening it)
+//! holds off the writer's commits and cache spills for as long as it reads, the store thread
+//! waits, and the ring buffer overflows; committed rows survive a SIGKILL either way. 64 KiB pages
+//! cut the per-page work (frame headers, checkpoint lookups) to a sixteenth of 4 KiB pages'.
 
-use std::ops::Range;
+use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rusqlite::{params, Connection};
 
 use crate::model::DeviceKey;
 
 use super::batch::{write_device_id, RowText};
+use super::btree::Col;
+use super::bulk::{BulkError, BulkTable};
 use super::schema::{self, SCHEMA_VERSION};
-use super::sqlite_raw::{tune_sqlite_once, Param, RawStatement};
+use super::sqlite_raw::tune_sqlite_once;
 use super::{Meta, ProbeRow, Sink, StoreError};
 
 pub struct DbSink {
-    /// Declared before `conn`: statements must be finalized before the connection closes.
-    full: Option<RawStatement>,
-    single: Option<RawStatement>,
+    /// Declared before `conn`: its statement must be finalized before the connection closes.
+    dump: BulkTable,
     conn: Connection,
     path: PathBuf,
-    /// The `Device Id` of every row, a constant of the INSERT statements.
+    /// The `Device Id` of every row.
     device: String,
-    batch: Batch,
-    /// Rows inserted since the last commit.
+    queued: Queued,
+    /// Rows appended since the last commit.
     uncommitted: usize,
+    /// Declared after `conn`: closed only once SQLite's connection is ([`BulkTable::file`]).
+    _file: Arc<File>,
 }
 
-/// Rows waiting for the next multi-row INSERT. One statement per [`BATCH_ROWS`] rows amortises the
-/// statement lookup and the VM start-up that otherwise cost as much as the row itself; text
-/// columns are copied into one reused buffer, so steady state allocates nothing.
+/// SQL waiting for the end of the page writer's transaction.
 #[derive(Default)]
-struct Batch {
-    text: String,
-    rows: Vec<Pending>,
+struct Queued {
+    meta: Meta,
+    probes: Vec<ProbeRow>,
+    untracked: Vec<(u64, OwnedRow)>,
+    owners: Vec<(u64, String)>,
 }
 
-struct Pending {
-    id: u64,
+impl Queued {
+    fn is_empty(&self) -> bool {
+        self.meta.is_empty() && self.probes.is_empty() && self.untracked.is_empty() && self.owners.is_empty()
+    }
+}
+
+struct OwnedRow {
     event: &'static str,
     event_type: &'static str,
-    name: Range<usize>,
+    name: String,
     ts_ns: u64,
     pid: u32,
     tid: u32,
-    ptr: Range<usize>,
-    attr: Range<usize>,
+    ptr: String,
+    attr: String,
 }
-
-/// Rows per INSERT statement (9 parameters each, well under SQLite's 32766-parameter limit).
-const BATCH_ROWS: usize = 256;
 
 /// Page size of a new DB (see the module doc). It must be set before the WAL is.
 const PAGE_SIZE: u32 = 65_536;
@@ -69,170 +78,181 @@ const WAL_AUTOCHECKPOINT: u32 = 512;
 /// cache, and the WAL is reused from its start.
 const COMMIT_ROWS: usize = 65_536;
 
+fn sqlite_error(path: &Path) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
+    move |source| StoreError::Sqlite { path: path.to_owned(), source }
+}
+
+fn bulk_error(path: &Path) -> impl Fn(BulkError) -> StoreError + '_ {
+    move |e| match e {
+        BulkError::Sqlite(source) => StoreError::Sqlite { path: path.to_owned(), source },
+        other => StoreError::Pages { path: path.to_owned(), source: other },
+    }
+}
+
 impl DbSink {
     /// A new DB at `path` for `device`'s rows.
     pub fn create(path: &Path, device: DeviceKey, meta: &Meta) -> Result<Self, StoreError> {
         tune_sqlite_once();
-        let err = |source| StoreError::Sqlite { path: path.to_owned(), source };
-        let conn = Connection::open(path).map_err(err)?;
+        let err = sqlite_error(path);
+        let conn = Connection::open(path).map_err(&err)?;
         // WAL: committed rows survive a SIGKILL of the tracer and readers never block it.
         // synchronous=NORMAL: a commit costs no fsync; only a power loss can drop the last ones.
         // A 32 MiB page cache: a busy second's rows spill into the WAL before their commit, which
         // writes each page once all the same.
-        conn.pragma_update(None, "page_size", PAGE_SIZE).map_err(err)?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(err)?;
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(err)?;
-        conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT).map_err(err)?;
-        conn.pragma_update(None, "cache_size", -32768).map_err(err)?;
-        conn.execute_batch(&schema::create_dump_table()).map_err(err)?;
-        conn.execute_batch(&schema::create_rows_table(schema::UNTRACKED_FREES_TABLE)).map_err(err)?;
-        conn.execute_batch(schema::OWN_TABLES).map_err(err)?;
+        conn.pragma_update(None, "page_size", PAGE_SIZE).map_err(&err)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(&err)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(&err)?;
+        conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT).map_err(&err)?;
+        conn.pragma_update(None, "cache_size", -32768).map_err(&err)?;
+        conn.execute_batch(&schema::create_dump_table()).map_err(&err)?;
+        conn.execute_batch(&schema::create_rows_table(schema::UNTRACKED_FREES_TABLE)).map_err(&err)?;
+        conn.execute_batch(schema::OWN_TABLES).map_err(&err)?;
+        write_meta(&conn, &[("schema_version".into(), SCHEMA_VERSION.to_string())]).map_err(&err)?;
+        write_meta(&conn, meta).map_err(&err)?;
+        let dump = BulkTable::open(&conn, path, schema::DUMP_TABLE).map_err(bulk_error(path))?;
         let mut text = String::new();
         write_device_id(device, &mut text);
-        let sink = Self {
-            full: None,
-            single: None,
-            conn,
-            path: path.to_owned(),
-            device: text,
-            batch: Batch::default(),
-            uncommitted: 0,
-        };
-        sink.write_meta(meta)?;
-        sink.conn.execute_batch("BEGIN").map_err(err)?;
+        let _file = dump.file();
+        let mut sink =
+            Self { dump, conn, path: path.to_owned(), device: text, queued: Queued::default(), uncommitted: 0, _file };
+        sink.begin()?;
         Ok(sink)
     }
 
-    fn err(&self) -> impl Fn(rusqlite::Error) -> StoreError + '_ {
-        move |source| StoreError::Sqlite { path: self.path.clone(), source }
+    fn begin(&mut self) -> Result<(), StoreError> {
+        self.conn.execute_batch("BEGIN IMMEDIATE").map_err(sqlite_error(&self.path))?;
+        self.dump.begin(&self.conn).map_err(bulk_error(&self.path))
     }
 
-    fn write_meta(&self, meta: &Meta) -> Result<(), StoreError> {
-        let mut stmt = self
-            .conn
-            .prepare_cached("INSERT OR REPLACE INTO ms_meta (key, value) VALUES (?1, ?2)")
-            .map_err(self.err())?;
-        stmt.execute(params!["schema_version", SCHEMA_VERSION.to_string()]).map_err(self.err())?;
-        for (k, v) in meta {
-            stmt.execute(params![k, v]).map_err(self.err())?;
+    /// Completes the table's pages, commits, then runs the queued SQL in a transaction of its
+    /// own. No transaction is open afterwards.
+    fn end(&mut self) -> Result<(), StoreError> {
+        self.dump.seal(&self.conn).map_err(bulk_error(&self.path))?;
+        self.conn.execute_batch("COMMIT").map_err(sqlite_error(&self.path))?;
+        self.uncommitted = 0;
+        if self.queued.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let queued = std::mem::take(&mut self.queued);
+        self.dump.hand_to_sql(&self.conn, !queued.owners.is_empty());
+        let err = sqlite_error(&self.path);
+        self.conn.execute_batch("BEGIN IMMEDIATE").map_err(&err)?;
+        run_queued(&self.conn, &queued, &self.device).map_err(&err)?;
+        self.conn.execute_batch("COMMIT").map_err(&err)
     }
+}
 
-    /// Inserts the batched rows: full statements first, then one row at a time for the rest.
-    fn flush(&mut self) -> Result<(), StoreError> {
-        let Self { full, single, conn, path, device, batch, .. } = self;
-        let err = |source| StoreError::Sqlite { path: path.clone(), source };
-        for chunk in batch.rows.chunks(BATCH_ROWS) {
-            let slot = if chunk.len() == BATCH_ROWS { &mut *full } else { &mut *single };
-            let rows_per_statement = if chunk.len() == BATCH_ROWS { BATCH_ROWS } else { 1 };
-            if slot.is_none() {
-                let sql = schema::insert_device_rows(schema::DUMP_TABLE, rows_per_statement, device);
-                *slot = Some(RawStatement::prepare(conn, &sql).map_err(err)?);
-            }
-            let stmt = slot.as_mut().expect("prepared above");
-            let text = batch.text.as_str();
-            for rows in chunk.chunks(rows_per_statement) {
-                let params = rows.iter().flat_map(|row| {
-                    [
-                        Param::Int(row.id as i64),
-                        Param::Text(row.event),
-                        Param::Text(row.event_type),
-                        Param::Text(&text[row.name.clone()]),
-                        Param::Int(row.ts_ns as i64),
-                        Param::Int(row.pid.into()),
-                        Param::Int(row.tid.into()),
-                        Param::Text(&text[row.ptr.clone()]),
-                        Param::Text(&text[row.attr.clone()]),
-                    ]
-                });
-                stmt.execute(params).map_err(err)?;
-            }
-        }
-        batch.rows.clear();
-        batch.text.clear();
-        Ok(())
+fn write_meta(conn: &Connection, meta: &[(String, String)]) -> rusqlite::Result<()> {
+    let mut stmt = conn.prepare_cached("INSERT OR REPLACE INTO ms_meta (key, value) VALUES (?1, ?2)")?;
+    for (k, v) in meta {
+        stmt.execute(params![k, v])?;
     }
+    Ok(())
+}
+
+fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<()> {
+    write_meta(conn, &q.meta)?;
+    let mut stmt = conn.prepare_cached(
+        "INSERT INTO ms_probes (library, symbol, api, file_offset, source, attached_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?;
+    for p in &q.probes {
+        stmt.execute(params![p.library, p.symbol, p.api, p.file_offset as i64, p.source, p.attached_wall_ns as i64])?;
+    }
+    let columns: Vec<String> = schema::DUMP_COLUMNS.iter().map(|(name, _)| format!("\"{name}\"")).collect();
+    let sql = format!(
+        "INSERT INTO {} ({}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,'','')",
+        schema::UNTRACKED_FREES_TABLE,
+        columns.join(", ")
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    for (id, r) in &q.untracked {
+        stmt.execute(params![
+            *id as i64,
+            r.event,
+            r.event_type,
+            r.name,
+            r.ts_ns as i64,
+            r.pid,
+            r.tid,
+            device,
+            r.ptr,
+            r.attr
+        ])?;
+    }
+    for (id, owner) in &q.owners {
+        set_owner(conn, *id, owner)?;
+    }
+    Ok(())
+}
+
+/// Rows are appended in ID order, so a row's rowid is its ID: found by rowid, the row is one
+/// B-tree lookup away, where `ID = ?` alone (no index) scans the whole table per retag (0.6 s on
+/// 2 M rows). The `ID` term keeps it right regardless, and the scan remains the fallback.
+fn set_owner(conn: &Connection, id: u64, owner: &str) -> rusqlite::Result<()> {
+    let by_rowid = conn
+        .prepare_cached("UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', ?1) WHERE rowid = ?2 AND ID = ?2")?
+        .execute(params![owner, id as i64])?;
+    if by_rowid == 0 {
+        conn.prepare_cached("UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', ?1) WHERE ID = ?2")?
+            .execute(params![owner, id as i64])?;
+    }
+    Ok(())
 }
 
 impl Sink for DbSink {
     fn insert(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError> {
-        let text = &mut self.batch.text;
-        let mut span = |part: &str| {
-            let start = text.len();
-            text.push_str(part);
-            start..text.len()
-        };
-        let (name, ptr, attr) = (span(row.name), span(row.ptr), span(row.attr));
         let head = row.head;
-        self.batch.rows.push(Pending {
-            id,
-            event: head.event,
-            event_type: head.event_type,
-            name,
-            ts_ns: head.ts_ns,
-            pid: head.pid,
-            tid: head.tid,
-            ptr,
-            attr,
-        });
-        if self.batch.rows.len() >= BATCH_ROWS {
-            self.flush()?;
-            self.uncommitted += BATCH_ROWS;
-            if self.uncommitted >= COMMIT_ROWS {
-                self.commit()?;
-            }
+        self.dump
+            .append(&[
+                Col::Int(id as i64),
+                Col::Text(head.event),
+                Col::Text(head.event_type),
+                Col::Text(row.name),
+                Col::Int(head.ts_ns as i64),
+                Col::Int(head.pid.into()),
+                Col::Int(head.tid.into()),
+                Col::Text(&self.device),
+                Col::Text(row.ptr),
+                Col::Text(row.attr),
+                Col::Text(""),
+                Col::Text(""),
+            ])
+            .map_err(bulk_error(&self.path))?;
+        self.uncommitted += 1;
+        if self.uncommitted >= COMMIT_ROWS {
+            self.commit()?;
         }
         Ok(())
     }
 
     fn insert_untracked(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError> {
-        // Rare (frees of blocks from before an attach): one statement per row is enough.
-        let sql = schema::insert_device_rows(schema::UNTRACKED_FREES_TABLE, 1, &self.device);
-        let mut stmt = self.conn.prepare_cached(&sql).map_err(self.err())?;
+        // Rare (frees of blocks from before an attach): queued SQL is enough.
         let head = row.head;
-        stmt.execute(params![
-            id as i64,
-            head.event,
-            head.event_type,
-            row.name,
-            head.ts_ns as i64,
-            head.pid,
-            head.tid,
-            row.ptr,
-            row.attr,
-        ])
-        .map_err(self.err())?;
+        self.queued.untracked.push((
+            id,
+            OwnedRow {
+                event: head.event,
+                event_type: head.event_type,
+                name: row.name.to_owned(),
+                ts_ns: head.ts_ns,
+                pid: head.pid,
+                tid: head.tid,
+                ptr: row.ptr.to_owned(),
+                attr: row.attr.to_owned(),
+            },
+        ));
         Ok(())
     }
 
+    /// Applied with the next commit, after the row's page is written.
     fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError> {
-        // The row may still be in the batch.
-        self.flush()?;
-        // Rows are appended to a fresh table in ID order, so a row's rowid is its ID: found by
-        // rowid, the row is one B-tree lookup away, where `ID = ?` alone (no index) scans the
-        // whole table per retag (0.6 s on 2 M rows). The `ID` term keeps it right regardless,
-        // and the scan remains the fallback.
-        let by_rowid = self
-            .conn
-            .prepare_cached(
-                "UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', ?1) WHERE rowid = ?2 AND ID = ?2",
-            )
-            .map_err(self.err())?
-            .execute(params![owner, id as i64])
-            .map_err(self.err())?;
-        if by_rowid == 0 {
-            let mut stmt = self
-                .conn
-                .prepare_cached("UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', ?1) WHERE ID = ?2")
-                .map_err(self.err())?;
-            stmt.execute(params![owner, id as i64]).map_err(self.err())?;
-        }
+        self.queued.owners.push((id, owner.to_owned()));
         Ok(())
     }
 
     fn set_meta(&mut self, meta: &Meta) -> Result<(), StoreError> {
-        self.write_meta(meta)
+        self.queued.meta.extend(meta.iter().cloned());
+        Ok(())
     }
 
     /// The stop's rows and the fold are not synced as they go (at the stop of a million live
@@ -240,60 +260,44 @@ impl Sink for DbSink {
     /// whole, at the end of [`Sink::finish`]. Until then only a power loss, not a SIGKILL, can
     /// damage it. (The level can only change between transactions.)
     fn stopping(&mut self) -> Result<(), StoreError> {
-        self.flush()?;
-        self.uncommitted = 0;
-        self.conn.execute_batch("COMMIT; PRAGMA synchronous = OFF; BEGIN").map_err(self.err())
+        self.end()?;
+        self.conn.execute_batch("PRAGMA synchronous = OFF").map_err(sqlite_error(&self.path))?;
+        self.begin()
     }
 
     fn commit(&mut self) -> Result<(), StoreError> {
-        self.flush()?;
-        self.uncommitted = 0;
-        self.conn.execute_batch("COMMIT; BEGIN").map_err(self.err())
+        self.end()?;
+        self.begin()
     }
 
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError> {
-        let mut stmt = self
-            .conn
-            .prepare_cached(
-                "INSERT INTO ms_probes (library, symbol, api, file_offset, source, attached_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            )
-            .map_err(self.err())?;
-        for p in probes {
-            stmt.execute(params![
-                p.library,
-                p.symbol,
-                p.api,
-                p.file_offset as i64,
-                p.source,
-                p.attached_wall_ns as i64
-            ])
-            .map_err(self.err())?;
-        }
+        self.queued.probes.extend_from_slice(probes);
         Ok(())
     }
 
     fn finish(mut self: Box<Self>, meta: &Meta, lost_per_cpu: &[u64]) -> Result<PathBuf, StoreError> {
-        self.flush()?;
-        self.write_meta(meta)?;
+        self.queued.meta.extend(meta.iter().cloned());
+        self.end()?;
+        let err = sqlite_error(&self.path);
         {
-            let mut stmt = self
-                .conn
-                .prepare_cached("INSERT OR REPLACE INTO ms_lost (cpu, lost) VALUES (?1, ?2)")
-                .map_err(self.err())?;
+            self.conn.execute_batch("BEGIN IMMEDIATE").map_err(&err)?;
+            let mut stmt =
+                self.conn.prepare_cached("INSERT OR REPLACE INTO ms_lost (cpu, lost) VALUES (?1, ?2)").map_err(&err)?;
             for (cpu, lost) in lost_per_cpu.iter().enumerate() {
-                stmt.execute(params![cpu as i64, *lost as i64]).map_err(self.err())?;
+                stmt.execute(params![cpu as i64, *lost as i64]).map_err(&err)?;
             }
         }
-        self.conn.execute_batch("COMMIT").map_err(self.err())?;
-        self.conn.pragma_update(None, "synchronous", "OFF").map_err(self.err())?;
+        self.conn.execute_batch("COMMIT").map_err(&err)?;
+        self.conn.pragma_update(None, "synchronous", "OFF").map_err(&err)?;
         // Fold the WAL back into the main file and leave WAL mode, so the .db alone is the whole
         // trace (Insight opens one file, and may copy it without its -wal).
-        self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(self.err())?;
-        self.conn.pragma_update(None, "journal_mode", "DELETE").map_err(self.err())?;
+        self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(&err)?;
+        self.conn.pragma_update(None, "journal_mode", "DELETE").map_err(&err)?;
         let path = self.path.clone();
-        let Self { full, single, conn, .. } = *self;
-        drop((full, single));
+        let Self { dump, conn, _file, .. } = *self;
+        drop(dump);
         conn.close().map_err(|(_, source)| StoreError::Sqlite { path: path.clone(), source })?;
+        drop(_file);
         let io = |source| StoreError::Io { path: path.clone(), source };
         std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(io)?;
         Ok(path)
@@ -446,7 +450,7 @@ mod tests {
     fn batches_keep_every_row_in_order() {
         let path = tmp("batches");
         let mut sink = Box::new(DbSink::create(&path, DeviceKey::Cpu, &vec![]).unwrap());
-        let n = BATCH_ROWS as u64 * 2 + 17;
+        let n = 70_000;
         for id in 1..=n {
             let mut r = row(id * 10);
             r.ptr = Some(id);

@@ -1,11 +1,11 @@
-//! The hot insert path of the SQLite sink, on SQLite's C API.
+//! The hot statement of the SQLite sink, on SQLite's C API: the page writer's
+//! `INSERT INTO sqlite_dbpage`, run once per 64 KiB page.
 //!
-//! rusqlite copies every bound string (`SQLITE_TRANSIENT`), which with five text columns per row
-//! made allocation the largest cost of the store thread at high event rates. Here text is bound
-//! `SQLITE_STATIC` from a buffer that outlives the statement's execution, and the statement is
+//! rusqlite copies every bound blob (`SQLITE_TRANSIENT`); here a page is bound `SQLITE_STATIC`
+//! from the builder's buffer, which outlives the statement's execution, and the statement is
 //! prepared once. All unsafe code of the store is in this file.
 
-use std::ffi::{c_char, c_int, CString};
+use std::ffi::{c_int, CString};
 use std::ptr;
 
 use rusqlite::ffi;
@@ -44,10 +44,21 @@ pub fn tune_sqlite_once() {
     });
 }
 
+/// Frees the connection's unused page cache. Pages written through `sqlite_dbpage` (see
+/// [`super::bulk`]) bypass the B-tree layer, whose decoded view of a cached page would then be
+/// stale: dropping the cache before SQL touches those pages again makes SQLite read them anew.
+pub fn release_page_cache(conn: &Connection) {
+    // SAFETY: a live connection handle; the call only frees unreferenced cache pages (there are
+    // no open statements between the transactions where it is called).
+    unsafe {
+        ffi::sqlite3_db_release_memory(conn.handle());
+    }
+}
+
 /// A value for one parameter.
 pub enum Param<'a> {
     Int(i64),
-    Text(&'a str),
+    Blob(&'a [u8]),
 }
 
 impl RawStatement {
@@ -67,18 +78,18 @@ impl RawStatement {
 
     /// Binds `params` (1-based, in order) and runs the statement once.
     ///
-    /// Text is bound without copying; the borrow of `params` ensures the strings live until the
+    /// Blobs are bound without copying; the borrow of `params` ensures they live until the
     /// statement has run and been reset, after which SQLite no longer reads them.
     pub fn execute<'a>(&mut self, params: impl IntoIterator<Item = Param<'a>>) -> rusqlite::Result<()> {
         for (index, p) in (1..).zip(params) {
-            // SAFETY: valid statement; for text, pointer and length describe a live &str that
+            // SAFETY: valid statement; for a blob, pointer and length describe a live slice that
             // outlives the step below (SQLITE_STATIC: SQLite does not free or copy it).
             let rc = unsafe {
                 match p {
                     Param::Int(v) => ffi::sqlite3_bind_int64(self.stmt, index, v),
-                    Param::Text(s) => {
-                        let len = c_int::try_from(s.len()).map_err(|_| rusqlite::Error::InvalidQuery)?;
-                        ffi::sqlite3_bind_text(self.stmt, index, s.as_ptr().cast::<c_char>(), len, ffi::SQLITE_STATIC())
+                    Param::Blob(b) => {
+                        let len = c_int::try_from(b.len()).map_err(|_| rusqlite::Error::InvalidQuery)?;
+                        ffi::sqlite3_bind_blob(self.stmt, index, b.as_ptr().cast(), len, ffi::SQLITE_STATIC())
                     }
                 }
             };

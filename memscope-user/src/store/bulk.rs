@@ -1,0 +1,193 @@
+//! Appending rows to one table as whole pages, through SQLite's `sqlite_dbpage` table.
+//!
+//! [`super::btree`] packs the rows into pages; here they go into the file through the pager
+//! (`INSERT INTO sqlite_dbpage`), inside the connection's own transactions, so the WAL, locking
+//! and concurrent readers behave exactly as for SQL inserts, and a commit is as durable. What the
+//! B-tree layer would otherwise keep up to date is kept here: the page count in the file header,
+//! and the freelist for interior pages a reshaped table no longer uses.
+//!
+//! The rule that keeps SQLite's own view consistent: within one transaction, SQL that allocates
+//! pages or touches this table runs before the first page is written here, never after (the
+//! B-tree layer counts pages at the start of a transaction), and the connection's page cache is
+//! dropped before SQL reads this table's pages again ([`release_page_cache`]). When SQL has
+//! changed the table (an owner rewritten in place can split a leaf), [`BulkTable::begin`] reads
+//! its shape back before appending.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use rusqlite::{Connection, OptionalExtension};
+
+use super::btree::{pending_page, BtreeError, Col, PageWriter, TableBuilder};
+use super::sqlite_raw::{release_page_cache, Param, RawStatement};
+
+/// Where SQLite keeps its lock bytes; the page holding it is never part of a B-tree.
+const PENDING_BYTE: u64 = 0x4000_0000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BulkError {
+    #[error(transparent)]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("cannot append to table {table}: {source}")]
+    Shape { table: String, source: BtreeError },
+    #[error("cannot append to table {0}: it does not exist or is not an ordinary rowid table")]
+    NoTable(String),
+    #[error("cannot append pages to a file with {0} reserved bytes per page")]
+    Reserved(u8),
+    #[error("cannot write a page of the DB")]
+    Io(#[source] std::io::Error),
+}
+
+struct Pages<'s> {
+    pager: &'s mut RawStatement,
+    file: &'s File,
+}
+
+impl PageWriter for Pages<'_> {
+    type Error = BulkError;
+    fn write(&mut self, pgno: u32, page: &[u8]) -> Result<(), BulkError> {
+        Ok(self.pager.execute([Param::Int(pgno.into()), Param::Blob(page)])?)
+    }
+
+    /// Straight into the file: no reader looks past the committed end, and the commit that
+    /// follows moves the end past this page (see the module doc).
+    fn write_new(&mut self, pgno: u32, page: &[u8]) -> Result<(), BulkError> {
+        let at = u64::from(pgno - 1) * page.len() as u64;
+        self.file.write_all_at(page, at).map_err(BulkError::Io)
+    }
+}
+
+pub struct BulkTable {
+    table: String,
+    root: u32,
+    page_size: usize,
+    pending: u32,
+    builder: TableBuilder,
+    /// Finalized on drop, before the connection closes (the owner declares this table before
+    /// its connection).
+    write: RawStatement,
+    /// The DB file, for pages written past the pager. Closing a descriptor drops every POSIX
+    /// lock the process holds on the file, SQLite's included, so this one must stay open for as
+    /// long as SQLite's connection: the owner keeps a clone ([`BulkTable::file`]) that it drops
+    /// after the connection.
+    file: Arc<File>,
+    /// SQL changed the table since the pages were last written: read its shape back first.
+    stale: bool,
+    /// Rows appended since the last [`BulkTable::seal`].
+    unsealed: usize,
+}
+
+fn read_page(conn: &Connection, pgno: u32) -> rusqlite::Result<Vec<u8>> {
+    conn.query_row("SELECT data FROM sqlite_dbpage WHERE pgno = ?1", [pgno], |r| r.get(0))
+}
+
+fn page_count(conn: &Connection) -> rusqlite::Result<u32> {
+    conn.query_row("PRAGMA page_count", [], |r| r.get(0))
+}
+
+impl BulkTable {
+    /// Appends to `table` of the DB at `path` (`conn`'s), which has no index.
+    pub fn open(conn: &Connection, path: &Path, table: &str) -> Result<Self, BulkError> {
+        Self::open_with_pending_byte(conn, path, table, PENDING_BYTE)
+    }
+
+    fn open_with_pending_byte(
+        conn: &Connection,
+        path: &Path,
+        table: &str,
+        pending_byte: u64,
+    ) -> Result<Self, BulkError> {
+        let root: Option<u32> = conn
+            .query_row("SELECT rootpage FROM sqlite_master WHERE type = 'table' AND name = ?1", [table], |r| r.get(0))
+            .optional()?;
+        let root = root.filter(|&r| r > 1).ok_or_else(|| BulkError::NoTable(table.to_owned()))?;
+        let page_size: usize = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+        let reserved = read_page(conn, 1)?[20];
+        if reserved != 0 {
+            return Err(BulkError::Reserved(reserved));
+        }
+        let pending = pending_page(pending_byte, page_size);
+        let builder = TableBuilder::new(page_size, root, page_count(conn)?, pending);
+        let write = RawStatement::prepare(conn, "INSERT INTO sqlite_dbpage (pgno, data) VALUES (?1, ?2)")?;
+        let file = Arc::new(std::fs::OpenOptions::new().write(true).open(path).map_err(BulkError::Io)?);
+        Ok(Self { table: table.to_owned(), root, page_size, pending, builder, write, file, stale: true, unsealed: 0 })
+    }
+
+    /// The descriptor of the DB file this table writes through, to be closed only after the
+    /// SQLite connection (see the field's doc).
+    pub fn file(&self) -> Arc<File> {
+        Arc::clone(&self.file)
+    }
+
+    /// A write transaction has just begun: learn the pages SQL added, and the table's shape if
+    /// SQL changed it.
+    pub fn begin(&mut self, conn: &Connection) -> Result<(), BulkError> {
+        let count = page_count(conn)?;
+        if self.stale {
+            let shape = |source| BulkError::Shape { table: self.table.clone(), source };
+            let mut read_error = None;
+            let found = TableBuilder::find(self.root, |pgno| {
+                read_page(conn, pgno).unwrap_or_else(|e| {
+                    read_error.get_or_insert(e);
+                    Vec::new()
+                })
+            });
+            if let Some(e) = read_error {
+                return Err(e.into());
+            }
+            let found = found.map_err(shape)?;
+            let last = read_page(conn, TableBuilder::last_leaf(&found))?;
+            self.builder =
+                TableBuilder::resume(self.page_size, self.root, count, self.pending, found, &last).map_err(shape)?;
+            self.stale = false;
+        }
+        self.builder.set_page_count(count);
+        Ok(())
+    }
+
+    /// Appends one row inside the open transaction; returns its rowid.
+    pub fn append(&mut self, cols: &[Col<'_>]) -> Result<i64, BulkError> {
+        debug_assert!(!self.stale, "begin() reads the table back before appending");
+        self.unsealed += 1;
+        self.builder.append(cols, &mut Pages { pager: &mut self.write, file: &self.file })
+    }
+
+    /// Writes what the table needs to hold every appended row: call before the commit, and
+    /// before any SQL of the same transaction reads the table.
+    pub fn seal(&mut self, conn: &Connection) -> Result<(), BulkError> {
+        if self.unsealed == 0 {
+            return Ok(());
+        }
+        let sealed = self.builder.seal(&mut Pages { pager: &mut self.write, file: &self.file })?;
+        let mut page1 = read_page(conn, 1)?;
+        let mut count = sealed.page_count.max(u32::from_be_bytes(page1[28..32].try_into().expect("4 bytes")));
+        for pgno in sealed.unused {
+            // An empty freelist trunk page, pushed on the list.
+            let mut trunk = vec![0u8; self.page_size];
+            trunk[..4].copy_from_slice(&page1[32..36]);
+            self.write.execute([Param::Int(pgno.into()), Param::Blob(&trunk)])?;
+            page1[32..36].copy_from_slice(&pgno.to_be_bytes());
+            let free = u32::from_be_bytes(page1[36..40].try_into().expect("4 bytes")) + 1;
+            page1[36..40].copy_from_slice(&free.to_be_bytes());
+            count = count.max(pgno);
+        }
+        page1[28..32].copy_from_slice(&count.to_be_bytes());
+        self.write.execute([Param::Int(1), Param::Blob(&page1)])?;
+        self.unsealed = 0;
+        Ok(())
+    }
+
+    /// SQL is about to read or change the table (after the commit of [`BulkTable::seal`]'s
+    /// pages): SQLite must see them, and appending must later start from what SQL left.
+    ///
+    /// `changes_table`: the SQL may change this table, whose shape must then be read back.
+    pub fn hand_to_sql(&mut self, conn: &Connection, changes_table: bool) {
+        release_page_cache(conn);
+        self.stale |= changes_table;
+    }
+}
+
+#[cfg(test)]
+mod tests;
