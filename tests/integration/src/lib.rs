@@ -1328,6 +1328,16 @@ pub fn insight_rules_for(db: &Path, owner: (u32, u32)) {
         assert_private(folder, owner);
     }
     let conn = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    // The tracer writes memscope_dump's B-tree pages itself: SQLite's own check of the file's
+    // structure (every page, key order, free space, freelist) must find nothing.
+    let integrity: Vec<String> = conn
+        .prepare("PRAGMA integrity_check")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(integrity, ["ok"], "{shown}: SQLite finds the file damaged");
     let columns: Vec<String> = conn
         .prepare("SELECT name FROM pragma_table_info('memscope_dump') ORDER BY cid")
         .unwrap()
