@@ -74,7 +74,7 @@ def map_non_elf(folder):
         return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
 
 
-def race(folder, source, attempts=5):
+def race(folder, source, attempts=12):
     """Returns X once Y vanished between the tracer's maps read and its attach."""
     for attempt in range(attempts):
         y_path = os.path.join(folder, str(attempt), "y", "libascend_hal.so")

@@ -263,8 +263,9 @@ pub trait PageWriter {
     /// A page of the transaction, through the pager (and the WAL).
     fn write(&mut self, pgno: u32, page: &[u8]) -> Result<(), Self::Error>;
     /// A page no one has seen: allocated in this transaction, past the file's committed end,
-    /// and never to be written again. It may bypass the pager (see [`super::bulk`]).
-    fn write_new(&mut self, pgno: u32, page: &[u8]) -> Result<(), Self::Error>;
+    /// and never to be written again. It may bypass the pager (see [`super::bulk`]); returns
+    /// whether it did.
+    fn write_new(&mut self, pgno: u32, page: &[u8]) -> Result<bool, Self::Error>;
 }
 
 /// A table's shape as [`TableBuilder::resume`] found it on disk.
@@ -398,8 +399,8 @@ impl TableBuilder {
             let next = pgnos.get(i + 1).copied().unwrap_or(0);
             page[..4].copy_from_slice(&next.to_be_bytes());
             page[4..4 + part.len()].copy_from_slice(part);
-            out.write_new(pgnos[i], &page)?;
-            self.direct_max = self.direct_max.max(pgnos[i]);
+            let direct = out.write_new(pgnos[i], &page)?;
+            self.note_written(pgnos[i], direct);
         }
         Ok(pgnos[0])
     }
@@ -413,8 +414,8 @@ impl TableBuilder {
             out.write(pgno, &self.leaf.page)?;
             self.wal_max = self.wal_max.max(pgno);
         } else {
-            out.write_new(pgno, &self.leaf.page)?;
-            self.direct_max = self.direct_max.max(pgno);
+            let direct = out.write_new(pgno, &self.leaf.page)?;
+            self.note_written(pgno, direct);
         }
         self.leaf_pgno = None;
         self.leaf_in_wal = false;
@@ -423,6 +424,11 @@ impl TableBuilder {
         std::mem::swap(&mut self.leaf.page, &mut self.last_full);
         self.leaf.clear();
         Ok(())
+    }
+
+    fn note_written(&mut self, pgno: u32, direct: bool) {
+        let max = if direct { &mut self.direct_max } else { &mut self.wal_max };
+        *max = (*max).max(pgno);
     }
 
     /// Takes the last full leaf back as the partial one.

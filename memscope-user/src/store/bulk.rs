@@ -21,7 +21,7 @@ use std::sync::Arc;
 use rusqlite::{Connection, OptionalExtension};
 
 use super::btree::{pending_page, BtreeError, Col, PageWriter, TableBuilder};
-use super::sqlite_raw::{release_page_cache, Param, RawStatement};
+use super::sqlite_raw::{another_process_locks, release_page_cache, Param, RawStatement};
 
 /// Where SQLite keeps its lock bytes; the page holding it is never part of a B-tree.
 const PENDING_BYTE: u64 = 0x4000_0000;
@@ -40,9 +40,21 @@ pub enum BulkError {
     Io(#[source] std::io::Error),
 }
 
+/// The DB file, for pages written past the pager, and its `-shm`, whose locks say whether
+/// another process has the DB open. Closing a descriptor drops every POSIX lock the process holds
+/// on that file, SQLite's included, so these must stay open for as long as SQLite's connection:
+/// the owner keeps a clone ([`BulkTable::files`]) that it drops after the connection.
+pub struct Files {
+    db: File,
+    shm: Option<File>,
+}
+
 struct Pages<'s> {
     pager: &'s mut RawStatement,
     file: &'s File,
+    /// No other process has the DB open: pages past the committed end may bypass the pager.
+    direct: bool,
+    written_direct: &'s mut u64,
 }
 
 impl PageWriter for Pages<'_> {
@@ -53,9 +65,15 @@ impl PageWriter for Pages<'_> {
 
     /// Straight into the file: no reader looks past the committed end, and the commit that
     /// follows moves the end past this page (see the module doc).
-    fn write_new(&mut self, pgno: u32, page: &[u8]) -> Result<(), BulkError> {
+    fn write_new(&mut self, pgno: u32, page: &[u8]) -> Result<bool, BulkError> {
+        if !self.direct {
+            self.write(pgno, page)?;
+            return Ok(false);
+        }
         let at = u64::from(pgno - 1) * page.len() as u64;
-        self.file.write_all_at(page, at).map_err(BulkError::Io)
+        self.file.write_all_at(page, at).map_err(BulkError::Io)?;
+        *self.written_direct += 1;
+        Ok(true)
     }
 }
 
@@ -68,11 +86,11 @@ pub struct BulkTable {
     /// Finalized on drop, before the connection closes (the owner declares this table before
     /// its connection).
     write: RawStatement,
-    /// The DB file, for pages written past the pager. Closing a descriptor drops every POSIX
-    /// lock the process holds on the file, SQLite's included, so this one must stay open for as
-    /// long as SQLite's connection: the owner keeps a clone ([`BulkTable::file`]) that it drops
-    /// after the connection.
-    file: Arc<File>,
+    files: Arc<Files>,
+    /// This transaction may write new pages past the pager ([`others_have_it_open`]).
+    direct: bool,
+    /// Pages written past the pager so far.
+    written_direct: u64,
     /// SQL changed the table since the pages were last written: read its shape back first.
     stale: bool,
     /// Rows appended since the last [`BulkTable::seal`].
@@ -111,14 +129,29 @@ impl BulkTable {
         let pending = pending_page(pending_byte, page_size);
         let builder = TableBuilder::new(page_size, root, page_count(conn)?, pending);
         let write = RawStatement::prepare(conn, "INSERT INTO sqlite_dbpage (pgno, data) VALUES (?1, ?2)")?;
-        let file = Arc::new(std::fs::OpenOptions::new().write(true).open(path).map_err(BulkError::Io)?);
-        Ok(Self { table: table.to_owned(), root, page_size, pending, builder, write, file, stale: true, unsealed: 0 })
+        let db = std::fs::OpenOptions::new().write(true).open(path).map_err(BulkError::Io)?;
+        let mut shm_path = path.as_os_str().to_owned();
+        shm_path.push("-shm");
+        let shm = std::fs::OpenOptions::new().read(true).write(true).open(shm_path).ok();
+        let files = Arc::new(Files { db, shm });
+        Ok(Self {
+            table: table.to_owned(),
+            root,
+            page_size,
+            pending,
+            builder,
+            write,
+            files,
+            direct: false,
+            written_direct: 0,
+            stale: true,
+            unsealed: 0,
+        })
     }
 
-    /// The descriptor of the DB file this table writes through, to be closed only after the
-    /// SQLite connection (see the field's doc).
-    pub fn file(&self) -> Arc<File> {
-        Arc::clone(&self.file)
+    /// The descriptors this table holds, to be closed only after the SQLite connection.
+    pub fn files(&self) -> Arc<Files> {
+        Arc::clone(&self.files)
     }
 
     /// A write transaction has just begun: learn the pages SQL added, and the table's shape if
@@ -144,14 +177,27 @@ impl BulkTable {
             self.stale = false;
         }
         self.builder.set_page_count(count);
+        self.direct = self.files.shm.as_ref().is_some_and(|shm| !others_have_it_open(shm));
         Ok(())
+    }
+
+    /// Pages written straight into the file so far (the rest went through the pager).
+    #[cfg(test)]
+    pub fn written_direct(&self) -> u64 {
+        self.written_direct
     }
 
     /// Appends one row inside the open transaction; returns its rowid.
     pub fn append(&mut self, cols: &[Col<'_>]) -> Result<i64, BulkError> {
         debug_assert!(!self.stale, "begin() reads the table back before appending");
         self.unsealed += 1;
-        self.builder.append(cols, &mut Pages { pager: &mut self.write, file: &self.file })
+        let mut pages = Pages {
+            pager: &mut self.write,
+            file: &self.files.db,
+            direct: self.direct,
+            written_direct: &mut self.written_direct,
+        };
+        self.builder.append(cols, &mut pages)
     }
 
     /// Writes what the table needs to hold every appended row: call before the commit, and
@@ -160,7 +206,13 @@ impl BulkTable {
         if self.unsealed == 0 {
             return Ok(());
         }
-        let sealed = self.builder.seal(&mut Pages { pager: &mut self.write, file: &self.file })?;
+        let mut pages = Pages {
+            pager: &mut self.write,
+            file: &self.files.db,
+            direct: self.direct,
+            written_direct: &mut self.written_direct,
+        };
+        let sealed = self.builder.seal(&mut pages)?;
         let mut page1 = read_page(conn, 1)?;
         let mut count = sealed.page_count.max(u32::from_be_bytes(page1[28..32].try_into().expect("4 bytes")));
         for pgno in sealed.unused {
@@ -187,6 +239,19 @@ impl BulkTable {
         release_page_cache(conn);
         self.stale |= changes_table;
     }
+}
+
+/// Whether a process other than this one has the DB open. Every connection holds a shared lock
+/// on the `-shm` file's "DMS" byte (SQLite's unix VFS: byte 128, after the 8 WAL locks at 120)
+/// for as long as it is open, and `F_GETLK` reports only other processes' locks.
+///
+/// Pages written past the committed end of the file are safe from readers (none looks there) but
+/// not from another connection's checkpoint, which cuts the file at the committed end. Only a
+/// connection that is open can checkpoint, and one opened after this check can neither write
+/// (this transaction holds the write lock) nor, unless asked to explicitly, checkpoint.
+fn others_have_it_open(shm: &File) -> bool {
+    const DMS_BYTE: i64 = 128;
+    another_process_locks(shm, DMS_BYTE)
 }
 
 #[cfg(test)]

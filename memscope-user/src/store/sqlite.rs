@@ -12,7 +12,6 @@
 //! waits, and the ring buffer overflows; committed rows survive a SIGKILL either way. 64 KiB pages
 //! cut the per-page work (frame headers, checkpoint lookups) to a sixteenth of 4 KiB pages'.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -22,7 +21,7 @@ use crate::model::DeviceKey;
 
 use super::batch::{write_device_id, RowText};
 use super::btree::Col;
-use super::bulk::{BulkError, BulkTable};
+use super::bulk::{BulkError, BulkTable, Files};
 use super::schema::{self, SCHEMA_VERSION};
 use super::sqlite_raw::tune_sqlite_once;
 use super::{Meta, ProbeRow, Sink, StoreError};
@@ -37,8 +36,8 @@ pub struct DbSink {
     queued: Queued,
     /// Rows appended since the last commit.
     uncommitted: usize,
-    /// Declared after `conn`: closed only once SQLite's connection is ([`BulkTable::file`]).
-    _file: Arc<File>,
+    /// Declared after `conn`: closed only once SQLite's connection is ([`BulkTable::files`]).
+    _files: Arc<Files>,
 }
 
 /// SQL waiting for the end of the page writer's transaction.
@@ -112,9 +111,9 @@ impl DbSink {
         let dump = BulkTable::open(&conn, path, schema::DUMP_TABLE).map_err(bulk_error(path))?;
         let mut text = String::new();
         write_device_id(device, &mut text);
-        let _file = dump.file();
+        let _files = dump.files();
         let mut sink =
-            Self { dump, conn, path: path.to_owned(), device: text, queued: Queued::default(), uncommitted: 0, _file };
+            Self { dump, conn, path: path.to_owned(), device: text, queued: Queued::default(), uncommitted: 0, _files };
         sink.begin()?;
         Ok(sink)
     }
@@ -294,10 +293,10 @@ impl Sink for DbSink {
         self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(&err)?;
         self.conn.pragma_update(None, "journal_mode", "DELETE").map_err(&err)?;
         let path = self.path.clone();
-        let Self { dump, conn, _file, .. } = *self;
+        let Self { dump, conn, _files, .. } = *self;
         drop(dump);
         conn.close().map_err(|(_, source)| StoreError::Sqlite { path: path.clone(), source })?;
-        drop(_file);
+        drop(_files);
         let io = |source| StoreError::Io { path: path.clone(), source };
         std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(io)?;
         Ok(path)

@@ -3,7 +3,8 @@
 //!
 //! rusqlite copies every bound blob (`SQLITE_TRANSIENT`); here a page is bound `SQLITE_STATIC`
 //! from the builder's buffer, which outlives the statement's execution, and the statement is
-//! prepared once. All unsafe code of the store is in this file.
+//! prepared once. All unsafe code of the store is in this file (with a lock query for
+//! [`super::bulk`]).
 
 use std::ffi::{c_int, CString};
 use std::ptr;
@@ -53,6 +54,21 @@ pub fn release_page_cache(conn: &Connection) {
     unsafe {
         ffi::sqlite3_db_release_memory(conn.handle());
     }
+}
+
+/// Whether a process other than this one holds a lock on byte `at` of `file` (`F_GETLK` reports
+/// only other processes' locks). When it cannot tell, it says yes, the careful answer.
+pub fn another_process_locks(file: &std::fs::File, at: i64) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a zeroed flock is valid; the fields that matter are set below.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = libc::F_WRLCK as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = at;
+    lock.l_len = 1;
+    // SAFETY: a valid descriptor and a pointer to a live flock.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETLK, &mut lock) };
+    rc != 0 || lock.l_type != libc::F_UNLCK as libc::c_short
 }
 
 /// A value for one parameter.

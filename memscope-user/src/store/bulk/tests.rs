@@ -362,3 +362,57 @@ fn a_writer_killed_mid_transaction_leaves_its_last_commit_whole() {
         "the uncommitted pages past the end were dropped ({size_before} -> {size_after})"
     );
 }
+
+#[test]
+fn while_another_process_has_the_db_open_every_page_goes_through_the_pager() {
+    // An independent SQLite (Python's) holds the DB open and checkpoints it over and over. A
+    // checkpoint cuts the file at its committed end, so a page written past it would be lost:
+    // the writer must see the other process and write no page past the pager.
+    let (path, conn) = db("other", 4096);
+    let mut bulk = BulkTable::open(&conn, &path, "t").unwrap();
+    let script = "import sqlite3, sys, time\n\
+        c = sqlite3.connect(sys.argv[1])\n\
+        c.execute('SELECT count(*) FROM t').fetchall()\n\
+        print('open', flush=True)\n\
+        end = time.time() + 20\n\
+        while time.time() < end and sys.stdin.readable():\n\
+        \x20   c.execute('PRAGMA wal_checkpoint(PASSIVE)').fetchall()\n\
+        \x20   time.sleep(0.0005)\n";
+    let Ok(mut child) = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+    else {
+        eprintln!("skipped: no python3 to hold the DB open");
+        return;
+    };
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert_eq!(line.trim(), "open");
+    let mut rng = Rng(9);
+    let mut want = Vec::new();
+    for round in 0..30 {
+        begin(&conn, &mut bulk);
+        for i in 0..300 {
+            let row = random_row(&mut rng, round * 300 + i + 1);
+            append(&mut bulk, &row);
+            want.push(row);
+        }
+        commit(&conn, &mut bulk);
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    check(&conn, &want);
+    assert_eq!(bulk.written_direct(), 0);
+    // Alone again, the writer goes back to writing new pages straight into the file.
+    begin(&conn, &mut bulk);
+    for i in 0..300 {
+        let row = random_row(&mut rng, 9_000 + i + 1);
+        append(&mut bulk, &row);
+        want.push(row);
+    }
+    commit(&conn, &mut bulk);
+    check(&conn, &want);
+    assert!(bulk.written_direct() > 0);
+}
