@@ -38,6 +38,11 @@ pub enum BulkError {
     Reserved(u8),
     #[error("cannot write a page of the DB")]
     Io(#[source] std::io::Error),
+    #[error(
+        "this build's SQLite has no sqlite_dbpage table: build with LIBSQLITE3_FLAGS=SQLITE_ENABLE_DBPAGE_VTAB \
+         (the repository's .cargo/config.toml sets it; a LIBSQLITE3_FLAGS already in the environment overrides it)"
+    )]
+    NoDbpage,
 }
 
 /// The DB file, for pages written past the pager, and its `-shm`, whose locks say whether
@@ -101,6 +106,14 @@ fn read_page(conn: &Connection, pgno: u32) -> rusqlite::Result<Vec<u8>> {
     conn.query_row("SELECT data FROM sqlite_dbpage WHERE pgno = ?1", [pgno], |r| r.get(0))
 }
 
+/// "no such table: sqlite_dbpage" said as what to do about it.
+fn no_dbpage(e: rusqlite::Error) -> BulkError {
+    match e {
+        rusqlite::Error::SqliteFailure(_, Some(ref m)) if m.contains("sqlite_dbpage") => BulkError::NoDbpage,
+        other => other.into(),
+    }
+}
+
 fn page_count(conn: &Connection) -> rusqlite::Result<u32> {
     conn.query_row("PRAGMA page_count", [], |r| r.get(0))
 }
@@ -122,13 +135,14 @@ impl BulkTable {
             .optional()?;
         let root = root.filter(|&r| r > 1).ok_or_else(|| BulkError::NoTable(table.to_owned()))?;
         let page_size: usize = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
-        let reserved = read_page(conn, 1)?[20];
+        let reserved = read_page(conn, 1).map_err(no_dbpage)?[20];
         if reserved != 0 {
             return Err(BulkError::Reserved(reserved));
         }
         let pending = pending_page(pending_byte, page_size);
         let builder = TableBuilder::new(page_size, root, page_count(conn)?, pending);
-        let write = RawStatement::prepare(conn, "INSERT INTO sqlite_dbpage (pgno, data) VALUES (?1, ?2)")?;
+        let write =
+            RawStatement::prepare(conn, "INSERT INTO sqlite_dbpage (pgno, data) VALUES (?1, ?2)").map_err(no_dbpage)?;
         let db = std::fs::OpenOptions::new().write(true).open(path).map_err(BulkError::Io)?;
         let mut shm_path = path.as_os_str().to_owned();
         shm_path.push("-shm");
