@@ -5,9 +5,10 @@
 //! and groups accesses with `LIKE '%"allocation_id":"N"%'`, which only matches compact JSON.
 //! In CSV it is msMemScope's unquoted form `{key:value,...}`.
 //!
-//! Pairs are written as JSON the moment they are added, into a buffer each thread reuses: a row is
-//! built for every traced call, so building one must neither allocate nor copy a large value
-//! around. The CSV form is read back from the JSON (CSV output is the rare case).
+//! Pairs are written as JSON the moment they are added ([`Pairs`]): a row is made for every traced
+//! call, so its Attr goes straight into the text of the batch it travels in, never allocated nor
+//! copied again. An [`Attr`] holds the pairs of a row made on its own. The CSV form is read back
+//! from the JSON (CSV output is the rare case).
 
 use std::cell::Cell;
 
@@ -20,21 +21,139 @@ pub enum Value<'a> {
     Addr(u64),
     Str(&'a str),
     Text(String),
+    /// Text known to need no escaping: written without looking at it.
+    Plain(Plain),
 }
 
-/// Appends `0x%016x` without going through `core::fmt` (this runs for every row).
-pub fn push_addr(out: &mut String, v: u64) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    out.reserve(18);
-    out.push_str("0x");
-    for i in (0..16).rev() {
-        out.push(char::from(HEX[((v >> (i * 4)) & 0xf) as usize]));
+/// Text that stands inside a JSON string as it is (no quote, backslash or control character),
+/// checked when it is made: at compile time for a constant ([`Plain::new`]), or once for a
+/// table of names ([`Plain::checked`]). Most of a row's text values are such names (APIs, page
+/// types, pools), and skipping their scan is a tenth of a row's cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plain(&'static str);
+
+impl Plain {
+    /// `text`, which must be plain: a constant made with it fails to compile otherwise.
+    pub const fn new(text: &'static str) -> Self {
+        match Self::checked(text) {
+            Some(plain) => plain,
+            None => panic!("a Plain value needs escaping"),
+        }
+    }
+
+    /// `text` if it is plain.
+    pub const fn checked(text: &'static str) -> Option<Self> {
+        let bytes = text.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            if needs_escape(bytes[i]) {
+                return None;
+            }
+            i += 1;
+        }
+        Some(Self(text))
     }
 }
 
+/// Appends the first `n` bytes of `bytes` with one copy of all of them and a shorter length:
+/// a copy of a fixed size is a few moves, one of a variable size a call (and short copies
+/// were the largest cost of a row).
+fn push_ascii<const N: usize>(out: &mut String, bytes: &[u8; N], n: usize) {
+    debug_assert!(n <= N && bytes.is_ascii());
+    // SAFETY: every caller passes ASCII bytes (hex or decimal digits and their prefix, by
+    // construction), so the String stays UTF-8 whatever prefix of them is kept.
+    let vec = unsafe { out.as_mut_vec() };
+    let end = vec.len() + n;
+    vec.extend_from_slice(bytes);
+    vec.truncate(end);
+}
+
+/// `0x%016x` of `v`, as bytes: each nibble spread to a byte of its own, then all 16 made digits
+/// at once.
+fn hex_addr(v: u64) -> [u8; 18] {
+    /// The 8 nibbles of `x`, one per byte, most significant first in memory, as hex digits.
+    fn digits(x: u32) -> [u8; 8] {
+        let mut x = u64::from(x);
+        x = (x & 0x0000_0000_ffff) | ((x & 0xffff_0000) << 16);
+        x = (x & 0x0000_00ff_0000_00ff) | ((x & 0x0000_ff00_0000_ff00) << 8);
+        x = (x & 0x000f_000f_000f_000f) | ((x & 0x00f0_00f0_00f0_00f0) << 4);
+        // Bytes of 10 to 15 get a 1 here, to move them from after '9' to 'a'.
+        let letters = ((x + 0x0606_0606_0606_0606) >> 4) & 0x0101_0101_0101_0101;
+        let ascii = x + 0x3030_3030_3030_3030 + letters * u64::from(b'a' - b'9' - 1);
+        ascii.to_be_bytes()
+    }
+    let mut text = [0; 18];
+    text[..2].copy_from_slice(b"0x");
+    text[2..10].copy_from_slice(&digits((v >> 32) as u32));
+    text[10..].copy_from_slice(&digits(v as u32));
+    text
+}
+
+/// Appends `0x%016x` without going through `core::fmt` (this runs for every row), in one copy.
+pub fn push_addr(out: &mut String, v: u64) {
+    push_ascii(out, &hex_addr(v), 18);
+}
+
+/// The decimal digits of `v`, left-aligned, and how many there are.
+fn decimal(mut v: u64) -> ([u8; 20], usize) {
+    // Two digits at a time, as itoa does.
+    const PAIRS: &[u8; 200] = b"\
+        0001020304050607080910111213141516171819\
+        2021222324252627282930313233343536373839\
+        4041424344454647484950515253545556575859\
+        6061626364656667686970717273747576777879\
+        8081828384858687888990919293949596979899";
+    let digits = if v == 0 { 1 } else { v.ilog10() as usize + 1 };
+    let mut text = [b'0'; 20];
+    let mut end = digits;
+    while v >= 10 {
+        let pair = (v % 100) as usize * 2;
+        v /= 100;
+        text[end - 2..end].copy_from_slice(&PAIRS[pair..pair + 2]);
+        end -= 2;
+    }
+    if end == 1 {
+        text[0] = b'0' + v as u8;
+    }
+    (text, digits)
+}
+
+/// Appends `v` in decimal, in one copy.
+fn push_u64(out: &mut String, v: u64) {
+    let (text, digits) = decimal(v);
+    push_ascii(out, &text, digits);
+}
+
+/// Whether a byte must be escaped inside a JSON string.
+const fn needs_escape(b: u8) -> bool {
+    b < 0x20 || b == b'"' || b == b'\\'
+}
+
+/// Whether `s` can stand inside a JSON string as it is, eight bytes at a time.
+fn is_plain(s: &str) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    /// A high bit in each byte that is zero (exact for the question "any?").
+    fn zeros(x: u64) -> u64 {
+        x.wrapping_sub(ONES) & !x & HIGH
+    }
+    let mut words = s.as_bytes().chunks_exact(8);
+    for word in &mut words {
+        let x = u64::from_le_bytes(word.try_into().expect("chunks of 8"));
+        // Control characters are the bytes below 0x20; bytes from 0x80 have their high bit set
+        // and are masked by `!x`.
+        let control = x.wrapping_sub(ONES * 0x20) & !x & HIGH;
+        if control | zeros(x ^ (ONES * u64::from(b'"'))) | zeros(x ^ (ONES * u64::from(b'\\'))) != 0 {
+            return false;
+        }
+    }
+    !words.remainder().iter().any(|&b| needs_escape(b))
+}
+
 /// Appends `s` as the inside of a JSON string.
+#[inline]
 fn push_escaped(out: &mut String, s: &str) {
-    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+    if is_plain(s) {
         out.push_str(s);
     } else {
         // serde_json escapes quotes, backslashes and control characters.
@@ -63,21 +182,85 @@ impl<'a> From<&'a str> for Value<'a> {
         Self::Str(v)
     }
 }
+impl From<Plain> for Value<'_> {
+    fn from(v: Plain) -> Self {
+        Self::Plain(v)
+    }
+}
 impl From<String> for Value<'_> {
     fn from(v: String) -> Self {
         Self::Text(v)
     }
 }
 
+/// Writes an Attr's pairs as JSON onto the end of a text, as they are added: the batch's text
+/// itself for a row on its way to the store, so the JSON is written once and never copied.
+///
+/// Its methods are inlined: a row's keys are constants, so each pair's punctuation and key
+/// become a few stores instead of three calls that copy a few bytes each (most of a row's cost
+/// when they were not).
+pub struct Pairs<'o> {
+    out: &'o mut String,
+    /// No pair written yet: the next one opens the object.
+    first: bool,
+}
+
+impl<'o> Pairs<'o> {
+    /// Pairs to write onto the end of `out`; nothing is written until the first pair or
+    /// [`Pairs::close`].
+    pub fn new(out: &'o mut String) -> Self {
+        Self { out, first: true }
+    }
+
+    #[inline(always)]
+    pub fn with<'v>(mut self, key: &'static str, value: impl Into<Value<'v>>) -> Self {
+        let out = &mut *self.out;
+        out.push_str(if self.first { "{\"" } else { ",\"" });
+        self.first = false;
+        out.push_str(key);
+        out.push_str("\":\"");
+        match value.into() {
+            Value::U64(v) => push_u64(out, v),
+            Value::I64(v) => out.push_str(itoa::Buffer::new().format(v)),
+            Value::Addr(v) => push_addr(out, v),
+            Value::Str(s) => push_escaped(out, s),
+            Value::Text(s) => push_escaped(out, &s),
+            Value::Plain(s) => out.push_str(s.0),
+        }
+        out.push('"');
+        self
+    }
+
+    #[inline(always)]
+    pub fn addr(self, key: &'static str, addr: u64) -> Self {
+        self.with(key, Value::Addr(addr))
+    }
+
+    #[inline(always)]
+    pub fn with_opt<'v, V: Into<Value<'v>>>(self, key: &'static str, value: Option<V>) -> Self {
+        match value {
+            Some(v) => self.with(key, v),
+            None => self,
+        }
+    }
+
+    /// Ends the object: `{"k":"v",...}`, or `{}` without pairs.
+    pub fn close(self) {
+        self.out.push_str(if self.first { "{}" } else { "}" });
+    }
+}
+
 thread_local! {
-    /// The buffer of the last Attr dropped on this thread, for the next one: a row is made for
-    /// every traced call, and one allocation each (freed on the store thread) was a tenth of
-    /// the consumer's time.
+    /// The buffer of the last Attr dropped on this thread, for the next one: an Attr is made for
+    /// every row of a CSV trace, and one allocation each (freed on the store thread) was a
+    /// tenth of the consumer's time.
     static SPARE: Cell<String> = const { Cell::new(String::new()) };
 }
 
 /// Ordered key/value pairs (order is kept so output is stable and diffable), written as JSON as
-/// they are added: `{"k":"v",...` without the closing brace.
+/// they are added (`{"k":"v",...` without the closing brace; empty without pairs). Rows of a DB
+/// trace have their pairs written straight into their batch ([`Pairs`]); an `Attr` holds them
+/// where a row is made on its own (the start and stop rows, CSV, tests).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attr {
     json: String,
@@ -102,26 +285,21 @@ impl Attr {
         let mut json = SPARE.try_with(Cell::take).unwrap_or_default();
         json.clear();
         json.reserve(256);
-        json.push('{');
         Self { json }
     }
 
+    /// A writer that adds pairs to this Attr.
+    pub fn pairs(&mut self) -> Pairs<'_> {
+        let first = self.json.is_empty();
+        Pairs { out: &mut self.json, first }
+    }
+
     pub fn with<'a>(mut self, key: &'static str, value: impl Into<Value<'a>>) -> Self {
-        let out = &mut self.json;
-        out.push_str(if out.len() > 1 { ",\"" } else { "\"" });
-        out.push_str(key);
-        out.push_str("\":\"");
-        match value.into() {
-            Value::U64(v) => out.push_str(itoa::Buffer::new().format(v)),
-            Value::I64(v) => out.push_str(itoa::Buffer::new().format(v)),
-            Value::Addr(v) => push_addr(out, v),
-            Value::Str(s) => push_escaped(out, s),
-            Value::Text(s) => push_escaped(out, &s),
-        }
-        out.push('"');
+        self.pairs().with(key, value);
         self
     }
 
+    #[cfg(test)]
     pub fn addr(self, key: &'static str, addr: u64) -> Self {
         self.with(key, Value::Addr(addr))
     }
@@ -145,21 +323,26 @@ impl Attr {
     }
 
     /// The pairs, with their values unescaped.
-    fn pairs(&self) -> Vec<(String, String)> {
-        let object = format!("[{}]", self.json[1..].replace("\":\"", "\",\""));
+    fn pairs_text(&self) -> Vec<(String, String)> {
+        let inside = self.json.get(1..).unwrap_or_default();
+        let object = format!("[{}]", inside.replace("\":\"", "\",\""));
         let flat: Vec<String> = serde_json::from_str(&object).expect("an Attr is JSON of strings");
         flat.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect()
     }
 
     #[cfg(test)]
     pub fn get(&self, key: &str) -> Option<String> {
-        self.pairs().into_iter().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.pairs_text().into_iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }
 
     /// Appends `{"k":"v",...}` (no whitespace) to `out`.
     pub fn write_json(&self, out: &mut String) {
-        out.push_str(&self.json);
-        out.push('}');
+        if self.json.is_empty() {
+            out.push_str("{}");
+        } else {
+            out.push_str(&self.json);
+            out.push('}');
+        }
     }
 
     #[cfg(test)]
@@ -173,7 +356,7 @@ impl Attr {
     /// quotes the whole field. (Taken from the JSON: CSV output is the rare case.)
     pub fn write_csv_form(&self, out: &mut String) {
         out.push('{');
-        for (i, (k, v)) in self.pairs().iter().enumerate() {
+        for (i, (k, v)) in self.pairs_text().iter().enumerate() {
             if i > 0 {
                 out.push(',');
             }
