@@ -23,6 +23,32 @@ pub enum Value<'a> {
     Text(String),
     /// Text known to need no escaping: written without looking at it.
     Plain(Plain),
+    /// The same, padded to a fixed size: copied with the rest of its pair.
+    Padded(&'a Padded),
+}
+
+/// The longest [`Padded`] text.
+pub const PADDED: usize = 32;
+
+/// Plain text padded with zeros to [`PADDED`] bytes, so that it is copied in one fixed-size
+/// move with its key (API names: every row has one or two, and each copy of a few bytes was a
+/// call).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Padded {
+    bytes: [u8; PADDED],
+    len: usize,
+}
+
+impl Padded {
+    /// `text` padded, if it is plain and fits.
+    pub fn new(text: &str) -> Option<Self> {
+        if text.len() > PADDED || !is_plain(text) {
+            return None;
+        }
+        let mut bytes = [0; PADDED];
+        bytes[..text.len()].copy_from_slice(text.as_bytes());
+        Some(Self { bytes, len: text.len() })
+    }
 }
 
 /// Text that stands inside a JSON string as it is (no quote, backslash or control character),
@@ -58,14 +84,20 @@ impl Plain {
 /// Appends the first `n` bytes of `bytes` with one copy of all of them and a shorter length:
 /// a copy of a fixed size is a few moves, one of a variable size a call (and short copies
 /// were the largest cost of a row).
-fn push_ascii<const N: usize>(out: &mut String, bytes: &[u8; N], n: usize) {
-    debug_assert!(n <= N && bytes.is_ascii());
-    // SAFETY: every caller passes ASCII bytes (hex or decimal digits and their prefix, by
-    // construction), so the String stays UTF-8 whatever prefix of them is kept.
+fn push_prefix<const N: usize>(out: &mut String, bytes: &[u8; N], n: usize) {
+    debug_assert!(std::str::from_utf8(&bytes[..n]).is_ok());
+    // SAFETY: every caller's first `n` bytes are UTF-8: whole `str`s (keys, [`Padded`] texts)
+    // and ASCII (JSON punctuation, digits), so the String stays UTF-8; the bytes after them are
+    // cut off.
     let vec = unsafe { out.as_mut_vec() };
     let end = vec.len() + n;
     vec.extend_from_slice(bytes);
     vec.truncate(end);
+}
+
+/// Appends a [`Padded`] text in one copy.
+pub fn push_padded(out: &mut String, text: &Padded) {
+    push_prefix(out, &text.bytes, text.len);
 }
 
 /// `0x%016x` of `v`, as bytes: each nibble spread to a byte of its own, then all 16 made digits
@@ -91,37 +123,62 @@ fn hex_addr(v: u64) -> [u8; 18] {
 
 /// Appends `0x%016x` without going through `core::fmt` (this runs for every row), in one copy.
 pub fn push_addr(out: &mut String, v: u64) {
-    push_ascii(out, &hex_addr(v), 18);
+    push_prefix(out, &hex_addr(v), 18);
 }
 
-/// The decimal digits of `v`, left-aligned, and how many there are.
-fn decimal(mut v: u64) -> ([u8; 20], usize) {
-    // Two digits at a time, as itoa does.
-    const PAIRS: &[u8; 200] = b"\
-        0001020304050607080910111213141516171819\
-        2021222324252627282930313233343536373839\
-        4041424344454647484950515253545556575859\
-        6061626364656667686970717273747576777879\
-        8081828384858687888990919293949596979899";
-    let digits = if v == 0 { 1 } else { v.ilog10() as usize + 1 };
-    let mut text = [b'0'; 20];
-    let mut end = digits;
-    while v >= 10 {
-        let pair = (v % 100) as usize * 2;
-        v /= 100;
-        text[end - 2..end].copy_from_slice(&PAIRS[pair..pair + 2]);
-        end -= 2;
+/// The 8 decimal digits of `v` (below 10^8), one per byte, most significant first in memory:
+/// all of them at once, with multiplications that divide each lane by 100, then by 10.
+#[inline(always)]
+fn eight_digits(v: u64) -> u64 {
+    debug_assert!(v < 100_000_000);
+    // Two lanes of 32 bits (4 digits each), then four of 16 (2 digits), then eight of 8. The
+    // multipliers divide exactly below 10^4 and 10^2, and no lane overflows into the next.
+    let mut x = (v / 10_000) | ((v % 10_000) << 32);
+    let hundreds = ((x * 10_486) >> 20) & 0x0000_007f_0000_007f;
+    x = hundreds | ((x - hundreds * 100) << 16);
+    let tens = ((x * 103) >> 10) & 0x000f_000f_000f_000f;
+    tens | ((x - tens * 10) << 8)
+}
+
+/// Numbers below this have at most 8 digits: one word.
+const E8: u64 = 100_000_000;
+
+/// `'0'` in every byte: digit values to ASCII.
+const ZEROS: u64 = 0x3030_3030_3030_3030;
+
+/// The 8 digits of `v` (below 10^8) as ASCII without its leading zeros (one stays for 0),
+/// and how many are left.
+#[inline(always)]
+fn trimmed(v: u64) -> (u64, usize) {
+    let digits = eight_digits(v);
+    // Leading zeros are the low bytes.
+    let zeros = (digits.trailing_zeros() / 8).min(7) as usize;
+    ((digits + ZEROS) >> (zeros * 8), 8 - zeros)
+}
+
+/// `v` in decimal, left-aligned, and its length: eight digits at a time.
+fn decimal(v: u64) -> ([u8; 24], usize) {
+    let mut text = [0; 24];
+    let (head, n) = trimmed(if v >= E8 * E8 { v / (E8 * E8) } else if v >= E8 { v / E8 } else { v });
+    text[..8].copy_from_slice(&head.to_le_bytes());
+    if v < E8 {
+        return (text, n);
     }
-    if end == 1 {
-        text[0] = b'0' + v as u8;
+    let full = |x: u64| (eight_digits(x % E8) + ZEROS).to_le_bytes();
+    if v < E8 * E8 {
+        text[n..n + 8].copy_from_slice(&full(v));
+        return (text, n + 8);
     }
-    (text, digits)
+    text[n..n + 8].copy_from_slice(&full(v / E8));
+    text[n + 8..n + 16].copy_from_slice(&full(v));
+    (text, n + 16)
 }
 
 /// Appends `v` in decimal, in one copy.
+#[cfg(test)]
 fn push_u64(out: &mut String, v: u64) {
-    let (text, digits) = decimal(v);
-    push_ascii(out, &text, digits);
+    let (text, n) = decimal(v);
+    push_prefix(out, &text, n);
 }
 
 /// Whether a byte must be escaped inside a JSON string.
@@ -193,6 +250,47 @@ impl From<String> for Value<'_> {
     }
 }
 
+/// Room for one pair's `,"key":"`, a number or an address, and its closing quote.
+const PAIR: usize = 64;
+/// The longest key written in one copy with its value; longer ones are added piece by piece.
+const KEY_MAX: usize = PAIR - 5 - 24;
+
+/// Puts `,"key":"` (`{"key":"` for the first pair) at the start of `pair`; returns its length.
+#[inline(always)]
+fn pair_start(pair: &mut [u8; PAIR], first: bool, key: &str) -> usize {
+    pair[0] = if first { b'{' } else { b',' };
+    pair[1] = b'"';
+    let at = 2 + key.len();
+    pair[2..at].copy_from_slice(key.as_bytes());
+    pair[at..at + 3].copy_from_slice(b"\":\"");
+    at + 3
+}
+
+/// Appends a value between its quotes.
+fn push_value(out: &mut String, value: Value<'_>) {
+    match value {
+        Value::U64(v) => {
+            let (digits, n) = decimal(v);
+            push_prefix(out, &digits, n);
+        }
+        Value::I64(v) => out.push_str(itoa::Buffer::new().format(v)),
+        Value::Addr(v) => push_addr(out, v),
+        Value::Str(s) => push_escaped(out, s),
+        Value::Text(s) => push_escaped(out, &s),
+        Value::Plain(s) => out.push_str(s.0),
+        Value::Padded(s) => push_padded(out, s),
+    }
+}
+
+/// Appends a whole pair, piece by piece.
+fn push_pair(out: &mut String, first: bool, key: &str, value: Value<'_>) {
+    out.push_str(if first { "{\"" } else { ",\"" });
+    out.push_str(key);
+    out.push_str("\":\"");
+    push_value(out, value);
+    out.push('"');
+}
+
 /// Writes an Attr's pairs as JSON onto the end of a text, as they are added: the batch's text
 /// itself for a row on its way to the store, so the JSON is written once and never copied.
 ///
@@ -214,20 +312,44 @@ impl<'o> Pairs<'o> {
 
     #[inline(always)]
     pub fn with<'v>(mut self, key: &'static str, value: impl Into<Value<'v>>) -> Self {
-        let out = &mut *self.out;
-        out.push_str(if self.first { "{\"" } else { ",\"" });
-        self.first = false;
-        out.push_str(key);
-        out.push_str("\":\"");
-        match value.into() {
-            Value::U64(v) => push_u64(out, v),
-            Value::I64(v) => out.push_str(itoa::Buffer::new().format(v)),
-            Value::Addr(v) => push_addr(out, v),
-            Value::Str(s) => push_escaped(out, s),
-            Value::Text(s) => push_escaped(out, &s),
-            Value::Plain(s) => out.push_str(s.0),
+        let first = std::mem::replace(&mut self.first, false);
+        let value = value.into();
+        if key.len() > KEY_MAX {
+            push_pair(self.out, first, key, value);
+            return self;
         }
-        out.push('"');
+        // The pair is put together here, then added in one copy: its key's length is a
+        // constant, and the number after it is at most 24 bytes.
+        let mut pair = [0; PAIR];
+        let at = pair_start(&mut pair, first, key);
+        let end = match value {
+            Value::U64(v) if v < E8 => {
+                let (digits, n) = trimmed(v);
+                pair[at..at + 8].copy_from_slice(&digits.to_le_bytes());
+                at + n
+            }
+            Value::U64(v) => {
+                let (digits, n) = decimal(v);
+                pair[at..at + 24].copy_from_slice(&digits);
+                at + n
+            }
+            Value::Addr(v) => {
+                pair[at..at + 18].copy_from_slice(&hex_addr(v));
+                at + 18
+            }
+            Value::Padded(text) if at + PADDED < PAIR => {
+                pair[at..at + PADDED].copy_from_slice(&text.bytes);
+                at + text.len
+            }
+            text => {
+                push_prefix(self.out, &pair, at);
+                push_value(self.out, text);
+                self.out.push('"');
+                return self;
+            }
+        };
+        pair[end] = b'"';
+        push_prefix(self.out, &pair, end + 1);
         self
     }
 
@@ -432,6 +554,92 @@ mod tests {
             push_addr(&mut s, v);
             assert_eq!(s, format!("0x{v:016x}"));
         }
+    }
+
+    /// Values around every power of ten and of two, and a spread between them.
+    fn numbers() -> Vec<u64> {
+        let mut v = vec![0, 1, 9, u64::MAX, u64::MAX - 1];
+        for p in 1..20 {
+            let ten = 10u64.pow(p);
+            v.extend([ten - 1, ten, ten + 1]);
+        }
+        for p in 0..64 {
+            v.extend([1 << p, (1 << p) - 1, (1u64 << p).wrapping_mul(0x9e37_79b9_7f4a_7c15)]);
+        }
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..10_000 {
+            // xorshift: numbers of every length, not only round ones.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            v.extend([x, x >> (x % 64)]);
+        }
+        v
+    }
+
+    #[test]
+    fn numbers_are_written_as_std_formats_them() {
+        let mut s = String::from("x");
+        for v in numbers() {
+            s.truncate(1);
+            push_u64(&mut s, v);
+            assert_eq!(s, format!("x{v}"));
+            s.truncate(1);
+            push_addr(&mut s, v);
+            assert_eq!(s, format!("x0x{v:016x}"));
+        }
+    }
+
+    #[test]
+    fn the_word_scan_finds_every_byte_that_needs_escaping() {
+        // Each position of strings of every length up to 3 words, and bytes of every value.
+        for len in 0..24 {
+            for at in 0..len {
+                for b in 0u8..=255 {
+                    let mut bytes = vec![b'a'; len];
+                    bytes[at] = b;
+                    let Ok(s) = std::str::from_utf8(&bytes) else { continue };
+                    // serde_json is the judge: what it writes back as is needs no escaping.
+                    let plain = serde_json::to_string(s).unwrap() == format!("\"{s}\"");
+                    assert_eq!(is_plain(s), plain, "{bytes:?}");
+                }
+            }
+        }
+        assert!(is_plain("CANN@APP") && is_plain("vllm@kv_cache/é") && is_plain(""));
+        assert_eq!(Plain::checked("a\"b"), None);
+        assert_eq!(Plain::checked("tab\t"), None);
+        assert!(Plain::checked("halMemAlloc").is_some());
+    }
+
+    #[test]
+    fn pairs_write_a_json_object_onto_the_end_of_a_text() {
+        let mut text = String::from("before");
+        Pairs::new(&mut text)
+            .addr("addr", 0xabc)
+            .with("size", 4096u64)
+            .with_opt("none", None::<u64>)
+            .with("owner", "q\"x\\y\n")
+            .with("flag", Plain::new("true"))
+            .with("status", -7i32)
+            .with("a_key_longer_than_a_pair_has_room_for", 12_345_678_901u64)
+            .close();
+        let json = text.strip_prefix("before").unwrap();
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        let object = v.as_object().unwrap();
+        assert_eq!(object.len(), 6);
+        assert_eq!(v["a_key_longer_than_a_pair_has_room_for"], "12345678901");
+        assert_eq!(v["addr"], "0x0000000000000abc");
+        assert_eq!(v["size"], "4096");
+        assert_eq!(v["owner"], "q\"x\\y\n");
+        assert_eq!(v["flag"], "true");
+        assert_eq!(v["status"], "-7");
+        // Keys in the order they were added, compact (Insight's LIKE queries need both).
+        let at = |k: &str| json.find(&format!("\"{k}\":")).unwrap();
+        assert!(at("addr") < at("size") && at("size") < at("owner") && at("owner") < at("flag"));
+        assert!(!json.contains(' ') && json.starts_with("{\"addr\":") && json.ends_with("\"12345678901\"}"));
+        let mut empty = String::from("x");
+        Pairs::new(&mut empty).close();
+        assert_eq!(empty, "x{}");
     }
 
     #[test]

@@ -89,11 +89,12 @@ impl Batch {
             untracked: is_untracked_free(row),
             shadow: row.shadow,
             start,
-            attr_end: 0,
+            attr_end: offset(&self.text),
             name_end: 0,
             end: 0,
         };
-        self.push_name_and_ptr(head, &row.name);
+        self.text.push_str(&row.name);
+        self.push_ptr(head);
     }
 
     /// Formats the row of a model output onto the end of the batch, its Attr as JSON (a DB's
@@ -114,19 +115,19 @@ impl Batch {
             untracked: c.untracked,
             shadow: c.shadow,
             start,
-            attr_end: 0,
+            attr_end: offset(&self.text),
             name_end: 0,
             end: 0,
         };
-        self.push_name_and_ptr(head, &c.name);
+        c.name.write(&mut self.text);
+        self.push_ptr(head);
         true
     }
 
-    /// Ends a row whose Attr was just written: its Name and Ptr, then its head.
-    fn push_name_and_ptr(&mut self, mut head: Head, name: &str) {
+    /// Ends a row whose Attr and Name were just written (`head.attr_end` is where its Attr
+    /// ended): its Ptr, then its head.
+    fn push_ptr(&mut self, mut head: Head) {
         let text = &mut self.text;
-        head.attr_end = offset(text);
-        text.push_str(name);
         head.name_end = offset(text);
         write_ptr(head.ptr, text);
         head.end = offset(text);

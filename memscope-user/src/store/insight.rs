@@ -34,7 +34,7 @@
 use std::borrow::Cow;
 use std::sync::OnceLock;
 
-use super::attr::{Attr, Pairs, Plain, Value};
+use super::attr::{push_padded, Attr, Padded, Pairs, Plain, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
 use crate::model::{AccessKind, DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Pool, Site, Space, VmmStep};
@@ -54,21 +54,32 @@ pub const STREAM_USES: &str = "stream_uses";
 /// `"true"`, the value of every flag key.
 const TRUE: Plain = Plain::new("true");
 
-/// An API's name as an Attr value. Every row names one or two, so whether each name needs
-/// escaping is checked once, for the whole catalogue.
+/// An API's name as an Attr value. Every row names one or two, so each name is checked once,
+/// for the whole catalogue, and padded for a copy of a fixed size ([`Padded`]).
 fn api_name(api: Api) -> Value<'static> {
-    static NAMES: OnceLock<Vec<Option<Plain>>> = OnceLock::new();
-    let names = NAMES.get_or_init(|| {
+    match api_names().get(api as usize) {
+        Some(Some(name)) => Value::Padded(name),
+        _ => Value::Str(api.name()),
+    }
+}
+
+/// The `Name` of a row named by its API.
+pub fn push_api_name(text: &mut String, api: Api) {
+    match api_names().get(api as usize) {
+        Some(Some(name)) => push_padded(text, name),
+        _ => text.push_str(api.name()),
+    }
+}
+
+fn api_names() -> &'static [Option<Padded>] {
+    static NAMES: OnceLock<Vec<Option<Padded>>> = OnceLock::new();
+    NAMES.get_or_init(|| {
         let mut names = vec![None; Api::all().map(|def| def.api as usize + 1).max().unwrap_or(0)];
         for def in Api::all() {
-            names[def.api as usize] = Plain::checked(def.name);
+            names[def.api as usize] = Padded::new(def.name);
         }
         names
-    });
-    match names.get(api as usize).copied().flatten() {
-        Some(name) => Value::Plain(name),
-        None => Value::Str(api.name()),
-    }
+    })
 }
 
 fn page_type(page: PageType) -> Plain {
@@ -133,12 +144,30 @@ pub struct Row<'a> {
     pub shadow: bool,
 }
 
+/// A row's `Name`: most rows are named by their API, whose name is written from the catalogue
+/// ([`push_api_name`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Name<'a> {
+    Api(Api),
+    Text(Cow<'a, str>),
+}
+
+impl Name<'_> {
+    /// Appends the `Name` column.
+    pub fn write(&self, text: &mut String) {
+        match self {
+            Self::Api(api) => push_api_name(text, *api),
+            Self::Text(name) => text.push_str(name),
+        }
+    }
+}
+
 /// A row's columns but its Attr (see [`Row`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Columns<'a> {
     pub event: &'static str,
     pub event_type: &'static str,
-    pub name: Cow<'a, str>,
+    pub name: Name<'a>,
     pub ts_ns: u64,
     pub pid: u32,
     pub tid: u32,
@@ -152,6 +181,10 @@ pub struct Columns<'a> {
 impl<'a> Row<'a> {
     fn new(columns: Columns<'a>, attr: Attr) -> Self {
         let Columns { event, event_type, name, ts_ns, pid, tid, device, ptr, broadcast, untracked, shadow } = columns;
+        let name = match name {
+            Name::Api(api) => Cow::Borrowed(api.name()),
+            Name::Text(name) => name,
+        };
         Self { event, event_type, name, ts_ns, pid, tid, device, ptr, attr, broadcast, untracked, shadow }
     }
 
@@ -191,7 +224,7 @@ fn columns<'a>(
     Columns {
         event,
         event_type,
-        name: Cow::Borrowed(site.api.name()),
+        name: Name::Api(site.api),
         ts_ns: site.wall_ns,
         pid: site.pid,
         tid: site.tid,
@@ -228,7 +261,7 @@ fn with_module(attr: Pairs<'_>, module: Option<u16>) -> Pairs<'_> {
 /// A row not tied to a block or call: steps and marks.
 fn marker_columns<'a>(event_type: &'static str, name: String, ts_ns: u64, pid: u32, tid: u32) -> Columns<'a> {
     let (event, device, ptr) = (if event_type == "STEP" { "SYSTEM" } else { "MSTX" }, DeviceKey::Unknown, None);
-    let name = Cow::Owned(name);
+    let name = Name::Text(Cow::Owned(name));
     Columns {
         event,
         event_type,
@@ -476,7 +509,7 @@ fn operators<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs
             let columns = Columns {
                 event: "ACCESS",
                 event_type: access_type(*kind),
-                name: Cow::Borrowed(name),
+                name: Name::Text(Cow::Borrowed(name)),
                 ts_ns: *wall_ns,
                 pid: *pid,
                 tid: *tid,
@@ -493,7 +526,7 @@ fn operators<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs
             let columns = Columns {
                 event: "OP_LAUNCH",
                 event_type: if *start { "ATEN_START" } else { "ATEN_END" },
-                name: Cow::Borrowed(name),
+                name: Name::Text(Cow::Borrowed(name)),
                 ts_ns: *wall_ns,
                 pid: *pid,
                 tid: *tid,
@@ -520,10 +553,10 @@ fn operators<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs
         Output::KernelLaunch { site, device, name, function, stream, args_size } => {
             let attr = attr.addr("streamId", *stream).addr("function", *function).with("args_size", *args_size);
             let mut c = columns(site, "KERNEL_LAUNCH", "KERNEL_LAUNCH", *device, None);
-            c.name = match name {
+            c.name = Name::Text(match name {
                 Some(name) => Cow::Borrowed(name.as_str()),
                 None => Cow::Owned(format!("kernel@{function:#x}")),
-            };
+            });
             (c, attr)
         }
         Output::Step { wall_ns, pid, tid, number } => {
