@@ -159,7 +159,15 @@ fn trimmed(v: u64) -> (u64, usize) {
 /// `v` in decimal, left-aligned, and its length: eight digits at a time.
 fn decimal(v: u64) -> ([u8; 24], usize) {
     let mut text = [0; 24];
-    let (head, n) = trimmed(if v >= E8 * E8 { v / (E8 * E8) } else if v >= E8 { v / E8 } else { v });
+    // The digits before the last 8 (or 16) of them.
+    let head = if v >= E8 * E8 {
+        v / (E8 * E8)
+    } else if v >= E8 {
+        v / E8
+    } else {
+        v
+    };
+    let (head, n) = trimmed(head);
     text[..8].copy_from_slice(&head.to_le_bytes());
     if v < E8 {
         return (text, n);

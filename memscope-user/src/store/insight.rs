@@ -262,19 +262,7 @@ fn with_module(attr: Pairs<'_>, module: Option<u16>) -> Pairs<'_> {
 fn marker_columns<'a>(event_type: &'static str, name: String, ts_ns: u64, pid: u32, tid: u32) -> Columns<'a> {
     let (event, device, ptr) = (if event_type == "STEP" { "SYSTEM" } else { "MSTX" }, DeviceKey::Unknown, None);
     let name = Name::Text(Cow::Owned(name));
-    Columns {
-        event,
-        event_type,
-        name,
-        ts_ns,
-        pid,
-        tid,
-        device,
-        ptr,
-        broadcast: true,
-        untracked: false,
-        shadow: false,
-    }
+    Columns { event, event_type, name, ts_ns, pid, tid, device, ptr, broadcast: true, untracked: false, shadow: false }
 }
 
 /// The row for one model output; `None` for outputs that change earlier rows ([`Output::Retag`]).

@@ -32,9 +32,9 @@ use thiserror::Error;
 
 #[cfg(test)]
 pub use attr::Attr;
+pub use batch::{Batch, RowText};
 #[cfg(test)]
 pub use insight::Row;
-pub use batch::{Batch, RowText};
 pub use layout::RunLayout;
 pub use writer::Writer;
 
