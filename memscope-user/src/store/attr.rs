@@ -374,6 +374,23 @@ impl<'o> Pairs<'o> {
         }
     }
 
+    /// Where the next pair will start in the text, and whether it is the object's first.
+    pub(super) fn position(&self) -> (usize, bool) {
+        (self.out.len(), self.first)
+    }
+
+    /// The text written since `start` (a [`Pairs::position`]).
+    pub(super) fn since(&self, start: usize) -> &str {
+        &self.out[start..]
+    }
+
+    /// Appends pairs written earlier by [`Pairs`] after at least one other pair (each starts
+    /// with its comma), as they were.
+    pub(super) fn repeat(&mut self, pairs: &str) {
+        debug_assert!(!self.first && (pairs.is_empty() || pairs.starts_with(",\"")));
+        self.out.push_str(pairs);
+    }
+
     /// Ends the object: `{"k":"v",...}`, or `{}` without pairs.
     pub fn close(self) {
         self.out.push_str(if self.first { "{}" } else { "}" });

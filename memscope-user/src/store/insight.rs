@@ -32,11 +32,13 @@
 //! with an unrelated one, so the store keeps it out of `memscope_dump` ([`is_untracked_free`]).
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use super::attr::{push_padded, Attr, Padded, Pairs, Plain, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
+use crate::model::output::Owner;
 use crate::model::{AccessKind, DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Pool, Site, Space, VmmStep};
 
 /// The `Name` of an operator's rows when the marker's text could not be read.
@@ -333,16 +335,70 @@ fn malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o
     if pinned(*space) {
         attr = attr.with("pinned", TRUE);
     }
-    attr = match origin {
-        Origin::Direct { policy, module, driver } => {
-            let module = driver.and_then(|d| d.module).or(*module);
-            let attr = attr.with_opt("policy", *policy).with_opt("module_id", module);
-            with_driver(attr, site, driver.as_ref())
-        }
-        Origin::Mapped { handle, offset } => attr.with("vmm", TRUE).addr("handle", *handle).with("offset", *offset),
+    let tail = |attr: Pairs<'o>| {
+        let attr = match origin {
+            Origin::Direct { policy, module, driver } => {
+                let module = driver.and_then(|d| d.module).or(*module);
+                let attr = attr.with_opt("policy", *policy).with_opt("module_id", module);
+                with_driver(attr, site, driver.as_ref())
+            }
+            Origin::Mapped { handle, offset } => attr.with("vmm", TRUE).addr("handle", *handle).with("offset", *offset),
+        };
+        attr.with_opt("owner", owner.as_deref()).with_opt("segment", segment.map(pool_name))
     };
-    let attr = attr.with_opt("owner", owner.as_deref()).with_opt("segment", segment.map(pool_name));
+    let attr = MALLOC_TAIL.with_borrow_mut(|last| last.write(attr, site.api, origin, owner, *segment, tail));
     (columns(site, "MALLOC", space.event_type(), *device, Some(*ptr)), attr)
+}
+
+/// The end of the last MALLOC row's Attr (its origin's pairs, owner and segment) and what it
+/// was made from. The rows of an allocation loop repeat it (the same API, driver call, flag,
+/// module and owner), and copying it whole costs a fraction of writing its seven pairs again.
+#[derive(Default)]
+struct MallocTail {
+    made_from: Option<(Api, Origin, Option<Owner>, Option<Pool>)>,
+    pairs: String,
+}
+
+thread_local! {
+    static MALLOC_TAIL: RefCell<MallocTail> = RefCell::default();
+}
+
+impl MallocTail {
+    /// Writes the tail with `write`, or copies the last one when it was made from the same.
+    fn write<'o>(
+        &mut self,
+        mut attr: Pairs<'o>,
+        api: Api,
+        origin: &Origin,
+        owner: &Option<Owner>,
+        segment: Option<Pool>,
+        write: impl FnOnce(Pairs<'o>) -> Pairs<'o>,
+    ) -> Pairs<'o> {
+        // The driver's size is no pair of the tail: rows of different sizes share it.
+        let origin = match *origin {
+            Origin::Direct { policy, module, driver } => {
+                Origin::Direct { policy, module, driver: driver.map(|d| DriverInfo { size: 0, ..d }) }
+            }
+            mapped => mapped,
+        };
+        let (start, first) = attr.position();
+        // Pairs after the first start with a comma: only such a tail can be copied.
+        if first {
+            return write(attr);
+        }
+        let same = |(a, o, w, s): &(Api, Origin, Option<Owner>, Option<Pool>)| {
+            *a == api && *o == origin && w == owner && *s == segment
+        };
+        if self.made_from.as_ref().is_some_and(same) {
+            attr.repeat(&self.pairs);
+            return attr;
+        }
+        let attr = write(attr);
+        self.pairs.clear();
+        self.pairs.push_str(attr.since(start));
+        self.made_from = Some((api, origin, owner.clone(), segment));
+        attr
+    }
 }
 
 /// FREE of a device or host block.
@@ -628,6 +684,51 @@ mod tests {
         assert_eq!(r.attr.get("size").as_deref(), Some("512"));
         assert_eq!(r.attr.get("owner").as_deref(), Some("CANN@UNKNOWN@x"));
         assert_eq!(r.attr.get("segment").as_deref(), Some("caching"));
+    }
+
+    #[test]
+    fn a_malloc_whose_tail_repeats_the_last_ones_is_written_the_same_as_on_its_own() {
+        let driver = |size| DriverInfo {
+            api: Api::HalMemAlloc,
+            flag: Some(0x2100_0000_0000_0400),
+            size,
+            module: Some(33),
+            page: Some(PageType::Normal),
+        };
+        let malloc = |ptr: u64, size: u64, owner: &str| Output::Malloc {
+            site: site(Api::AclrtMalloc),
+            device: DeviceKey::Npu(0),
+            space: Space::Device,
+            ptr,
+            size,
+            req_size: size - 32,
+            allocation_id: ptr,
+            used: size,
+            origin: Origin::Direct { policy: Some(0), module: None, driver: Some(driver(size)) },
+            owner: Some(owner.into()),
+            segment: None,
+        };
+        let tail = |owner: &str| {
+            format!(
+                r#""policy":"0","module_id":"33","hal_api":"halMemAlloc","flag":"0x2100000000000400","page_type":"normal","alloc_type":"alloc","owner":"{owner}"}}"#
+            )
+        };
+        let mut batch = crate::store::Batch::default();
+        for (ptr, size, owner) in
+            [(1, 4128, "CANN@APP"), (2, 4160, "CANN@APP"), (3, 4160, "CANN@APP@x\"y"), (4, 64, "CANN@APP")]
+        {
+            batch.clear();
+            assert!(batch.push_output(&malloc(ptr, size, owner)));
+            let json = batch.get(0).attr.to_owned();
+            let head = format!(
+                r#"{{"addr":"0x{ptr:016x}","size":"{size}","req_size":"{}","allocation_id":"{ptr}","api":"aclrtMalloc","used":"{size}","#,
+                size - 32
+            );
+            let escaped = owner.replace('"', "\\\"");
+            assert_eq!(json, head + &tail(&escaped), "row {ptr}");
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            assert_eq!(v["owner"], owner);
+        }
     }
 
     #[test]
