@@ -1,9 +1,12 @@
 //! Rows formatted on the producing side, in batches moved whole to the store thread.
 //!
-//! A row's text columns (Name, Ptr, Attr) are written once, back to back, into the batch's one
+//! A row's text columns (Attr, Name, Ptr) are written once, back to back, into the batch's one
 //! buffer as soon as the row is made; the fixed columns stay typed beside it in a [`Head`]. A
-//! batch is two allocations for a thousand rows, and the writer hands emptied batches back for
-//! reuse, so steady state allocates nothing per row on either thread.
+//! model output's row is written there directly ([`Batch::push_output`]): its Attr's pairs go
+//! into the buffer as they are made, with nothing built or copied in between (which was most of
+//! the session thread's time per row). A batch is two allocations for a thousand rows, and the
+//! writer hands emptied batches back for reuse, so steady state allocates nothing per row on
+//! either thread.
 
 use super::attr::push_addr;
 use super::insight::{self, is_untracked_free, Row};
