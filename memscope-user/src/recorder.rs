@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::procs;
-use crate::store::{insight, Retag, Writer};
+use crate::store::{Retag, Writer};
 
 pub struct Recorder {
     pub tracker: Tracker,
@@ -52,7 +52,7 @@ impl Recorder {
                     let owner = std::mem::take(owner);
                     self.store.retag(Retag { device: *device, pid: *pid, event_type, ptr: *ptr, owner })
                 }
-                output => insight::to_row(output).map_or(Ok(()), |row| self.store.write(row)),
+                output => self.store.write_output(output),
             };
             if let Err(e) = written {
                 self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));

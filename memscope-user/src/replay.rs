@@ -22,7 +22,7 @@ use crate::model::Tracker;
 use crate::record::decode::as_bytes;
 use crate::record::ring::{ConsumerStats, Decoder};
 use crate::recorder::Recorder;
-use crate::store::{insight, Format, Meta, RunLayout, Store, Writer};
+use crate::store::{Format, Meta, RunLayout, Store, Writer};
 
 /// The process id written in the replayed records (and in the run folder's name).
 pub const PID: u32 = 4242;
@@ -175,7 +175,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
     let Recorder { mut tracker, mut store, .. } = recorder;
     let stop_wall = clock::wall_ns();
     store.stopping()?;
-    tracker.finish(stop_wall, |output| insight::to_row(&output).map_or(Ok(()), |row| store.write(row)))?;
+    tracker.finish(stop_wall, |output| store.write_output(&output))?;
     let written = store.finish(stop_wall, Vec::new(), Vec::new()).context("cannot finish the DB")?;
     Ok(Report {
         records: stats.records,

@@ -30,7 +30,7 @@ use crate::record::ring::Consumer;
 use crate::recorder::Recorder;
 use crate::say::say;
 use crate::stop::{Detaching, Signals};
-use crate::store::{insight, Format, Meta, ProbeRow, RunLayout, Store, Writer};
+use crate::store::{Format, Meta, ProbeRow, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, SkippedLibrary, Summary};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
@@ -515,7 +515,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         })
         .collect();
     store.stopping()?;
-    tracker.finish(stop_wall, |output| insight::to_row(&output).map_or(Ok(()), |row| store.write(row)))?;
+    tracker.finish(stop_wall, |output| store.write_output(&output))?;
     let final_meta: Meta = vec![
         ("stop_ns".into(), stop_wall.to_string()),
         ("stop_reason".into(), stop_reason.clone()),

@@ -47,7 +47,7 @@ pub enum PageType {
 }
 
 impl PageType {
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             Self::Normal => "normal",
             Self::Huge => "huge",
@@ -81,14 +81,14 @@ pub enum Pool {
 impl Pool {
     /// The FRAMEWORK level of a pool block's owner, as msMemScope's decomposition names it:
     /// Insight hangs these under the HAL root of its decomposition tree.
-    pub fn owner(self) -> &'static str {
+    pub const fn owner(self) -> &'static str {
         match self {
             Self::Caching => "PTA",
             Self::Workspace => "PTA_WORKSPACE",
         }
     }
 
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             Self::Caching => "caching",
             Self::Workspace => "workspace",

@@ -117,6 +117,7 @@ fn read<T: Copy>(bytes: &[u8]) -> T {
 /// Runs `f` on the record at the start of `bytes`, in place when it is aligned for `T` (ring
 /// samples are 8-byte aligned, as are the replay's), else on a copy: the consumer reads a few
 /// fields of each record and has no use for a copy of all of it.
+#[inline]
 fn view<T: Copy, R>(bytes: &[u8], f: impl FnOnce(&T) -> R) -> R {
     debug_assert!(bytes.len() >= size_of::<T>());
     let at = bytes.as_ptr();
@@ -147,6 +148,7 @@ fn text(bytes: &[u8]) -> Option<String> {
 }
 
 /// The record's kind, from its header.
+#[inline]
 pub fn kind(bytes: &[u8]) -> Result<RecordKind, DecodeError> {
     if bytes.len() < size_of::<RecordHeader>() {
         return Err(DecodeError::TooShortForHeader { len: bytes.len(), need: size_of::<RecordHeader>() });
@@ -156,6 +158,7 @@ pub fn kind(bytes: &[u8]) -> Result<RecordKind, DecodeError> {
     RecordKind::from_u32(id).ok_or(DecodeError::UnknownKind { kind: id })
 }
 
+#[inline(always)]
 fn call(r: &CallRecord, text: Option<String>) -> RawCall {
     RawCall {
         spec_id: u32::from(r.spec_id),
@@ -178,6 +181,7 @@ fn call(r: &CallRecord, text: Option<String>) -> RawCall {
 /// Decodes a call record, with or without its text ([`RecordKind::Call`] or
 /// [`RecordKind::CallText`]), without the detour through [`Record`]: calls are almost every
 /// record.
+#[inline(always)]
 pub fn decode_call(kind: RecordKind, bytes: &[u8]) -> Result<RawCall, DecodeError> {
     match kind {
         RecordKind::Call => {

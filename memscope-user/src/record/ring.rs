@@ -110,6 +110,7 @@ impl Decoder {
 }
 
 /// A decoded call as a model event; `None` for an API this build does not know.
+#[inline]
 fn call_event(raw: &RawCall, clock: Clock) -> Option<Event> {
     let api = Api::from_spec_id(raw.spec_id)?;
     let def = api.def();

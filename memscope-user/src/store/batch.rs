@@ -1,14 +1,17 @@
 //! Rows formatted on the producing side, in batches moved whole to the store thread.
 //!
-//! A row's text columns (Name, Ptr, Attr) are written once, back to back, into the batch's one
+//! A row's text columns (Attr, Name, Ptr) are written once, back to back, into the batch's one
 //! buffer as soon as the row is made; the fixed columns stay typed beside it in a [`Head`]. A
-//! batch is two allocations for a thousand rows, and the writer hands emptied batches back for
-//! reuse, so steady state allocates nothing per row on either thread.
+//! model output's row is written there directly ([`Batch::push_output`]): its Attr's pairs go
+//! into the buffer as they are made, with nothing built or copied in between (which was most of
+//! the session thread's time per row). A batch is two allocations for a thousand rows, and the
+//! writer hands emptied batches back for reuse, so steady state allocates nothing per row on
+//! either thread.
 
 use super::attr::push_addr;
-use super::insight::{is_untracked_free, Row};
+use super::insight::{self, is_untracked_free, Row};
 use super::Format;
-use crate::model::DeviceKey;
+use crate::model::{DeviceKey, Output};
 
 /// A row's typed columns, and where its text columns are in the batch's buffer.
 #[derive(Clone, Debug)]
@@ -26,10 +29,12 @@ pub struct Head {
     pub untracked: bool,
     /// A FREE the tracer made up at the stop for a block still live.
     pub shadow: bool,
-    /// Name is `text[start..name_end]`, Ptr `text[name_end..ptr_end]`, Attr `text[ptr_end..end]`.
+    /// Attr is `text[start..attr_end]`, Name `text[attr_end..name_end]`, Ptr
+    /// `text[name_end..end]`: the Attr comes first because it is written before the model
+    /// output has given the other columns.
     start: u32,
+    attr_end: u32,
     name_end: u32,
-    ptr_end: u32,
     end: u32,
 }
 
@@ -70,18 +75,12 @@ impl Batch {
 
     /// Formats `row` (its Attr in `format`'s form) onto the end of the batch.
     pub fn push(&mut self, row: &Row<'_>, format: Format) {
-        let text = &mut self.text;
-        let start = offset(text);
-        text.push_str(&row.name);
-        let name_end = offset(text);
-        row.write_ptr(text);
-        let ptr_end = offset(text);
+        let start = offset(&self.text);
         match format {
-            Format::Db => row.attr.write_json(text),
-            Format::Csv => row.attr.write_csv_form(text),
+            Format::Db => row.attr.write_json(&mut self.text),
+            Format::Csv => row.attr.write_csv_form(&mut self.text),
         }
-        let end = offset(text);
-        self.heads.push(Head {
+        let head = Head {
             event: row.event,
             event_type: row.event_type,
             ts_ns: row.ts_ns,
@@ -93,22 +92,61 @@ impl Batch {
             untracked: is_untracked_free(row),
             shadow: row.shadow,
             start,
-            name_end,
-            ptr_end,
-            end,
-        });
+            attr_end: offset(&self.text),
+            name_end: 0,
+            end: 0,
+        };
+        self.text.push_str(&row.name);
+        self.push_ptr(head);
+    }
+
+    /// Formats the row of a model output onto the end of the batch, its Attr as JSON (a DB's
+    /// form) written in place; false, with nothing added, for an output that is no row
+    /// ([`Output::Retag`]).
+    pub fn push_output(&mut self, output: &Output) -> bool {
+        let start = offset(&self.text);
+        let Some(c) = insight::write_row(output, &mut self.text) else { return false };
+        let head = Head {
+            event: c.event,
+            event_type: c.event_type,
+            ts_ns: c.ts_ns,
+            pid: c.pid,
+            tid: c.tid,
+            device: c.device,
+            ptr: c.ptr,
+            broadcast: c.broadcast,
+            untracked: c.untracked,
+            shadow: c.shadow,
+            start,
+            attr_end: offset(&self.text),
+            name_end: 0,
+            end: 0,
+        };
+        c.name.write(&mut self.text);
+        self.push_ptr(head);
+        true
+    }
+
+    /// Ends a row whose Attr and Name were just written (`head.attr_end` is where its Attr
+    /// ended): its Ptr, then its head.
+    fn push_ptr(&mut self, mut head: Head) {
+        let text = &mut self.text;
+        head.name_end = offset(text);
+        write_ptr(head.ptr, text);
+        head.end = offset(text);
+        self.heads.push(head);
     }
 
     /// Copies a row of another batch onto the end of this one.
     pub fn push_text(&mut self, row: RowText<'_>) {
         let start = offset(&self.text);
-        for part in [row.name, row.ptr, row.attr] {
+        for part in [row.attr, row.name, row.ptr] {
             self.text.push_str(part);
         }
-        let name_end = start + offset(row.name);
-        let ptr_end = name_end + offset(row.ptr);
+        let attr_end = start + offset(row.attr);
+        let name_end = attr_end + offset(row.name);
         let end = offset(&self.text);
-        self.heads.push(Head { start, name_end, ptr_end, end, ..row.head.clone() });
+        self.heads.push(Head { start, attr_end, name_end, end, ..row.head.clone() });
     }
 
     pub fn get(&self, i: usize) -> RowText<'_> {
@@ -116,9 +154,9 @@ impl Batch {
         let at = |from: u32, to: u32| &self.text[from as usize..to as usize];
         RowText {
             head,
-            name: at(head.start, head.name_end),
-            ptr: at(head.name_end, head.ptr_end),
-            attr: at(head.ptr_end, head.end),
+            name: at(head.attr_end, head.name_end),
+            ptr: at(head.name_end, head.end),
+            attr: at(head.start, head.attr_end),
         }
     }
 

@@ -32,10 +32,13 @@
 //! with an unrelated one, so the store keeps it out of `memscope_dump` ([`is_untracked_free`]).
 
 use std::borrow::Cow;
+use std::cell::RefCell;
+use std::sync::OnceLock;
 
-use super::attr::{Attr, Value};
+use super::attr::{push_padded, Attr, Padded, Pairs, Plain, Value};
 use super::Meta;
 use crate::apis::{hal, Api};
+use crate::model::output::Owner;
 use crate::model::{AccessKind, DeviceKey, DriverInfo, MstxKind, Origin, Output, PageType, Pool, Site, Space, VmmStep};
 
 /// The `Name` of an operator's rows when the marker's text could not be read.
@@ -50,6 +53,59 @@ pub const UNMATCHED: &str = "unmatched";
 /// reads it.
 pub const STREAM_USES: &str = "stream_uses";
 
+/// `"true"`, the value of every flag key.
+const TRUE: Plain = Plain::new("true");
+
+/// An API's name as an Attr value. Every row names one or two, so each name is checked once,
+/// for the whole catalogue, and padded for a copy of a fixed size ([`Padded`]).
+fn api_name(api: Api) -> Value<'static> {
+    match api_names().get(api as usize) {
+        Some(Some(name)) => Value::Padded(name),
+        _ => Value::Str(api.name()),
+    }
+}
+
+/// The `Name` of a row named by its API.
+pub fn push_api_name(text: &mut String, api: Api) {
+    match api_names().get(api as usize) {
+        Some(Some(name)) => push_padded(text, name),
+        _ => text.push_str(api.name()),
+    }
+}
+
+fn api_names() -> &'static [Option<Padded>] {
+    static NAMES: OnceLock<Vec<Option<Padded>>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let mut names = vec![None; Api::all().map(|def| def.api as usize + 1).max().unwrap_or(0)];
+        for def in Api::all() {
+            names[def.api as usize] = Padded::new(def.name);
+        }
+        names
+    })
+}
+
+fn page_type(page: PageType) -> Plain {
+    match page {
+        PageType::Normal => const { Plain::new(PageType::Normal.as_str()) },
+        PageType::Huge => const { Plain::new(PageType::Huge.as_str()) },
+        PageType::Giant => const { Plain::new(PageType::Giant.as_str()) },
+    }
+}
+
+fn pool_name(pool: Pool) -> Plain {
+    match pool {
+        Pool::Caching => const { Plain::new(Pool::Caching.as_str()) },
+        Pool::Workspace => const { Plain::new(Pool::Workspace.as_str()) },
+    }
+}
+
+fn pool_owner(pool: Pool) -> Value<'static> {
+    Value::Plain(match pool {
+        Pool::Caching => const { Plain::new(Pool::Caching.owner()) },
+        Pool::Workspace => const { Plain::new(Pool::Workspace.owner()) },
+    })
+}
+
 fn access_type(kind: AccessKind) -> &'static str {
     match kind {
         AccessKind::Read => "READ",
@@ -60,7 +116,7 @@ fn access_type(kind: AccessKind) -> &'static str {
 
 /// msMemScope's aten ACCESS keys from the markers' tensor description: `float32[4,8]` is dtype
 /// `float32` and shape `[4,8]`; a description of another form is kept whole as `tensor`.
-fn with_tensor_desc(attr: Attr, desc: Option<&str>) -> Attr {
+fn with_tensor_desc<'o>(attr: Pairs<'o>, desc: Option<&str>) -> Pairs<'o> {
     let Some(desc) = desc else { return attr };
     match desc.find('[') {
         Some(i) if i > 0 => attr.with("dtype", &desc[..i]).with("shape", &desc[i..]),
@@ -69,8 +125,8 @@ fn with_tensor_desc(attr: Attr, desc: Option<&str>) -> Attr {
 }
 
 /// One `memscope_dump` row, before its per-file `ID`. It borrows its text from the model output
-/// it is made from and its Attr reuses a buffer, so making one allocates nothing; the writer
-/// copies it into a batch at once ([`super::batch`]).
+/// it is made from and its Attr reuses a buffer, so making one allocates nothing. Rows of a DB
+/// trace skip this form: their columns and Attr go straight into a batch ([`write_row`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Row<'a> {
     pub event: &'static str,
@@ -90,10 +146,48 @@ pub struct Row<'a> {
     pub shadow: bool,
 }
 
-impl Row<'_> {
-    /// Appends the `Ptr` column: `0x%016x`, or `N/A`.
-    pub fn write_ptr(&self, out: &mut String) {
-        super::batch::write_ptr(self.ptr, out);
+/// A row's `Name`: most rows are named by their API, whose name is written from the catalogue
+/// ([`push_api_name`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Name<'a> {
+    Api(Api),
+    Text(Cow<'a, str>),
+}
+
+impl Name<'_> {
+    /// Appends the `Name` column.
+    pub fn write(&self, text: &mut String) {
+        match self {
+            Self::Api(api) => push_api_name(text, *api),
+            Self::Text(name) => text.push_str(name),
+        }
+    }
+}
+
+/// A row's columns but its Attr (see [`Row`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Columns<'a> {
+    pub event: &'static str,
+    pub event_type: &'static str,
+    pub name: Name<'a>,
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub device: DeviceKey,
+    pub ptr: Option<u64>,
+    pub broadcast: bool,
+    pub untracked: bool,
+    pub shadow: bool,
+}
+
+impl<'a> Row<'a> {
+    fn new(columns: Columns<'a>, attr: Attr) -> Self {
+        let Columns { event, event_type, name, ts_ns, pid, tid, device, ptr, broadcast, untracked, shadow } = columns;
+        let name = match name {
+            Name::Api(api) => Cow::Borrowed(api.name()),
+            Name::Text(name) => name,
+        };
+        Self { event, event_type, name, ts_ns, pid, tid, device, ptr, attr, broadcast, untracked, shadow }
     }
 
     #[cfg(test)]
@@ -106,7 +200,7 @@ impl Row<'_> {
     #[cfg(test)]
     pub fn ptr_text(&self) -> String {
         let mut s = String::new();
-        self.write_ptr(&mut s);
+        super::batch::write_ptr(self.ptr, &mut s);
         s
     }
 }
@@ -122,24 +216,22 @@ fn pinned(space: Space) -> bool {
     space == Space::Host
 }
 
-fn row<'a>(
+fn columns<'a>(
     site: &Site,
     event: &'static str,
     event_type: &'static str,
     device: DeviceKey,
     ptr: Option<u64>,
-    attr: Attr,
-) -> Row<'a> {
-    Row {
+) -> Columns<'a> {
+    Columns {
         event,
         event_type,
-        name: Cow::Borrowed(site.api.name()),
+        name: Name::Api(site.api),
         ts_ns: site.wall_ns,
         pid: site.pid,
         tid: site.tid,
         device,
         ptr,
-        attr,
         broadcast: false,
         untracked: false,
         shadow: false,
@@ -148,20 +240,20 @@ fn row<'a>(
 
 /// Attr keys for the driver call behind a fact: the driver API when it differs from the row's
 /// (a merged runtime + driver call), its flag, module and page class.
-fn with_driver(mut attr: Attr, site: &Site, driver: Option<&DriverInfo>) -> Attr {
+fn with_driver<'o>(mut attr: Pairs<'o>, site: &Site, driver: Option<&DriverInfo>) -> Pairs<'o> {
     let Some(d) = driver else { return attr };
     if d.api != site.api {
-        attr = attr.with("hal_api", d.api.name());
+        attr = attr.with("hal_api", api_name(d.api));
     }
-    attr = attr.with_opt("flag", d.flag.map(Value::Addr)).with_opt("page_type", d.page.map(PageType::as_str));
+    attr = attr.with_opt("flag", d.flag.map(Value::Addr)).with_opt("page_type", d.page.map(page_type));
     match d.api {
-        Api::HalMemAlloc => attr.with("alloc_type", "alloc"),
-        Api::HalMemCreate => attr.with("alloc_type", "create"),
+        Api::HalMemAlloc => attr.with("alloc_type", const { Plain::new("alloc") }),
+        Api::HalMemCreate => attr.with("alloc_type", const { Plain::new("create") }),
         _ => attr,
     }
 }
 
-fn with_module(attr: Attr, module: Option<u16>) -> Attr {
+fn with_module(attr: Pairs<'_>, module: Option<u16>) -> Pairs<'_> {
     match module {
         Some(m) => attr.with("module_id", m).with("owner", hal::owner(m)),
         None => attr,
@@ -169,31 +261,37 @@ fn with_module(attr: Attr, module: Option<u16>) -> Attr {
 }
 
 /// A row not tied to a block or call: steps and marks.
-fn marker_row<'a>(event_type: &'static str, name: String, wall_ns: u64, pid: u32, tid: u32, attr: Attr) -> Row<'a> {
+fn marker_columns<'a>(event_type: &'static str, name: String, ts_ns: u64, pid: u32, tid: u32) -> Columns<'a> {
     let (event, device, ptr) = (if event_type == "STEP" { "SYSTEM" } else { "MSTX" }, DeviceKey::Unknown, None);
-    let name = Cow::Owned(name);
-    Row {
-        event,
-        event_type,
-        name,
-        ts_ns: wall_ns,
-        pid,
-        tid,
-        device,
-        ptr,
-        attr,
-        broadcast: true,
-        untracked: false,
-        shadow: false,
-    }
+    let name = Name::Text(Cow::Owned(name));
+    Columns { event, event_type, name, ts_ns, pid, tid, device, ptr, broadcast: true, untracked: false, shadow: false }
 }
 
 /// The row for one model output; `None` for outputs that change earlier rows ([`Output::Retag`]).
 pub fn to_row(output: &Output) -> Option<Row<'_>> {
+    let mut attr = Attr::new();
+    let (columns, _) = build(output, attr.pairs())?;
+    Some(Row::new(columns, attr))
+}
+
+/// Writes the Attr of one model output's row onto the end of `text` and gives its other
+/// columns; `None`, with nothing written, for outputs that change earlier rows
+/// ([`Output::Retag`]).
+pub fn write_row<'a>(output: &'a Output, text: &mut String) -> Option<Columns<'a>> {
+    let (columns, attr) = build(output, Pairs::new(text))?;
+    attr.close();
+    Some(columns)
+}
+
+/// The columns of `output`'s row, and its Attr's pairs added to `attr`.
+fn build<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> Option<(Columns<'a>, Pairs<'o>)> {
     Some(match output {
         Output::Retag { .. } => return None,
+        Output::Malloc { .. } => malloc(output, attr),
+        Output::Free { .. } => free(output, attr),
+        Output::PoolMalloc { .. } | Output::PoolFree { .. } => pool(output, attr),
         Output::OomBlock { site, device, recent, rank, block_type, ptr, size, born_ns, allocation_id, owner } => {
-            let attr = Attr::new()
+            let attr = attr
                 .with("pool", *block_type)
                 .with("allocation_id", *allocation_id)
                 .addr("ptr", *ptr)
@@ -202,18 +300,233 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
                 .with("rank", *rank as u64)
                 .with_opt("owner", owner.as_deref());
             let event_type = if *recent { "OOM_RECENT_ALLOC" } else { "OOM_TOP_ALLOC" };
-            row(site, "OOM_DETAIL", event_type, *device, Some(*ptr), attr)
+            (columns(site, "OOM_DETAIL", event_type, *device, Some(*ptr)), attr)
         }
+        Output::Failed { .. } => failed(output, attr),
+        Output::Vmm { site, device, step, addr, size, driver } => {
+            let (event_type, key) = match step {
+                VmmStep::Reserve => ("RESERVE", "addr"),
+                VmmStep::Release => ("RELEASE", "addr"),
+                VmmStep::MallocPhysical => ("PHYSICAL_MALLOC", "handle"),
+                VmmStep::FreePhysical => ("PHYSICAL_FREE", "handle"),
+            };
+            let attr = attr.addr(key, *addr).with_opt("size", *size).with("api", api_name(site.api));
+            let attr = with_driver(with_module(attr, driver.and_then(|d| d.module)), site, driver.as_ref());
+            (columns(site, "VMM", event_type, *device, None), attr)
+        }
+        _ => operators(output, attr),
+    })
+}
+
+/// MALLOC of a device or host block.
+fn malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
+    let Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment } =
+        output
+    else {
+        unreachable!("called for a Malloc")
+    };
+    let mut attr = attr
+        .addr("addr", *ptr)
+        .with("size", *size)
+        .with("req_size", *req_size)
+        .with("allocation_id", *allocation_id)
+        .with("api", api_name(site.api))
+        .with("used", *used);
+    if pinned(*space) {
+        attr = attr.with("pinned", TRUE);
+    }
+    let tail = |attr: Pairs<'o>| {
+        let attr = match origin {
+            Origin::Direct { policy, module, driver } => {
+                let module = driver.and_then(|d| d.module).or(*module);
+                let attr = attr.with_opt("policy", *policy).with_opt("module_id", module);
+                with_driver(attr, site, driver.as_ref())
+            }
+            Origin::Mapped { handle, offset } => attr.with("vmm", TRUE).addr("handle", *handle).with("offset", *offset),
+        };
+        attr.with_opt("owner", owner.as_deref()).with_opt("segment", segment.map(pool_name))
+    };
+    let attr = MALLOC_TAIL.with_borrow_mut(|last| last.write(attr, site.api, origin, owner, *segment, tail));
+    (columns(site, "MALLOC", space.event_type(), *device, Some(*ptr)), attr)
+}
+
+/// The end of the last MALLOC row's Attr (its origin's pairs, owner and segment) and what it
+/// was made from. The rows of an allocation loop repeat it (the same API, driver call, flag,
+/// module and owner), and copying it whole costs a fraction of writing its seven pairs again.
+#[derive(Default)]
+struct MallocTail {
+    made_from: Option<(Api, Origin, Option<Owner>, Option<Pool>)>,
+    pairs: String,
+}
+
+thread_local! {
+    static MALLOC_TAIL: RefCell<MallocTail> = RefCell::default();
+}
+
+impl MallocTail {
+    /// Writes the tail with `write`, or copies the last one when it was made from the same.
+    fn write<'o>(
+        &mut self,
+        mut attr: Pairs<'o>,
+        api: Api,
+        origin: &Origin,
+        owner: &Option<Owner>,
+        segment: Option<Pool>,
+        write: impl FnOnce(Pairs<'o>) -> Pairs<'o>,
+    ) -> Pairs<'o> {
+        // The driver's size is no pair of the tail: rows of different sizes share it.
+        let origin = match *origin {
+            Origin::Direct { policy, module, driver } => {
+                Origin::Direct { policy, module, driver: driver.map(|d| DriverInfo { size: 0, ..d }) }
+            }
+            mapped => mapped,
+        };
+        let (start, first) = attr.position();
+        // Pairs after the first start with a comma: only such a tail can be copied.
+        if first {
+            return write(attr);
+        }
+        let same = |(a, o, w, s): &(Api, Origin, Option<Owner>, Option<Pool>)| {
+            *a == api && *o == origin && w == owner && *s == segment
+        };
+        if self.made_from.as_ref().is_some_and(same) {
+            attr.repeat(&self.pairs);
+            return attr;
+        }
+        let attr = write(attr);
+        self.pairs.clear();
+        self.pairs.push_str(attr.since(start));
+        self.made_from = Some((api, origin, owner.clone(), segment));
+        attr
+    }
+}
+
+/// FREE of a device or host block.
+fn free<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
+    let Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } = output else {
+        unreachable!("called for a Free")
+    };
+    let mut attr = attr
+        .addr("addr", *ptr)
+        // A free of a block allocated before the trace has no known size: "0" makes
+        // Insight skip it instead of pairing it with something else.
+        .with("size", size.unwrap_or(0))
+        .with_opt("allocation_id", *allocation_id)
+        .with("api", api_name(site.api))
+        .with("used", *used);
+    if pinned(*space) {
+        attr = attr.with("pinned", TRUE);
+    }
+    if size.is_none() {
+        attr = attr.with(UNMATCHED, TRUE);
+    }
+    if *shadow {
+        attr = attr.with("shadow", TRUE);
+    }
+    if site.gc {
+        attr = attr.with("freed_by", const { Plain::new(GC) });
+    }
+    let attr = with_driver(attr, site, driver.as_ref());
+    let c = columns(site, "FREE", space.event_type(), *device, Some(*ptr));
+    (Columns { untracked: size.is_none(), shadow: *shadow, ..c }, attr)
+}
+
+/// MALLOC / FREE of a framework pool block.
+fn pool<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
+    match output {
+        Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner } => {
+            let attr = attr
+                .addr("addr", *ptr)
+                .with("size", *size)
+                .with_opt("req_size", *req_size)
+                .with("allocation_id", *allocation_id)
+                .with("api", api_name(site.api))
+                .with("used", *used)
+                .with("total", *total)
+                .with("pool", pool_name(*pool))
+                .with("owner", &**owner);
+            (columns(site, "MALLOC", "PTA", *device, Some(*ptr)), attr)
+        }
+        Output::PoolFree {
+            site,
+            device,
+            pool,
+            ptr,
+            size,
+            allocation_id,
+            used,
+            total,
+            shadow,
+            implied,
+            stream_uses,
+        } => {
+            let mut attr = attr
+                .addr("addr", *ptr)
+                .with("size", size.unwrap_or(0))
+                .with_opt("allocation_id", *allocation_id)
+                .with("api", api_name(site.api))
+                .with("used", *used)
+                .with("total", *total)
+                .with("pool", pool_name(*pool));
+            if size.is_none() {
+                attr = attr.with(UNMATCHED, TRUE);
+            }
+            if *shadow {
+                attr = attr.with("shadow", TRUE);
+            }
+            if *implied {
+                attr = attr.with("implied", TRUE);
+            }
+            if site.gc {
+                attr = attr.with("freed_by", const { Plain::new(GC) });
+            }
+            if *stream_uses > 0 {
+                attr = attr.with(STREAM_USES, u64::from(*stream_uses));
+            }
+            let c = columns(site, "FREE", "PTA", *device, Some(*ptr));
+            (Columns { untracked: size.is_none(), shadow: *shadow, ..c }, attr)
+        }
+        _ => unreachable!("called for a pool block"),
+    }
+}
+
+/// A call that failed: out of memory, or any other error.
+fn failed<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
+    let Output::Failed { site, device, status, out_of_memory, size, ptr, driver } = output else {
+        unreachable!("called for a Failed")
+    };
+    let space_type = if *device == DeviceKey::Cpu { "HOST" } else { "HAL" };
+    if *out_of_memory && size.is_some() {
+        let attr = attr
+            .with("func", api_name(site.api))
+            .with_opt("req_size", *size)
+            .with_opt("flag", driver.and_then(|d| d.flag).map(Value::Addr))
+            .with("status", *status);
+        let attr = with_module(attr, driver.and_then(|d| d.module));
+        (columns(site, "OOM_DETAIL", "OOM_TRIGGER", *device, None), attr)
+    } else {
+        let attr = attr
+            .with("api", api_name(site.api))
+            .with("status", *status)
+            .with_opt("size", *size)
+            .with_opt("addr", ptr.map(Value::Addr));
+        (columns(site, "API_ERROR", space_type, *device, None), with_driver(attr, site, driver.as_ref()))
+    }
+}
+
+/// Operators, kernels, accesses, steps and marks.
+fn operators<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
+    match output {
         Output::Access { site, device, block_type, block, allocation_id, pool, addr, size, kind } => {
             let event_type = access_type(*kind);
-            let attr = Attr::new()
+            let attr = attr
                 .with("allocation_id", *allocation_id)
                 .addr("addr", *addr)
                 .with_opt("size", *size)
-                .with("type", pool.map_or(*block_type, |p| p.owner()))
+                .with("type", pool.map_or(Value::Str(block_type), pool_owner))
                 .addr("block", *block)
-                .with("api", site.api.name());
-            row(site, "ACCESS", event_type, *device, Some(*addr), attr)
+                .with("api", api_name(site.api));
+            (columns(site, "ACCESS", event_type, *device, Some(*addr)), attr)
         }
         Output::OpAccess {
             wall_ns,
@@ -230,68 +543,68 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
             op,
             desc,
         } => {
-            let attr = Attr::new()
+            let attr = attr
                 .with("allocation_id", *allocation_id)
                 .addr("addr", *addr)
                 .with("size", *size)
-                .with("type", pool.map_or(*block_type, |p| p.owner()))
+                .with("type", pool.map_or(Value::Str(block_type), pool_owner))
                 .addr("block", *block);
             let name = op.as_deref().filter(|n| !n.is_empty()).unwrap_or(NO_NAME);
-            Row {
+            let columns = Columns {
                 event: "ACCESS",
                 event_type: access_type(*kind),
-                name: Cow::Borrowed(name),
+                name: Name::Text(Cow::Borrowed(name)),
                 ts_ns: *wall_ns,
                 pid: *pid,
                 tid: *tid,
                 device: *device,
                 ptr: Some(*addr),
-                attr: with_tensor_desc(attr, desc.as_deref()),
                 broadcast: false,
                 untracked: false,
                 shadow: false,
-            }
+            };
+            (columns, with_tensor_desc(attr, desc.as_deref()))
         }
         Output::OpLaunch { wall_ns, pid, tid, start, name } => {
             let name = if name.is_empty() { NO_NAME } else { name.as_str() };
-            Row {
+            let columns = Columns {
                 event: "OP_LAUNCH",
                 event_type: if *start { "ATEN_START" } else { "ATEN_END" },
-                name: Cow::Borrowed(name),
+                name: Name::Text(Cow::Borrowed(name)),
                 ts_ns: *wall_ns,
                 pid: *pid,
                 tid: *tid,
                 device: DeviceKey::Unknown,
                 ptr: None,
-                attr: Attr::new(),
                 broadcast: true,
                 untracked: false,
                 shadow: false,
-            }
+            };
+            (columns, attr)
         }
         Output::AtbLaunch { site, device, start, runner, workspace, workspace_size, intermediate_size, status } => {
             // msMemScope's keys, plus the intermediate part of the workspace (what
             // ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE lays out) and the runner that names the operation.
-            let attr = Attr::new()
+            let attr = attr
                 .with_opt("workspace_ptr", workspace.map(Value::Addr))
                 .with_opt("workspace_size", *workspace_size)
                 .with_opt("intermediate_size", *intermediate_size)
                 .addr("runner", *runner)
                 .with_opt("status", *status);
             let event_type = if *start { "ATB_START" } else { "ATB_END" };
-            row(site, "OP_LAUNCH", event_type, *device, None, attr)
+            (columns(site, "OP_LAUNCH", event_type, *device, None), attr)
         }
         Output::KernelLaunch { site, device, name, function, stream, args_size } => {
-            let attr = Attr::new().addr("streamId", *stream).addr("function", *function).with("args_size", *args_size);
-            let mut r = row(site, "KERNEL_LAUNCH", "KERNEL_LAUNCH", *device, None, attr);
-            r.name = match name {
+            let attr = attr.addr("streamId", *stream).addr("function", *function).with("args_size", *args_size);
+            let mut c = columns(site, "KERNEL_LAUNCH", "KERNEL_LAUNCH", *device, None);
+            c.name = Name::Text(match name {
                 Some(name) => Cow::Borrowed(name.as_str()),
                 None => Cow::Owned(format!("kernel@{function:#x}")),
-            };
-            r
+            });
+            (c, attr)
         }
         Output::Step { wall_ns, pid, tid, number } => {
-            marker_row("STEP", number.to_string(), *wall_ns, *pid, *tid, Attr::new())
+            (marker_columns("STEP", number.to_string(), *wall_ns, *pid, *tid), attr)
         }
         Output::Mstx { wall_ns, pid, tid, api, kind, id, message } => {
             let (event_type, name) = match kind {
@@ -299,140 +612,11 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
                 MstxKind::RangeStart => ("Range_start", format!("\"{message}\"")),
                 MstxKind::RangeEnd => ("Range_end", format!("Range end from id {}", id.unwrap_or(0))),
             };
-            let attr = Attr::new().with_opt("id", *id).with("source", api.map_or("memscope", |a| a.name()));
-            marker_row(event_type, name, *wall_ns, *pid, *tid, attr)
+            let attr = attr.with_opt("id", *id).with("source", api.map_or("memscope", |a| a.name()));
+            (marker_columns(event_type, name, *wall_ns, *pid, *tid), attr)
         }
-        Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment } => {
-            let mut attr = Attr::new()
-                .addr("addr", *ptr)
-                .with("size", *size)
-                .with("req_size", *req_size)
-                .with("allocation_id", *allocation_id)
-                .with("api", site.api.name())
-                .with("used", *used);
-            if pinned(*space) {
-                attr = attr.with("pinned", "true");
-            }
-            attr = match origin {
-                Origin::Direct { policy, module, driver } => {
-                    let module = driver.and_then(|d| d.module).or(*module);
-                    let attr = attr.with_opt("policy", *policy).with_opt("module_id", module);
-                    with_driver(attr, site, driver.as_ref())
-                }
-                Origin::Mapped { handle, offset } => {
-                    attr.with("vmm", "true").addr("handle", *handle).with("offset", *offset)
-                }
-            };
-            let attr = attr.with_opt("owner", owner.as_deref()).with_opt("segment", segment.map(Pool::as_str));
-            row(site, "MALLOC", space.event_type(), *device, Some(*ptr), attr)
-        }
-        Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } => {
-            let mut attr = Attr::new()
-                .addr("addr", *ptr)
-                // A free of a block allocated before the trace has no known size: "0" makes
-                // Insight skip it instead of pairing it with something else.
-                .with("size", size.unwrap_or(0))
-                .with_opt("allocation_id", *allocation_id)
-                .with("api", site.api.name())
-                .with("used", *used);
-            if pinned(*space) {
-                attr = attr.with("pinned", "true");
-            }
-            if size.is_none() {
-                attr = attr.with(UNMATCHED, "true");
-            }
-            if *shadow {
-                attr = attr.with("shadow", "true");
-            }
-            if site.gc {
-                attr = attr.with("freed_by", GC);
-            }
-            attr = with_driver(attr, site, driver.as_ref());
-            let r = row(site, "FREE", space.event_type(), *device, Some(*ptr), attr);
-            Row { untracked: size.is_none(), shadow: *shadow, ..r }
-        }
-        Output::Failed { site, device, status, out_of_memory, size, ptr, driver } => {
-            let space_type = if *device == DeviceKey::Cpu { "HOST" } else { "HAL" };
-            if *out_of_memory && size.is_some() {
-                let attr = Attr::new()
-                    .with("func", site.api.name())
-                    .with_opt("req_size", *size)
-                    .with_opt("flag", driver.and_then(|d| d.flag).map(Value::Addr))
-                    .with("status", *status);
-                row(site, "OOM_DETAIL", "OOM_TRIGGER", *device, None, with_module(attr, driver.and_then(|d| d.module)))
-            } else {
-                let attr = Attr::new()
-                    .with("api", site.api.name())
-                    .with("status", *status)
-                    .with_opt("size", *size)
-                    .with_opt("addr", ptr.map(Value::Addr));
-                row(site, "API_ERROR", space_type, *device, None, with_driver(attr, site, driver.as_ref()))
-            }
-        }
-        Output::Vmm { site, device, step, addr, size, driver } => {
-            let (event_type, key) = match step {
-                VmmStep::Reserve => ("RESERVE", "addr"),
-                VmmStep::Release => ("RELEASE", "addr"),
-                VmmStep::MallocPhysical => ("PHYSICAL_MALLOC", "handle"),
-                VmmStep::FreePhysical => ("PHYSICAL_FREE", "handle"),
-            };
-            let attr = Attr::new().addr(key, *addr).with_opt("size", *size).with("api", site.api.name());
-            let attr = with_driver(with_module(attr, driver.and_then(|d| d.module)), site, driver.as_ref());
-            row(site, "VMM", event_type, *device, None, attr)
-        }
-        Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner } => {
-            let attr = Attr::new()
-                .addr("addr", *ptr)
-                .with("size", *size)
-                .with_opt("req_size", *req_size)
-                .with("allocation_id", *allocation_id)
-                .with("api", site.api.name())
-                .with("used", *used)
-                .with("total", *total)
-                .with("pool", pool.as_str())
-                .with("owner", &**owner);
-            row(site, "MALLOC", "PTA", *device, Some(*ptr), attr)
-        }
-        Output::PoolFree {
-            site,
-            device,
-            pool,
-            ptr,
-            size,
-            allocation_id,
-            used,
-            total,
-            shadow,
-            implied,
-            stream_uses,
-        } => {
-            let mut attr = Attr::new()
-                .addr("addr", *ptr)
-                .with("size", size.unwrap_or(0))
-                .with_opt("allocation_id", *allocation_id)
-                .with("api", site.api.name())
-                .with("used", *used)
-                .with("total", *total)
-                .with("pool", pool.as_str());
-            if size.is_none() {
-                attr = attr.with(UNMATCHED, "true");
-            }
-            if *shadow {
-                attr = attr.with("shadow", "true");
-            }
-            if *implied {
-                attr = attr.with("implied", "true");
-            }
-            if site.gc {
-                attr = attr.with("freed_by", GC);
-            }
-            if *stream_uses > 0 {
-                attr = attr.with(STREAM_USES, u64::from(*stream_uses));
-            }
-            let r = row(site, "FREE", "PTA", *device, Some(*ptr), attr);
-            Row { untracked: size.is_none(), shadow: *shadow, ..r }
-        }
-    })
+        _ => unreachable!("blocks, failures and VMM steps are built apart"),
+    }
 }
 
 /// A `SYSTEM` row opening or closing one device's trace.
@@ -500,6 +684,51 @@ mod tests {
         assert_eq!(r.attr.get("size").as_deref(), Some("512"));
         assert_eq!(r.attr.get("owner").as_deref(), Some("CANN@UNKNOWN@x"));
         assert_eq!(r.attr.get("segment").as_deref(), Some("caching"));
+    }
+
+    #[test]
+    fn a_malloc_whose_tail_repeats_the_last_ones_is_written_the_same_as_on_its_own() {
+        let driver = |size| DriverInfo {
+            api: Api::HalMemAlloc,
+            flag: Some(0x2100_0000_0000_0400),
+            size,
+            module: Some(33),
+            page: Some(PageType::Normal),
+        };
+        let malloc = |ptr: u64, size: u64, owner: &str| Output::Malloc {
+            site: site(Api::AclrtMalloc),
+            device: DeviceKey::Npu(0),
+            space: Space::Device,
+            ptr,
+            size,
+            req_size: size - 32,
+            allocation_id: ptr,
+            used: size,
+            origin: Origin::Direct { policy: Some(0), module: None, driver: Some(driver(size)) },
+            owner: Some(owner.into()),
+            segment: None,
+        };
+        let tail = |owner: &str| {
+            format!(
+                r#""policy":"0","module_id":"33","hal_api":"halMemAlloc","flag":"0x2100000000000400","page_type":"normal","alloc_type":"alloc","owner":"{owner}"}}"#
+            )
+        };
+        let mut batch = crate::store::Batch::default();
+        for (ptr, size, owner) in
+            [(1, 4128, "CANN@APP"), (2, 4160, "CANN@APP"), (3, 4160, "CANN@APP@x\"y"), (4, 64, "CANN@APP")]
+        {
+            batch.clear();
+            assert!(batch.push_output(&malloc(ptr, size, owner)));
+            let json = batch.get(0).attr.to_owned();
+            let head = format!(
+                r#"{{"addr":"0x{ptr:016x}","size":"{size}","req_size":"{}","allocation_id":"{ptr}","api":"aclrtMalloc","used":"{size}","#,
+                size - 32
+            );
+            let escaped = owner.replace('"', "\\\"");
+            assert_eq!(json, head + &tail(&escaped), "row {ptr}");
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            assert_eq!(v["owner"], owner);
+        }
     }
 
     #[test]

@@ -35,6 +35,7 @@ use thiserror::Error;
 #[cfg(test)]
 pub use attr::Attr;
 pub use batch::{Batch, RowText};
+#[cfg(test)]
 pub use insight::Row;
 pub use layout::RunLayout;
 pub use writer::Writer;

@@ -12,7 +12,8 @@
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::thread::JoinHandle;
 
-use super::{Batch, Format, Meta, ProbeRow, Retag, Row, Store, StoreError, Written};
+use super::{insight, Batch, Format, Meta, ProbeRow, Retag, Store, StoreError, Written};
+use crate::model::Output;
 
 /// Rows per message.
 const BATCH: usize = 1024;
@@ -91,8 +92,22 @@ impl Writer {
         }
     }
 
-    pub fn write(&mut self, row: Row<'_>) -> Result<(), StoreError> {
-        self.batch.push(&row, self.format);
+    /// Writes the row of a model output, if it has one (an [`Output::Retag`] has none). A DB's
+    /// rows are formatted straight into the batch; CSV's Attr form is made from a [`Row`].
+    pub fn write_output(&mut self, output: &Output) -> Result<(), StoreError> {
+        match self.format {
+            Format::Db => {
+                self.batch.push_output(output);
+            }
+            Format::Csv => match insight::to_row(output) {
+                Some(row) => self.batch.push(&row, self.format),
+                None => return Ok(()),
+            },
+        }
+        self.sent_when_full()
+    }
+
+    fn sent_when_full(&mut self) -> Result<(), StoreError> {
         if self.batch.len() >= BATCH {
             self.send_batch()?;
         }
