@@ -3,8 +3,8 @@
 //!
 //! rusqlite copies every bound blob (`SQLITE_TRANSIENT`); here a page is bound `SQLITE_STATIC`
 //! from the builder's buffer, which outlives the statement's execution, and the statement is
-//! prepared once. All unsafe code of the store is in this file (with a lock query for
-//! [`super::bulk`]).
+//! prepared once. All unsafe code of the store's SQLite and file-lock use is in this file (the
+//! lock query is for [`super::bulk`]).
 
 use std::ffi::{c_int, CString};
 use std::ptr;
