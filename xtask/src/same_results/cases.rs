@@ -1,8 +1,10 @@
 //! The cases: which verb, options and inputs, derived from what `inputs/` holds (so `record`
 //! and `check` list the same ones), and running one into its text.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
@@ -153,6 +155,7 @@ fn now_ns() -> u64 {
 pub fn run(bin: &Path, corpus: &Path, case: &Case) -> anyhow::Result<String> {
     let work = corpus.join("work");
     let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}", work.display()))?;
     let copies: Vec<PathBuf> =
         case.inputs.iter().enumerate().map(|(i, rel)| work.join(i.to_string()).join(rel)).collect();
     for (rel, copy) in case.inputs.iter().zip(&copies) {
@@ -172,15 +175,10 @@ pub fn run(bin: &Path, corpus: &Path, case: &Case) -> anyhow::Result<String> {
         })
         .collect();
     let start_ns = now_ns();
-    let out = Command::new(bin).args(&args).output().with_context(|| format!("cannot run {}", bin.display()))?;
+    let (status, stdout, stderr) = run_binary(bin, &args, &work)?;
     let window = Window { start_ns, end_ns: now_ns() };
-    let mut text = format!(
-        "$ memscope-bpf {}\nexit status: {:?}\n--- stdout\n{}--- stderr\n{}",
-        args.join(" "),
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut text =
+        format!("$ memscope-bpf {}\nexit status: {status}\n--- stdout\n{stdout}--- stderr\n{stderr}", args.join(" "));
     if case.dump {
         for (rel, copy) in case.inputs.iter().zip(&copies) {
             let from = corpus.join("inputs").join(rel);
@@ -195,6 +193,42 @@ pub fn run(bin: &Path, corpus: &Path, case: &Case) -> anyhow::Result<String> {
         }
     }
     Ok(normalise(&text, &work))
+}
+
+/// A case still running after this long is killed and reported so (an endless loop brought in
+/// by a change must not hang the check); the slowest case today takes a few seconds.
+const CASE_LIMIT: Duration = Duration::from_secs(300);
+
+/// Runs the binary with its output into files under `work` (no pipe to fill while we wait);
+/// returns its exit status as written into the case file, stdout and stderr.
+fn run_binary(bin: &Path, args: &[String], work: &Path) -> anyhow::Result<(String, String, String)> {
+    let (out_path, err_path) = (work.join("stdout"), work.join("stderr"));
+    let mut child = Command::new(bin)
+        .args(args)
+        // A panic's report would otherwise depend on the caller's environment.
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .stdin(Stdio::null())
+        .stdout(File::create(&out_path)?)
+        .stderr(File::create(&err_path)?)
+        .spawn()
+        .with_context(|| format!("cannot run {}", bin.display()))?;
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break format!("{:?}", status.code());
+        }
+        if started.elapsed() > CASE_LIMIT {
+            child.kill()?;
+            child.wait()?;
+            break format!("killed after {} s", CASE_LIMIT.as_secs());
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    };
+    let read = |p: &Path| String::from_utf8_lossy(&std::fs::read(p).unwrap_or_default()).into_owned();
+    Ok((status, read(&out_path), read(&err_path)))
 }
 
 /// The working copies' folder is under the corpus folder, which is wherever the user put it:
