@@ -5,6 +5,7 @@
 //! - `test`: setup, build, unprivileged tests, then the privileged tier as root.
 //! - `demo`: setup, build, trace the stand-in training job, print the summary and DB paths.
 //! - `bench`: cost per traced allocation+free pair, against bpftrace on the same symbols.
+//! - `same-results`: record what the binary makes of a corpus of DBs, or check another binary against it.
 
 mod bench;
 mod bench_analysis;
@@ -14,6 +15,7 @@ mod bench_markers;
 mod bench_stop;
 mod build;
 mod demo;
+mod same_results;
 mod setup;
 mod test;
 mod torch_env;
@@ -41,6 +43,8 @@ enum Task {
     Demo(demo::Options),
     /// Measure the cost of tracing per allocation+free pair (results in target/bench/).
     Bench(bench::Options),
+    /// Record every analysis' results on a corpus of DBs, or check a binary against a recording.
+    SameResults(same_results::Options),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,5 +54,6 @@ fn main() -> anyhow::Result<()> {
         Task::Test(opts) => test::run(&opts),
         Task::Demo(opts) => demo::run(&opts),
         Task::Bench(opts) => bench::run(&opts),
+        Task::SameResults(opts) => same_results::run(&opts),
     }
 }
