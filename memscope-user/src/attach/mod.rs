@@ -39,7 +39,9 @@ pub fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
     while let Some(c) = cause {
         let said = c.to_string();
         let lower = said.to_lowercase();
-        if !last.contains(&lower) && !lower.contains(&last) {
+        // Only a cause that says nothing new is left out: one that merely contains the text
+        // before it still has more to say (a short context such as "A" is in most sentences).
+        if !last.contains(&lower) {
             text.push_str(": ");
             text.push_str(&said);
         }
@@ -69,5 +71,11 @@ mod tests {
         let io = std::io::Error::from_raw_os_error(libc::ENOSPC);
         let nested = anyhow::Error::new(io).context("cannot write x");
         assert_eq!(super::with_causes(nested.as_ref()), "cannot write x: No space left on device (os error 28)");
+    }
+
+    #[test]
+    fn a_cause_that_merely_contains_a_short_context_is_kept() {
+        let err = anyhow::anyhow!("the DB has no operator rows to compare").context("A");
+        assert_eq!(super::with_causes(err.as_ref()), "A: the DB has no operator rows to compare");
     }
 }
