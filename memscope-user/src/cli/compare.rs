@@ -436,8 +436,8 @@ fn step_reports(args: &Args) -> anyhow::Result<Vec<PairDiff>> {
 fn call_reports(args: &Args, level: Level) -> anyhow::Result<Vec<calldiff::CallDiff>> {
     let mut reports = Vec::new();
     for (device, pa, pb) in pairs(args)? {
-        let a = calls_side(&pa, level).with_context(|| format!("trace A ({})", pa.display()))?;
-        let b = calls_side(&pb, level).with_context(|| format!("trace B ({})", pb.display()))?;
+        let a = calls_side(&pa, level).context("trace A")?;
+        let b = calls_side(&pb, level).context("trace B")?;
         reports.push(calldiff::compare(&device, level, (&pa, &a), (&pb, &b), args.top));
     }
     Ok(reports)
