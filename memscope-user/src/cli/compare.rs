@@ -649,11 +649,14 @@ mod tests {
         let ops = op_folder("cmp-calls", &["0"], &[("aten.mm.default", MIB)]);
         let err = run(args(&[ops.to_str().unwrap(), steps_only.to_str().unwrap(), "--level", "op"])).unwrap_err();
         let msg = format!("{err:#}");
-        assert!(msg.starts_with("B: ") && msg.contains("no operator calls") && msg.contains("trace_ops()"), "{msg}");
+        assert!(
+            msg.starts_with("trace B: ") && msg.contains("no operator calls") && msg.contains("trace_ops()"),
+            "{msg}"
+        );
         let err = run(args(&[steps_only.to_str().unwrap(), ops.to_str().unwrap(), "--level", "kernel"])).unwrap_err();
         let msg = format!("{err:#}");
         assert!(
-            msg.starts_with("A: ") && msg.contains("no kernel calls") && msg.contains("aclrtLaunchKernel"),
+            msg.starts_with("trace A: ") && msg.contains("no kernel calls") && msg.contains("aclrtLaunchKernel"),
             "{msg}"
         );
         // --rows belongs to the call view, --step-marker to the step view.
