@@ -77,6 +77,8 @@ pub fn spawn_held(command: &[OsString]) -> Result<Launched, LaunchError> {
         return Err(LaunchError::Os(std::io::Error::last_os_error()));
     }
     if pid == 0 {
+        // SAFETY: in the forked child, only the async-signal-safe calls named above, on
+        // descriptors and buffers made before the fork.
         unsafe {
             libc::close(gate_w.as_raw_fd());
             libc::close(err_r.as_raw_fd());

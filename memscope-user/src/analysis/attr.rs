@@ -27,7 +27,7 @@ macro_rules! attr_fields {
         }
 
         impl<'a> $name<'a> {
-            #[allow(dead_code)] // not every struct is parsed outside tests
+            #[allow(dead_code, reason = "not every struct is parsed outside tests")]
             $vis fn parse(text: &'a str) -> Option<Self> {
                 let mut out = Self::default();
                 let plain = crate::analysis::attr::scan(text, |key, value| {

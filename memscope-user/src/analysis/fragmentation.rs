@@ -948,7 +948,7 @@ pub(crate) mod fx {
             fx
         }
 
-        #[allow(clippy::too_many_arguments, reason = "one row's columns")]
+        #[expect(clippy::too_many_arguments, reason = "one row's columns")]
         pub fn row(
             &mut self,
             event: &str,

@@ -203,7 +203,7 @@ fn on_network_file_system(file: &File) -> bool {
     if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
         return false;
     }
-    #[allow(clippy::unnecessary_cast)] // f_type's width differs between architectures.
+    #[allow(clippy::unnecessary_cast, reason = "f_type's width differs between architectures")]
     let kind = fs.f_type as i64;
     matches!(kind, NFS | SMB | CIFS | SMB2)
 }

@@ -236,7 +236,7 @@ fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mu
             }
             Ok(())
         }
-        #[allow(unreachable_patterns)] // kept for analyses added to the enum before their arm
+        #[allow(unreachable_patterns, reason = "kept for analyses added to the enum before their arm")]
         other => bail!("`{}` is not implemented yet in this version", other.name()),
     }
 }

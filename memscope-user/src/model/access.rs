@@ -136,7 +136,7 @@ impl Tracker {
     }
 
     /// One KERNEL_LAUNCH row, then one ACCESS per distinct block its arguments name.
-    #[allow(clippy::too_many_arguments, reason = "the launch's own facts")]
+    #[expect(clippy::too_many_arguments, reason = "the launch's own facts")]
     pub(super) fn launch(
         &mut self,
         site: Site,

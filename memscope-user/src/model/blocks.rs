@@ -73,7 +73,7 @@ impl Tracker {
     }
 
     /// `sizes` is (bytes taken, bytes requested).
-    #[allow(clippy::too_many_arguments, reason = "one call site per origin; a struct would only rename them")]
+    #[expect(clippy::too_many_arguments, reason = "one call site per origin; a struct would only rename them")]
     pub(super) fn add_block(
         &mut self,
         site: Site,
@@ -138,7 +138,7 @@ impl Tracker {
         }
     }
 
-    #[allow(clippy::too_many_arguments, reason = "the fallback device and driver only matter for some callers")]
+    #[expect(clippy::too_many_arguments, reason = "the fallback device and driver only matter for some callers")]
     pub(super) fn remove_block(
         &mut self,
         site: Site,

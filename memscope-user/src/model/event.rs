@@ -278,7 +278,10 @@ pub struct Call {
 }
 
 /// msMemScope's owner levels (`OwnerLevel`): where a tag sits in an owner path.
-#[allow(dead_code, reason = "the full list as msMemScope defines it; the markers name every level")]
+#[allow(
+    dead_code,
+    reason = "the full list as msMemScope defines it; the markers name every level (all used by the tests)"
+)]
 pub mod level {
     pub const FRAMEWORK: u8 = 0;
     pub const COMPONENT: u8 = 1;

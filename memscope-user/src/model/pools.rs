@@ -208,7 +208,7 @@ impl Tracker {
         }
     }
 
-    #[allow(clippy::too_many_arguments, reason = "a block's facts, each from a different source")]
+    #[expect(clippy::too_many_arguments, reason = "a block's facts, each from a different source")]
     fn add_pool_block(
         &mut self,
         site: Site,
@@ -242,7 +242,7 @@ impl Tracker {
         self.pool_blocks.insert((site.pid, ptr), block);
     }
 
-    #[allow(clippy::too_many_arguments, reason = "fallbacks for a block that was never seen")]
+    #[expect(clippy::too_many_arguments, reason = "fallbacks for a block that was never seen")]
     fn remove_pool_block(
         &mut self,
         site: Site,

@@ -235,7 +235,7 @@ impl Tracker {
 
     /// A failed call: counted on `device`, reported (with an OOM listing when it ran out of
     /// memory), never a block.
-    #[allow(clippy::too_many_arguments, reason = "a failure carries whatever the call had")]
+    #[expect(clippy::too_many_arguments, reason = "a failure carries whatever the call had")]
     pub(super) fn fail(
         &mut self,
         site: Site,
