@@ -108,9 +108,34 @@ pub enum Record {
     Exit { mono_ns: u64, tgid: u32 },
 }
 
-fn read<T: Copy>(bytes: &[u8]) -> T {
-    debug_assert!(bytes.len() >= size_of::<T>());
-    // SAFETY: the length was checked by the caller; T is a plain-old-data repr(C) record.
+/// A ring record type for which any bytes of its size are a value.
+///
+/// # Safety
+/// Only for `repr(C)` types whose fields are integers and arrays of integers.
+unsafe trait Plain: Copy {}
+
+// SAFETY: each is `repr(C)` with integer and integer-array fields only (memscope-common/src/record.rs).
+unsafe impl Plain for CallRecord {}
+// SAFETY: as above.
+unsafe impl Plain for CallTextRecord {}
+// SAFETY: as above.
+unsafe impl Plain for UsdtRecord {}
+// SAFETY: as above.
+unsafe impl Plain for BlobRecord {}
+// SAFETY: as above.
+unsafe impl Plain for ForkRecord {}
+// SAFETY: as above.
+unsafe impl Plain for ExitRecord {}
+
+/// Every caller has checked the length already ([`need`]); the check here keeps the unsafe read
+/// sound on its own, at the cost of a branch the CPU always predicts.
+fn check_len<T>(bytes: &[u8]) {
+    assert!(bytes.len() >= size_of::<T>(), "a record of {} bytes read as {} bytes", bytes.len(), size_of::<T>());
+}
+
+fn read<T: Plain>(bytes: &[u8]) -> T {
+    check_len::<T>(bytes);
+    // SAFETY: `bytes` holds at least a T, and any bytes are a T ([`Plain`]).
     unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
 }
 
@@ -118,12 +143,12 @@ fn read<T: Copy>(bytes: &[u8]) -> T {
 /// samples are 8-byte aligned, as are the replay's), else on a copy: the consumer reads a few
 /// fields of each record and has no use for a copy of all of it.
 #[inline]
-fn view<T: Copy, R>(bytes: &[u8], f: impl FnOnce(&T) -> R) -> R {
-    debug_assert!(bytes.len() >= size_of::<T>());
+fn view<T: Plain, R>(bytes: &[u8], f: impl FnOnce(&T) -> R) -> R {
+    check_len::<T>(bytes);
     let at = bytes.as_ptr();
     if at.align_offset(align_of::<T>()) == 0 {
-        // SAFETY: aligned, long enough (checked by the caller), and T is plain-old-data for which
-        // any bytes are a value; the ring does not change a sample until it is released.
+        // SAFETY: aligned, long enough (checked above), and any bytes are a T ([`Plain`]); the
+        // ring does not change a sample until it is released, after this call.
         f(unsafe { &*at.cast::<T>() })
     } else {
         f(&read(bytes))
@@ -250,6 +275,13 @@ mod tests {
     use memscope_common::record::{RecordHeader, TEXT_LEN};
 
     use super::*;
+
+    #[test]
+    #[should_panic(expected = "read as")]
+    fn a_record_too_short_for_its_type_is_refused_not_read_past() {
+        let bytes = [0u8; 16];
+        let _: ForkRecord = read(&bytes);
+    }
 
     fn call() -> CallRecord {
         CallRecord {
