@@ -10,8 +10,9 @@
 //! pages or touches this table runs before the first page is written here, never after (the
 //! B-tree layer counts pages at the start of a transaction), and the connection's page cache is
 //! dropped before SQL reads this table's pages again ([`release_page_cache`]). When SQL has
-//! changed the table (an owner rewritten in place can split a leaf), [`BulkTable::begin`] reads
-//! its shape back before appending.
+//! changed the table (an owner rewritten in place can split a leaf), whether through this
+//! connection or another (`PRAGMA data_version`: an `analyze` of the live trace rewriting Attr),
+//! [`BulkTable::begin`] reads its shape back before appending.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -98,6 +99,9 @@ pub struct BulkTable {
     written_direct: u64,
     /// SQL changed the table since the pages were last written: read its shape back first.
     stale: bool,
+    /// `PRAGMA data_version` when this connection last began a transaction: it changes when
+    /// another connection commits (an `analyze` of the live trace rewriting rows in place).
+    data_version: Option<i64>,
     /// Rows appended since the last [`BulkTable::seal`].
     unsealed: usize,
 }
@@ -159,6 +163,7 @@ impl BulkTable {
             direct: false,
             written_direct: 0,
             stale: true,
+            data_version: None,
             unsealed: 0,
         })
     }
@@ -171,6 +176,11 @@ impl BulkTable {
     /// A write transaction has just begun: learn the pages SQL added, and the table's shape if
     /// SQL changed it.
     pub fn begin(&mut self, conn: &Connection) -> Result<(), BulkError> {
+        let version: i64 = conn.query_row("PRAGMA data_version", [], |r| r.get(0))?;
+        if self.data_version.replace(version) != Some(version) {
+            // Another connection committed since: it may have changed this table.
+            self.stale = true;
+        }
         let count = page_count(conn)?;
         if self.stale {
             let shape = |source| BulkError::Shape { table: self.table.clone(), source };

@@ -416,3 +416,39 @@ fn while_another_process_has_the_db_open_every_page_goes_through_the_pager() {
     check(&conn, &want);
     assert!(bulk.written_direct() > 0);
 }
+
+#[test]
+fn rows_another_connection_rewrote_between_transactions_are_kept() {
+    // Another connection (an `analyze` of the live trace) rewrites rows in place between two of
+    // the writer's transactions, splitting leaves; the writer must notice and read the table back.
+    let (path, conn) = db("foreign", 4096);
+    let mut bulk = BulkTable::open(&conn, &path, "t").unwrap();
+    let other = Connection::open(&path).unwrap();
+    let mut rng = Rng(21);
+    let mut want: Vec<Row> = Vec::new();
+    let mut id = 0;
+    for round in 0..20 {
+        begin(&conn, &mut bulk);
+        for _ in 0..200 {
+            id += 1;
+            let row = random_row(&mut rng, id);
+            append(&mut bulk, &row);
+            want.push(row);
+        }
+        commit(&conn, &mut bulk);
+        if round % 2 == 1 {
+            other.execute_batch("BEGIN IMMEDIATE").unwrap();
+            for _ in 0..30 {
+                let target = 1 + rng.below(want.len() as u64) as usize;
+                let grow = "y".repeat(rng.below(1500) as usize);
+                other
+                    .execute("UPDATE t SET attr = attr || ?1 WHERE rowid = ?2", rusqlite::params![grow, target])
+                    .unwrap();
+                want[target - 1].attr.push_str(&grow);
+            }
+            other.execute_batch("COMMIT").unwrap();
+        }
+    }
+    check(&conn, &want);
+    check(&other, &want);
+}
