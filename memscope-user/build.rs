@@ -1,6 +1,10 @@
 //! Builds the eBPF object (memscope-ebpf) with aya-build, after checking that the toolchain it
 //! needs is installed, so a missing piece is one clear message instead of a linker error deep in
 //! a nested cargo run.
+//!
+//! `MEMSCOPE_EBPF_STUB=1` builds against an empty stub object instead, needing neither nightly nor
+//! bpf-linker: for machines with stable Rust only (the unprivileged test tier runs so). Such a
+//! binary runs every verb but `trace`, which says it was built without its eBPF programs.
 
 use std::process::Command;
 
@@ -29,9 +33,19 @@ fn check_toolchain() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The switch's name; the binary's loader names it too when it meets the stub.
+const STUB_SWITCH: &str = "MEMSCOPE_EBPF_STUB";
+
 fn main() -> anyhow::Result<()> {
     println!("cargo:rerun-if-changed=../memscope-common/src");
     println!("cargo:rerun-if-env-changed=PATH");
+    println!("cargo:rerun-if-env-changed={STUB_SWITCH}");
+    if std::env::var_os(STUB_SWITCH).is_some_and(|v| !v.is_empty() && v != "0") {
+        let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+        std::fs::write(out.join("memscope"), b"")?;
+        println!("cargo:warning=memscope-bpf: built with {STUB_SWITCH}: no eBPF programs, `trace` will refuse to run");
+        return Ok(());
+    }
     if let Err(e) = check_toolchain() {
         // Shown by cargo as a warning and as the build script's stderr; exit without a backtrace.
         println!("cargo:warning=memscope-bpf: {e}");

@@ -1,6 +1,6 @@
 //! Ring-buffer records. Every record starts with a [`RecordHeader`]; its `kind` says which
 //! payload struct the whole record is. Userspace checks the length against the kind's size before
-//! reading anything (see `memscope-user/src/record/decode.rs`).
+//! reading anything (see `memscope-core/src/raw.rs`).
 //!
 //! Records are sized for the common case: a call record is 136 bytes (144 in the ring with the
 //! kernel's 8-byte header), and only the few APIs with a text argument pay for the text, in a

@@ -1,26 +1,20 @@
 //! `memscope-bpf`: where accelerator memory goes in AI jobs, traced with eBPF uprobes from outside
 //! the process.
 //!
-//! Module map (arrows point down only):
+//! Module map (arrows point down only; `analysis`, `store`, `model` and `apis` are memscope-core's):
 //! ```text
 //! cli (one module per verb) ─┬─ attach   find libraries and symbols, load and attach BPF
-//!                            ├─ record   drain the ring buffer, decode records into events
-//!                            ├─ store    per-device SQLite/CSV in msMemScope's layout
-//!                            ├─ analysis offline analyses of written DBs (decompose; `analyze`)
 //!                            ├─ session  the trace loop tying them together
 //!                            ├─ replay   the consumer on synthetic records (`bench-consumer`)
-//!                            └─ recorder events through the model into rows (both of the above)
-//!                                  └─ model   events, live blocks per device (no I/O)
-//!                                        └─ apis   what each traced API means
+//!                            ├─ recorder events through the model into rows (both of the above)
+//!                            ├─ record   drain the ring buffer into events
+//!                            └─ memscope-core: analysis → store → model → apis → raw
 //! ```
 
-mod analysis;
-mod apis;
 mod attach;
 mod cli;
 mod clock;
 mod launch;
-mod model;
 mod preflight;
 mod procs;
 mod record;
@@ -29,10 +23,12 @@ mod replay;
 mod say;
 mod session;
 mod stop;
-mod store;
 mod summary;
 
 use std::process::ExitCode;
+
+// The core crate's modules, at the paths the rest of the binary names them by.
+use memscope_core::{analysis, apis, model, store};
 
 use clap::Parser;
 

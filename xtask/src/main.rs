@@ -17,6 +17,7 @@ mod build;
 mod demo;
 mod same_results;
 mod setup;
+mod stable_tier;
 mod test;
 mod torch_env;
 mod util;

@@ -1,11 +1,12 @@
 //! `cargo xtask test`: the README's test command. Setup, build, the unprivileged tests (plain
-//! `cargo test`), then the privileged tier (tests/integration, which loads BPF) as root.
+//! `cargo test`, with stable Rust only: [`stable_tier`]), then the privileged tier
+//! (tests/integration, which loads BPF) as root.
 
 use std::path::Path;
 use std::process::Command;
 
 use crate::util::{privileged, root, run as sh};
-use crate::{build, setup, torch_env, wheel};
+use crate::{build, setup, stable_tier, torch_env, wheel};
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -26,8 +27,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     let built = build::run()?;
     let root = root();
-    eprintln!("xtask test: unprivileged tier");
-    sh(Command::new("cargo").current_dir(&root).arg("test"))?;
+    stable_tier::run(&root)?;
     let real_torch = torch_env::python();
     if let Err(why) = &real_torch {
         eprintln!("xtask test: WARNING: the real PyTorch tests will skip: {why}");

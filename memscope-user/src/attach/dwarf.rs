@@ -108,6 +108,11 @@ fn struct_members(
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+    use std::process::Command;
+
+    use memscope_core::apis::atb;
+
     /// A struct of this test binary, checked against the compiler's own layout.
     #[repr(C)]
     pub struct MemscopeDwarfProbe {
@@ -132,5 +137,41 @@ mod tests {
         assert_eq!(got, Some(want));
         assert_eq!(super::member_offsets(&data, None, "MemscopeDwarfProbe", &["no_such_member"]), None);
         assert_eq!(super::member_offsets(&data, Some("no_such_namespace"), "MemscopeDwarfProbe", &["ptr"]), None);
+    }
+
+    /// The fallback offsets are the layout of ATB's declarations as a compiler lays them out:
+    /// the stand-in header mirrors them member for member. Skipped without a C++ compiler.
+    #[test]
+    fn fallback_offsets_match_the_declarations_compiled() {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let header = root.join("tests/standin/atb/atb_standin.h");
+        let dir = std::env::temp_dir().join(format!("memscope-atb-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = dir.join("pack.cpp");
+        // Linked, not a relocatable object: the DWARF reader does not apply relocations.
+        let object = dir.join("libpack.so");
+        std::fs::write(
+            &source,
+            format!(
+                "#include \"{}\"\natb::RunnerVariantPack *keep_pack_type() {{ return nullptr; }}\n",
+                header.display()
+            ),
+        )
+        .unwrap();
+        let Ok(status) = Command::new("g++")
+            .args(["-std=c++17", "-g", "-fno-eliminate-unused-debug-types", "-shared", "-fPIC", "-o"])
+            .arg(&object)
+            .arg(&source)
+            .status()
+        else {
+            eprintln!("no g++: skipped");
+            return;
+        };
+        assert!(status.success(), "the stand-in ATB header does not compile");
+        let data = std::fs::read(&object).unwrap();
+        let l = &atb::RUNNER_VARIANT_PACK;
+        let found = super::member_offsets(&data, Some(l.namespace), l.name, l.members);
+        assert_eq!(found, Some(atb::FALLBACK_OFFSETS.to_vec()));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -39,7 +39,7 @@ use crate::apis::Api;
 /// Entries of the `TRACED` map (memscope-ebpf/src/maps.rs).
 const TRACED_CAPACITY: usize = 8192;
 
-/// The compiled eBPF object, built by build.rs with aya-build.
+/// The compiled eBPF object, built by build.rs with aya-build (empty when built with its stub switch).
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memscope"));
 
 /// Messages leave the cause out: it is the error's `source`, printed after it (`{:#}`).
@@ -53,6 +53,11 @@ pub enum LoadError {
     Program { name: &'static str, source: ProgramError },
     #[error("cannot use map `{name}`")]
     Map { name: &'static str, source: MapError },
+    #[error(
+        "this memscope-bpf was built with MEMSCOPE_EBPF_STUB=1, without its eBPF programs; rebuild it without that \
+         variable (`cargo xtask build`, after `cargo xtask setup` installs nightly and bpf-linker)"
+    )]
+    Stub,
     #[error("tracefs is not available ({0}); mount it with `mount -t tracefs nodev /sys/kernel/tracing`")]
     Tracefs(String),
 }
@@ -167,11 +172,21 @@ fn field_offset(root: &Path, event: &str, field: &str) -> Result<u32, LoadError>
         .ok_or_else(|| LoadError::Tracefs(format!("no field `{field}` in {}", path.display())))
 }
 
+/// Fails when this binary holds the stub instead of the eBPF object (built with `MEMSCOPE_EBPF_STUB`),
+/// so `trace` says so before it launches or touches anything.
+pub fn check_object() -> Result<(), LoadError> {
+    if EBPF_OBJECT.is_empty() {
+        return Err(LoadError::Stub);
+    }
+    Ok(())
+}
+
 impl Tracer {
     /// Loads the programs, writes the specs and attaches the process tracepoints.
     /// `target` is the process traced first (also added to the traced set by
     /// [`Tracer::trace_process`]); `scope_pid` limits the uprobes to one process (attach mode).
     pub fn load(opts: &LoadOptions, target: u32, scope_pid: Option<u32>) -> Result<Self, LoadError> {
+        check_object()?;
         let tracefs = tracefs_root()?;
         let child_pid_offset = field_offset(tracefs, "sched/sched_process_fork", "child_pid")?;
         let group_dead_offset = field_offset(tracefs, "sched/sched_process_exit", "group_dead")?;

@@ -370,6 +370,8 @@ mod tests {
     use rusqlite::Connection;
 
     use super::*;
+    use crate::analysis::inefficient::scenario::{small_trace, A, B};
+    use crate::analysis::steps::testrows::noisy_run;
     use crate::analysis::testdb::{dir, TestDb};
     use crate::cli::{Cli, Command};
 
@@ -529,5 +531,64 @@ mod tests {
         std::fs::write(d.join("memscope_dump_1.db"), "garbage").unwrap();
         let err = run(parse(&[d.to_str().unwrap()]).unwrap()).unwrap_err();
         assert!(format!("{err:#}").contains("not an SQLite database"), "{err:#}");
+    }
+
+    /// The `Attr` of the MALLOC row of the block at `ptr`.
+    fn attr_of(path: &std::path::Path, ptr: u64) -> String {
+        let conn = Connection::open(path).unwrap();
+        let sql = "SELECT \"Attr\" FROM memscope_dump WHERE \"Event\" = 'MALLOC' AND \"Ptr\" = ?1";
+        conn.query_row(sql, [format!("0x{ptr:016x}")], |r| r.get(0)).unwrap()
+    }
+
+    fn cli(args: &[&str]) -> anyhow::Result<()> {
+        let mut argv = vec!["memscope-bpf", "analyze"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv)?.run()
+    }
+
+    #[test]
+    fn the_cli_runs_it_and_refuses_bad_thresholds_before_touching_the_db() {
+        let path = small_trace("out-cli");
+        let db = path.to_str().unwrap();
+        let before = std::fs::read(&path).unwrap();
+        cli(&[db, "--analysis", "inefficient", "--long-idle", "1us", "--no-write", "--json"]).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), before, "--no-write");
+        for (bad, says) in [
+            ("--long-idle=5", "needs a unit"),
+            ("--lazy-used=120%", "below 100%"),
+            ("--idle-threshold=0", "0"),
+            ("--mem-size=lots", "not a size"),
+        ] {
+            let err = format!("{:#}", cli(&[db, "--analysis", "inefficient", bad]).unwrap_err());
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        cli(&[db, "--analysis", "inefficient,decompose", "--idle-threshold", "1", "--mem-size", "1MiB"]).unwrap();
+        assert!(attr_of(&path, B).contains("\"inefficient_type\":\"early_allocation,temporary_idleness\""));
+        assert!(!attr_of(&path, A).contains("inefficient_type"), "A is below --mem-size");
+    }
+
+    #[test]
+    fn analyze_leaks_runs_from_the_command_line() {
+        let path = noisy_run("leaks-cli", true);
+        let run = |args: &[&str]| {
+            let mut argv = vec!["memscope-bpf", "analyze", path.to_str().unwrap(), "--analysis", "leaks"];
+            argv.extend_from_slice(args);
+            Cli::try_parse_from(argv).unwrap().run()
+        };
+        run(&["--json", "--no-write"]).unwrap();
+        assert!(Connection::open(&path).unwrap().prepare("SELECT 1 FROM ms_leaks").is_err(), "--no-write");
+        run(&["--warmup-steps", "3", "--min-steps", "2"]).unwrap();
+        let conn = Connection::open(&path).unwrap();
+        let births: Vec<i64> = conn
+            .prepare("SELECT birth_step FROM ms_leaks WHERE kind = 'candidate' ORDER BY birth_step")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(births, (4..=10).collect::<Vec<_>>(), "born after step 3, live at the end of step birth + 2");
+        let err = run(&["--step-marker", "nope"]).unwrap_err();
+        assert!(format!("{err:#}").contains("--step-marker"), "{err:#}");
     }
 }

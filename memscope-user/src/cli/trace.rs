@@ -161,6 +161,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !args.ring_mb.is_power_of_two() || args.ring_mb > 1024 {
         bail!("--ring-mb {} must be a power of two between 1 and 1024", args.ring_mb);
     }
+    crate::attach::loader::check_object()?;
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
     super::probes::check_debug_dirs(&args.debug_dirs)?;

@@ -446,7 +446,7 @@ impl Attr {
         self
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testing"))]
     pub fn addr(self, key: &'static str, addr: u64) -> Self {
         self.with(key, Value::Addr(addr))
     }
@@ -460,7 +460,7 @@ impl Attr {
 
     /// Whether `key` is set. Keys are plain and every quote inside a value is escaped, so a key
     /// is `"key":` right after the opening brace or a comma.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testing"))]
     pub fn has(&self, key: &str) -> bool {
         let bytes = self.json.as_bytes();
         self.json.match_indices(key).any(|(i, _)| {
@@ -477,7 +477,7 @@ impl Attr {
         flat.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect()
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testing"))]
     pub fn get(&self, key: &str) -> Option<String> {
         self.pairs_text().into_iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }
@@ -492,7 +492,7 @@ impl Attr {
         }
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testing"))]
     pub fn to_json(&self) -> String {
         let mut s = String::with_capacity(160);
         self.write_json(&mut s);
@@ -514,7 +514,7 @@ impl Attr {
         out.push('}');
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testing"))]
     pub fn to_csv_form(&self) -> String {
         let mut s = String::new();
         self.write_csv_form(&mut s);

@@ -27,7 +27,7 @@ pub const DUMP_COLUMNS: [(&str, &str); 12] = [
 ];
 
 /// Tables Insight adds to an imported DB; creating them ourselves would break its import.
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 pub const INSIGHT_OWNED_TABLES: [&str; 3] = ["memory_allocation", "memory_block", "status_info"];
 
 pub fn create_dump_table() -> String {

@@ -10,7 +10,7 @@ use memscope_common::spec::{layer, ret_kind, ProbeSpec};
 
 use super::{no_status, spec, Api, ApiDef, Family};
 use crate::model::{Op, Space};
-use crate::record::RawCall;
+use crate::raw::RawCall;
 
 /// A framework allocator like torch_npu's pools; neither function returns a status. Frees inside
 /// a garbage-collector pass are reported as the collector's (its layer is outer).

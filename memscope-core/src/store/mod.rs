@@ -32,7 +32,7 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 pub use attr::Attr;
 pub use batch::{Batch, RowText};
 #[cfg(test)]

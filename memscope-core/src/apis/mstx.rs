@@ -17,7 +17,7 @@ use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
 use super::{no_status, spec, Api, ApiDef, Family};
 use crate::model::{Marker, Op};
-use crate::record::RawCall;
+use crate::raw::RawCall;
 
 const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
     let mut s = spec(layer::MSTX, layer::POOL, fields);

@@ -666,10 +666,12 @@ impl Timeline {
 }
 
 /// Step and mark rows for the tests of the step analyses.
-#[cfg(test)]
-pub(crate) mod testrows {
-    use crate::analysis::testdb::TestDb;
+#[cfg(any(test, feature = "testing"))]
+pub mod testrows {
+    use crate::analysis::testdb::{dir, TestDb};
     use crate::store::Attr;
+
+    const MIB: u64 = 1 << 20;
 
     /// A `STEP` row named `n`, as `memscope.step()` makes it.
     pub fn step(db: &mut TestDb, ts: i64, n: u64) {
@@ -683,6 +685,50 @@ pub(crate) mod testrows {
         db.row("MSTX", kind, ts, 1, None, Attr::new());
         let sql = "UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()";
         db.conn().execute(sql, [format!("\"{message}\"")]).unwrap();
+    }
+
+    /// A training run with `memscope.step()` at the end of each of 6 steps (boundaries at 100,
+    /// 200, ..., 600: the step running after boundary k is k + 1).
+    pub fn training(name: &str) -> TestDb {
+        let mut db = TestDb::create(&dir(name).join("memscope_dump_1.db"));
+        db.system("START_TRACE", 1);
+        db.malloc("PTA", 10, 0x100, 8 * MIB, Some("PTA@weight")); // step 1: warm-up, kept
+        db.malloc("PTA", 20, 0x110, MIB, Some("PTA@kv_cache")); // step 1: warm-up, kept
+        for k in 1..=6u64 {
+            let ts = 100 * k as i64;
+            step(&mut db, ts, k);
+            // Temporaries of the step that begins here.
+            db.malloc("PTA", ts + 10, 0x900 + k, 3 * MIB, Some("PTA@activation"));
+            db.free("PTA", ts + 20, 0x900 + k);
+        }
+        db
+    }
+
+    /// 12 steps; `leak` MiB of kv cache kept per step after the warm-up, under the same noisy
+    /// carried-over tensor in both runs.
+    pub fn noisy_run(name: &str, leak: bool) -> std::path::PathBuf {
+        let mut db = training(name);
+        let mut seed = 11u64;
+        let mut carried: Option<u64> = None;
+        for k in 7..=12u64 {
+            step(&mut db, 100 * k as i64, k);
+        }
+        // Re-walk the steps' insides: one carried tensor of random size alive across each boundary.
+        for k in 1..=12u64 {
+            let ts = 100 * k as i64 - 50;
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let size = MIB / 2 + (seed >> 33) % (3 * MIB);
+            if let Some(p) = carried.take() {
+                db.free("PTA", ts, p);
+            }
+            db.malloc("PTA", ts + 1, 0x5000 + k, size, Some("PTA@carry"));
+            carried = Some(0x5000 + k);
+            if leak && k >= 2 {
+                db.malloc("PTA", ts + 2, 0x7000 + k, 2 * MIB, Some("PTA@kv_cache"));
+            }
+        }
+        db.system("STOP_TRACE", 1_300);
+        db.path.clone()
     }
 }
 

@@ -93,8 +93,8 @@ impl AnalysisError {
     }
 }
 
-#[cfg(test)]
-pub(crate) mod testdb {
+#[cfg(any(test, feature = "testing"))]
+pub mod testdb {
     //! Small trace DBs for tests, written with the real schema and Attr format.
 
     use std::path::{Path, PathBuf};

@@ -27,7 +27,7 @@ use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
 use super::{no_status, spec, Api, ApiDef, Family, Layout};
 use crate::model::{Op, Pool};
-use crate::record::RawCall;
+use crate::raw::RawCall;
 
 /// `c10_npu::NPUWorkspaceAllocator::DeviceWorkspaceAllocator`: one per device, so its `device`
 /// member places a workspace block even on a thread whose device the trace never learnt.

@@ -612,28 +612,11 @@ pub fn run_for_analyze(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analysis::steps::testrows::{mstx, step};
+    use crate::analysis::steps::testrows::{mstx, noisy_run, step, training};
     use crate::analysis::testdb::{dir, TestDb};
     use crate::store::Attr;
 
     const MIB: u64 = 1 << 20;
-
-    /// A training run with `memscope.step()` at the end of each of 6 steps (boundaries at 100,
-    /// 200, ..., 600: the step running after boundary k is k + 1).
-    fn training(name: &str) -> TestDb {
-        let mut db = TestDb::create(&dir(name).join("memscope_dump_1.db"));
-        db.system("START_TRACE", 1);
-        db.malloc("PTA", 10, 0x100, 8 * MIB, Some("PTA@weight")); // step 1: warm-up, kept
-        db.malloc("PTA", 20, 0x110, MIB, Some("PTA@kv_cache")); // step 1: warm-up, kept
-        for k in 1..=6u64 {
-            let ts = 100 * k as i64;
-            step(&mut db, ts, k);
-            // Temporaries of the step that begins here.
-            db.malloc("PTA", ts + 10, 0x900 + k, 3 * MIB, Some("PTA@activation"));
-            db.free("PTA", ts + 20, 0x900 + k);
-        }
-        db
-    }
 
     fn analyse_db(db: TestDb, options: &Options) -> LeakReport {
         let path = db.path.clone();
@@ -724,33 +707,6 @@ mod tests {
         assert_eq!(analyse(&path, &options).unwrap().boundaries.len(), 1);
     }
 
-    /// 12 steps; `leak` MiB of kv cache kept per step after the warm-up, under the same noisy
-    /// carried-over tensor in both runs.
-    fn noisy_run(name: &str, leak: bool) -> std::path::PathBuf {
-        let mut db = training(name);
-        let mut seed = 11u64;
-        let mut carried: Option<u64> = None;
-        for k in 7..=12u64 {
-            step(&mut db, 100 * k as i64, k);
-        }
-        // Re-walk the steps' insides: one carried tensor of random size alive across each boundary.
-        for k in 1..=12u64 {
-            let ts = 100 * k as i64 - 50;
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let size = MIB / 2 + (seed >> 33) % (3 * MIB);
-            if let Some(p) = carried.take() {
-                db.free("PTA", ts, p);
-            }
-            db.malloc("PTA", ts + 1, 0x5000 + k, size, Some("PTA@carry"));
-            carried = Some(0x5000 + k);
-            if leak && k >= 2 {
-                db.malloc("PTA", ts + 2, 0x7000 + k, 2 * MIB, Some("PTA@kv_cache"));
-            }
-        }
-        db.system("STOP_TRACE", 1_300);
-        db.path.clone()
-    }
-
     #[test]
     fn degradation_fires_on_the_leaky_run_only_and_names_the_owner() {
         let leaky = analyse(&noisy_run("leaks-degr-leaky", true), &Options::default()).unwrap();
@@ -802,31 +758,6 @@ mod tests {
         assert!(err.to_string().contains("nothing was changed"), "{err}");
         assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'leaks_at' AND value = '8'"), 1);
         assert_eq!(count("SELECT count(*) FROM ms_leaks"), (report.candidates.len() + report.never_freed.len()) as i64);
-    }
-
-    #[test]
-    fn analyze_leaks_runs_from_the_command_line() {
-        use clap::Parser as _;
-        let path = noisy_run("leaks-cli", true);
-        let run = |args: &[&str]| {
-            let mut argv = vec!["memscope-bpf", "analyze", path.to_str().unwrap(), "--analysis", "leaks"];
-            argv.extend_from_slice(args);
-            crate::cli::Cli::try_parse_from(argv).unwrap().run()
-        };
-        run(&["--json", "--no-write"]).unwrap();
-        assert!(Connection::open(&path).unwrap().prepare("SELECT 1 FROM ms_leaks").is_err(), "--no-write");
-        run(&["--warmup-steps", "3", "--min-steps", "2"]).unwrap();
-        let conn = Connection::open(&path).unwrap();
-        let births: Vec<i64> = conn
-            .prepare("SELECT birth_step FROM ms_leaks WHERE kind = 'candidate' ORDER BY birth_step")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
-        assert_eq!(births, (4..=10).collect::<Vec<_>>(), "born after step 3, live at the end of step birth + 2");
-        let err = run(&["--step-marker", "nope"]).unwrap_err();
-        assert!(format!("{err:#}").contains("--step-marker"), "{err:#}");
     }
 
     /// 1M rows: 500k blocks over 100 steps. Run with `--ignored` on a release build for the time;

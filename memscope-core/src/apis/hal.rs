@@ -12,7 +12,7 @@ use memscope_common::spec::{layer, FieldRead};
 
 use super::{spec, Api, ApiDef, Family};
 use crate::model::{DriverInfo, Op, PageType, Space};
-use crate::record::RawCall;
+use crate::raw::RawCall;
 
 /// `DRV_ERROR_OUT_OF_MEMORY`.
 pub const DRV_ERROR_OUT_OF_MEMORY: i32 = 6;

@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS, MAX_SPECS};
 
 use crate::model::Op;
-use crate::record::RawCall;
+use crate::raw::RawCall;
 
 /// A traced API. The discriminant is the spec index in the BPF `SPECS` map (and part of the
 /// attach cookie), so it must stay below `MAX_SPECS` and never be renumbered within one build.

@@ -922,8 +922,8 @@ pub(crate) fn create_fragmentation() -> (&'static str, &'static str) {
 
 /// Trace DBs for the tests of this module, `oom` and `advise`: pool segments, blocks, OOM rows,
 /// steps and settings with the Attr keys the tracer writes (docs/db-schema.md).
-#[cfg(test)]
-pub(crate) mod fx {
+#[cfg(any(test, feature = "testing"))]
+pub mod fx {
     use std::path::PathBuf;
 
     use rusqlite::params;

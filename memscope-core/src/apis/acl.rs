@@ -9,7 +9,7 @@ use memscope_common::spec::{cfg_kind, device_effect, layer, FieldRead, ProbeSpec
 
 use super::{spec, Api, ApiDef, Family};
 use crate::model::{Op, Space};
-use crate::record::RawCall;
+use crate::raw::RawCall;
 
 /// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
 pub const ACL_ERROR_RT_MEMORY_ALLOCATION: i32 = 207_001;

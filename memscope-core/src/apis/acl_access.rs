@@ -18,7 +18,7 @@ use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
 use super::{spec, Api, ApiDef, Family};
 use crate::model::Op;
-use crate::record::RawCall;
+use crate::raw::RawCall;
 
 const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
 

@@ -8,7 +8,7 @@
 //! (its semaphore stays 0, so the package does not even build its arguments).
 
 use crate::model::Marker;
-use crate::record::RawUsdt;
+use crate::raw::RawUsdt;
 
 /// The provider name in the notes.
 pub const PROVIDER: &str = "memscope";

@@ -848,8 +848,8 @@ impl Replay {
     }
 }
 
-#[cfg(test)]
-pub(crate) mod scenario {
+#[cfg(any(test, feature = "testing"))]
+pub mod scenario {
     //! Synthetic traces whose ground truth is their construction: each block is placed so that,
     //! by the definition's wording, it must or must not be flagged; the analysis is never asked.
 
@@ -981,6 +981,25 @@ pub(crate) mod scenario {
             self.db.conn().execute_batch("COMMIT").unwrap();
             self.db.path.clone()
         }
+    }
+
+    pub const A: u64 = 0x1000;
+    pub const B: u64 = 0x2000;
+    pub const C: u64 = 0x3000;
+
+    /// B (1 MiB) early: C is freed between its allocation and first use; 5 us then pass and
+    /// two APIs until its last use (long idle at 1 us, temporarily idle at 1 API). A and C are
+    /// used in consecutive APIs and freed in the API of their last use: never flagged.
+    pub fn small_trace(name: &str) -> PathBuf {
+        let mut t = Trace::new(name);
+        t.op(&[Act::Malloc(A, 64), Act::Write(A), Act::Malloc(C, 32), Act::Write(C)]);
+        t.op(&[Act::Malloc(B, 1 << 20), Act::Read(A)]);
+        t.op(&[Act::Read(C), Act::Free(C)]);
+        t.op(&[Act::Write(B), Act::Read(A), Act::Free(A)]);
+        t.wait(5_000);
+        t.op(&[]);
+        t.op(&[Act::Read(B), Act::Free(B)]);
+        t.finish()
     }
 }
 

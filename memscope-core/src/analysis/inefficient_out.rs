@@ -408,32 +408,12 @@ pub fn json(report: &Report, path: &Path, device: &str) -> Value {
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
 
     use super::*;
-    use crate::analysis::inefficient::scenario::{Act, Trace};
+    use crate::analysis::inefficient::scenario::{small_trace, Act, Trace, A, B, C};
     use crate::analysis::inefficient::TimeThreshold;
     use crate::store::Attr;
-    use Act::{Free, Malloc, Read, Write};
-
-    const A: u64 = 0x1000;
-    const B: u64 = 0x2000;
-    const C: u64 = 0x3000;
-
-    /// B (1 MiB) early: C is freed between its allocation and first use; 5 us then pass and
-    /// two APIs until its last use (long idle at 1 us, temporarily idle at 1 API). A and C are
-    /// used in consecutive APIs and freed in the API of their last use: never flagged.
-    fn small_trace(name: &str) -> PathBuf {
-        let mut t = Trace::new(name);
-        t.op(&[Malloc(A, 64), Write(A), Malloc(C, 32), Write(C)]);
-        t.op(&[Malloc(B, 1 << 20), Read(A)]);
-        t.op(&[Read(C), Free(C)]);
-        t.op(&[Write(B), Read(A), Free(A)]);
-        t.wait(5_000);
-        t.op(&[]);
-        t.op(&[Read(B), Free(B)]);
-        t.finish()
-    }
+    use Act::{Free, Malloc, Read};
 
     fn dump_rows(path: &Path) -> Vec<(i64, String, String)> {
         let conn = Connection::open(path).unwrap();
@@ -613,35 +593,6 @@ mod tests {
         assert_eq!(v["blocks"][0]["flags"], serde_json::json!(["early_allocation", "long_idle"]));
         assert_eq!(v["blocks"][0]["ptr"], "0x0000000000002000");
         assert_eq!(v["options"]["long_idle"]["value_ns"], 1000);
-    }
-
-    fn cli(args: &[&str]) -> anyhow::Result<()> {
-        use clap::Parser as _;
-        let mut argv = vec!["memscope-bpf", "analyze"];
-        argv.extend_from_slice(args);
-        crate::cli::Cli::try_parse_from(argv)?.run()
-    }
-
-    #[test]
-    fn the_cli_runs_it_and_refuses_bad_thresholds_before_touching_the_db() {
-        let path = small_trace("out-cli");
-        let db = path.to_str().unwrap();
-        let before = std::fs::read(&path).unwrap();
-        cli(&[db, "--analysis", "inefficient", "--long-idle", "1us", "--no-write", "--json"]).unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), before, "--no-write");
-        for (bad, says) in [
-            ("--long-idle=5", "needs a unit"),
-            ("--lazy-used=120%", "below 100%"),
-            ("--idle-threshold=0", "0"),
-            ("--mem-size=lots", "not a size"),
-        ] {
-            let err = format!("{:#}", cli(&[db, "--analysis", "inefficient", bad]).unwrap_err());
-            assert!(err.contains(says), "{bad}: {err}");
-        }
-        assert_eq!(std::fs::read(&path).unwrap(), before);
-        cli(&[db, "--analysis", "inefficient,decompose", "--idle-threshold", "1", "--mem-size", "1MiB"]).unwrap();
-        assert!(attr_of(&path, B).contains("\"inefficient_type\":\"early_allocation,temporary_idleness\""));
-        assert!(!attr_of(&path, A).contains("inefficient_type"), "A is below --mem-size");
     }
 
     /// `cargo test --release -p memscope-user million_rows -- --ignored --nocapture`: rows per

@@ -1,0 +1,20 @@
+//! memscope-bpf's core, everything that needs neither aya nor the eBPF toolchain: what each traced
+//! API means, the events and the tracker that turns them into live blocks per device, the DB
+//! vocabulary and the store that writes msMemScope's layout, and the offline analyses that read it
+//! back. `memscope-user` (the `memscope-bpf` binary) adds attaching, draining the ring buffer, the
+//! trace session and the CLI on top.
+//!
+//! Module map (arrows point down only):
+//! ```text
+//! analysis  offline analyses of written DBs
+//!    └─ store    per-device SQLite/CSV in msMemScope's layout
+//!         └─ model    events, live blocks per device (no I/O)
+//!              └─ apis     what each traced API means (the catalogue)
+//!                   └─ raw      ring-buffer bytes to checked, typed records
+//! ```
+
+pub mod analysis;
+pub mod apis;
+pub mod model;
+pub mod raw;
+pub mod store;
