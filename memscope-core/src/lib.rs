@@ -11,6 +11,7 @@
 //!         └─ model    events, live blocks per device (no I/O)
 //!              └─ apis     what each traced API means (the catalogue)
 //!                   └─ raw      ring-buffer bytes to checked, typed records
+//! vocab     the DB's Event, Event Type and Attr names (below store and analysis, beside all)
 //! ```
 
 pub mod analysis;
@@ -18,3 +19,4 @@ pub mod apis;
 pub mod model;
 pub mod raw;
 pub mod store;
+pub mod vocab;
