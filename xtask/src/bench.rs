@@ -54,6 +54,16 @@ pub struct Options {
     /// or analyses.
     #[arg(long)]
     pub consumer_only: bool,
+    /// Only the analysis throughput (`--analysis-pairs`, `--analysis-rounds`, `--baseline-bin`).
+    #[arg(long)]
+    pub analysis_only: bool,
+    /// Times each analysis command this many times (the median is reported).
+    #[arg(long, default_value_t = 1)]
+    pub analysis_rounds: usize,
+    /// An older memscope-bpf whose analyses are timed on the same DB in the same run, alternating
+    /// with this build's (a refactor against what it replaced).
+    #[arg(long, value_name = "PATH")]
+    pub baseline_bin: Option<std::path::PathBuf>,
 }
 
 struct Sample {
@@ -136,12 +146,17 @@ fn bpftrace(lib: &Path, bench: &Path, pairs: u64) -> anyhow::Result<Sample> {
     Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: String::new() })
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<()> {
+    if let Some(b) = &opts.baseline_bin {
+        if !b.is_file() {
+            bail!("--baseline-bin {}: no such file; give the path of an older memscope-bpf binary", b.display());
+        }
+    }
     if !opts.no_setup {
         setup::run(&setup::Options { check: false })?;
     }
@@ -152,6 +167,17 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     if opts.stop_only {
         let md = crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
         std::fs::write(dir.join("results-stop.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
+    let analysis_plan = crate::bench_analysis::Plan {
+        pairs: opts.analysis_pairs,
+        rounds: opts.analysis_rounds.max(1),
+        baseline: opts.baseline_bin.as_deref(),
+    };
+    if opts.analysis_only {
+        let md = crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
+        std::fs::write(dir.join("results-analysis.md"), &md)?;
         println!("{md}");
         return Ok(());
     }
@@ -220,7 +246,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
     }
     if opts.analysis_pairs > 0 {
-        md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), opts.analysis_pairs)?);
+        md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?);
     }
     if opts.stop_blocks > 0 {
         md.push_str(&crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
