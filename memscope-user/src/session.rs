@@ -490,6 +490,7 @@ impl Live {
         consumer.drain(|e| recorder.on_event(e));
     }
 
+    /// The traced processes other than the target still running ([`still_traced`]).
     fn still_traced(&self) -> Vec<u32> {
         still_traced(&self.tracer, &self.recorder.children, self.pid)
     }
