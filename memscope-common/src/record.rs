@@ -55,14 +55,30 @@ impl RecordKind {
 pub struct RecordHeader {
     /// A [`RecordKind`] id.
     pub kind: u32,
-    /// CPU that produced the record (for drop accounting and ordering diagnostics).
-    pub cpu: u32,
+    /// Padding that keeps `ts_ns` 8-byte aligned; always 0. Written explicitly because a ring
+    /// slot is not zeroed: an implicit hole would carry whatever the slot held before.
+    pub _reserved: u32,
     /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC nanoseconds when the record was produced.
     pub ts_ns: u64,
     /// Process id (kernel tgid).
     pub tgid: u32,
     /// Thread id (kernel pid of the task).
     pub tid: u32,
+}
+
+impl RecordHeader {
+    /// A header of `kind`, its padding zeroed: the one way producers build one.
+    #[inline(always)]
+    pub const fn new(kind: RecordKind, ts_ns: u64, tgid: u32, tid: u32) -> Self {
+        Self { kind: kind as u32, _reserved: 0, ts_ns, tgid, tid }
+    }
+
+    /// A header for the current task, from `bpf_get_current_pid_tgid()`'s value (the tgid in
+    /// the high half, the thread id in the low half).
+    #[inline(always)]
+    pub const fn of_task(kind: RecordKind, ts_ns: u64, pid_tgid: u64) -> Self {
+        Self::new(kind, ts_ns, (pid_tgid >> 32) as u32, pid_tgid as u32)
+    }
 }
 
 /// One traced call, emitted when the outermost traced function of its layer returns on a thread.
@@ -119,15 +135,13 @@ pub struct ForkRecord {
     pub _reserved: u32,
 }
 
-/// The last thread of a traced process exited.
+/// The last thread of a traced process exited: the header's `tgid` is the process. Only the
+/// group's end is sent (the eBPF side drops a thread's exit), so there is nothing to add to the
+/// header; the exit code is not available to the tracepoint.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ExitRecord {
     pub hdr: RecordHeader,
-    /// The process's exit code as the kernel reports it in `task->exit_code` is not available to
-    /// the tracepoint, so this only says the whole thread group is gone (always 1 today).
-    pub group_dead: u32,
-    pub _reserved: u32,
 }
 
 /// A USDT probe fired (markers: tags, steps, ranges). Emitted at the probe site; there is no
@@ -173,4 +187,15 @@ const _: () = assert!(core::mem::size_of::<CallTextRecord>() == 136 + TEXT_LEN);
 const _: () = assert!(crate::spec::MAX_SPECS <= u16::MAX as u32);
 const _: () = assert!(crate::spec::MAX_FIELDS <= 8);
 const _: () = assert!(core::mem::size_of::<ForkRecord>() == 32);
-const _: () = assert!(core::mem::size_of::<ExitRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<ExitRecord>() == 24);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_task_header_splits_pid_tgid_and_zeroes_its_padding() {
+        let hdr = RecordHeader::of_task(RecordKind::Exit, 9, (7 << 32) | 8);
+        assert_eq!((hdr.kind, hdr._reserved, hdr.ts_ns, hdr.tgid, hdr.tid), (RecordKind::Exit as u32, 0, 9, 7, 8));
+    }
+}

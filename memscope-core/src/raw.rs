@@ -285,7 +285,7 @@ mod tests {
 
     fn call() -> CallRecord {
         CallRecord {
-            hdr: RecordHeader { kind: RecordKind::Call as u32, cpu: 1, ts_ns: 2_000, tgid: 42, tid: 43 },
+            hdr: RecordHeader::new(RecordKind::Call, 2_000, 42, 43),
             spec_id: 3,
             thread_device: 1,
             entry_ns: 1_000,
@@ -412,7 +412,7 @@ mod tests {
     #[test]
     fn usdt_record_keeps_args_and_bounded_text() {
         let mut r = UsdtRecord {
-            hdr: RecordHeader { kind: RecordKind::Usdt as u32, cpu: 0, ts_ns: 9, tgid: 7, tid: 8 },
+            hdr: RecordHeader::new(RecordKind::Usdt, 9, 7, 8),
             spec_id: 2,
             probe: 3,
             args: [5, u64::MAX, 0, 0, 0, 0],
@@ -432,17 +432,9 @@ mod tests {
 
     #[test]
     fn fork_and_exit_decode() {
-        let fork = ForkRecord {
-            hdr: RecordHeader { kind: RecordKind::Fork as u32, cpu: 0, ts_ns: 5, tgid: 10, tid: 10 },
-            child: 11,
-            _reserved: 0,
-        };
+        let fork = ForkRecord { hdr: RecordHeader::new(RecordKind::Fork, 5, 10, 10), child: 11, _reserved: 0 };
         assert_eq!(decode(&encode(&fork)), Ok(Record::Fork { mono_ns: 5, parent: 10, child: 11 }));
-        let exit = ExitRecord {
-            hdr: RecordHeader { kind: RecordKind::Exit as u32, cpu: 0, ts_ns: 6, tgid: 10, tid: 10 },
-            group_dead: 1,
-            _reserved: 0,
-        };
+        let exit = ExitRecord { hdr: RecordHeader::new(RecordKind::Exit, 6, 10, 10) };
         assert_eq!(decode(&encode(&exit)), Ok(Record::Exit { mono_ns: 6, tgid: 10 }));
     }
 }

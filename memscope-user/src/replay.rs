@@ -65,7 +65,7 @@ impl Generator {
         let mut fields = [0; memscope_common::spec::MAX_FIELDS];
         fields[0] = result.unwrap_or(0);
         out.extend_from_slice(as_bytes(&CallRecord {
-            hdr: RecordHeader { kind: RecordKind::Call as u32, cpu: 0, ts_ns: self.mono_ns, tgid: PID, tid: PID },
+            hdr: RecordHeader::new(RecordKind::Call, self.mono_ns, PID, PID),
             spec_id: api.spec_id() as u16,
             thread_device: 0,
             entry_ns: self.mono_ns - 400,

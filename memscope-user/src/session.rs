@@ -307,6 +307,8 @@ pub struct Finished {
     pub detaching: Detaching,
 }
 
+/// One trace: loads and attaches the probes, opens the store and the ring, lets the target go,
+/// runs the loop ([`Live::trace`]) and finishes the DBs ([`Live::finish`]).
 pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let Plan {
         command,
@@ -328,44 +330,18 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let start_wall = clock::wall_ns();
 
     let launch_mode = matches!(target, Target::Launched(_));
-    let opts = LoadOptions {
-        ring_bytes,
-        wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION,
-        follow_forks: follow,
-        debug_dirs,
-    };
-    // A child's uprobes hit in its own address space: following children means probing every
-    // process and filtering by the traced set in the kernel, as launch mode always does.
-    let scope_pid = (!launch_mode && !follow).then_some(pid);
-    let mut tracer = Tracer::load(&opts, pid, scope_pid).context("cannot load the eBPF programs")?;
-    tracer.trace_process(pid).context("cannot register the target process")?;
-
-    // One unusable file among the candidates is a warning; none usable is the error.
-    let mut probes = Vec::new();
-    let mut skipped = Vec::new();
-    let mut usable = Vec::new();
-    for lib in &libraries {
-        match tracer.attach(lib, probe_set) {
-            Ok(attached) => {
-                probes.extend(attached);
-                usable.push(lib.clone());
-            }
-            Err(e) => skipped.push(skip(quiet, lib, &e)),
-        }
-    }
-    let markers = attach_markers(&mut tracer, &usable, quiet);
-    if probes.is_empty() {
-        return Err(nothing_to_probe(&libraries, &skipped));
-    }
+    let mut tracer = load(pid, launch_mode, follow, ring_bytes, debug_dirs)?;
+    let Attached { probes, markers, skipped } = attach_all(&mut tracer, &libraries, probe_set, quiet)?;
 
     let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
+    let command = command.unwrap_or_else(|| command_line(pid));
     let mut meta: Meta = vec![
         ("tool".into(), "memscope-bpf".into()),
         ("tool_version".into(), env!("CARGO_PKG_VERSION").into()),
         ("kernel".into(), kernel_release()),
         ("mode".into(), if launch_mode { "launch" } else { "attach" }.into()),
         ("target_pid".into(), pid.to_string()),
-        ("command".into(), command.unwrap_or_else(|| command_line(pid))),
+        ("command".into(), command),
         ("start_ns".into(), start_wall.to_string()),
         ("clock".into(), format!("CLOCK_MONOTONIC + {} ns offset measured at start", clock.offset().as_nanos())),
         ("ring_bytes".into(), ring_bytes.to_string()),
@@ -381,20 +357,93 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;
 
-    let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
-    // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd` (both live
-    // until the end of this function, and `ring_fd` is declared later so it is dropped first).
+    let consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd`: both go into
+    // `Live`, where `ring_fd` is declared first and so dropped first (and `finish` drops it
+    // before `consumer`).
     let ring_fd = unsafe {
         AsyncFd::register_with_interest(std::os::fd::AsRawFd::as_raw_fd(consumer.ring()), Interest::READABLE)
     }
     .map_err(|e| e.into_parts().1)
     .context("cannot poll the ring buffer")?;
 
+    announce(&probes, &markers, libraries.len(), pid, follow, launch_mode, quiet);
+    let waiter = release(&mut target)?;
+
+    let tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
+    let mut live =
+        Live { pid, probe_set, quiet, tracer, ring_fd, consumer, recorder: Recorder::new(tracker, store), skipped };
+    let mut signals = Signals::new()?;
+    let stop_reason = live.trace(&mut signals, duration, waiter).await?;
+    live.finish(signals, stop_reason, started, run_dir)
+}
+
+/// Loads the eBPF programs and registers the target in the kernel's traced set.
+fn load(
+    pid: u32,
+    launch_mode: bool,
+    follow: bool,
+    ring_bytes: u32,
+    debug_dirs: Vec<PathBuf>,
+) -> anyhow::Result<Tracer> {
+    let opts = LoadOptions {
+        ring_bytes,
+        wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION,
+        follow_forks: follow,
+        debug_dirs,
+    };
+    // A child's uprobes hit in its own address space: following children means probing every
+    // process and filtering by the traced set in the kernel, as launch mode always does.
+    let scope_pid = (!launch_mode && !follow).then_some(pid);
+    let mut tracer = Tracer::load(&opts, pid, scope_pid).context("cannot load the eBPF programs")?;
+    tracer.trace_process(pid).context("cannot register the target process")?;
+    Ok(tracer)
+}
+
+/// What the start's attach found: the API probes, the marker sites and the libraries refused.
+struct Attached {
+    probes: Vec<AttachedProbe>,
+    markers: Vec<AttachedUsdt>,
+    skipped: Vec<SkippedLibrary>,
+}
+
+/// Attaches the libraries given at start. One unusable file among the candidates is a warning;
+/// none usable is the error.
+fn attach_all(tracer: &mut Tracer, libraries: &[Library], set: ProbeSet, quiet: bool) -> anyhow::Result<Attached> {
+    let mut probes = Vec::new();
+    let mut skipped = Vec::new();
+    let mut usable = Vec::new();
+    for lib in libraries {
+        match tracer.attach(lib, set) {
+            Ok(attached) => {
+                probes.extend(attached);
+                usable.push(lib.clone());
+            }
+            Err(e) => skipped.push(skip(quiet, lib, &e)),
+        }
+    }
+    let markers = attach_markers(tracer, &usable, quiet);
+    if probes.is_empty() {
+        return Err(nothing_to_probe(libraries, &skipped));
+    }
+    Ok(Attached { probes, markers, skipped })
+}
+
+/// The "live" line: what is probed and which processes are traced.
+fn announce(
+    probes: &[AttachedProbe],
+    markers: &[AttachedUsdt],
+    libraries: usize,
+    pid: u32,
+    follow: bool,
+    launch_mode: bool,
+    quiet: bool,
+) {
     say!(
         "memscope-bpf: live: {} probes on {} ({}); tracing pid {pid}{}",
         probes.len(),
-        if libraries.len() == 1 { "1 library".to_owned() } else { format!("{} libraries", libraries.len()) },
-        describe_libraries(&probes),
+        if libraries == 1 { "1 library".to_owned() } else { format!("{libraries} libraries") },
+        describe_libraries(probes),
         match (follow, launch_mode) {
             (true, true) => " and its children".to_owned(),
             (true, false) => format!(" and the children it forks from now on (--no-follow traces pid {pid} alone)"),
@@ -402,106 +451,226 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         },
     );
     if !markers.is_empty() {
-        note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(&markers)));
+        note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(markers)));
+    }
+}
+
+/// Lets a launched target run, now that its probes are in place; the returned channel gets its
+/// exit status. An attached target is already running: no channel.
+fn release(target: &mut Target) -> anyhow::Result<Option<oneshot::Receiver<std::io::Result<i32>>>> {
+    let Target::Launched(launched) = target else {
+        return Ok(None);
+    };
+    launched.release()?;
+    let (tx, rx) = oneshot::channel();
+    let child = launched.pid;
+    std::thread::spawn(move || {
+        let _ = tx.send(launch::wait(child));
+    });
+    Ok(Some(rx))
+}
+
+/// A running trace: the probes, the ring and what its records go to.
+struct Live {
+    pid: u32,
+    probe_set: ProbeSet,
+    quiet: bool,
+    tracer: Tracer,
+    /// Declared before `consumer`, whose descriptor it polls, so that it is dropped first.
+    ring_fd: AsyncFd<std::os::fd::RawFd>,
+    consumer: Consumer,
+    recorder: Recorder,
+    skipped: Vec<SkippedLibrary>,
+}
+
+impl Live {
+    /// Feeds every record waiting in the ring to the model and the store.
+    fn drain(&mut self) {
+        let Self { consumer, recorder, .. } = self;
+        consumer.drain(|e| recorder.on_event(e));
     }
 
-    let waiter = if let Target::Launched(launched) = &mut target {
-        launched.release()?;
-        let (tx, rx) = oneshot::channel();
-        let child = launched.pid;
-        std::thread::spawn(move || {
-            let _ = tx.send(launch::wait(child));
-        });
-        Some(rx)
-    } else {
-        None
-    };
-
-    let mut recorder =
-        Recorder::new(if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() }, store);
-    let mut signals = Signals::new()?;
-    let deadline = async {
-        match duration {
-            Some(d) => {
-                tokio::time::sleep(d).await;
-                format!("--duration {:.1} s reached", d.as_secs_f64())
-            }
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(deadline);
-    let exited = target_exit(pid, waiter);
-    tokio::pin!(exited);
-    let mut ending = procs::Ending::default();
-    let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
-    let mut last_commit = Instant::now();
-    let mut last_rescan = Instant::now();
-
-    let stop_reason = loop {
-        tokio::select! {
-            reason = signals.next() => break reason.to_owned(),
-            reason = &mut deadline => break reason,
-            reason = &mut exited, if !ending.target_gone() => {
-                // Its children are in the kernel's traced set already; drain so that their fork
-                // records reach the model and the rescan before the rest is traced alone.
-                consumer.drain(|e| recorder.on_event(e));
-                match ending.target_exited(reason, &still_traced(&tracer, &recorder.children, pid)) {
-                    Ok(reason) => break reason,
-                    Err(waiting) => note(quiet, waiting),
-                }
-            }
-            guard = ring_fd.readable() => {
-                if let Ok(mut guard) = guard {
-                    guard.clear_ready();
-                }
-                consumer.drain(|e| recorder.on_event(e));
-            }
-            _ = drain_tick.tick() => {
-                consumer.drain(|e| recorder.on_event(e));
-                if ending.check_due() {
-                    if let Some(reason) = ending.check(&still_traced(&tracer, &recorder.children, pid)) {
-                        break reason;
-                    }
-                }
-                if last_commit.elapsed() >= COMMIT_EVERY {
-                    recorder.store.commit()?;
-                    last_commit = Instant::now();
-                }
-                if last_rescan.elapsed() >= RESCAN_EVERY {
-                    last_rescan = Instant::now();
-                    let pids = std::iter::once(pid).chain(recorder.children.iter().copied()).collect::<Vec<_>>();
-                    let (added, markers) = rescan(&mut tracer, pids.into_iter(), probe_set, quiet, &mut skipped, &mut recorder.store)?;
-                    if !added.is_empty() {
-                        note(quiet, format!("attached {} more probes in {} (loaded after the trace started)", added.len(), describe_libraries(&added)));
-                        recorder.store.add_probes(probe_rows(&added, clock::wall_ns()))?;
-                    }
-                    if !markers.is_empty() {
-                        note(quiet, format!("markers: {} USDT sites in {} (loaded after the trace started)", markers.len(), describe_marker_libraries(&markers)));
-                        recorder.store.add_probes(usdt_rows(&markers, clock::wall_ns()))?;
-                    }
-                }
-            }
-        }
-        if let Some(err) = recorder.error.take() {
-            return Err(err);
-        }
-    };
-
-    note(quiet, format!("stopping ({stop_reason})…"));
-    // Everything the target did before we stopped is in the ring already.
-    consumer.drain(|e| recorder.on_event(e));
-    if let Some(err) = recorder.error.take() {
-        return Err(err);
+    /// The traced processes other than the target still running ([`still_traced`]).
+    fn still_traced(&self) -> Vec<u32> {
+        still_traced(&self.tracer, &self.recorder.children, self.pid)
     }
-    let stop_wall = clock::wall_ns();
-    let lost_per_cpu = tracer.lost_per_cpu().unwrap_or_default();
-    let lost: u64 = lost_per_cpu.iter().sum();
-    // From here on nothing is read from the probes: they detach while the DBs are finished.
-    let detaching = Detaching::start(tracer, signals);
 
-    let Recorder { mut tracker, mut store, calls, markers, .. } = recorder;
-    let device_stats: Vec<_> = tracker.devices().map(|(k, v)| (k, v.clone())).collect();
-    let pools: Vec<PoolLine> = tracker
+    /// The first write error, which ends the trace.
+    fn write_error(&mut self) -> anyhow::Result<()> {
+        self.recorder.error.take().map_or(Ok(()), Err)
+    }
+
+    /// The loop: drains the ring until a signal, the deadline or the end of the last traced
+    /// process; returns why it stopped.
+    async fn trace(
+        &mut self,
+        signals: &mut Signals,
+        duration: Option<Duration>,
+        waiter: Option<oneshot::Receiver<std::io::Result<i32>>>,
+    ) -> anyhow::Result<String> {
+        let deadline = async {
+            match duration {
+                Some(d) => {
+                    tokio::time::sleep(d).await;
+                    format!("--duration {:.1} s reached", d.as_secs_f64())
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(deadline);
+        let exited = target_exit(self.pid, waiter);
+        tokio::pin!(exited);
+        let mut ending = procs::Ending::default();
+        let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
+        let mut last_commit = Instant::now();
+        let mut last_rescan = Instant::now();
+
+        loop {
+            tokio::select! {
+                reason = signals.next() => return Ok(reason.to_owned()),
+                reason = &mut deadline => return Ok(reason),
+                reason = &mut exited, if !ending.target_gone() => {
+                    // Its children are in the kernel's traced set already; drain so that their fork
+                    // records reach the model and the rescan before the rest is traced alone.
+                    self.drain();
+                    match ending.target_exited(reason, &self.still_traced()) {
+                        Ok(reason) => return Ok(reason),
+                        Err(waiting) => note(self.quiet, waiting),
+                    }
+                }
+                guard = self.ring_fd.readable() => {
+                    if let Ok(mut guard) = guard {
+                        guard.clear_ready();
+                    }
+                    self.drain();
+                }
+                _ = drain_tick.tick() => {
+                    self.drain();
+                    if ending.check_due() {
+                        if let Some(reason) = ending.check(&self.still_traced()) {
+                            return Ok(reason);
+                        }
+                    }
+                    if last_commit.elapsed() >= COMMIT_EVERY {
+                        self.recorder.store.commit()?;
+                        last_commit = Instant::now();
+                    }
+                    if last_rescan.elapsed() >= RESCAN_EVERY {
+                        last_rescan = Instant::now();
+                        self.rescan()?;
+                    }
+                }
+            }
+            self.write_error()?;
+        }
+    }
+
+    /// Probes the libraries the traced processes mapped since the last look.
+    fn rescan(&mut self) -> anyhow::Result<()> {
+        let pids = std::iter::once(self.pid).chain(self.recorder.children.iter().copied()).collect::<Vec<_>>();
+        let (quiet, store) = (self.quiet, &mut self.recorder.store);
+        let (added, markers) =
+            rescan(&mut self.tracer, pids.into_iter(), self.probe_set, quiet, &mut self.skipped, store)?;
+        if !added.is_empty() {
+            let libraries = describe_libraries(&added);
+            note(
+                quiet,
+                format!("attached {} more probes in {libraries} (loaded after the trace started)", added.len()),
+            );
+            store.add_probes(probe_rows(&added, clock::wall_ns()))?;
+        }
+        if !markers.is_empty() {
+            let libraries = describe_marker_libraries(&markers);
+            note(
+                quiet,
+                format!("markers: {} USDT sites in {libraries} (loaded after the trace started)", markers.len()),
+            );
+            store.add_probes(usdt_rows(&markers, clock::wall_ns()))?;
+        }
+        Ok(())
+    }
+
+    /// Stops reading: drains what is left, hands the probes to a thread that detaches them, and
+    /// meanwhile finishes the DBs (shadow frees for live blocks, `ms_meta`'s totals).
+    fn finish(
+        mut self,
+        signals: Signals,
+        stop_reason: String,
+        started: Instant,
+        run_dir: PathBuf,
+    ) -> anyhow::Result<Finished> {
+        note(self.quiet, format!("stopping ({stop_reason})…"));
+        // Everything the target did before we stopped is in the ring already.
+        self.drain();
+        self.write_error()?;
+        let stop_wall = clock::wall_ns();
+        let lost_per_cpu = self.tracer.lost_per_cpu().unwrap_or_default();
+        let lost: u64 = lost_per_cpu.iter().sum();
+        let Self { tracer, ring_fd, consumer, recorder, skipped, .. } = self;
+        drop(ring_fd);
+        // From here on nothing is read from the probes: they detach while the DBs are finished.
+        let detaching = Detaching::start(tracer, signals);
+
+        let Recorder { mut tracker, mut store, calls, markers, .. } = recorder;
+        // Taken before the shadow frees below, which are not the program's own.
+        let mut devices = device_lines(&tracker);
+        let pools = pool_lines(&tracker);
+        store.stopping()?;
+        tracker.finish(stop_wall, |output| store.write_output(&output))?;
+        let undecodable = consumer.stats.undecodable;
+        let final_meta: Meta = vec![
+            ("stop_ns".into(), stop_wall.to_string()),
+            ("stop_reason".into(), stop_reason.clone()),
+            ("calls_recorded".into(), calls.to_string()),
+            ("markers_recorded".into(), markers.to_string()),
+            ("records_lost".into(), lost.to_string()),
+            ("records_undecodable".into(), undecodable.to_string()),
+        ];
+        let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost)).collect();
+        let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
+        if written.is_empty() {
+            let _ = std::fs::remove_dir(&run_dir);
+        }
+        for line in &mut devices {
+            line.file = written.iter().find(|w| w.device == line.device).map(|w| w.path.clone());
+        }
+        let elapsed = started.elapsed();
+        let summary = Summary {
+            stop_reason,
+            elapsed,
+            calls,
+            lost,
+            undecodable,
+            run_dir,
+            devices,
+            pools,
+            skipped_libraries: skipped,
+        };
+        Ok(Finished { summary, detaching })
+    }
+}
+
+/// The summary's line of each device, its file still unknown.
+fn device_lines(tracker: &Tracker) -> Vec<DeviceLine> {
+    tracker
+        .devices()
+        .map(|(device, s)| DeviceLine {
+            device,
+            peak: s.peak,
+            live_bytes: s.used,
+            live_blocks: s.live_blocks,
+            mallocs: s.mallocs,
+            frees: s.frees,
+            untracked_frees: s.untracked_frees,
+            failures: s.failures,
+            file: None,
+        })
+        .collect()
+}
+
+/// The summary's line of each caching pool.
+fn pool_lines(tracker: &Tracker) -> Vec<PoolLine> {
+    tracker
         .pools()
         .map(|((device, pool, pid), s)| PoolLine {
             device,
@@ -513,47 +682,5 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
             total: s.total,
             live_blocks: s.live_blocks,
         })
-        .collect();
-    store.stopping()?;
-    tracker.finish(stop_wall, |output| store.write_output(&output))?;
-    let final_meta: Meta = vec![
-        ("stop_ns".into(), stop_wall.to_string()),
-        ("stop_reason".into(), stop_reason.clone()),
-        ("calls_recorded".into(), calls.to_string()),
-        ("markers_recorded".into(), markers.to_string()),
-        ("records_lost".into(), lost.to_string()),
-        ("records_undecodable".into(), consumer.stats.undecodable.to_string()),
-    ];
-    let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost)).collect();
-    let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
-    if written.is_empty() {
-        let _ = std::fs::remove_dir(&run_dir);
-    }
-
-    let devices = device_stats
-        .into_iter()
-        .map(|(device, s)| DeviceLine {
-            device,
-            peak: s.peak,
-            live_bytes: s.used,
-            live_blocks: s.live_blocks,
-            mallocs: s.mallocs,
-            frees: s.frees,
-            untracked_frees: s.untracked_frees,
-            failures: s.failures,
-            file: written.iter().find(|w| w.device == device).map(|w| w.path.clone()),
-        })
-        .collect();
-    let summary = Summary {
-        stop_reason,
-        elapsed: started.elapsed(),
-        calls,
-        lost,
-        undecodable: consumer.stats.undecodable,
-        run_dir,
-        devices,
-        pools,
-        skipped_libraries: skipped,
-    };
-    Ok(Finished { summary, detaching })
+        .collect()
 }

@@ -177,14 +177,8 @@ fn copy_blob(spec: &ProbeSpec, spec_id: u32, args: &[u64; MAX_ARGS], pid_tgid: u
     let mut entry = reserve::<BlobRecord>()?;
     // SAFETY: a reserved, exclusively owned slot; every field is written before submit.
     let record = unsafe { &mut *entry.as_mut_ptr() };
-    record.hdr = RecordHeader {
-        kind: RecordKind::Blob as u32,
-        cpu: 0,
-        // SAFETY: helper without arguments.
-        ts_ns: unsafe { bpf_ktime_get_ns() },
-        tgid: (pid_tgid >> 32) as u32,
-        tid: pid_tgid as u32,
-    };
+    // SAFETY: helper without arguments.
+    record.hdr = RecordHeader::of_task(RecordKind::Blob, unsafe { bpf_ktime_get_ns() }, pid_tgid);
     record.spec_id = spec_id;
     record.full_len = full_len;
     // A constant-size read keeps the verifier's job trivial; a buffer shorter than BLOB_LEN at
@@ -268,14 +262,8 @@ fn fill_call(
     pid_tgid: u64,
     state: *mut ThreadState,
 ) {
-    record.hdr = RecordHeader {
-        kind: kind as u32,
-        cpu: 0,
-        // SAFETY: helper without arguments.
-        ts_ns: unsafe { bpf_ktime_get_ns() },
-        tgid: (pid_tgid >> 32) as u32,
-        tid: pid_tgid as u32,
-    };
+    // SAFETY: helper without arguments.
+    record.hdr = RecordHeader::of_task(kind, unsafe { bpf_ktime_get_ns() }, pid_tgid);
     // Below MAX_SPECS: the spec was found in the array.
     record.spec_id = open.spec_id as u16;
     record.entry_ns = open.entry_ns;

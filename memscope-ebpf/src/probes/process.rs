@@ -8,7 +8,7 @@
 //! versions: `parent_comm` became a `__data_loc` string in 6.x).
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns},
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns},
     macros::tracepoint,
     programs::TracePointContext,
     Global,
@@ -27,14 +27,8 @@ static FORK_CHILD_PID_OFFSET: Global<u32> = Global::new(20);
 static EXIT_GROUP_DEAD_OFFSET: Global<u32> = Global::new(32);
 
 fn header(kind: RecordKind, pid_tgid: u64) -> RecordHeader {
-    RecordHeader {
-        kind: kind as u32,
-        // SAFETY: helpers without arguments.
-        cpu: unsafe { bpf_get_smp_processor_id() },
-        ts_ns: unsafe { bpf_ktime_get_ns() },
-        tgid: (pid_tgid >> 32) as u32,
-        tid: pid_tgid as u32,
-    }
+    // SAFETY: helper without arguments.
+    RecordHeader::of_task(kind, unsafe { bpf_ktime_get_ns() }, pid_tgid)
 }
 
 #[tracepoint]
@@ -85,6 +79,6 @@ fn try_exit(ctx: &TracePointContext) -> Option<()> {
         return Some(());
     }
     let _ = TRACED.remove(tgid);
-    output(&ExitRecord { hdr: header(RecordKind::Exit, pid_tgid), group_dead: 1, _reserved: 0 });
+    output(&ExitRecord { hdr: header(RecordKind::Exit, pid_tgid) });
     Some(())
 }

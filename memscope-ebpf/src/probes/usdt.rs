@@ -50,14 +50,8 @@ fn try_hit(ctx: &ProbeContext) -> Option<()> {
     let mut entry = reserve::<UsdtRecord>()?;
     // SAFETY: `entry` is a reserved, exclusively owned slot; every field is written before submit.
     let record = unsafe { &mut *entry.as_mut_ptr() };
-    record.hdr = RecordHeader {
-        kind: RecordKind::Usdt as u32,
-        cpu: 0,
-        // SAFETY: helper without arguments.
-        ts_ns: unsafe { bpf_ktime_get_ns() },
-        tgid: (pid_tgid >> 32) as u32,
-        tid: pid_tgid as u32,
-    };
+    // SAFETY: helper without arguments.
+    record.hdr = RecordHeader::of_task(RecordKind::Usdt, unsafe { bpf_ktime_get_ns() }, pid_tgid);
     record.spec_id = spec_id;
     record.probe = spec.probe;
     #[expect(clippy::needless_range_loop, reason = "constant indexes keep each access verifiable")]

@@ -21,6 +21,7 @@
 //!    tensors after the attach, so nearly every ledger entry must count.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -61,22 +62,20 @@ fn counts<T: Ord + Clone>(items: &[T]) -> BTreeMap<T, usize> {
     m
 }
 
-#[test]
-fn operator_rows_match_the_workloads_own_dispatch_ledger() {
-    let env = env("ops");
-    let Some((python, markers)) = real_torch() else { return };
-    let started = Instant::now();
+/// Runs the torch job with the tracer attached from its start; returns the job's ledger, the
+/// tracer's output and its stderr.
+fn traced_ops_run(env: &TestEnv, python: &Path, markers: &Path) -> (Ledger, Output, String) {
     let workload = env.workload.with_file_name("torch_ops.py");
     let ledger_path = env.scratch.join("ledger.json");
     let ready = env.scratch.join("ready");
     let out = env.scratch.join("out");
 
-    let mut job = Command::new(&python)
+    let mut job = Command::new(python)
         .arg(&workload)
         .args(["--ledger", &ledger_path.display().to_string()])
         .args(["--ready", &ready.display().to_string()])
         .args(["--steps", "3"])
-        .env("PYTHONPATH", &markers)
+        .env("PYTHONPATH", markers)
         .stdin(Stdio::null())
         .spawn()
         .expect("start the torch workload");
@@ -84,7 +83,7 @@ fn operator_rows_match_the_workloads_own_dispatch_ledger() {
     assert_eq!(pid, job.id());
 
     let (out_s, pid_s) = (out.display().to_string(), pid.to_string());
-    let mut tracer = Tracer::spawn(&env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
+    let mut tracer = Tracer::spawn(env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
     tracer.wait_live(Duration::from_secs(60));
     assert_eq!(wait_child(&mut job, Duration::from_secs(180)), 0, "the torch workload failed");
     let (code, stderr) = tracer.finish(Duration::from_secs(60));
@@ -97,16 +96,12 @@ fn operator_rows_match_the_workloads_own_dispatch_ledger() {
     assert_eq!(ledger.pid, pid);
     assert!(ledger.ops.len() > 50, "a few training steps make many operators: {}", ledger.ops.len());
 
-    let output = read_output(&out);
-    assert_eq!(meta(output.db("device_cpu"), "records_lost").as_deref(), Some("0"), "records were lost: {stderr}");
-    // Every device file carries the operator rows (broadcast); the host blocks are in the cpu one.
-    for (folder, (_, rows)) in &output.files {
-        let n = rows.iter().filter(|r| r.event == "OP_LAUNCH").count();
-        assert_eq!(n, 2 * ledger.ops.len(), "{folder}: one ATEN_START and one ATEN_END per operator");
-    }
-    let rows: Vec<&DbRow> = output.files["device_cpu"].1.iter().filter(|r| r.pid == pid).collect();
+    (ledger, read_output(&out), stderr)
+}
 
-    // ---- 1. the operator sequence, per thread
+/// Each thread's ATEN_START/ATEN_END rows, in row order, are start/end pairs of exactly the
+/// ledger's operators, in its order.
+fn assert_op_sequence(rows: &[&DbRow], ledger: &Ledger) {
     let mut db_seq: BTreeMap<u32, Vec<(String, String)>> = BTreeMap::new();
     for r in rows.iter().filter(|r| r.event == "OP_LAUNCH") {
         assert_eq!((r.ptr.as_str(), r.device.as_str()), ("N/A", "cpu"), "{r:?}");
@@ -131,8 +126,22 @@ fn operator_rows_match_the_workloads_own_dispatch_ledger() {
         );
     }
     assert_eq!(db_seq.keys().collect::<Vec<_>>(), want_seq.keys().collect::<Vec<_>>(), "the same threads");
+}
 
-    // ---- 2. the accesses of each operator, replaying the cpu file's rows in ID order
+/// What replaying the cpu file's rows found: accesses matched, ledger entries on storages the
+/// trace never saw allocated, READ and WRITE rows, and the operators whose accesses differ.
+#[derive(Default)]
+struct Replayed {
+    matched: usize,
+    excluded: usize,
+    reads: usize,
+    writes: usize,
+    mismatches: Vec<String>,
+}
+
+/// Replays the rows in ID order: each operator's ACCESS rows against the ledger's accesses on
+/// storages live when it ended; each access row's block must be the live block holding `Ptr`.
+fn replay_accesses(rows: &[&DbRow], ledger: &Ledger) -> Replayed {
     let mut next_op: HashMap<u32, usize> = HashMap::new();
     let ops_of: HashMap<u32, Vec<&LedgerOp>> = ledger.ops.iter().fold(HashMap::new(), |mut m, op| {
         m.entry(op.tid).or_insert_with(Vec::new).push(op);
@@ -141,9 +150,8 @@ fn operator_rows_match_the_workloads_own_dispatch_ledger() {
     // live c10 blocks: start -> (end, allocation_id)
     let mut live: BTreeMap<u64, (u64, String)> = BTreeMap::new();
     let mut open: HashMap<u32, (String, Vec<Access>)> = HashMap::new();
-    let (mut matched, mut excluded, mut reads, mut writes) = (0usize, 0usize, 0usize, 0usize);
-    let mut mismatches = Vec::new();
-    for r in &rows {
+    let mut seen = Replayed::default();
+    for r in rows {
         match (r.event.as_str(), r.name.as_str()) {
             ("MALLOC", ALLOC) => {
                 let (ptr, size) = (r.ptr_value().unwrap(), r.attr_u64("size").unwrap());
@@ -166,14 +174,14 @@ fn operator_rows_match_the_workloads_own_dispatch_ledger() {
                     if live.contains_key(ptr) {
                         want.push((kind.to_uppercase(), *ptr, *nbytes, dtype.clone(), shape_text(shape)));
                     } else {
-                        excluded += 1;
+                        seen.excluded += 1;
                     }
                 }
                 let (got_c, want_c) = (counts(&got), counts(&want));
                 if got_c != want_c {
-                    mismatches.push(format!("op #{} {}: DB {got_c:?}\n    ledger {want_c:?}", *i - 1, op.name));
+                    seen.mismatches.push(format!("op #{} {}: DB {got_c:?}\n    ledger {want_c:?}", *i - 1, op.name));
                 }
-                matched += want.len();
+                seen.matched += want.len();
             }
             ("ACCESS", name) => {
                 let (op_name, got) = open.get_mut(&r.tid).unwrap_or_else(|| panic!("an access outside an op: {r:?}"));
@@ -184,8 +192,8 @@ fn operator_rows_match_the_workloads_own_dispatch_ledger() {
                 assert!(addr < *end && start == block, "Attr.block is the live block holding Ptr: {r:?}");
                 assert_eq!((&r.attr["allocation_id"], r.attr["type"].as_str()), (id, "HOST"), "{r:?}");
                 match r.event_type.as_str() {
-                    "READ" => reads += 1,
-                    "WRITE" => writes += 1,
+                    "READ" => seen.reads += 1,
+                    "WRITE" => seen.writes += 1,
                     other => panic!("an operator's access is READ or WRITE, not {other}"),
                 }
                 let a = |k: &str| r.attr.get(k).cloned().unwrap_or_else(|| panic!("no Attr {k}: {r:?}"));
@@ -195,6 +203,29 @@ fn operator_rows_match_the_workloads_own_dispatch_ledger() {
         }
     }
     assert!(open.is_empty(), "every operator ended: {open:?}");
+    seen
+}
+
+#[test]
+fn operator_rows_match_the_workloads_own_dispatch_ledger() {
+    let env = env("ops");
+    let Some((python, markers)) = real_torch() else { return };
+    let started = Instant::now();
+    let (ledger, output, stderr) = traced_ops_run(&env, &python, &markers);
+    let pid = ledger.pid;
+    assert_eq!(meta(output.db("device_cpu"), "records_lost").as_deref(), Some("0"), "records were lost: {stderr}");
+    // Every device file carries the operator rows (broadcast); the host blocks are in the cpu one.
+    for (folder, (_, rows)) in &output.files {
+        let n = rows.iter().filter(|r| r.event == "OP_LAUNCH").count();
+        assert_eq!(n, 2 * ledger.ops.len(), "{folder}: one ATEN_START and one ATEN_END per operator");
+    }
+    let rows: Vec<&DbRow> = output.files["device_cpu"].1.iter().filter(|r| r.pid == pid).collect();
+
+    // ---- 1. the operator sequence, per thread
+    assert_op_sequence(&rows, &ledger);
+
+    // ---- 2. the accesses of each operator, replaying the cpu file's rows in ID order
+    let Replayed { matched, excluded, reads, writes, mismatches } = replay_accesses(&rows, &ledger);
     assert!(mismatches.is_empty(), "{} operators differ:\n  {}", mismatches.len(), mismatches.join("\n  "));
     eprintln!(
         "ops: {} operators, {matched} accesses matched ({reads} READ / {writes} WRITE rows), {excluded} ledger \

@@ -240,25 +240,31 @@ fn mark_row<'a>(rows: &[&'a DbRow], message: &str) -> &'a DbRow {
     found[0]
 }
 
-#[test]
-fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
-    // The tier first: run any other way this fails with how to run it, rather than skip.
-    let env = env("real_torch");
-    let Some((python, markers)) = real_torch() else { return };
-    let started = Instant::now();
+/// What a traced run of the torch job left: the tracer's output and stderr, the job's ledger,
+/// and bpftrace's counts when bpftrace is installed.
+struct TorchRun {
+    output: Output,
+    stderr: String,
+    ledger: PathBuf,
+    counts: Option<(BTreeMap<String, u64>, String)>,
+}
+
+/// Runs the torch job to its gate, attaches the tracer (and the bpftrace counter) to it, lets it
+/// finish and stops the tracer.
+fn traced_torch_run(env: &TestEnv, python: &Path, markers: &Path) -> TorchRun {
     let workload = env.workload.with_file_name("torch_cpu_train.py");
     let ledger = env.scratch.join("ledger.jsonl");
     let ready = env.scratch.join("ready");
     let gate = env.scratch.join("gate");
     let out = env.scratch.join("out");
 
-    let mut job = Command::new(&python)
+    let mut job = Command::new(python)
         .arg(&workload)
         .args(["--ledger", &ledger.display().to_string()])
         .args(["--ready", &ready.display().to_string()])
         .args(["--gate", &gate.display().to_string()])
         .args(["--steps", "6", "--checkpoint-step", "3"])
-        .env("PYTHONPATH", &markers)
+        .env("PYTHONPATH", markers)
         .stdin(Stdio::null())
         .spawn()
         .expect("start the torch workload");
@@ -267,7 +273,7 @@ fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
 
     let out_s = out.display().to_string();
     let pid_s = pid.to_string();
-    let mut tracer = Tracer::spawn(&env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
+    let mut tracer = Tracer::spawn(env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
     let counter = match bpftrace() {
         Some(bin) => {
             let libc10 = mapped(pid, |n| n == "libc10.so").expect("torch's libc10.so is mapped");
@@ -290,11 +296,11 @@ fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
     assert_eq!(code, Some(0), "{stderr}");
     let counts = counter.map(Counter::finish);
     eprintln!("tracer:\n{stderr}");
+    TorchRun { output: read_output(&out), stderr, ledger, counts }
+}
 
-    let output = read_output(&out);
-    let db = output.db("device_cpu").to_owned();
-    assert_eq!(meta(&db, "records_lost").as_deref(), Some("0"), "records were lost: {stderr}");
-    let rows: Vec<&DbRow> = output.files["device_cpu"].1.iter().collect();
+/// The c10 rows: MALLOC of alloc_cpu and FREE of free_cpu only, all HOST rows on cpu.
+fn c10_rows<'a>(rows: &[&'a DbRow]) -> Vec<&'a DbRow> {
     let c10: Vec<&DbRow> = rows.iter().copied().filter(|r| r.name == ALLOC || r.name == FREE).collect();
     let odd: Vec<&&DbRow> = c10
         .iter()
@@ -308,12 +314,15 @@ fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
         &odd[..odd.len().min(3)]
     );
     assert!(c10.iter().all(|r| r.event_type == "HOST" && r.device == "cpu"), "c10 rows are HOST rows on cpu");
+    c10
+}
 
-    // ---- 1. owner decomposition at the checkpoint
-    let cp = read_checkpoint(&ledger);
+/// The live blocks at the checkpoint are exactly torch's weights, gradients and optimizer
+/// state, each with its owner.
+fn assert_checkpoint_decomposition(c10: &[&DbRow], begin: &DbRow, cp: &Checkpoint) {
     let near: Vec<&&DbRow> = c10.iter().filter(|r| !r.is_shadow() && r.ts.abs_diff(cp.t) < QUIET_NS).collect();
     assert!(near.is_empty(), "the workload was to be quiet around the checkpoint {}: {near:?}", cp.t);
-    let live = live_at(&c10, cp.t);
+    let live = live_at(c10, cp.t);
     let decomp = decomposition(&live);
     eprintln!("live at the checkpoint (step {}, t {}):\n{decomp}", cp.step, cp.t);
     let mut by_class: BTreeMap<&str, u64> = BTreeMap::new();
@@ -340,8 +349,6 @@ fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
     }
     // Everything the job made after its first mark and still holds at T is one of those
     // storages: parameters, gradients and state are all it keeps across a step.
-    let begin = mark_row(&rows, COUNT_BEGIN);
-    let end = mark_row(&rows, COUNT_END);
     let torch_ptrs: HashMap<u64, u64> =
         cp.weight.iter().chain(&cp.gradient).chain(&cp.optimizer_state).copied().collect();
     let born: Vec<&Live> = live.iter().filter(|b| b.malloc.ts > begin.ts).collect();
@@ -349,12 +356,18 @@ fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
         born.iter().filter(|b| !torch_ptrs.contains_key(&b.malloc.ptr_value().unwrap())).map(|b| b.malloc).collect();
     assert!(extra.is_empty(), "blocks live at T that torch does not hold: {extra:#?}\n{decomp}");
     assert_eq!(born.len(), torch_ptrs.len(), "live blocks born in the job vs torch's storages\n{decomp}");
+}
 
-    // ---- 2. call counts against bpftrace
-    let Some((maps, bt_output)) = counts else {
-        eprintln!("real_torch: done in {:.1} s (bpftrace check skipped)", started.elapsed().as_secs_f64());
-        return;
-    };
+/// Between the two count marks the tracer has one row per alloc_cpu and free_cpu call that
+/// bpftrace counted.
+fn assert_counts_match_bpftrace(
+    c10: &[&DbRow],
+    marks: (&DbRow, &DbRow),
+    cp: &Checkpoint,
+    counts: &(BTreeMap<String, u64>, String),
+) {
+    let (maps, bt_output) = counts;
+    let (begin, end) = marks;
     assert!(begin.ts < end.ts);
     let window: Vec<&&DbRow> = c10.iter().filter(|r| !r.is_shadow() && r.ts > begin.ts && r.ts < end.ts).collect();
     assert!(
@@ -379,5 +392,32 @@ fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
     assert_eq!(bt("free_null"), 0, "torch never frees null through free_cpu");
     assert_eq!(db_alloc, bt("alloc"), "alloc_cpu: tracer rows vs bpftrace calls\n{bt_output}");
     assert_eq!(db_free, bt("free"), "free_cpu: tracer rows vs bpftrace calls\n{bt_output}");
+}
+
+#[test]
+fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
+    // The tier first: run any other way this fails with how to run it, rather than skip.
+    let env = env("real_torch");
+    let Some((python, markers)) = real_torch() else { return };
+    let started = Instant::now();
+    let run = traced_torch_run(&env, &python, &markers);
+
+    let db = run.output.db("device_cpu").to_owned();
+    assert_eq!(meta(&db, "records_lost").as_deref(), Some("0"), "records were lost: {}", run.stderr);
+    let rows: Vec<&DbRow> = run.output.files["device_cpu"].1.iter().collect();
+    let c10 = c10_rows(&rows);
+
+    // ---- 1. owner decomposition at the checkpoint
+    let cp = read_checkpoint(&run.ledger);
+    let begin = mark_row(&rows, COUNT_BEGIN);
+    let end = mark_row(&rows, COUNT_END);
+    assert_checkpoint_decomposition(&c10, begin, &cp);
+
+    // ---- 2. call counts against bpftrace
+    let Some(counts) = &run.counts else {
+        eprintln!("real_torch: done in {:.1} s (bpftrace check skipped)", started.elapsed().as_secs_f64());
+        return;
+    };
+    assert_counts_match_bpftrace(&c10, (begin, end), &cp, counts);
     eprintln!("real_torch: done in {:.1} s", started.elapsed().as_secs_f64());
 }
