@@ -11,11 +11,12 @@ use super::event::{Call, DeviceKey, Op, Pool, Space};
 use super::output::{AccessKind, Output, Site};
 use super::pools::PoolBlock;
 use super::tracker::Tracker;
+use crate::vocab::EventType;
 
 /// A live block found by address.
 pub(super) struct Hit {
     pub(super) device: DeviceKey,
-    pub(super) block_type: &'static str,
+    pub(super) block_type: EventType,
     pub(super) block: u64,
     pub(super) allocation_id: u64,
     pub(super) pool: Option<Pool>,
@@ -45,7 +46,13 @@ impl Tracker {
                 return None;
             }
             let (device, pool) = (b.device, Some(b.pool));
-            return Some(Hit { device, block_type: "PTA", block: start, allocation_id: b.allocation_id, pool });
+            return Some(Hit {
+                device,
+                block_type: EventType::Pta,
+                block: start,
+                allocation_id: b.allocation_id,
+                pool,
+            });
         }
         let (&(_, space, start), b) = self.device_block_at(pid, addr)?;
         if b.hidden {

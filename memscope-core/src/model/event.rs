@@ -2,6 +2,7 @@
 //! do not travel further than `record`.
 
 use crate::apis::Api;
+use crate::vocab::EventType;
 
 /// Where memory lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -17,11 +18,11 @@ pub enum Space {
 impl Space {
     /// The `Event Type` of this memory's MALLOC/FREE rows, as msMemScope writes them: pinned host
     /// memory is `HOST_PINNED` (Insight's decomposition accepts it), CPU tensors are `HOST`.
-    pub fn event_type(self) -> &'static str {
+    pub fn event_type(self) -> EventType {
         match self {
-            Self::Device => "HAL",
-            Self::Host => "HOST_PINNED",
-            Self::Cpu => "HOST",
+            Self::Device => EventType::Hal,
+            Self::Host => EventType::HostPinned,
+            Self::Cpu => EventType::Host,
         }
     }
 }
