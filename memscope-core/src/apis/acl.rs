@@ -7,8 +7,8 @@
 
 use memscope_common::spec::{cfg_kind, device_effect, layer, FieldRead, ProbeSpec};
 
+use super::op::{Op, Space};
 use super::{spec, Api, ApiDef, Family};
-use crate::model::{Op, Space};
 use crate::raw::RawCall;
 
 /// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.

@@ -16,8 +16,8 @@
 
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
+use super::op::Op;
 use super::{spec, Api, ApiDef, Family};
-use crate::model::Op;
 use crate::raw::RawCall;
 
 const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);

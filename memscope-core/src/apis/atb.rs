@@ -23,8 +23,8 @@
 
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
+use super::op::Op;
 use super::{no_status, spec, Api, ApiDef, Family, Layout};
-use crate::model::Op;
 
 /// `atb::RunnerVariantPack`: the members read, in field order.
 pub static RUNNER_VARIANT_PACK: Layout = Layout {

@@ -8,8 +8,8 @@
 
 use memscope_common::spec::{layer, ret_kind, ProbeSpec};
 
+use super::op::{Op, Space};
 use super::{no_status, spec, Api, ApiDef, Family};
-use crate::model::{Op, Space};
 use crate::raw::RawCall;
 
 /// A framework allocator like torch_npu's pools; neither function returns a status. Frees inside

@@ -10,8 +10,8 @@
 
 use memscope_common::spec::{layer, FieldRead};
 
+use super::op::{DriverInfo, Op, PageType, Space};
 use super::{spec, Api, ApiDef, Family};
-use crate::model::{DriverInfo, Op, PageType, Space};
 use crate::raw::RawCall;
 
 /// `DRV_ERROR_OUT_OF_MEMORY`.

@@ -1,5 +1,6 @@
 //! The traced APIs: for each one, the symbol names to attach, the capture rules handed to the BPF
-//! probes ([`ProbeSpec`]) and how a captured call decodes into a model [`Op`].
+//! probes ([`ProbeSpec`]) and how a captured call decodes into an [`Op`] (what the call did,
+//! [`op`]: below the model, which works on them).
 //!
 //! This table is the only place that knows API semantics. The BPF side is generic, and the model
 //! works on [`Op`]s, so adding an API is a row here plus a stand-in function and a ledger test.
@@ -15,15 +16,14 @@ mod c10;
 pub mod hal;
 pub mod markers;
 mod mstx;
+pub mod op;
 mod python_gc;
 pub mod torch_npu;
 
-use std::sync::OnceLock;
-
 use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS, MAX_SPECS};
 
-use crate::model::Op;
 use crate::raw::RawCall;
+pub use op::Op;
 
 /// A traced API. The discriminant is the spec index in the BPF `SPECS` map (and part of the
 /// attach cookie), so it must stay below `MAX_SPECS` and never be renumbered within one build.
@@ -205,38 +205,48 @@ pub const fn spec(layer: u32, outer_layer: u32, fields: &[FieldRead]) -> ProbeSp
     s
 }
 
+/// The catalogue's families' tables, in spec-id order.
+const TABLES: [&[ApiDef]; 8] = [
+    &acl::TABLE,
+    &hal::TABLE,
+    &torch_npu::TABLE,
+    &mstx::TABLE,
+    &c10::TABLE,
+    &acl_access::TABLE,
+    &python_gc::TABLE,
+    &atb::TABLE,
+];
+
+/// The table by spec id, built by the compiler: every record and row looks its API up, several
+/// times, so a lookup is one load. Two rows for one API do not build.
+static BY_ID: [Option<&'static ApiDef>; MAX_SPECS as usize] = {
+    let mut by_id = [None; MAX_SPECS as usize];
+    let mut t = 0;
+    while t < TABLES.len() {
+        let mut i = 0;
+        while i < TABLES[t].len() {
+            let def = &TABLES[t][i];
+            assert!(by_id[def.api as usize].is_none(), "two table rows for one API");
+            by_id[def.api as usize] = Some(def);
+            i += 1;
+        }
+        t += 1;
+    }
+    by_id
+};
+
 impl Api {
     /// Every API, in spec-id order.
     pub fn all() -> impl Iterator<Item = &'static ApiDef> {
-        acl::TABLE
-            .iter()
-            .chain(hal::TABLE.iter())
-            .chain(torch_npu::TABLE.iter())
-            .chain(mstx::TABLE.iter())
-            .chain(c10::TABLE.iter())
-            .chain(acl_access::TABLE.iter())
-            .chain(python_gc::TABLE.iter())
-            .chain(atb::TABLE.iter())
-    }
-
-    /// The table by spec id: every record and row looks its API up, several times.
-    fn by_id() -> &'static [Option<&'static ApiDef>; MAX_SPECS as usize] {
-        static BY_ID: OnceLock<[Option<&'static ApiDef>; MAX_SPECS as usize]> = OnceLock::new();
-        BY_ID.get_or_init(|| {
-            let mut table = [None; MAX_SPECS as usize];
-            for def in Self::all() {
-                table[def.api as usize] = Some(def);
-            }
-            table
-        })
+        TABLES.into_iter().flatten()
     }
 
     pub fn def(self) -> &'static ApiDef {
-        Self::by_id()[self as usize].expect("every Api variant has a table row (checked by a unit test)")
+        BY_ID[self as usize].expect("every Api variant has a table row (checked by a unit test)")
     }
 
     pub fn from_spec_id(id: u32) -> Option<Self> {
-        Self::by_id().get(usize::try_from(id).ok()?).copied().flatten().map(|def| def.api)
+        BY_ID.get(usize::try_from(id).ok()?).copied().flatten().map(|def| def.api)
     }
 
     pub fn spec_id(self) -> u32 {
@@ -282,5 +292,30 @@ mod tests {
         for id in 1..=Api::AclrtBinaryGetFunction as u32 {
             assert!(Api::from_spec_id(id).is_some(), "spec id {id} has no row");
         }
+    }
+
+    #[test]
+    fn every_apis_def_is_its_own_row() {
+        for def in Api::all() {
+            assert!(std::ptr::eq(def.api.def(), def), "{:?} finds another row", def.api);
+            assert_eq!(def.api.name(), def.name);
+        }
+    }
+
+    /// The catalogue sits below the model: a decoder that needs a type of the model, the store
+    /// or the analyses would make the layers a cycle again.
+    #[test]
+    fn the_catalogue_imports_nothing_from_the_layers_above_it() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/apis");
+        let mut files = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap();
+            for above in ["model", "store", "analysis"] {
+                assert!(!text.contains(&format!("crate::{above}")), "{} names crate::{above}", path.display());
+            }
+            files += 1;
+        }
+        assert!(files > 5, "read the catalogue's files");
     }
 }

@@ -15,8 +15,8 @@
 
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
+use super::op::{Marker, Op};
 use super::{no_status, spec, Api, ApiDef, Family};
-use crate::model::{Marker, Op};
 use crate::raw::RawCall;
 
 const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {

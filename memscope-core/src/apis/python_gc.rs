@@ -14,8 +14,8 @@
 
 use memscope_common::spec::{layer, ret_kind, ProbeSpec};
 
+use super::op::Op;
 use super::{no_status, spec, Api, ApiDef, Family};
-use crate::model::Op;
 
 const fn gc_spec() -> ProbeSpec {
     let mut s = spec(layer::GC, 0, &[]);

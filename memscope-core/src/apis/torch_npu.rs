@@ -25,8 +25,8 @@
 
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
+use super::op::{Op, Pool};
 use super::{no_status, spec, Api, ApiDef, Family, Layout};
-use crate::model::{Op, Pool};
 use crate::raw::RawCall;
 
 /// `c10_npu::NPUWorkspaceAllocator::DeviceWorkspaceAllocator`: one per device, so its `device`
