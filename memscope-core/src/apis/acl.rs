@@ -8,7 +8,7 @@
 use memscope_common::spec::{cfg_kind, device_effect, layer, FieldRead, ProbeSpec};
 
 use super::op::{Op, Space};
-use super::{spec, Api, ApiDef, Family};
+use super::{spec, Api, ApiDef, Family, Tracking};
 use crate::raw::RawCall;
 
 /// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
@@ -38,7 +38,17 @@ fn oom(status: i32) -> bool {
 }
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef { api, name: symbol, symbol, family: Family::AclRuntime, spec, decode, out_of_memory: oom, layout: None }
+    ApiDef {
+        api,
+        name: symbol,
+        symbol,
+        family: Family::AclRuntime,
+        spec,
+        decode,
+        out_of_memory: oom,
+        layout: None,
+        tracking: Tracking::NONE,
+    }
 }
 
 pub(super) static TABLE: [ApiDef; 15] = [

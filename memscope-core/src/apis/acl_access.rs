@@ -17,7 +17,7 @@
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
 use super::op::Op;
-use super::{spec, Api, ApiDef, Family};
+use super::{spec, Api, ApiDef, Family, Tracking};
 use crate::raw::RawCall;
 
 const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
@@ -58,6 +58,7 @@ const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCal
         decode,
         out_of_memory: super::no_status,
         layout: None,
+        tracking: Tracking::NONE,
     }
 }
 

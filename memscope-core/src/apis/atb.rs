@@ -24,7 +24,7 @@
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
 use super::op::Op;
-use super::{no_status, spec, Api, ApiDef, Family, Layout};
+use super::{no_status, spec, Api, ApiDef, Family, Layout, Tracking};
 
 /// `atb::RunnerVariantPack`: the members read, in field order.
 pub static RUNNER_VARIANT_PACK: Layout = Layout {
@@ -67,6 +67,7 @@ pub(super) static TABLE: [ApiDef; 1] = [ApiDef {
     },
     out_of_memory: no_status,
     layout: Some(&RUNNER_VARIANT_PACK),
+    tracking: Tracking::NONE,
 }];
 
 #[cfg(test)]

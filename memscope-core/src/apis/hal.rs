@@ -11,7 +11,7 @@
 use memscope_common::spec::{layer, FieldRead};
 
 use super::op::{DriverInfo, Op, PageType, Space};
-use super::{spec, Api, ApiDef, Family};
+use super::{spec, Api, ApiDef, Family, Tracking};
 use crate::raw::RawCall;
 
 /// `DRV_ERROR_OUT_OF_MEMORY`.
@@ -135,7 +135,10 @@ const fn row(
     spec: memscope_common::spec::ProbeSpec,
     decode: fn(&RawCall) -> Op,
 ) -> ApiDef {
-    ApiDef { api, name: symbol, symbol, family: Family::Hal, spec, decode, out_of_memory: oom, layout: None }
+    // A driver call inside a runtime call is the runtime call's fact (the driver's device,
+    // flag, module and size are the truth); on its own it is a fact of its own.
+    let tracking = Tracking { folds_into_outer: true, ..Tracking::NONE };
+    ApiDef { api, name: symbol, symbol, family: Family::Hal, spec, decode, out_of_memory: oom, layout: None, tracking }
 }
 
 pub(super) static TABLE: [ApiDef; 4] = [

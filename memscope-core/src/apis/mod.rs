@@ -24,6 +24,7 @@ use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS, MAX_SPECS};
 
 use crate::raw::RawCall;
 pub use op::Op;
+use op::Pool;
 
 /// A traced API. The discriminant is the spec index in the BPF `SPECS` map (and part of the
 /// attach cookie), so it must stay below `MAX_SPECS` and never be renumbered within one build.
@@ -170,6 +171,30 @@ pub struct Layout {
     pub members: &'static [&'static str],
 }
 
+/// What the tracker does with an API's calls beyond what their [`Op`] says: the decisions that
+/// differ between APIs whose calls decode alike, kept in the table so that the model names no
+/// API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tracking {
+    /// A call of it made inside a traced call of an outer layer (a driver call inside a runtime
+    /// call, an mstx region a pool reports from inside its allocator call) is folded into that
+    /// call: one fact, one row. Its record arrives first and waits for the outer call's.
+    pub folds_into_outer: bool,
+    /// Device memory taken inside a call of it is a segment of this framework pool.
+    pub segment_pool: Option<Pool>,
+    /// Frees inside a call of it are the garbage collector's (`freed_by`).
+    pub collects_garbage: bool,
+    /// A workspace block it hands out is in use until it hands out the next on the same device
+    /// (no free of it is probed).
+    pub workspace_until_next: bool,
+}
+
+impl Tracking {
+    /// A call that is a fact of its own, with no effect on the calls inside it.
+    pub const NONE: Self =
+        Self { folds_into_outer: false, segment_pool: None, collects_garbage: false, workspace_until_next: false };
+}
+
 /// One row of the table.
 pub struct ApiDef {
     pub api: Api,
@@ -185,6 +210,7 @@ pub struct ApiDef {
     /// Field reads that need a struct layout: the spec's fields `0..members.len()` read those
     /// members, at offsets filled in from DWARF when attaching.
     pub layout: Option<&'static Layout>,
+    pub tracking: Tracking,
 }
 
 /// Never out of memory: APIs without a status.
@@ -262,6 +288,11 @@ impl Api {
         self.def().family
     }
 
+    /// What the tracker does with its calls beyond their [`Op`].
+    pub fn tracking(self) -> Tracking {
+        self.def().tracking
+    }
+
     /// The implementation symbol the public one forwards to, for families that have one.
     pub fn impl_symbol(self) -> Option<String> {
         self.family().impl_suffix().map(|suffix| format!("{}{suffix}", self.def().symbol))
@@ -299,6 +330,24 @@ mod tests {
         for def in Api::all() {
             assert!(std::ptr::eq(def.api.def(), def), "{:?} finds another row", def.api);
             assert_eq!(def.api.name(), def.name);
+        }
+    }
+
+    /// The decisions the tracker takes per API, spelt out apart from the rows that hold them.
+    #[test]
+    fn the_trackers_per_api_decisions_are_the_rows() {
+        for def in Api::all() {
+            let (t, api) = (def.tracking, def.api);
+            let region = matches!(api, Api::MstxMemRegionsRegister | Api::MstxMemRegionsUnregister);
+            assert_eq!(t.folds_into_outer, def.family == Family::Hal || region, "{api:?}");
+            let segment = match api {
+                Api::WorkspaceMalloc | Api::AllocateWorkspace => Some(Pool::Workspace),
+                _ if def.family == Family::TorchNpu => Some(Pool::Caching),
+                _ => None,
+            };
+            assert_eq!(t.segment_pool, segment, "{api:?}");
+            assert_eq!(t.collects_garbage, api == Api::PyGcCollect, "{api:?}");
+            assert_eq!(t.workspace_until_next, api == Api::AllocateWorkspace, "{api:?}");
         }
     }
 

@@ -16,7 +16,7 @@
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
 use super::op::{Marker, Op};
-use super::{no_status, spec, Api, ApiDef, Family};
+use super::{no_status, spec, Api, ApiDef, Family, Tracking};
 use crate::raw::RawCall;
 
 const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
@@ -26,7 +26,17 @@ const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
 }
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef { api, name: symbol, symbol, family: Family::Mstx, spec, decode, out_of_memory: no_status, layout: None }
+    ApiDef {
+        api,
+        name: symbol,
+        symbol,
+        family: Family::Mstx,
+        spec,
+        decode,
+        out_of_memory: no_status,
+        layout: None,
+        tracking: Tracking::NONE,
+    }
 }
 
 /// A mark or range call: not nested in a pool call, and void (or returning a range id).
@@ -58,37 +68,45 @@ pub(super) static TABLE: [ApiDef; 10] = [
         mstx_spec(&[FieldRead::arg_via_at_entry(1, 8, 0, 4), FieldRead::arg_via_at_entry(1, 8, 16, 8)]),
         |c| Op::MstxHeap { domain: c.args[0], device: c.field(0).map(|d| d as u32), total: c.field(1) },
     ),
-    row(
-        Api::MstxMemRegionsRegister,
-        "mstxMemRegionsRegister",
-        mstx_spec(&[
-            FieldRead::arg_at_entry(1, 16, 8),
-            FieldRead::arg_via_at_entry(1, 24, 0, 4),
-            FieldRead::arg_via_at_entry(1, 24, 8, 8),
-            FieldRead::arg_via_at_entry(1, 24, 16, 8),
-        ]),
-        |c| Op::MstxRegion {
-            domain: c.args[0],
-            register: true,
-            count: c.field(0),
-            device: c.field(1).map(|d| d as u32),
-            ptr: c.field(2),
-            size: c.field(3),
-        },
-    ),
-    row(
-        Api::MstxMemRegionsUnregister,
-        "mstxMemRegionsUnregister",
-        mstx_spec(&[FieldRead::arg_at_entry(1, 0, 8), FieldRead::arg_via_at_entry(1, 8, 8, 8)]),
-        |c| Op::MstxRegion {
-            domain: c.args[0],
-            register: false,
-            count: c.field(0),
-            device: None,
-            ptr: c.field(1),
-            size: None,
-        },
-    ),
+    ApiDef {
+        // A pool reports its block from inside its allocator call: one fact with that call.
+        tracking: Tracking { folds_into_outer: true, ..Tracking::NONE },
+        ..row(
+            Api::MstxMemRegionsRegister,
+            "mstxMemRegionsRegister",
+            mstx_spec(&[
+                FieldRead::arg_at_entry(1, 16, 8),
+                FieldRead::arg_via_at_entry(1, 24, 0, 4),
+                FieldRead::arg_via_at_entry(1, 24, 8, 8),
+                FieldRead::arg_via_at_entry(1, 24, 16, 8),
+            ]),
+            |c| Op::MstxRegion {
+                domain: c.args[0],
+                register: true,
+                count: c.field(0),
+                device: c.field(1).map(|d| d as u32),
+                ptr: c.field(2),
+                size: c.field(3),
+            },
+        )
+    },
+    ApiDef {
+        // A pool reports its block from inside its allocator call: one fact with that call.
+        tracking: Tracking { folds_into_outer: true, ..Tracking::NONE },
+        ..row(
+            Api::MstxMemRegionsUnregister,
+            "mstxMemRegionsUnregister",
+            mstx_spec(&[FieldRead::arg_at_entry(1, 0, 8), FieldRead::arg_via_at_entry(1, 8, 8, 8)]),
+            |c| Op::MstxRegion {
+                domain: c.args[0],
+                register: false,
+                count: c.field(0),
+                device: None,
+                ptr: c.field(1),
+                size: None,
+            },
+        )
+    },
     row(Api::MstxMarkA, "mstxMarkA", marker_spec(0), |c| Op::Marker(Marker::Mark { message: message(c) })),
     row(Api::MstxRangeStartA, "mstxRangeStartA", marker_spec(0), |c| {
         Op::Marker(Marker::RangeStart { id: c.ret, message: message(c) })

@@ -26,7 +26,7 @@
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
 use super::op::{Op, Pool};
-use super::{no_status, spec, Api, ApiDef, Family, Layout};
+use super::{no_status, spec, Api, ApiDef, Family, Layout, Tracking};
 use crate::raw::RawCall;
 
 /// `c10_npu::NPUWorkspaceAllocator::DeviceWorkspaceAllocator`: one per device, so its `device`
@@ -52,7 +52,18 @@ const fn row(
     spec: ProbeSpec,
     decode: fn(&RawCall) -> Op,
 ) -> ApiDef {
-    ApiDef { api, name, symbol, family: Family::TorchNpu, spec, decode, out_of_memory: no_status, layout: None }
+    let tracking = Tracking { segment_pool: Some(Pool::Caching), ..Tracking::NONE };
+    ApiDef {
+        api,
+        name,
+        symbol,
+        family: Family::TorchNpu,
+        spec,
+        decode,
+        out_of_memory: no_status,
+        layout: None,
+        tracking,
+    }
 }
 
 fn non_zero(v: u64) -> Option<u64> {
@@ -128,21 +139,24 @@ pub(super) static TABLE: [ApiDef; 13] = [
         pool_spec(&[]),
         |c| Op::PoolFree { pool: Pool::Caching, ptr: non_zero(c.args[1]), handle: None, size: None, device: None },
     ),
-    row(
-        Api::WorkspaceMalloc,
-        "DeviceWorkspaceAllocator::malloc",
-        "_ZN7c10_npu21NPUWorkspaceAllocator24DeviceWorkspaceAllocator6mallocEmPv",
-        // `this->device` is read only once DWARF gave its offset (the plan patches field 0 in).
-        pool_spec(&[]),
-        |c| Op::PoolMalloc {
-            pool: Pool::Workspace,
-            ptr: non_zero(c.ret),
-            size: Some(c.args[1]),
-            req: Some(c.args[1]),
-            device: c.field(0).and_then(device_arg),
-            handle: None,
-        },
-    ),
+    ApiDef {
+        tracking: Tracking { segment_pool: Some(Pool::Workspace), ..Tracking::NONE },
+        ..row(
+            Api::WorkspaceMalloc,
+            "DeviceWorkspaceAllocator::malloc",
+            "_ZN7c10_npu21NPUWorkspaceAllocator24DeviceWorkspaceAllocator6mallocEmPv",
+            // `this->device` is read only once DWARF gave its offset (the plan patches field 0 in).
+            pool_spec(&[]),
+            |c| Op::PoolMalloc {
+                pool: Pool::Workspace,
+                ptr: non_zero(c.ret),
+                size: Some(c.args[1]),
+                req: Some(c.args[1]),
+                device: c.field(0).and_then(device_arg),
+                handle: None,
+            },
+        )
+    },
     row(
         Api::WorkspaceFree,
         "DeviceWorkspaceAllocator::free",
@@ -169,21 +183,24 @@ pub(super) static TABLE: [ApiDef; 13] = [
     row(Api::GetBlockSize, "GetBlockSize", "_ZN7c10_npu19NPUCachingAllocator12GetBlockSizeEPKv", pool_spec(&[]), |c| {
         Op::PoolHandle { handle: c.args[0], ptr: None, size: non_zero(c.ret) }
     }),
-    row(
-        Api::AllocateWorkspace,
-        "allocate_workspace",
-        "_ZN6at_npu6native18allocate_workspaceEmPv",
-        // The DataPtr comes back through the hidden pointer in argument 0; its data pointer is first.
-        pool_spec(&[FieldRead::arg_at_exit(0, 0, 8)]),
-        |c| Op::PoolMalloc {
-            pool: Pool::Workspace,
-            ptr: c.field(0).and_then(non_zero),
-            size: Some(c.args[1]),
-            req: Some(c.args[1]),
-            device: None,
-            handle: None,
-        },
-    ),
+    ApiDef {
+        tracking: Tracking { segment_pool: Some(Pool::Workspace), workspace_until_next: true, ..Tracking::NONE },
+        ..row(
+            Api::AllocateWorkspace,
+            "allocate_workspace",
+            "_ZN6at_npu6native18allocate_workspaceEmPv",
+            // The DataPtr comes back through the hidden pointer in argument 0; its data pointer is first.
+            pool_spec(&[FieldRead::arg_at_exit(0, 0, 8)]),
+            |c| Op::PoolMalloc {
+                pool: Pool::Workspace,
+                ptr: c.field(0).and_then(non_zero),
+                size: Some(c.args[1]),
+                req: Some(c.args[1]),
+                device: None,
+                handle: None,
+            },
+        )
+    },
     row(
         Api::RecordStream,
         "recordStream",

@@ -16,7 +16,7 @@ use super::output::{Output, Site};
 use super::owners::OwnerBase;
 use super::tags::BlockLabels;
 use super::tracker::Tracker;
-use crate::apis::{Api, Family};
+use crate::apis::Api;
 
 /// A framework pool's totals on one device.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -108,7 +108,7 @@ impl Tracker {
         let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
         match (ptr, handle) {
             (Some(ptr), _) => {
-                if pool == Pool::Workspace && call.api == Api::AllocateWorkspace {
+                if pool == Pool::Workspace && call.api.tracking().workspace_until_next {
                     self.end_open_workspace(site, device, out);
                     self.workspace_open.insert((site.pid, device), ptr);
                 }
@@ -175,11 +175,7 @@ impl Tracker {
         outer: Option<Api>,
         out: &mut [Output],
     ) {
-        let pool = match outer {
-            Some(Api::WorkspaceMalloc | Api::AllocateWorkspace) => Pool::Workspace,
-            Some(api) if api.family() == Family::TorchNpu => Pool::Caching,
-            _ => return,
-        };
+        let Some(pool) = outer.and_then(|api| api.tracking().segment_pool) else { return };
         // The block's row was just produced by `add_block`: mark it as this pool's segment.
         if let Some(Output::Malloc { ptr: p, segment, .. }) = out.last_mut() {
             if *p == ptr {

@@ -31,7 +31,6 @@ use super::owners::Owners;
 use super::pools::{PendingHandle, PoolBlock, PoolStats, Segment};
 use super::tags::Tags;
 use super::vmm::Physical;
-use crate::apis::{Api, Family};
 
 /// Where the store's tests name it.
 #[cfg(test)]
@@ -126,8 +125,7 @@ impl Tracker {
             EventKind::Exit => return self.process_exited(event.pid, out),
             EventKind::Marker(_) | EventKind::Fork { .. } => return,
         };
-        let detail = || call.api.family() == Family::Hal || matches!(call.op, Op::MstxRegion { .. });
-        if call.outer.is_some() && detail() {
+        if call.outer.is_some() && call.api.tracking().folds_into_outer {
             self.inner.entry(event.tid).or_default().push(event);
             return;
         }
@@ -191,7 +189,7 @@ impl Tracker {
 
     fn apply_one(&mut self, event: &Event, out: &mut Vec<Output>) {
         if let EventKind::Call(call) = &event.kind {
-            let gc = call.outer == Some(Api::PyGcCollect);
+            let gc = call.outer.is_some_and(|outer| outer.tracking().collects_garbage);
             let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, gc };
             self.learn_device(site, call);
             self.apply_call(site, call, out);
