@@ -231,19 +231,10 @@ impl Tracker {
         }
     }
 
-    /// A failed call: counted on `device`, reported (with an OOM listing when it ran out of
+    /// A failed call: counted on its device, reported (with an OOM listing when it ran out of
     /// memory), never a block.
-    #[expect(clippy::too_many_arguments, reason = "a failure carries whatever the call had")]
-    pub(super) fn fail(
-        &mut self,
-        site: Site,
-        call: &Call,
-        device: DeviceKey,
-        size: Option<u64>,
-        ptr: Option<u64>,
-        driver: Option<DriverInfo>,
-        out: &mut Vec<Output>,
-    ) {
+    pub(super) fn fail(&mut self, site: Site, call: &Call, failure: Failure, out: &mut Vec<Output>) {
+        let Failure { device, size, ptr, driver } = failure;
         self.stats(device).failures += 1;
         if self.is_paused(site.pid) {
             return;
@@ -261,6 +252,17 @@ impl Tracker {
             self.oom_snapshot(site, device, false, out);
         }
     }
+}
+
+/// What a failed call had, whichever kind of call it was.
+pub(super) struct Failure {
+    /// Where the failure is counted.
+    pub(super) device: DeviceKey,
+    /// The bytes asked for, by an allocation.
+    pub(super) size: Option<u64>,
+    /// The address named, by a free.
+    pub(super) ptr: Option<u64>,
+    pub(super) driver: Option<DriverInfo>,
 }
 
 /// Folds a detail call into the call it ran inside of. A driver call into a runtime call: the
