@@ -261,6 +261,34 @@ static BY_ID: [Option<&'static ApiDef>; MAX_SPECS as usize] = {
     by_id
 };
 
+/// Places a spec's field reads given by name where the probe writes their values and the decoder
+/// reads them. Each spec's fields are an enum next to it, in slot order; a read is given as
+/// `(Field::X as usize, read)` and decoded with `c.field(Field::X as usize)`, so the order the
+/// reads are written in changes nothing, and a name stands for the same value on both sides. A
+/// slot named twice, or one left without a read below the last, does not build.
+pub const fn named(reads: &[(usize, FieldRead)]) -> [FieldRead; MAX_FIELDS] {
+    let mut fields = [FieldRead::NONE; MAX_FIELDS];
+    let mut set = [false; MAX_FIELDS];
+    let mut i = 0;
+    while i < reads.len() {
+        let (slot, read) = reads[i];
+        assert!(slot < MAX_FIELDS, "a spec has MAX_FIELDS field slots");
+        assert!(!set[slot], "two reads for one field");
+        fields[slot] = read;
+        set[slot] = true;
+        i += 1;
+    }
+    let mut slot = 0;
+    while slot < reads.len() {
+        assert!(set[slot], "a field slot below the last has no read");
+        slot += 1;
+    }
+    fields
+}
+
+/// The slot [`RawCall::result`] reads: a spec's out-pointer read is its first.
+pub const RESULT: usize = 0;
+
 impl Api {
     /// Every API, in spec-id order.
     pub fn all() -> impl Iterator<Item = &'static ApiDef> {
@@ -304,9 +332,51 @@ impl Api {
     }
 }
 
+/// A call of `api` as its probe would report it, each field's value in the slot where the spec
+/// has the read it is given with: written from what each value is (which read of which argument),
+/// never from a field's name or slot, so a read given the wrong name, or a decoder reading the
+/// wrong one, shows in the decoded op.
+#[cfg(test)]
+pub(crate) fn call_reading(api: Api, values: &[(FieldRead, u64)]) -> RawCall {
+    let spec = api.def().spec;
+    let mut fields = [None; MAX_FIELDS];
+    for (read, value) in values {
+        let slots: Vec<usize> = (0..MAX_FIELDS).filter(|&i| spec.fields[i] == *read).collect();
+        assert_eq!(slots.len(), 1, "{api:?}: the spec has {} reads {read:?}", slots.len());
+        fields[slots[0]] = Some(*value);
+    }
+    RawCall {
+        spec_id: api.spec_id(),
+        tgid: 1,
+        tid: 2,
+        entry_mono_ns: 10,
+        return_mono_ns: 20,
+        args: [0x5000, 0x7000, 0x8000, 0x9000, 0, 0],
+        ret: 0,
+        fields,
+        outer_spec: None,
+        cfg_device: None,
+        cfg_module: None,
+        thread_device: Some(0),
+        text: None,
+        blob: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn named_reads_go_to_their_slots_in_whatever_order_they_are_written() {
+        let (a, b) = (FieldRead::arg_at_entry(1, 0, 8), FieldRead::arg_at_exit(0, 8, 4));
+        assert_eq!(named(&[(1, b), (0, a)]), named(&[(0, a), (1, b)]));
+        assert_eq!(named(&[(1, b), (0, a)]), [a, b, FieldRead::NONE, FieldRead::NONE]);
+        let twice = std::panic::catch_unwind(|| named(&[(0, a), (0, b)]));
+        assert!(twice.is_err(), "two reads for one field");
+        let gap = std::panic::catch_unwind(|| named(&[(1, a)]));
+        assert!(gap.is_err(), "a slot below the last without a read");
+    }
 
     #[test]
     fn every_api_has_one_row_and_a_valid_cookie() {
