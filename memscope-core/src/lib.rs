@@ -9,7 +9,7 @@
 //! analysis  offline analyses of written DBs
 //!    └─ store    per-device SQLite/CSV in msMemScope's layout
 //!         └─ model    events, live blocks per device (no I/O)
-//!              └─ apis     what each traced API means (the catalogue)
+//!              └─ apis     what each traced API means (the catalogue) and what a call did (`Op`)
 //!                   └─ raw      ring-buffer bytes to checked, typed records
 //! vocab     the DB's Event, Event Type and Attr names (below store and analysis, beside all)
 //! ```

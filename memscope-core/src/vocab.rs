@@ -216,6 +216,8 @@ pub mod attr {
         dtype,
         /// A tensor's shape.
         shape,
+        /// A tensor's description the markers gave in another form than `dtype[shape]`.
+        tensor,
         /// A kernel launch's stream.
         streamId,
         /// A kernel launch's function handle.
@@ -248,6 +250,16 @@ pub mod attr {
         path,
     }
 }
+
+/// `Attr.freed_by` of a FREE made inside a pass of Python's garbage collector (not msMemScope's:
+/// it cannot see the collector). `analysis::gc_held` reads it.
+pub const GC: &str = "gc";
+/// `Attr` key of a FREE of a block the trace never saw allocated.
+pub const UNMATCHED: &str = attr::unmatched;
+/// `Attr` key of a PTA FREE whose block was still marked on other streams (`recordStream`), so
+/// the allocator kept it until their work completed (not msMemScope's). `analysis::stream_reuse`
+/// reads it.
+pub const STREAM_USES: &str = attr::stream_uses;
 
 #[cfg(test)]
 mod tests {

@@ -50,7 +50,7 @@ impl Recorder {
             let written = match output {
                 Output::Retag { device, pid, event_type, ptr, owner } => {
                     let owner = std::mem::take(owner);
-                    self.store.retag(Retag { device: *device, pid: *pid, event_type, ptr: *ptr, owner })
+                    self.store.retag(Retag { device: *device, pid: *pid, event_type: *event_type, ptr: *ptr, owner })
                 }
                 output => self.store.write_output(output),
             };

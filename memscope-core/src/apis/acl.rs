@@ -7,8 +7,8 @@
 
 use memscope_common::spec::{cfg_kind, device_effect, layer, FieldRead, ProbeSpec};
 
-use super::{spec, Api, ApiDef, Family};
-use crate::model::{Op, Space};
+use super::op::{Op, Space};
+use super::{named, spec, Api, ApiDef, Family, Tracking, RESULT};
 use crate::raw::RawCall;
 
 /// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
@@ -37,8 +37,28 @@ fn oom(status: i32) -> bool {
     status == ACL_ERROR_RT_MEMORY_ALLOCATION
 }
 
+/// `aclrtMallocPhysical(*handle, size, prop, flags)`'s reads: `*handle` at return, `prop`'s
+/// device at entry.
+#[derive(Clone, Copy)]
+enum Physical {
+    Handle,
+    Device,
+}
+
+const _: () = assert!(Physical::Handle as usize == RESULT, "RawCall::result reads the handle");
+
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef { api, name: symbol, symbol, family: Family::AclRuntime, spec, decode, out_of_memory: oom, layout: None }
+    ApiDef {
+        api,
+        name: symbol,
+        symbol,
+        family: Family::AclRuntime,
+        spec,
+        decode,
+        out_of_memory: oom,
+        layout: None,
+        tracking: Tracking::NONE,
+    }
 }
 
 pub(super) static TABLE: [ApiDef; 15] = [
@@ -82,12 +102,15 @@ pub(super) static TABLE: [ApiDef; 15] = [
         spec(
             layer::RUNTIME,
             layer::POOL,
-            &[FieldRead::arg_at_exit(0, 0, 8), FieldRead::arg_at_entry(2, PHYS_PROP_DEVICE_OFFSET, 4)],
+            &named(&[
+                (Physical::Handle as usize, FieldRead::arg_at_exit(0, 0, 8)),
+                (Physical::Device as usize, FieldRead::arg_at_entry(2, PHYS_PROP_DEVICE_OFFSET, 4)),
+            ]),
         ),
         |c| Op::MallocPhysical {
             size: c.args[1],
             handle: c.result(),
-            device: c.field(1).map(|d| d as u32),
+            device: c.field(Physical::Device as usize).map(|d| d as u32),
             flags: c.args[3],
             driver: None,
         },
@@ -112,5 +135,20 @@ fn device_malloc(c: &RawCall) -> Op {
         device: c.cfg_device,
         module: c.cfg_module,
         driver: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malloc_physical_decodes_the_handle_and_the_props_device_from_their_reads() {
+        let call = crate::apis::call_reading(
+            Api::AclrtMallocPhysical,
+            &[(FieldRead::arg_at_exit(0, 0, 8), 0x77), (FieldRead::arg_at_entry(2, PHYS_PROP_DEVICE_OFFSET, 4), 3)],
+        );
+        let op = (Api::AclrtMallocPhysical.def().decode)(&call);
+        assert!(matches!(op, Op::MallocPhysical { handle: Some(0x77), device: Some(3), .. }), "{op:?}");
     }
 }

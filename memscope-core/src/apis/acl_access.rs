@@ -16,8 +16,8 @@
 
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
-use super::{spec, Api, ApiDef, Family};
-use crate::model::Op;
+use super::op::Op;
+use super::{named, spec, Api, ApiDef, Family, Tracking};
 use crate::raw::RawCall;
 
 const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
@@ -39,7 +39,14 @@ const APPEND: ProbeSpec = {
 };
 
 /// `aclrtKernelArgsInit(funcHandle, *argsHandle)`: the new handle, written at return.
-const ARGS_INIT: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[FieldRead::arg_at_exit(1, 0, 8)]);
+const ARGS_INIT: ProbeSpec =
+    spec(layer::RUNTIME, layer::POOL, &named(&[(ArgsInit::Handle as usize, FieldRead::arg_at_exit(1, 0, 8))]));
+
+/// `aclrtKernelArgsInit(kernel, *argsHandle)`: `*argsHandle` at return.
+#[derive(Clone, Copy)]
+enum ArgsInit {
+    Handle,
+}
 
 /// `aclrtBinaryGetFunction(binHandle, kernelName, *funcHandle)`.
 const GET_FUNCTION: ProbeSpec = {
@@ -58,6 +65,7 @@ const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCal
         decode,
         out_of_memory: super::no_status,
         layout: None,
+        tracking: Tracking::NONE,
     }
 }
 
@@ -82,7 +90,7 @@ pub(super) static TABLE: [ApiDef; 8] = [
         name: c.text.clone(),
     }),
     row(Api::AclrtKernelArgsInit, "aclrtKernelArgsInit", ARGS_INIT, |c| Op::KernelArgs {
-        handle: c.field(0).unwrap_or(0),
+        handle: c.field(ArgsInit::Handle as usize).unwrap_or(0),
         append: None,
     }),
     row(Api::AclrtKernelArgsAppend, "aclrtKernelArgsAppend", APPEND, |c| Op::KernelArgs {

@@ -23,8 +23,8 @@
 
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
-use super::{no_status, spec, Api, ApiDef, Family, Layout};
-use crate::model::Op;
+use super::op::Op;
+use super::{named, no_status, spec, Api, ApiDef, Family, Layout, Tracking};
 
 /// `atb::RunnerVariantPack`: the members read, in field order.
 pub static RUNNER_VARIANT_PACK: Layout = Layout {
@@ -32,6 +32,15 @@ pub static RUNNER_VARIANT_PACK: Layout = Layout {
     name: "RunnerVariantPack",
     members: &["workspaceBuffer", "workspaceBufferSize", "intermediateBufferSize"],
 };
+
+/// The fields [`RUNNER_VARIANT_PACK`]'s members fill (its members, and [`FALLBACK_OFFSETS`], are
+/// in this order).
+#[derive(Clone, Copy)]
+enum Pack {
+    Workspace,
+    WorkspaceSize,
+    IntermediateSize,
+}
 
 /// Offsets of [`RUNNER_VARIANT_PACK`]'s members in the open-source ATB (hicann/ascend-transformer-boost) on LP64 targets, used when no DWARF
 /// describes the pack. `Tensor` is 104 bytes (`TensorDesc` 80: two int enums and `Dims` of eight
@@ -44,11 +53,14 @@ const fn execute_spec(offsets: [u64; 3]) -> ProbeSpec {
     spec(
         layer::OPERATOR,
         0,
-        &[
-            FieldRead::arg_at_entry(1, offsets[0] as u32, 8),
-            FieldRead::arg_at_entry(1, offsets[1] as u32, 8),
-            FieldRead::arg_at_entry(1, offsets[2] as u32, 8),
-        ],
+        &named(&[
+            (Pack::Workspace as usize, FieldRead::arg_at_entry(1, offsets[Pack::Workspace as usize] as u32, 8)),
+            (Pack::WorkspaceSize as usize, FieldRead::arg_at_entry(1, offsets[Pack::WorkspaceSize as usize] as u32, 8)),
+            (
+                Pack::IntermediateSize as usize,
+                FieldRead::arg_at_entry(1, offsets[Pack::IntermediateSize as usize] as u32, 8),
+            ),
+        ]),
     )
 }
 
@@ -61,12 +73,13 @@ pub(super) static TABLE: [ApiDef; 1] = [ApiDef {
     spec: execute_spec(FALLBACK_OFFSETS),
     decode: |c| Op::AtbExecute {
         runner: c.args[0],
-        workspace: c.field(0),
-        workspace_size: c.field(1),
-        intermediate_size: c.field(2),
+        workspace: c.field(Pack::Workspace as usize),
+        workspace_size: c.field(Pack::WorkspaceSize as usize),
+        intermediate_size: c.field(Pack::IntermediateSize as usize),
     },
     out_of_memory: no_status,
     layout: Some(&RUNNER_VARIANT_PACK),
+    tracking: Tracking::NONE,
 }];
 
 #[cfg(test)]
@@ -110,6 +123,24 @@ mod tests {
         // A field the probe could not read stays unknown rather than zero.
         let op = (def.decode)(&raw([None, Some(512), None, None]));
         assert!(matches!(op, Op::AtbExecute { workspace: None, intermediate_size: None, .. }));
+    }
+
+    /// Attaching fills the fields from DWARF in the order of the layout's members, and
+    /// [`FALLBACK_OFFSETS`] is in that order too: each name must be the member its field reads.
+    #[test]
+    fn each_pack_field_is_named_as_the_member_that_fills_it() {
+        let pack = [
+            (Pack::Workspace, "workspaceBuffer"),
+            (Pack::WorkspaceSize, "workspaceBufferSize"),
+            (Pack::IntermediateSize, "intermediateBufferSize"),
+        ];
+        for (field, member) in pack {
+            assert_eq!(RUNNER_VARIANT_PACK.members[field as usize], member);
+        }
+        assert_eq!(RUNNER_VARIANT_PACK.members.len(), pack.len());
+        // The open-source layout: the buffer pointer, its size, then the intermediate size.
+        assert!(FALLBACK_OFFSETS[Pack::Workspace as usize] < FALLBACK_OFFSETS[Pack::WorkspaceSize as usize]);
+        assert_eq!(FALLBACK_OFFSETS[Pack::IntermediateSize as usize], 13808);
     }
 
     #[test]

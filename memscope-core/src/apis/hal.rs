@@ -10,8 +10,8 @@
 
 use memscope_common::spec::{layer, FieldRead};
 
-use super::{spec, Api, ApiDef, Family};
-use crate::model::{DriverInfo, Op, PageType, Space};
+use super::op::{DriverInfo, Op, PageType, Space};
+use super::{named, spec, Api, ApiDef, Family, Tracking, RESULT};
 use crate::raw::RawCall;
 
 /// `DRV_ERROR_OUT_OF_MEMORY`.
@@ -135,8 +135,22 @@ const fn row(
     spec: memscope_common::spec::ProbeSpec,
     decode: fn(&RawCall) -> Op,
 ) -> ApiDef {
-    ApiDef { api, name: symbol, symbol, family: Family::Hal, spec, decode, out_of_memory: oom, layout: None }
+    // A driver call inside a runtime call is the runtime call's fact (the driver's device,
+    // flag, module and size are the truth); on its own it is a fact of its own.
+    let tracking = Tracking { folds_into_outer: true, ..Tracking::NONE };
+    ApiDef { api, name: symbol, symbol, family: Family::Hal, spec, decode, out_of_memory: oom, layout: None, tracking }
 }
+
+/// `halMemCreate(*handle, size, prop, flag)`'s reads: `*handle` at return, then `prop`'s
+/// `{side, devid}` and `{module_id, pg_type}` as two u64 reads at entry.
+#[derive(Clone, Copy)]
+enum Create {
+    Handle,
+    SideDevice,
+    ModulePage,
+}
+
+const _: () = assert!(Create::Handle as usize == RESULT, "RawCall::result reads the handle");
 
 pub(super) static TABLE: [ApiDef; 4] = [
     row(Api::HalMemAlloc, "halMemAlloc", spec(layer::HAL, layer::RUNTIME, &[FieldRead::arg_at_exit(0, 0, 8)]), |c| {
@@ -165,15 +179,18 @@ pub(super) static TABLE: [ApiDef; 4] = [
     row(
         Api::HalMemCreate,
         "halMemCreate",
-        // *handle at return; prop->{side, devid} and prop->{module_id, pg_type} as two u64 reads.
         spec(
             layer::HAL,
             layer::RUNTIME,
-            &[FieldRead::arg_at_exit(0, 0, 8), FieldRead::arg_at_entry(2, 0, 8), FieldRead::arg_at_entry(2, 8, 8)],
+            &named(&[
+                (Create::Handle as usize, FieldRead::arg_at_exit(0, 0, 8)),
+                (Create::SideDevice as usize, FieldRead::arg_at_entry(2, 0, 8)),
+                (Create::ModulePage as usize, FieldRead::arg_at_entry(2, 8, 8)),
+            ]),
         ),
         |c| {
-            let side_dev = c.field(1);
-            let module_page = c.field(2);
+            let side_dev = c.field(Create::SideDevice as usize);
+            let module_page = c.field(Create::ModulePage as usize);
             let module = module_page.map(|v| (v & 0xffff_ffff) as u16);
             let page = module_page.map(|v| match v >> 32 {
                 1 => PageType::Huge,
@@ -223,5 +240,23 @@ mod tests {
         assert_eq!(owner(45), "CANN@GE");
         assert_eq!(owner(74), "CANN@AML");
         assert_eq!(owner(200), "CANN@UNKNOWN");
+    }
+
+    #[test]
+    fn mem_create_decodes_each_value_from_its_own_read() {
+        let call = crate::apis::call_reading(
+            Api::HalMemCreate,
+            &[
+                (FieldRead::arg_at_exit(0, 0, 8), 0x77),
+                // prop->{side, devid}: the device in the high half.
+                (FieldRead::arg_at_entry(2, 0, 8), 5 << 32),
+                // prop->{module_id, pg_type}: huge pages, module 33.
+                (FieldRead::arg_at_entry(2, 8, 8), (1 << 32) | 33),
+            ],
+        );
+        let Op::MallocPhysical { handle, device, driver: Some(d), .. } = (Api::HalMemCreate.def().decode)(&call) else {
+            panic!("a physical allocation")
+        };
+        assert_eq!((handle, device, d.module, d.page), (Some(0x77), Some(5), Some(33), Some(PageType::Huge)));
     }
 }

@@ -7,7 +7,7 @@
 //! still agree on every probe both know, and a probe only one side knows is simply not attached
 //! (its semaphore stays 0, so the package does not even build its arguments).
 
-use crate::model::Marker;
+use super::op::Marker;
 use crate::raw::RawUsdt;
 
 /// The provider name in the notes.
@@ -68,7 +68,7 @@ pub fn find(provider: &str, name: &str) -> Option<&'static MarkerDef> {
 /// An owner level as the package sends it (0..=7); anything else is clamped to the last user
 /// level, so a buggy caller's label still lands somewhere visible.
 fn level(raw: u64) -> u8 {
-    u8::try_from(raw).map_or(crate::model::level::USER_DEFINED_3, |l| l.min(crate::model::level::USER_DEFINED_3))
+    u8::try_from(raw).map_or(super::op::level::USER_DEFINED_3, |l| l.min(super::op::level::USER_DEFINED_3))
 }
 
 /// A probe hit as a marker; `None` for a probe id this build does not know, or a tag without

@@ -1,5 +1,6 @@
 //! The traced APIs: for each one, the symbol names to attach, the capture rules handed to the BPF
-//! probes ([`ProbeSpec`]) and how a captured call decodes into a model [`Op`].
+//! probes ([`ProbeSpec`]) and how a captured call decodes into an [`Op`] (what the call did,
+//! [`op`]: below the model, which works on them).
 //!
 //! This table is the only place that knows API semantics. The BPF side is generic, and the model
 //! works on [`Op`]s, so adding an API is a row here plus a stand-in function and a ledger test.
@@ -15,15 +16,15 @@ mod c10;
 pub mod hal;
 pub mod markers;
 mod mstx;
+pub mod op;
 mod python_gc;
 pub mod torch_npu;
 
-use std::sync::OnceLock;
-
 use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS, MAX_SPECS};
 
-use crate::model::Op;
 use crate::raw::RawCall;
+pub use op::Op;
+use op::Pool;
 
 /// A traced API. The discriminant is the spec index in the BPF `SPECS` map (and part of the
 /// attach cookie), so it must stay below `MAX_SPECS` and never be renumbered within one build.
@@ -170,6 +171,30 @@ pub struct Layout {
     pub members: &'static [&'static str],
 }
 
+/// What the tracker does with an API's calls beyond what their [`Op`] says: the decisions that
+/// differ between APIs whose calls decode alike, kept in the table so that the model names no
+/// API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tracking {
+    /// A call of it made inside a traced call of an outer layer (a driver call inside a runtime
+    /// call, an mstx region a pool reports from inside its allocator call) is folded into that
+    /// call: one fact, one row. Its record arrives first and waits for the outer call's.
+    pub folds_into_outer: bool,
+    /// Device memory taken inside a call of it is a segment of this framework pool.
+    pub segment_pool: Option<Pool>,
+    /// Frees inside a call of it are the garbage collector's (`freed_by`).
+    pub collects_garbage: bool,
+    /// A workspace block it hands out is in use until it hands out the next on the same device
+    /// (no free of it is probed).
+    pub workspace_until_next: bool,
+}
+
+impl Tracking {
+    /// A call that is a fact of its own, with no effect on the calls inside it.
+    pub const NONE: Self =
+        Self { folds_into_outer: false, segment_pool: None, collects_garbage: false, workspace_until_next: false };
+}
+
 /// One row of the table.
 pub struct ApiDef {
     pub api: Api,
@@ -185,6 +210,7 @@ pub struct ApiDef {
     /// Field reads that need a struct layout: the spec's fields `0..members.len()` read those
     /// members, at offsets filled in from DWARF when attaching.
     pub layout: Option<&'static Layout>,
+    pub tracking: Tracking,
 }
 
 /// Never out of memory: APIs without a status.
@@ -205,38 +231,76 @@ pub const fn spec(layer: u32, outer_layer: u32, fields: &[FieldRead]) -> ProbeSp
     s
 }
 
+/// The catalogue's families' tables, in spec-id order.
+const TABLES: [&[ApiDef]; 8] = [
+    &acl::TABLE,
+    &hal::TABLE,
+    &torch_npu::TABLE,
+    &mstx::TABLE,
+    &c10::TABLE,
+    &acl_access::TABLE,
+    &python_gc::TABLE,
+    &atb::TABLE,
+];
+
+/// The table by spec id, built by the compiler: every record and row looks its API up, several
+/// times, so a lookup is one load. Two rows for one API do not build.
+static BY_ID: [Option<&'static ApiDef>; MAX_SPECS as usize] = {
+    let mut by_id = [None; MAX_SPECS as usize];
+    let mut t = 0;
+    while t < TABLES.len() {
+        let mut i = 0;
+        while i < TABLES[t].len() {
+            let def = &TABLES[t][i];
+            assert!(by_id[def.api as usize].is_none(), "two table rows for one API");
+            by_id[def.api as usize] = Some(def);
+            i += 1;
+        }
+        t += 1;
+    }
+    by_id
+};
+
+/// Places a spec's field reads given by name where the probe writes their values and the decoder
+/// reads them. Each spec's fields are an enum next to it, in slot order; a read is given as
+/// `(Field::X as usize, read)` and decoded with `c.field(Field::X as usize)`, so the order the
+/// reads are written in changes nothing, and a name stands for the same value on both sides. A
+/// slot named twice, or one left without a read below the last, does not build.
+pub const fn named(reads: &[(usize, FieldRead)]) -> [FieldRead; MAX_FIELDS] {
+    let mut fields = [FieldRead::NONE; MAX_FIELDS];
+    let mut set = [false; MAX_FIELDS];
+    let mut i = 0;
+    while i < reads.len() {
+        let (slot, read) = reads[i];
+        assert!(slot < MAX_FIELDS, "a spec has MAX_FIELDS field slots");
+        assert!(!set[slot], "two reads for one field");
+        fields[slot] = read;
+        set[slot] = true;
+        i += 1;
+    }
+    let mut slot = 0;
+    while slot < reads.len() {
+        assert!(set[slot], "a field slot below the last has no read");
+        slot += 1;
+    }
+    fields
+}
+
+/// The slot [`RawCall::result`] reads: a spec's out-pointer read is its first.
+pub const RESULT: usize = 0;
+
 impl Api {
     /// Every API, in spec-id order.
     pub fn all() -> impl Iterator<Item = &'static ApiDef> {
-        acl::TABLE
-            .iter()
-            .chain(hal::TABLE.iter())
-            .chain(torch_npu::TABLE.iter())
-            .chain(mstx::TABLE.iter())
-            .chain(c10::TABLE.iter())
-            .chain(acl_access::TABLE.iter())
-            .chain(python_gc::TABLE.iter())
-            .chain(atb::TABLE.iter())
-    }
-
-    /// The table by spec id: every record and row looks its API up, several times.
-    fn by_id() -> &'static [Option<&'static ApiDef>; MAX_SPECS as usize] {
-        static BY_ID: OnceLock<[Option<&'static ApiDef>; MAX_SPECS as usize]> = OnceLock::new();
-        BY_ID.get_or_init(|| {
-            let mut table = [None; MAX_SPECS as usize];
-            for def in Self::all() {
-                table[def.api as usize] = Some(def);
-            }
-            table
-        })
+        TABLES.into_iter().flatten()
     }
 
     pub fn def(self) -> &'static ApiDef {
-        Self::by_id()[self as usize].expect("every Api variant has a table row (checked by a unit test)")
+        BY_ID[self as usize].expect("every Api variant has a table row (checked by a unit test)")
     }
 
     pub fn from_spec_id(id: u32) -> Option<Self> {
-        Self::by_id().get(usize::try_from(id).ok()?).copied().flatten().map(|def| def.api)
+        BY_ID.get(usize::try_from(id).ok()?).copied().flatten().map(|def| def.api)
     }
 
     pub fn spec_id(self) -> u32 {
@@ -252,6 +316,11 @@ impl Api {
         self.def().family
     }
 
+    /// What the tracker does with its calls beyond their [`Op`].
+    pub fn tracking(self) -> Tracking {
+        self.def().tracking
+    }
+
     /// The implementation symbol the public one forwards to, for families that have one.
     pub fn impl_symbol(self) -> Option<String> {
         self.family().impl_suffix().map(|suffix| format!("{}{suffix}", self.def().symbol))
@@ -263,9 +332,51 @@ impl Api {
     }
 }
 
+/// A call of `api` as its probe would report it, each field's value in the slot where the spec
+/// has the read it is given with: written from what each value is (which read of which argument),
+/// never from a field's name or slot, so a read given the wrong name, or a decoder reading the
+/// wrong one, shows in the decoded op.
+#[cfg(test)]
+pub(crate) fn call_reading(api: Api, values: &[(FieldRead, u64)]) -> RawCall {
+    let spec = api.def().spec;
+    let mut fields = [None; MAX_FIELDS];
+    for (read, value) in values {
+        let slots: Vec<usize> = (0..MAX_FIELDS).filter(|&i| spec.fields[i] == *read).collect();
+        assert_eq!(slots.len(), 1, "{api:?}: the spec has {} reads {read:?}", slots.len());
+        fields[slots[0]] = Some(*value);
+    }
+    RawCall {
+        spec_id: api.spec_id(),
+        tgid: 1,
+        tid: 2,
+        entry_mono_ns: 10,
+        return_mono_ns: 20,
+        args: [0x5000, 0x7000, 0x8000, 0x9000, 0, 0],
+        ret: 0,
+        fields,
+        outer_spec: None,
+        cfg_device: None,
+        cfg_module: None,
+        thread_device: Some(0),
+        text: None,
+        blob: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn named_reads_go_to_their_slots_in_whatever_order_they_are_written() {
+        let (a, b) = (FieldRead::arg_at_entry(1, 0, 8), FieldRead::arg_at_exit(0, 8, 4));
+        assert_eq!(named(&[(1, b), (0, a)]), named(&[(0, a), (1, b)]));
+        assert_eq!(named(&[(1, b), (0, a)]), [a, b, FieldRead::NONE, FieldRead::NONE]);
+        let twice = std::panic::catch_unwind(|| named(&[(0, a), (0, b)]));
+        assert!(twice.is_err(), "two reads for one field");
+        let gap = std::panic::catch_unwind(|| named(&[(1, a)]));
+        assert!(gap.is_err(), "a slot below the last without a read");
+    }
 
     #[test]
     fn every_api_has_one_row_and_a_valid_cookie() {
@@ -282,5 +393,48 @@ mod tests {
         for id in 1..=Api::AclrtBinaryGetFunction as u32 {
             assert!(Api::from_spec_id(id).is_some(), "spec id {id} has no row");
         }
+    }
+
+    #[test]
+    fn every_apis_def_is_its_own_row() {
+        for def in Api::all() {
+            assert!(std::ptr::eq(def.api.def(), def), "{:?} finds another row", def.api);
+            assert_eq!(def.api.name(), def.name);
+        }
+    }
+
+    /// The decisions the tracker takes per API, spelt out apart from the rows that hold them.
+    #[test]
+    fn the_trackers_per_api_decisions_are_the_rows() {
+        for def in Api::all() {
+            let (t, api) = (def.tracking, def.api);
+            let region = matches!(api, Api::MstxMemRegionsRegister | Api::MstxMemRegionsUnregister);
+            assert_eq!(t.folds_into_outer, def.family == Family::Hal || region, "{api:?}");
+            let segment = match api {
+                Api::WorkspaceMalloc | Api::AllocateWorkspace => Some(Pool::Workspace),
+                _ if def.family == Family::TorchNpu => Some(Pool::Caching),
+                _ => None,
+            };
+            assert_eq!(t.segment_pool, segment, "{api:?}");
+            assert_eq!(t.collects_garbage, api == Api::PyGcCollect, "{api:?}");
+            assert_eq!(t.workspace_until_next, api == Api::AllocateWorkspace, "{api:?}");
+        }
+    }
+
+    /// The catalogue sits below the model: a decoder that needs a type of the model, the store
+    /// or the analyses would make the layers a cycle again.
+    #[test]
+    fn the_catalogue_imports_nothing_from_the_layers_above_it() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/apis");
+        let mut files = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap();
+            for above in ["model", "store", "analysis"] {
+                assert!(!text.contains(&format!("crate::{above}")), "{} names crate::{above}", path.display());
+            }
+            files += 1;
+        }
+        assert!(files > 5, "read the catalogue's files");
     }
 }

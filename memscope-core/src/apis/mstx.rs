@@ -15,9 +15,33 @@
 
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
-use super::{no_status, spec, Api, ApiDef, Family};
-use crate::model::{Marker, Op};
+use super::op::{Marker, Op};
+use super::{named, no_status, spec, Api, ApiDef, Family, Tracking};
 use crate::raw::RawCall;
+
+/// `mstxMemHeapRegister(domain, desc)`: `desc->typeSpecificDesc` -> `{device, ptr, reserved}`.
+#[derive(Clone, Copy)]
+enum Heap {
+    Device,
+    Total,
+}
+
+/// `mstxMemRegionsRegister(domain, batch)`: the batch's count, and its first region's
+/// `{device, ptr, size}` behind `batch->regionDescArray`.
+#[derive(Clone, Copy)]
+enum Region {
+    Count,
+    Device,
+    Ptr,
+    Size,
+}
+
+/// `mstxMemRegionsUnregister(domain, batch)`: the batch's count and its first ref's pointer.
+#[derive(Clone, Copy)]
+enum Unregister {
+    Count,
+    Ptr,
+}
 
 const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
     let mut s = spec(layer::MSTX, layer::POOL, fields);
@@ -26,7 +50,17 @@ const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
 }
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef { api, name: symbol, symbol, family: Family::Mstx, spec, decode, out_of_memory: no_status, layout: None }
+    ApiDef {
+        api,
+        name: symbol,
+        symbol,
+        family: Family::Mstx,
+        spec,
+        decode,
+        out_of_memory: no_status,
+        layout: None,
+        tracking: Tracking::NONE,
+    }
 }
 
 /// A mark or range call: not nested in a pool call, and void (or returning a range id).
@@ -55,40 +89,58 @@ pub(super) static TABLE: [ApiDef; 10] = [
     row(
         Api::MstxMemHeapRegister,
         "mstxMemHeapRegister",
-        mstx_spec(&[FieldRead::arg_via_at_entry(1, 8, 0, 4), FieldRead::arg_via_at_entry(1, 8, 16, 8)]),
-        |c| Op::MstxHeap { domain: c.args[0], device: c.field(0).map(|d| d as u32), total: c.field(1) },
-    ),
-    row(
-        Api::MstxMemRegionsRegister,
-        "mstxMemRegionsRegister",
-        mstx_spec(&[
-            FieldRead::arg_at_entry(1, 16, 8),
-            FieldRead::arg_via_at_entry(1, 24, 0, 4),
-            FieldRead::arg_via_at_entry(1, 24, 8, 8),
-            FieldRead::arg_via_at_entry(1, 24, 16, 8),
-        ]),
-        |c| Op::MstxRegion {
+        mstx_spec(&named(&[
+            (Heap::Device as usize, FieldRead::arg_via_at_entry(1, 8, 0, 4)),
+            (Heap::Total as usize, FieldRead::arg_via_at_entry(1, 8, 16, 8)),
+        ])),
+        |c| Op::MstxHeap {
             domain: c.args[0],
-            register: true,
-            count: c.field(0),
-            device: c.field(1).map(|d| d as u32),
-            ptr: c.field(2),
-            size: c.field(3),
+            device: c.field(Heap::Device as usize).map(|d| d as u32),
+            total: c.field(Heap::Total as usize),
         },
     ),
-    row(
-        Api::MstxMemRegionsUnregister,
-        "mstxMemRegionsUnregister",
-        mstx_spec(&[FieldRead::arg_at_entry(1, 0, 8), FieldRead::arg_via_at_entry(1, 8, 8, 8)]),
-        |c| Op::MstxRegion {
-            domain: c.args[0],
-            register: false,
-            count: c.field(0),
-            device: None,
-            ptr: c.field(1),
-            size: None,
-        },
-    ),
+    ApiDef {
+        // A pool reports its block from inside its allocator call: one fact with that call.
+        tracking: Tracking { folds_into_outer: true, ..Tracking::NONE },
+        ..row(
+            Api::MstxMemRegionsRegister,
+            "mstxMemRegionsRegister",
+            mstx_spec(&named(&[
+                (Region::Count as usize, FieldRead::arg_at_entry(1, 16, 8)),
+                (Region::Device as usize, FieldRead::arg_via_at_entry(1, 24, 0, 4)),
+                (Region::Ptr as usize, FieldRead::arg_via_at_entry(1, 24, 8, 8)),
+                (Region::Size as usize, FieldRead::arg_via_at_entry(1, 24, 16, 8)),
+            ])),
+            |c| Op::MstxRegion {
+                domain: c.args[0],
+                register: true,
+                count: c.field(Region::Count as usize),
+                device: c.field(Region::Device as usize).map(|d| d as u32),
+                ptr: c.field(Region::Ptr as usize),
+                size: c.field(Region::Size as usize),
+            },
+        )
+    },
+    ApiDef {
+        // A pool reports its block from inside its allocator call: one fact with that call.
+        tracking: Tracking { folds_into_outer: true, ..Tracking::NONE },
+        ..row(
+            Api::MstxMemRegionsUnregister,
+            "mstxMemRegionsUnregister",
+            mstx_spec(&named(&[
+                (Unregister::Count as usize, FieldRead::arg_at_entry(1, 0, 8)),
+                (Unregister::Ptr as usize, FieldRead::arg_via_at_entry(1, 8, 8, 8)),
+            ])),
+            |c| Op::MstxRegion {
+                domain: c.args[0],
+                register: false,
+                count: c.field(Unregister::Count as usize),
+                device: None,
+                ptr: c.field(Unregister::Ptr as usize),
+                size: None,
+            },
+        )
+    },
     row(Api::MstxMarkA, "mstxMarkA", marker_spec(0), |c| Op::Marker(Marker::Mark { message: message(c) })),
     row(Api::MstxRangeStartA, "mstxRangeStartA", marker_spec(0), |c| {
         Op::Marker(Marker::RangeStart { id: c.ret, message: message(c) })
@@ -102,3 +154,44 @@ pub(super) static TABLE: [ApiDef; 10] = [
         Op::Marker(Marker::RangeEnd { id: c.args[1] })
     }),
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::apis::call_reading;
+
+    #[test]
+    fn a_pools_region_and_heap_reports_decode_each_value_from_its_own_read() {
+        // The batch's count at +16; its first region's {device: u32, ptr, size} behind +24.
+        let call = call_reading(
+            Api::MstxMemRegionsRegister,
+            &[
+                (FieldRead::arg_at_entry(1, 16, 8), 1),
+                (FieldRead::arg_via_at_entry(1, 24, 0, 4), 3),
+                (FieldRead::arg_via_at_entry(1, 24, 8, 8), 0x10_0000),
+                (FieldRead::arg_via_at_entry(1, 24, 16, 8), 512),
+            ],
+        );
+        let op = (Api::MstxMemRegionsRegister.def().decode)(&call);
+        let (domain, register) = (0x5000, true);
+        let (count, device, ptr, size) = (Some(1), Some(3), Some(0x10_0000), Some(512));
+        assert_eq!(op, Op::MstxRegion { domain, register, count, device, ptr, size });
+
+        // The count at +0; the first ref's pointer behind +8, at +8.
+        let call = call_reading(
+            Api::MstxMemRegionsUnregister,
+            &[(FieldRead::arg_at_entry(1, 0, 8), 1), (FieldRead::arg_via_at_entry(1, 8, 8, 8), 0x10_0000)],
+        );
+        let op = (Api::MstxMemRegionsUnregister.def().decode)(&call);
+        let (register, device, size) = (false, None, None);
+        assert_eq!(op, Op::MstxRegion { domain, register, count, device, ptr, size });
+
+        // `{device: u32, ptr, reserved}` behind +8.
+        let call = call_reading(
+            Api::MstxMemHeapRegister,
+            &[(FieldRead::arg_via_at_entry(1, 8, 0, 4), 2), (FieldRead::arg_via_at_entry(1, 8, 16, 8), 8 << 20)],
+        );
+        let op = (Api::MstxMemHeapRegister.def().decode)(&call);
+        assert_eq!(op, Op::MstxHeap { domain, device: Some(2), total: Some(8 << 20) });
+    }
+}

@@ -14,8 +14,8 @@
 
 use memscope_common::spec::{layer, ret_kind, ProbeSpec};
 
-use super::{no_status, spec, Api, ApiDef, Family};
-use crate::model::Op;
+use super::op::Op;
+use super::{no_status, spec, Api, ApiDef, Family, Tracking};
 
 const fn gc_spec() -> ProbeSpec {
     let mut s = spec(layer::GC, 0, &[]);
@@ -35,4 +35,6 @@ pub(super) static TABLE: [ApiDef; 1] = [ApiDef {
     decode: |c| Op::GcPass { generation: c.args[1] as i32 },
     out_of_memory: no_status,
     layout: None,
+    // The pool and CPU-allocator frees it causes run inside it.
+    tracking: Tracking { collects_garbage: true, ..Tracking::NONE },
 }];

@@ -11,11 +11,12 @@ use super::event::{Call, DeviceKey, Op, Pool, Space};
 use super::output::{AccessKind, Output, Site};
 use super::pools::PoolBlock;
 use super::tracker::Tracker;
+use crate::vocab::EventType;
 
 /// A live block found by address.
 pub(super) struct Hit {
     pub(super) device: DeviceKey,
-    pub(super) block_type: &'static str,
+    pub(super) block_type: EventType,
     pub(super) block: u64,
     pub(super) allocation_id: u64,
     pub(super) pool: Option<Pool>,
@@ -38,6 +39,14 @@ impl Hit {
     }
 }
 
+/// A kernel launch: its function handle and the argument bytes it names blocks in.
+pub(super) struct Launch<'a> {
+    pub(super) function: u64,
+    pub(super) args: &'a [u8],
+    pub(super) args_size: u64,
+    pub(super) stream: u64,
+}
+
 impl Tracker {
     pub(super) fn block_at(&self, pid: u32, addr: u64) -> Option<Hit> {
         if let Some((&(_, start), b)) = self.pool_block_at(pid, addr) {
@@ -45,7 +54,13 @@ impl Tracker {
                 return None;
             }
             let (device, pool) = (b.device, Some(b.pool));
-            return Some(Hit { device, block_type: "PTA", block: start, allocation_id: b.allocation_id, pool });
+            return Some(Hit {
+                device,
+                block_type: EventType::Pta,
+                block: start,
+                allocation_id: b.allocation_id,
+                pool,
+            });
         }
         let (&(_, space, start), b) = self.device_block_at(pid, addr)?;
         if b.hidden {
@@ -93,7 +108,7 @@ impl Tracker {
             }
             Op::Set { ptr, size } => self.access(site, call, ptr, Some(size), AccessKind::Write, out),
             Op::Launch { function, ref args, args_size, stream } => {
-                self.launch(site, call, function, args, args_size, stream, out);
+                self.launch(site, call, Launch { function, args, args_size, stream }, out);
             }
             Op::KernelName { function: Some(function), name: Some(ref name) } => {
                 self.kernel_names.insert((site.pid, function), name.clone());
@@ -112,7 +127,7 @@ impl Tracker {
                 // a handle, so keeping them would grow with every launch of a long job.
                 let args = self.kernel_args.remove(&(site.pid, handle)).unwrap_or_default();
                 let size = args.len() as u64;
-                self.launch(site, call, function, &args, size, stream, out);
+                self.launch(site, call, Launch { function, args: &args, args_size: size, stream }, out);
             }
             _ => {}
         }
@@ -136,17 +151,8 @@ impl Tracker {
     }
 
     /// One KERNEL_LAUNCH row, then one ACCESS per distinct block its arguments name.
-    #[expect(clippy::too_many_arguments, reason = "the launch's own facts")]
-    pub(super) fn launch(
-        &mut self,
-        site: Site,
-        call: &Call,
-        function: u64,
-        args: &[u8],
-        args_size: u64,
-        stream: u64,
-        out: &mut Vec<Output>,
-    ) {
+    pub(super) fn launch(&mut self, site: Site, call: &Call, launch: Launch<'_>, out: &mut Vec<Output>) {
+        let Launch { function, args, args_size, stream } = launch;
         if self.is_paused(site.pid) {
             return;
         }

@@ -16,7 +16,7 @@ use super::event::{Call, DeviceKey, DriverInfo, Op, Space};
 use super::output::{Origin, Output, Site};
 use super::owners::OwnerBase;
 use super::tags::BlockLabels;
-use super::tracker::Tracker;
+use super::tracker::{Failure, Tracker};
 use crate::apis::Api;
 
 /// A live device or host block. Kept small (48 bytes): a job can hold a million of them, and the
@@ -43,6 +43,27 @@ fn space_device(space: Space, device: DeviceKey) -> DeviceKey {
     }
 }
 
+/// A block a call allocated (or a mapping made).
+pub(super) struct NewBlock {
+    pub(super) device: DeviceKey,
+    pub(super) space: Space,
+    pub(super) ptr: u64,
+    /// (bytes taken, bytes requested).
+    pub(super) sizes: (u64, u64),
+    pub(super) origin: Origin,
+}
+
+/// A block a call freed (or a mapping removed).
+pub(super) struct BlockFree {
+    pub(super) space: Space,
+    pub(super) ptr: u64,
+    /// Where a free of a block never seen allocated is counted.
+    pub(super) fallback: DeviceKey,
+    /// Made up by the tracker (the block's free was missed), not a call's.
+    pub(super) shadow: bool,
+    pub(super) driver: Option<DriverInfo>,
+}
+
 impl Tracker {
     /// A malloc-style call (`Op::Malloc`).
     pub(super) fn apply_malloc(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
@@ -52,10 +73,10 @@ impl Tracker {
             Some(ptr) if call.status == 0 => {
                 let taken = driver.map_or(size, |d| d.size);
                 let origin = Origin::Direct { policy, module, driver };
-                self.add_block(site, device, space, ptr, (taken, size), origin, out);
+                self.add_block(site, NewBlock { device, space, ptr, sizes: (taken, size), origin }, out);
                 self.add_segment(site.pid, ptr, device, size, call.outer, out);
             }
-            _ => self.fail(site, call, device, Some(size), None, driver, out),
+            _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver }, out),
         }
     }
 
@@ -65,26 +86,15 @@ impl Tracker {
         let fallback = space_device(space, self.thread_device(site, call));
         if call.status != 0 {
             let device = self.blocks.get(&(site.pid, space, ptr)).map_or(fallback, |b| b.device);
-            self.fail(site, call, device, None, Some(ptr), driver, out);
+            self.fail(site, call, Failure { device, size: None, ptr: Some(ptr), driver }, out);
         } else {
-            self.remove_block(site, space, ptr, fallback, false, driver, out);
+            self.remove_block(site, BlockFree { space, ptr, fallback, shadow: false, driver }, out);
             self.remove_segment(site.pid, ptr);
         }
     }
 
-    /// `sizes` is (bytes taken, bytes requested).
-    #[expect(clippy::too_many_arguments, reason = "one call site per origin; a struct would only rename them")]
-    pub(super) fn add_block(
-        &mut self,
-        site: Site,
-        device: DeviceKey,
-        space: Space,
-        ptr: u64,
-        sizes: (u64, u64),
-        origin: Origin,
-        out: &mut Vec<Output>,
-    ) {
-        let (size, req_size) = sizes;
+    pub(super) fn add_block(&mut self, site: Site, block: NewBlock, out: &mut Vec<Output>) {
+        let NewBlock { device, space, ptr, sizes: (size, req_size), origin } = block;
         let base = match (space, origin) {
             (Space::Host | Space::Cpu, _) => OwnerBase::Host,
             (Space::Device, Origin::Direct { module, driver, .. }) => {
@@ -104,7 +114,7 @@ impl Tracker {
                 // The runtime handed out an address we still consider live: the free was missed
                 // (it happened before an attach, or its record was dropped). Retire the stale
                 // block first so the totals stay true to what the runtime says is allocated.
-                self.remove_block(site, space, ptr, device, true, None, out);
+                self.remove_block(site, BlockFree { space, ptr, fallback: device, shadow: true, driver: None }, out);
                 match self.blocks.entry(key) {
                     Entry::Vacant(slot) => slot,
                     Entry::Occupied(_) => unreachable!("removed above"),
@@ -138,17 +148,8 @@ impl Tracker {
         }
     }
 
-    #[expect(clippy::too_many_arguments, reason = "the fallback device and driver only matter for some callers")]
-    pub(super) fn remove_block(
-        &mut self,
-        site: Site,
-        space: Space,
-        ptr: u64,
-        fallback: DeviceKey,
-        shadow: bool,
-        driver: Option<DriverInfo>,
-        out: &mut Vec<Output>,
-    ) {
+    pub(super) fn remove_block(&mut self, site: Site, free: BlockFree, out: &mut Vec<Output>) {
+        let BlockFree { space, ptr, fallback, shadow, driver } = free;
         match self.blocks.remove(&(site.pid, space, ptr)) {
             Some(block) => {
                 let stats = self.stats(block.device);

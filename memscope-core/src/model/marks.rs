@@ -22,6 +22,7 @@ use super::output::{AccessKind, MstxKind, Output};
 use super::tags::{self, BlockLabels, Labels};
 use super::tracker::Tracker;
 use crate::apis::Api;
+use crate::vocab::EventType;
 
 /// msMemScope's step range message.
 pub const STEP_RANGE: &str = "step start";
@@ -135,7 +136,7 @@ impl Tracker {
             block.labels = Some(labels);
             if !block.hidden {
                 let owner = tags::owner_path(block.pool.owner(), tags::of(&block.labels));
-                out.push(Output::Retag { device: block.device, pid, event_type: "PTA", ptr: key.1, owner });
+                out.push(Output::Retag { device: block.device, pid, event_type: EventType::Pta, ptr: key.1, owner });
             }
             return;
         }
@@ -306,7 +307,7 @@ mod tests {
             ],
         );
         assert_eq!(owners(&out), ["HOST", "retag:HOST@weight"]);
-        assert!(matches!(out[1], Output::Retag { event_type: "HOST", ptr: 0x5000, .. }));
+        assert!(matches!(out[1], Output::Retag { event_type: EventType::Host, ptr: 0x5000, .. }));
         let out = run(
             &mut t,
             &[
@@ -436,9 +437,12 @@ mod tests {
         );
         let host = out.iter().find(|o| matches!(o, Output::OpAccess { .. })).unwrap();
         let Output::OpAccess { block_type, pool, device, allocation_id, size, desc, .. } = host else { unreachable!() };
-        assert_eq!((*block_type, *pool, *device, *allocation_id, *size), ("HOST", None, DeviceKey::Cpu, 1, 16));
+        assert_eq!(
+            (*block_type, *pool, *device, *allocation_id, *size),
+            (EventType::Host, None, DeviceKey::Cpu, 1, 16)
+        );
         assert_eq!(desc.as_deref(), Some("float32[2,2]"));
-        let pta = out.iter().filter(|o| matches!(o, Output::OpAccess { block_type: "PTA", .. })).count();
+        let pta = out.iter().filter(|o| matches!(o, Output::OpAccess { block_type: EventType::Pta, .. })).count();
         assert_eq!(pta, 2, "a pool block wins over the device block around it");
         assert!(t.ops.is_empty(), "balanced operators leave no stack behind");
     }

@@ -9,12 +9,13 @@ use super::output::{Output, Site};
 use super::owners::OwnerBase;
 use super::tags;
 use super::tracker::Tracker;
+use crate::vocab::EventType;
 
 /// msMemScope's default K (`--analysis oom:K`).
 pub const OOM_TOP_K: usize = 10;
 
 struct Listed {
-    block_type: &'static str,
+    block_type: EventType,
     ptr: u64,
     size: u64,
     born_ns: u64,
@@ -29,7 +30,7 @@ impl Tracker {
                 .iter()
                 .filter(|((pid, _), b)| *pid == site.pid && b.device == device && !b.hidden)
                 .map(|((_, ptr), b)| Listed {
-                    block_type: "PTA",
+                    block_type: EventType::Pta,
                     ptr: *ptr,
                     size: b.size,
                     born_ns: b.born_ns,

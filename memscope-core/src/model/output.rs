@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::event::{DeviceKey, DriverInfo, Pool, Space};
 use crate::apis::Api;
+use crate::vocab::EventType;
 
 /// A block's owner path (`PTA@vllm@kv_cache`), shared by the rows of every block born under the
 /// same allocator and spans.
@@ -132,7 +133,7 @@ pub enum Output {
         device: DeviceKey,
         pid: u32,
         /// The block's row kind (`HAL`, `HOST`, `PTA`).
-        event_type: &'static str,
+        event_type: EventType,
         ptr: u64,
         owner: String,
     },
@@ -141,7 +142,7 @@ pub enum Output {
         site: Site,
         device: DeviceKey,
         /// The block's row kind (`PTA`, `HAL`, `HOST`) and start address.
-        block_type: &'static str,
+        block_type: EventType,
         block: u64,
         allocation_id: u64,
         pool: Option<Pool>,
@@ -157,7 +158,7 @@ pub enum Output {
         tid: u32,
         device: DeviceKey,
         /// The block's row kind (`PTA`, `HAL`, `HOST`) and start address.
-        block_type: &'static str,
+        block_type: EventType,
         block: u64,
         allocation_id: u64,
         pool: Option<Pool>,
@@ -209,7 +210,7 @@ pub enum Output {
         /// true: among the most recent; false: among the largest.
         recent: bool,
         rank: usize,
-        block_type: &'static str,
+        block_type: EventType,
         ptr: u64,
         size: u64,
         born_ns: u64,

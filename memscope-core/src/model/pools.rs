@@ -16,7 +16,7 @@ use super::output::{Output, Site};
 use super::owners::OwnerBase;
 use super::tags::BlockLabels;
 use super::tracker::Tracker;
-use crate::apis::{Api, Family};
+use crate::apis::Api;
 
 /// A framework pool's totals on one device.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -61,6 +61,28 @@ pub(super) struct Segment {
     size: u64,
 }
 
+/// A block a framework pool handed out; its facts come from different sources (the call, a
+/// handle resolved later, an mstx report).
+struct NewPoolBlock {
+    device: DeviceKey,
+    pool: Pool,
+    ptr: u64,
+    size: u64,
+    req_size: Option<u64>,
+}
+
+/// A block a framework pool took back (or the tracker retired).
+struct PoolBlockFree {
+    ptr: u64,
+    pool: Pool,
+    /// Where a free of a block never seen is counted.
+    fallback: DeviceKey,
+    /// Made up by the tracker (the block was handed out again), not a call's.
+    shadow: bool,
+    /// Inferred from the next workspace use (no free of it is probed).
+    implied: bool,
+}
+
 impl Tracker {
     /// One call of a framework allocator, or an mstx report of a pool.
     pub(super) fn apply_pool(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
@@ -76,7 +98,11 @@ impl Tracker {
                     // the source reads it) still places its free, also on a thread whose device
                     // the trace never learnt.
                     let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
-                    self.remove_pool_block(site, ptr, pool, device, false, false, out);
+                    self.remove_pool_block(
+                        site,
+                        PoolBlockFree { ptr, pool, fallback: device, shadow: false, implied: false },
+                        out,
+                    );
                 }
             }
             Op::PoolHandle { handle, ptr, size } => {
@@ -87,7 +113,11 @@ impl Tracker {
                     self.handle_ptrs.insert((site.pid, handle), ptr);
                     let site = Site { api: pending.api, ..site };
                     let size = pending.size.or(pending.req).unwrap_or(0);
-                    self.add_pool_block(site, pending.device, pending.pool, ptr, size, pending.req, out);
+                    self.add_pool_block(
+                        site,
+                        NewPoolBlock { device: pending.device, pool: pending.pool, ptr, size, req_size: pending.req },
+                        out,
+                    );
                 }
             }
             Op::StreamMark { ptr: Some(ptr), stream, record } => {
@@ -108,11 +138,15 @@ impl Tracker {
         let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
         match (ptr, handle) {
             (Some(ptr), _) => {
-                if pool == Pool::Workspace && call.api == Api::AllocateWorkspace {
+                if pool == Pool::Workspace && call.api.tracking().workspace_until_next {
                     self.end_open_workspace(site, device, out);
                     self.workspace_open.insert((site.pid, device), ptr);
                 }
-                self.add_pool_block(site, device, pool, ptr, size.or(req).unwrap_or(0), req, out);
+                self.add_pool_block(
+                    site,
+                    NewPoolBlock { device, pool, ptr, size: size.or(req).unwrap_or(0), req_size: req },
+                    out,
+                );
             }
             (None, Some(handle)) => {
                 let pending = PendingHandle { device, pool, req, size, api: call.api };
@@ -156,9 +190,17 @@ impl Tracker {
                 let (Some(pool), Some(ptr)) = (pool, ptr) else { return };
                 let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
                 if register {
-                    self.add_pool_block(site, device, pool, ptr, size.unwrap_or(0), size, out);
+                    self.add_pool_block(
+                        site,
+                        NewPoolBlock { device, pool, ptr, size: size.unwrap_or(0), req_size: size },
+                        out,
+                    );
                 } else {
-                    self.remove_pool_block(site, ptr, pool, device, false, false, out);
+                    self.remove_pool_block(
+                        site,
+                        PoolBlockFree { ptr, pool, fallback: device, shadow: false, implied: false },
+                        out,
+                    );
                 }
             }
             _ => {}
@@ -175,11 +217,7 @@ impl Tracker {
         outer: Option<Api>,
         out: &mut [Output],
     ) {
-        let pool = match outer {
-            Some(Api::WorkspaceMalloc | Api::AllocateWorkspace) => Pool::Workspace,
-            Some(api) if api.family() == Family::TorchNpu => Pool::Caching,
-            _ => return,
-        };
+        let Some(pool) = outer.and_then(|api| api.tracking().segment_pool) else { return };
         // The block's row was just produced by `add_block`: mark it as this pool's segment.
         if let Some(Output::Malloc { ptr: p, segment, .. }) = out.last_mut() {
             if *p == ptr {
@@ -203,26 +241,25 @@ impl Tracker {
     fn end_open_workspace(&mut self, site: Site, device: DeviceKey, out: &mut Vec<Output>) {
         if let Some(ptr) = self.workspace_open.remove(&(site.pid, device)) {
             if self.pool_blocks.contains_key(&(site.pid, ptr)) {
-                self.remove_pool_block(site, ptr, Pool::Workspace, device, false, true, out);
+                self.remove_pool_block(
+                    site,
+                    PoolBlockFree { ptr, pool: Pool::Workspace, fallback: device, shadow: false, implied: true },
+                    out,
+                );
             }
         }
     }
 
-    #[expect(clippy::too_many_arguments, reason = "a block's facts, each from a different source")]
-    fn add_pool_block(
-        &mut self,
-        site: Site,
-        device: DeviceKey,
-        pool: Pool,
-        ptr: u64,
-        size: u64,
-        req_size: Option<u64>,
-        out: &mut Vec<Output>,
-    ) {
+    fn add_pool_block(&mut self, site: Site, block: NewPoolBlock, out: &mut Vec<Output>) {
+        let NewPoolBlock { device, pool, ptr, size, req_size } = block;
         // Handed out again while we think it is live: the free was not seen (before the attach,
         // or lost). Retire the old one so `used` stays the allocator's.
         if self.pool_blocks.contains_key(&(site.pid, ptr)) {
-            self.remove_pool_block(site, ptr, pool, device, true, false, out);
+            self.remove_pool_block(
+                site,
+                PoolBlockFree { ptr, pool, fallback: device, shadow: true, implied: false },
+                out,
+            );
         }
         let allocation_id = self.next_allocation_id(device);
         let stats = self.pools.entry((device, pool, site.pid)).or_default();
@@ -242,17 +279,8 @@ impl Tracker {
         self.pool_blocks.insert((site.pid, ptr), block);
     }
 
-    #[expect(clippy::too_many_arguments, reason = "fallbacks for a block that was never seen")]
-    fn remove_pool_block(
-        &mut self,
-        site: Site,
-        ptr: u64,
-        pool: Pool,
-        fallback: DeviceKey,
-        shadow: bool,
-        implied: bool,
-        out: &mut Vec<Output>,
-    ) {
+    fn remove_pool_block(&mut self, site: Site, free: PoolBlockFree, out: &mut Vec<Output>) {
+        let PoolBlockFree { ptr, pool, fallback, shadow, implied } = free;
         match self.pool_blocks.remove(&(site.pid, ptr)) {
             Some(block) => {
                 let stats = self.pools.entry((block.device, block.pool, site.pid)).or_default();

@@ -102,7 +102,9 @@ pub fn host_malloc(api: Api, space: Space, ptr: u64) -> Event {
 pub fn ids(out: &[Output]) -> Vec<(DeviceKey, u64, &'static str)> {
     out.iter()
         .filter_map(|o| match o {
-            Output::Malloc { device, allocation_id, space, .. } => Some((*device, *allocation_id, space.event_type())),
+            Output::Malloc { device, allocation_id, space, .. } => {
+                Some((*device, *allocation_id, space.event_type().as_str()))
+            }
             Output::PoolMalloc { device, allocation_id, pool, .. } => Some((*device, *allocation_id, pool.owner())),
             _ => None,
         })

@@ -31,7 +31,6 @@ use super::owners::Owners;
 use super::pools::{PendingHandle, PoolBlock, PoolStats, Segment};
 use super::tags::Tags;
 use super::vmm::Physical;
-use crate::apis::{Api, Family};
 
 /// Where the store's tests name it.
 #[cfg(test)]
@@ -126,8 +125,7 @@ impl Tracker {
             EventKind::Exit => return self.process_exited(event.pid, out),
             EventKind::Marker(_) | EventKind::Fork { .. } => return,
         };
-        let detail = || call.api.family() == Family::Hal || matches!(call.op, Op::MstxRegion { .. });
-        if call.outer.is_some() && detail() {
+        if call.outer.is_some() && call.api.tracking().folds_into_outer {
             self.inner.entry(event.tid).or_default().push(event);
             return;
         }
@@ -191,7 +189,7 @@ impl Tracker {
 
     fn apply_one(&mut self, event: &Event, out: &mut Vec<Output>) {
         if let EventKind::Call(call) = &event.kind {
-            let gc = call.outer == Some(Api::PyGcCollect);
+            let gc = call.outer.is_some_and(|outer| outer.tracking().collects_garbage);
             let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, gc };
             self.learn_device(site, call);
             self.apply_call(site, call, out);
@@ -233,19 +231,10 @@ impl Tracker {
         }
     }
 
-    /// A failed call: counted on `device`, reported (with an OOM listing when it ran out of
+    /// A failed call: counted on its device, reported (with an OOM listing when it ran out of
     /// memory), never a block.
-    #[expect(clippy::too_many_arguments, reason = "a failure carries whatever the call had")]
-    pub(super) fn fail(
-        &mut self,
-        site: Site,
-        call: &Call,
-        device: DeviceKey,
-        size: Option<u64>,
-        ptr: Option<u64>,
-        driver: Option<DriverInfo>,
-        out: &mut Vec<Output>,
-    ) {
+    pub(super) fn fail(&mut self, site: Site, call: &Call, failure: Failure, out: &mut Vec<Output>) {
+        let Failure { device, size, ptr, driver } = failure;
         self.stats(device).failures += 1;
         if self.is_paused(site.pid) {
             return;
@@ -263,6 +252,17 @@ impl Tracker {
             self.oom_snapshot(site, device, false, out);
         }
     }
+}
+
+/// What a failed call had, whichever kind of call it was.
+pub(super) struct Failure {
+    /// Where the failure is counted.
+    pub(super) device: DeviceKey,
+    /// The bytes asked for, by an allocation.
+    pub(super) size: Option<u64>,
+    /// The address named, by a free.
+    pub(super) ptr: Option<u64>,
+    pub(super) driver: Option<DriverInfo>,
 }
 
 /// Folds a detail call into the call it ran inside of. A driver call into a runtime call: the

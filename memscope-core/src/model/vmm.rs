@@ -7,9 +7,10 @@
 //! device's "used" equals what is mapped. Reserves, releases and physical allocations are rows
 //! of their own ([`Output::Vmm`]), never blocks.
 
+use super::blocks::{BlockFree, NewBlock};
 use super::event::{Call, DeviceKey, Op, Space};
 use super::output::{Origin, Output, Site, VmmStep};
-use super::tracker::Tracker;
+use super::tracker::{Failure, Tracker};
 
 /// A physical memory handle, until it is freed.
 #[derive(Clone, Copy, Debug)]
@@ -42,7 +43,7 @@ impl Tracker {
                         let step = VmmStep::Reserve;
                         out.push(Output::Vmm { site, device, step, addr: va, size: Some(size), driver: None });
                     }
-                    _ => self.fail(site, call, device, Some(size), None, None, out),
+                    _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver: None }, out),
                 }
             }
             Op::Release { va } => {
@@ -51,7 +52,7 @@ impl Tracker {
                     None => (self.thread_device(site, call), None),
                 };
                 if failed {
-                    self.fail(site, call, device, None, Some(va), None, out);
+                    self.fail(site, call, Failure { device, size: None, ptr: Some(va), driver: None }, out);
                 } else {
                     self.reserved.remove(&(site.pid, va));
                     out.push(Output::Vmm { site, device, step: VmmStep::Release, addr: va, size, driver: None });
@@ -66,13 +67,13 @@ impl Tracker {
                         let step = VmmStep::MallocPhysical;
                         out.push(Output::Vmm { site, device, step, addr: handle, size: Some(size), driver });
                     }
-                    _ => self.fail(site, call, device, Some(size), None, driver, out),
+                    _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver }, out),
                 }
             }
             Op::FreePhysical { handle, driver } => {
                 let device = self.physical_device(site, call, handle);
                 if failed {
-                    self.fail(site, call, device, None, Some(handle), driver, out);
+                    self.fail(site, call, Failure { device, size: None, ptr: Some(handle), driver }, out);
                 } else {
                     self.physical.remove(&(site.pid, handle));
                     let step = VmmStep::FreePhysical;
@@ -82,19 +83,27 @@ impl Tracker {
             Op::Map { va, size, offset, handle, .. } => {
                 let device = self.physical_device(site, call, handle);
                 if failed {
-                    self.fail(site, call, device, Some(size), Some(va), None, out);
+                    self.fail(site, call, Failure { device, size: Some(size), ptr: Some(va), driver: None }, out);
                 } else {
                     let origin = Origin::Mapped { handle, offset };
-                    self.add_block(site, device, Space::Device, va, (size, size), origin, out);
+                    self.add_block(
+                        site,
+                        NewBlock { device, space: Space::Device, ptr: va, sizes: (size, size), origin },
+                        out,
+                    );
                     self.add_segment(site.pid, va, device, size, call.outer, out);
                 }
             }
             Op::Unmap { va } => {
                 let fallback = self.thread_device(site, call);
                 if failed {
-                    self.fail(site, call, fallback, None, Some(va), None, out);
+                    self.fail(site, call, Failure { device: fallback, size: None, ptr: Some(va), driver: None }, out);
                 } else {
-                    self.remove_block(site, Space::Device, va, fallback, false, None, out);
+                    self.remove_block(
+                        site,
+                        BlockFree { space: Space::Device, ptr: va, fallback, shadow: false, driver: None },
+                        out,
+                    );
                     self.remove_segment(site.pid, va);
                 }
             }

@@ -1,7 +1,7 @@
 //! Rows formatted on the producing side, in batches moved whole to the store thread.
 //!
 //! A row's text columns (Attr, Name, Ptr) are written once, back to back, into the batch's one
-//! buffer as soon as the row is made; the fixed columns stay typed beside it in a [`Head`]. A
+//! buffer as soon as the row is made; the fixed columns stay typed beside it (an [`insight::Head`]). A
 //! model output's row is written there directly ([`Batch::push_output`]): its Attr's pairs go
 //! into the buffer as they are made, with nothing built or copied in between (which was most of
 //! the session thread's time per row). A batch is two allocations for a thousand rows, and the
@@ -9,26 +9,14 @@
 //! either thread.
 
 use super::attr::push_addr;
-use super::insight::{self, is_untracked_free, Row};
+use super::insight::{self, is_untracked_free, Head, Row};
 use super::Format;
 use crate::model::{DeviceKey, Output};
 
 /// A row's typed columns, and where its text columns are in the batch's buffer.
 #[derive(Clone, Debug)]
-pub struct Head {
-    pub event: &'static str,
-    pub event_type: &'static str,
-    pub ts_ns: u64,
-    pub pid: u32,
-    pub tid: u32,
-    pub device: DeviceKey,
-    pub ptr: Option<u64>,
-    /// Written to every device's output (its `Device Id` is each output's).
-    pub broadcast: bool,
-    /// The FREE of a block the trace never saw allocated ([`is_untracked_free`]).
-    pub untracked: bool,
-    /// A FREE the tracer made up at the stop for a block still live.
-    pub shadow: bool,
+struct Slot {
+    head: Head,
     /// Attr is `text[start..attr_end]`, Name `text[attr_end..name_end]`, Ptr
     /// `text[name_end..end]`: the Attr comes first because it is written before the model
     /// output has given the other columns.
@@ -52,7 +40,7 @@ pub struct RowText<'t> {
 #[derive(Debug, Default)]
 pub struct Batch {
     text: String,
-    heads: Vec<Head>,
+    slots: Vec<Slot>,
 }
 
 fn offset(text: &str) -> u32 {
@@ -61,16 +49,16 @@ fn offset(text: &str) -> u32 {
 
 impl Batch {
     pub fn len(&self) -> usize {
-        self.heads.len()
+        self.slots.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.heads.is_empty()
+        self.slots.is_empty()
     }
 
     pub fn clear(&mut self) {
         self.text.clear();
-        self.heads.clear();
+        self.slots.clear();
     }
 
     /// Formats `row` (its Attr in `format`'s form) onto the end of the batch.
@@ -80,24 +68,10 @@ impl Batch {
             Format::Db => row.attr.write_json(&mut self.text),
             Format::Csv => row.attr.write_csv_form(&mut self.text),
         }
-        let head = Head {
-            event: row.event,
-            event_type: row.event_type,
-            ts_ns: row.ts_ns,
-            pid: row.pid,
-            tid: row.tid,
-            device: row.device,
-            ptr: row.ptr,
-            broadcast: row.broadcast,
-            untracked: is_untracked_free(row),
-            shadow: row.shadow,
-            start,
-            attr_end: offset(&self.text),
-            name_end: 0,
-            end: 0,
-        };
+        let head = Head { untracked: is_untracked_free(row), ..row.head };
+        let slot = Slot { head, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
         self.text.push_str(&row.name);
-        self.push_ptr(head);
+        self.push_ptr(slot);
     }
 
     /// Formats the row of a model output onto the end of the batch, its Attr as JSON (a DB's
@@ -106,35 +80,20 @@ impl Batch {
     pub fn push_output(&mut self, output: &Output) -> bool {
         let start = offset(&self.text);
         let Some(c) = insight::write_row(output, &mut self.text) else { return false };
-        let head = Head {
-            event: c.event,
-            event_type: c.event_type,
-            ts_ns: c.ts_ns,
-            pid: c.pid,
-            tid: c.tid,
-            device: c.device,
-            ptr: c.ptr,
-            broadcast: c.broadcast,
-            untracked: c.untracked,
-            shadow: c.shadow,
-            start,
-            attr_end: offset(&self.text),
-            name_end: 0,
-            end: 0,
-        };
+        let slot = Slot { head: c.head, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
         c.name.write(&mut self.text);
-        self.push_ptr(head);
+        self.push_ptr(slot);
         true
     }
 
-    /// Ends a row whose Attr and Name were just written (`head.attr_end` is where its Attr
-    /// ended): its Ptr, then its head.
-    fn push_ptr(&mut self, mut head: Head) {
+    /// Ends a row whose Attr and Name were just written (`slot.attr_end` is where its Attr
+    /// ended): its Ptr, then its slot.
+    fn push_ptr(&mut self, mut slot: Slot) {
         let text = &mut self.text;
-        head.name_end = offset(text);
-        write_ptr(head.ptr, text);
-        head.end = offset(text);
-        self.heads.push(head);
+        slot.name_end = offset(text);
+        write_ptr(slot.head.ptr, text);
+        slot.end = offset(text);
+        self.slots.push(slot);
     }
 
     /// Copies a row of another batch onto the end of this one.
@@ -146,17 +105,17 @@ impl Batch {
         let attr_end = start + offset(row.attr);
         let name_end = attr_end + offset(row.name);
         let end = offset(&self.text);
-        self.heads.push(Head { start, attr_end, name_end, end, ..row.head.clone() });
+        self.slots.push(Slot { head: *row.head, start, attr_end, name_end, end });
     }
 
     pub fn get(&self, i: usize) -> RowText<'_> {
-        let head = &self.heads[i];
+        let slot = &self.slots[i];
         let at = |from: u32, to: u32| &self.text[from as usize..to as usize];
         RowText {
-            head,
-            name: at(head.attr_end, head.name_end),
-            ptr: at(head.name_end, head.end),
-            attr: at(head.start, head.attr_end),
+            head: &slot.head,
+            name: at(slot.attr_end, slot.name_end),
+            ptr: at(slot.name_end, slot.end),
+            attr: at(slot.start, slot.attr_end),
         }
     }
 
@@ -193,21 +152,24 @@ pub fn write_ptr(ptr: Option<u64>, out: &mut String) {
 mod tests {
     use super::*;
     use crate::store::Attr;
+    use crate::vocab::{Event, EventType};
 
     fn row(name: &str, ptr: Option<u64>, attr: Attr, untracked: bool, shadow: bool) -> Row<'static> {
         Row {
-            event: "FREE",
-            event_type: "HAL",
+            head: Head {
+                event: Event::parse("FREE").unwrap(),
+                event_type: EventType::parse("HAL").unwrap(),
+                ts_ns: 3,
+                pid: 1,
+                tid: 2,
+                device: DeviceKey::Npu(0),
+                ptr,
+                broadcast: false,
+                untracked,
+                shadow,
+            },
             name: name.to_owned().into(),
-            ts_ns: 3,
-            pid: 1,
-            tid: 2,
-            device: DeviceKey::Npu(0),
-            ptr,
             attr,
-            broadcast: false,
-            untracked,
-            shadow,
         }
     }
 

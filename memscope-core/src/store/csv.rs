@@ -64,8 +64,8 @@ pub fn line(id: u64, row: RowText<'_>, device: &str) -> String {
     let head = row.head;
     [
         id.to_string(),
-        field(head.event),
-        field(head.event_type),
+        field(head.event.as_str()),
+        field(head.event_type.as_str()),
         field(row.name),
         head.ts_ns.to_string(),
         head.pid.to_string(),
@@ -124,7 +124,9 @@ impl Sink for CsvSink {
 mod tests {
     use super::*;
     use crate::store::batch::single;
+    use crate::store::insight::Head;
     use crate::store::{Attr, Format, Row};
+    use crate::vocab::{Event, EventType};
 
     #[test]
     fn header_is_msmemscopes() {
@@ -137,18 +139,20 @@ mod tests {
     #[test]
     fn row_line_has_twelve_fields_and_quoted_attr() {
         let row = Row {
-            event: "MALLOC",
-            event_type: "HAL",
+            head: Head {
+                event: Event::parse("MALLOC").unwrap(),
+                event_type: EventType::parse("HAL").unwrap(),
+                ts_ns: 17,
+                pid: 3,
+                tid: 4,
+                device: DeviceKey::Npu(1),
+                ptr: Some(0xff),
+                broadcast: false,
+                untracked: false,
+                shadow: false,
+            },
             name: "aclrtMalloc".into(),
-            ts_ns: 17,
-            pid: 3,
-            tid: 4,
-            device: DeviceKey::Npu(1),
-            ptr: Some(0xff),
             attr: Attr::new().addr("addr", 0xff).with("size", 9u64),
-            broadcast: false,
-            untracked: false,
-            shadow: false,
         };
         let l = line(5, single(&row, Format::Csv).get(0), "1");
         assert_eq!(l, "5,MALLOC,HAL,aclrtMalloc,17,3,4,1,0x00000000000000ff,\"{addr:0x00000000000000ff,size:9}\",,");

@@ -41,6 +41,7 @@ pub use layout::RunLayout;
 pub use writer::Writer;
 
 use crate::model::DeviceKey;
+use crate::vocab::{Event, EventType};
 
 #[derive(Debug, Error)]
 pub enum StoreError {
@@ -120,13 +121,13 @@ struct Open {
 }
 
 /// The block row kinds an owner change can name, as a byte for [`Open::malloc_ids`].
-fn event_type_code(event_type: &str) -> u8 {
+fn event_type_code(event_type: EventType) -> u8 {
     match event_type {
-        "HAL" => 0,
-        "HOST" => 1,
-        "PTA" => 2,
-        "HOST_PINNED" => 3,
-        "PTA_WORKSPACE" => 4,
+        EventType::Hal => 0,
+        EventType::Host => 1,
+        EventType::Pta => 2,
+        EventType::HostPinned => 3,
+        EventType::PtaWorkspace => 4,
         _ => u8::MAX,
     }
 }
@@ -156,7 +157,7 @@ const REPLAY_LIMIT: usize = 65_536;
 pub struct Retag {
     pub device: DeviceKey,
     pub pid: u32,
-    pub event_type: &'static str,
+    pub event_type: EventType,
     pub ptr: u64,
     pub owner: String,
 }
@@ -198,7 +199,7 @@ impl Store {
             };
             sink.add_probes(&self.probes)?;
             let mut open = Open { sink, next_id: 1, next_untracked_id: 1, malloc_ids: BTreeMap::new() };
-            let start = insight::system_row("START_TRACE", self.start_wall_ns, device, &self.meta);
+            let start = insight::system_row(EventType::StartTrace, self.start_wall_ns, device, &self.meta);
             open.sink.insert(open.next_id, batch::single(&start, self.format).get(0))?;
             open.next_id += 1;
             for row in self.broadcast.iter() {
@@ -245,10 +246,10 @@ impl Store {
         if let (Some(ptr), false) = (head.ptr, stop_shadow) {
             let key = (head.pid, event_type_code(head.event_type), ptr);
             match head.event {
-                "MALLOC" => {
+                Event::Malloc => {
                     open.malloc_ids.insert(key, id);
                 }
-                "FREE" => {
+                Event::Free => {
                     open.malloc_ids.remove(&key);
                 }
                 _ => {}
@@ -321,7 +322,7 @@ impl Store {
         }
         let mut written = Vec::new();
         for (device, mut open) in std::mem::take(&mut self.open) {
-            let stop = insight::system_row("STOP_TRACE", stop_wall_ns, device, &meta);
+            let stop = insight::system_row(EventType::StopTrace, stop_wall_ns, device, &meta);
             open.sink.insert(open.next_id, batch::single(&stop, self.format).get(0))?;
             let path = open.sink.finish(&meta, lost_per_cpu)?;
             written.push(Written { device, path });

@@ -13,11 +13,12 @@
 //! cut the per-page work (frame headers, checkpoint lookups) to a sixteenth of 4 KiB pages'.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rusqlite::{params, Connection};
 
 use crate::model::DeviceKey;
+use crate::vocab::{attr, Event, EventType};
 
 use super::batch::{write_device_id, RowText};
 use super::btree::Col;
@@ -56,8 +57,8 @@ impl Queued {
 }
 
 struct OwnedRow {
-    event: &'static str,
-    event_type: &'static str,
+    event: Event,
+    event_type: EventType,
     name: String,
     ts_ns: u64,
     pid: u32,
@@ -167,8 +168,8 @@ fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<(
     for (id, r) in &q.untracked {
         stmt.execute(params![
             *id as i64,
-            r.event,
-            r.event_type,
+            r.event.as_str(),
+            r.event_type.as_str(),
             r.name,
             r.ts_ns as i64,
             r.pid,
@@ -188,12 +189,13 @@ fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<(
 /// B-tree lookup away, where `ID = ?` alone (no index) scans the whole table per retag (0.6 s on
 /// 2 M rows). The `ID` term keeps it right regardless, and the scan remains the fallback.
 fn set_owner(conn: &Connection, id: u64, owner: &str) -> rusqlite::Result<()> {
-    let by_rowid = conn
-        .prepare_cached("UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', ?1) WHERE rowid = ?2 AND ID = ?2")?
-        .execute(params![owner, id as i64])?;
-    if by_rowid == 0 {
-        conn.prepare_cached("UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', ?1) WHERE ID = ?2")?
-            .execute(params![owner, id as i64])?;
+    static SQL: OnceLock<[String; 2]> = OnceLock::new();
+    let [by_rowid, by_id] = SQL.get_or_init(|| {
+        let set = format!("UPDATE {} SET Attr = json_set(Attr, '$.{}', ?1)", schema::DUMP_TABLE, attr::owner);
+        [format!("{set} WHERE rowid = ?2 AND ID = ?2"), format!("{set} WHERE ID = ?2")]
+    });
+    if conn.prepare_cached(by_rowid)?.execute(params![owner, id as i64])? == 0 {
+        conn.prepare_cached(by_id)?.execute(params![owner, id as i64])?;
     }
     Ok(())
 }
@@ -204,8 +206,8 @@ impl Sink for DbSink {
         self.dump
             .append(&[
                 Col::Int(id as i64),
-                Col::Text(head.event),
-                Col::Text(head.event_type),
+                Col::Text(head.event.as_str()),
+                Col::Text(head.event_type.as_str()),
                 Col::Text(row.name),
                 Col::Int(head.ts_ns as i64),
                 Col::Int(head.pid.into()),
@@ -308,6 +310,7 @@ mod tests {
     use super::*;
     use crate::model::DeviceKey;
     use crate::store::batch::single;
+    use crate::store::insight::Head;
     use crate::store::schema::{DUMP_COLUMNS, INSIGHT_OWNED_TABLES};
     use crate::store::{Attr, Format, Row};
 
@@ -342,18 +345,20 @@ mod tests {
 
     fn row(ts: u64) -> Row<'static> {
         Row {
-            event: "MALLOC",
-            event_type: "HAL",
+            head: Head {
+                event: Event::parse("MALLOC").unwrap(),
+                event_type: EventType::parse("HAL").unwrap(),
+                ts_ns: ts,
+                pid: 1,
+                tid: 2,
+                device: DeviceKey::Npu(0),
+                ptr: Some(0x10),
+                broadcast: false,
+                untracked: false,
+                shadow: false,
+            },
             name: "aclrtMalloc".into(),
-            ts_ns: ts,
-            pid: 1,
-            tid: 2,
-            device: DeviceKey::Npu(0),
-            ptr: Some(0x10),
             attr: Attr::new().with("size", 8u64),
-            broadcast: false,
-            untracked: false,
-            shadow: false,
         }
     }
 
@@ -452,9 +457,9 @@ mod tests {
         let n = 70_000;
         for id in 1..=n {
             let mut r = row(id * 10);
-            r.ptr = Some(id);
+            r.head.ptr = Some(id);
             // A broadcast row comes with another output's device.
-            r.device = if id % 2 == 0 { DeviceKey::Npu(1) } else { DeviceKey::Cpu };
+            r.head.device = if id % 2 == 0 { DeviceKey::Npu(1) } else { DeviceKey::Cpu };
             insert(&mut sink, id, &r);
         }
         sink.finish(&vec![], &[]).unwrap();
