@@ -25,12 +25,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::Path;
 
 use rusqlite::params;
 use serde::Serialize;
 
 use super::atb_workspace::{self, AtbWorkspace};
+use super::db::DumpDb;
 use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
 use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
@@ -169,9 +169,9 @@ pub struct Advice {
 
 /// The `env.*` keys of `ms_meta`, without the prefix; empty when the DB has no `ms_meta`
 /// (msMemScope's DBs), which the advice then says.
-pub fn read_settings(path: &Path) -> Result<BTreeMap<String, String>, AnalysisError> {
-    let read = |source| AnalysisError::Read { path: path.to_owned(), source };
-    let conn = fragmentation::open_read(path)?;
+pub fn read_settings(db: &DumpDb) -> Result<BTreeMap<String, String>, AnalysisError> {
+    let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
+    let conn = db.conn();
     let has: i64 = conn
         .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
         .map_err(read)?;
@@ -560,12 +560,13 @@ fn atb_recommendation(atb: &AtbWorkspace, current: Option<String>, global: Optio
 }
 
 /// Runs the replay and the rules on one DB (checked by `DumpDb::open`).
-pub fn analyse(path: &Path, device: &str) -> Result<(Advice, Report), AnalysisError> {
-    let report = fragmentation::analyse(path, fragmentation::Options::default())?;
-    let settings = read_settings(path)?;
-    let gc = gc_held::analyse(path)?;
-    let streams = stream_reuse::analyse(path)?;
-    let atb = atb_workspace::analyse(path)?;
+pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisError> {
+    let path = db.path();
+    let report = fragmentation::analyse(db, fragmentation::Options::default())?;
+    let settings = read_settings(db)?;
+    let gc = gc_held::analyse(db)?;
+    let streams = stream_reuse::analyse(db)?;
+    let atb = atb_workspace::analyse(db)?;
     let (measured, recommendations) = advise(&report, &settings, &gc, &streams, &atb);
     let advice =
         Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };
@@ -662,9 +663,9 @@ const CREATE_ADVICE: &str = "CREATE TABLE ms_advice (
     value TEXT, current TEXT, why TEXT NOT NULL, evidence TEXT NOT NULL, conflicts_with TEXT NOT NULL)";
 
 /// Replaces `ms_advice` and `ms_fragmentation` in one transaction; returns the rows written.
-pub fn store(path: &Path, advice: &Advice, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
+pub fn store(db: &DumpDb, advice: &Advice, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
     let tables = [fragmentation::create_fragmentation(), (ADVICE_TABLE, CREATE_ADVICE)];
-    fragmentation::write_tables(path, &tables, "advise_at", run_wall_ns, |tx| {
+    db.replace_tables(&tables, &[("advise_at", run_wall_ns.to_string())], |tx| {
         let mut rows = fragmentation::fill_samples(tx, &advice.device, &report.samples)?;
         let mut insert = tx.prepare("INSERT INTO ms_advice VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)")?;
         for (i, r) in advice.recommendations.iter().enumerate() {
@@ -688,13 +689,20 @@ pub fn store(path: &Path, advice: &Advice, report: &Report, run_wall_ns: u64) ->
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
     use crate::analysis::fragmentation::fx::Fx;
 
     const M: u64 = MIB;
 
+    /// The DB at `path`, opened as `advise` opens it to write its results.
+    fn open(path: &Path) -> DumpDb {
+        DumpDb::open(path, true).unwrap()
+    }
+
     fn advice(path: &Path) -> (Measured, Vec<Recommendation>) {
-        let (a, _) = analyse(path, "0").unwrap();
+        let (a, _) = analyse(&open(path), "0").unwrap();
         (a.measured, a.recommendations)
     }
 
@@ -863,10 +871,10 @@ mod tests {
             }
         }
         let path = fx.stop();
-        let (advice, report) = analyse(&path, "0").unwrap();
+        let (advice, report) = analyse(&open(&path), "0").unwrap();
         assert!(advice.recommendations.is_empty());
         assert!(text(&advice, &report).contains("advice: nothing to change"));
-        let (advice, report) = analyse(&Fx::new("advise-empty").stop(), "0").unwrap();
+        let (advice, report) = analyse(&open(&Fx::new("advise-empty").stop()), "0").unwrap();
         assert!(advice.recommendations.is_empty());
         assert!(text(&advice, &report).contains("no caching-pool memory"));
     }
@@ -931,7 +939,7 @@ mod tests {
     #[test]
     fn large_atb_intermediates_under_the_default_algorithm_recommend_alg_type_3() {
         let path = atb_job("advise-atb", 44 * M, None, None);
-        let (advised, report) = analyse(&path, "0").unwrap();
+        let (advised, report) = analyse(&open(&path), "0").unwrap();
         let recs = &advised.recommendations;
         assert_eq!(ids(recs), [ATB_ALG_RULE]);
         let r = &recs[0];
@@ -974,7 +982,7 @@ mod tests {
         assert_eq!(m.atb.executions, 6);
         assert!(!m.atb.significant() && recs.is_empty(), "{recs:?}");
         // No ATB at all: nothing measured, nothing said.
-        let (advised, report) = analyse(&holes("advise-no-atb", None), "0").unwrap();
+        let (advised, report) = analyse(&open(&holes("advise-no-atb", None)), "0").unwrap();
         assert_eq!(advised.measured.atb.executions, 0);
         assert!(!text(&advised, &report).contains("ATB:"));
     }
@@ -994,10 +1002,10 @@ mod tests {
     #[test]
     fn settings_come_from_ms_meta_and_the_advice_is_stored() {
         let path = holes("advise-store", Some("garbage_collection_threshold:0.7"));
-        let (advice, report) = analyse(&path, "0").unwrap();
+        let (advice, report) = analyse(&open(&path), "0").unwrap();
         assert_eq!(advice.settings.get("HCCL_BUFFSIZE").map(String::as_str), Some("200"));
         for run in 0..2 {
-            store(&path, &advice, &report, 5 + run).unwrap();
+            store(&open(&path), &advice, &report, 5 + run).unwrap();
         }
         let conn = rusqlite::Connection::open(&path).unwrap();
         let count = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
@@ -1012,7 +1020,7 @@ mod tests {
         assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'advise_at' AND value = '6'"), 1);
         // No ms_meta (msMemScope's DBs): settings unknown, nothing stamped.
         conn.execute_batch("DROP TABLE ms_meta").unwrap();
-        assert!(read_settings(&path).unwrap().is_empty());
-        store(&path, &advice, &report, 9).unwrap();
+        assert!(read_settings(&open(&path)).unwrap().is_empty());
+        store(&open(&path), &advice, &report, 9).unwrap();
     }
 }

@@ -16,7 +16,6 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::Path;
 
 use serde::Serialize;
 
@@ -203,8 +202,7 @@ impl Replay {
 
 /// Reads one DB's ATB operations and its device memory peak. A DB without `Name` or `Thread Id`
 /// columns has no operator rows to read and reports none.
-pub fn analyse(path: &Path) -> Result<AtbWorkspace, AnalysisError> {
-    let db = DumpDb::open(path, false)?;
+pub fn analyse(db: &DumpDb) -> Result<AtbWorkspace, AnalysisError> {
     let mut replay = Replay::default();
     let ops = db.for_each_named_row(&["OP_LAUNCH"], |fed| match fed {
         Fed::Row(row) => replay.op(&row),
@@ -261,7 +259,7 @@ mod tests {
             atb(&mut db, t + 4, 0x66, MIB / 2, 22 * MIB);
             db.free("HAL", t + 8, 0x3000_0000);
         }
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.executions, r.op_count), (6, 2));
         assert_eq!((r.largest_workspace, r.largest_intermediate, r.largest_total), (MIB, 44 * MIB, 45 * MIB));
         assert_eq!((r.peak_bytes, r.peak_basis), (98 * MIB, "device memory (HAL blocks)"));
@@ -280,7 +278,7 @@ mod tests {
         let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
         hal(&mut db, 1, 0x1000_0000, 512 * MIB);
         atb(&mut db, 5, 0x55, MIB, 40 * MIB); // 7.8%: under the share
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(r.largest_intermediate, 40 * MIB);
         assert!(!r.significant());
 
@@ -288,7 +286,7 @@ mod tests {
         let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
         hal(&mut db, 1, 0x1000_0000, 4 * MIB);
         atb(&mut db, 5, 0x55, 0, 768 << 10); // 19% but under 1 MiB
-        assert!(!analyse(&db.path).unwrap().significant());
+        assert!(!analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap().significant());
 
         // msMemScope's rows: a path and a workspace size, no intermediate size.
         let d = dir("atb-msmemscope");
@@ -296,7 +294,7 @@ mod tests {
         hal(&mut db, 1, 0x1000_0000, 4 * MIB);
         let attr = Attr::new().with("path", "0_Graph/1_Linear").with("workspace_size", 3 * MIB);
         db.row("OP_LAUNCH", "ATB_START", 5, 1, None, attr);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(
             (r.ops[0].op.as_str(), r.largest_workspace, r.largest_intermediate),
             ("0_Graph/1_Linear", 3 * MIB, 0)
@@ -316,12 +314,12 @@ mod tests {
         pta(&mut db, 2, 0x200, "workspace", 26 * MIB);
         pta(&mut db, 3, 0x300, "caching", 20 * MIB);
         atb(&mut db, 4, 0x55, MIB, 24 * MIB);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.peak_bytes, r.peak_basis), (66 * MIB, "pool reserved memory (PTA)"));
         assert!(r.significant());
         // A DB with no ATB rows at all.
         let d = dir("atb-none");
         let db = TestDb::create(&d.join("memscope_dump_1.db"));
-        assert_eq!(analyse(&db.path).unwrap().executions, 0);
+        assert_eq!(analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap().executions, 0);
     }
 }

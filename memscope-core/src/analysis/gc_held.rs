@@ -14,10 +14,9 @@
 //! in a cycle are freed exactly that way. Tensor blocks only: `PTA` blocks that are not workspace
 //! or segments, and `HOST` blocks (CPU tensors on the cpu output).
 
-use std::path::Path;
-
 use serde::Serialize;
 
+use super::db::DumpDb;
 use super::decompose::Family;
 use super::steps::{BlockEnd, BlockKind, BlockSink, StepDb, StepError, Timeline};
 use super::AnalysisError;
@@ -143,8 +142,8 @@ impl Collect {
 }
 
 /// Replays one DB's blocks and steps (from memscope.step() and mstx `step start` ranges).
-pub fn analyse(path: &Path) -> Result<GcHeld, AnalysisError> {
-    let db = StepDb::open(path)?;
+pub fn analyse(dump: &DumpDb) -> Result<GcHeld, AnalysisError> {
+    let db = StepDb::open(dump.path())?;
     let mut collect = Collect::default();
     let timeline = Timeline::replay(&db, None, &mut collect).map_err(|e| match e {
         StepError::Analysis(e) => e,
@@ -199,7 +198,7 @@ mod tests {
         for (at, ptr) in pending {
             gc_free(&mut db, at, ptr);
         }
-        analyse(&db.path).unwrap()
+        analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap()
     }
 
     #[test]
@@ -239,7 +238,7 @@ mod tests {
             db.malloc("PTA", t + 10, 0x100 * (s as u64 + 1), 8 * MIB, None);
             step(&mut db, t + 99, s as u64 + 1);
         }
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(r.late_blocks, 3, "born in one step, freed by the collector in the next");
         assert_eq!(r.held_at_peak, 0);
         assert!(!r.significant());
@@ -251,7 +250,7 @@ mod tests {
         let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
         db.malloc("PTA", 10, 0x100, 8 * MIB, None);
         gc_free(&mut db, 20, 0x100);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.freed_blocks, r.late_blocks, r.held_at_peak, r.boundaries), (1, 0, 0, 0));
     }
 }

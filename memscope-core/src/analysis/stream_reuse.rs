@@ -8,12 +8,10 @@
 //! after a marked free and before the next step boundary (or the end, without steps): the
 //! memory the deferred blocks could have served.
 
-use std::path::Path;
-
 use serde::Serialize;
 
 use super::attr::attr_fields;
-use super::db::{DumpRow, Fed};
+use super::db::{DumpDb, DumpRow, Fed};
 use super::steps::{StepDb, StepDetector};
 use super::AnalysisError;
 use crate::store::insight::STREAM_USES;
@@ -102,8 +100,8 @@ impl Scan {
 }
 
 /// Scans one DB (steps from memscope.step() and mstx `step start` ranges).
-pub fn analyse(path: &Path) -> Result<StreamReuse, AnalysisError> {
-    let db = StepDb::open(path)?;
+pub fn analyse(dump: &DumpDb) -> Result<StreamReuse, AnalysisError> {
+    let db = StepDb::open(dump.path())?;
     let mut scan = Scan::default();
     db.for_each_row(|fed| match fed {
         Fed::Row(row) => scan.row(&row),
@@ -151,7 +149,7 @@ mod tests {
         db.malloc("PTA", 61, 0xa000, 4 * MIB, None);
         marked_free(&mut db, 70, 0xa000, 4 * MIB);
         step(&mut db, 99, 2);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.deferred_blocks, r.deferred_bytes), (3, 20 * MIB));
         assert_eq!(r.max_step_deferred_bytes, 16 * MIB);
         assert_eq!((r.grown_while_deferred, r.steps_grown), (20 * MIB, 1));
@@ -166,7 +164,7 @@ mod tests {
         db.malloc("PTA", 6, 0x1000, 8 * MIB, None);
         db.free("PTA", 10, 0x1000);
         segment(&mut db, 12, 0x9000, 20 * MIB);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(r, StreamReuse::default());
         assert!(!r.costly());
     }
