@@ -244,7 +244,52 @@ fn split_limit_mib(mib: u64) -> u64 {
     pow2.max(LARGE_SEGMENT / MIB + 1)
 }
 
-/// The rules, in the order their advice is listed.
+/// What every rule reads: the replay's report, the settings at the start, and the measurements.
+struct Facts<'a> {
+    report: &'a Report,
+    settings: &'a BTreeMap<String, String>,
+    m: Measured,
+    /// PYTORCH_NPU_ALLOC_CONF at the start, as set and parsed.
+    current: Option<String>,
+    conf: AllocConf,
+}
+
+impl Facts<'_> {
+    /// A recommendation of one PYTORCH_NPU_ALLOC_CONF `key:value` (dropping the keys `drop`).
+    fn env_rec(
+        &self,
+        id: &'static str,
+        key: &str,
+        value: &str,
+        drop: &[&str],
+        why: String,
+        evidence: BTreeMap<String, serde_json::Value>,
+    ) -> Recommendation {
+        Recommendation {
+            id,
+            variable: Some(ALLOC_CONF),
+            setting: format!("{key}:{value}"),
+            value: Some(self.conf.with(key, value, drop).to_string()),
+            current: self.current.clone(),
+            why,
+            evidence,
+            conflicts_with: Vec::new(),
+        }
+    }
+}
+
+/// The rules, in the order their advice is listed; each gives its advice when its evidence is there.
+const RULES: [fn(&Facts<'_>) -> Option<Recommendation>; 7] = [
+    expandable_segments,
+    max_split_size_mb,
+    garbage_collection_threshold,
+    per_process_memory_fraction,
+    multi_stream_memory_reuse,
+    gc_at_epoch_end,
+    atb_workspace_alg_type,
+];
+
+/// Runs the rules on the measurements.
 pub fn advise(
     report: &Report,
     settings: &BTreeMap<String, String>,
@@ -258,19 +303,29 @@ pub fn advise(
     m.atb = atb.clone();
     let current = settings.get(ALLOC_CONF).cloned();
     let conf = AllocConf::parse(current.as_deref().unwrap_or(""));
-    let mut recs = Vec::new();
-    let env_rec = |id, key: &str, value: &str, drop: &[&str], why: String, evidence| Recommendation {
-        id,
-        variable: Some(ALLOC_CONF),
-        setting: format!("{key}:{value}"),
-        value: Some(conf.with(key, value, drop).to_string()),
-        current: current.clone(),
-        why,
-        evidence,
-        conflicts_with: Vec::new(),
-    };
+    let facts = Facts { report, settings, m, current, conf };
+    let mut recs: Vec<Recommendation> = RULES.iter().filter_map(|rule| rule(&facts)).collect();
+    // torch_npu refuses expandable segments together with either of the other two.
+    let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
+    for r in &mut recs {
+        r.conflicts_with = match r.id {
+            "expandable_segments" => ids
+                .iter()
+                .copied()
+                .filter(|i| matches!(*i, "max_split_size_mb" | "garbage_collection_threshold"))
+                .collect(),
+            "max_split_size_mb" | "garbage_collection_threshold" => {
+                ids.iter().copied().filter(|i| *i == "expandable_segments").collect()
+            }
+            _ => Vec::new(),
+        };
+    }
+    (facts.m, recs)
+}
 
-    // expandable_segments: holes between live blocks that no request could use.
+/// expandable_segments: holes between live blocks that no request could use.
+fn expandable_segments(f: &Facts<'_>) -> Option<Recommendation> {
+    let (m, conf, report) = (&f.m, &f.conf, f.report);
     let holes_share = m.holes_at_peak as f64 / m.peak_reserved.max(1) as f64;
     let forced = m.forced_growths >= FORCED_MIN && holes_share >= HOLES_SHARE;
     if !conf.expandable() && (forced || m.fragmentation_ooms > 0) {
@@ -315,10 +370,21 @@ pub fn advise(
             ("unused_at_peak", m.unused_at_peak.into()),
             ("holes_at_peak", m.holes_at_peak.into()),
         ]);
-        recs.push(env_rec("expandable_segments", "expandable_segments", "True", &dropped, why.join("; "), evidence));
+        return Some(f.env_rec(
+            "expandable_segments",
+            "expandable_segments",
+            "True",
+            &dropped,
+            why.join("; "),
+            evidence,
+        ));
     }
+    None
+}
 
-    // max_split_size_mb: big segments pinned by small blocks while a big request needed memory.
+/// max_split_size_mb: big segments pinned by small blocks while a big request needed memory.
+fn max_split_size_mb(f: &Facts<'_>) -> Option<Recommendation> {
+    let (conf, report) = (&f.conf, f.report);
     if !conf.expandable() && conf.get("max_split_size_mb").is_none() && !report.pinned_big.is_empty() {
         let smallest_segment = report.pinned_big.iter().map(|g| g.pinned_big_min).min().unwrap_or(0);
         let smallest_request = report.pinned_big.iter().map(|g| g.request).min().unwrap_or(0);
@@ -337,10 +403,14 @@ pub fn advise(
             ("smallest_pinned_segment", smallest_segment.into()),
             ("smallest_big_request", smallest_request.into()),
         ]);
-        recs.push(env_rec("max_split_size_mb", "max_split_size_mb", &limit.to_string(), &[], why, evidence));
+        return Some(f.env_rec("max_split_size_mb", "max_split_size_mb", &limit.to_string(), &[], why, evidence));
     }
+    None
+}
 
-    // garbage_collection_threshold: the cache emptied at a ceiling, again and again.
+/// garbage_collection_threshold: the cache emptied at a ceiling, again and again.
+fn garbage_collection_threshold(f: &Facts<'_>) -> Option<Recommendation> {
+    let (m, conf, report) = (&f.m, &f.conf, f.report);
     let pressure = m.flushes_at_ceiling.max(m.recovered_refusals);
     if !conf.expandable() && conf.get("garbage_collection_threshold").is_none() && pressure >= FLUSH_MIN {
         let at_ceiling: Vec<&fragmentation::Flush> = report.flushes.iter().filter(|f| at_ceiling(f, &m)).collect();
@@ -367,10 +437,21 @@ pub fn advise(
             ("ceiling", ceiling.into()),
             ("max_allocated", m.max_allocated.into()),
         ]);
-        recs.push(env_rec("garbage_collection_threshold", "garbage_collection_threshold", &value, &[], why, evidence));
+        return Some(f.env_rec(
+            "garbage_collection_threshold",
+            "garbage_collection_threshold",
+            &value,
+            &[],
+            why,
+            evidence,
+        ));
     }
+    None
+}
 
-    // set_per_process_memory_fraction: processes sharing the device.
+/// set_per_process_memory_fraction: processes sharing the device.
+fn per_process_memory_fraction(f: &Facts<'_>) -> Option<Recommendation> {
+    let m = &f.m;
     let sharing: Vec<&ProcessPeak> = m.processes.iter().filter(|p| p.peak_device.max(p.peak_reserved) > 0).collect();
     if sharing.len() >= 2 {
         let total: u64 = sharing.iter().map(|p| p.peak_device.max(p.peak_reserved)).sum();
@@ -398,7 +479,7 @@ pub fn advise(
                 .map(|(pid, peak, f)| serde_json::json!({"pid": pid, "peak": peak, "fraction": f}))
                 .collect::<Vec<_>>()),
         )]);
-        recs.push(Recommendation {
+        return Some(Recommendation {
             id: "per_process_memory_fraction",
             variable: None,
             setting: format!("torch_npu.npu.{}", calls.join(", ")),
@@ -409,8 +490,12 @@ pub fn advise(
             conflicts_with: Vec::new(),
         });
     }
+    None
+}
 
-    // MULTI_STREAM_MEMORY_REUSE: blocks waiting for another stream while the pool grew.
+/// MULTI_STREAM_MEMORY_REUSE: blocks waiting for another stream while the pool grew.
+fn multi_stream_memory_reuse(f: &Facts<'_>) -> Option<Recommendation> {
+    let (settings, streams) = (f.settings, &f.m.streams);
     let reuse = settings.get(MULTI_STREAM).map(|v| v.trim().to_owned());
     let next = match reuse.as_deref() {
         Some("0") => Some(("1", "with reuse off nothing erases the marks once the collective was waited for")),
@@ -431,7 +516,7 @@ pub fn advise(
             streams.steps_grown,
             b(streams.max_step_deferred_bytes)
         );
-        recs.push(Recommendation {
+        return Some(Recommendation {
             id: MULTI_STREAM_REUSE_ID,
             variable: Some(MULTI_STREAM),
             setting: value.to_owned(),
@@ -442,8 +527,12 @@ pub fn advise(
             conflicts_with: Vec::new(),
         });
     }
+    None
+}
 
-    // gc at epoch ends: garbage from earlier steps, held by reference cycles, live at the peak.
+/// gc at epoch ends: garbage from earlier steps, held by reference cycles, live at the peak.
+fn gc_at_epoch_end(f: &Facts<'_>) -> Option<Recommendation> {
+    let gc = &f.m.gc;
     if gc.significant() {
         let why = format!(
             "at the peak of {} live tensor memory, {} ({:.0}%, {} block(s)) were tensors from earlier steps that only \
@@ -459,7 +548,7 @@ pub fn advise(
             b(gc.late_bytes),
             gc.mean_steps_late
         );
-        recs.push(Recommendation {
+        return Some(Recommendation {
             id: GC_AT_EPOCH_END,
             variable: None,
             setting: "import gc; gc.collect() at the end of each epoch".to_owned(),
@@ -470,30 +559,18 @@ pub fn advise(
             conflicts_with: Vec::new(),
         });
     }
+    None
+}
 
-    // ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE: intermediates laid out by ATB's default are a large part
-    // of the peak. Only unset or the default 1 are replaced: any other value is a choice.
+/// ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE: intermediates laid out by ATB's default are a large part
+/// of the peak. Only unset or the default 1 are replaced: any other value is a choice.
+fn atb_workspace_alg_type(f: &Facts<'_>) -> Option<Recommendation> {
+    let (settings, atb) = (f.settings, &f.m.atb);
     let atb_current = settings.get(ATB_ALG_TYPE).cloned();
     if atb.significant() && atb_current.as_deref().is_none_or(|v| v.trim() == "1") {
-        recs.push(atb_recommendation(atb, atb_current, settings.get(ATB_ALLOC_GLOBAL).map(String::as_str)));
+        return Some(atb_recommendation(atb, atb_current, settings.get(ATB_ALLOC_GLOBAL).map(String::as_str)));
     }
-
-    // torch_npu refuses expandable segments together with either of the other two.
-    let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
-    for r in &mut recs {
-        r.conflicts_with = match r.id {
-            "expandable_segments" => ids
-                .iter()
-                .copied()
-                .filter(|i| matches!(*i, "max_split_size_mb" | "garbage_collection_threshold"))
-                .collect(),
-            "max_split_size_mb" | "garbage_collection_threshold" => {
-                ids.iter().copied().filter(|i| *i == "expandable_segments").collect()
-            }
-            _ => Vec::new(),
-        };
-    }
-    (m, recs)
+    None
 }
 
 fn atb_recommendation(atb: &AtbWorkspace, current: Option<String>, global: Option<&str>) -> Recommendation {
