@@ -34,6 +34,7 @@ use super::db::DumpDb;
 use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
 use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
+use super::pass::{self, Consumer};
 use super::render::{human_bytes, relative};
 use super::stream_reuse::{self, StreamReuse};
 use super::AnalysisError;
@@ -636,14 +637,22 @@ fn atb_recommendation(atb: &AtbWorkspace, current: Option<String>, global: Optio
     }
 }
 
-/// Runs the replay and the rules on one DB (checked by `DumpDb::open`).
+/// Runs the replays and the rules on one DB, reading its rows once for all the replays.
 pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisError> {
     let path = db.path();
-    let report = fragmentation::analyse(db, fragmentation::Options::default())?;
+    // The step replays read `Name`, and refuse a table without it.
+    db.require_columns(&["Name"])?;
+    let mut pool = fragmentation::Shared::new(fragmentation::Options::default());
+    let mut gc = gc_held::Replay::default();
+    let mut streams = stream_reuse::Scan::default();
+    let mut atb = atb_workspace::Replay::for_db(db)?;
+    let mut consumers: Vec<&mut dyn Consumer> = vec![&mut pool, &mut gc, &mut streams];
+    consumers.extend(atb.as_mut().map(|a| a as &mut dyn Consumer));
+    pass::run(db, &mut consumers)?;
+    let report = pool.finish();
     let settings = read_settings(db)?;
-    let gc = gc_held::analyse(db)?;
-    let streams = stream_reuse::analyse(db)?;
-    let atb = atb_workspace::analyse(db)?;
+    let (gc, streams) = (gc.finish(), streams.finish());
+    let atb = atb.map(atb_workspace::Replay::finish).unwrap_or_default();
     let (measured, recommendations) = advise(&report, &settings, &gc, &streams, &atb);
     let advice =
         Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };

@@ -20,7 +20,8 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use super::attr::attr_fields;
-use super::db::{DumpDb, DumpRow, Fed};
+use super::db::{DumpDb, DumpRow, Selection};
+use super::pass::{self, Consumer};
 use super::AnalysisError;
 
 /// The largest operation's intermediate bytes must be at least this share of the peak...
@@ -101,8 +102,9 @@ fn number(v: Option<&Cow<'_, str>>) -> Option<u64> {
     }
 }
 
+/// ATB operations and the device memory peak, from one pass.
 #[derive(Default)]
-struct Replay {
+pub struct Replay {
     hal_live: HashMap<(i64, u64), u64>,
     hal_bytes: u64,
     hal_peak: u64,
@@ -176,13 +178,11 @@ impl Replay {
         }
     }
 
-    /// The memory rows come again from the first (see [`Fed::Restart`]); the operations stay.
-    fn forget_memory(&mut self) {
-        (self.hal_live, self.hal_bytes, self.hal_peak) = Default::default();
-        (self.reserved, self.reserved_sum, self.reserved_peak) = Default::default();
-    }
-
-    fn finish(mut self) -> AtbWorkspace {
+    /// The report; none at all when the trace ran no ATB operation.
+    pub fn finish(mut self) -> AtbWorkspace {
+        if self.report.executions == 0 && self.ops.is_empty() {
+            return AtbWorkspace::default();
+        }
         let mut ops: Vec<AtbOp> = self.order.iter().filter_map(|k| self.ops.remove(k)).collect();
         // Largest intermediates first (what the rule is about), then the largest buffer; among
         // equals, the first seen.
@@ -203,24 +203,38 @@ impl Replay {
 /// Reads one DB's ATB operations and its device memory peak. A DB without `Name` or `Thread Id`
 /// columns has no operator rows to read and reports none.
 pub fn analyse(db: &DumpDb) -> Result<AtbWorkspace, AnalysisError> {
-    let mut replay = Replay::default();
-    let ops = db.for_each_named_row(&["OP_LAUNCH"], |fed| match fed {
-        Fed::Row(row) => replay.op(&row),
-        Fed::Restart => replay = Replay::default(),
-    });
-    match ops {
-        Ok(_) => {}
-        Err(AnalysisError::MissingColumns { .. }) => return Ok(AtbWorkspace::default()),
-        Err(e) => return Err(e),
-    }
-    if replay.report.executions == 0 && replay.ops.is_empty() {
-        return Ok(AtbWorkspace::default());
-    }
-    db.for_each_row(|fed| match fed {
-        Fed::Row(row) => replay.memory(&row),
-        Fed::Restart => replay.forget_memory(),
-    })?;
+    let Some(mut replay) = Replay::for_db(db)? else { return Ok(AtbWorkspace::default()) };
+    pass::run(db, &mut [&mut replay])?;
     Ok(replay.finish())
+}
+
+/// The rows read: operators (with the names and threads that identify them) and memory.
+const SELECTION: Selection<'static> =
+    Selection { events: &["OP_LAUNCH", "MALLOC", "FREE", "SYSTEM"], name: true, thread: true };
+
+impl Replay {
+    /// The replay for `db`, or none when it cannot hold operator rows (no `Name`/`Thread Id`).
+    pub fn for_db(db: &DumpDb) -> Result<Option<Self>, AnalysisError> {
+        Ok(db.missing_columns(&["Name", "Thread Id"])?.is_empty().then(Self::default))
+    }
+}
+
+/// The replay behind [`analyse`], for a pass other replays share.
+impl Consumer for Replay {
+    fn selection(&self) -> Selection<'static> {
+        SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        match row.event {
+            "OP_LAUNCH" => self.op(&row),
+            _ => self.memory(&row),
+        }
+    }
+
+    fn restart(&mut self) {
+        *self = Self::default();
+    }
 }
 
 #[cfg(test)]

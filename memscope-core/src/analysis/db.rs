@@ -344,19 +344,29 @@ impl DumpDb {
     /// Calls `f` for every row whose `Event` is one of `events`, in time order (as
     /// [`Self::for_each_row`]), with the `Name` and `Thread Id` that call sequences need.
     pub fn for_each_named_row(&self, events: &[&str], f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        self.require_columns(&["Name", "Thread Id"])?;
+        let select = Selection { events, name: true, thread: true };
+        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
+    }
+
+    /// Which of `wanted`, columns beyond those every analysis reads, the dump table lacks.
+    pub fn missing_columns<'w>(&self, wanted: &[&'w str]) -> Result<Vec<&'w str>, AnalysisError> {
         let columns: Vec<String> = self
             .conn
             .prepare("SELECT name FROM pragma_table_info(?1)")
             .and_then(|mut s| s.query_map([self.table], |r| r.get(0))?.collect())
             .map_err(self.read_err())?;
-        let missing: Vec<&str> =
-            ["Name", "Thread Id"].into_iter().filter(|c| !columns.iter().any(|h| h == c)).collect();
-        if !missing.is_empty() {
-            let (path, table) = (self.path.clone(), self.table.to_owned());
-            return Err(AnalysisError::MissingColumns { path, table, missing: missing.join(", ") });
+        Ok(wanted.iter().copied().filter(|c| !columns.iter().any(|h| h == c)).collect())
+    }
+
+    /// Refuses a dump table that lacks any of `wanted` (see [`Self::missing_columns`]).
+    pub fn require_columns(&self, wanted: &[&str]) -> Result<(), AnalysisError> {
+        let missing = self.missing_columns(wanted)?;
+        if missing.is_empty() {
+            return Ok(());
         }
-        let select = Selection { events, name: true, thread: true };
-        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
+        let (path, table) = (self.path.clone(), self.table.to_owned());
+        Err(AnalysisError::MissingColumns { path, table, missing: missing.join(", ") })
     }
 
     /// Replaces our result tables `tables` (name, CREATE statement: dropped and recreated, so

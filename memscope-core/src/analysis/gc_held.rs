@@ -16,9 +16,10 @@
 
 use serde::Serialize;
 
-use super::db::DumpDb;
+use super::db::{DumpDb, DumpRow, Selection};
+use super::pass::{self, Consumer};
 use super::decompose::Family;
-use super::steps::{BlockEnd, BlockKind, BlockSink, StepDb, StepError, Timeline};
+use super::steps::{self, BlockEnd, BlockKind, BlockSink, Timeline};
 use super::AnalysisError;
 
 /// Garbage held at the peak must be at least this share of the peak's live bytes...
@@ -142,15 +143,46 @@ impl Collect {
 }
 
 /// Replays one DB's blocks and steps (from memscope.step() and mstx `step start` ranges).
-pub fn analyse(dump: &DumpDb) -> Result<GcHeld, AnalysisError> {
-    let db = StepDb::open(dump.path())?;
-    let mut collect = Collect::default();
-    let timeline = Timeline::replay(&db, None, &mut collect).map_err(|e| match e {
-        StepError::Analysis(e) => e,
-        StepError::NoSuchMarker { .. } => unreachable!("only a --step-marker can be missing, and none is given"),
-    })?;
-    let boundaries: Vec<i64> = timeline.boundaries.iter().map(|b| b.ts).collect();
-    Ok(collect.report(&boundaries))
+pub fn analyse(db: &DumpDb) -> Result<GcHeld, AnalysisError> {
+    db.require_columns(&["Name"])?;
+    let mut replay = Replay::default();
+    pass::run(db, &mut [&mut replay])?;
+    Ok(replay.finish())
+}
+
+/// The replay behind [`analyse`], for a pass other replays share.
+pub struct Replay {
+    timeline: Timeline,
+    collect: Collect,
+}
+
+impl Default for Replay {
+    fn default() -> Self {
+        Self { timeline: Timeline::new(None), collect: Collect::default() }
+    }
+}
+
+impl Replay {
+    pub fn finish(mut self) -> GcHeld {
+        self.timeline.finish(&mut self.collect);
+        let boundaries: Vec<i64> = self.timeline.boundaries.iter().map(|b| b.ts).collect();
+        self.collect.report(&boundaries)
+    }
+}
+
+impl Consumer for Replay {
+    fn selection(&self) -> Selection<'static> {
+        steps::SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        self.timeline.apply(&row, &mut self.collect);
+    }
+
+    fn restart(&mut self) {
+        self.timeline = Timeline::new(None);
+        self.collect.restart();
+    }
 }
 
 #[cfg(test)]

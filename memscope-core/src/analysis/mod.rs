@@ -10,6 +10,7 @@
 //!   (never Insight's) in one transaction.
 //! - [`decompose`]: where the memory was at an instant, as an owner tree (msMemScope's
 //!   decomposition, the tree Insight draws).
+//! - [`pass`]: one time-ordered pass over a DB feeding several replays (what `advise` reads).
 //! - [`render`]: the text and JSON reports.
 //! - [`inefficient`], [`inefficient_out`]: memory held while unused, by msMemScope's op-index
 //!   definitions and Insight's time-based ones; results into the MALLOC rows and `ms_inefficient`.
@@ -41,6 +42,7 @@ pub mod inefficient_out;
 pub mod leaks;
 pub mod oom;
 pub mod opdiff;
+pub mod pass;
 pub mod render;
 pub mod steps;
 pub mod stream_reuse;

@@ -11,8 +11,9 @@
 use serde::Serialize;
 
 use super::attr::attr_fields;
-use super::db::{DumpDb, DumpRow, Fed};
-use super::steps::{StepDb, StepDetector};
+use super::db::{DumpDb, DumpRow, Selection};
+use super::pass::{self, Consumer};
+use super::steps::{self, StepDetector};
 use super::AnalysisError;
 use crate::store::insight::STREAM_USES;
 
@@ -57,8 +58,9 @@ struct Window {
     grown: u64,
 }
 
+/// The scan: stream-marked frees and the pool growth meanwhile, step by step.
 #[derive(Default)]
-struct Scan {
+pub struct Scan {
     report: StreamReuse,
     window: Window,
     detector: StepDetector,
@@ -100,17 +102,35 @@ impl Scan {
 }
 
 /// Scans one DB (steps from memscope.step() and mstx `step start` ranges).
-pub fn analyse(dump: &DumpDb) -> Result<StreamReuse, AnalysisError> {
-    let db = StepDb::open(dump.path())?;
+pub fn analyse(db: &DumpDb) -> Result<StreamReuse, AnalysisError> {
+    db.require_columns(&["Name"])?;
     let mut scan = Scan::default();
-    db.for_each_row(|fed| match fed {
-        Fed::Row(row) => scan.row(&row),
-        Fed::Restart => scan = Scan::default(),
-    })?;
-    scan.boundaries.clear();
-    scan.detector.finish(&mut scan.boundaries);
-    scan.close_window();
-    Ok(scan.report)
+    pass::run(db, &mut [&mut scan])?;
+    Ok(scan.finish())
+}
+
+impl Scan {
+    pub fn finish(mut self) -> StreamReuse {
+        self.boundaries.clear();
+        self.detector.finish(&mut self.boundaries);
+        self.close_window();
+        self.report
+    }
+}
+
+/// The scan behind [`analyse`], for a pass other replays share.
+impl Consumer for Scan {
+    fn selection(&self) -> Selection<'static> {
+        steps::SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        Scan::row(self, &row);
+    }
+
+    fn restart(&mut self) {
+        *self = Self::default();
+    }
 }
 
 #[cfg(test)]
