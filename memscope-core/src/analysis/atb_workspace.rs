@@ -23,6 +23,7 @@ use super::attr::attr_fields;
 use super::db::{DumpDb, DumpRow, Selection};
 use super::pass::{self, Consumer};
 use super::AnalysisError;
+use crate::vocab::{Event, EventType};
 
 /// The largest operation's intermediate bytes must be at least this share of the peak...
 pub const INTERMEDIATE_SHARE: f64 = 0.10;
@@ -121,8 +122,9 @@ impl Replay {
     fn memory(&mut self, row: &DumpRow<'_>) {
         let f = Fields::parse(row.attr).unwrap_or_default();
         let addr = || number(Some(&Cow::Borrowed(row.ptr))).or_else(|| number(f.addr.as_ref()));
-        match (row.event, row.event_type) {
-            ("MALLOC", "HAL") => {
+        use EventType::{Hal, Pta, PtaWorkspace};
+        match (Event::parse(row.event), EventType::parse(row.event_type)) {
+            (Some(Event::Malloc), Some(Hal)) => {
                 if let (Some(addr), Some(size)) = (addr(), number(f.size.as_ref())) {
                     if let Some(old) = self.hal_live.insert((row.pid, addr), size) {
                         self.hal_bytes -= old;
@@ -131,12 +133,12 @@ impl Replay {
                     self.hal_peak = self.hal_peak.max(self.hal_bytes);
                 }
             }
-            ("FREE", "HAL") => {
+            (Some(Event::Free), Some(Hal)) => {
                 if let Some(size) = addr().and_then(|a| self.hal_live.remove(&(row.pid, a))) {
                     self.hal_bytes -= size;
                 }
             }
-            ("MALLOC" | "FREE", "PTA" | "PTA_WORKSPACE") if f.shadow.as_deref() != Some("true") => {
+            (Some(Event::Malloc | Event::Free), Some(Pta | PtaWorkspace)) if f.shadow.as_deref() != Some("true") => {
                 if let Some(total) = number(f.total.as_ref()) {
                     let pool = f.pool.as_deref().unwrap_or("").to_owned();
                     let key = (row.pid, row.event_type.to_owned(), pool);
@@ -150,9 +152,7 @@ impl Replay {
     }
 
     fn op(&mut self, row: &DumpRow<'_>) {
-        if !matches!(row.event_type, "ATB_START" | "ATB_END") {
-            return;
-        }
+        let Some(ty @ (EventType::AtbStart | EventType::AtbEnd)) = EventType::parse(row.event_type) else { return };
         let f = Fields::parse(row.attr).unwrap_or_default();
         let name = match (number(f.runner.as_ref()), f.path.as_deref()) {
             (Some(runner), _) => format!("Runner@{runner:#x}"),
@@ -172,7 +172,7 @@ impl Replay {
         r.largest_workspace = r.largest_workspace.max(workspace);
         r.largest_intermediate = r.largest_intermediate.max(intermediate);
         r.largest_total = r.largest_total.max(workspace + intermediate);
-        if row.event_type == "ATB_START" {
+        if ty == EventType::AtbStart {
             op.executions += 1;
             r.executions += 1;
         }
@@ -209,8 +209,12 @@ pub fn analyse(db: &DumpDb) -> Result<AtbWorkspace, AnalysisError> {
 }
 
 /// The rows read: operators (with the names and threads that identify them) and memory.
-const SELECTION: Selection<'static> =
-    Selection { events: &["OP_LAUNCH", "MALLOC", "FREE", "SYSTEM"], name: true, thread: true };
+const SELECTION: Selection<'static> = Selection {
+    events: &[OP_LAUNCH, Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()],
+    name: true,
+    thread: true,
+};
+const OP_LAUNCH: &str = Event::OpLaunch.as_str();
 
 impl Replay {
     /// The replay for `db`, or none when it cannot hold operator rows (no `Name`/`Thread Id`).
@@ -227,7 +231,7 @@ impl Consumer for Replay {
 
     fn row(&mut self, row: DumpRow<'_>) {
         match row.event {
-            "OP_LAUNCH" => self.op(&row),
+            OP_LAUNCH => self.op(&row),
             _ => self.memory(&row),
         }
     }

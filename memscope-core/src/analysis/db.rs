@@ -21,6 +21,7 @@ pub use order::{DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 
 use super::AnalysisError;
 use crate::store::schema::DUMP_TABLE;
+use crate::vocab::Event;
 
 /// The older name msMemScope (as msLeaks) and prof2memscope used; Insight accepts both.
 const LEGACY_DUMP_TABLE: &str = "leaks_dump";
@@ -318,8 +319,10 @@ impl DumpDb {
     pub fn devices(&self) -> Result<Vec<String>, AnalysisError> {
         // `=` terms rather than IN, as in [`TimeOrder`]: this reads the whole table.
         let sql = format!(
-            "SELECT DISTINCT \"Device Id\" FROM \"{}\" WHERE \"Event\" = 'MALLOC' OR \"Event\" = 'FREE' LIMIT 16",
-            self.table
+            "SELECT DISTINCT \"Device Id\" FROM \"{}\" WHERE \"Event\" = '{}' OR \"Event\" = '{}' LIMIT 16",
+            self.table,
+            Event::Malloc,
+            Event::Free
         );
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([]).map_err(self.read_err())?;
@@ -337,7 +340,8 @@ impl DumpDb {
 
     /// Calls `f` for every MALLOC, FREE and SYSTEM row in time order (see [`TimeOrder`]).
     pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
-        let select = Selection { events: &["MALLOC", "FREE", "SYSTEM"], name: false, thread: false };
+        let events = [Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()];
+        let select = Selection { events: &events, name: false, thread: false };
         TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
     }
 

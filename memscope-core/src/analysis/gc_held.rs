@@ -17,8 +17,8 @@
 use serde::Serialize;
 
 use super::db::{DumpDb, DumpRow, Selection};
-use super::pass::{self, Consumer};
 use super::decompose::Family;
+use super::pass::{self, Consumer};
 use super::steps::{self, BlockEnd, BlockKind, BlockSink, Timeline};
 use super::AnalysisError;
 

@@ -16,6 +16,7 @@ use super::pass::{self, Consumer};
 use super::steps::{self, StepDetector};
 use super::AnalysisError;
 use crate::store::insight::STREAM_USES;
+use crate::vocab::{Event, EventType};
 
 /// What the marked frees cost.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -86,14 +87,14 @@ impl Scan {
         if consumed {
             return;
         }
-        match (row.event, row.event_type) {
-            ("FREE", "PTA") if row.attr.contains(STREAM_USES) => {
+        match (Event::parse(row.event), EventType::parse(row.event_type)) {
+            (Some(Event::Free), Some(EventType::Pta)) if row.attr.contains(STREAM_USES) => {
                 let size = size_of(row);
                 self.report.deferred_blocks += 1;
                 self.report.deferred_bytes += size;
                 self.window.deferred += size;
             }
-            ("MALLOC", "HAL") if self.window.deferred > 0 && is_segment(row) => {
+            (Some(Event::Malloc), Some(EventType::Hal)) if self.window.deferred > 0 && is_segment(row) => {
                 self.window.grown += size_of(row);
             }
             _ => {}
