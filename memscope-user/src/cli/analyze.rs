@@ -44,23 +44,43 @@ impl Analysis {
     }
 }
 
-/// One row of the dispatch table: an analysis by name, and how `analyze` runs it on one DB
-/// (through the contract, with its options taken from the arguments).
+/// One row of the dispatch table: an analysis by name, how its `--analysis` value parses, and
+/// how `analyze` runs it on one DB (through the contract, with its options from the arguments).
 struct Entry {
     name: &'static str,
+    /// The value from the part after `name:`, if any; `None`: not a value of this analysis.
+    parse: fn(Option<&str>) -> Option<Result<Analysis, String>>,
     run: fn(Analysis, &DumpDb, &Context<'_>) -> anyhow::Result<contract::Outcome>,
 }
 
 /// The analyses this build can run, in the order `--help` lists them; each one adds itself here.
 const ANALYSES: [Entry; 4] = [
-    Entry { name: Decompose::NAME, run: |_, db, cx| drive::<Decompose>(db, cx, &cx.decompose) },
+    Entry {
+        name: Decompose::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Decompose)),
+        run: |_, db, cx| drive::<Decompose>(db, cx, &cx.decompose),
+    },
     // msMemScope's inefficient_type and Insight's time-based flags
-    Entry { name: Inefficient::NAME, run: |_, db, cx| drive::<Inefficient>(db, cx, &cx.args.inefficient) },
+    Entry {
+        name: Inefficient::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Inefficient)),
+        run: |_, db, cx| drive::<Inefficient>(db, cx, &cx.args.inefficient),
+    },
     // step leak candidates, HAL never freed, degradation across steps
-    Entry { name: Leaks::NAME, run: |_, db, cx| drive::<Leaks>(db, cx, &cx.args.leaks) },
-    // forensics of each failure (ms_oom)
+    Entry {
+        name: Leaks::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Leaks)),
+        run: |_, db, cx| drive::<Leaks>(db, cx, &cx.args.leaks),
+    },
+    // forensics of each failure (ms_oom); `oom:K` lists K blocks
     Entry {
         name: Oom::NAME,
+        parse: |arg| {
+            Some(match arg {
+                Some(k) => crate::analysis::oom::parse_top_k(k).map(Analysis::Oom),
+                None => Ok(Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K)),
+            })
+        },
         run: |a, db, cx| {
             let Analysis::Oom(k) = a else { bail!("`{}` is not the oom analysis", a.name()) };
             drive::<Oom>(db, cx, &k)
@@ -78,20 +98,18 @@ fn available() -> String {
     ANALYSES.iter().map(|e| e.name).collect::<Vec<_>>().join(", ")
 }
 
-/// msMemScope's names, including its `oom:K` form, so its command lines carry over.
+/// msMemScope's names (in any case), including its `oom:K` form, so its command lines carry over.
 fn parse_analysis(text: &str) -> Result<Analysis, String> {
     let name = text.trim();
-    let base = name.split_once(':').map_or(name, |(base, _)| base);
-    match base.to_ascii_lowercase().as_str() {
-        "decompose" if base.len() == name.len() => Ok(Analysis::Decompose),
-        "inefficient" if base.len() == name.len() => Ok(Analysis::Inefficient),
-        "leaks" if base.len() == name.len() => Ok(Analysis::Leaks),
-        "oom" => match name.split_once(':') {
-            Some((_, k)) => crate::analysis::oom::parse_top_k(k).map(Analysis::Oom),
-            None => Ok(Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K)),
-        },
-        _ => Err(format!("unknown analysis `{name}`; the analyses are: {}", available())),
-    }
+    let (base, arg) = match name.split_once(':') {
+        Some((base, arg)) => (base, Some(arg)),
+        None => (name, None),
+    };
+    ANALYSES
+        .iter()
+        .find(|e| e.name.eq_ignore_ascii_case(base))
+        .and_then(|e| (e.parse)(arg))
+        .unwrap_or_else(|| Err(format!("unknown analysis `{name}`; the analyses are: {}", available())))
 }
 
 /// Analyse trace DBs offline, without privileges: where the memory went, per device.
