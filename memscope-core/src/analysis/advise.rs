@@ -414,7 +414,7 @@ fn garbage_collection_threshold(f: &Facts<'_>) -> Option<Recommendation> {
     let (m, conf, report) = (&f.m, &f.conf, f.report);
     let pressure = m.flushes_at_ceiling.max(m.recovered_refusals);
     if !conf.expandable() && conf.get("garbage_collection_threshold").is_none() && pressure >= FLUSH_MIN {
-        let at_ceiling: Vec<&fragmentation::Flush> = report.flushes.iter().filter(|f| at_ceiling(f, &m)).collect();
+        let at_ceiling: Vec<&fragmentation::Flush> = report.flushes.iter().filter(|f| at_ceiling(f, m)).collect();
         let ceiling = at_ceiling.iter().map(|f| f.reserved_before).max().unwrap_or(m.peak_reserved).max(1);
         let working = m.max_allocated as f64 / ceiling as f64;
         // Above the live working set (else every allocation would collect), at most 0.9.

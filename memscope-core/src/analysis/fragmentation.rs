@@ -863,6 +863,53 @@ pub(crate) fn create_fragmentation() -> (&'static str, &'static str) {
     (FRAGMENTATION_TABLE, CREATE_FRAGMENTATION)
 }
 
+// ---------------------------------------------------------------- fed by a shared pass
+
+/// [`analyse`]'s replay, fed by a [`super::pass`] that other replays share (`advise` reads the
+/// DB once for all of them). Made at its first row, as in [`analyse`], once the rows are counted.
+pub(crate) struct Shared {
+    options: Options,
+    every: u64,
+    replay: Option<Replay>,
+}
+
+impl Shared {
+    pub(crate) fn new(options: Options) -> Self {
+        Self { every: options.sample_every.unwrap_or(0), options, replay: None }
+    }
+
+    fn fresh(top_k: usize, every: u64) -> Replay {
+        Replay { oom: oom::Tracker::new(top_k), every, ..Replay::default() }
+    }
+
+    pub(crate) fn finish(self) -> Report {
+        self.replay.unwrap_or_else(|| Self::fresh(self.options.top_k, self.every)).finish()
+    }
+}
+
+impl super::pass::Consumer for Shared {
+    fn selection(&self) -> Selection<'static> {
+        SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        let (top_k, every) = (self.options.top_k, self.every);
+        self.replay.get_or_insert_with(|| Self::fresh(top_k, every)).apply(row);
+    }
+
+    fn restart(&mut self) {
+        self.replay = None;
+    }
+
+    fn counts(&self) -> Option<&'static [&'static str]> {
+        self.options.sample_every.is_none().then_some(&["MALLOC", "FREE"])
+    }
+
+    fn count(&mut self, rows: u64) {
+        self.every = rows.div_ceil(500).max(100);
+    }
+}
+
 /// Trace DBs for the tests of this module, `oom` and `advise`: pool segments, blocks, OOM rows,
 /// steps and settings with the Attr keys the tracer writes (docs/db-schema.md).
 #[cfg(any(test, feature = "testing"))]
@@ -1348,52 +1395,5 @@ mod tests {
         assert_eq!(parse_number("0x00007f0000001000"), Some(0x7f00_0000_1000));
         assert_eq!(parse_number("N/A"), None);
         assert_eq!(parse_number("-1"), None);
-    }
-}
-
-// ---------------------------------------------------------------- fed by a shared pass
-
-/// [`analyse`]'s replay, fed by a [`super::pass`] that other replays share (`advise` reads the
-/// DB once for all of them). Made at its first row, as in [`analyse`], once the rows are counted.
-pub(crate) struct Shared {
-    options: Options,
-    every: u64,
-    replay: Option<Replay>,
-}
-
-impl Shared {
-    pub(crate) fn new(options: Options) -> Self {
-        Self { every: options.sample_every.unwrap_or(0), options, replay: None }
-    }
-
-    fn fresh(top_k: usize, every: u64) -> Replay {
-        Replay { oom: oom::Tracker::new(top_k), every, ..Replay::default() }
-    }
-
-    pub(crate) fn finish(self) -> Report {
-        self.replay.unwrap_or_else(|| Self::fresh(self.options.top_k, self.every)).finish()
-    }
-}
-
-impl super::pass::Consumer for Shared {
-    fn selection(&self) -> Selection<'static> {
-        SELECTION
-    }
-
-    fn row(&mut self, row: DumpRow<'_>) {
-        let (top_k, every) = (self.options.top_k, self.every);
-        self.replay.get_or_insert_with(|| Self::fresh(top_k, every)).apply(row);
-    }
-
-    fn restart(&mut self) {
-        self.replay = None;
-    }
-
-    fn counts(&self) -> Option<&'static [&'static str]> {
-        self.options.sample_every.is_none().then_some(&["MALLOC", "FREE"])
-    }
-
-    fn count(&mut self, rows: u64) {
-        self.every = rows.div_ceil(500).max(100);
     }
 }
