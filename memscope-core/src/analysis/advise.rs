@@ -25,15 +25,16 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::Path;
 
 use rusqlite::params;
 use serde::Serialize;
 
 use super::atb_workspace::{self, AtbWorkspace};
+use super::db::DumpDb;
 use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
 use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
+use super::pass::{self, Consumer};
 use super::render::{human_bytes, relative};
 use super::stream_reuse::{self, StreamReuse};
 use super::AnalysisError;
@@ -169,9 +170,9 @@ pub struct Advice {
 
 /// The `env.*` keys of `ms_meta`, without the prefix; empty when the DB has no `ms_meta`
 /// (msMemScope's DBs), which the advice then says.
-pub fn read_settings(path: &Path) -> Result<BTreeMap<String, String>, AnalysisError> {
-    let read = |source| AnalysisError::Read { path: path.to_owned(), source };
-    let conn = fragmentation::open_read(path)?;
+pub fn read_settings(db: &DumpDb) -> Result<BTreeMap<String, String>, AnalysisError> {
+    let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
+    let conn = db.conn();
     let has: i64 = conn
         .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
         .map_err(read)?;
@@ -244,7 +245,52 @@ fn split_limit_mib(mib: u64) -> u64 {
     pow2.max(LARGE_SEGMENT / MIB + 1)
 }
 
-/// The rules, in the order their advice is listed.
+/// What every rule reads: the replay's report, the settings at the start, and the measurements.
+struct Facts<'a> {
+    report: &'a Report,
+    settings: &'a BTreeMap<String, String>,
+    m: Measured,
+    /// PYTORCH_NPU_ALLOC_CONF at the start, as set and parsed.
+    current: Option<String>,
+    conf: AllocConf,
+}
+
+impl Facts<'_> {
+    /// A recommendation of one PYTORCH_NPU_ALLOC_CONF `key:value` (dropping the keys `drop`).
+    fn env_rec(
+        &self,
+        id: &'static str,
+        key: &str,
+        value: &str,
+        drop: &[&str],
+        why: String,
+        evidence: BTreeMap<String, serde_json::Value>,
+    ) -> Recommendation {
+        Recommendation {
+            id,
+            variable: Some(ALLOC_CONF),
+            setting: format!("{key}:{value}"),
+            value: Some(self.conf.with(key, value, drop).to_string()),
+            current: self.current.clone(),
+            why,
+            evidence,
+            conflicts_with: Vec::new(),
+        }
+    }
+}
+
+/// The rules, in the order their advice is listed; each gives its advice when its evidence is there.
+const RULES: [fn(&Facts<'_>) -> Option<Recommendation>; 7] = [
+    expandable_segments,
+    max_split_size_mb,
+    garbage_collection_threshold,
+    per_process_memory_fraction,
+    multi_stream_memory_reuse,
+    gc_at_epoch_end,
+    atb_workspace_alg_type,
+];
+
+/// Runs the rules on the measurements.
 pub fn advise(
     report: &Report,
     settings: &BTreeMap<String, String>,
@@ -258,19 +304,29 @@ pub fn advise(
     m.atb = atb.clone();
     let current = settings.get(ALLOC_CONF).cloned();
     let conf = AllocConf::parse(current.as_deref().unwrap_or(""));
-    let mut recs = Vec::new();
-    let env_rec = |id, key: &str, value: &str, drop: &[&str], why: String, evidence| Recommendation {
-        id,
-        variable: Some(ALLOC_CONF),
-        setting: format!("{key}:{value}"),
-        value: Some(conf.with(key, value, drop).to_string()),
-        current: current.clone(),
-        why,
-        evidence,
-        conflicts_with: Vec::new(),
-    };
+    let facts = Facts { report, settings, m, current, conf };
+    let mut recs: Vec<Recommendation> = RULES.iter().filter_map(|rule| rule(&facts)).collect();
+    // torch_npu refuses expandable segments together with either of the other two.
+    let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
+    for r in &mut recs {
+        r.conflicts_with = match r.id {
+            "expandable_segments" => ids
+                .iter()
+                .copied()
+                .filter(|i| matches!(*i, "max_split_size_mb" | "garbage_collection_threshold"))
+                .collect(),
+            "max_split_size_mb" | "garbage_collection_threshold" => {
+                ids.iter().copied().filter(|i| *i == "expandable_segments").collect()
+            }
+            _ => Vec::new(),
+        };
+    }
+    (facts.m, recs)
+}
 
-    // expandable_segments: holes between live blocks that no request could use.
+/// expandable_segments: holes between live blocks that no request could use.
+fn expandable_segments(f: &Facts<'_>) -> Option<Recommendation> {
+    let (m, conf, report) = (&f.m, &f.conf, f.report);
     let holes_share = m.holes_at_peak as f64 / m.peak_reserved.max(1) as f64;
     let forced = m.forced_growths >= FORCED_MIN && holes_share >= HOLES_SHARE;
     if !conf.expandable() && (forced || m.fragmentation_ooms > 0) {
@@ -315,10 +371,21 @@ pub fn advise(
             ("unused_at_peak", m.unused_at_peak.into()),
             ("holes_at_peak", m.holes_at_peak.into()),
         ]);
-        recs.push(env_rec("expandable_segments", "expandable_segments", "True", &dropped, why.join("; "), evidence));
+        return Some(f.env_rec(
+            "expandable_segments",
+            "expandable_segments",
+            "True",
+            &dropped,
+            why.join("; "),
+            evidence,
+        ));
     }
+    None
+}
 
-    // max_split_size_mb: big segments pinned by small blocks while a big request needed memory.
+/// max_split_size_mb: big segments pinned by small blocks while a big request needed memory.
+fn max_split_size_mb(f: &Facts<'_>) -> Option<Recommendation> {
+    let (conf, report) = (&f.conf, f.report);
     if !conf.expandable() && conf.get("max_split_size_mb").is_none() && !report.pinned_big.is_empty() {
         let smallest_segment = report.pinned_big.iter().map(|g| g.pinned_big_min).min().unwrap_or(0);
         let smallest_request = report.pinned_big.iter().map(|g| g.request).min().unwrap_or(0);
@@ -337,13 +404,17 @@ pub fn advise(
             ("smallest_pinned_segment", smallest_segment.into()),
             ("smallest_big_request", smallest_request.into()),
         ]);
-        recs.push(env_rec("max_split_size_mb", "max_split_size_mb", &limit.to_string(), &[], why, evidence));
+        return Some(f.env_rec("max_split_size_mb", "max_split_size_mb", &limit.to_string(), &[], why, evidence));
     }
+    None
+}
 
-    // garbage_collection_threshold: the cache emptied at a ceiling, again and again.
+/// garbage_collection_threshold: the cache emptied at a ceiling, again and again.
+fn garbage_collection_threshold(f: &Facts<'_>) -> Option<Recommendation> {
+    let (m, conf, report) = (&f.m, &f.conf, f.report);
     let pressure = m.flushes_at_ceiling.max(m.recovered_refusals);
     if !conf.expandable() && conf.get("garbage_collection_threshold").is_none() && pressure >= FLUSH_MIN {
-        let at_ceiling: Vec<&fragmentation::Flush> = report.flushes.iter().filter(|f| at_ceiling(f, &m)).collect();
+        let at_ceiling: Vec<&fragmentation::Flush> = report.flushes.iter().filter(|f| at_ceiling(f, m)).collect();
         let ceiling = at_ceiling.iter().map(|f| f.reserved_before).max().unwrap_or(m.peak_reserved).max(1);
         let working = m.max_allocated as f64 / ceiling as f64;
         // Above the live working set (else every allocation would collect), at most 0.9.
@@ -367,10 +438,21 @@ pub fn advise(
             ("ceiling", ceiling.into()),
             ("max_allocated", m.max_allocated.into()),
         ]);
-        recs.push(env_rec("garbage_collection_threshold", "garbage_collection_threshold", &value, &[], why, evidence));
+        return Some(f.env_rec(
+            "garbage_collection_threshold",
+            "garbage_collection_threshold",
+            &value,
+            &[],
+            why,
+            evidence,
+        ));
     }
+    None
+}
 
-    // set_per_process_memory_fraction: processes sharing the device.
+/// set_per_process_memory_fraction: processes sharing the device.
+fn per_process_memory_fraction(f: &Facts<'_>) -> Option<Recommendation> {
+    let m = &f.m;
     let sharing: Vec<&ProcessPeak> = m.processes.iter().filter(|p| p.peak_device.max(p.peak_reserved) > 0).collect();
     if sharing.len() >= 2 {
         let total: u64 = sharing.iter().map(|p| p.peak_device.max(p.peak_reserved)).sum();
@@ -398,7 +480,7 @@ pub fn advise(
                 .map(|(pid, peak, f)| serde_json::json!({"pid": pid, "peak": peak, "fraction": f}))
                 .collect::<Vec<_>>()),
         )]);
-        recs.push(Recommendation {
+        return Some(Recommendation {
             id: "per_process_memory_fraction",
             variable: None,
             setting: format!("torch_npu.npu.{}", calls.join(", ")),
@@ -409,8 +491,12 @@ pub fn advise(
             conflicts_with: Vec::new(),
         });
     }
+    None
+}
 
-    // MULTI_STREAM_MEMORY_REUSE: blocks waiting for another stream while the pool grew.
+/// MULTI_STREAM_MEMORY_REUSE: blocks waiting for another stream while the pool grew.
+fn multi_stream_memory_reuse(f: &Facts<'_>) -> Option<Recommendation> {
+    let (settings, streams) = (f.settings, &f.m.streams);
     let reuse = settings.get(MULTI_STREAM).map(|v| v.trim().to_owned());
     let next = match reuse.as_deref() {
         Some("0") => Some(("1", "with reuse off nothing erases the marks once the collective was waited for")),
@@ -431,7 +517,7 @@ pub fn advise(
             streams.steps_grown,
             b(streams.max_step_deferred_bytes)
         );
-        recs.push(Recommendation {
+        return Some(Recommendation {
             id: MULTI_STREAM_REUSE_ID,
             variable: Some(MULTI_STREAM),
             setting: value.to_owned(),
@@ -442,8 +528,12 @@ pub fn advise(
             conflicts_with: Vec::new(),
         });
     }
+    None
+}
 
-    // gc at epoch ends: garbage from earlier steps, held by reference cycles, live at the peak.
+/// gc at epoch ends: garbage from earlier steps, held by reference cycles, live at the peak.
+fn gc_at_epoch_end(f: &Facts<'_>) -> Option<Recommendation> {
+    let gc = &f.m.gc;
     if gc.significant() {
         let why = format!(
             "at the peak of {} live tensor memory, {} ({:.0}%, {} block(s)) were tensors from earlier steps that only \
@@ -459,7 +549,7 @@ pub fn advise(
             b(gc.late_bytes),
             gc.mean_steps_late
         );
-        recs.push(Recommendation {
+        return Some(Recommendation {
             id: GC_AT_EPOCH_END,
             variable: None,
             setting: "import gc; gc.collect() at the end of each epoch".to_owned(),
@@ -470,30 +560,18 @@ pub fn advise(
             conflicts_with: Vec::new(),
         });
     }
+    None
+}
 
-    // ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE: intermediates laid out by ATB's default are a large part
-    // of the peak. Only unset or the default 1 are replaced: any other value is a choice.
+/// ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE: intermediates laid out by ATB's default are a large part
+/// of the peak. Only unset or the default 1 are replaced: any other value is a choice.
+fn atb_workspace_alg_type(f: &Facts<'_>) -> Option<Recommendation> {
+    let (settings, atb) = (f.settings, &f.m.atb);
     let atb_current = settings.get(ATB_ALG_TYPE).cloned();
     if atb.significant() && atb_current.as_deref().is_none_or(|v| v.trim() == "1") {
-        recs.push(atb_recommendation(atb, atb_current, settings.get(ATB_ALLOC_GLOBAL).map(String::as_str)));
+        return Some(atb_recommendation(atb, atb_current, settings.get(ATB_ALLOC_GLOBAL).map(String::as_str)));
     }
-
-    // torch_npu refuses expandable segments together with either of the other two.
-    let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
-    for r in &mut recs {
-        r.conflicts_with = match r.id {
-            "expandable_segments" => ids
-                .iter()
-                .copied()
-                .filter(|i| matches!(*i, "max_split_size_mb" | "garbage_collection_threshold"))
-                .collect(),
-            "max_split_size_mb" | "garbage_collection_threshold" => {
-                ids.iter().copied().filter(|i| *i == "expandable_segments").collect()
-            }
-            _ => Vec::new(),
-        };
-    }
-    (m, recs)
+    None
 }
 
 fn atb_recommendation(atb: &AtbWorkspace, current: Option<String>, global: Option<&str>) -> Recommendation {
@@ -559,13 +637,22 @@ fn atb_recommendation(atb: &AtbWorkspace, current: Option<String>, global: Optio
     }
 }
 
-/// Runs the replay and the rules on one DB (checked by `DumpDb::open`).
-pub fn analyse(path: &Path, device: &str) -> Result<(Advice, Report), AnalysisError> {
-    let report = fragmentation::analyse(path, fragmentation::Options::default())?;
-    let settings = read_settings(path)?;
-    let gc = gc_held::analyse(path)?;
-    let streams = stream_reuse::analyse(path)?;
-    let atb = atb_workspace::analyse(path)?;
+/// Runs the replays and the rules on one DB, reading its rows once for all the replays.
+pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisError> {
+    let path = db.path();
+    // The step replays read `Name`, and refuse a table without it.
+    db.require_columns(&["Name"])?;
+    let mut pool = fragmentation::Shared::new(fragmentation::Options::default());
+    let mut gc = gc_held::Replay::default();
+    let mut streams = stream_reuse::Scan::default();
+    let mut atb = atb_workspace::Replay::for_db(db)?;
+    let mut consumers: Vec<&mut dyn Consumer> = vec![&mut pool, &mut gc, &mut streams];
+    consumers.extend(atb.as_mut().map(|a| a as &mut dyn Consumer));
+    pass::run(db, &mut consumers)?;
+    let report = pool.finish();
+    let settings = read_settings(db)?;
+    let (gc, streams) = (gc.finish(), streams.finish());
+    let atb = atb.map(atb_workspace::Replay::finish).unwrap_or_default();
     let (measured, recommendations) = advise(&report, &settings, &gc, &streams, &atb);
     let advice =
         Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };
@@ -662,9 +749,9 @@ const CREATE_ADVICE: &str = "CREATE TABLE ms_advice (
     value TEXT, current TEXT, why TEXT NOT NULL, evidence TEXT NOT NULL, conflicts_with TEXT NOT NULL)";
 
 /// Replaces `ms_advice` and `ms_fragmentation` in one transaction; returns the rows written.
-pub fn store(path: &Path, advice: &Advice, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
+pub fn store(db: &DumpDb, advice: &Advice, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
     let tables = [fragmentation::create_fragmentation(), (ADVICE_TABLE, CREATE_ADVICE)];
-    fragmentation::write_tables(path, &tables, "advise_at", run_wall_ns, |tx| {
+    db.replace_tables(&tables, &[("advise_at", run_wall_ns.to_string())], |tx| {
         let mut rows = fragmentation::fill_samples(tx, &advice.device, &report.samples)?;
         let mut insert = tx.prepare("INSERT INTO ms_advice VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)")?;
         for (i, r) in advice.recommendations.iter().enumerate() {
@@ -688,13 +775,20 @@ pub fn store(path: &Path, advice: &Advice, report: &Report, run_wall_ns: u64) ->
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
     use crate::analysis::fragmentation::fx::Fx;
 
     const M: u64 = MIB;
 
+    /// The DB at `path`, opened as `advise` opens it to write its results.
+    fn open(path: &Path) -> DumpDb {
+        DumpDb::open(path, true).unwrap()
+    }
+
     fn advice(path: &Path) -> (Measured, Vec<Recommendation>) {
-        let (a, _) = analyse(path, "0").unwrap();
+        let (a, _) = analyse(&open(path), "0").unwrap();
         (a.measured, a.recommendations)
     }
 
@@ -863,10 +957,10 @@ mod tests {
             }
         }
         let path = fx.stop();
-        let (advice, report) = analyse(&path, "0").unwrap();
+        let (advice, report) = analyse(&open(&path), "0").unwrap();
         assert!(advice.recommendations.is_empty());
         assert!(text(&advice, &report).contains("advice: nothing to change"));
-        let (advice, report) = analyse(&Fx::new("advise-empty").stop(), "0").unwrap();
+        let (advice, report) = analyse(&open(&Fx::new("advise-empty").stop()), "0").unwrap();
         assert!(advice.recommendations.is_empty());
         assert!(text(&advice, &report).contains("no caching-pool memory"));
     }
@@ -931,7 +1025,7 @@ mod tests {
     #[test]
     fn large_atb_intermediates_under_the_default_algorithm_recommend_alg_type_3() {
         let path = atb_job("advise-atb", 44 * M, None, None);
-        let (advised, report) = analyse(&path, "0").unwrap();
+        let (advised, report) = analyse(&open(&path), "0").unwrap();
         let recs = &advised.recommendations;
         assert_eq!(ids(recs), [ATB_ALG_RULE]);
         let r = &recs[0];
@@ -974,7 +1068,7 @@ mod tests {
         assert_eq!(m.atb.executions, 6);
         assert!(!m.atb.significant() && recs.is_empty(), "{recs:?}");
         // No ATB at all: nothing measured, nothing said.
-        let (advised, report) = analyse(&holes("advise-no-atb", None), "0").unwrap();
+        let (advised, report) = analyse(&open(&holes("advise-no-atb", None)), "0").unwrap();
         assert_eq!(advised.measured.atb.executions, 0);
         assert!(!text(&advised, &report).contains("ATB:"));
     }
@@ -994,10 +1088,10 @@ mod tests {
     #[test]
     fn settings_come_from_ms_meta_and_the_advice_is_stored() {
         let path = holes("advise-store", Some("garbage_collection_threshold:0.7"));
-        let (advice, report) = analyse(&path, "0").unwrap();
+        let (advice, report) = analyse(&open(&path), "0").unwrap();
         assert_eq!(advice.settings.get("HCCL_BUFFSIZE").map(String::as_str), Some("200"));
         for run in 0..2 {
-            store(&path, &advice, &report, 5 + run).unwrap();
+            store(&open(&path), &advice, &report, 5 + run).unwrap();
         }
         let conn = rusqlite::Connection::open(&path).unwrap();
         let count = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
@@ -1012,7 +1106,7 @@ mod tests {
         assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'advise_at' AND value = '6'"), 1);
         // No ms_meta (msMemScope's DBs): settings unknown, nothing stamped.
         conn.execute_batch("DROP TABLE ms_meta").unwrap();
-        assert!(read_settings(&path).unwrap().is_empty());
-        store(&path, &advice, &report, 9).unwrap();
+        assert!(read_settings(&open(&path)).unwrap().is_empty());
+        store(&open(&path), &advice, &report, 9).unwrap();
     }
 }

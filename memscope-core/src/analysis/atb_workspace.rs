@@ -16,13 +16,14 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::Path;
 
 use serde::Serialize;
 
 use super::attr::attr_fields;
-use super::db::{DumpDb, DumpRow, Fed};
+use super::db::{DumpDb, DumpRow, Selection};
+use super::pass::{self, Consumer};
 use super::AnalysisError;
+use crate::vocab::{Event, EventType};
 
 /// The largest operation's intermediate bytes must be at least this share of the peak...
 pub const INTERMEDIATE_SHARE: f64 = 0.10;
@@ -102,8 +103,9 @@ fn number(v: Option<&Cow<'_, str>>) -> Option<u64> {
     }
 }
 
+/// ATB operations and the device memory peak, from one pass.
 #[derive(Default)]
-struct Replay {
+pub struct Replay {
     hal_live: HashMap<(i64, u64), u64>,
     hal_bytes: u64,
     hal_peak: u64,
@@ -120,8 +122,9 @@ impl Replay {
     fn memory(&mut self, row: &DumpRow<'_>) {
         let f = Fields::parse(row.attr).unwrap_or_default();
         let addr = || number(Some(&Cow::Borrowed(row.ptr))).or_else(|| number(f.addr.as_ref()));
-        match (row.event, row.event_type) {
-            ("MALLOC", "HAL") => {
+        use EventType::{Hal, Pta, PtaWorkspace};
+        match (Event::parse(row.event), EventType::parse(row.event_type)) {
+            (Some(Event::Malloc), Some(Hal)) => {
                 if let (Some(addr), Some(size)) = (addr(), number(f.size.as_ref())) {
                     if let Some(old) = self.hal_live.insert((row.pid, addr), size) {
                         self.hal_bytes -= old;
@@ -130,12 +133,12 @@ impl Replay {
                     self.hal_peak = self.hal_peak.max(self.hal_bytes);
                 }
             }
-            ("FREE", "HAL") => {
+            (Some(Event::Free), Some(Hal)) => {
                 if let Some(size) = addr().and_then(|a| self.hal_live.remove(&(row.pid, a))) {
                     self.hal_bytes -= size;
                 }
             }
-            ("MALLOC" | "FREE", "PTA" | "PTA_WORKSPACE") if f.shadow.as_deref() != Some("true") => {
+            (Some(Event::Malloc | Event::Free), Some(Pta | PtaWorkspace)) if f.shadow.as_deref() != Some("true") => {
                 if let Some(total) = number(f.total.as_ref()) {
                     let pool = f.pool.as_deref().unwrap_or("").to_owned();
                     let key = (row.pid, row.event_type.to_owned(), pool);
@@ -149,9 +152,7 @@ impl Replay {
     }
 
     fn op(&mut self, row: &DumpRow<'_>) {
-        if !matches!(row.event_type, "ATB_START" | "ATB_END") {
-            return;
-        }
+        let Some(ty @ (EventType::AtbStart | EventType::AtbEnd)) = EventType::parse(row.event_type) else { return };
         let f = Fields::parse(row.attr).unwrap_or_default();
         let name = match (number(f.runner.as_ref()), f.path.as_deref()) {
             (Some(runner), _) => format!("Runner@{runner:#x}"),
@@ -171,19 +172,17 @@ impl Replay {
         r.largest_workspace = r.largest_workspace.max(workspace);
         r.largest_intermediate = r.largest_intermediate.max(intermediate);
         r.largest_total = r.largest_total.max(workspace + intermediate);
-        if row.event_type == "ATB_START" {
+        if ty == EventType::AtbStart {
             op.executions += 1;
             r.executions += 1;
         }
     }
 
-    /// The memory rows come again from the first (see [`Fed::Restart`]); the operations stay.
-    fn forget_memory(&mut self) {
-        (self.hal_live, self.hal_bytes, self.hal_peak) = Default::default();
-        (self.reserved, self.reserved_sum, self.reserved_peak) = Default::default();
-    }
-
-    fn finish(mut self) -> AtbWorkspace {
+    /// The report; none at all when the trace ran no ATB operation.
+    pub fn finish(mut self) -> AtbWorkspace {
+        if self.report.executions == 0 && self.ops.is_empty() {
+            return AtbWorkspace::default();
+        }
         let mut ops: Vec<AtbOp> = self.order.iter().filter_map(|k| self.ops.remove(k)).collect();
         // Largest intermediates first (what the rule is about), then the largest buffer; among
         // equals, the first seen.
@@ -203,26 +202,43 @@ impl Replay {
 
 /// Reads one DB's ATB operations and its device memory peak. A DB without `Name` or `Thread Id`
 /// columns has no operator rows to read and reports none.
-pub fn analyse(path: &Path) -> Result<AtbWorkspace, AnalysisError> {
-    let db = DumpDb::open(path, false)?;
-    let mut replay = Replay::default();
-    let ops = db.for_each_named_row(&["OP_LAUNCH"], |fed| match fed {
-        Fed::Row(row) => replay.op(&row),
-        Fed::Restart => replay = Replay::default(),
-    });
-    match ops {
-        Ok(_) => {}
-        Err(AnalysisError::MissingColumns { .. }) => return Ok(AtbWorkspace::default()),
-        Err(e) => return Err(e),
-    }
-    if replay.report.executions == 0 && replay.ops.is_empty() {
-        return Ok(AtbWorkspace::default());
-    }
-    db.for_each_row(|fed| match fed {
-        Fed::Row(row) => replay.memory(&row),
-        Fed::Restart => replay.forget_memory(),
-    })?;
+pub fn analyse(db: &DumpDb) -> Result<AtbWorkspace, AnalysisError> {
+    let Some(mut replay) = Replay::for_db(db)? else { return Ok(AtbWorkspace::default()) };
+    pass::run(db, &mut [&mut replay])?;
     Ok(replay.finish())
+}
+
+/// The rows read: operators (with the names and threads that identify them) and memory.
+const SELECTION: Selection<'static> = Selection {
+    events: &[OP_LAUNCH, Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()],
+    name: true,
+    thread: true,
+};
+const OP_LAUNCH: &str = Event::OpLaunch.as_str();
+
+impl Replay {
+    /// The replay for `db`, or none when it cannot hold operator rows (no `Name`/`Thread Id`).
+    pub fn for_db(db: &DumpDb) -> Result<Option<Self>, AnalysisError> {
+        Ok(db.missing_columns(&["Name", "Thread Id"])?.is_empty().then(Self::default))
+    }
+}
+
+/// The replay behind [`analyse`], for a pass other replays share.
+impl Consumer for Replay {
+    fn selection(&self) -> Selection<'static> {
+        SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        match row.event {
+            OP_LAUNCH => self.op(&row),
+            _ => self.memory(&row),
+        }
+    }
+
+    fn restart(&mut self) {
+        *self = Self::default();
+    }
 }
 
 #[cfg(test)]
@@ -261,7 +277,7 @@ mod tests {
             atb(&mut db, t + 4, 0x66, MIB / 2, 22 * MIB);
             db.free("HAL", t + 8, 0x3000_0000);
         }
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.executions, r.op_count), (6, 2));
         assert_eq!((r.largest_workspace, r.largest_intermediate, r.largest_total), (MIB, 44 * MIB, 45 * MIB));
         assert_eq!((r.peak_bytes, r.peak_basis), (98 * MIB, "device memory (HAL blocks)"));
@@ -280,7 +296,7 @@ mod tests {
         let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
         hal(&mut db, 1, 0x1000_0000, 512 * MIB);
         atb(&mut db, 5, 0x55, MIB, 40 * MIB); // 7.8%: under the share
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(r.largest_intermediate, 40 * MIB);
         assert!(!r.significant());
 
@@ -288,7 +304,7 @@ mod tests {
         let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
         hal(&mut db, 1, 0x1000_0000, 4 * MIB);
         atb(&mut db, 5, 0x55, 0, 768 << 10); // 19% but under 1 MiB
-        assert!(!analyse(&db.path).unwrap().significant());
+        assert!(!analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap().significant());
 
         // msMemScope's rows: a path and a workspace size, no intermediate size.
         let d = dir("atb-msmemscope");
@@ -296,7 +312,7 @@ mod tests {
         hal(&mut db, 1, 0x1000_0000, 4 * MIB);
         let attr = Attr::new().with("path", "0_Graph/1_Linear").with("workspace_size", 3 * MIB);
         db.row("OP_LAUNCH", "ATB_START", 5, 1, None, attr);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(
             (r.ops[0].op.as_str(), r.largest_workspace, r.largest_intermediate),
             ("0_Graph/1_Linear", 3 * MIB, 0)
@@ -316,12 +332,12 @@ mod tests {
         pta(&mut db, 2, 0x200, "workspace", 26 * MIB);
         pta(&mut db, 3, 0x300, "caching", 20 * MIB);
         atb(&mut db, 4, 0x55, MIB, 24 * MIB);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.peak_bytes, r.peak_basis), (66 * MIB, "pool reserved memory (PTA)"));
         assert!(r.significant());
         // A DB with no ATB rows at all.
         let d = dir("atb-none");
         let db = TestDb::create(&d.join("memscope_dump_1.db"));
-        assert_eq!(analyse(&db.path).unwrap().executions, 0);
+        assert_eq!(analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap().executions, 0);
     }
 }

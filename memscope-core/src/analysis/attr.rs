@@ -32,7 +32,8 @@ macro_rules! attr_fields {
                 let mut out = Self::default();
                 let plain = crate::analysis::attr::scan(text, |key, value| {
                     let slot = match key {
-                        $(stringify!($field) => &mut out.$field,)*
+                        // Each field is its key's constant: a key no writer knows does not compile.
+                        $(crate::vocab::attr::$field => &mut out.$field,)*
                         _ => return true,
                     };
                     // A key twice is an error to serde: let it say so.

@@ -24,6 +24,7 @@ use std::collections::HashMap;
 use super::attr::attr_fields;
 use super::db::{DumpDb, DumpRow, Fed};
 use super::AnalysisError;
+use crate::vocab::{Event, EventType};
 
 /// Which calls are compared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -46,8 +47,8 @@ impl Level {
 
     fn event(self) -> &'static str {
         match self {
-            Self::Op => "OP_LAUNCH",
-            Self::Kernel => "KERNEL_LAUNCH",
+            Self::Op => Event::OpLaunch.as_str(),
+            Self::Kernel => Event::KernelLaunch.as_str(),
         }
     }
 }
@@ -119,23 +120,27 @@ impl Sequencer {
     }
 
     pub fn apply(&mut self, row: DumpRow<'_>) {
-        match (row.event, self.level) {
-            ("KERNEL_LAUNCH", Level::Kernel) => {
+        match (Event::parse(row.event), self.level) {
+            (Some(Event::KernelLaunch), Level::Kernel) => {
                 let name = self.intern(row.name);
                 self.call(&row, name);
             }
-            ("OP_LAUNCH", Level::Op) => self.op(&row),
-            ("MALLOC" | "FREE", _) if matches!(row.event_type, "PTA" | "MINDSPORE") => self.memory(&row),
+            (Some(Event::OpLaunch), Level::Op) => self.op(&row),
+            (Some(Event::Malloc | Event::Free), _)
+                if matches!(EventType::parse(row.event_type), Some(EventType::Pta | EventType::Mindspore)) =>
+            {
+                self.memory(&row)
+            }
             _ => {}
         }
     }
 
     fn op(&mut self, row: &DumpRow<'_>) {
-        let (atb, start) = match row.event_type {
-            "ATEN_START" => (false, true),
-            "ATEN_END" => (false, false),
-            "ATB_START" => (true, true),
-            "ATB_END" => (true, false),
+        let (atb, start) = match EventType::parse(row.event_type) {
+            Some(EventType::AtenStart) => (false, true),
+            Some(EventType::AtenEnd) => (false, false),
+            Some(EventType::AtbStart) => (true, true),
+            Some(EventType::AtbEnd) => (true, false),
             _ => return,
         };
         let key = (row.pid, row.tid, atb);
@@ -173,7 +178,7 @@ impl Sequencer {
         let Some(size) = fields.size.and_then(|s| s.trim().parse::<i64>().ok()) else { return };
         match self.waiting.remove(&row.pid) {
             Some(i) => {
-                self.out.calls[i].delta = if row.event == "FREE" { -size } else { size };
+                self.out.calls[i].delta = if row.event == Event::Free.as_str() { -size } else { size };
                 self.out.attributed += 1;
             }
             None => self.out.unattributed += 1,
@@ -188,7 +193,7 @@ impl Sequencer {
 /// The calls of one DB at `level`; a DB with none is an error that says how to record them.
 pub fn read(db: &DumpDb, level: Level) -> Result<Calls, AnalysisError> {
     let mut seq = Sequencer::new(level);
-    db.for_each_named_row(&[level.event(), "MALLOC", "FREE"], |fed| match fed {
+    db.for_each_named_row(&[level.event(), Event::Malloc.as_str(), Event::Free.as_str()], |fed| match fed {
         Fed::Row(row) => seq.apply(row),
         Fed::Restart => seq = Sequencer::new(level),
     })?;

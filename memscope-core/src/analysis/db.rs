@@ -12,16 +12,16 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rusqlite::types::ValueRef;
-use rusqlite::{params, Connection, DatabaseName, OpenFlags, TransactionBehavior};
+use rusqlite::{Connection, DatabaseName, OpenFlags, Transaction, TransactionBehavior};
 
 mod batch;
 mod order;
 
 pub use order::{DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 
-use super::decompose::Report;
 use super::AnalysisError;
 use crate::store::schema::DUMP_TABLE;
+use crate::vocab::Event;
 
 /// The older name msMemScope (as msLeaks) and prof2memscope used; Insight accepts both.
 const LEGACY_DUMP_TABLE: &str = "leaks_dump";
@@ -29,13 +29,6 @@ const LEGACY_DUMP_TABLE: &str = "leaks_dump";
 /// Columns the analyses read.
 const NEEDED_COLUMNS: [&str; 8] =
     ["ID", "Event", "Event Type", "Timestamp(ns)", "Process Id", "Device Id", "Ptr", "Attr"];
-
-/// Our decomposition table (docs/db-schema.md, "ms_decompose"). Dropped and recreated on every
-/// run so that it always describes the latest analysis and reruns never duplicate rows.
-pub const DECOMPOSE_TABLE: &str = "ms_decompose";
-const CREATE_DECOMPOSE: &str = "CREATE TABLE ms_decompose (
-    point TEXT NOT NULL, ts_ns INTEGER NOT NULL, family TEXT NOT NULL, owner TEXT NOT NULL,
-    depth INTEGER NOT NULL, bytes INTEGER NOT NULL, blocks INTEGER NOT NULL)";
 
 /// A DB found for analysis, with the device its folder names (`device_<id>`), if any.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -293,8 +286,29 @@ impl DumpDb {
         Ok(Self { path: path.to_owned(), conn, table })
     }
 
+    /// Opens `path` for reading only: what every analysis and verb that writes nothing uses.
+    pub fn open_read(path: &Path) -> Result<Self, AnalysisError> {
+        Self::open(path, false)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The connection, for an analysis's own queries (settings, one row's details).
+    pub fn conn(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// The dump table's name: msMemScope's `memscope_dump`, or the older `leaks_dump`.
+    pub fn table(&self) -> &'static str {
+        self.table
+    }
+
+    /// A time-ordered reader of the rows `select` names (see [`TimeOrder`]), for analyses that
+    /// tune it or count rows first.
+    pub fn rows(&self, select: Selection<'_>) -> Result<TimeOrder<'_>, AnalysisError> {
+        TimeOrder::new(&self.conn, &self.path, self.table, select)
     }
 
     fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
@@ -305,8 +319,10 @@ impl DumpDb {
     pub fn devices(&self) -> Result<Vec<String>, AnalysisError> {
         // `=` terms rather than IN, as in [`TimeOrder`]: this reads the whole table.
         let sql = format!(
-            "SELECT DISTINCT \"Device Id\" FROM \"{}\" WHERE \"Event\" = 'MALLOC' OR \"Event\" = 'FREE' LIMIT 16",
-            self.table
+            "SELECT DISTINCT \"Device Id\" FROM \"{}\" WHERE \"Event\" = '{}' OR \"Event\" = '{}' LIMIT 16",
+            self.table,
+            Event::Malloc,
+            Event::Free
         );
         let mut stmt = self.conn.prepare(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([]).map_err(self.read_err())?;
@@ -324,72 +340,68 @@ impl DumpDb {
 
     /// Calls `f` for every MALLOC, FREE and SYSTEM row in time order (see [`TimeOrder`]).
     pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
-        let select = Selection { events: &["MALLOC", "FREE", "SYSTEM"], name: false, thread: false };
+        let events = [Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()];
+        let select = Selection { events: &events, name: false, thread: false };
         TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
     }
 
     /// Calls `f` for every row whose `Event` is one of `events`, in time order (as
     /// [`Self::for_each_row`]), with the `Name` and `Thread Id` that call sequences need.
     pub fn for_each_named_row(&self, events: &[&str], f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
+        self.require_columns(&["Name", "Thread Id"])?;
+        let select = Selection { events, name: true, thread: true };
+        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
+    }
+
+    /// Which of `wanted`, columns beyond those every analysis reads, the dump table lacks.
+    pub fn missing_columns<'w>(&self, wanted: &[&'w str]) -> Result<Vec<&'w str>, AnalysisError> {
         let columns: Vec<String> = self
             .conn
             .prepare("SELECT name FROM pragma_table_info(?1)")
             .and_then(|mut s| s.query_map([self.table], |r| r.get(0))?.collect())
             .map_err(self.read_err())?;
-        let missing: Vec<&str> =
-            ["Name", "Thread Id"].into_iter().filter(|c| !columns.iter().any(|h| h == c)).collect();
-        if !missing.is_empty() {
-            let (path, table) = (self.path.clone(), self.table.to_owned());
-            return Err(AnalysisError::MissingColumns { path, table, missing: missing.join(", ") });
-        }
-        let select = Selection { events, name: true, thread: true };
-        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
+        Ok(wanted.iter().copied().filter(|c| !columns.iter().any(|h| h == c)).collect())
     }
 
-    /// Replaces `ms_decompose` with `report` and stamps `ms_meta.decompose_at` (when the DB has our
-    /// `ms_meta`; msMemScope's DBs do not, and we add nothing else to them). One transaction:
-    /// either all of it lands or the file is unchanged. Returns the rows written.
-    pub fn write_decompose(&mut self, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
-        let path = self.path.clone();
-        let err = |source| AnalysisError::Write { path: path.clone(), source };
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
-        tx.execute_batch(&format!("DROP TABLE IF EXISTS {DECOMPOSE_TABLE}; {CREATE_DECOMPOSE}")).map_err(err)?;
-        let mut written = 0;
-        {
-            let mut insert = tx
-                .prepare(&format!(
-                    "INSERT INTO {DECOMPOSE_TABLE} (point, ts_ns, family, owner, depth, bytes, blocks) \
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
-                ))
-                .map_err(err)?;
-            for point in &report.points {
-                for tree in &point.trees {
-                    for node in &tree.nodes {
-                        insert
-                            .execute(params![
-                                point.kind.as_str(),
-                                point.ts_ns,
-                                tree.family.as_str(),
-                                node.path,
-                                node.depth as i64,
-                                node.bytes,
-                                node.blocks as i64
-                            ])
-                            .map_err(err)?;
-                        written += 1;
-                    }
-                }
-            }
+    /// Refuses a dump table that lacks any of `wanted` (see [`Self::missing_columns`]).
+    pub fn require_columns(&self, wanted: &[&str]) -> Result<(), AnalysisError> {
+        let missing = self.missing_columns(wanted)?;
+        if missing.is_empty() {
+            return Ok(());
         }
-        stamp_meta(&tx, &[("decompose_at", run_wall_ns.to_string())]).map_err(err)?;
+        let (path, table) = (self.path.clone(), self.table.to_owned());
+        Err(AnalysisError::MissingColumns { path, table, missing: missing.join(", ") })
+    }
+
+    /// Replaces our result tables `tables` (name, CREATE statement: dropped and recreated, so
+    /// they always describe the latest run and reruns never duplicate rows), fills them with
+    /// `fill` (which may also change the dump's own rows, as inefficient's `inefficient_type`
+    /// does), and stamps the `ms_meta` keys `meta` when the file has our `ms_meta` (msMemScope's
+    /// DBs do not, and get nothing else). One transaction: either all of it lands or the file is
+    /// unchanged. Returns what `fill` returned.
+    pub fn replace_tables<T>(
+        &self,
+        tables: &[(&str, &str)],
+        meta: &[(&str, String)],
+        fill: impl FnOnce(&Transaction<'_>) -> rusqlite::Result<T>,
+    ) -> Result<T, AnalysisError> {
+        let err = |source| AnalysisError::Write { path: self.path.clone(), source };
+        // `&self`: analyses read and store through one shared handle; the transaction is the
+        // only one on this connection, as nothing else here opens one.
+        let tx = Transaction::new_unchecked(&self.conn, TransactionBehavior::Immediate).map_err(err)?;
+        for (name, create) in tables {
+            tx.execute_batch(&format!("DROP TABLE IF EXISTS {name}; {create}")).map_err(err)?;
+        }
+        let filled = fill(&tx).map_err(err)?;
+        stamp_meta(&tx, meta).map_err(err)?;
         tx.commit().map_err(err)?;
-        Ok(written)
+        Ok(filled)
     }
 }
 
 /// Sets `ms_meta` keys inside a result-writing transaction, when the file has `ms_meta` (ours do;
 /// msMemScope's do not, and get none). Delete then insert: works whether or not `key` is unique.
-pub(crate) fn stamp_meta(tx: &rusqlite::Transaction<'_>, pairs: &[(&str, String)]) -> rusqlite::Result<()> {
+fn stamp_meta(tx: &Transaction<'_>, pairs: &[(&str, String)]) -> rusqlite::Result<()> {
     let has: i64 =
         tx.query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))?;
     if has == 0 {
@@ -466,30 +478,46 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_write_changes_nothing() {
-        use crate::analysis::decompose::{analyse, TimeSpec};
-        let d = dir("rollback");
+    fn replace_tables_replaces_and_a_failed_one_changes_nothing() {
+        let d = dir("replace");
         let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
-        db.malloc("HAL", 10, 0x1, 100, Some("CANN@APP"));
-        db.malloc("HAL", 20, 0x2, 50, Some("CANN@HCCL"));
+        db.malloc("HAL", 10, 0x1, 100, None);
         let path = db.path.clone();
         drop(db);
         let count = |sql: &str| -> i64 { Connection::open(&path).unwrap().query_row(sql, [], |r| r.get(0)).unwrap() };
-        let mut dump = DumpDb::open(&path, true).unwrap();
-        let first = analyse(&dump, &[TimeSpec::End]).unwrap();
-        assert_eq!(dump.write_decompose(&first, 1).unwrap(), 4);
-        // Make the last statement of the next write fail, after ms_decompose was dropped and refilled.
+        let tables = [("ms_a", "CREATE TABLE ms_a (x INTEGER)"), ("ms_b", "CREATE TABLE ms_b (y TEXT)")];
+        let fill = |rows: i64| {
+            move |tx: &Transaction<'_>| -> rusqlite::Result<i64> {
+                for i in 0..rows {
+                    tx.execute("INSERT INTO ms_a VALUES (?1)", [i])?;
+                }
+                tx.execute("INSERT INTO ms_b VALUES ('b')", [])?;
+                Ok(rows)
+            }
+        };
+        let dump = DumpDb::open(&path, true).unwrap();
+        for run in 1..=2 {
+            assert_eq!(dump.replace_tables(&tables, &[("a_at", run.to_string())], fill(3)).unwrap(), 3);
+        }
+        assert_eq!(count("SELECT count(*) FROM ms_a"), 3, "a rerun replaces, never appends");
+        assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'a_at' AND value = '2'"), 1);
+        assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'a_at'"), 1);
+        // Fail the last statement, after both tables were dropped, recreated and refilled.
         Connection::open(&path)
             .unwrap()
             .execute_batch("CREATE TRIGGER no_meta BEFORE INSERT ON ms_meta BEGIN SELECT RAISE(ABORT, 'no'); END")
             .unwrap();
-        let second = analyse(&dump, &[TimeSpec::Peak, TimeSpec::End]).unwrap();
-        let err = dump.write_decompose(&second, 2).unwrap_err();
+        let err = dump.replace_tables(&tables, &[("a_at", "3".into())], fill(5)).unwrap_err();
         assert!(matches!(err, AnalysisError::Write { .. }), "{err}");
-        assert!(err.to_string().contains("nothing was changed"));
-        assert_eq!(count("SELECT count(*) FROM ms_decompose"), 4, "the first run's rows are still there");
-        assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'decompose_at' AND value = '1'"), 1);
-        assert_eq!(count("SELECT count(*) FROM memscope_dump"), 2);
+        assert!(err.to_string().contains("nothing was changed"), "{err}");
+        assert_eq!(count("SELECT count(*) FROM ms_a"), 3, "the last run's rows are still there");
+        assert_eq!(count("SELECT count(*) FROM ms_b"), 1);
+        assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'a_at' AND value = '2'"), 1);
+        assert_eq!(count("SELECT count(*) FROM memscope_dump"), 1);
+        // And the handle is still usable: the failed transaction was rolled back.
+        Connection::open(&path).unwrap().execute_batch("DROP TRIGGER no_meta").unwrap();
+        assert_eq!(dump.replace_tables(&tables, &[], fill(1)).unwrap(), 1);
+        assert_eq!(count("SELECT count(*) FROM ms_a"), 1);
     }
 
     #[test]

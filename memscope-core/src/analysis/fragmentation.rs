@@ -16,14 +16,13 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use foldhash::HashMap;
-use rusqlite::{params, Connection, OpenFlags, Transaction, TransactionBehavior};
+use rusqlite::{params, Transaction};
 use serde::Serialize;
 
 use super::attr::attr_fields;
-use super::db::{DumpRow, Fed, Selection, TimeOrder};
+use super::db::{DumpDb, DumpRow, Fed, Selection};
 use super::oom::{self, Incident};
 use super::AnalysisError;
 
@@ -197,31 +196,6 @@ pub fn parse_number(s: &str) -> Option<u64> {
         Some(hex) => u64::from_str_radix(hex, 16).ok(),
         None => s.parse().ok(),
     }
-}
-
-/// Opens a DB that `DumpDb::open` already checked, read-only, for queries of our own (the rows
-/// themselves are read by [`TimeOrder`] on a connection of its own).
-pub(crate) fn open_read(path: &Path) -> Result<Connection, AnalysisError> {
-    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-        .map_err(|e| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() })?;
-    conn.busy_timeout(std::time::Duration::from_secs(5))
-        .map_err(|source| AnalysisError::Read { path: path.to_owned(), source })?;
-    Ok(conn)
-}
-
-fn read_error(path: &Path) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
-    move |source| AnalysisError::Read { path: path.to_owned(), source }
-}
-
-/// `memscope_dump`, or msLeaks' older `leaks_dump`.
-pub(crate) fn dump_table(path: &Path, conn: &Connection) -> Result<String, AnalysisError> {
-    conn.query_row(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN ('memscope_dump', 'leaks_dump') \
-         ORDER BY name = 'memscope_dump' DESC LIMIT 1",
-        [],
-        |r| r.get(0),
-    )
-    .map_err(read_error(path))
 }
 
 /// The rows the replay reads; columns that older writers lack (`Name`, `Thread Id`) read as
@@ -829,11 +803,9 @@ impl Proc {
     }
 }
 
-/// Replays a DB (already checked by `DumpDb::open`).
-pub fn analyse(path: &Path, options: Options) -> Result<Report, AnalysisError> {
-    let conn = open_read(path)?;
-    let table = dump_table(path, &conn)?;
-    let order = TimeOrder::new(&conn, path, &table, SELECTION)?;
+/// Replays a DB.
+pub fn analyse(db: &DumpDb, options: Options) -> Result<Report, AnalysisError> {
+    let order = db.rows(SELECTION)?;
     let every = std::cell::Cell::new(options.sample_every.unwrap_or(0));
     let new = || Replay { oom: oom::Tracker::new(options.top_k), every: every.get(), ..Replay::default() };
     // Made at the first row: by then the rows are counted, when the period depends on that.
@@ -862,35 +834,6 @@ const CREATE_FRAGMENTATION: &str = "CREATE TABLE ms_fragmentation (
     largest_free INTEGER, free_pieces INTEGER NOT NULL, holes INTEGER NOT NULL,
     segments INTEGER NOT NULL, splits INTEGER NOT NULL, processes INTEGER NOT NULL)";
 
-/// Replaces our result tables `tables` (name, CREATE statement) and fills them with `fill`, then
-/// stamps `ms_meta.<meta_key>` when the file has our `ms_meta` (msMemScope's DBs do not, and get
-/// nothing else). One transaction on a connection that cannot create the file: either all of it
-/// lands or the file is unchanged. Returns what `fill` counted.
-pub(crate) fn write_tables(
-    path: &Path,
-    tables: &[(&str, &str)],
-    meta_key: &str,
-    run_wall_ns: u64,
-    fill: impl FnOnce(&Transaction<'_>) -> rusqlite::Result<usize>,
-) -> Result<usize, AnalysisError> {
-    let err = |source| AnalysisError::Write { path: path.to_owned(), source };
-    let mut conn =
-        Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-            .map_err(|e| AnalysisError::NotSqlite { path: path.to_owned(), why: e.to_string() })?;
-    if conn.is_readonly(rusqlite::DatabaseName::Main).unwrap_or(true) {
-        return Err(AnalysisError::ReadOnly { path: path.to_owned() });
-    }
-    conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(err)?;
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
-    for (name, create) in tables {
-        tx.execute_batch(&format!("DROP TABLE IF EXISTS {name}; {create}")).map_err(err)?;
-    }
-    let written = fill(&tx).map_err(err)?;
-    super::db::stamp_meta(&tx, &[(meta_key, run_wall_ns.to_string())]).map_err(err)?;
-    tx.commit().map_err(err)?;
-    Ok(written)
-}
-
 pub(crate) fn fill_samples(tx: &Transaction<'_>, device: &str, samples: &[Sample]) -> rusqlite::Result<usize> {
     let mut insert = tx.prepare(
         "INSERT INTO ms_fragmentation (device, ts_ns, reason, step, reserved, allocated, unused, largest_free, \
@@ -918,6 +861,53 @@ pub(crate) fn fill_samples(tx: &Transaction<'_>, device: &str, samples: &[Sample
 
 pub(crate) fn create_fragmentation() -> (&'static str, &'static str) {
     (FRAGMENTATION_TABLE, CREATE_FRAGMENTATION)
+}
+
+// ---------------------------------------------------------------- fed by a shared pass
+
+/// [`analyse`]'s replay, fed by a [`super::pass`] that other replays share (`advise` reads the
+/// DB once for all of them). Made at its first row, as in [`analyse`], once the rows are counted.
+pub(crate) struct Shared {
+    options: Options,
+    every: u64,
+    replay: Option<Replay>,
+}
+
+impl Shared {
+    pub(crate) fn new(options: Options) -> Self {
+        Self { every: options.sample_every.unwrap_or(0), options, replay: None }
+    }
+
+    fn fresh(top_k: usize, every: u64) -> Replay {
+        Replay { oom: oom::Tracker::new(top_k), every, ..Replay::default() }
+    }
+
+    pub(crate) fn finish(self) -> Report {
+        self.replay.unwrap_or_else(|| Self::fresh(self.options.top_k, self.every)).finish()
+    }
+}
+
+impl super::pass::Consumer for Shared {
+    fn selection(&self) -> Selection<'static> {
+        SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        let (top_k, every) = (self.options.top_k, self.every);
+        self.replay.get_or_insert_with(|| Self::fresh(top_k, every)).apply(row);
+    }
+
+    fn restart(&mut self) {
+        self.replay = None;
+    }
+
+    fn counts(&self) -> Option<&'static [&'static str]> {
+        self.options.sample_every.is_none().then_some(&["MALLOC", "FREE"])
+    }
+
+    fn count(&mut self, rows: u64) {
+        self.every = rows.div_ceil(500).max(100);
+    }
 }
 
 /// Trace DBs for the tests of this module, `oom` and `advise`: pool segments, blocks, OOM rows,
@@ -1045,13 +1035,15 @@ pub mod fx {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::fx::{Fx, START};
     use super::*;
 
     const M: u64 = MIB;
 
     fn run(path: &Path) -> Report {
-        analyse(path, Options { top_k: 3, sample_every: Some(1_000_000) }).unwrap()
+        analyse(&DumpDb::open_read(path).unwrap(), Options { top_k: 3, sample_every: Some(1_000_000) }).unwrap()
     }
 
     /// A naive model of one process's segments and blocks, recomputed from scratch: what the
@@ -1353,7 +1345,7 @@ mod tests {
             fx.block(1, 0x1000_0000 + i * M, M, "PTA");
         }
         let path = fx.stop();
-        let report = analyse(&path, Options { top_k: 3, sample_every: Some(5) }).unwrap();
+        let report = analyse(&DumpDb::open_read(&path).unwrap(), Options { top_k: 3, sample_every: Some(5) }).unwrap();
         let periodic: Vec<u64> =
             report.samples.iter().filter(|s| s.reason == Reason::Periodic).map(|s| s.allocated).collect();
         assert_eq!(periodic, [4 * M, 9 * M], "after the 5th and the 10th memory row");
@@ -1387,7 +1379,7 @@ mod tests {
         }
         conn.execute_batch("COMMIT").unwrap();
         let t = std::time::Instant::now();
-        let report = analyse(&fx.stop(), Options::default()).unwrap();
+        let report = analyse(&DumpDb::open_read(&fx.stop()).unwrap(), Options::default()).unwrap();
         let elapsed = t.elapsed();
         let end = report.samples.last().unwrap();
         assert_eq!(end.allocated, 500 * 50 * 4096);

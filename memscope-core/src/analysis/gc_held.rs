@@ -14,12 +14,12 @@
 //! in a cycle are freed exactly that way. Tensor blocks only: `PTA` blocks that are not workspace
 //! or segments, and `HOST` blocks (CPU tensors on the cpu output).
 
-use std::path::Path;
-
 use serde::Serialize;
 
+use super::db::{DumpDb, DumpRow, Selection};
 use super::decompose::Family;
-use super::steps::{BlockEnd, BlockKind, BlockSink, StepDb, StepError, Timeline};
+use super::pass::{self, Consumer};
+use super::steps::{self, BlockEnd, BlockKind, BlockSink, Timeline};
 use super::AnalysisError;
 
 /// Garbage held at the peak must be at least this share of the peak's live bytes...
@@ -143,15 +143,46 @@ impl Collect {
 }
 
 /// Replays one DB's blocks and steps (from memscope.step() and mstx `step start` ranges).
-pub fn analyse(path: &Path) -> Result<GcHeld, AnalysisError> {
-    let db = StepDb::open(path)?;
-    let mut collect = Collect::default();
-    let timeline = Timeline::replay(&db, None, &mut collect).map_err(|e| match e {
-        StepError::Analysis(e) => e,
-        StepError::NoSuchMarker { .. } => unreachable!("only a --step-marker can be missing, and none is given"),
-    })?;
-    let boundaries: Vec<i64> = timeline.boundaries.iter().map(|b| b.ts).collect();
-    Ok(collect.report(&boundaries))
+pub fn analyse(db: &DumpDb) -> Result<GcHeld, AnalysisError> {
+    db.require_columns(&["Name"])?;
+    let mut replay = Replay::default();
+    pass::run(db, &mut [&mut replay])?;
+    Ok(replay.finish())
+}
+
+/// The replay behind [`analyse`], for a pass other replays share.
+pub struct Replay {
+    timeline: Timeline,
+    collect: Collect,
+}
+
+impl Default for Replay {
+    fn default() -> Self {
+        Self { timeline: Timeline::new(None), collect: Collect::default() }
+    }
+}
+
+impl Replay {
+    pub fn finish(mut self) -> GcHeld {
+        self.timeline.finish(&mut self.collect);
+        let boundaries: Vec<i64> = self.timeline.boundaries.iter().map(|b| b.ts).collect();
+        self.collect.report(&boundaries)
+    }
+}
+
+impl Consumer for Replay {
+    fn selection(&self) -> Selection<'static> {
+        steps::SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        self.timeline.apply(&row, &mut self.collect);
+    }
+
+    fn restart(&mut self) {
+        self.timeline = Timeline::new(None);
+        self.collect.restart();
+    }
 }
 
 #[cfg(test)]
@@ -199,7 +230,7 @@ mod tests {
         for (at, ptr) in pending {
             gc_free(&mut db, at, ptr);
         }
-        analyse(&db.path).unwrap()
+        analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap()
     }
 
     #[test]
@@ -239,7 +270,7 @@ mod tests {
             db.malloc("PTA", t + 10, 0x100 * (s as u64 + 1), 8 * MIB, None);
             step(&mut db, t + 99, s as u64 + 1);
         }
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(r.late_blocks, 3, "born in one step, freed by the collector in the next");
         assert_eq!(r.held_at_peak, 0);
         assert!(!r.significant());
@@ -251,7 +282,7 @@ mod tests {
         let mut db = TestDb::create(&d.join("memscope_dump_1.db"));
         db.malloc("PTA", 10, 0x100, 8 * MIB, None);
         gc_free(&mut db, 20, 0x100);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.freed_blocks, r.late_blocks, r.held_at_peak, r.boundaries), (1, 0, 0, 0));
     }
 }

@@ -19,14 +19,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::Path;
 use std::str::FromStr;
 
 use foldhash::{HashMap, HashMapExt};
-use rusqlite::{Connection, OpenFlags};
 
 use super::attr::attr_fields;
-use super::db::{DumpRow, Fed, ReadOrder, Selection, TimeOrder};
+use super::db::{DumpDb, DumpRow, Fed, ReadOrder, Selection, TimeOrder};
 use super::decompose::Family;
 use super::AnalysisError;
 
@@ -392,9 +390,9 @@ impl Report {
     }
 }
 
-/// Runs both definitions over the DB at `path` (already checked by `DumpDb::open`).
-pub fn analyse(path: &Path, options: &Options) -> Result<Report, AnalysisError> {
-    analyse_in(path, options, |order| order).map(|(report, _)| report)
+/// Runs both definitions over the DB.
+pub fn analyse(db: &DumpDb, options: &Options) -> Result<Report, AnalysisError> {
+    analyse_in(db, options, |order| order).map(|(report, _)| report)
 }
 
 /// The rows this analysis reads.
@@ -404,40 +402,16 @@ const SELECTION: Selection =
 /// [`analyse`], with the reader adjusted by `tune` (tests lower its thresholds); also says how
 /// the rows were read.
 fn analyse_in(
-    path: &Path,
+    db: &DumpDb,
     options: &Options,
     tune: impl FnOnce(TimeOrder<'_>) -> TimeOrder<'_>,
 ) -> Result<(Report, ReadOrder), AnalysisError> {
-    let read = |source| AnalysisError::Read { path: path.to_owned(), source };
-    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-        .map_err(read)?;
-    conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(read)?;
-    let table = dump_table(&conn, path)?;
     let mut replay = Replay::new(options.clone());
-    let how = tune(TimeOrder::new(&conn, path, table, SELECTION)?).for_each_row(|fed| match fed {
+    let how = tune(db.rows(SELECTION)?).for_each_row(|fed| match fed {
         Fed::Row(row) => replay.apply(row),
         Fed::Restart => replay = Replay::new(options.clone()),
     })?;
     Ok((replay.finish(), how))
-}
-
-/// The dump table's name: msMemScope's, or the older one Insight still reads.
-pub fn dump_table(conn: &Connection, path: &Path) -> Result<&'static str, AnalysisError> {
-    let read = |source| AnalysisError::Read { path: path.to_owned(), source };
-    let has = |name: &str| -> Result<bool, AnalysisError> {
-        conn.query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1", [name], |r| {
-            r.get::<_, i64>(0)
-        })
-        .map(|n| n > 0)
-        .map_err(read)
-    };
-    if has("memscope_dump")? {
-        Ok("memscope_dump")
-    } else if has("leaks_dump")? {
-        Ok("leaks_dump")
-    } else {
-        Err(AnalysisError::NoDumpTable { path: path.to_owned(), tables: "no memscope_dump or leaks_dump".into() })
-    }
 }
 
 /// `0x...` or decimal (msMemScope before 2025-09).
@@ -1005,16 +979,20 @@ pub mod scenario {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use std::collections::BTreeSet;
 
     use super::scenario::{Act, Trace};
+    use rusqlite::Connection;
+
     use super::*;
     use crate::store::Attr;
 
     use Act::{Free, Malloc, Read, Wait, Write};
 
     fn run(path: &Path, options: &Options) -> Report {
-        analyse(path, options).unwrap()
+        analyse(&DumpDb::open_read(path).unwrap(), options).unwrap()
     }
 
     /// The flags of the block allocated at `ptr` (its last one, when the address was reused).
@@ -1522,7 +1500,7 @@ mod tests {
         let us100 = Some("100us".parse().unwrap());
         let options =
             Options { idle_threshold: 3, lazy_used: us100, delayed_free: us100, long_idle: us100, mem_size: 0 };
-        let (sorted, how) = analyse_in(&path, &options, |o| o).unwrap();
+        let (sorted, how) = analyse_in(&DumpDb::open_read(&path).unwrap(), &options, |o| o).unwrap();
         assert_eq!(how, ReadOrder::Storage, "written in time order");
         assert!(sorted.blocks.iter().filter(|b| b.flags != 0).count() > 50);
         // The same rows stored in another order: pairs of neighbours swapped (as two CPUs racing
@@ -1542,19 +1520,24 @@ mod tests {
             .unwrap();
         }
         let (many, all) = (usize::MAX, u64::MAX);
-        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(many, many, all)).unwrap();
+        let (r, how) =
+            analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, many, all)).unwrap();
         assert_eq!(how, ReadOrder::Storage, "a swap holds back one row");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(many, many, 0)).unwrap();
+        let (r, how) =
+            analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, many, 0)).unwrap();
         assert_eq!(how, ReadOrder::Rescanned, "the first swap found while streaming sends it back for the keys");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(0, many, 0)).unwrap();
+        let (r, how) =
+            analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(0, many, 0)).unwrap();
         assert_eq!(how, ReadOrder::Sorted, "no straggler allowed: the first swap sends it to SQLite");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, how) = analyse_in(&swapped, &options, |o| o.with_limits(many, 0, all)).unwrap();
+        let (r, how) =
+            analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, 0, all)).unwrap();
         assert_eq!(how, ReadOrder::Sorted, "no row may wait: the replay starts again, sorted");
         assert_eq!(outcome(&r), outcome(&sorted));
-        let (r, how) = analyse_in(&moved, &options, |o| o.with_limits(100, many, 0)).unwrap();
+        let (r, how) =
+            analyse_in(&DumpDb::open_read(&moved).unwrap(), &options, |o| o.with_limits(100, many, 0)).unwrap();
         assert_eq!(how, ReadOrder::Sorted);
         assert_eq!(outcome(&r), outcome(&sorted));
     }

@@ -10,14 +10,12 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
-use std::time::Duration;
 
-use rusqlite::{params, Connection, OpenFlags, TransactionBehavior};
+use rusqlite::params;
 use serde_json::{json, Value};
 
-use super::inefficient::{
-    analyse, dump_table, flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS,
-};
+use super::db::DumpDb;
+use super::inefficient::{flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS};
 use super::render::human_bytes;
 use super::AnalysisError;
 
@@ -35,43 +33,6 @@ const CREATE_TABLE: &str = "CREATE TABLE ms_inefficient (
 const TOP_BLOCKS: usize = 10;
 const TOP_JSON_BLOCKS: usize = 1000;
 
-/// What one DB's analysis produced, for the CLI to print: the text summary, or with `--json`
-/// the JSON one.
-pub struct Outcome {
-    pub text: String,
-    pub json: Value,
-    /// What was written into the DB (for stderr), when it was.
-    pub wrote: Option<String>,
-}
-
-/// Analyses the DB at `path` and, with `write`, stores the results in it; `as_json` picks which
-/// report is built (a trace can have a million flagged blocks: building both would double the cost).
-pub fn run(
-    path: &Path,
-    device: &str,
-    options: &Options,
-    write: bool,
-    run_wall_ns: u64,
-    as_json: bool,
-) -> Result<Outcome, AnalysisError> {
-    let report = analyse(path, options)?;
-    let wrote = if write {
-        let w = write_results(path, &report, run_wall_ns)?;
-        Some(format!(
-            "inefficient: set inefficient_type on {} MALLOC rows, removed it from {}, wrote {} rows into table {INEFFICIENT_TABLE} of {}",
-            w.set,
-            w.removed,
-            w.table_rows,
-            path.display()
-        ))
-    } else {
-        None
-    };
-    let (text, json) =
-        if as_json { (String::new(), json(&report, path, device)) } else { (text(&report, path, device), Value::Null) };
-    Ok(Outcome { text, json, wrote })
-}
-
 /// What a write changed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Written {
@@ -86,16 +47,11 @@ fn ptr_text(ptr: u64) -> String {
     format!("0x{ptr:016x}")
 }
 
-/// Stores `report` in the DB at `path`: `inefficient_type` in place with `json_set`/`json_remove`
-/// (rows whose value is already right are not touched), `ms_inefficient` replaced, and
+/// Stores `report` in the DB: `inefficient_type` in place with `json_set`/`json_remove` (rows
+/// whose value is already right are not touched), `ms_inefficient` replaced, and
 /// `ms_meta.inefficient_at` when the file has our `ms_meta`. One transaction.
-pub fn write_results(path: &Path, report: &Report, run_wall_ns: u64) -> Result<Written, AnalysisError> {
-    let err = |source| AnalysisError::Write { path: path.to_owned(), source };
-    let mut conn =
-        Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-            .map_err(err)?;
-    conn.busy_timeout(Duration::from_secs(5)).map_err(err)?;
-    let table = dump_table(&conn, path)?;
+pub fn store(db: &DumpDb, report: &Report, run_wall_ns: u64) -> Result<Written, AnalysisError> {
+    let table = db.table();
     let mut wanted: HashMap<i64, String> = report
         .blocks
         .iter()
@@ -114,58 +70,53 @@ pub fn write_results(path: &Path, report: &Report, run_wall_ns: u64) -> Result<W
     }
     let mut written = Written { set: wanted.len(), removed: stale.len(), table_rows: 0 };
 
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
-    {
-        let mut set = tx
-            .prepare(&format!(
-                "UPDATE \"{table}\" SET \"Attr\" = json_set(\"Attr\", '$.inefficient_type', ?1) WHERE rowid = ?2"
-            ))
-            .map_err(err)?;
-        let mut rows: Vec<(&i64, &String)> = wanted.iter().collect();
-        rows.sort_unstable();
-        for (rowid, value) in rows {
-            set.execute(params![value, rowid]).map_err(err)?;
-        }
-        let mut remove = tx
-            .prepare(&format!(
-                "UPDATE \"{table}\" SET \"Attr\" = json_remove(\"Attr\", '$.inefficient_type') WHERE rowid = ?1"
-            ))
-            .map_err(err)?;
-        for rowid in &stale {
-            remove.execute([rowid]).map_err(err)?;
-        }
-    }
-    tx.execute_batch(&format!("DROP TABLE IF EXISTS {INEFFICIENT_TABLE}; {CREATE_TABLE}")).map_err(err)?;
-    {
-        // Many rows per statement: a trace can have millions of accessed blocks, and one
-        // statement per row would cost more than the analysis.
-        let row = format!("({})", vec!["?"; TABLE_COLUMNS].join(","));
-        let insert = |n: usize| format!("INSERT INTO {INEFFICIENT_TABLE} VALUES {}", vec![row.as_str(); n].join(","));
-        let mut many = tx.prepare(&insert(INSERT_BATCH)).map_err(err)?;
-        let mut one = tx.prepare(&insert(1)).map_err(err)?;
-        let accessed: Vec<&Block> = report.blocks.iter().filter(|b| b.accesses > 0).collect();
-        for chunk in accessed.chunks(INSERT_BATCH) {
-            if chunk.len() == INSERT_BATCH {
-                for (k, b) in chunk.iter().enumerate() {
-                    bind_row(&mut many, k * TABLE_COLUMNS, report, b).map_err(err)?;
-                }
-                many.raw_execute().map_err(err)?;
-            } else {
-                for b in chunk {
-                    bind_row(&mut one, 0, report, b).map_err(err)?;
-                    one.raw_execute().map_err(err)?;
-                }
-            }
-        }
-        written.table_rows = accessed.len();
-    }
     let stamps = [
         ("inefficient_at", run_wall_ns.to_string()),
         ("inefficient_options", options_json(&report.options).to_string()),
     ];
-    super::db::stamp_meta(&tx, &stamps).map_err(err)?;
-    tx.commit().map_err(err)?;
-    Ok(written)
+    db.replace_tables(&[(INEFFICIENT_TABLE, CREATE_TABLE)], &stamps, |tx| {
+        {
+            let mut set = tx.prepare(&format!(
+                "UPDATE \"{table}\" SET \"Attr\" = json_set(\"Attr\", '$.inefficient_type', ?1) WHERE rowid = ?2"
+            ))?;
+            let mut rows: Vec<(&i64, &String)> = wanted.iter().collect();
+            rows.sort_unstable();
+            for (rowid, value) in rows {
+                set.execute(params![value, rowid])?;
+            }
+            let mut remove = tx.prepare(&format!(
+                "UPDATE \"{table}\" SET \"Attr\" = json_remove(\"Attr\", '$.inefficient_type') WHERE rowid = ?1"
+            ))?;
+            for rowid in &stale {
+                remove.execute([rowid])?;
+            }
+        }
+        {
+            // Many rows per statement: a trace can have millions of accessed blocks, and one
+            // statement per row would cost more than the analysis.
+            let row = format!("({})", vec!["?"; TABLE_COLUMNS].join(","));
+            let insert =
+                |n: usize| format!("INSERT INTO {INEFFICIENT_TABLE} VALUES {}", vec![row.as_str(); n].join(","));
+            let mut many = tx.prepare(&insert(INSERT_BATCH))?;
+            let mut one = tx.prepare(&insert(1))?;
+            let accessed: Vec<&Block> = report.blocks.iter().filter(|b| b.accesses > 0).collect();
+            for chunk in accessed.chunks(INSERT_BATCH) {
+                if chunk.len() == INSERT_BATCH {
+                    for (k, b) in chunk.iter().enumerate() {
+                        bind_row(&mut many, k * TABLE_COLUMNS, report, b)?;
+                    }
+                    many.raw_execute()?;
+                } else {
+                    for b in chunk {
+                        bind_row(&mut one, 0, report, b)?;
+                        one.raw_execute()?;
+                    }
+                }
+            }
+            written.table_rows = accessed.len();
+        }
+        Ok(written)
+    })
 }
 
 const TABLE_COLUMNS: usize = 21;
@@ -409,11 +360,18 @@ pub fn json(report: &Report, path: &Path, device: &str) -> Value {
 #[cfg(test)]
 mod tests {
 
+    use rusqlite::Connection;
+
     use super::*;
     use crate::analysis::inefficient::scenario::{small_trace, Act, Trace, A, B, C};
-    use crate::analysis::inefficient::TimeThreshold;
+    use crate::analysis::inefficient::{analyse, TimeThreshold};
     use crate::store::Attr;
     use Act::{Free, Malloc, Read};
+
+    /// The DB at `path`, opened as `analyze` opens it to write its results.
+    fn open(path: &Path) -> DumpDb {
+        DumpDb::open(path, true).unwrap()
+    }
 
     fn dump_rows(path: &Path) -> Vec<(i64, String, String)> {
         let conn = Connection::open(path).unwrap();
@@ -439,8 +397,8 @@ mod tests {
     fn flags_go_into_the_malloc_rows_in_place_and_nothing_else_changes() {
         let path = small_trace("out-inplace");
         let before = dump_rows(&path);
-        let report = analyse(&path, &idle_1us()).unwrap();
-        let w = write_results(&path, &report, 7).unwrap();
+        let report = analyse(&open(&path), &idle_1us()).unwrap();
+        let w = store(&open(&path), &report, 7).unwrap();
         assert_eq!(w, Written { set: 1, removed: 0, table_rows: 3 });
         let after = dump_rows(&path);
         assert_eq!(before.len(), after.len());
@@ -490,18 +448,18 @@ mod tests {
             )
             .unwrap();
         }
-        let w = write_results(&path, &analyse(&path, &Options::default()).unwrap(), 1).unwrap();
+        let w = store(&open(&path), &analyse(&open(&path), &Options::default()).unwrap(), 1).unwrap();
         assert_eq!((w.set, w.removed), (1, 1));
         assert_eq!(attr_of(&path, B).matches("inefficient_type").count(), 1);
         assert!(attr_of(&path, B).ends_with(",\"inefficient_type\":\"early_allocation\"}"));
         let first = dump_rows(&path);
         // The second run finds everything right and touches no row.
-        let w = write_results(&path, &analyse(&path, &Options::default()).unwrap(), 2).unwrap();
+        let w = store(&open(&path), &analyse(&open(&path), &Options::default()).unwrap(), 2).unwrap();
         assert_eq!((w.set, w.removed), (0, 0));
         assert_eq!(dump_rows(&path), first);
         // With a threshold nothing meets, B's value goes and every row is back as traced.
         let big = Options { mem_size: 1 << 30, ..Options::default() };
-        let w = write_results(&path, &analyse(&path, &big).unwrap(), 3).unwrap();
+        let w = store(&open(&path), &analyse(&open(&path), &big).unwrap(), 3).unwrap();
         assert_eq!((w.set, w.removed), (0, 1));
         assert_eq!(dump_rows(&path), original);
         let conn = Connection::open(&path).unwrap();
@@ -526,7 +484,7 @@ mod tests {
             t.op(&[Free(ptr(k))]);
         }
         let path = t.finish();
-        let w = write_results(&path, &analyse(&path, &Options::default()).unwrap(), 1).unwrap();
+        let w = store(&open(&path), &analyse(&open(&path), &Options::default()).unwrap(), 1).unwrap();
         assert_eq!(w.table_rows, 135);
         let conn = Connection::open(&path).unwrap();
         let got: Vec<(String, i64)> = conn
@@ -548,7 +506,7 @@ mod tests {
         let conn = Connection::open(&path).unwrap();
         conn.execute_batch("CREATE TRIGGER no_meta BEFORE INSERT ON ms_meta BEGIN SELECT RAISE(ABORT, 'no'); END")
             .unwrap();
-        let err = write_results(&path, &analyse(&path, &Options::default()).unwrap(), 1).unwrap_err();
+        let err = store(&open(&path), &analyse(&open(&path), &Options::default()).unwrap(), 1).unwrap_err();
         assert!(matches!(err, AnalysisError::Write { .. }), "{err}");
         assert!(err.to_string().contains("nothing was changed"), "{err}");
         assert_eq!(dump_rows(&path), before, "the Attr updates were rolled back");
@@ -564,17 +522,17 @@ mod tests {
         t.op(&[Malloc(A, 64)]);
         t.op(&[Free(A)]);
         let path = t.finish();
-        let report = analyse(&path, &Options::default()).unwrap();
+        let report = analyse(&open(&path), &Options::default()).unwrap();
         let text = text(&report, &path, "0");
         assert!(text.contains("no ACCESS row resolves to a block"), "{text}");
-        let w = write_results(&path, &report, 1).unwrap();
+        let w = store(&open(&path), &report, 1).unwrap();
         assert_eq!(w, Written::default());
     }
 
     #[test]
     fn the_summary_counts_bytes_per_type_and_names_owners() {
         let path = small_trace("out-text");
-        let report = analyse(&path, &idle_1us()).unwrap();
+        let report = analyse(&open(&path), &idle_1us()).unwrap();
         let text = text(&report, &path, "0");
         assert!(text.contains("early_allocation         1 block      1.0 MiB"), "{text}");
         assert!(text.contains("late_deallocation        0 blocks         0 B"), "{text}");
@@ -674,10 +632,10 @@ mod tests {
         drop(conn);
         let options = Options { long_idle: Some("10us".parse().unwrap()), ..Options::default() };
         let t1 = std::time::Instant::now();
-        let report = analyse(&path, &options).unwrap();
+        let report = analyse(&open(&path), &options).unwrap();
         let analysed = t1.elapsed().as_secs_f64();
         let t2 = std::time::Instant::now();
-        let w = write_results(&path, &report, 1).unwrap();
+        let w = store(&open(&path), &report, 1).unwrap();
         let written = t2.elapsed().as_secs_f64();
         eprintln!(
             "analyse: {n} rows in {analysed:.2} s = {:.0} rows/s; write: {} MALLOC rows set, {} table rows, in \

@@ -21,9 +21,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
-use rusqlite::{params, Connection, OpenFlags, TransactionBehavior};
+use rusqlite::params;
 use serde::Serialize;
 
+use super::db::DumpDb;
 use super::decompose::Family;
 use super::degradation::{self, FamilyTrend, Verdict};
 use super::render::{human_bytes, relative};
@@ -149,8 +150,8 @@ impl BlockSink for Collect<'_> {
 }
 
 /// Runs the leak, step and degradation analyses over one DB.
-pub fn analyse(path: &Path, options: &Options) -> Result<LeakReport, StepError> {
-    let db = StepDb::open(path)?;
+pub fn analyse(dump: &DumpDb, options: &Options) -> Result<LeakReport, StepError> {
+    let db = StepDb::open(dump.path())?;
     let mut collect = Collect { options, candidates: Vec::new(), never_freed: Vec::new() };
     let timeline = Timeline::replay(&db, options.step_marker.as_deref(), &mut collect)?;
     let summary = timeline.summary();
@@ -216,126 +217,122 @@ pub const STEPS_TABLE: &str = "ms_steps";
 pub const LEAKS_TABLE: &str = "ms_leaks";
 pub const DEGRADATION_TABLE: &str = "ms_degradation";
 
-const CREATE_TABLES: &str = "
-    DROP TABLE IF EXISTS ms_steps; DROP TABLE IF EXISTS ms_leaks; DROP TABLE IF EXISTS ms_degradation;
-    CREATE TABLE ms_steps (step INTEGER NOT NULL, ts_ns INTEGER NOT NULL, family TEXT NOT NULL,
-        owner TEXT NOT NULL, bytes INTEGER NOT NULL, blocks INTEGER NOT NULL);
-    CREATE TABLE ms_leaks (kind TEXT NOT NULL, family TEXT NOT NULL, block TEXT NOT NULL,
+/// Our three tables (docs/db-schema.md), replaced together on every run.
+const TABLES: [(&str, &str); 3] = [
+    (
+        STEPS_TABLE,
+        "CREATE TABLE ms_steps (step INTEGER NOT NULL, ts_ns INTEGER NOT NULL, family TEXT NOT NULL,
+        owner TEXT NOT NULL, bytes INTEGER NOT NULL, blocks INTEGER NOT NULL)",
+    ),
+    (
+        LEAKS_TABLE,
+        "CREATE TABLE ms_leaks (kind TEXT NOT NULL, family TEXT NOT NULL, block TEXT NOT NULL,
         pid INTEGER NOT NULL, ptr TEXT NOT NULL, size INTEGER NOT NULL, owner TEXT NOT NULL,
         birth_step INTEGER, steps_alive INTEGER, alloc_ts INTEGER NOT NULL, free_ts INTEGER,
-        allocation_id TEXT, python_stack TEXT NOT NULL, c_stack TEXT NOT NULL);
-    CREATE TABLE ms_degradation (family TEXT NOT NULL, owner TEXT NOT NULL, first_step INTEGER,
+        allocation_id TEXT, python_stack TEXT NOT NULL, c_stack TEXT NOT NULL)",
+    ),
+    (
+        DEGRADATION_TABLE,
+        "CREATE TABLE ms_degradation (family TEXT NOT NULL, owner TEXT NOT NULL, first_step INTEGER,
         last_step INTEGER, first_bytes INTEGER NOT NULL, last_bytes INTEGER NOT NULL,
         delta_bytes INTEGER NOT NULL, points INTEGER, slope_per_step REAL, rise_bytes REAL,
-        noise_floor_bytes REAL, mk_s INTEGER, mk_z REAL, p_value REAL, verdict TEXT);";
+        noise_floor_bytes REAL, mk_s INTEGER, mk_z REAL, p_value REAL, verdict TEXT)",
+    ),
+];
 
 /// Replaces our three tables with `report` and stamps `ms_meta.leaks_at` (when the file has our
 /// `ms_meta`). One transaction: all of it lands or the file is unchanged. Returns rows written.
-pub fn write(path: &Path, report: &LeakReport, run_wall_ns: u64) -> Result<usize, AnalysisError> {
-    let err = |source| AnalysisError::Write { path: path.to_owned(), source };
-    let mut conn =
-        Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-            .map_err(err)?;
-    conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(err)?;
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(err)?;
-    tx.execute_batch(CREATE_TABLES).map_err(err)?;
+pub fn store(db: &DumpDb, report: &LeakReport, run_wall_ns: u64) -> Result<usize, AnalysisError> {
+    db.replace_tables(&TABLES, &[("leaks_at", run_wall_ns.to_string())], |tx| fill(tx, report))
+}
+
+fn fill(tx: &rusqlite::Transaction<'_>, report: &LeakReport) -> rusqlite::Result<usize> {
     let mut written = 0;
     {
-        let mut insert = tx.prepare("INSERT INTO ms_steps VALUES (?1, ?2, ?3, ?4, ?5, ?6)").map_err(err)?;
+        let mut insert = tx.prepare("INSERT INTO ms_steps VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?;
         for p in &report.points {
             let Some(step) = p.step else { continue };
             for family in &report.summary.families {
                 let blocks: u64 =
                     p.owners.iter().filter(|o| report.owners[o.slot as usize].0 == *family).map(|o| o.blocks).sum();
-                insert.execute(params![step, p.ts, family.as_str(), "", p.total(*family), blocks]).map_err(err)?;
+                insert.execute(params![step, p.ts, family.as_str(), "", p.total(*family), blocks])?;
                 written += 1;
             }
             for o in &p.owners {
                 let (family, owner) = &report.owners[o.slot as usize];
-                insert.execute(params![step, p.ts, family.as_str(), owner, o.bytes, o.blocks]).map_err(err)?;
+                insert.execute(params![step, p.ts, family.as_str(), owner, o.bytes, o.blocks])?;
                 written += 1;
             }
         }
-        let mut insert = tx
-            .prepare("INSERT INTO ms_leaks VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)")
-            .map_err(err)?;
+        let mut insert =
+            tx.prepare("INSERT INTO ms_leaks VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)")?;
         for (kind, list) in [("candidate", &report.candidates), ("never_freed", &report.never_freed)] {
             for l in list {
-                insert
-                    .execute(params![
-                        kind,
-                        l.family,
-                        l.block,
-                        l.pid,
-                        l.ptr,
-                        l.size,
-                        l.owner,
-                        l.birth_step,
-                        l.steps_alive,
-                        l.alloc_ts,
-                        l.free_ts,
-                        l.allocation_id,
-                        l.python_stack,
-                        l.c_stack
-                    ])
-                    .map_err(err)?;
+                insert.execute(params![
+                    kind,
+                    l.family,
+                    l.block,
+                    l.pid,
+                    l.ptr,
+                    l.size,
+                    l.owner,
+                    l.birth_step,
+                    l.steps_alive,
+                    l.alloc_ts,
+                    l.free_ts,
+                    l.allocation_id,
+                    l.python_stack,
+                    l.c_stack
+                ])?;
                 written += 1;
             }
         }
-        let mut insert = tx
-            .prepare(
-                "INSERT INTO ms_degradation VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
-            )
-            .map_err(err)?;
+        let mut insert = tx.prepare(
+            "INSERT INTO ms_degradation VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+        )?;
         for d in &report.degradation {
             let t = &d.trend;
-            insert
-                .execute(params![
-                    d.family,
-                    "",
-                    d.first_step,
-                    d.last_step,
-                    d.first_bytes,
-                    d.last_bytes,
-                    d.last_bytes - d.first_bytes,
-                    t.points as i64,
-                    t.slope,
-                    t.rise,
-                    t.noise_floor,
-                    t.mk_s,
-                    t.mk_z,
-                    t.p_value,
-                    t.verdict.as_str()
-                ])
-                .map_err(err)?;
+            insert.execute(params![
+                d.family,
+                "",
+                d.first_step,
+                d.last_step,
+                d.first_bytes,
+                d.last_bytes,
+                d.last_bytes - d.first_bytes,
+                t.points as i64,
+                t.slope,
+                t.rise,
+                t.noise_floor,
+                t.mk_s,
+                t.mk_z,
+                t.p_value,
+                t.verdict.as_str()
+            ])?;
             written += 1;
             for o in &d.owners {
                 let none: Option<f64> = None;
-                insert
-                    .execute(params![
-                        d.family,
-                        o.owner,
-                        d.first_step,
-                        d.last_step,
-                        o.first_bytes,
-                        o.last_bytes,
-                        o.delta,
-                        none,
-                        none,
-                        none,
-                        none,
-                        none,
-                        none,
-                        none,
-                        none
-                    ])
-                    .map_err(err)?;
+                insert.execute(params![
+                    d.family,
+                    o.owner,
+                    d.first_step,
+                    d.last_step,
+                    o.first_bytes,
+                    o.last_bytes,
+                    o.delta,
+                    none,
+                    none,
+                    none,
+                    none,
+                    none,
+                    none,
+                    none,
+                    none
+                ])?;
                 written += 1;
             }
         }
     }
-    super::db::stamp_meta(&tx, &[("leaks_at", run_wall_ns.to_string())]).map_err(err)?;
-    tx.commit().map_err(err)?;
     Ok(written)
 }
 
@@ -582,46 +579,26 @@ pub fn json(report: &LeakReport, path: &Path, device: &str) -> serde_json::Value
     })
 }
 
-/// What `analyze --analysis leaks` does with one DB: analyse, print (text or JSON), and store the
-/// tables unless `write_at` is `None` (`--no-write`).
-pub fn run_for_analyze(
-    path: &Path,
-    options: &Options,
-    device: &str,
-    as_json: bool,
-    write_at: Option<u64>,
-    texts: &mut Vec<String>,
-    jsons: &mut Vec<serde_json::Value>,
-) -> Result<(), StepError> {
-    let report = analyse(path, options)?;
-    if as_json {
-        jsons.push(json(&report, path, device));
-    } else {
-        texts.push(text(&report, path, device));
-    }
-    if let Some(at) = write_at {
-        let rows = write(path, &report, at)?;
-        eprintln!(
-            "memscope-bpf: wrote {rows} rows into tables {STEPS_TABLE}, {LEAKS_TABLE}, {DEGRADATION_TABLE} of {}",
-            path.display()
-        );
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
+    use rusqlite::Connection;
+
     use super::*;
     use crate::analysis::steps::testrows::{mstx, noisy_run, step, training};
     use crate::analysis::testdb::{dir, TestDb};
     use crate::store::Attr;
+
+    /// The DB at `path`, opened as `analyze` opens it to write its results.
+    fn open(path: &Path) -> DumpDb {
+        DumpDb::open(path, true).unwrap()
+    }
 
     const MIB: u64 = 1 << 20;
 
     fn analyse_db(db: TestDb, options: &Options) -> LeakReport {
         let path = db.path.clone();
         drop(db);
-        analyse(&path, options).unwrap()
+        analyse(&open(&path), options).unwrap()
     }
 
     fn ptrs(leaks: &[Leak]) -> Vec<&str> {
@@ -659,10 +636,10 @@ mod tests {
         assert_eq!(ptrs(&r.never_freed), ["f0", "f1"]);
         assert_eq!(r.never_freed[1].block, "segment");
         // Longer lives asked for: only the kv block (4 whole steps) and the HAL one qualify for 3.
-        let r3 = analyse(&path, &Options { min_steps: 3, ..Options::default() }).unwrap();
+        let r3 = analyse(&open(&path), &Options { min_steps: 3, ..Options::default() }).unwrap();
         assert_eq!(ptrs(&r3.candidates), ["f0", "a"]);
         // No warm-up: the weights and the warm-up kv block become candidates too.
-        let r0 = analyse(&path, &Options { warmup_steps: 0, ..Options::default() }).unwrap();
+        let r0 = analyse(&open(&path), &Options { warmup_steps: 0, ..Options::default() }).unwrap();
         assert_eq!(ptrs(&r0.candidates), ["f0", "c", "110", "a", "100"]);
     }
 
@@ -696,7 +673,7 @@ mod tests {
         drop(db);
         let before = std::fs::read(&path).unwrap();
         let options = Options { step_marker: Some("iter".into()), ..Options::default() };
-        let err = analyse(&path, &options).err().unwrap().to_string();
+        let err = analyse(&open(&path), &options).err().unwrap().to_string();
         assert!(
             err.contains("no MSTX mark or range named \"iter\"")
                 && err.contains("marks and ranges in this trace: iteration"),
@@ -704,12 +681,12 @@ mod tests {
         );
         assert_eq!(std::fs::read(&path).unwrap(), before);
         let options = Options { step_marker: Some("iteration".into()), ..Options::default() };
-        assert_eq!(analyse(&path, &options).unwrap().boundaries.len(), 1);
+        assert_eq!(analyse(&open(&path), &options).unwrap().boundaries.len(), 1);
     }
 
     #[test]
     fn degradation_fires_on_the_leaky_run_only_and_names_the_owner() {
-        let leaky = analyse(&noisy_run("leaks-degr-leaky", true), &Options::default()).unwrap();
+        let leaky = analyse(&open(&noisy_run("leaks-degr-leaky", true)), &Options::default()).unwrap();
         let pta = leaky.degradation.iter().find(|d| d.family == "PTA").unwrap();
         assert_eq!(pta.trend.verdict, Verdict::SustainedRise, "{pta:?}");
         assert_eq!(pta.owners[0].owner, "PTA@kv_cache");
@@ -719,7 +696,7 @@ mod tests {
         let kv: Vec<u64> =
             leaky.candidates.iter().filter(|l| l.owner == "PTA@kv_cache").filter_map(|l| l.birth_step).collect();
         assert_eq!(kv, (2..=11).collect::<Vec<_>>());
-        let clean = analyse(&noisy_run("leaks-degr-clean", false), &Options::default()).unwrap();
+        let clean = analyse(&open(&noisy_run("leaks-degr-clean", false)), &Options::default()).unwrap();
         assert!(clean.candidates.is_empty(), "{:?}", clean.candidates);
         for d in &clean.degradation {
             assert_ne!(d.trend.verdict, Verdict::SustainedRise, "{d:?}");
@@ -731,9 +708,9 @@ mod tests {
     #[test]
     fn tables_are_written_and_replaced_in_one_transaction() {
         let path = noisy_run("leaks-write", true);
-        let report = analyse(&path, &Options::default()).unwrap();
-        let n = write(&path, &report, 7).unwrap();
-        assert_eq!(write(&path, &report, 8).unwrap(), n, "a rerun replaces the rows");
+        let report = analyse(&open(&path), &Options::default()).unwrap();
+        let n = store(&open(&path), &report, 7).unwrap();
+        assert_eq!(store(&open(&path), &report, 8).unwrap(), n, "a rerun replaces the rows");
         let conn = Connection::open(&path).unwrap();
         let count = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
         assert_eq!(count("SELECT count(*) FROM ms_leaks WHERE kind = 'candidate'"), report.candidates.len() as i64);
@@ -754,7 +731,7 @@ mod tests {
         // A failing last statement leaves the previous results.
         conn.execute_batch("CREATE TRIGGER no_meta BEFORE INSERT ON ms_meta BEGIN SELECT RAISE(ABORT, 'no'); END")
             .unwrap();
-        let err = write(&path, &report, 9).unwrap_err();
+        let err = store(&open(&path), &report, 9).unwrap_err();
         assert!(err.to_string().contains("nothing was changed"), "{err}");
         assert_eq!(count("SELECT count(*) FROM ms_meta WHERE key = 'leaks_at' AND value = '8'"), 1);
         assert_eq!(count("SELECT count(*) FROM ms_leaks"), (report.candidates.len() + report.never_freed.len()) as i64);
@@ -786,7 +763,7 @@ mod tests {
         let rows: i64 = db.conn().query_row("SELECT count(*) FROM memscope_dump", [], |r| r.get(0)).unwrap();
         drop(db);
         let t = std::time::Instant::now();
-        let report = analyse(&path, &Options::default()).unwrap();
+        let report = analyse(&open(&path), &Options::default()).unwrap();
         let elapsed = t.elapsed();
         eprintln!("{rows} rows analysed in {elapsed:?}: {:.0} rows/s", rows as f64 / elapsed.as_secs_f64());
         assert!(report.candidates.len() > 400);

@@ -2,12 +2,15 @@
 //! names them. They read `memscope_dump` only, so they work on any DB Insight opens, ours or
 //! msMemScope's, and need no privileges.
 //!
+//! - [`contract`]: the one shape every analysis has (`analyse` over an open DB, `text`, `json`,
+//!   `store`) and its implementations, which the verbs pick by name.
 //! - [`attr`]: the Attr values each analysis reads, parsed only as far as needed.
 //! - [`db`]: finding the DBs of a trace folder, opening them safely, streaming their rows in time
-//!   order (the one reader every analysis uses), and writing results back into our own `ms_*`
-//!   tables (never into Insight's).
+//!   order (the one reader every analysis uses), and replacing our own `ms_*` result tables
+//!   (never Insight's) in one transaction.
 //! - [`decompose`]: where the memory was at an instant, as an owner tree (msMemScope's
 //!   decomposition, the tree Insight draws).
+//! - [`pass`]: one time-ordered pass over a DB feeding several replays (what `advise` reads).
 //! - [`render`]: the text and JSON reports.
 //! - [`inefficient`], [`inefficient_out`]: memory held while unused, by msMemScope's op-index
 //!   definitions and Insight's time-based ones; results into the MALLOC rows and `ms_inefficient`.
@@ -28,6 +31,7 @@ pub mod atb_workspace;
 pub mod attr;
 pub mod calldiff;
 pub mod calls;
+pub mod contract;
 pub mod db;
 pub mod decompose;
 pub mod degradation;
@@ -38,6 +42,7 @@ pub mod inefficient_out;
 pub mod leaks;
 pub mod oom;
 pub mod opdiff;
+pub mod pass;
 pub mod render;
 pub mod steps;
 pub mod stream_reuse;

@@ -20,7 +20,7 @@ use std::path::Path;
 use foldhash::{HashMap, HashMapExt};
 use serde::Serialize;
 
-use super::db::DumpRow;
+use super::db::{DumpDb, DumpRow};
 use super::fragmentation::{self, Fields, Live, PoolKind, Reason, Replay, Sample};
 use super::render::{human_bytes, relative};
 use super::AnalysisError;
@@ -477,39 +477,6 @@ fn explain(inc: &Incident) -> String {
 
 // ---------------------------------------------------------------- reports
 
-/// What `analyze --analysis oom` prints and stores for one DB.
-pub struct Output {
-    pub text: String,
-    pub json: serde_json::Value,
-    /// "wrote N rows ..." for stderr, when the tables were written.
-    pub note: Option<String>,
-}
-
-/// Runs the forensics on one DB (checked by `DumpDb::open`), writes `ms_oom`/`ms_oom_blocks`
-/// when `write`, and renders the report.
-pub fn for_analyze(
-    path: &Path,
-    device: &str,
-    k: usize,
-    write: bool,
-    run_wall_ns: u64,
-) -> Result<Output, AnalysisError> {
-    // The forensics read no periodic sample, and leaving them out spares counting the rows first.
-    let report = fragmentation::analyse(path, fragmentation::Options { top_k: k, sample_every: Some(0) })?;
-    let note = if write {
-        let rows = store(path, &report.incidents, run_wall_ns)?;
-        Some(format!("wrote {rows} rows into tables {OOM_TABLE} and {OOM_BLOCKS_TABLE} of {}", path.display()))
-    } else {
-        None
-    };
-    let json = serde_json::json!({
-        "db": path.display().to_string(),
-        "device": device,
-        "incidents": report.incidents,
-    });
-    Ok(Output { text: text(&report, path, device), json, note })
-}
-
 pub fn text(report: &fragmentation::Report, path: &Path, device: &str) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "device {device}: {}", path.display());
@@ -606,9 +573,9 @@ const CREATE_OOM_BLOCKS: &str = "CREATE TABLE ms_oom_blocks (
     size INTEGER NOT NULL, ts_ns INTEGER, owner TEXT NOT NULL, blocks INTEGER NOT NULL)";
 
 /// Replaces `ms_oom` and `ms_oom_blocks`; returns the rows written.
-pub fn store(path: &Path, incidents: &[Incident], run_wall_ns: u64) -> Result<usize, AnalysisError> {
+pub fn store(db: &DumpDb, incidents: &[Incident], run_wall_ns: u64) -> Result<usize, AnalysisError> {
     let tables = [(OOM_TABLE, CREATE_OOM), (OOM_BLOCKS_TABLE, CREATE_OOM_BLOCKS)];
-    fragmentation::write_tables(path, &tables, "oom_at", run_wall_ns, |tx| {
+    db.replace_tables(&tables, &[("oom_at", run_wall_ns.to_string())], |tx| {
         let mut main = tx.prepare(
             "INSERT INTO ms_oom VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, \
              ?18, ?19, ?20, ?21, ?22)",
@@ -701,8 +668,30 @@ mod tests {
     const M: u64 = 1 << 20;
     const ALLOC: &str = "DeviceCachingAllocator::malloc";
 
+    /// What `analyze --analysis oom:K` prints and stores for one DB.
+    struct Output {
+        text: String,
+        json: serde_json::Value,
+        note: Option<String>,
+    }
+
+    /// `analyze --analysis oom:K` on one DB through the analysis contract: stores when `write`,
+    /// and renders both reports (each from its own run, as `analyze` builds only one).
+    fn for_analyze(path: &Path, device: &str, k: usize, write: bool, at: u64) -> Result<Output, AnalysisError> {
+        use crate::analysis::contract::{run, Oom};
+        let db = DumpDb::open(path, write)?;
+        let text = run::<Oom>(&db, device, &k, false, None)?.text.unwrap_or_default();
+        let out = run::<Oom>(&db, device, &k, true, write.then_some(at))?;
+        Ok(Output { text, json: out.json.into_iter().next().unwrap_or_default(), note: out.stored })
+    }
+
     fn incidents(path: &Path, k: usize) -> Vec<Incident> {
-        fragmentation::analyse(path, fragmentation::Options { top_k: k, sample_every: None }).unwrap().incidents
+        fragmentation::analyse(
+            &DumpDb::open_read(path).unwrap(),
+            fragmentation::Options { top_k: k, sample_every: None },
+        )
+        .unwrap()
+        .incidents
     }
 
     /// Two 20 MiB segments with 6 MiB holes (16 MiB reserved but unused, pieces of 8, 6 and 2).
@@ -784,7 +773,8 @@ mod tests {
         fx.hal_free(1, 0x1000_0000, 20 * M); // the allocator empties its cache...
         fx.segment(1, 0x2000_0000, 40 * M, false); // ...and the retry succeeds
         fx.block(1, 0x2000_0000, 40 * M, "PTA");
-        let report = fragmentation::analyse(&fx.stop(), fragmentation::Options::default()).unwrap();
+        let report =
+            fragmentation::analyse(&DumpDb::open_read(&fx.stop()).unwrap(), fragmentation::Options::default()).unwrap();
         assert_eq!(report.incidents.len(), 1);
         assert_eq!(report.incidents[0].verdict, Verdict::Recovered);
         assert!(report.samples.iter().all(|s| s.reason != Reason::Oom), "a recovery is no OOM sample");

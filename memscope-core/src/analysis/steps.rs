@@ -60,7 +60,7 @@ pub struct StepDb {
 }
 
 /// The rows a step replay reads.
-const SELECTION: Selection = Selection { events: &["MALLOC", "FREE", "SYSTEM", "MSTX"], name: true, thread: false };
+pub const SELECTION: Selection = Selection { events: &["MALLOC", "FREE", "SYSTEM", "MSTX"], name: true, thread: false };
 
 impl StepDb {
     pub fn open(path: &Path) -> Result<Self, AnalysisError> {

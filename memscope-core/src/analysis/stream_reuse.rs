@@ -8,15 +8,15 @@
 //! after a marked free and before the next step boundary (or the end, without steps): the
 //! memory the deferred blocks could have served.
 
-use std::path::Path;
-
 use serde::Serialize;
 
 use super::attr::attr_fields;
-use super::db::{DumpRow, Fed};
-use super::steps::{StepDb, StepDetector};
+use super::db::{DumpDb, DumpRow, Selection};
+use super::pass::{self, Consumer};
+use super::steps::{self, StepDetector};
 use super::AnalysisError;
 use crate::store::insight::STREAM_USES;
+use crate::vocab::{Event, EventType};
 
 /// What the marked frees cost.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -59,8 +59,9 @@ struct Window {
     grown: u64,
 }
 
+/// The scan: stream-marked frees and the pool growth meanwhile, step by step.
 #[derive(Default)]
-struct Scan {
+pub struct Scan {
     report: StreamReuse,
     window: Window,
     detector: StepDetector,
@@ -86,14 +87,14 @@ impl Scan {
         if consumed {
             return;
         }
-        match (row.event, row.event_type) {
-            ("FREE", "PTA") if row.attr.contains(STREAM_USES) => {
+        match (Event::parse(row.event), EventType::parse(row.event_type)) {
+            (Some(Event::Free), Some(EventType::Pta)) if row.attr.contains(STREAM_USES) => {
                 let size = size_of(row);
                 self.report.deferred_blocks += 1;
                 self.report.deferred_bytes += size;
                 self.window.deferred += size;
             }
-            ("MALLOC", "HAL") if self.window.deferred > 0 && is_segment(row) => {
+            (Some(Event::Malloc), Some(EventType::Hal)) if self.window.deferred > 0 && is_segment(row) => {
                 self.window.grown += size_of(row);
             }
             _ => {}
@@ -102,17 +103,35 @@ impl Scan {
 }
 
 /// Scans one DB (steps from memscope.step() and mstx `step start` ranges).
-pub fn analyse(path: &Path) -> Result<StreamReuse, AnalysisError> {
-    let db = StepDb::open(path)?;
+pub fn analyse(db: &DumpDb) -> Result<StreamReuse, AnalysisError> {
+    db.require_columns(&["Name"])?;
     let mut scan = Scan::default();
-    db.for_each_row(|fed| match fed {
-        Fed::Row(row) => scan.row(&row),
-        Fed::Restart => scan = Scan::default(),
-    })?;
-    scan.boundaries.clear();
-    scan.detector.finish(&mut scan.boundaries);
-    scan.close_window();
-    Ok(scan.report)
+    pass::run(db, &mut [&mut scan])?;
+    Ok(scan.finish())
+}
+
+impl Scan {
+    pub fn finish(mut self) -> StreamReuse {
+        self.boundaries.clear();
+        self.detector.finish(&mut self.boundaries);
+        self.close_window();
+        self.report
+    }
+}
+
+/// The scan behind [`analyse`], for a pass other replays share.
+impl Consumer for Scan {
+    fn selection(&self) -> Selection<'static> {
+        steps::SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        Scan::row(self, &row);
+    }
+
+    fn restart(&mut self) {
+        *self = Self::default();
+    }
 }
 
 #[cfg(test)]
@@ -151,7 +170,7 @@ mod tests {
         db.malloc("PTA", 61, 0xa000, 4 * MIB, None);
         marked_free(&mut db, 70, 0xa000, 4 * MIB);
         step(&mut db, 99, 2);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!((r.deferred_blocks, r.deferred_bytes), (3, 20 * MIB));
         assert_eq!(r.max_step_deferred_bytes, 16 * MIB);
         assert_eq!((r.grown_while_deferred, r.steps_grown), (20 * MIB, 1));
@@ -166,7 +185,7 @@ mod tests {
         db.malloc("PTA", 6, 0x1000, 8 * MIB, None);
         db.free("PTA", 10, 0x1000);
         segment(&mut db, 12, 0x9000, 20 * MIB);
-        let r = analyse(&db.path).unwrap();
+        let r = analyse(&DumpDb::open_read(&db.path).unwrap()).unwrap();
         assert_eq!(r, StreamReuse::default());
         assert!(!r.costly());
     }

@@ -8,6 +8,7 @@ use anyhow::Context as _;
 
 use super::inputs;
 use crate::analysis::advise;
+use crate::analysis::contract::{self, Advise, AdviseOptions, Analysis as _};
 use crate::analysis::db::DumpDb;
 
 /// Recommend allocator settings for a traced job, each with the evidence that triggered it.
@@ -60,13 +61,15 @@ pub struct Args {
 pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
     let mut out = Vec::new();
     for file in inputs::files(db_paths)? {
-        let device = inputs::device_of(&file)?;
-        let (advice, report) = advise::analyse(&file.path, &device)?;
-        let host_advice = advice.recommendations.iter().any(|r| r.id == advise::GC_AT_EPOCH_END);
+        let db = DumpDb::open_read(&file.path)?;
+        let device = inputs::device_of(&file, &db)?;
+        let options = AdviseOptions { device };
+        let report = Advise::analyse(&db, &options)?;
+        let host_advice = report.0.recommendations.iter().any(|r| r.id == advise::GC_AT_EPOCH_END);
         if file.device.as_deref() == Some("cpu") && !host_advice {
             continue;
         }
-        out.push(advise::text(&advice, &report));
+        out.push(Advise::text(&report, &file.path, &options.device, &options));
     }
     Ok(out.join("\n"))
 }
@@ -81,27 +84,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut json = Vec::new();
     let mut found = Vec::new();
     for file in &files {
-        // Opened as a check first: a read-only file fails here, not after the analysis.
-        DumpDb::open(&file.path, !args.no_write)?;
-        let device = inputs::device_of(file)?;
+        // Opened for writing first: a read-only file fails here, not after the analysis.
+        let db = DumpDb::open(&file.path, !args.no_write)?;
+        let device = inputs::device_of(file, &db)?;
         found.push(device.clone());
         if want.is_some_and(|w| !inputs::is_device(&device, w)) {
             continue;
         }
-        let (advice, report) = advise::analyse(&file.path, &device)?;
-        if !args.no_write {
-            let rows = advise::store(&file.path, &advice, &report, run_wall_ns)?;
-            eprintln!(
-                "memscope-bpf: wrote {rows} rows into tables ms_fragmentation and {} of {}",
-                advise::ADVICE_TABLE,
-                file.path.display()
-            );
+        let store_at = (!args.no_write).then_some(run_wall_ns);
+        let options = AdviseOptions { device };
+        let done = contract::run::<Advise>(&db, &options.device, &options, args.json, store_at)?;
+        if let Some(line) = done.stored {
+            crate::say::say!("memscope-bpf: {line}");
         }
-        if args.json {
-            json.push(serde_json::to_value(&advice).context("cannot format the JSON report")?);
-        } else {
-            texts.push(advise::text(&advice, &report));
-        }
+        texts.extend(done.text);
+        json.extend(done.json);
     }
     if let Some(w) = want {
         if texts.is_empty() && json.is_empty() {

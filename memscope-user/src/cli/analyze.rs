@@ -11,10 +11,10 @@ use std::path::PathBuf;
 use anyhow::{bail, Context as _};
 
 use super::inputs;
-use crate::analysis::db::{self, DbFile, DumpDb};
-use crate::analysis::decompose::{self, TimeSpec};
-use crate::analysis::render;
-use crate::analysis::{inefficient, inefficient_out};
+use crate::analysis::contract::{self, Analysis as _, Decompose, DecomposeOptions, Inefficient, Leaks, Oom};
+use crate::analysis::db::DumpDb;
+use crate::analysis::decompose::TimeSpec;
+use crate::analysis::inefficient;
 
 /// An analysis, by msMemScope's `--analysis` name.
 #[derive(Clone, Copy, Debug, Eq)]
@@ -36,28 +36,80 @@ impl PartialEq for Analysis {
 impl Analysis {
     fn name(self) -> &'static str {
         match self {
-            Self::Decompose => "decompose",
-            Self::Inefficient => "inefficient",
-            Self::Leaks => "leaks",
-            Self::Oom(_) => "oom",
+            Self::Decompose => Decompose::NAME,
+            Self::Inefficient => Inefficient::NAME,
+            Self::Leaks => Leaks::NAME,
+            Self::Oom(_) => Oom::NAME,
         }
     }
 }
 
-/// msMemScope's names, including its `oom:K` form, so its command lines carry over.
+/// One row of the dispatch table: an analysis by name, how its `--analysis` value parses, and
+/// how `analyze` runs it on one DB (through the contract, with its options from the arguments).
+struct Entry {
+    name: &'static str,
+    /// The value from the part after `name:`, if any; `None`: not a value of this analysis.
+    parse: fn(Option<&str>) -> Option<Result<Analysis, String>>,
+    run: fn(Analysis, &DumpDb, &Context<'_>) -> anyhow::Result<contract::Outcome>,
+}
+
+/// The analyses this build can run, in the order `--help` lists them; each one adds itself here.
+const ANALYSES: [Entry; 4] = [
+    Entry {
+        name: Decompose::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Decompose)),
+        run: |_, db, cx| drive::<Decompose>(db, cx, &cx.decompose),
+    },
+    // msMemScope's inefficient_type and Insight's time-based flags
+    Entry {
+        name: Inefficient::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Inefficient)),
+        run: |_, db, cx| drive::<Inefficient>(db, cx, &cx.args.inefficient),
+    },
+    // step leak candidates, HAL never freed, degradation across steps
+    Entry {
+        name: Leaks::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Leaks)),
+        run: |_, db, cx| drive::<Leaks>(db, cx, &cx.args.leaks),
+    },
+    // forensics of each failure (ms_oom); `oom:K` lists K blocks
+    Entry {
+        name: Oom::NAME,
+        parse: |arg| {
+            Some(match arg {
+                Some(k) => crate::analysis::oom::parse_top_k(k).map(Analysis::Oom),
+                None => Ok(Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K)),
+            })
+        },
+        run: |a, db, cx| {
+            let Analysis::Oom(k) = a else { bail!("`{}` is not the oom analysis", a.name()) };
+            drive::<Oom>(db, cx, &k)
+        },
+    },
+];
+
+/// The dispatch table's row for `analysis`.
+fn entry(analysis: Analysis) -> Option<&'static Entry> {
+    ANALYSES.iter().find(|e| e.name == analysis.name())
+}
+
+/// The names of the analyses, as the error messages list them.
+fn available() -> String {
+    ANALYSES.iter().map(|e| e.name).collect::<Vec<_>>().join(", ")
+}
+
+/// msMemScope's names (in any case), including its `oom:K` form, so its command lines carry over.
 fn parse_analysis(text: &str) -> Result<Analysis, String> {
     let name = text.trim();
-    let base = name.split_once(':').map_or(name, |(base, _)| base);
-    match base.to_ascii_lowercase().as_str() {
-        "decompose" if base.len() == name.len() => Ok(Analysis::Decompose),
-        "inefficient" if base.len() == name.len() => Ok(Analysis::Inefficient),
-        "leaks" if base.len() == name.len() => Ok(Analysis::Leaks),
-        "oom" => match name.split_once(':') {
-            Some((_, k)) => crate::analysis::oom::parse_top_k(k).map(Analysis::Oom),
-            None => Ok(Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K)),
-        },
-        _ => Err(format!("unknown analysis `{name}`; the analyses are: decompose, inefficient, leaks, oom")),
-    }
+    let (base, arg) = match name.split_once(':') {
+        Some((base, arg)) => (base, Some(arg)),
+        None => (name, None),
+    };
+    ANALYSES
+        .iter()
+        .find(|e| e.name.eq_ignore_ascii_case(base))
+        .and_then(|e| (e.parse)(arg))
+        .unwrap_or_else(|| Err(format!("unknown analysis `{name}`; the analyses are: {}", available())))
 }
 
 /// Analyse trace DBs offline, without privileges: where the memory went, per device.
@@ -167,148 +219,94 @@ impl Stdout {
     }
 }
 
-/// The analyses this build can run; each one adds itself here and an arm in [`analyse_one`].
-const IMPLEMENTED: &[Analysis] = &[
-    Analysis::Decompose,
-    Analysis::Inefficient, // msMemScope's inefficient_type and Insight's time-based flags
-    Analysis::Leaks,       // step leak candidates, HAL never freed, degradation across steps
-    Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K), // forensics of each failure (ms_oom)
-];
-
 /// What every analysis gets for one DB.
 struct Context<'a> {
     args: &'a Args,
-    points: &'a [TimeSpec],
-    file: &'a DbFile,
+    decompose: DecomposeOptions,
     device: &'a str,
     write: bool,
     run_wall_ns: u64,
 }
 
-/// Reports of one DB: text for the terminal, JSON values for `--json`.
-#[derive(Default)]
-struct Reports {
-    text: Vec<String>,
-    json: Vec<serde_json::Value>,
-}
-
-/// Runs one analysis on one DB.
-fn analyse_one(analysis: Analysis, dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyhow::Result<()> {
-    match analysis {
-        Analysis::Decompose => decompose_one(dump, cx, out),
-        Analysis::Inefficient => {
-            let done = inefficient_out::run(
-                dump.path(),
-                cx.device,
-                &cx.args.inefficient,
-                cx.write,
-                cx.run_wall_ns,
-                cx.args.json,
-            )?;
-            if let Some(line) = done.wrote {
-                crate::say::say!("memscope-bpf: {line}");
-            }
-            if cx.args.json {
-                out.json.push(done.json)
-            } else {
-                out.text.push(done.text)
-            }
-            Ok(())
-        }
-        Analysis::Leaks => Ok(crate::analysis::leaks::run_for_analyze(
-            dump.path(),
-            &cx.args.leaks,
-            cx.device,
-            cx.args.json,
-            cx.write.then_some(cx.run_wall_ns),
-            &mut out.text,
-            &mut out.json,
-        )?),
-        Analysis::Oom(k) => {
-            let done = crate::analysis::oom::for_analyze(dump.path(), cx.device, k, cx.write, cx.run_wall_ns)?;
-            if let Some(line) = done.note {
-                crate::say::say!("memscope-bpf: {line}");
-            }
-            if cx.args.json {
-                out.json.push(done.json)
-            } else {
-                out.text.push(done.text)
-            }
-            Ok(())
-        }
-        #[allow(unreachable_patterns, reason = "kept for analyses added to the enum before their arm")]
-        other => bail!("`{}` is not implemented yet in this version", other.name()),
+/// Runs analysis `A` on one DB through the contract, and says what it stored.
+fn drive<A: contract::Analysis>(
+    db: &DumpDb,
+    cx: &Context<'_>,
+    options: &A::Options,
+) -> anyhow::Result<contract::Outcome>
+where
+    A::Error: std::error::Error + Send + Sync + 'static,
+{
+    let done = contract::run::<A>(db, cx.device, options, cx.args.json, cx.write.then_some(cx.run_wall_ns))?;
+    if let Some(line) = &done.stored {
+        crate::say::say!("memscope-bpf: {line}");
     }
+    Ok(done)
 }
 
-fn decompose_one(dump: &mut DumpDb, cx: &Context<'_>, out: &mut Reports) -> anyhow::Result<()> {
-    let report = decompose::analyse(dump, cx.points)?;
-    if cx.args.json {
-        for tree in render::json(&report, dump.path(), cx.device, cx.args.depth) {
-            out.json.push(serde_json::to_value(tree).context("cannot format the JSON report")?);
-        }
-    } else {
-        out.text.push(render::text(&report, dump.path(), cx.device, cx.args.depth));
-    }
-    if cx.write {
-        let rows = dump.write_decompose(&report, cx.run_wall_ns)?;
-        crate::say::say!(
-            "memscope-bpf: wrote {rows} rows into table {} of {}",
-            db::DECOMPOSE_TABLE,
-            cx.file.path.display()
-        );
-    }
-    Ok(())
-}
-
-/// Parses `analyze`'s own arguments, for runs started from other verbs.
-#[derive(clap::Parser)]
-struct Embedded {
-    #[command(flatten)]
-    args: Args,
-}
-
-/// Checks an `--analysis` list as `analyze` would, without running anything.
-pub fn check_list(list: &str) -> anyhow::Result<()> {
+/// Parses an `--analysis` list as `analyze` would, without running anything (what `trace
+/// --analysis` checks before tracing).
+pub fn parse_list(list: &str) -> anyhow::Result<Vec<Analysis>> {
+    let mut analyses = Vec::new();
     for name in list.split(',') {
         let analysis = parse_analysis(name).map_err(anyhow::Error::msg)?;
-        if !IMPLEMENTED.contains(&analysis) {
-            let available: Vec<&str> = IMPLEMENTED.iter().map(|a| a.name()).collect();
+        if entry(analysis).is_none() {
             bail!(
                 "--analysis: `{}` is not implemented yet in this version; the available analyses are: {}",
                 analysis.name(),
-                available.join(", ")
+                available()
             );
         }
+        analyses.push(analysis);
     }
-    Ok(())
+    Ok(analyses)
 }
 
-/// `analyze DIR --analysis LIST` with every other option at its default: what `trace
-/// --analysis` runs on the trace it just wrote.
-pub fn run_on(dir: &std::path::Path, list: &str) -> anyhow::Result<()> {
-    use clap::Parser as _;
-    let dir = dir.to_string_lossy().into_owned();
-    let embedded = Embedded::try_parse_from(["analyze", dir.as_str(), "--analysis", list])?;
-    run(embedded.args)
+impl Args {
+    /// `analyze DIR --analysis LIST` with every other option at its default: what `trace
+    /// --analysis` runs on the trace it just wrote.
+    pub fn for_trace(dir: &std::path::Path, analyses: Vec<Analysis>) -> Self {
+        Self {
+            inputs: vec![dir.to_owned()],
+            analysis: analyses,
+            decompose: false,
+            at: Vec::new(),
+            device: None,
+            depth: None,
+            json: false,
+            no_write: false,
+            inefficient: inefficient::Options::default(),
+            leaks: crate::analysis::leaks::Options::default(),
+        }
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    analyse(&args)
+}
+
+/// What `trace --analysis` runs on the trace it just wrote (see [`Args::for_trace`]).
+pub fn after_trace(dir: &std::path::Path, analyses: Vec<Analysis>) -> anyhow::Result<()> {
+    analyse(&Args::for_trace(dir, analyses))
+}
+
+/// Analyses every DB the arguments name and prints the reports.
+fn analyse(args: &Args) -> anyhow::Result<()> {
     let mut analyses = args.analysis.clone();
     if args.decompose || analyses.is_empty() {
         analyses.push(Analysis::Decompose);
     }
     analyses.dedup();
     // Refused before any DB is touched: a half-run analysis list would look like a result.
-    if let Some(missing) = analyses.iter().find(|a| !IMPLEMENTED.contains(a)) {
-        let available: Vec<&str> = IMPLEMENTED.iter().map(|a| a.name()).collect();
+    if let Some(missing) = analyses.iter().find(|a| entry(**a).is_none()) {
         bail!(
             "`{}` is not implemented yet in this version; the available analyses are: {}",
             missing.name(),
-            available.join(", ")
+            available()
         );
     }
     let points = if args.at.is_empty() { vec![TimeSpec::Peak, TimeSpec::End] } else { args.at.clone() };
+    let decompose = DecomposeOptions { points, depth: args.depth };
     let want_device = args.device.as_deref().map(inputs::normalise_device);
     let write = !args.no_write;
 
@@ -329,21 +327,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 continue;
             }
         }
-        let mut dump = DumpDb::open(&file.path, write)?;
-        let device = inputs::device_of(file)?;
+        let dump = DumpDb::open(&file.path, write)?;
+        let device = inputs::device_of(file, &dump)?;
         if let Some(want) = want_device {
             if !inputs::is_device(&device, want) {
                 other_devices.push(device);
                 continue;
             }
         }
-        let cx = Context { args: &args, points: &points, file, device: &device, write, run_wall_ns };
-        let mut reports = Reports::default();
+        let cx = Context { args, decompose: decompose.clone(), device: &device, write, run_wall_ns };
+        let mut texts = Vec::new();
         for analysis in &analyses {
-            analyse_one(*analysis, &mut dump, &cx, &mut reports)?;
+            let Some(entry) = entry(*analysis) else { continue };
+            let done = (entry.run)(*analysis, &dump, &cx)?;
+            texts.extend(done.text);
+            json.extend(done.json);
         }
-        json.extend(reports.json);
-        for text in reports.text {
+        for text in texts {
             if analysed > 0 {
                 stdout.print("\n")?;
             }
@@ -432,6 +432,36 @@ mod tests {
         assert!(parse(&["--decompose"]).is_err());
         let err = parse(&["x.db", "--at", "soon"]).unwrap_err().to_string();
         assert!(err.contains("+2.5s"), "{err}");
+    }
+
+    #[test]
+    fn the_dispatch_table_runs_every_analysis_the_help_lists() {
+        use clap::CommandFactory as _;
+        let help = Cli::command()
+            .find_subcommand_mut("analyze")
+            .unwrap()
+            .get_arguments()
+            .find(|a| a.get_id() == "analysis")
+            .and_then(|a| a.get_help().map(|h| h.to_string()))
+            .unwrap();
+        let listed = help.split_once("names:").unwrap().1.split_once('(').unwrap().0;
+        let listed: Vec<&str> = listed.split(',').map(str::trim).collect();
+        let table: Vec<&str> = ANALYSES.iter().map(|e| e.name).collect();
+        assert_eq!(listed, table, "--help: {help}");
+        for name in table {
+            let analysis = parse_analysis(name).unwrap();
+            assert_eq!(entry(analysis).unwrap().name, name);
+            assert_eq!(parse_list(name).unwrap(), [analysis]);
+        }
+        assert!(parse_list("decompose,nope").is_err());
+    }
+
+    #[test]
+    fn after_a_trace_the_analyses_run_with_the_defaults_of_the_command_line() {
+        let dir = PathBuf::from("/some/run");
+        let parsed = parse(&["/some/run", "--analysis", "leaks,oom:3"]).unwrap();
+        let built = Args::for_trace(&dir, parse_list("leaks,oom:3").unwrap());
+        assert_eq!(format!("{built:?}"), format!("{parsed:?}"));
     }
 
     #[test]

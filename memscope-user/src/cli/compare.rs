@@ -123,7 +123,7 @@ fn point(p: &StepPoint, timeline: &Timeline) -> Point {
 }
 
 fn side(path: &Path, marker: Option<&str>) -> anyhow::Result<Side> {
-    DumpDb::open(path, false)?; // the shared checks, with their messages
+    DumpDb::open_read(path)?; // the shared checks, with their messages
     let db = StepDb::open(path)?;
     let timeline = Timeline::replay(&db, marker, &mut ())?;
     let summary = timeline.summary();
@@ -364,7 +364,7 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
     let by_device = |files: &[DbFile]| -> anyhow::Result<ByDevice> {
         let mut map = BTreeMap::new();
         for f in files {
-            let device = inputs::device_of(f)?;
+            let device = inputs::device_of_file(f)?;
             if want.is_some_and(|w| !device.split(',').any(|d| d == w)) {
                 continue;
             }
@@ -375,8 +375,8 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
         Ok(map)
     };
     if files_a.len() == 1 && files_b.len() == 1 && args.a.is_file() && args.b.is_file() {
-        let device = inputs::device_of(&files_a[0])?;
-        let other = inputs::device_of(&files_b[0])?;
+        let device = inputs::device_of_file(&files_a[0])?;
+        let other = inputs::device_of_file(&files_b[0])?;
         let label = if device == other { device } else { format!("{device} (A) vs {other} (B)") };
         return Ok(vec![(label, files_a[0].path.clone(), files_b[0].path.clone())]);
     }
@@ -416,7 +416,7 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
 
 /// One side of a call comparison: the DB's calls at `level`, or why it has none.
 fn calls_side(path: &Path, level: Level) -> anyhow::Result<Calls> {
-    let db = DumpDb::open(path, false)?;
+    let db = DumpDb::open_read(path)?;
     Ok(calls::read(&db, level)?)
 }
 

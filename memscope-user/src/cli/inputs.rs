@@ -23,14 +23,22 @@ pub fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
     Ok(files)
 }
 
-/// The device a DB holds: its `device_<id>` folder's, else the `Device Id`s of its rows
+/// The device a DB holds: its `device_<id>` folder's, else the `Device Id`s of its rows in `db`
 /// (comma-joined; `?` when it has none).
-pub fn device_of(file: &DbFile) -> anyhow::Result<String> {
+pub fn device_of(file: &DbFile, db: &DumpDb) -> anyhow::Result<String> {
     if let Some(d) = &file.device {
         return Ok(d.clone());
     }
-    let devices = DumpDb::open(&file.path, false)?.devices()?;
+    let devices = db.devices()?;
     Ok(if devices.is_empty() { "?".to_owned() } else { devices.join(",") })
+}
+
+/// [`device_of`] for a DB not opened yet: opened only when its folder names no device.
+pub fn device_of_file(file: &DbFile) -> anyhow::Result<String> {
+    match &file.device {
+        Some(d) => Ok(d.clone()),
+        None => device_of(file, &DumpDb::open_read(&file.path)?),
+    }
 }
 
 /// `--device` as written (`0`, `device_0`, `npu:0`, `cpu`) -> the id DB folders use.

@@ -149,11 +149,8 @@ fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Checked before tracing: a typo must not cost a whole run.
-    let args_analysis = args.analysis.clone();
+    let analyses = args.analysis.as_deref().map(super::analyze::parse_list).transpose()?;
     let format = args.format;
-    if let Some(list) = &args_analysis {
-        super::analyze::check_list(list)?;
-    }
     let target_given = args.pid.is_some() || !args.command.is_empty();
     if !target_given {
         bail!("nothing to trace: give --pid PID to attach to a running job, or `-- COMMAND` to launch one");
@@ -216,9 +213,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let quiet = args.quiet;
     let session::Finished { summary, detaching } = runtime.block_on(session::run(plan))?;
     crate::say::text(format_args!("{summary}"));
-    if let Some(list) = &args_analysis {
+    if let Some(analyses) = analyses {
         if summary.run_dir.is_dir() {
-            super::analyze::run_on(&summary.run_dir, list).context("the analyses of the finished trace failed")?;
+            super::analyze::after_trace(&summary.run_dir, analyses)
+                .context("the analyses of the finished trace failed")?;
         }
     }
     // The allocator-settings advice, when a framework pool was traced (it reads the DBs).
