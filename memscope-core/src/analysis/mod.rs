@@ -26,6 +26,7 @@
 pub mod advise;
 pub mod atb_workspace;
 pub mod attr;
+pub mod blocks;
 pub mod calldiff;
 pub mod calls;
 pub mod db;
