@@ -14,54 +14,13 @@
 
 use std::str::FromStr;
 
-use foldhash::HashMap;
-
 use super::attr::attr_fields;
+use super::blocks::{block_attr, BlockHooks, BlockKey, BlockReplay, Bounds, OwnerSlots};
 use super::db::{DumpDb, DumpRow, Fed};
 use super::AnalysisError;
+use crate::vocab::Event;
 
-/// Which memory a block is, so that nested memory is never summed twice: pool blocks (`PTA`) live
-/// inside device segments the runtime took (`HAL`), and host memory is separate. Each family is
-/// its own tree.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Family {
-    /// Device memory the runtime or driver handed out: the device's real footprint.
-    Hal,
-    /// Framework pool blocks (torch_npu's caching and workspace allocators; also msMemScope's
-    /// ATB and MindSpore pools, which Insight groups with them).
-    Pta,
-    /// Host memory taken through the runtime.
-    Host,
-}
-
-impl Family {
-    pub const ALL: [Family; 3] = [Family::Hal, Family::Pta, Family::Host];
-
-    /// The family of an `Event Type`; `None` for types that are not memory blocks.
-    pub fn of(event_type: &str) -> Option<Self> {
-        match event_type {
-            "HAL" => Some(Self::Hal),
-            "PTA" | "PTA_WORKSPACE" | "ATB" | "MINDSPORE" => Some(Self::Pta),
-            "HOST" | "HOST_PINNED" => Some(Self::Host),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Hal => "HAL",
-            Self::Pta => "PTA",
-            Self::Host => "HOST",
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// The owner recorded for blocks whose MALLOC named none.
-pub const UNKNOWN_OWNER: &str = "UNKNOWN";
+pub use super::blocks::{Family, UNKNOWN_OWNER};
 
 /// An instant asked for on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,21 +200,7 @@ attr_fields! {
     /// treats them, so both tools see the same blocks.
     struct AttrFields { size, owner, unmatched, shadow }
 }
-
-/// `0x...` (msMemScope since 2025-09) or decimal (older files).
-fn parse_ptr(ptr: &str) -> Option<u64> {
-    match ptr.strip_prefix("0x").or_else(|| ptr.strip_prefix("0X")) {
-        Some(hex) => u64::from_str_radix(hex, 16).ok(),
-        None => ptr.parse().ok(),
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct BlockKey {
-    pid: i64,
-    event_type: u16,
-    ptr: u64,
-}
+block_attr!(AttrFields);
 
 #[derive(Clone, Copy, Debug)]
 struct LiveBlock {
@@ -281,47 +226,28 @@ struct Peak {
 
 #[derive(Default)]
 struct Replay {
-    /// (family, owner) -> slot, one map per family so lookups borrow the row's text.
-    slot_of: [HashMap<Box<str>, u32>; 3],
-    slots: Vec<(Family, Box<str>)>,
-    event_types: Vec<Box<str>>,
-    live: HashMap<BlockKey, LiveBlock>,
+    blocks: BlockReplay<LiveBlock>,
+    metrics: Metrics,
+}
+
+/// Decompose's own metrics on the paired blocks: live bytes per (family, owner) slot as steps,
+/// the family totals and their peaks.
+#[derive(Default)]
+struct Metrics {
+    slots: OwnerSlots,
     steps: Vec<Step>,
     totals: [i64; 3],
     peaks: [Option<Peak>; 3],
     /// Timestamp of the rows being applied; the state is only a candidate peak once all rows of
     /// one timestamp are in, so an alloc and a free at the same instant never make a false peak.
     group_ts: Option<i64>,
-    start: Option<i64>,
-    stop: Option<i64>,
-    first: Option<i64>,
-    last: Option<i64>,
+    bounds: Bounds,
     stats: Stats,
 }
 
-impl Replay {
-    fn slot(&mut self, family: Family, owner: &str) -> u32 {
-        if let Some(&slot) = self.slot_of[family.index()].get(owner) {
-            return slot;
-        }
-        let slot = self.slots.len() as u32;
-        self.slots.push((family, owner.into()));
-        self.slot_of[family.index()].insert(owner.into(), slot);
-        slot
-    }
-
-    fn event_type(&mut self, et: &str) -> u16 {
-        match self.event_types.iter().position(|t| &**t == et) {
-            Some(i) => i as u16,
-            None => {
-                self.event_types.push(et.into());
-                (self.event_types.len() - 1) as u16
-            }
-        }
-    }
-
+impl Metrics {
     fn step(&mut self, ts: i64, slot: u32, delta: i64) {
-        let family = self.slots[slot as usize].0;
+        let family = self.slots.family(slot);
         self.totals[family.index()] += delta;
         self.steps.push(Step { ts, slot, delta });
     }
@@ -336,84 +262,76 @@ impl Replay {
             }
         }
     }
+}
 
-    fn apply(&mut self, row: DumpRow<'_>) {
-        if self.group_ts != Some(row.ts) {
-            self.close_group();
-            self.group_ts = Some(row.ts);
-        }
-        let is_free = match row.event {
-            "MALLOC" => false,
-            "FREE" => true,
-            "SYSTEM" => {
-                match row.event_type {
-                    "START_TRACE" => {
-                        self.start.get_or_insert(row.ts);
-                    }
-                    "STOP_TRACE" => self.stop = Some(row.ts),
-                    _ => {}
-                }
-                self.seen_at(row.ts);
-                return;
-            }
-            _ => return,
-        };
-        let Some(family) = Family::of(row.event_type) else { return };
-        let Some(attr) = AttrFields::parse(row.attr) else {
-            self.stats.unreadable += 1;
-            return;
-        };
-        if is_free && attr.shadow.as_deref() == Some("true") {
-            // Written at the end for blocks still live: counting it would empty the END state.
-            self.stats.shadow_frees += 1;
-            return;
-        }
-        self.seen_at(row.ts);
-        if is_free && attr.unmatched.as_deref() == Some("true") {
-            self.stats.unmatched_frees += 1;
-            return;
-        }
-        let Some(ptr) = parse_ptr(row.ptr) else {
-            self.stats.unreadable += 1;
-            return;
-        };
-        let key = BlockKey { pid: row.pid, event_type: self.event_type(row.event_type), ptr };
-        if is_free {
-            match self.live.remove(&key) {
-                Some(block) => {
-                    self.stats.frees += 1;
-                    self.step(row.ts, block.slot, -block.size);
-                }
-                None => self.stats.orphan_frees += 1,
-            }
-            return;
-        }
-        let size = attr.size.as_deref().and_then(|s| s.trim().parse::<i64>().ok()).filter(|&s| s > 0);
-        let Some(size) = size else {
-            self.stats.no_size += 1;
-            return;
-        };
-        let owner = attr.owner.as_deref().filter(|o| !o.is_empty()).unwrap_or(UNKNOWN_OWNER);
-        let slot = self.slot(family, owner);
+impl BlockHooks for Metrics {
+    type Block = LiveBlock;
+    type Attr<'a> = AttrFields<'a>;
+
+    fn unreadable(&mut self) {
+        self.stats.unreadable += 1;
+    }
+    fn shadow_free(&mut self) {
+        // Written at the end for blocks still live: counting it would empty the END state.
+        self.stats.shadow_frees += 1;
+    }
+    fn unmatched_free(&mut self) {
+        self.stats.unmatched_frees += 1;
+    }
+    fn orphan_free(&mut self) {
+        self.stats.orphan_frees += 1;
+    }
+    fn no_size(&mut self) {
+        self.stats.no_size += 1;
+    }
+    fn seen(&mut self, ts: i64) {
+        self.bounds.seen(ts);
+    }
+    fn open(&mut self, _: &DumpRow<'_>, family: Family, owner: &str, size: i64, _: &AttrFields<'_>) -> LiveBlock {
+        let (slot, _) = self.slots.slot(family, owner);
         self.stats.mallocs[family.index()] += 1;
-        if let Some(old) = self.live.insert(key, LiveBlock { slot, size }) {
-            self.stats.reallocs += 1;
-            self.step(row.ts, old.slot, -old.size);
+        LiveBlock { slot, size }
+    }
+    fn opened(&mut self, row: &DumpRow<'_>, block: &LiveBlock) {
+        self.step(row.ts, block.slot, block.size);
+    }
+    fn realloc(&mut self, row: &DumpRow<'_>, _: BlockKey, old: LiveBlock) {
+        self.stats.reallocs += 1;
+        self.step(row.ts, old.slot, -old.size);
+    }
+    fn free(&mut self, row: &DumpRow<'_>, _: BlockKey, block: LiveBlock, _: &AttrFields<'_>) {
+        self.stats.frees += 1;
+        self.step(row.ts, block.slot, -block.size);
+    }
+}
+
+impl Replay {
+    fn apply(&mut self, row: DumpRow<'_>) {
+        let m = &mut self.metrics;
+        if m.group_ts != Some(row.ts) {
+            m.close_group();
+            m.group_ts = Some(row.ts);
         }
-        self.step(row.ts, slot, size);
+        if Event::parse(row.event) == Some(Event::System) {
+            m.bounds.system(row.event_type, row.ts);
+            m.bounds.seen(row.ts);
+            return;
+        }
+        self.blocks.apply(m, &row);
     }
 
-    fn seen_at(&mut self, ts: i64) {
-        self.first.get_or_insert(ts);
-        self.last = Some(ts);
+    fn finish(self, wanted: &[TimeSpec]) -> Report {
+        self.metrics.finish(wanted)
     }
+}
 
+impl Metrics {
     fn finish(mut self, wanted: &[TimeSpec]) -> Report {
         self.close_group();
         let families: Vec<Family> = Family::ALL.into_iter().filter(|f| self.stats.mallocs[f.index()] > 0).collect();
         let peak_family = families.first().copied();
-        let start_ns = self.start.or(self.first);
-        let end_ns = self.stop.or(self.last);
+        let start_ns = self.bounds.start_ns();
+        let end_ns = self.bounds.end_ns();
         let mut notes = Vec::new();
         // (kind, ts, steps to apply)
         let mut wanted_points: Vec<(PointKind, i64, usize)> = Vec::new();
@@ -452,7 +370,7 @@ impl Replay {
         let points = self.snapshots(&families, &wanted_points);
         Report {
             start_ns,
-            start_is_trace: self.start.is_some(),
+            start_is_trace: self.bounds.start.is_some(),
             end_ns,
             peak_family,
             families,
@@ -490,8 +408,8 @@ impl Replay {
     fn tree(&self, family: Family, per_slot: &[(i64, u64)]) -> Tree {
         let mut root = Building::default();
         for (slot, &(bytes, blocks)) in per_slot.iter().enumerate() {
-            let (f, owner) = &self.slots[slot];
-            if *f == family && blocks > 0 {
+            let (f, owner) = self.slots.get(slot as u32);
+            if f == family && blocks > 0 {
                 root.add(owner, bytes, blocks);
             }
         }

@@ -24,9 +24,10 @@ use std::str::FromStr;
 use foldhash::{HashMap, HashMapExt};
 
 use super::attr::attr_fields;
+use super::blocks::{parse_ptr, BlockKey, ATB, Bounds, EventTypes, Family, FreeMark, Names};
 use super::db::{DumpDb, DumpRow, Fed, ReadOrder, Selection, TimeOrder};
-use super::decompose::Family;
 use super::AnalysisError;
+use crate::vocab::{Event, EventType};
 
 /// msMemScope's `THREHOLD` (`inefficient_analyzer.h`) and `idle_threshold`'s default offline.
 pub const DEFAULT_IDLE_THRESHOLD: u64 = 3000;
@@ -228,10 +229,10 @@ pub enum OpFamily {
 /// msMemScope writes them, counts as caching: it writes workspace blocks as PTA too since
 /// f963bc8 and its DBs cannot tell them apart) and ATB blocks.
 fn op_family(event_type: &str, pool: Option<&str>) -> Option<OpFamily> {
-    match event_type {
-        "PTA" if pool != Some("workspace") => Some(OpFamily::Aten),
-        "ATB" => Some(OpFamily::Atb),
-        _ => None,
+    if event_type == EventType::Pta.as_str() {
+        (pool != Some("workspace")).then_some(OpFamily::Aten)
+    } else {
+        (event_type == ATB).then_some(OpFamily::Atb)
     }
 }
 
@@ -396,8 +397,17 @@ pub fn analyse(db: &DumpDb, options: &Options) -> Result<Report, AnalysisError> 
 }
 
 /// The rows this analysis reads.
-const SELECTION: Selection =
-    Selection { events: &["MALLOC", "FREE", "ACCESS", "OP_LAUNCH", "SYSTEM"], name: false, thread: false };
+const SELECTION: Selection = Selection {
+    events: &[
+        Event::Malloc.as_str(),
+        Event::Free.as_str(),
+        Event::Access.as_str(),
+        Event::OpLaunch.as_str(),
+        Event::System.as_str(),
+    ],
+    name: false,
+    thread: false,
+};
 
 /// [`analyse`], with the reader adjusted by `tune` (tests lower its thresholds); also says how
 /// the rows were read.
@@ -414,21 +424,10 @@ fn analyse_in(
     Ok((replay.finish(), how))
 }
 
-/// `0x...` or decimal (msMemScope before 2025-09).
-fn parse_ptr(ptr: &str) -> Option<u64> {
-    match ptr.strip_prefix("0x").or_else(|| ptr.strip_prefix("0X")) {
-        Some(hex) => u64::from_str_radix(hex, 16).ok(),
-        None => ptr.parse().ok(),
-    }
-}
-
 attr_fields! {
     /// The Attr keys this analysis reads.
     struct Fields { addr, size, owner, pool, allocation_id, shadow, unmatched, inefficient_type }
 }
-
-/// A block's identity as Insight pairs MALLOC and FREE: process, `Event Type`, `Ptr`.
-type Key = (i64, u16, u64);
 
 struct Replay {
     options: Options,
@@ -437,21 +436,19 @@ struct Replay {
     free_slots: Vec<u32>,
     /// Ended blocks that were accessed, with their allocation number.
     ended: Vec<(u64, Block)>,
-    live: HashMap<Key, u32>,
+    live: HashMap<BlockKey, u32>,
     /// Live blocks by (process, start), for finding the block that holds an address: pool blocks
     /// first (they lie inside device segments), then device and host blocks.
     pool_index: BTreeMap<(i64, u64), u32>,
     other_index: BTreeMap<(i64, u64), u32>,
     apis: HashMap<(i64, OpFamily), ApiState>,
-    owner_of: HashMap<Box<str>, u32>,
-    owners: Vec<Box<str>>,
-    event_types: Vec<Box<str>>,
+    /// Owner names; 0 is "no owner".
+    owners: Names,
+    event_types: EventTypes,
     existing: Vec<(i64, Box<str>)>,
     pids: foldhash::HashSet<i64>,
-    start: Option<i64>,
-    stop: Option<i64>,
-    first: Option<i64>,
-    last: Option<i64>,
+    /// `first` and `last`: every row of the events read.
+    bounds: Bounds,
     stats: Stats,
 }
 
@@ -466,38 +463,17 @@ impl Replay {
             pool_index: BTreeMap::new(),
             other_index: BTreeMap::new(),
             apis: HashMap::new(),
-            owner_of: HashMap::new(),
-            owners: vec!["".into()],
-            event_types: Vec::new(),
+            owners: Names::starting_with(""),
+            event_types: EventTypes::default(),
             existing: Vec::new(),
             pids: Default::default(),
-            start: None,
-            stop: None,
-            first: None,
-            last: None,
+            bounds: Bounds::default(),
             stats: Stats::default(),
         }
     }
 
-    fn event_type(&mut self, et: &str) -> u16 {
-        match self.event_types.iter().position(|t| &**t == et) {
-            Some(i) => i as u16,
-            None => {
-                self.event_types.push(et.into());
-                (self.event_types.len() - 1) as u16
-            }
-        }
-    }
-
     fn owner(&mut self, owner: Option<&str>) -> u32 {
-        let Some(owner) = owner.filter(|o| !o.is_empty()) else { return 0 };
-        if let Some(&i) = self.owner_of.get(owner) {
-            return i;
-        }
-        let i = self.owners.len() as u32;
-        self.owners.push(owner.into());
-        self.owner_of.insert(owner.into(), i);
-        i
+        owner.filter(|o| !o.is_empty()).map_or(0, |o| self.owners.id(o))
     }
 
     /// A live block.
@@ -511,22 +487,15 @@ impl Replay {
 
     fn apply(&mut self, row: DumpRow<'_>) {
         self.stats.rows += 1;
-        match row.event {
-            "MALLOC" => self.malloc(&row),
-            "FREE" => self.free(&row),
-            "ACCESS" => self.access(&row),
-            "OP_LAUNCH" => self.op(&row),
-            "SYSTEM" => match row.event_type {
-                "START_TRACE" => {
-                    self.start.get_or_insert(row.ts);
-                }
-                "STOP_TRACE" => self.stop = Some(row.ts),
-                _ => {}
-            },
+        match Event::parse(row.event) {
+            Some(Event::Malloc) => self.malloc(&row),
+            Some(Event::Free) => self.free(&row),
+            Some(Event::Access) => self.access(&row),
+            Some(Event::OpLaunch) => self.op(&row),
+            Some(Event::System) => self.bounds.system(row.event_type, row.ts),
             _ => return,
         }
-        self.first.get_or_insert(row.ts);
-        self.last = Some(row.ts);
+        self.bounds.seen(row.ts);
     }
 
     fn fields<'a>(&mut self, attr: &'a str) -> Option<Fields<'a>> {
@@ -551,8 +520,8 @@ impl Replay {
             self.stats.no_size += 1;
             return;
         };
-        let ty = self.event_type(row.event_type);
-        let key = (row.pid, ty, ptr);
+        let key = self.event_types.key(row, ptr);
+        let ty = key.event_type;
         if let Some(old) = self.live.remove(&key) {
             self.stats.reallocs += 1;
             self.close(old, row.ts, End::Realloc);
@@ -640,8 +609,9 @@ impl Replay {
             self.stats.unreadable += 1;
             return;
         };
-        let key = (row.pid, self.event_type(row.event_type), ptr);
-        if f.shadow.as_deref() == Some("true") {
+        let key = self.event_types.key(row, ptr);
+        let mark = FreeMark::of(f.shadow.as_deref(), f.unmatched.as_deref());
+        if mark == FreeMark::Shadow {
             // Written when the trace stopped for blocks still live; msMemScope hands its shadow
             // frees to no analyzer, so they end the block's time but are no FREE API.
             self.stats.shadow_frees += 1;
@@ -650,7 +620,7 @@ impl Replay {
             }
             return;
         }
-        let found = if f.unmatched.as_deref() == Some("true") {
+        let found = if mark == FreeMark::Unmatched {
             self.stats.unmatched_frees += 1;
             None
         } else {
@@ -755,11 +725,11 @@ impl Replay {
     }
 
     fn op(&mut self, row: &DumpRow<'_>) {
-        let (family, start) = match row.event_type {
-            "ATEN_START" => (OpFamily::Aten, true),
-            "ATEN_END" => (OpFamily::Aten, false),
-            "ATB_START" => (OpFamily::Atb, true),
-            "ATB_END" => (OpFamily::Atb, false),
+        let (family, start) = match EventType::parse(row.event_type) {
+            Some(EventType::AtenStart) => (OpFamily::Aten, true),
+            Some(EventType::AtenEnd) => (OpFamily::Aten, false),
+            Some(EventType::AtbStart) => (OpFamily::Atb, true),
+            Some(EventType::AtbEnd) => (OpFamily::Atb, false),
             _ => return,
         };
         let st = self.api(row.pid, family);
@@ -772,7 +742,7 @@ impl Replay {
     }
 
     fn finish(mut self) -> Report {
-        let end_ns = self.stop.or(self.last);
+        let end_ns = self.bounds.end_ns();
         let live: Vec<u32> = self.live.drain().map(|(_, idx)| idx).collect();
         for idx in live {
             let (seq, mut b) = self.slots[idx as usize].take().expect("a live block's slot");
@@ -812,10 +782,10 @@ impl Replay {
         Report {
             options: self.options,
             blocks,
-            owners: self.owners,
-            event_types: self.event_types,
+            owners: self.owners.into_names(),
+            event_types: self.event_types.into_names(),
             existing: self.existing,
-            start_ns: self.start.or(self.first),
+            start_ns: self.bounds.start_ns(),
             end_ns,
             stats: self.stats,
         }

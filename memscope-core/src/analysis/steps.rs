@@ -27,15 +27,15 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use foldhash::{HashMap, HashMapExt};
 use rusqlite::{Connection, OpenFlags};
 use thiserror::Error;
 
 use super::attr::attr_fields;
+use super::blocks::{block_attr, BlockHooks, BlockKey, BlockReplay, Bounds, Family, OwnerSlots};
 use super::db::{text, DumpRow, Fed, ReadOrder, Selection, TimeOrder};
-use super::decompose::{Family, UNKNOWN_OWNER};
 use super::AnalysisError;
 use crate::store::insight::GC;
+use crate::vocab::{attr, Event, EventType};
 
 /// msMemScope's step range message.
 pub const STEP_RANGE: &str = "step start";
@@ -136,6 +136,7 @@ attr_fields! {
     /// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
     struct AttrFields { size, owner, unmatched, shadow, segment, pool, allocation_id, freed_by }
 }
+block_attr!(AttrFields);
 
 // ---------------------------------------------------------------- boundaries
 
@@ -355,13 +356,6 @@ pub struct StepSummary {
     pub unreadable: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct BlockKey {
-    pid: i64,
-    event_type: u16,
-    ptr: u64,
-}
-
 /// Marks a birth before the first boundary, whose step number is only known at that boundary.
 const BEFORE_FIRST: u64 = u64::MAX;
 
@@ -379,53 +373,144 @@ struct LiveBlock {
 /// The replay: boundaries, live blocks, and the live bytes per owner at each boundary.
 pub struct Timeline {
     detector: StepDetector,
-    slot_of: [HashMap<Box<str>, u32>; 3],
-    slots: Vec<(Family, Box<str>)>,
-    event_types: Vec<Box<str>>,
-    live: HashMap<BlockKey, LiveBlock>,
-    per_slot: Vec<(i64, u64)>,
-    totals: [i64; 3],
-    mallocs: [u64; 3],
-    /// The step before the first boundary (known from it).
-    first_step: Option<u64>,
+    blocks: BlockReplay<LiveBlock>,
+    live: LiveBytes,
     pub boundaries: Vec<Boundary>,
     /// The live memory at each boundary, in order (one per entry of `boundaries`).
     pub points: Vec<StepPoint>,
-    start: Option<i64>,
-    first_ts: Option<i64>,
-    stop: Option<i64>,
-    last: Option<i64>,
-    unreadable: u64,
     scratch: Vec<Boundary>,
 }
 
-/// `0x...` (msMemScope since 2025-09) or decimal (older files).
-fn parse_ptr(ptr: &str) -> Option<u64> {
-    match ptr.strip_prefix("0x").or_else(|| ptr.strip_prefix("0X")) {
-        Some(hex) => u64::from_str_radix(hex, 16).ok(),
-        None => ptr.parse().ok(),
+/// What the timeline keeps of the paired blocks: live bytes per owner slot and per family.
+struct LiveBytes {
+    slots: OwnerSlots,
+    per_slot: Vec<(i64, u64)>,
+    totals: [i64; 3],
+    mallocs: [u64; 3],
+    /// The step running now as stored in a block: [`BEFORE_FIRST`] until a boundary is seen.
+    now: u64,
+    /// The step before the first boundary (known from it).
+    first_step: Option<u64>,
+    /// `first` is the first row of any kind; `last` the last SYSTEM or memory row.
+    bounds: Bounds,
+    unreadable: u64,
+}
+
+/// The timeline's hooks into the block replay: its live bytes and the analysis's sink.
+struct Hooks<'a, S> {
+    live: &'a mut LiveBytes,
+    sink: &'a mut S,
+}
+
+impl<S: BlockSink> Hooks<'_, S> {
+    fn close(&mut self, key: BlockKey, block: LiveBlock, free_ts: Option<i64>, by_gc: bool) {
+        close(self.live, key, block, free_ts, by_gc, self.sink);
     }
+}
+
+impl<S: BlockSink> BlockHooks for Hooks<'_, S> {
+    type Block = LiveBlock;
+    type Attr<'a> = AttrFields<'a>;
+
+    fn skip_free_attr(&self, text: &str) -> bool {
+        // Half the rows are FREEs, and all a FREE can say here is `shadow`, `unmatched` or
+        // `freed_by`: most need no parsing at all.
+        !text.contains(attr::shadow) && !text.contains(attr::unmatched) && !text.contains(attr::freed_by)
+    }
+    fn unreadable(&mut self) {
+        self.live.unreadable += 1;
+    }
+    fn seen(&mut self, ts: i64) {
+        self.live.bounds.last = Some(ts);
+    }
+    fn open(&mut self, row: &DumpRow<'_>, family: Family, owner: &str, size: i64, attr: &AttrFields<'_>) -> LiveBlock {
+        let live = &mut *self.live;
+        let (slot, new) = live.slots.slot(family, owner);
+        if new {
+            live.per_slot.push((0, 0));
+        }
+        let kind = if attr.segment.as_deref().is_some_and(|s| !s.is_empty()) {
+            BlockKind::Segment
+        } else if attr.pool.as_deref() == Some("workspace")
+            || EventType::parse(row.event_type) == Some(EventType::PtaWorkspace)
+        {
+            BlockKind::Workspace
+        } else {
+            BlockKind::Block
+        };
+        live.mallocs[family as usize] += 1;
+        LiveBlock { slot, family, kind, size, birth: live.now, alloc_ts: row.ts, rowid: row.rowid }
+    }
+    fn opened(&mut self, row: &DumpRow<'_>, block: &LiveBlock) {
+        self.sink.block_start(block.family, block.kind, block.size, row.ts);
+        let s = &mut self.live.per_slot[block.slot as usize];
+        s.0 += block.size;
+        s.1 += 1;
+        self.live.totals[block.family as usize] += block.size;
+    }
+    fn realloc(&mut self, row: &DumpRow<'_>, key: BlockKey, old: LiveBlock) {
+        // A MALLOC over a live block: the earlier one is taken as freed (as decompose does).
+        self.close(key, old, Some(row.ts), false);
+    }
+    fn free(&mut self, row: &DumpRow<'_>, key: BlockKey, block: LiveBlock, attr: &AttrFields<'_>) {
+        let by_gc = attr.freed_by.as_deref() == Some(GC);
+        self.close(key, block, Some(row.ts), by_gc);
+    }
+}
+
+/// A block ends: its bytes leave the live ones (unless it lives on past the trace) and the sink
+/// learns its steps.
+fn close(
+    live: &mut LiveBytes,
+    key: BlockKey,
+    block: LiveBlock,
+    free_ts: Option<i64>,
+    by_gc: bool,
+    sink: &mut impl BlockSink,
+) {
+    if free_ts.is_some() {
+        let s = &mut live.per_slot[block.slot as usize];
+        s.0 -= block.size;
+        s.1 -= 1;
+        live.totals[block.family as usize] -= block.size;
+    }
+    let now = live.now;
+    let steps = (now != BEFORE_FIRST).then(|| {
+        let birth = if block.birth == BEFORE_FIRST { live.first_step.unwrap_or(0) } else { block.birth };
+        (birth, now)
+    });
+    sink.block_end(&BlockEnd {
+        family: block.family,
+        kind: block.kind,
+        pid: key.pid,
+        ptr: key.ptr,
+        size: block.size,
+        slot: block.slot,
+        steps,
+        alloc_ts: block.alloc_ts,
+        free_ts,
+        by_gc,
+        rowid: block.rowid,
+    });
 }
 
 impl Timeline {
     pub fn new(step_marker: Option<&str>) -> Self {
         Self {
             detector: StepDetector::new(step_marker),
-            slot_of: Default::default(),
-            slots: Vec::new(),
-            event_types: Vec::new(),
-            live: HashMap::new(),
-            per_slot: Vec::new(),
-            totals: [0; 3],
-            mallocs: [0; 3],
-            first_step: None,
+            blocks: BlockReplay::default(),
+            live: LiveBytes {
+                slots: OwnerSlots::default(),
+                per_slot: Vec::new(),
+                totals: [0; 3],
+                mallocs: [0; 3],
+                now: BEFORE_FIRST,
+                first_step: None,
+                bounds: Bounds::default(),
+                unreadable: 0,
+            },
             boundaries: Vec::new(),
             points: Vec::new(),
-            start: None,
-            first_ts: None,
-            stop: None,
-            last: None,
-            unreadable: 0,
             scratch: Vec::new(),
         }
     }
@@ -458,165 +543,51 @@ impl Timeline {
     }
 
     pub fn owner(&self, slot: u32) -> (Family, &str) {
-        let (family, owner) = &self.slots[slot as usize];
-        (*family, owner)
+        self.live.slots.get(slot)
     }
 
     pub fn slot_count(&self) -> usize {
-        self.slots.len()
-    }
-
-    fn slot(&mut self, family: Family, owner: &str) -> u32 {
-        if let Some(&slot) = self.slot_of[family as usize].get(owner) {
-            return slot;
-        }
-        let slot = self.slots.len() as u32;
-        self.slots.push((family, owner.into()));
-        self.slot_of[family as usize].insert(owner.into(), slot);
-        self.per_slot.push((0, 0));
-        slot
-    }
-
-    fn event_type(&mut self, et: &str) -> u16 {
-        match self.event_types.iter().position(|t| &**t == et) {
-            Some(i) => i as u16,
-            None => {
-                self.event_types.push(et.into());
-                (self.event_types.len() - 1) as u16
-            }
-        }
-    }
-
-    /// The step running now as stored in a block: [`BEFORE_FIRST`] until a boundary is seen.
-    fn now(&self) -> u64 {
-        self.detector.current().unwrap_or(BEFORE_FIRST)
+        self.live.slots.len()
     }
 
     fn snapshot(&self, step: Option<u64>, ts: i64) -> StepPoint {
         let owners = self
+            .live
             .per_slot
             .iter()
             .enumerate()
             .filter(|(_, (_, blocks))| *blocks > 0)
             .map(|(slot, &(bytes, blocks))| OwnerBytes { slot: slot as u32, bytes, blocks })
             .collect();
-        StepPoint { step, ts, totals: self.totals, owners }
+        StepPoint { step, ts, totals: self.live.totals, owners }
     }
 
-    pub fn apply(&mut self, row: &DumpRow<'_>, sink: &mut impl BlockSink) {
-        self.first_ts.get_or_insert(row.ts);
-        let mut found = std::mem::take(&mut self.scratch);
-        found.clear();
-        let consumed = self.detector.feed(row, &mut found);
+    /// Boundaries the detector completed: the live memory is snapshotted at each.
+    fn push_boundaries(&mut self, found: &mut Vec<Boundary>) {
         for b in found.drain(..) {
-            self.first_step.get_or_insert(b.step);
+            self.live.first_step.get_or_insert(b.step);
             self.points.push(self.snapshot(Some(b.step), b.ts));
             self.boundaries.push(b);
         }
+        self.live.now = self.detector.current().unwrap_or(BEFORE_FIRST);
+    }
+
+    pub fn apply(&mut self, row: &DumpRow<'_>, sink: &mut impl BlockSink) {
+        self.live.bounds.first.get_or_insert(row.ts);
+        let mut found = std::mem::take(&mut self.scratch);
+        found.clear();
+        let consumed = self.detector.feed(row, &mut found);
+        self.push_boundaries(&mut found);
         self.scratch = found;
         if consumed {
             return;
         }
-        let is_free = match row.event {
-            "MALLOC" => false,
-            "FREE" => true,
-            "SYSTEM" => {
-                match row.event_type {
-                    "START_TRACE" => self.start = self.start.or(Some(row.ts)),
-                    "STOP_TRACE" => self.stop = Some(row.ts),
-                    _ => {}
-                }
-                self.last = Some(row.ts);
-                return;
-            }
-            _ => return,
-        };
-        let Some(family) = Family::of(row.event_type) else { return };
-        // Half the rows are FREEs, and all a FREE can say here is `shadow`, `unmatched` or
-        // `freed_by`: most need no parsing at all.
-        let plain_free = is_free
-            && !row.attr.contains("shadow")
-            && !row.attr.contains("unmatched")
-            && !row.attr.contains("freed_by");
-        let attr = if plain_free {
-            AttrFields::default()
-        } else {
-            let Some(attr) = AttrFields::parse(row.attr) else {
-                self.unreadable += 1;
-                return;
-            };
-            attr
-        };
-        let flag = |v: &Option<Cow<'_, str>>| v.as_deref() == Some("true");
-        if is_free && flag(&attr.shadow) {
-            return; // the block was still live at the stop
-        }
-        self.last = Some(row.ts);
-        if is_free && flag(&attr.unmatched) {
+        if Event::parse(row.event) == Some(Event::System) {
+            self.live.bounds.system(row.event_type, row.ts);
+            self.live.bounds.last = Some(row.ts);
             return;
         }
-        let Some(ptr) = parse_ptr(row.ptr) else {
-            self.unreadable += 1;
-            return;
-        };
-        let key = BlockKey { pid: row.pid, event_type: self.event_type(row.event_type), ptr };
-        if is_free {
-            if let Some(block) = self.live.remove(&key) {
-                let by_gc = attr.freed_by.as_deref() == Some(GC);
-                self.close(key, block, Some(row.ts), by_gc, sink);
-            }
-            return;
-        }
-        let Some(size) = attr.size.as_deref().and_then(|s| s.trim().parse::<i64>().ok()).filter(|&s| s > 0) else {
-            return;
-        };
-        let owner = attr.owner.as_deref().filter(|o| !o.is_empty()).unwrap_or(UNKNOWN_OWNER);
-        let slot = self.slot(family, owner);
-        let kind = if attr.segment.as_deref().is_some_and(|s| !s.is_empty()) {
-            BlockKind::Segment
-        } else if attr.pool.as_deref() == Some("workspace") || row.event_type == "PTA_WORKSPACE" {
-            BlockKind::Workspace
-        } else {
-            BlockKind::Block
-        };
-        self.mallocs[family as usize] += 1;
-        let block = LiveBlock { slot, family, kind, size, birth: self.now(), alloc_ts: row.ts, rowid: row.rowid };
-        if let Some(old) = self.live.insert(key, block) {
-            // A MALLOC over a live block: the earlier one is taken as freed (as decompose does).
-            self.close(key, old, Some(row.ts), false, sink);
-        }
-        sink.block_start(family, kind, size, row.ts);
-        let s = &mut self.per_slot[slot as usize];
-        s.0 += size;
-        s.1 += 1;
-        self.totals[family as usize] += size;
-    }
-
-    fn close(&mut self, key: BlockKey, block: LiveBlock, free_ts: Option<i64>, by_gc: bool, sink: &mut impl BlockSink) {
-        if free_ts.is_some() {
-            let s = &mut self.per_slot[block.slot as usize];
-            s.0 -= block.size;
-            s.1 -= 1;
-            self.totals[block.family as usize] -= block.size;
-        }
-        let now = self.now();
-        let steps = (now != BEFORE_FIRST).then(|| {
-            let birth = if block.birth == BEFORE_FIRST { self.first_step.unwrap_or(0) } else { block.birth };
-            (birth, now)
-        });
-        sink.block_end(&BlockEnd {
-            family: block.family,
-            kind: block.kind,
-            pid: key.pid,
-            ptr: key.ptr,
-            size: block.size,
-            slot: block.slot,
-            steps,
-            alloc_ts: block.alloc_ts,
-            free_ts,
-            by_gc,
-            rowid: block.rowid,
-        });
+        self.blocks.apply(&mut Hooks { live: &mut self.live, sink }, row);
     }
 
     /// Ends the replay: blocks still live are reported as never freed, in the order they were
@@ -624,27 +595,23 @@ impl Timeline {
     pub fn finish(&mut self, sink: &mut impl BlockSink) {
         let mut found = Vec::new();
         self.detector.finish(&mut found);
-        for b in found {
-            self.first_step.get_or_insert(b.step);
-            self.points.push(self.snapshot(Some(b.step), b.ts));
-            self.boundaries.push(b);
-        }
-        let mut live: Vec<(BlockKey, LiveBlock)> = self.live.drain().collect();
+        self.push_boundaries(&mut found);
+        let mut live: Vec<(BlockKey, LiveBlock)> = self.blocks.drain().collect();
         live.sort_by_key(|(k, b)| (b.alloc_ts, b.rowid, k.ptr));
         for (key, block) in live {
-            self.close(key, block, None, false, sink);
+            close(&mut self.live, key, block, None, false, sink);
         }
     }
 
     /// The live memory when the trace stopped (`STOP_TRACE`, else the last row), shadow frees not
     /// counted.
     pub fn end_point(&self) -> Option<StepPoint> {
-        Some(self.snapshot(None, self.stop.or(self.last)?))
+        Some(self.snapshot(None, self.live.bounds.end_ns()?))
     }
 
     /// `START_TRACE`'s timestamp, else the first memory row's or boundary's.
     pub fn start_ns(&self) -> Option<i64> {
-        self.start.or(self.first_ts)
+        self.live.bounds.start_ns()
     }
 
     pub fn summary(&self) -> StepSummary {
@@ -659,8 +626,8 @@ impl Timeline {
             sources,
             duplicates: self.detector.duplicates,
             marks_seen: self.detector.marks_seen.clone(),
-            families: Family::ALL.into_iter().filter(|f| self.mallocs[*f as usize] > 0).collect(),
-            unreadable: self.unreadable,
+            families: Family::ALL.into_iter().filter(|f| self.live.mallocs[*f as usize] > 0).collect(),
+            unreadable: self.live.unreadable,
         }
     }
 }
