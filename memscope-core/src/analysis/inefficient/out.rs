@@ -15,11 +15,11 @@ use std::time::Duration;
 use rusqlite::{params, Connection, OpenFlags, TransactionBehavior};
 use serde_json::{json, Value};
 
-use super::inefficient::{
+use super::{
     analyse, dump_table, flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS,
 };
-use super::render::human_bytes;
-use super::AnalysisError;
+use crate::analysis::render::human_bytes;
+use crate::analysis::AnalysisError;
 
 pub const INEFFICIENT_TABLE: &str = "ms_inefficient";
 /// Dropped and recreated on every run: it always holds the latest analysis only.
@@ -163,7 +163,7 @@ pub fn write_results(path: &Path, report: &Report, run_wall_ns: u64) -> Result<W
         ("inefficient_at", run_wall_ns.to_string()),
         ("inefficient_options", options_json(&report.options).to_string()),
     ];
-    super::db::stamp_meta(&tx, &stamps).map_err(err)?;
+    crate::analysis::db::stamp_meta(&tx, &stamps).map_err(err)?;
     tx.commit().map_err(err)?;
     Ok(written)
 }
@@ -174,7 +174,7 @@ const INSERT_BATCH: usize = 64;
 /// Binds one block's `ms_inefficient` row at parameter offset `at`, in the table's column order.
 fn bind_row(stmt: &mut rusqlite::Statement<'_>, at: usize, report: &Report, b: &Block) -> rusqlite::Result<()> {
     let api = b.api.as_ref();
-    let api_fact = |f: fn(&super::inefficient::ApiFacts) -> Option<u64>| api.and_then(f).map(|v| v as i64);
+    let api_fact = |f: fn(&super::ApiFacts) -> Option<u64>| api.and_then(f).map(|v| v as i64);
     let owner = Some(report.owner(b)).filter(|o| !o.is_empty());
     stmt.raw_bind_parameter(at + 1, b.malloc_id)?;
     stmt.raw_bind_parameter(at + 2, b.pid)?;
@@ -200,7 +200,7 @@ fn bind_row(stmt: &mut rusqlite::Statement<'_>, at: usize, report: &Report, b: &
     Ok(())
 }
 
-fn threshold_json(t: Option<super::inefficient::TimeThreshold>) -> Value {
+fn threshold_json(t: Option<super::TimeThreshold>) -> Value {
     t.map_or(Value::Null, |t| json!({ "value_ns": t.value_ns, "percent": t.percent }))
 }
 
