@@ -39,7 +39,6 @@ pub mod degradation;
 pub mod fragmentation;
 pub mod gc_held;
 pub mod inefficient;
-pub mod inefficient_out;
 pub mod incidents;
 pub mod leaks;
 pub mod oom;
@@ -49,6 +48,9 @@ pub mod pool;
 pub mod render;
 pub mod steps;
 pub mod stream_reuse;
+
+/// The inefficient analysis's output, at the path it had before `inefficient/` was a folder.
+pub use inefficient::out as inefficient_out;
 
 use std::path::{Path, PathBuf};
 

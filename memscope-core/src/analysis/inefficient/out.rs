@@ -14,10 +14,10 @@ use std::path::Path;
 use rusqlite::params;
 use serde_json::{json, Value};
 
-use super::db::DumpDb;
-use super::inefficient::{flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS};
-use super::render::human_bytes;
-use super::AnalysisError;
+use super::{flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS};
+use crate::analysis::db::DumpDb;
+use crate::analysis::render::human_bytes;
+use crate::analysis::AnalysisError;
 
 pub const INEFFICIENT_TABLE: &str = "ms_inefficient";
 /// Dropped and recreated on every run: it always holds the latest analysis only.
@@ -125,7 +125,7 @@ const INSERT_BATCH: usize = 64;
 /// Binds one block's `ms_inefficient` row at parameter offset `at`, in the table's column order.
 fn bind_row(stmt: &mut rusqlite::Statement<'_>, at: usize, report: &Report, b: &Block) -> rusqlite::Result<()> {
     let api = b.api.as_ref();
-    let api_fact = |f: fn(&super::inefficient::ApiFacts) -> Option<u64>| api.and_then(f).map(|v| v as i64);
+    let api_fact = |f: fn(&super::ApiFacts) -> Option<u64>| api.and_then(f).map(|v| v as i64);
     let owner = Some(report.owner(b)).filter(|o| !o.is_empty());
     stmt.raw_bind_parameter(at + 1, b.malloc_id)?;
     stmt.raw_bind_parameter(at + 2, b.pid)?;
@@ -151,7 +151,7 @@ fn bind_row(stmt: &mut rusqlite::Statement<'_>, at: usize, report: &Report, b: &
     Ok(())
 }
 
-fn threshold_json(t: Option<super::inefficient::TimeThreshold>) -> Value {
+fn threshold_json(t: Option<super::TimeThreshold>) -> Value {
     t.map_or(Value::Null, |t| json!({ "value_ns": t.value_ns, "percent": t.percent }))
 }
 
@@ -359,7 +359,6 @@ pub fn json(report: &Report, path: &Path, device: &str) -> Value {
 
 #[cfg(test)]
 mod tests {
-
     use rusqlite::Connection;
 
     use super::*;
