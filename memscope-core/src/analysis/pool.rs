@@ -661,4 +661,5 @@ mod tests {
         assert_eq!(parse_number("0x00007f0000001000"), Some(0x7f00_0000_1000));
         assert_eq!(parse_number("N/A"), None);
         assert_eq!(parse_number("-1"), None);
-    }}
+    }
+}

@@ -25,11 +25,11 @@ pub use super::pool::{Reason, Sample, LARGE_SEGMENT, MIB, SMALL_REQUEST};
 use super::AnalysisError;
 use crate::vocab::Event;
 
-mod replay;
 /// Trace DBs for the tests of this module, `oom` and `advise`: pool segments, blocks, OOM rows,
 /// steps and settings with the Attr keys the tracer writes (docs/db-schema.md).
 #[cfg(any(test, feature = "testing"))]
 pub mod fx;
+mod replay;
 #[cfg(test)]
 mod tests;
 
@@ -243,4 +243,3 @@ pub(crate) fn fill_samples(tx: &Transaction<'_>, device: &str, samples: &[Sample
 pub(crate) fn create_fragmentation() -> (&'static str, &'static str) {
     (FRAGMENTATION_TABLE, CREATE_FRAGMENTATION)
 }
-

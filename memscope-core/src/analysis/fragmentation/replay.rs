@@ -123,7 +123,8 @@ impl Replay {
             return;
         };
         let is_free = Event::parse(row.event) == Some(Event::Free);
-        let mark = if is_free { FreeMark::of(attr.shadow.as_deref(), attr.unmatched.as_deref()) } else { FreeMark::Plain };
+        let mark =
+            if is_free { FreeMark::of(attr.shadow.as_deref(), attr.unmatched.as_deref()) } else { FreeMark::Plain };
         if mark == FreeMark::Shadow {
             return; // written at the end for blocks still live
         }

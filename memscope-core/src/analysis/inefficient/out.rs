@@ -15,9 +15,7 @@ use std::time::Duration;
 use rusqlite::{params, Connection, OpenFlags, TransactionBehavior};
 use serde_json::{json, Value};
 
-use super::{
-    analyse, dump_table, flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS,
-};
+use super::{analyse, dump_table, flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS};
 use crate::analysis::render::human_bytes;
 use crate::analysis::AnalysisError;
 
