@@ -590,7 +590,7 @@ impl Timeline {
         if consumed {
             return;
         }
-        if Event::parse(row.event) == Some(Event::System) {
+        if row.event == Event::System.as_str() {
             self.live.bounds.system(row.event_type, row.ts);
             self.live.bounds.last = Some(row.ts);
             return;
