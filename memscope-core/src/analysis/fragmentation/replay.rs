@@ -20,8 +20,8 @@ struct Pending {
     flush: Option<Flush>,
 }
 
-/// The pool model ([`super::pool`]) fed row by row, with the evidence this analysis collects on
-/// top of it and the OOM tracker it hands the live state to.
+/// The pool model ([`crate::analysis::pool`]) fed row by row, with the evidence this analysis
+/// collects on top of it and the OOM tracker it hands the live state to.
 #[derive(Default)]
 pub(super) struct Replay {
     pools: Pools,
