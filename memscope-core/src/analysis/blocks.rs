@@ -144,10 +144,6 @@ impl Names {
         &self.names[id as usize]
     }
 
-    pub fn names(&self) -> &[Box<str>] {
-        &self.names
-    }
-
     pub fn into_names(self) -> Vec<Box<str>> {
         self.names
     }

@@ -312,7 +312,7 @@ impl Replay {
             m.close_group();
             m.group_ts = Some(row.ts);
         }
-        if Event::parse(row.event) == Some(Event::System) {
+        if row.event == Event::System.as_str() {
             m.bounds.system(row.event_type, row.ts);
             m.bounds.seen(row.ts);
             return;

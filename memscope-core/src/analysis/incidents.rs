@@ -271,8 +271,8 @@ fn state(pools: &Pools, pid: i64, k: usize) -> State {
     let live: Vec<(u64, &Live, &'static str)> = proc
         .blocks
         .iter()
-        .map(|(&p, b)| (p, b, "PTA"))
-        .chain(proc.hal.iter().filter(|(_, b)| b.segment.is_none()).map(|(&p, b)| (p, b, "HAL")))
+        .map(|(&p, b)| (p, b, EventType::Pta.as_str()))
+        .chain(proc.hal.iter().filter(|(_, b)| b.segment.is_none()).map(|(&p, b)| (p, b, EventType::Hal.as_str())))
         .collect();
     let mut owners: HashMap<u32, (u64, u64)> = HashMap::new();
     for (_, b, _) in &live {
@@ -464,4 +464,3 @@ fn explain(inc: &Incident) -> String {
         }
     }
 }
-

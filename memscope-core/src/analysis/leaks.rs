@@ -358,7 +358,7 @@ fn blocks_text(out: &mut String, leaks: &[Leak]) {
         let bytes: i64 = blocks.iter().map(|l| l.size).sum();
         let live = blocks.iter().filter(|l| l.free_ts.is_none()).count();
         // Owners name their family (`PTA@...`, `CANN@...` for HAL); say it when they do not.
-        let owner = if owner.starts_with(family) || family == "HAL" && owner.starts_with("CANN") {
+        let owner = if owner.starts_with(family) || family == Family::Hal.as_str() && owner.starts_with("CANN") {
             owner.to_owned()
         } else {
             format!("{owner} ({family})")

@@ -7,12 +7,8 @@
 //! The state is rebuilt from the MALLOC/FREE rows by the fragmentation replay, not taken from the
 //! tracer's online OOM_RECENT_ALLOC / OOM_TOP_ALLOC rows: those are only checked against it (are
 //! the blocks they list live here?), so the analysis works on any trace, ours or msMemScope's.
-//!
-//! One failure of torch_npu's allocator writes several OOM_TRIGGER rows: one per runtime request
-//! that failed inside its call (a segment, then the retries after freeing its cache), then its
-//! own give-up. They are one incident: the runtime refusals of a thread are held until that
-//! thread's next pool row says what became of them (the allocator gave up, or recovered and
-//! handed out the block), or until another row shows they came from outside the allocator.
+//! How the rows of one failure become one incident is [`super::incidents`]'s; this module
+//! reports and stores them.
 
 use std::fmt::Write as _;
 use std::path::Path;

@@ -489,21 +489,33 @@ impl Pools {
     }
 }
 
-/// Which pool a memory row's block is in: `None` for device memory (`HAL`), `Some` for a pool
-/// block; `Err` for memory that is not the device's (host).
-pub(crate) fn pool_of(event_type: &str, pool: Option<&str>) -> Result<Option<PoolKind>, ()> {
-    Ok(match EventType::parse(event_type) {
-        Some(EventType::Hal) => None,
-        Some(EventType::Pta) => Some(match pool {
-            None | Some("caching") => PoolKind::Caching,
-            Some("workspace") => PoolKind::Workspace,
-            Some(_) => PoolKind::Other,
-        }),
-        Some(EventType::PtaWorkspace) => Some(PoolKind::Workspace),
-        Some(EventType::Mindspore) => Some(PoolKind::Other),
-        None if event_type == ATB => Some(PoolKind::Other),
-        _ => return Err(()),
-    })
+/// Whose memory a row's block is, as the pools see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// Device memory from the runtime or driver (`HAL`), a pool's segment or not.
+    Device,
+    /// A block of one of the framework's pools.
+    Pool(PoolKind),
+    /// Host memory: not the device's.
+    Host,
+}
+
+impl Memory {
+    /// From a memory row's `Event Type` and its Attr `pool`.
+    pub(crate) fn of(event_type: &str, pool: Option<&str>) -> Self {
+        match EventType::parse(event_type) {
+            Some(EventType::Hal) => Self::Device,
+            Some(EventType::Pta) => Self::Pool(match pool {
+                None | Some("caching") => PoolKind::Caching,
+                Some("workspace") => PoolKind::Workspace,
+                Some(_) => PoolKind::Other,
+            }),
+            Some(EventType::PtaWorkspace) => Self::Pool(PoolKind::Workspace),
+            Some(EventType::Mindspore) => Self::Pool(PoolKind::Other),
+            None if event_type == ATB => Self::Pool(PoolKind::Other),
+            _ => Self::Host,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -661,4 +673,5 @@ mod tests {
         assert_eq!(parse_number("0x00007f0000001000"), Some(0x7f00_0000_1000));
         assert_eq!(parse_number("N/A"), None);
         assert_eq!(parse_number("-1"), None);
-    }}
+    }
+}

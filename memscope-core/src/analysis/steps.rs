@@ -60,7 +60,11 @@ pub struct StepDb {
 }
 
 /// The rows a step replay reads.
-pub const SELECTION: Selection = Selection { events: &["MALLOC", "FREE", "SYSTEM", "MSTX"], name: true, thread: false };
+pub const SELECTION: Selection = Selection {
+    events: &[Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str(), Event::Mstx.as_str()],
+    name: true,
+    thread: false,
+};
 
 impl StepDb {
     pub fn open(path: &Path) -> Result<Self, AnalysisError> {
@@ -193,7 +197,9 @@ pub struct StepDetector {
 }
 
 fn is_step_range(row: &DumpRow<'_>) -> bool {
-    row.event == "MSTX" && row.event_type == "Range_start" && unquote(row.name) == STEP_RANGE
+    row.event == Event::Mstx.as_str()
+        && row.event_type == EventType::RangeStart.as_str()
+        && unquote(row.name) == STEP_RANGE
 }
 
 /// MSTX names are the message in double quotes (msMemScope's form); accept bare ones too.
@@ -222,7 +228,9 @@ impl StepDetector {
             self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, Source::Step, out);
         }
         if let Some(marker) = &self.marker {
-            if row.event == "MSTX" && (row.event_type == "Mark" || row.event_type == "Range_start") {
+            if row.event == Event::Mstx.as_str()
+                && (row.event_type == EventType::Mark.as_str() || row.event_type == EventType::RangeStart.as_str())
+            {
                 let message = unquote(row.name);
                 if message == marker {
                     self.commit(None, row.ts, Source::Marker, out);
@@ -234,7 +242,7 @@ impl StepDetector {
             }
             return false;
         }
-        if row.event == "SYSTEM" && row.event_type == "STEP" {
+        if row.event == Event::System.as_str() && row.event_type == EventType::Step.as_str() {
             let number = row.name.trim().parse::<u64>().ok();
             self.pending = Some(PendingStep { ts: row.ts, pid: row.pid, number });
             return true;
@@ -582,7 +590,7 @@ impl Timeline {
         if consumed {
             return;
         }
-        if Event::parse(row.event) == Some(Event::System) {
+        if row.event == Event::System.as_str() {
             self.live.bounds.system(row.event_type, row.ts);
             self.live.bounds.last = Some(row.ts);
             return;

@@ -52,15 +52,7 @@ impl Fx {
         if vmm {
             attr["vmm"] = json!("true");
         }
-        self.row(
-            "MALLOC",
-            "HAL",
-            if vmm { "aclrtMapMem" } else { "aclrtMallocAlign32" },
-            pid,
-            pid,
-            Some(ptr),
-            attr,
-        );
+        self.row("MALLOC", "HAL", if vmm { "aclrtMapMem" } else { "aclrtMallocAlign32" }, pid, pid, Some(ptr), attr);
     }
 
     pub fn hal(&mut self, pid: i64, ptr: u64, size: u64, owner: &str) {

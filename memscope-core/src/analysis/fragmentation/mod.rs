@@ -5,14 +5,10 @@
 //! segments pinned by small tensors, cache flushes at a ceiling) and hands the live state to the
 //! OOM forensics at each failed allocation. Stored as `ms_fragmentation` (docs/db-schema.md).
 //!
-//! Segments are the `HAL` MALLOC rows marked `segment=caching` (expandable-segment pages,
-//! `vmm=true`, join their neighbours into one range, as they are one address range to the
-//! allocator); pool blocks are the `PTA` rows; free pieces are segments minus the live blocks
-//! inside them. The structures are updated per row in O(log n) (intervals in ordered maps and a
-//! multiset of free-piece sizes), never rebuilt, so a million rows cost one scan.
-//!
-//! A split is a block carved from a free piece larger than itself (the allocator cut the piece
-//! and kept the rest cached), including the first block taken from a fresh segment bigger than it.
+//! The pools themselves (segments carved into blocks and free pieces, splits) are
+//! [`super::pool`]'s model, shared with the OOM forensics; the replay (`replay.rs`) feeds it the
+//! rows and collects this analysis's evidence on top. This module holds the results and their
+//! table.
 
 
 use rusqlite::{params, Transaction};
@@ -24,11 +20,11 @@ pub use super::pool::{Reason, Sample, LARGE_SEGMENT, MIB, SMALL_REQUEST};
 use super::AnalysisError;
 use crate::vocab::Event;
 
-mod replay;
 /// Trace DBs for the tests of this module, `oom` and `advise`: pool segments, blocks, OOM rows,
 /// steps and settings with the Attr keys the tracer writes (docs/db-schema.md).
 #[cfg(any(test, feature = "testing"))]
 pub mod fx;
+mod replay;
 #[cfg(test)]
 mod tests;
 
@@ -226,7 +222,8 @@ impl super::pass::Consumer for Shared {
     }
 
     fn counts(&self) -> Option<&'static [&'static str]> {
-        self.options.sample_every.is_none().then_some(&["MALLOC", "FREE"])
+        const COUNTED: &[&str] = &[Event::Malloc.as_str(), Event::Free.as_str()];
+        self.options.sample_every.is_none().then_some(COUNTED)
     }
 
     fn count(&mut self, rows: u64) {

@@ -9,7 +9,7 @@ use super::{Flush, Growth, ProcessPeak, Report};
 use crate::analysis::blocks::{Bounds, FreeMark, UNKNOWN_OWNER};
 use crate::analysis::db::DumpRow;
 use crate::analysis::incidents::{self, Tracker};
-use crate::analysis::pool::{self, parse_number, Fields, Live, PoolKind, Pools, Reason, Sample, LARGE_SEGMENT};
+use crate::analysis::pool::{parse_number, Fields, Live, Memory, PoolKind, Pools, Reason, Sample, LARGE_SEGMENT};
 use crate::vocab::{Event, EventType};
 
 /// A growth in progress on one thread: the allocator took segment(s) inside its call; the block
@@ -20,8 +20,8 @@ struct Pending {
     flush: Option<Flush>,
 }
 
-/// The pool model ([`super::pool`]) fed row by row, with the evidence this analysis collects on
-/// top of it and the OOM tracker it hands the live state to.
+/// The pool model ([`crate::analysis::pool`]) fed row by row, with the evidence this analysis
+/// collects on top of it and the OOM tracker it hands the live state to.
 #[derive(Default)]
 pub(super) struct Replay {
     pools: Pools,
@@ -123,7 +123,8 @@ impl Replay {
             return;
         };
         let is_free = Event::parse(row.event) == Some(Event::Free);
-        let mark = if is_free { FreeMark::of(attr.shadow.as_deref(), attr.unmatched.as_deref()) } else { FreeMark::Plain };
+        let mark =
+            if is_free { FreeMark::of(attr.shadow.as_deref(), attr.unmatched.as_deref()) } else { FreeMark::Plain };
         if mark == FreeMark::Shadow {
             return; // written at the end for blocks still live
         }
@@ -135,15 +136,18 @@ impl Replay {
             self.report.unreadable += 1;
             return;
         };
-        // Host memory is not the device's.
-        let Ok(pool) = pool::pool_of(row.event_type, attr.pool.as_deref()) else { return };
+        let memory = Memory::of(row.event_type, attr.pool.as_deref());
+        if memory == Memory::Host {
+            return; // not the device's
+        }
         self.rows += 1;
         let key = (row.pid, row.tid);
-        match (pool, is_free) {
-            (None, false) => self.hal_malloc(row.pid, key, row.ts, ptr, &attr),
-            (None, true) => self.hal_free(row.pid, key, row.ts, ptr),
-            (Some(pool), false) => self.block_malloc(row.pid, key, row.ts, ptr, pool, &attr),
-            (Some(_), true) => self.block_free(row.pid, key, ptr),
+        match (memory, is_free) {
+            (Memory::Device, false) => self.hal_malloc(row.pid, key, row.ts, ptr, &attr),
+            (Memory::Device, true) => self.hal_free(row.pid, key, row.ts, ptr),
+            (Memory::Pool(pool), false) => self.block_malloc(row.pid, key, row.ts, ptr, pool, &attr),
+            (Memory::Pool(_), true) => self.block_free(row.pid, key, ptr),
+            (Memory::Host, _) => {}
         }
         if self.every > 0 && self.rows.is_multiple_of(self.every) {
             self.push_sample(row.ts, Reason::Periodic);

@@ -206,5 +206,3 @@ fn many_rows_cost_one_scan() {
     eprintln!("{} memory rows replayed in {elapsed:?}", 500 * 151);
     assert!(elapsed.as_secs() < 20, "{elapsed:?}");
 }
-
-

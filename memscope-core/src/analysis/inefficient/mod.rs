@@ -25,12 +25,12 @@ use super::AnalysisError;
 use crate::vocab::Event;
 
 mod flags;
+pub mod out;
 mod replay;
 #[cfg(any(test, feature = "testing"))]
 pub mod scenario;
 #[cfg(test)]
 mod tests;
-pub mod out;
 
 pub use flags::*;
 use replay::Replay;

@@ -1,4 +1,4 @@
-//! Results of the inefficient-memory analysis ([`super::inefficient`]): msMemScope's
+//! Results of the inefficient-memory analysis ([`super`]): msMemScope's
 //! `inefficient_type` in the Attr of each flagged MALLOC row (as its offline `check_inefficient`
 //! writes it), table `ms_inefficient` with the facts of every accessed block, and the per-device
 //! summary, as text or JSON.

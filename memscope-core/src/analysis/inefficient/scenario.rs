@@ -105,8 +105,7 @@ impl Trace {
 
     /// A FREE row the tracer writes for memory from before the trace.
     pub fn free_unmatched(&mut self, ptr: u64) {
-        let attr =
-            Attr::new().addr("addr", ptr).with("size", 0u64).with("pool", "caching").with("unmatched", "true");
+        let attr = Attr::new().addr("addr", ptr).with("size", 0u64).with("pool", "caching").with("unmatched", "true");
         self.row("FREE", "PTA", Some(ptr), attr);
     }
 

@@ -486,8 +486,7 @@ fn long_trace(idle_threshold: usize, wait: i64, near_wait: i64) -> (std::path::P
 fn faults_injected_into_a_long_trace_are_found_exactly() {
     let (path, truth) = long_trace(20, 1_000_000, 50_000);
     let us100 = Some("100us".parse().unwrap());
-    let options =
-        Options { idle_threshold: 20, lazy_used: us100, delayed_free: us100, long_idle: us100, mem_size: 0 };
+    let options = Options { idle_threshold: 20, lazy_used: us100, delayed_free: us100, long_idle: us100, mem_size: 0 };
     let r = run(&path, &options);
     // Precision and recall 1 for every flag: exactly the injected blocks, nothing else.
     assert_eq!(ptrs_with(&r, EARLY_ALLOCATION), truth.early);
@@ -526,8 +525,7 @@ fn rows_out_of_time_order_are_replayed_in_order() {
     let conn = Connection::open(&path).unwrap();
     let swapped = path.with_file_name("memscope_dump_2.db");
     let moved = path.with_file_name("memscope_dump_3.db");
-    for (copy, order) in
-        [(&swapped, "((rowid - 1) / 2) * 2 + (rowid % 2)"), (&moved, "(\"Event\" = 'MALLOC'), rowid")]
+    for (copy, order) in [(&swapped, "((rowid - 1) / 2) * 2 + (rowid % 2)"), (&moved, "(\"Event\" = 'MALLOC'), rowid")]
     {
         let _ = std::fs::remove_file(copy);
         conn.execute("ATTACH ?1 AS c", [copy.to_str().unwrap()]).unwrap();
