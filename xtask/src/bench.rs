@@ -151,45 +151,9 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<()> {
-    if let Some(b) = &opts.baseline_bin {
-        if !b.is_file() {
-            bail!("--baseline-bin {}: no such file; give the path of an older memscope-bpf binary", b.display());
-        }
-    }
-    if !opts.no_setup {
-        setup::run(&setup::Options { check: false })?;
-    }
-    let built = build::run()?;
-    let root = root();
-    let dir = root.join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    if opts.stop_only {
-        let md = crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
-        std::fs::write(dir.join("results-stop.md"), &md)?;
-        println!("{md}");
-        return Ok(());
-    }
-    let analysis_plan = crate::bench_analysis::Plan {
-        pairs: opts.analysis_pairs,
-        rounds: opts.analysis_rounds.max(1),
-        baseline: opts.baseline_bin.as_deref(),
-    };
-    if opts.analysis_only {
-        let md = crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
-        std::fs::write(dir.join("results-analysis.md"), &md)?;
-        println!("{md}");
-        return Ok(());
-    }
-    if opts.consumer_only {
-        let mut md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
-        if opts.loss_seconds > 0 {
-            md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
-        }
-        std::fs::write(dir.join("results.md"), &md)?;
-        println!("{md}");
-        return Ok(());
-    }
+/// The per-pair rounds (untraced, memscope-bpf, bpftrace interleaved) and their table; also says
+/// whether bpftrace is there for the later peer comparisons.
+fn pair_rounds(opts: &Options, built: &build::Built, dir: &Path) -> anyhow::Result<(String, bool)> {
     let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
     let (mut base, mut ours, mut peer) = (Vec::new(), Vec::new(), Vec::new());
     let mut details = Vec::new();
@@ -240,6 +204,49 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         md.push_str("\nbpftrace is not installed (`cargo xtask setup` installs it): no peer comparison.\n");
     }
     md.push_str(&format!("\nmemscope-bpf per run: {}\n", details.join("; ")));
+    Ok((md, have_bpftrace))
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    if let Some(b) = &opts.baseline_bin {
+        if !b.is_file() {
+            bail!("--baseline-bin {}: no such file; give the path of an older memscope-bpf binary", b.display());
+        }
+    }
+    if !opts.no_setup {
+        setup::run(&setup::Options { check: false })?;
+    }
+    let built = build::run()?;
+    let root = root();
+    let dir = root.join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    if opts.stop_only {
+        let md = crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
+        std::fs::write(dir.join("results-stop.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
+    let analysis_plan = crate::bench_analysis::Plan {
+        pairs: opts.analysis_pairs,
+        rounds: opts.analysis_rounds.max(1),
+        baseline: opts.baseline_bin.as_deref(),
+    };
+    if opts.analysis_only {
+        let md = crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
+        std::fs::write(dir.join("results-analysis.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
+    if opts.consumer_only {
+        let mut md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
+        if opts.loss_seconds > 0 {
+            md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
+        }
+        std::fs::write(dir.join("results.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
+    let (mut md, have_bpftrace) = pair_rounds(opts, &built, &dir)?;
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
     md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
     if opts.loss_seconds > 0 {

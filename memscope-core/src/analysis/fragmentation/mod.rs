@@ -10,7 +10,6 @@
 //! rows and collects this analysis's evidence on top. This module holds the results and their
 //! table.
 
-
 use rusqlite::{params, Transaction};
 use serde::Serialize;
 
@@ -230,4 +229,3 @@ impl super::pass::Consumer for Shared {
         self.every = rows.div_ceil(500).max(100);
     }
 }
-

@@ -17,8 +17,6 @@
 //! address, and keeps per block the few facts both definitions need, so memory is O(blocks) and
 //! time is the read plus a map lookup per row. Writing and printing the results is [`out`]'s.
 
-
-
 use super::blocks::Family;
 use super::db::{DumpDb, Fed, ReadOrder, Selection, TimeOrder};
 use super::AnalysisError;
@@ -181,4 +179,3 @@ fn analyse_in(
     })?;
     Ok((replay.finish(), how))
 }
-

@@ -515,8 +515,7 @@ fn outcome(r: &Report) -> Vec<String> {
 fn rows_out_of_time_order_are_replayed_in_order() {
     let (path, _) = long_trace(3, 1_000_000, 50_000);
     let us100 = Some("100us".parse().unwrap());
-    let options =
-        Options { idle_threshold: 3, lazy_used: us100, delayed_free: us100, long_idle: us100, mem_size: 0 };
+    let options = Options { idle_threshold: 3, lazy_used: us100, delayed_free: us100, long_idle: us100, mem_size: 0 };
     let (sorted, how) = analyse_in(&DumpDb::open_read(&path).unwrap(), &options, |o| o).unwrap();
     assert_eq!(how, ReadOrder::Storage, "written in time order");
     assert!(sorted.blocks.iter().filter(|b| b.flags != 0).count() > 50);
@@ -536,16 +535,19 @@ fn rows_out_of_time_order_are_replayed_in_order() {
         .unwrap();
     }
     let (many, all) = (usize::MAX, u64::MAX);
-    let (r, how) = analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, many, all)).unwrap();
+    let (r, how) =
+        analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, many, all)).unwrap();
     assert_eq!(how, ReadOrder::Storage, "a swap holds back one row");
     assert_eq!(outcome(&r), outcome(&sorted));
-    let (r, how) = analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, many, 0)).unwrap();
+    let (r, how) =
+        analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, many, 0)).unwrap();
     assert_eq!(how, ReadOrder::Rescanned, "the first swap found while streaming sends it back for the keys");
     assert_eq!(outcome(&r), outcome(&sorted));
     let (r, how) = analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(0, many, 0)).unwrap();
     assert_eq!(how, ReadOrder::Sorted, "no straggler allowed: the first swap sends it to SQLite");
     assert_eq!(outcome(&r), outcome(&sorted));
-    let (r, how) = analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, 0, all)).unwrap();
+    let (r, how) =
+        analyse_in(&DumpDb::open_read(&swapped).unwrap(), &options, |o| o.with_limits(many, 0, all)).unwrap();
     assert_eq!(how, ReadOrder::Sorted, "no row may wait: the replay starts again, sorted");
     assert_eq!(outcome(&r), outcome(&sorted));
     let (r, how) = analyse_in(&DumpDb::open_read(&moved).unwrap(), &options, |o| o.with_limits(100, many, 0)).unwrap();
