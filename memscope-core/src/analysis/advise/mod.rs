@@ -1,0 +1,355 @@
+//! The allocator-settings advisor: from the target's allocator settings at the start (ms_meta
+//! `env.*`) and the behaviour the fragmentation replay measured, which settings to change, each
+//! with the numbers that triggered it. Stored as `ms_advice` (docs/db-schema.md).
+//!
+//! Each rule fires on one specific behaviour, the one its setting changes, so that following the
+//! advice is tested by re-running the job with it (tests/integration/tests/advise.rs):
+//! - expandable_segments:True: the pool grew while the free memory pinned inside segments in use
+//!   covered the request but no piece of it did (or an OOM failed that way): only one growable
+//!   range lets neighbouring free pieces join and be reused;
+//! - max_split_size_mb: a request above 20 MiB needed a new segment while big segments were held
+//!   by small blocks carved from them: oversize blocks must not be split for small ones;
+//! - garbage_collection_threshold: the pool hit its ceiling and emptied its cache inside an
+//!   allocation, repeatedly (or the runtime refused it and it recovered by flushing): releasing
+//!   cached segments earlier avoids the stalls and the ceiling;
+//! - torch_npu.npu.set_per_process_memory_fraction: several processes share the device;
+//! - gc.collect() at epoch ends: at the peak, a share of the live tensors were garbage from
+//!   earlier steps that only Python's cyclic garbage collector freed, later ([`super::gc_held`]);
+//! - MULTI_STREAM_MEMORY_REUSE: blocks freed while still marked on another stream (a
+//!   collective's tensors) waited for that stream, and the pool took new segments meanwhile
+//!   ([`super::stream_reuse`]): 1 when it was off, 3 when it was on (the default) and the blocks
+//!   were freed before the collective was waited for;
+//! - ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE=3: an ATB operation's intermediate tensors, which that
+//!   variable's layout algorithm places inside the operation's workspace, were a large share of
+//!   the device's peak while the job ran with ATB's default algorithm ([`super::atb_workspace`]).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use rusqlite::params;
+use serde::Serialize;
+
+use super::atb_workspace::{self, AtbWorkspace};
+use super::db::DumpDb;
+use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
+use super::gc_held::{self, GcHeld};
+use super::oom::Verdict;
+use super::pass::{self, Consumer};
+use super::render::{human_bytes, relative};
+use super::stream_reuse::{self, StreamReuse};
+use super::AnalysisError;
+
+mod out;
+mod rules;
+#[cfg(test)]
+mod tests;
+
+pub use out::{store, text, ADVICE_TABLE};
+use rules::*;
+
+/// The id of the one recommendation that is not an allocator setting but a code change.
+pub const GC_AT_EPOCH_END: &str = "gc_at_epoch_end";
+
+/// torch_npu's multi-stream reuse switch (0 off, 1 erase marks at wait, the default, 2 never
+/// mark, 3 also erase the marks of tensors freed before the wait), and its recommendation's id.
+pub const MULTI_STREAM: &str = "MULTI_STREAM_MEMORY_REUSE";
+pub const MULTI_STREAM_REUSE_ID: &str = "multi_stream_memory_reuse";
+
+/// The allocator's configuration variable (torch_npu reads it once, at its first allocation).
+pub const ALLOC_CONF: &str = "PYTORCH_NPU_ALLOC_CONF";
+
+/// ATB's choice of algorithm for laying out a graph operation's intermediate tensors inside its
+/// workspace, and its switch for planning that layout globally; the rule's id.
+pub const ATB_ALG_TYPE: &str = "ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE";
+pub const ATB_ALLOC_GLOBAL: &str = "ATB_WORKSPACE_MEM_ALLOC_GLOBAL";
+pub const ATB_ALG_RULE: &str = "atb_workspace_mem_alloc_alg_type";
+/// What the rule recommends: the value deployment scripts that tune ATB memory set (with
+/// ATB_WORKSPACE_MEM_ALLOC_GLOBAL=1), against the default 1 of ATB's set_env.
+const ATB_ALG_ADVISED: &str = "3";
+
+/// Fragmentation must have forced the pool to grow at least `FORCED_MIN` times, and the holes
+/// (free memory pinned inside segments in use) must be at least this share of the peak reserved
+/// bytes: below it, the waste is the tails of 20 MiB segments, not worth a restart.
+const HOLES_SHARE: f64 = 0.20;
+const FORCED_MIN: usize = 2;
+/// A cache flush counts as hitting the ceiling when the reserved bytes before it plus the segment
+/// taken after it reach this share of the trace's peak reserved bytes.
+const CEILING_SHARE: f64 = 0.9;
+/// Flushes at the ceiling (or recovered refusals) before garbage collection is advised.
+const FLUSH_MIN: usize = 2;
+
+/// `key:value,key:value`, as torch_npu parses PYTORCH_NPU_ALLOC_CONF.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AllocConf(Vec<(String, String)>);
+
+impl AllocConf {
+    pub fn parse(text: &str) -> Self {
+        Self(
+            text.split(',')
+                .filter_map(|item| item.split_once(':'))
+                .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                .filter(|(k, _)| !k.is_empty())
+                .collect(),
+        )
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+
+    fn expandable(&self) -> bool {
+        self.get("expandable_segments").is_some_and(|v| v.eq_ignore_ascii_case("true"))
+    }
+
+    /// This configuration with `key` set to `value` and `drop` removed.
+    fn with(&self, key: &str, value: &str, drop: &[&str]) -> Self {
+        let mut items: Vec<(String, String)> =
+            self.0.iter().filter(|(k, _)| k != key && !drop.contains(&k.as_str())).cloned().collect();
+        items.push((key.to_owned(), value.to_owned()));
+        Self(items)
+    }
+}
+
+impl std::fmt::Display for AllocConf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let items: Vec<String> = self.0.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+        f.write_str(&items.join(","))
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Recommendation {
+    /// `expandable_segments`, `max_split_size_mb`, `garbage_collection_threshold`,
+    /// `per_process_memory_fraction`.
+    pub id: &'static str,
+    /// The environment variable to set, or `None` for an API call.
+    pub variable: Option<&'static str>,
+    /// What to set or call: `expandable_segments:True`, `torch_npu.npu.set_per_process_memory_fraction(0.47)`.
+    pub setting: String,
+    /// The variable's whole new value (the current one with this setting applied).
+    pub value: Option<String>,
+    /// The variable's value the job ran with (`None`: unset, or not visible to the trace).
+    pub current: Option<String>,
+    /// The evidence in plain words, with its numbers.
+    pub why: String,
+    pub evidence: BTreeMap<String, serde_json::Value>,
+    /// Recommendations of this list that torch_npu refuses together with this one.
+    pub conflicts_with: Vec<&'static str>,
+}
+
+/// The behaviour the rules read, as measured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Measured {
+    pub peak_reserved: u64,
+    pub peak_ts_ns: Option<i64>,
+    pub allocated_at_peak: u64,
+    pub unused_at_peak: u64,
+    pub largest_free_at_peak: Option<u64>,
+    pub holes_at_peak: u64,
+    pub max_allocated: u64,
+    pub splits: u64,
+    pub growths: u64,
+    pub forced_growths: usize,
+    pub forced_growth_bytes: u64,
+    pub pinned_big_growths: usize,
+    pub flushes_at_ceiling: usize,
+    pub ooms: usize,
+    pub fragmentation_ooms: usize,
+    pub recovered_refusals: usize,
+    pub processes: Vec<ProcessPeak>,
+    /// Tensors freed by Python's garbage collector, and those it held at the peak.
+    pub gc: GcHeld,
+    /// Blocks freed while marked on another stream, and what the pool took meanwhile.
+    pub streams: StreamReuse,
+    /// ATB operations' workspaces against the device's peak.
+    pub atb: AtbWorkspace,
+}
+
+/// The advice for one DB.
+#[derive(Clone, Debug, Serialize)]
+pub struct Advice {
+    pub db: String,
+    pub device: String,
+    /// The target's allocator settings at the start (ms_meta `env.*`; absent: unset).
+    pub settings: BTreeMap<String, String>,
+    pub measured: Measured,
+    pub recommendations: Vec<Recommendation>,
+}
+
+/// The `env.*` keys of `ms_meta`, without the prefix; empty when the DB has no `ms_meta`
+/// (msMemScope's DBs), which the advice then says.
+pub fn read_settings(db: &DumpDb) -> Result<BTreeMap<String, String>, AnalysisError> {
+    let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
+    let conn = db.conn();
+    let has: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
+        .map_err(read)?;
+    if has == 0 {
+        return Ok(BTreeMap::new());
+    }
+    let mut stmt = conn.prepare("SELECT key, value FROM ms_meta WHERE key LIKE 'env.%'").map_err(read)?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+        .map_err(read)?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(read)?;
+    Ok(rows.into_iter().filter_map(|(k, v)| k.strip_prefix("env.").map(|k| (k.to_owned(), v))).collect())
+}
+
+/// Whether a flush happened at the pool's ceiling: the segment it freed room for would have taken
+/// the pool (nearly) to its highest reserved bytes.
+fn at_ceiling(f: &fragmentation::Flush, m: &Measured) -> bool {
+    (f.reserved_before + f.segment_bytes) as f64 >= CEILING_SHARE * m.peak_reserved as f64
+}
+
+fn measure(report: &Report) -> Measured {
+    let peak = report.peak.unwrap_or_default();
+    let failures = report.incidents.iter().filter(|i| i.verdict != Verdict::Recovered);
+    let mut m = Measured {
+        peak_reserved: peak.reserved,
+        peak_ts_ns: report.peak.map(|p| p.ts_ns),
+        allocated_at_peak: peak.allocated,
+        unused_at_peak: peak.unused,
+        largest_free_at_peak: peak.largest_free,
+        holes_at_peak: peak.holes,
+        max_allocated: report.max_allocated,
+        splits: report.samples.last().map_or(0, |s| s.splits),
+        growths: report.growths,
+        forced_growths: report.forced.len(),
+        forced_growth_bytes: report.forced.iter().map(|g| g.segment_bytes).sum(),
+        pinned_big_growths: report.pinned_big.len(),
+        flushes_at_ceiling: 0,
+        ooms: failures.clone().count(),
+        fragmentation_ooms: failures.filter(|i| i.verdict == Verdict::Fragmentation).count(),
+        recovered_refusals: report.incidents.iter().filter(|i| i.verdict == Verdict::Recovered).count(),
+        processes: report.processes.clone(),
+        gc: GcHeld::default(),
+        streams: StreamReuse::default(),
+        atb: AtbWorkspace::default(),
+    };
+    m.flushes_at_ceiling = report.flushes.iter().filter(|f| at_ceiling(f, &m)).count();
+    m
+}
+
+fn b(v: u64) -> String {
+    human_bytes(v as i64)
+}
+
+fn ev(pairs: &[(&'static str, serde_json::Value)]) -> BTreeMap<String, serde_json::Value> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect()
+}
+
+/// Every field of a measurement, as its evidence.
+fn ev_of(measured: &impl Serialize) -> BTreeMap<String, serde_json::Value> {
+    match serde_json::to_value(measured) {
+        Ok(serde_json::Value::Object(fields)) => fields.into_iter().collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+/// The largest power of two not above `mib`, but above torch_npu's 20 MiB floor for the setting.
+fn split_limit_mib(mib: u64) -> u64 {
+    let pow2 = if mib == 0 { 0 } else { 1u64 << (63 - mib.leading_zeros()) };
+    pow2.max(LARGE_SEGMENT / MIB + 1)
+}
+
+/// What every rule reads: the replay's report, the settings at the start, and the measurements.
+struct Facts<'a> {
+    report: &'a Report,
+    settings: &'a BTreeMap<String, String>,
+    m: Measured,
+    /// PYTORCH_NPU_ALLOC_CONF at the start, as set and parsed.
+    current: Option<String>,
+    conf: AllocConf,
+}
+
+impl Facts<'_> {
+    /// A recommendation of one PYTORCH_NPU_ALLOC_CONF `key:value` (dropping the keys `drop`).
+    fn env_rec(
+        &self,
+        id: &'static str,
+        key: &str,
+        value: &str,
+        drop: &[&str],
+        why: String,
+        evidence: BTreeMap<String, serde_json::Value>,
+    ) -> Recommendation {
+        Recommendation {
+            id,
+            variable: Some(ALLOC_CONF),
+            setting: format!("{key}:{value}"),
+            value: Some(self.conf.with(key, value, drop).to_string()),
+            current: self.current.clone(),
+            why,
+            evidence,
+            conflicts_with: Vec::new(),
+        }
+    }
+}
+
+/// The rules, in the order their advice is listed; each gives its advice when its evidence is there.
+const RULES: [fn(&Facts<'_>) -> Option<Recommendation>; 7] = [
+    expandable_segments,
+    max_split_size_mb,
+    garbage_collection_threshold,
+    per_process_memory_fraction,
+    multi_stream_memory_reuse,
+    gc_at_epoch_end,
+    atb_workspace_alg_type,
+];
+
+/// Runs the rules on the measurements.
+pub fn advise(
+    report: &Report,
+    settings: &BTreeMap<String, String>,
+    gc: &GcHeld,
+    streams: &StreamReuse,
+    atb: &AtbWorkspace,
+) -> (Measured, Vec<Recommendation>) {
+    let mut m = measure(report);
+    m.gc = gc.clone();
+    m.streams = streams.clone();
+    m.atb = atb.clone();
+    let current = settings.get(ALLOC_CONF).cloned();
+    let conf = AllocConf::parse(current.as_deref().unwrap_or(""));
+    let facts = Facts { report, settings, m, current, conf };
+    let mut recs: Vec<Recommendation> = RULES.iter().filter_map(|rule| rule(&facts)).collect();
+    // torch_npu refuses expandable segments together with either of the other two.
+    let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
+    for r in &mut recs {
+        r.conflicts_with = match r.id {
+            "expandable_segments" => ids
+                .iter()
+                .copied()
+                .filter(|i| matches!(*i, "max_split_size_mb" | "garbage_collection_threshold"))
+                .collect(),
+            "max_split_size_mb" | "garbage_collection_threshold" => {
+                ids.iter().copied().filter(|i| *i == "expandable_segments").collect()
+            }
+            _ => Vec::new(),
+        };
+    }
+    (facts.m, recs)
+}
+
+/// Runs the replays and the rules on one DB, reading its rows once for all the replays.
+pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisError> {
+    let path = db.path();
+    // The step replays read `Name`, and refuse a table without it.
+    db.require_columns(&["Name"])?;
+    let mut pool = fragmentation::Shared::new(fragmentation::Options::default());
+    let mut gc = gc_held::Replay::default();
+    let mut streams = stream_reuse::Scan::default();
+    let mut atb = atb_workspace::Replay::for_db(db)?;
+    let mut consumers: Vec<&mut dyn Consumer> = vec![&mut pool, &mut gc, &mut streams];
+    consumers.extend(atb.as_mut().map(|a| a as &mut dyn Consumer));
+    pass::run(db, &mut consumers)?;
+    let report = pool.finish();
+    let settings = read_settings(db)?;
+    let (gc, streams) = (gc.finish(), streams.finish());
+    let atb = atb.map(atb_workspace::Replay::finish).unwrap_or_default();
+    let (measured, recommendations) = advise(&report, &settings, &gc, &streams, &atb);
+    let advice =
+        Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };
+    Ok((advice, report))
+}

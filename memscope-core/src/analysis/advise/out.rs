@@ -1,0 +1,117 @@
+//! The advice as text, and as table `ms_advice`.
+
+use super::*;
+
+pub fn text(advice: &Advice, report: &Report) -> String {
+    let mut out = String::new();
+    let m = &advice.measured;
+    let _ = writeln!(out, "device {}: {}", advice.device, advice.db);
+    let conf = advice.settings.get(ALLOC_CONF).map_or_else(|| "unset".to_owned(), |v| format!("`{v}`"));
+    let others: Vec<String> =
+        advice.settings.iter().filter(|(k, _)| *k != ALLOC_CONF).map(|(k, v)| format!("{k}={v}")).collect();
+    let _ = writeln!(
+        out,
+        "  settings at the start: {ALLOC_CONF} {conf}{}",
+        if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) }
+    );
+    if m.atb.executions > 0 {
+        let _ = writeln!(
+            out,
+            "  ATB: {} execution(s) of {} operation(s); workspaces up to {} (scratch up to {}, intermediates up to {}), \
+             the intermediates {:.0}% of the peak of {} {}",
+            m.atb.executions,
+            m.atb.op_count,
+            b(m.atb.largest_total),
+            b(m.atb.largest_workspace),
+            b(m.atb.largest_intermediate),
+            m.atb.intermediate_share() * 100.0,
+            b(m.atb.peak_bytes),
+            m.atb.peak_basis
+        );
+    }
+    if m.peak_reserved == 0 {
+        let _ = writeln!(out, "  no caching-pool memory in this trace (no PTA blocks or pool segments)");
+        if advice.recommendations.is_empty() {
+            let _ = writeln!(out, "  advice: nothing to change");
+        }
+        recommendations(&mut out, advice);
+        return out;
+    }
+    let at = match (m.peak_ts_ns, report.start_ns) {
+        (Some(ts), Some(start)) => format!(" at {}", relative(ts - start)),
+        _ => String::new(),
+    };
+    let piece = m.largest_free_at_peak.map_or_else(|| "unknown (no segment rows)".to_owned(), b);
+    let _ = writeln!(
+        out,
+        "  peak reserved {}{at}: allocated {}, unused {} ({:.0}%), {} of it in holes of segments in use; largest free piece {piece}",
+        b(m.peak_reserved),
+        b(m.allocated_at_peak),
+        b(m.unused_at_peak),
+        m.unused_at_peak as f64 * 100.0 / m.peak_reserved as f64,
+        b(m.holes_at_peak)
+    );
+    let _ = writeln!(
+        out,
+        "  {} segment(s) taken, {} forced by fragmentation ({}); {} split(s); {} cache flush(es) at the ceiling; {} OOM(s) \
+         ({} from fragmentation), {} recovered refusal(s)",
+        m.growths,
+        m.forced_growths,
+        b(m.forced_growth_bytes),
+        m.splits,
+        m.flushes_at_ceiling,
+        m.ooms,
+        m.fragmentation_ooms,
+        m.recovered_refusals
+    );
+    if advice.recommendations.is_empty() {
+        let _ = writeln!(out, "  advice: nothing to change (no rule's evidence was found)");
+    }
+    recommendations(&mut out, advice);
+    out
+}
+
+fn recommendations(out: &mut String, advice: &Advice) {
+    for (i, r) in advice.recommendations.iter().enumerate() {
+        let what = match (r.variable, &r.value) {
+            (Some(var), Some(value)) => format!("{var}={value}"),
+            _ => r.setting.clone(),
+        };
+        let _ = writeln!(out, "  {}. {what}", i + 1);
+        let _ = writeln!(out, "     why: {}", r.why);
+        if !r.conflicts_with.is_empty() {
+            let _ =
+                writeln!(out, "     either this or {} (torch_npu refuses them together)", r.conflicts_with.join(", "));
+        }
+    }
+}
+
+pub const ADVICE_TABLE: &str = "ms_advice";
+const CREATE_ADVICE: &str = "CREATE TABLE ms_advice (
+    device TEXT NOT NULL, rank INTEGER NOT NULL, id TEXT NOT NULL, variable TEXT, setting TEXT NOT NULL,
+    value TEXT, current TEXT, why TEXT NOT NULL, evidence TEXT NOT NULL, conflicts_with TEXT NOT NULL)";
+
+/// Replaces `ms_advice` and `ms_fragmentation` in one transaction; returns the rows written.
+pub fn store(db: &DumpDb, advice: &Advice, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
+    let tables = [fragmentation::create_fragmentation(), (ADVICE_TABLE, CREATE_ADVICE)];
+    db.replace_tables(&tables, &[("advise_at", run_wall_ns.to_string())], |tx| {
+        let mut rows = fragmentation::fill_samples(tx, &advice.device, &report.samples)?;
+        let mut insert = tx.prepare("INSERT INTO ms_advice VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)")?;
+        for (i, r) in advice.recommendations.iter().enumerate() {
+            insert.execute(params![
+                advice.device,
+                i as i64 + 1,
+                r.id,
+                r.variable,
+                r.setting,
+                r.value,
+                r.current,
+                r.why,
+                serde_json::to_string(&r.evidence).unwrap_or_default(),
+                r.conflicts_with.join(",")
+            ])?;
+            rows += 1;
+        }
+        Ok(rows)
+    })
+}
