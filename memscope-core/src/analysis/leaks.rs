@@ -151,7 +151,7 @@ impl BlockSink for Collect<'_> {
 
 /// Runs the leak, step and degradation analyses over one DB.
 pub fn analyse(dump: &DumpDb, options: &Options) -> Result<LeakReport, StepError> {
-    let db = StepDb::open(dump.path())?;
+    let db = StepDb::new(dump)?;
     let mut collect = Collect { options, candidates: Vec::new(), never_freed: Vec::new() };
     let timeline = Timeline::replay(&db, options.step_marker.as_deref(), &mut collect)?;
     let summary = timeline.summary();

@@ -24,15 +24,13 @@
 //! owners).
 
 use std::borrow::Cow;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::PathBuf;
 
-use rusqlite::{Connection, OpenFlags};
 use thiserror::Error;
 
 use super::attr::attr_fields;
 use super::blocks::{block_attr, BlockHooks, BlockKey, BlockReplay, Bounds, Family, OwnerSlots};
-use super::db::{text, DumpRow, Fed, ReadOrder, Selection, TimeOrder};
+use super::db::{text, DumpDb, DumpRow, Fed, ReadOrder, Selection};
 use super::AnalysisError;
 use crate::store::insight::GC;
 use crate::vocab::{attr, Event, EventType};
@@ -49,13 +47,10 @@ pub enum StepError {
     NoSuchMarker { path: PathBuf, marker: String, seen: String },
 }
 
-/// A read-only connection to a DB that [`super::db::DumpDb::open`] has already checked, and the
-/// name of its dump table. Its own connection, because the step analyses also read `Name` and
-/// the stacks.
-pub struct StepDb {
-    path: PathBuf,
-    conn: Connection,
-    table: &'static str,
+/// A DB opened by [`DumpDb::open_read`], as the step analyses read it: they also need `Name`, and
+/// the stacks when the file has them.
+pub struct StepDb<'a> {
+    db: &'a DumpDb,
     has_stacks: bool,
 }
 
@@ -66,47 +61,28 @@ pub const SELECTION: Selection = Selection {
     thread: false,
 };
 
-impl StepDb {
-    pub fn open(path: &Path) -> Result<Self, AnalysisError> {
-        let read = |source| AnalysisError::Read { path: path.to_owned(), source };
-        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = Connection::open_with_flags(path, flags).map_err(read)?;
-        conn.busy_timeout(Duration::from_secs(5)).map_err(read)?;
-        let tables: Vec<String> = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
-            .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
-            .map_err(read)?;
-        let table = ["memscope_dump", "leaks_dump"].into_iter().find(|t| tables.iter().any(|have| have == t));
-        let Some(table) = table else {
-            let tables = if tables.is_empty() { "none".to_owned() } else { tables.join(", ") };
-            return Err(AnalysisError::NoDumpTable { path: path.to_owned(), tables });
-        };
-        let columns: Vec<String> = conn
-            .prepare("SELECT name FROM pragma_table_info(?1)")
-            .and_then(|mut s| s.query_map([table], |r| r.get(0))?.collect())
-            .map_err(read)?;
-        if !columns.iter().any(|c| c == "Name") {
-            let (path, table) = (path.to_owned(), table.to_owned());
-            return Err(AnalysisError::MissingColumns { path, table, missing: "Name".into() });
-        }
-        let has_stacks = ["Call Stack(Python)", "Call Stack(C)"].iter().all(|c| columns.iter().any(|h| h == c));
-        Ok(Self { path: path.to_owned(), conn, table, has_stacks })
+impl<'a> StepDb<'a> {
+    /// Refuses a dump table without `Name` (steps and marks are named).
+    pub fn new(db: &'a DumpDb) -> Result<Self, AnalysisError> {
+        db.require_columns(&["Name"])?;
+        let has_stacks = db.missing_columns(&["Call Stack(Python)", "Call Stack(C)"])?.is_empty();
+        Ok(Self { db, has_stacks })
     }
 
     fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
-        move |source| AnalysisError::Read { path: self.path.clone(), source }
+        move |source| AnalysisError::Read { path: self.db.path().to_owned(), source }
     }
 
     /// Calls `f` for every memory, `SYSTEM` and `MSTX` row in time order (see [`TimeOrder`]).
     pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
-        TimeOrder::new(&self.conn, &self.path, self.table, SELECTION)?.for_each_row(f)
+        self.db.rows(SELECTION)?.for_each_row(f)
     }
 
     /// The Python and C stacks and the `allocation_id` of a MALLOC row, for a reported block.
     pub fn details(&self, rowid: i64) -> Result<RowDetails, AnalysisError> {
         let stacks = if self.has_stacks { "\"Call Stack(Python)\", \"Call Stack(C)\"" } else { "'', ''" };
-        let sql = format!("SELECT {stacks}, \"Attr\" FROM \"{}\" WHERE rowid = ?1", self.table);
-        let mut stmt = self.conn.prepare_cached(&sql).map_err(self.read_err())?;
+        let sql = format!("SELECT {stacks}, \"Attr\" FROM \"{}\" WHERE rowid = ?1", self.db.table());
+        let mut stmt = self.db.conn().prepare_cached(&sql).map_err(self.read_err())?;
         let mut rows = stmt.query([rowid]).map_err(self.read_err())?;
         let Some(row) = rows.next().map_err(self.read_err())? else { return Ok(RowDetails::default()) };
         let get = |i| row.get_ref(i).map_err(self.read_err());
@@ -526,7 +502,7 @@ impl Timeline {
     /// Replays a whole DB.
     /// Replays a whole DB. A `--step-marker` that names no mark is refused: it is a typo far
     /// more often than a trace without steps, and a report without steps would hide that.
-    pub fn replay(db: &StepDb, step_marker: Option<&str>, sink: &mut impl BlockSink) -> Result<Self, StepError> {
+    pub fn replay(db: &StepDb<'_>, step_marker: Option<&str>, sink: &mut impl BlockSink) -> Result<Self, StepError> {
         let mut timeline = Self::new(step_marker);
         db.for_each_row(|fed| match fed {
             Fed::Row(row) => timeline.apply(&row, sink),
@@ -544,7 +520,7 @@ impl Timeline {
                 } else {
                     format!("marks and ranges in this trace: {}", marks.join(", "))
                 };
-                return Err(StepError::NoSuchMarker { path: db.path.clone(), marker: marker.to_owned(), seen });
+                return Err(StepError::NoSuchMarker { path: db.db.path().to_owned(), marker: marker.to_owned(), seen });
             }
         }
         Ok(timeline)
@@ -728,7 +704,8 @@ mod tests {
         let path = db.path.clone();
         drop(db);
         let mut ends = Ends::default();
-        let t = Timeline::replay(&StepDb::open(&path).unwrap(), marker, &mut ends).unwrap();
+        let dump = DumpDb::open_read(&path).unwrap();
+        let t = Timeline::replay(&StepDb::new(&dump).unwrap(), marker, &mut ends).unwrap();
         (t, ends.0)
     }
 

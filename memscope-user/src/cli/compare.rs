@@ -123,8 +123,8 @@ fn point(p: &StepPoint, timeline: &Timeline) -> Point {
 }
 
 fn side(path: &Path, marker: Option<&str>) -> anyhow::Result<Side> {
-    DumpDb::open_read(path)?; // the shared checks, with their messages
-    let db = StepDb::open(path)?;
+    let dump = DumpDb::open_read(path)?;
+    let db = StepDb::new(&dump)?;
     let timeline = Timeline::replay(&db, marker, &mut ())?;
     let summary = timeline.summary();
     let sources: Vec<String> = summary.sources.iter().map(|(s, n)| format!("{n} from {}", s.describe())).collect();
