@@ -1,6 +1,6 @@
 //! OOM incidents followed through the pool replay: each failed allocation (an OOM_TRIGGER row)
 //! with the failing process's memory at that instant, taken from the pool model
-//! ([`super::pool`]), and its verdict. The fragmentation replay feeds the rows to a [`Tracker`];
+//! ([`super::pool`]), and its verdict. The fragmentation replay feeds the rows to a `Tracker`;
 //! `oom` reports and stores what it found.
 //!
 //! One failure of torch_npu's allocator writes several OOM_TRIGGER rows: one per runtime request

@@ -149,7 +149,7 @@ pub enum PoolKind {
 pub struct Live {
     pub size: u64,
     pub ts: i64,
-    /// Index into [`Pools::owners`].
+    /// Index into `Pools::owners`.
     pub owner: u32,
     pub pool: Option<PoolKind>,
     /// Carved from a free piece of a known segment (so its free returns one).
