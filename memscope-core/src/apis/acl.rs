@@ -8,7 +8,7 @@
 use memscope_common::spec::{cfg_kind, device_effect, layer, FieldRead, ProbeSpec};
 
 use super::op::{Op, Space};
-use super::{named, spec, Api, ApiDef, Family, Tracking, RESULT};
+use super::{named, spec, Api, ApiDef, Family, RESULT};
 use crate::raw::RawCall;
 
 /// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
@@ -48,17 +48,7 @@ enum Physical {
 const _: () = assert!(Physical::Handle as usize == RESULT, "RawCall::result reads the handle");
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef {
-        api,
-        name: symbol,
-        symbol,
-        family: Family::AclRuntime,
-        spec,
-        decode,
-        out_of_memory: oom,
-        layout: None,
-        tracking: Tracking::NONE,
-    }
+    ApiDef { out_of_memory: oom, ..ApiDef::plain(api, symbol, Family::AclRuntime, spec, decode) }
 }
 
 pub(super) static TABLE: [ApiDef; 15] = [

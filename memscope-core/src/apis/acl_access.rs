@@ -17,7 +17,7 @@
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
 use super::op::Op;
-use super::{named, spec, Api, ApiDef, Family, Tracking};
+use super::{named, spec, Api, ApiDef, Family};
 use crate::raw::RawCall;
 
 const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
@@ -56,17 +56,7 @@ const GET_FUNCTION: ProbeSpec = {
 };
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef {
-        api,
-        name: symbol,
-        symbol,
-        family: Family::AclRuntime,
-        spec,
-        decode,
-        out_of_memory: super::no_status,
-        layout: None,
-        tracking: Tracking::NONE,
-    }
+    ApiDef::plain(api, symbol, Family::AclRuntime, spec, decode)
 }
 
 pub(super) static TABLE: [ApiDef; 8] = [

@@ -89,22 +89,7 @@ mod tests {
     use crate::raw::RawCall;
 
     fn raw(fields: [Option<u64>; 4]) -> RawCall {
-        RawCall {
-            spec_id: Api::AtbRunnerExecute.spec_id(),
-            tgid: 1,
-            tid: 2,
-            entry_mono_ns: 10,
-            return_mono_ns: 20,
-            args: [0x5000, 0x7000, 0, 0, 0, 0],
-            ret: 0,
-            fields,
-            outer_spec: None,
-            cfg_device: None,
-            cfg_module: None,
-            thread_device: Some(0),
-            text: None,
-            blob: None,
-        }
+        super::super::call_with(Api::AtbRunnerExecute, [0x5000, 0x7000, 0, 0, 0, 0], fields)
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use memscope_common::spec::{layer, ret_kind, ProbeSpec};
 
 use super::op::{Op, Space};
-use super::{no_status, spec, Api, ApiDef, Family, Tracking};
+use super::{spec, Api, ApiDef, Family};
 use crate::raw::RawCall;
 
 /// A framework allocator like torch_npu's pools; neither function returns a status. Frees inside
@@ -21,17 +21,7 @@ const fn c10_spec() -> ProbeSpec {
 }
 
 const fn row(api: Api, name: &'static str, symbol: &'static str, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef {
-        api,
-        name,
-        symbol,
-        family: Family::C10,
-        spec: c10_spec(),
-        decode,
-        out_of_memory: no_status,
-        layout: None,
-        tracking: Tracking::NONE,
-    }
+    ApiDef { name, ..ApiDef::plain(api, symbol, Family::C10, c10_spec(), decode) }
 }
 
 pub(super) static TABLE: [ApiDef; 2] = [

@@ -213,6 +213,30 @@ pub struct ApiDef {
     pub tracking: Tracking,
 }
 
+impl ApiDef {
+    /// The common row: written as its symbol, no failure is out of memory, no struct layout, no
+    /// special tracking. Families change what differs with struct update syntax.
+    pub const fn plain(
+        api: Api,
+        symbol: &'static str,
+        family: Family,
+        spec: ProbeSpec,
+        decode: fn(&RawCall) -> Op,
+    ) -> Self {
+        Self {
+            api,
+            name: symbol,
+            symbol,
+            family,
+            spec,
+            decode,
+            out_of_memory: no_status,
+            layout: None,
+            tracking: Tracking::NONE,
+        }
+    }
+}
+
 /// Never out of memory: APIs without a status.
 pub fn no_status(_: i32) -> bool {
     false
@@ -345,13 +369,19 @@ pub(crate) fn call_reading(api: Api, values: &[(FieldRead, u64)]) -> RawCall {
         assert_eq!(slots.len(), 1, "{api:?}: the spec has {} reads {read:?}", slots.len());
         fields[slots[0]] = Some(*value);
     }
+    call_with(api, [0x5000, 0x7000, 0x8000, 0x9000, 0, 0], fields)
+}
+
+/// A successful call of `api` on device 0 with these arguments and field values.
+#[cfg(test)]
+pub(crate) fn call_with(api: Api, args: [u64; 6], fields: [Option<u64>; MAX_FIELDS]) -> RawCall {
     RawCall {
         spec_id: api.spec_id(),
         tgid: 1,
         tid: 2,
         entry_mono_ns: 10,
         return_mono_ns: 20,
-        args: [0x5000, 0x7000, 0x8000, 0x9000, 0, 0],
+        args,
         ret: 0,
         fields,
         outer_spec: None,

@@ -16,7 +16,7 @@
 use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
 
 use super::op::{Marker, Op};
-use super::{named, no_status, spec, Api, ApiDef, Family, Tracking};
+use super::{named, spec, Api, ApiDef, Family, Tracking};
 use crate::raw::RawCall;
 
 /// `mstxMemHeapRegister(domain, desc)`: `desc->typeSpecificDesc` -> `{device, ptr, reserved}`.
@@ -50,17 +50,7 @@ const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
 }
 
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef {
-        api,
-        name: symbol,
-        symbol,
-        family: Family::Mstx,
-        spec,
-        decode,
-        out_of_memory: no_status,
-        layout: None,
-        tracking: Tracking::NONE,
-    }
+    ApiDef::plain(api, symbol, Family::Mstx, spec, decode)
 }
 
 /// A mark or range call: not nested in a pool call, and void (or returning a range id).
