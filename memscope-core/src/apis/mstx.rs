@@ -49,6 +49,12 @@ const fn mstx_spec(fields: &[FieldRead]) -> ProbeSpec {
     s
 }
 
+/// A memory-region report: a pool reports its block from inside its allocator call, so the
+/// report is one fact with that call.
+const fn region_row(def: ApiDef) -> ApiDef {
+    ApiDef { tracking: Tracking { folds_into_outer: true, ..Tracking::NONE }, ..def }
+}
+
 const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCall) -> Op) -> ApiDef {
     ApiDef::plain(api, symbol, Family::Mstx, spec, decode)
 }
@@ -89,48 +95,40 @@ pub(super) static TABLE: [ApiDef; 10] = [
             total: c.field(Heap::Total as usize),
         },
     ),
-    ApiDef {
-        // A pool reports its block from inside its allocator call: one fact with that call.
-        tracking: Tracking { folds_into_outer: true, ..Tracking::NONE },
-        ..row(
-            Api::MstxMemRegionsRegister,
-            "mstxMemRegionsRegister",
-            mstx_spec(&named(&[
-                (Region::Count as usize, FieldRead::arg_at_entry(1, 16, 8)),
-                (Region::Device as usize, FieldRead::arg_via_at_entry(1, 24, 0, 4)),
-                (Region::Ptr as usize, FieldRead::arg_via_at_entry(1, 24, 8, 8)),
-                (Region::Size as usize, FieldRead::arg_via_at_entry(1, 24, 16, 8)),
-            ])),
-            |c| Op::MstxRegion {
-                domain: c.args[0],
-                register: true,
-                count: c.field(Region::Count as usize),
-                device: c.field(Region::Device as usize).map(|d| d as u32),
-                ptr: c.field(Region::Ptr as usize),
-                size: c.field(Region::Size as usize),
-            },
-        )
-    },
-    ApiDef {
-        // A pool reports its block from inside its allocator call: one fact with that call.
-        tracking: Tracking { folds_into_outer: true, ..Tracking::NONE },
-        ..row(
-            Api::MstxMemRegionsUnregister,
-            "mstxMemRegionsUnregister",
-            mstx_spec(&named(&[
-                (Unregister::Count as usize, FieldRead::arg_at_entry(1, 0, 8)),
-                (Unregister::Ptr as usize, FieldRead::arg_via_at_entry(1, 8, 8, 8)),
-            ])),
-            |c| Op::MstxRegion {
-                domain: c.args[0],
-                register: false,
-                count: c.field(Unregister::Count as usize),
-                device: None,
-                ptr: c.field(Unregister::Ptr as usize),
-                size: None,
-            },
-        )
-    },
+    region_row(row(
+        Api::MstxMemRegionsRegister,
+        "mstxMemRegionsRegister",
+        mstx_spec(&named(&[
+            (Region::Count as usize, FieldRead::arg_at_entry(1, 16, 8)),
+            (Region::Device as usize, FieldRead::arg_via_at_entry(1, 24, 0, 4)),
+            (Region::Ptr as usize, FieldRead::arg_via_at_entry(1, 24, 8, 8)),
+            (Region::Size as usize, FieldRead::arg_via_at_entry(1, 24, 16, 8)),
+        ])),
+        |c| Op::MstxRegion {
+            domain: c.args[0],
+            register: true,
+            count: c.field(Region::Count as usize),
+            device: c.field(Region::Device as usize).map(|d| d as u32),
+            ptr: c.field(Region::Ptr as usize),
+            size: c.field(Region::Size as usize),
+        },
+    )),
+    region_row(row(
+        Api::MstxMemRegionsUnregister,
+        "mstxMemRegionsUnregister",
+        mstx_spec(&named(&[
+            (Unregister::Count as usize, FieldRead::arg_at_entry(1, 0, 8)),
+            (Unregister::Ptr as usize, FieldRead::arg_via_at_entry(1, 8, 8, 8)),
+        ])),
+        |c| Op::MstxRegion {
+            domain: c.args[0],
+            register: false,
+            count: c.field(Unregister::Count as usize),
+            device: None,
+            ptr: c.field(Unregister::Ptr as usize),
+            size: None,
+        },
+    )),
     row(Api::MstxMarkA, "mstxMarkA", marker_spec(0), |c| Op::Marker(Marker::Mark { message: message(c) })),
     row(Api::MstxRangeStartA, "mstxRangeStartA", marker_spec(0), |c| {
         Op::Marker(Marker::RangeStart { id: c.ret, message: message(c) })
