@@ -1,17 +1,18 @@
 //! The MALLOC/FREE block replay the analyses share: how a block is keyed, which FREEs close one,
 //! the interners for `Event Type` and owner names, and the trace's time bounds.
 //!
-//! docs/db-schema.md ("How the analyses pair MALLOC and FREE") is the rule: a `MALLOC` with a
-//! positive `size` opens the block keyed by (`Process Id`, `Event Type`, `Ptr`); the next `FREE`
-//! of that key closes it; a `FREE` marked `unmatched` (its block predates the trace) closes
-//! nothing; a `FREE` marked `shadow` (written at the stop for a block still live) is no free; a
-//! `MALLOC` at a key already live ends the earlier block there.
+//! docs/db-schema.md (under `ms_decompose`, "Blocks are rebuilt as Insight does") is the rule: a `MALLOC` with a
+//! positive `size` opens the block keyed by (`Process Id`, `Event Type`, `Ptr`, or the Attr's
+//! `addr` when `Ptr` is no address); the next `FREE` of that key closes it; a `FREE` marked
+//! `unmatched` (its block predates the trace) closes nothing; a `FREE` marked `shadow` (written at
+//! the stop for a block still live) is no free; a `MALLOC` at a key already live ends the earlier
+//! block there. A row with no address is unreadable, whatever its marks.
 //!
 //! [`BlockReplay`] applies that rule row by row and hands each analysis's own metrics to its
-//! [`BlockHooks`] (decompose's owner steps, the step timeline's block ends). The analyses whose
-//! pairing reads more than that (inefficient resolves accesses and lets a shadow FREE end a
-//! block's time; fragmentation keeps blocks inside pool segments) use the same parts directly:
-//! [`BlockKey`], [`EventTypes`], [`Names`], [`FreeMark`], [`Bounds`] and [`parse_ptr`].
+//! [`BlockHooks`]: decompose's owner steps, the step timeline's block ends, inefficient's accesses
+//! and API index (for it a shadow FREE ends the block's time: [`BlockHooks::SHADOW_ENDS_BLOCK`]).
+//! The pool model (`pool.rs`, behind fragmentation, oom and advise) keeps blocks inside pool
+//! segments by address instead, and shares [`FreeMark`], [`Bounds`] and the owner default here.
 //!
 //! Millions of rows go through here: the live map is a foldhash map, the Attr is read by the
 //! borrowed fast path of [`super::attr`], and a row allocates nothing unless it names an owner
@@ -254,19 +255,23 @@ impl Bounds {
 /// with whatever else it needs.
 pub trait BlockAttr<'a>: Sized + Default {
     fn parse(text: &'a str) -> Option<Self>;
+    fn addr(&self) -> Option<&str>;
     fn size(&self) -> Option<&str>;
     fn owner(&self) -> Option<&str>;
     fn shadow(&self) -> Option<&str>;
     fn unmatched(&self) -> Option<&str>;
 }
 
-/// Implements [`BlockAttr`] for an `attr_fields!` struct with `size`, `owner`, `shadow` and
-/// `unmatched` fields.
+/// Implements [`BlockAttr`] for an `attr_fields!` struct with `addr`, `size`, `owner`, `shadow`
+/// and `unmatched` fields.
 macro_rules! block_attr {
     ($name:ident) => {
         impl<'a> $crate::analysis::blocks::BlockAttr<'a> for $name<'a> {
             fn parse(text: &'a str) -> Option<Self> {
                 $name::parse(text)
+            }
+            fn addr(&self) -> Option<&str> {
+                self.addr.as_deref()
             }
             fn size(&self) -> Option<&str> {
                 self.size.as_deref()
@@ -286,32 +291,46 @@ macro_rules! block_attr {
 pub(crate) use block_attr;
 
 /// An analysis's own metrics on the blocks [`BlockReplay`] pairs. The counters default to
-/// nothing, for analyses that do not report them.
+/// nothing, for analyses that do not report them; every hook gets the row it is about.
 pub trait BlockHooks {
     /// What the analysis keeps of a live block (small: it is copied into and out of the map).
     type Block: Copy;
     type Attr<'a>: BlockAttr<'a>;
+
+    /// Whether a `shadow` FREE ends its block ([`Self::shadow_end`]). For analyses of what was
+    /// live at the stop (decompose, the step timeline) it does not: the block stays live to the
+    /// end. For an analysis of time (inefficient) it does: the block's life ends at the shadow
+    /// FREE's instant, and no later row can reach it.
+    const SHADOW_ENDS_BLOCK: bool = false;
 
     /// Whether a FREE's Attr can go unread: an analysis that needs only the marks of a FREE can
     /// tell from the text that it has none (half the rows are FREEs).
     fn skip_free_attr(&self, _attr: &str) -> bool {
         false
     }
-    /// A memory row whose Attr is not a JSON object, or whose Ptr is not an address.
+    /// A MALLOC or FREE of an `Event Type` that is no block family: not the replay's.
+    fn not_a_block(&mut self, _row: &DumpRow<'_>) {}
+    /// A MALLOC whose Attr reads, before anything about it is checked.
+    fn malloc_read(&mut self, _row: &DumpRow<'_>, _attr: &Self::Attr<'_>) {}
+    /// A memory row whose Attr is not a JSON object, or that has no address.
     fn unreadable(&mut self) {}
+    /// A `shadow` FREE (whether or not a block is live at its key).
     fn shadow_free(&mut self) {}
-    fn unmatched_free(&mut self) {}
+    /// A `shadow` FREE ended the block ([`Self::SHADOW_ENDS_BLOCK`] only).
+    fn shadow_end(&mut self, _row: &DumpRow<'_>, _key: BlockKey, _block: Self::Block) {}
+    fn unmatched_free(&mut self, _row: &DumpRow<'_>, _attr: &Self::Attr<'_>) {}
     /// A FREE with no live block at its key (and not marked `unmatched`).
-    fn orphan_free(&mut self) {}
+    fn orphan_free(&mut self, _row: &DumpRow<'_>, _attr: &Self::Attr<'_>) {}
     /// A MALLOC without a positive `size`.
     fn no_size(&mut self) {}
     /// A memory row that is not a shadow FREE: the instant is part of the trace's memory.
-    fn seen(&mut self, ts: i64);
-    /// A MALLOC of `size` bytes by `owner` (the Attr's, else [`UNKNOWN_OWNER`]) opens a block.
-    fn open(&mut self, row: &DumpRow<'_>, family: Family, owner: &str, size: i64, attr: &Self::Attr<'_>)
+    fn seen(&mut self, _ts: i64) {}
+    /// A MALLOC of `size` bytes by `owner` (the Attr's, else [`UNKNOWN_OWNER`]) opens the block
+    /// at `key`.
+    fn open(&mut self, row: &DumpRow<'_>, key: BlockKey, family: Family, owner: &str, size: i64, attr: &Self::Attr<'_>)
         -> Self::Block;
     /// The block is live (after `realloc` of the one it replaced, if any).
-    fn opened(&mut self, row: &DumpRow<'_>, block: &Self::Block);
+    fn opened(&mut self, _row: &DumpRow<'_>, _block: &Self::Block) {}
     /// A MALLOC at the key of a live block: the earlier one ends at `row`.
     fn realloc(&mut self, row: &DumpRow<'_>, key: BlockKey, old: Self::Block);
     /// A FREE closed the block.
@@ -338,8 +357,12 @@ impl<B: Copy> BlockReplay<B> {
             Some(Event::Free) => true,
             _ => return,
         };
-        let Some(family) = Family::of(row.event_type) else { return };
-        let attr = if is_free && hooks.skip_free_attr(row.attr) {
+        let Some(family) = Family::of(row.event_type) else {
+            hooks.not_a_block(row);
+            return;
+        };
+        let row_ptr = parse_ptr(row.ptr);
+        let attr = if is_free && row_ptr.is_some() && hooks.skip_free_attr(row.attr) {
             H::Attr::default()
         } else {
             let Some(attr) = H::Attr::parse(row.attr) else {
@@ -348,34 +371,52 @@ impl<B: Copy> BlockReplay<B> {
             };
             attr
         };
+        if !is_free {
+            hooks.malloc_read(row, &attr);
+        }
         let mark = if is_free { FreeMark::of(attr.shadow(), attr.unmatched()) } else { FreeMark::Plain };
-        if mark == FreeMark::Shadow {
-            hooks.shadow_free();
-            return;
+        if mark != FreeMark::Shadow {
+            hooks.seen(row.ts);
         }
-        hooks.seen(row.ts);
-        if mark == FreeMark::Unmatched {
-            hooks.unmatched_free();
-            return;
-        }
-        let Some(ptr) = parse_ptr(row.ptr) else {
+        let Some(ptr) = row_ptr.or_else(|| attr.addr().and_then(parse_ptr)) else {
             hooks.unreadable();
             return;
         };
         let key = self.types.key(row, ptr);
-        if is_free {
-            match self.live.remove(&key) {
+        match mark {
+            FreeMark::Shadow => self.shadow(hooks, row, key),
+            FreeMark::Unmatched => hooks.unmatched_free(row, &attr),
+            FreeMark::Plain if is_free => match self.live.remove(&key) {
                 Some(block) => hooks.free(row, key, block, &attr),
-                None => hooks.orphan_free(),
-            }
-            return;
+                None => hooks.orphan_free(row, &attr),
+            },
+            FreeMark::Plain => self.malloc(hooks, row, key, family, &attr),
         }
+    }
+
+    fn shadow<H: BlockHooks<Block = B>>(&mut self, hooks: &mut H, row: &DumpRow<'_>, key: BlockKey) {
+        hooks.shadow_free();
+        if H::SHADOW_ENDS_BLOCK {
+            if let Some(block) = self.live.remove(&key) {
+                hooks.shadow_end(row, key, block);
+            }
+        }
+    }
+
+    fn malloc<H: BlockHooks<Block = B>>(
+        &mut self,
+        hooks: &mut H,
+        row: &DumpRow<'_>,
+        key: BlockKey,
+        family: Family,
+        attr: &H::Attr<'_>,
+    ) {
         let Some(size) = attr.size().and_then(|s| s.trim().parse::<i64>().ok()).filter(|&s| s > 0) else {
             hooks.no_size();
             return;
         };
         let owner = attr.owner().filter(|o| !o.is_empty()).unwrap_or(UNKNOWN_OWNER);
-        let block = hooks.open(row, family, owner, size, &attr);
+        let block = hooks.open(row, key, family, owner, size, attr);
         if let Some(old) = self.live.insert(key, block) {
             hooks.realloc(row, key, old);
         }
@@ -390,6 +431,11 @@ impl<B: Copy> BlockReplay<B> {
     pub fn live(&self) -> usize {
         self.live.len()
     }
+
+    /// The `Event Type` names, by the numbers in [`BlockKey::event_type`].
+    pub fn into_event_types(self) -> Vec<Box<str>> {
+        self.types.into_names()
+    }
 }
 
 #[cfg(test)]
@@ -401,7 +447,7 @@ mod tests {
     use crate::analysis::attr::attr_fields;
 
     attr_fields! {
-        struct Fields { size, owner, shadow, unmatched }
+        struct Fields { addr, size, owner, shadow, unmatched }
     }
     block_attr!(Fields);
 
@@ -430,10 +476,10 @@ mod tests {
         fn shadow_free(&mut self) {
             self.events.push("shadow".into());
         }
-        fn unmatched_free(&mut self) {
+        fn unmatched_free(&mut self, _: &DumpRow<'_>, _: &Fields<'_>) {
             self.events.push("unmatched".into());
         }
-        fn orphan_free(&mut self) {
+        fn orphan_free(&mut self, _: &DumpRow<'_>, _: &Fields<'_>) {
             self.events.push("orphan".into());
         }
         fn no_size(&mut self) {
@@ -442,7 +488,7 @@ mod tests {
         fn seen(&mut self, ts: i64) {
             self.seen.push(ts);
         }
-        fn open(&mut self, row: &DumpRow<'_>, _: Family, owner: &str, size: i64, _: &Fields<'_>) -> Opened {
+        fn open(&mut self, row: &DumpRow<'_>, _: BlockKey, _: Family, owner: &str, size: i64, _: &Fields<'_>) -> Opened {
             Opened { owner: self.owners.id(owner), size, ts: row.ts }
         }
         fn opened(&mut self, _: &DumpRow<'_>, b: &Opened) {
@@ -546,6 +592,73 @@ mod tests {
         ]);
         assert_eq!(log.events, ["no size", "no size", "unreadable", "unreadable", "open UNKNOWN 5"]);
         assert_eq!(live, 1);
+    }
+
+    #[test]
+    fn a_row_without_ptr_takes_its_attr_addr_and_one_without_either_is_unreadable_whatever_its_marks() {
+        let (log, live) = replay(&[
+            row("MALLOC", "HAL", 1, 1, "N/A", r#"{"size":"8","addr":"0x40"}"#),
+            row("FREE", "HAL", 2, 1, "0x40", r#"{}"#),
+            row("FREE", "HAL", 3, 1, "N/A", r#"{"shadow":"true"}"#),
+            row("FREE", "HAL", 4, 1, "N/A", r#"{"unmatched":"true"}"#),
+        ]);
+        assert_eq!(log.events, ["open UNKNOWN 8", "free 0x40 pid 1 of 8 from 1 at 2", "unreadable", "unreadable"]);
+        assert_eq!(live, 0);
+    }
+
+    /// The same hooks, for an analysis of time: a shadow FREE ends its block there.
+    struct Timed(Log);
+
+    impl BlockHooks for Timed {
+        type Block = Opened;
+        type Attr<'a> = Fields<'a>;
+        const SHADOW_ENDS_BLOCK: bool = true;
+
+        fn not_a_block(&mut self, row: &DumpRow<'_>) {
+            self.0.events.push(format!("not a block: {}", row.event_type));
+        }
+        fn malloc_read(&mut self, row: &DumpRow<'_>, _: &Fields<'_>) {
+            self.0.events.push(format!("read {}", row.ts));
+        }
+        fn shadow_free(&mut self) {
+            self.0.shadow_free();
+        }
+        fn shadow_end(&mut self, row: &DumpRow<'_>, key: BlockKey, b: Opened) {
+            self.0.events.push(format!("shadow end {:#x} of {} at {}", key.ptr, b.size, row.ts));
+        }
+        fn no_size(&mut self) {
+            self.0.no_size();
+        }
+        fn open(&mut self, row: &DumpRow<'_>, k: BlockKey, f: Family, o: &str, size: i64, a: &Fields<'_>) -> Opened {
+            self.0.open(row, k, f, o, size, a)
+        }
+        fn realloc(&mut self, row: &DumpRow<'_>, key: BlockKey, old: Opened) {
+            self.0.realloc(row, key, old);
+        }
+        fn free(&mut self, row: &DumpRow<'_>, key: BlockKey, b: Opened, a: &Fields<'_>) {
+            self.0.free(row, key, b, a);
+        }
+    }
+
+    #[test]
+    fn an_analysis_of_time_ends_a_block_at_its_shadow_free_and_sees_every_malloc_read() {
+        let mut timed = Timed(Log::default());
+        let mut blocks = BlockReplay::default();
+        for r in [
+            row("MALLOC", "HAL", 1, 1, "0x1", r#"{"size":"100"}"#),
+            row("MALLOC", "HAL", 2, 1, "0x2", r#"{}"#),
+            row("MALLOC", "READ", 3, 1, "0x3", r#"{"size":"5"}"#),
+            row("FREE", "HAL", 9, 1, "0x1", r#"{"shadow":"true"}"#),
+            row("FREE", "HAL", 10, 1, "0x1", r#"{}"#),
+        ] {
+            blocks.apply(&mut timed, &r);
+        }
+        assert_eq!(
+            timed.0.events,
+            ["read 1", "read 2", "no size", "not a block: READ", "shadow", "shadow end 0x1 of 100 at 9"],
+            "after its shadow FREE the block is gone: the FREE after it finds nothing"
+        );
+        assert_eq!(blocks.live(), 0);
     }
 
     #[test]

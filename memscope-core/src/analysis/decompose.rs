@@ -198,7 +198,7 @@ pub fn analyse(db: &DumpDb, wanted: &[TimeSpec]) -> Result<Report, AnalysisError
 attr_fields! {
     /// The Attr keys decompose reads. Non-string values read as absent, exactly as Insight's getter
     /// treats them, so both tools see the same blocks.
-    struct AttrFields { size, owner, unmatched, shadow }
+    struct AttrFields { addr, size, owner, unmatched, shadow }
 }
 block_attr!(AttrFields);
 
@@ -275,10 +275,10 @@ impl BlockHooks for Metrics {
         // Written at the end for blocks still live: counting it would empty the END state.
         self.stats.shadow_frees += 1;
     }
-    fn unmatched_free(&mut self) {
+    fn unmatched_free(&mut self, _: &DumpRow<'_>, _: &AttrFields<'_>) {
         self.stats.unmatched_frees += 1;
     }
-    fn orphan_free(&mut self) {
+    fn orphan_free(&mut self, _: &DumpRow<'_>, _: &AttrFields<'_>) {
         self.stats.orphan_frees += 1;
     }
     fn no_size(&mut self) {
@@ -287,7 +287,7 @@ impl BlockHooks for Metrics {
     fn seen(&mut self, ts: i64) {
         self.bounds.seen(ts);
     }
-    fn open(&mut self, _: &DumpRow<'_>, family: Family, owner: &str, size: i64, _: &AttrFields<'_>) -> LiveBlock {
+    fn open(&mut self, _: &DumpRow<'_>, _: BlockKey, family: Family, owner: &str, size: i64, _: &AttrFields<'_>) -> LiveBlock {
         let (slot, _) = self.slots.slot(family, owner);
         self.stats.mallocs[family.index()] += 1;
         LiveBlock { slot, size }

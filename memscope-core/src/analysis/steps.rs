@@ -114,7 +114,7 @@ pub struct RowDetails {
 
 attr_fields! {
     /// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
-    struct AttrFields { size, owner, unmatched, shadow, segment, pool, allocation_id, freed_by }
+    struct AttrFields { addr, size, owner, unmatched, shadow, segment, pool, allocation_id, freed_by }
 }
 block_attr!(AttrFields);
 
@@ -407,7 +407,7 @@ impl<S: BlockSink> BlockHooks for Hooks<'_, S> {
     fn seen(&mut self, ts: i64) {
         self.live.bounds.last = Some(ts);
     }
-    fn open(&mut self, row: &DumpRow<'_>, family: Family, owner: &str, size: i64, attr: &AttrFields<'_>) -> LiveBlock {
+    fn open(&mut self, row: &DumpRow<'_>, _: BlockKey, family: Family, owner: &str, size: i64, attr: &AttrFields<'_>) -> LiveBlock {
         let live = &mut *self.live;
         let (slot, new) = live.slots.slot(family, owner);
         if new {

@@ -1,6 +1,6 @@
-//! The one pass over `memscope_dump` behind both definitions: blocks paired with the shared
-//! key of [`crate::analysis::blocks`], each ACCESS resolved to the live block that holds its
-//! address, and per process the API index msMemScope counts.
+//! The one pass over `memscope_dump` behind both definitions: blocks paired by the shared
+//! [`BlockReplay`] (a `shadow` FREE ends its block's time here), each ACCESS resolved to the
+//! live block that holds its address, and per process the API index msMemScope counts.
 
 use std::collections::BTreeMap;
 
@@ -8,7 +8,7 @@ use foldhash::{HashMap, HashMapExt};
 
 use super::*;
 use crate::analysis::attr::attr_fields;
-use crate::analysis::blocks::{parse_ptr, BlockKey, Bounds, EventTypes, Family, FreeMark, Names, ATB};
+use crate::analysis::blocks::{block_attr, parse_ptr, BlockHooks, BlockKey, BlockReplay, Bounds, Family, Names, ATB};
 use crate::analysis::db::DumpRow;
 use crate::vocab::{Event, EventType};
 
@@ -76,15 +76,23 @@ attr_fields! {
     /// The Attr keys this analysis reads.
     struct Fields { addr, size, owner, pool, allocation_id, shadow, unmatched, inefficient_type }
 }
+block_attr!(Fields);
 
+/// The pass: [`BlockReplay`] pairs MALLOC and FREE (with a `shadow` FREE ending its block's
+/// time), [`State`] keeps what both definitions need of each block and resolves the rest.
 pub(super) struct Replay {
+    blocks: BlockReplay<u32>,
+    state: State,
+}
+
+/// Everything but the pairing. A live block is its slot number here; the replay's map holds it.
+struct State {
     options: Options,
     /// Live blocks by slot (slots of ended blocks are reused), with their allocation number.
     slots: Vec<Option<(u64, Block)>>,
     free_slots: Vec<u32>,
     /// Ended blocks that were accessed, with their allocation number.
     ended: Vec<(u64, Block)>,
-    live: HashMap<BlockKey, u32>,
     /// Live blocks by (process, start), for finding the block that holds an address: pool blocks
     /// first (they lie inside device segments), then device and host blocks.
     pool_index: BTreeMap<(i64, u64), u32>,
@@ -92,7 +100,6 @@ pub(super) struct Replay {
     apis: HashMap<(i64, OpFamily), ApiState>,
     /// Owner names; 0 is "no owner".
     owners: Names,
-    event_types: EventTypes,
     existing: Vec<(i64, Box<str>)>,
     pids: foldhash::HashSet<i64>,
     /// `first` and `last`: every row of the events read.
@@ -102,24 +109,89 @@ pub(super) struct Replay {
 
 impl Replay {
     pub(super) fn new(options: Options) -> Self {
-        Self {
+        let state = State {
             options,
             slots: Vec::new(),
             free_slots: Vec::new(),
             ended: Vec::new(),
-            live: HashMap::new(),
             pool_index: BTreeMap::new(),
             other_index: BTreeMap::new(),
             apis: HashMap::new(),
             owners: Names::starting_with(""),
-            event_types: EventTypes::default(),
             existing: Vec::new(),
             pids: Default::default(),
             bounds: Bounds::default(),
             stats: Stats::default(),
-        }
+        };
+        Self { blocks: BlockReplay::default(), state }
     }
 
+    pub(super) fn apply(&mut self, row: DumpRow<'_>) {
+        let state = &mut self.state;
+        state.stats.rows += 1;
+        match Event::parse(row.event) {
+            Some(Event::Malloc | Event::Free) => self.blocks.apply(state, &row),
+            Some(Event::Access) => state.access(&row),
+            Some(Event::OpLaunch) => state.op(&row),
+            Some(Event::System) => state.bounds.system(row.event_type, row.ts),
+            _ => return,
+        }
+        state.bounds.seen(row.ts);
+    }
+}
+
+impl BlockHooks for State {
+    type Block = u32;
+    type Attr<'a> = Fields<'a>;
+
+    // msMemScope hands its shadow frees to no analyzer, so they are no FREE API; but they end
+    // the block's time.
+    const SHADOW_ENDS_BLOCK: bool = true;
+
+    fn not_a_block(&mut self, row: &DumpRow<'_>) {
+        match Fields::parse(row.attr) {
+            Some(f) => self.malloc_read(row, &f),
+            None => self.stats.unreadable += 1,
+        }
+    }
+    fn malloc_read(&mut self, row: &DumpRow<'_>, f: &Fields<'_>) {
+        if let (Some(old), Some(Event::Malloc)) = (f.inefficient_type.as_deref(), Event::parse(row.event)) {
+            self.existing.push((row.rowid, old.into()));
+        }
+    }
+    fn unreadable(&mut self) {
+        self.stats.unreadable += 1;
+    }
+    fn shadow_free(&mut self) {
+        self.stats.shadow_frees += 1;
+    }
+    fn shadow_end(&mut self, row: &DumpRow<'_>, _: BlockKey, idx: u32) {
+        self.close(idx, row.ts, End::Live);
+    }
+    fn unmatched_free(&mut self, row: &DumpRow<'_>, f: &Fields<'_>) {
+        self.stats.unmatched_frees += 1;
+        self.untraced_free(row, f);
+    }
+    fn orphan_free(&mut self, row: &DumpRow<'_>, f: &Fields<'_>) {
+        self.stats.orphan_frees += 1;
+        self.untraced_free(row, f);
+    }
+    fn no_size(&mut self) {
+        self.stats.no_size += 1;
+    }
+    fn open(&mut self, row: &DumpRow<'_>, key: BlockKey, family: Family, _: &str, size: i64, f: &Fields<'_>) -> u32 {
+        self.open_block(row, key, family, size as u64, f)
+    }
+    fn realloc(&mut self, row: &DumpRow<'_>, _: BlockKey, old: u32) {
+        self.stats.reallocs += 1;
+        self.close(old, row.ts, End::Realloc);
+    }
+    fn free(&mut self, row: &DumpRow<'_>, _: BlockKey, idx: u32, _: &Fields<'_>) {
+        self.freed(row, idx);
+    }
+}
+
+impl State {
     fn owner(&mut self, owner: Option<&str>) -> u32 {
         owner.filter(|o| !o.is_empty()).map_or(0, |o| self.owners.id(o))
     }
@@ -133,47 +205,7 @@ impl Replay {
         self.apis.entry((pid, family)).or_default()
     }
 
-    pub(super) fn apply(&mut self, row: DumpRow<'_>) {
-        self.stats.rows += 1;
-        match Event::parse(row.event) {
-            Some(Event::Malloc) => self.malloc(&row),
-            Some(Event::Free) => self.free(&row),
-            Some(Event::Access) => self.access(&row),
-            Some(Event::OpLaunch) => self.op(&row),
-            Some(Event::System) => self.bounds.system(row.event_type, row.ts),
-            _ => return,
-        }
-        self.bounds.seen(row.ts);
-    }
-
-    fn fields<'a>(&mut self, attr: &'a str) -> Option<Fields<'a>> {
-        let parsed = Fields::parse(attr);
-        if parsed.is_none() {
-            self.stats.unreadable += 1;
-        }
-        parsed
-    }
-
-    fn malloc(&mut self, row: &DumpRow<'_>) {
-        let Some(f) = self.fields(row.attr) else { return };
-        if let Some(old) = f.inefficient_type.as_deref() {
-            self.existing.push((row.rowid, old.into()));
-        }
-        let Some(block_family) = Family::of(row.event_type) else { return };
-        let Some(ptr) = parse_ptr(row.ptr).or_else(|| f.addr.as_deref().and_then(parse_ptr)) else {
-            self.stats.unreadable += 1;
-            return;
-        };
-        let Some(size) = f.size.as_deref().and_then(|s| s.trim().parse::<u64>().ok()).filter(|&s| s > 0) else {
-            self.stats.no_size += 1;
-            return;
-        };
-        let key = self.event_types.key(row, ptr);
-        let ty = key.event_type;
-        if let Some(old) = self.live.remove(&key) {
-            self.stats.reallocs += 1;
-            self.close(old, row.ts, End::Realloc);
-        }
+    fn open_block(&mut self, row: &DumpRow<'_>, key: BlockKey, block_family: Family, size: u64, f: &Fields<'_>) -> u32 {
         self.pids.insert(row.pid);
         let family = op_family(row.event_type, f.pool.as_deref());
         let api = family.map(|family| ApiFacts {
@@ -190,10 +222,10 @@ impl Replay {
             malloc_rowid: row.rowid,
             malloc_id: row.id,
             pid: row.pid,
-            event_type: ty,
+            event_type: key.event_type,
             family: block_family,
             pool: f.pool.as_deref().map(Into::into),
-            ptr,
+            ptr: key.ptr,
             size,
             allocation_id: f.allocation_id.as_deref().map(Into::into),
             owner,
@@ -220,8 +252,8 @@ impl Replay {
         };
         self.stats.blocks += 1;
         self.stats.op_index_blocks += u64::from(family.is_some());
-        self.live.insert(key, idx);
-        self.index_of(block_family).insert((row.pid, ptr), idx);
+        self.index_of(block_family).insert((row.pid, key.ptr), idx);
+        idx
     }
 
     fn index_of(&mut self, family: Family) -> &mut BTreeMap<(i64, u64), u32> {
@@ -248,41 +280,16 @@ impl Replay {
         }
     }
 
-    fn free(&mut self, row: &DumpRow<'_>) {
-        let Some(f) = self.fields(row.attr) else { return };
-        if Family::of(row.event_type).is_none() {
-            return;
+    /// A FREE of a block from before the trace, or of none the trace saw: still a FREE API for
+    /// the others.
+    fn untraced_free(&mut self, row: &DumpRow<'_>, f: &Fields<'_>) {
+        if let Some(family) = op_family(row.event_type, f.pool.as_deref()) {
+            self.api(row.pid, family).memory_event(false, true);
         }
-        let Some(ptr) = parse_ptr(row.ptr).or_else(|| f.addr.as_deref().and_then(parse_ptr)) else {
-            self.stats.unreadable += 1;
-            return;
-        };
-        let key = self.event_types.key(row, ptr);
-        let mark = FreeMark::of(f.shadow.as_deref(), f.unmatched.as_deref());
-        if mark == FreeMark::Shadow {
-            // Written when the trace stopped for blocks still live; msMemScope hands its shadow
-            // frees to no analyzer, so they end the block's time but are no FREE API.
-            self.stats.shadow_frees += 1;
-            if let Some(idx) = self.live.remove(&key) {
-                self.close(idx, row.ts, End::Live);
-            }
-            return;
-        }
-        let found = if mark == FreeMark::Unmatched {
-            self.stats.unmatched_frees += 1;
-            None
-        } else {
-            let found = self.live.remove(&key);
-            self.stats.orphan_frees += u64::from(found.is_none());
-            found
-        };
-        let Some(idx) = found else {
-            // A block from before the trace was freed: still a FREE API for the others.
-            if let Some(family) = op_family(row.event_type, f.pool.as_deref()) {
-                self.api(row.pid, family).memory_event(false, true);
-            }
-            return;
-        };
+    }
+
+    /// The FREE of a live block.
+    fn freed(&mut self, row: &DumpRow<'_>, idx: u32) {
         if let Some(family) = self.block(idx).api.map(|a| a.family) {
             let st = {
                 let s = self.api(row.pid, family);
@@ -321,7 +328,13 @@ impl Replay {
     fn access(&mut self, row: &DumpRow<'_>) {
         let addr = match parse_ptr(row.ptr) {
             Some(a) => Some(a),
-            None => self.fields(row.attr).and_then(|f| f.addr.as_deref().and_then(parse_ptr)),
+            None => match Fields::parse(row.attr) {
+                Some(f) => f.addr.as_deref().and_then(parse_ptr),
+                None => {
+                    self.stats.unreadable += 1;
+                    None
+                }
+            },
         };
         let Some(idx) = addr.and_then(|a| self.resolve(row.pid, a)) else {
             self.stats.unresolved_accesses += 1;
@@ -388,54 +401,60 @@ impl Replay {
             st.op_end();
         }
     }
+}
 
-    pub(super) fn finish(mut self) -> Report {
-        let end_ns = self.bounds.end_ns();
-        let live: Vec<u32> = self.live.drain().map(|(_, idx)| idx).collect();
-        for idx in live {
-            let (seq, mut b) = self.slots[idx as usize].take().expect("a live block's slot");
+impl Replay {
+    pub(super) fn finish(self) -> Report {
+        let Self { mut blocks, state: mut st } = self;
+        let end_ns = st.bounds.end_ns();
+        for (_, idx) in blocks.drain() {
+            let (seq, mut b) = st.slots[idx as usize].take().expect("a live block's slot");
             b.end_ns = end_ns.unwrap_or(b.malloc_ns).max(b.malloc_ns);
             b.end = End::Live;
             if b.accesses > 0 {
-                self.ended.push((seq, b));
+                st.ended.push((seq, b));
             }
         }
-        self.ended.sort_unstable_by_key(|(seq, _)| *seq);
-        let mut blocks: Vec<Block> = self.ended.into_iter().map(|(_, b)| b).collect();
-        let o = &self.options;
-        for b in &mut blocks {
-            let life = b.end_ns - b.malloc_ns;
-            // Insight's conditions: an access after the allocation instant, then the threshold.
-            if let (Some(t), Some(first)) = (o.lazy_used, b.first_access_ns) {
-                if first > b.malloc_ns && t.exceeded(first - b.malloc_ns, life) {
-                    b.flags |= LAZY_USED;
-                }
-            }
-            if let (Some(t), Some(last)) = (o.delayed_free, b.last_access_ns) {
-                if last > b.malloc_ns && t.exceeded(b.end_ns - last, life) {
-                    b.flags |= DELAYED_FREE;
-                }
-            }
-            if let (Some(t), Some(idle)) = (o.long_idle, b.max_idle_ns) {
-                if t.exceeded(idle, life) {
-                    b.flags |= LONG_IDLE;
-                }
-            }
-            if b.flags != 0 && b.size < o.mem_size {
-                b.flags = 0;
-                self.stats.below_mem_size += 1;
-            }
+        st.ended.sort_unstable_by_key(|(seq, _)| *seq);
+        let mut ended: Vec<Block> = st.ended.into_iter().map(|(_, b)| b).collect();
+        for b in &mut ended {
+            judge_by_time(b, &st.options, &mut st.stats);
         }
-        self.stats.processes = self.pids.len() as u64;
+        st.stats.processes = st.pids.len() as u64;
         Report {
-            options: self.options,
-            blocks,
-            owners: self.owners.into_names(),
-            event_types: self.event_types.into_names(),
-            existing: self.existing,
-            start_ns: self.bounds.start_ns(),
+            options: st.options,
+            blocks: ended,
+            owners: st.owners.into_names(),
+            event_types: blocks.into_event_types(),
+            existing: st.existing,
+            start_ns: st.bounds.start_ns(),
             end_ns,
-            stats: self.stats,
+            stats: st.stats,
         }
+    }
+}
+
+/// Insight's definitions, on the ended block's times; then `--mem-size` for both.
+fn judge_by_time(b: &mut Block, o: &Options, stats: &mut Stats) {
+    let life = b.end_ns - b.malloc_ns;
+    // Insight's conditions: an access after the allocation instant, then the threshold.
+    if let (Some(t), Some(first)) = (o.lazy_used, b.first_access_ns) {
+        if first > b.malloc_ns && t.exceeded(first - b.malloc_ns, life) {
+            b.flags |= LAZY_USED;
+        }
+    }
+    if let (Some(t), Some(last)) = (o.delayed_free, b.last_access_ns) {
+        if last > b.malloc_ns && t.exceeded(b.end_ns - last, life) {
+            b.flags |= DELAYED_FREE;
+        }
+    }
+    if let (Some(t), Some(idle)) = (o.long_idle, b.max_idle_ns) {
+        if t.exceeded(idle, life) {
+            b.flags |= LONG_IDLE;
+        }
+    }
+    if b.flags != 0 && b.size < o.mem_size {
+        b.flags = 0;
+        stats.below_mem_size += 1;
     }
 }
