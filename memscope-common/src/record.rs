@@ -32,6 +32,9 @@ pub enum RecordKind {
     Blob = 5,
     /// A traced function with a text argument returned: [`CallTextRecord`].
     CallText = 6,
+    /// The user stack at the entry of a thread's outermost traced call: [`StackRecord`], cut to
+    /// the frames captured.
+    Stack = 7,
 }
 
 impl RecordKind {
@@ -44,6 +47,7 @@ impl RecordKind {
             4 => Some(Self::Usdt),
             5 => Some(Self::Blob),
             6 => Some(Self::CallText),
+            7 => Some(Self::Stack),
             _ => None,
         }
     }
@@ -177,6 +181,41 @@ pub struct BlobRecord {
     pub data: [u8; BLOB_LEN],
 }
 
+/// Frames a [`StackRecord`] can hold: the kernel's default `kernel.perf_event_max_stack`, the
+/// most `bpf_get_stack` walks.
+pub const MAX_STACK_DEPTH: usize = 127;
+
+/// [`StackRecord::flags`]: the walk filled every frame it was allowed (`--call-stack c:N`), so
+/// the stack may go on past its last frame.
+pub const STACK_AT_DEPTH: u32 = 1;
+/// [`StackRecord::flags`]: `bpf_get_stack` failed; the record has no frames.
+pub const STACK_FAILED: u32 = 2;
+
+/// The user stack of a thread at the entry of its outermost traced call (no traced call of any
+/// layer open on the thread), so that every call nested in it, and the rows they make, share
+/// it. Sent before those calls' own records on the same thread. Only the frames captured travel:
+/// the record is `STACK_HEADER_LEN + 8 * frames` bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StackRecord {
+    /// `ts_ns` is the outermost call's entry time, exactly its [`CallRecord::entry_ns`].
+    pub hdr: RecordHeader,
+    /// The return address at entry (x86-64: the word at the stack pointer; arm64: the link
+    /// register). A frame-pointer walk from a function's first instruction skips its caller,
+    /// whose frame is not set up yet: this is that frame.
+    pub return_address: u64,
+    /// `STACK_*` bits.
+    pub flags: u32,
+    /// Frames in `ips`.
+    pub frames: u32,
+    /// Instruction pointers, innermost first: the traced function's entry, then the return
+    /// addresses the frame-pointer chain gives.
+    pub ips: [u64; MAX_STACK_DEPTH],
+}
+
+/// Bytes of a [`StackRecord`] before its `ips`.
+pub const STACK_HEADER_LEN: usize = 24 + 16;
+
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
 const _: () = assert!(core::mem::size_of::<BlobRecord>() == 24 + 16 + BLOB_LEN);
 const _: () =
@@ -188,6 +227,7 @@ const _: () = assert!(crate::spec::MAX_SPECS <= u16::MAX as u32);
 const _: () = assert!(crate::spec::MAX_FIELDS <= 8);
 const _: () = assert!(core::mem::size_of::<ForkRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<ExitRecord>() == 24);
+const _: () = assert!(core::mem::size_of::<StackRecord>() == STACK_HEADER_LEN + 8 * MAX_STACK_DEPTH);
 
 #[cfg(test)]
 mod tests {

@@ -18,5 +18,6 @@ pub mod analysis;
 pub mod apis;
 pub mod model;
 pub mod raw;
+pub mod stacks;
 pub mod store;
 pub mod vocab;

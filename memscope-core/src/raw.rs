@@ -8,7 +8,8 @@
 use std::mem::{align_of, size_of};
 
 use memscope_common::record::{
-    BlobRecord, CallRecord, CallTextRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord, NO_MODULE,
+    BlobRecord, CallRecord, CallTextRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord,
+    MAX_STACK_DEPTH, NO_MODULE, STACK_HEADER_LEN,
 };
 use memscope_common::spec::MAX_FIELDS;
 use memscope_common::usdt::USDT_MAX_ARGS;
@@ -98,12 +99,26 @@ pub struct RawBlob {
     pub data: Vec<u8>,
 }
 
+/// A thread's user stack at the entry of its outermost traced call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawStack {
+    pub tgid: u32,
+    pub tid: u32,
+    /// The outermost call's entry time, equal to its record's `entry_mono_ns`.
+    pub entry_mono_ns: u64,
+    pub return_address: u64,
+    /// `memscope_common::record::STACK_*` bits.
+    pub flags: u32,
+    pub ips: Vec<u64>,
+}
+
 /// A decoded record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     Call(RawCall),
     Usdt(RawUsdt),
     Blob(RawBlob),
+    Stack(RawStack),
     Fork { mono_ns: u64, parent: u32, child: u32 },
     Exit { mono_ns: u64, tgid: u32 },
 }
@@ -118,6 +133,15 @@ unsafe trait Plain: Copy {}
 unsafe impl Plain for CallRecord {}
 // SAFETY: as above.
 unsafe impl Plain for CallTextRecord {}
+
+// The stack record's fields, read by offset (its length varies, so it is never read whole).
+const _: () = {
+    use memscope_common::record::StackRecord;
+    assert!(std::mem::offset_of!(StackRecord, return_address) == 24);
+    assert!(std::mem::offset_of!(StackRecord, flags) == 32);
+    assert!(std::mem::offset_of!(StackRecord, frames) == 36);
+    assert!(std::mem::offset_of!(StackRecord, ips) == STACK_HEADER_LEN);
+};
 // SAFETY: as above.
 unsafe impl Plain for UsdtRecord {}
 // SAFETY: as above.
@@ -246,6 +270,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
                 Record::Blob(RawBlob { spec_id: r.spec_id, tid: r.hdr.tid, data: r.data[..len].to_vec() })
             }))
         }
+        RecordKind::Stack => stack(bytes).map(Record::Stack),
         RecordKind::Fork => {
             need::<ForkRecord>(kind, bytes)?;
             let r: ForkRecord = read(bytes);
@@ -257,6 +282,33 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             Ok(Record::Exit { mono_ns: r.hdr.ts_ns, tgid: r.hdr.tgid })
         }
     }
+}
+
+/// A stack record: its fixed part, then as many frames as it says (the BPF side sends only
+/// those), each checked to be there.
+fn stack(bytes: &[u8]) -> Result<RawStack, DecodeError> {
+    let kind = RecordKind::Stack;
+    if bytes.len() < STACK_HEADER_LEN {
+        return Err(DecodeError::Truncated { kind, len: bytes.len(), need: STACK_HEADER_LEN });
+    }
+    let word = |at: usize| u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("checked length"));
+    let half = |at: usize| u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("checked length"));
+    let frames = (half(36) as usize).min(MAX_STACK_DEPTH);
+    let need = STACK_HEADER_LEN + 8 * frames;
+    if bytes.len() < need {
+        return Err(DecodeError::Truncated { kind, len: bytes.len(), need });
+    }
+    Ok(RawStack {
+        tgid: half(16),
+        tid: half(20),
+        entry_mono_ns: word(8),
+        return_address: word(24),
+        flags: half(32),
+        ips: bytes[STACK_HEADER_LEN..need]
+            .chunks_exact(8)
+            .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
+            .collect(),
+    })
 }
 
 /// The raw bytes of a record, as the BPF side writes them (tests, and the consumer benchmark).
@@ -436,5 +488,31 @@ mod tests {
         assert_eq!(decode(&encode(&fork)), Ok(Record::Fork { mono_ns: 5, parent: 10, child: 11 }));
         let exit = ExitRecord { hdr: RecordHeader::new(RecordKind::Exit, 6, 10, 10) };
         assert_eq!(decode(&encode(&exit)), Ok(Record::Exit { mono_ns: 6, tgid: 10 }));
+    }
+
+    fn stack_bytes(frames: u32, ips: &[u64]) -> Vec<u8> {
+        let mut b = encode(&RecordHeader::new(RecordKind::Stack, 500, 7, 8));
+        b.extend_from_slice(&0x4444u64.to_ne_bytes());
+        b.extend_from_slice(&1u32.to_ne_bytes());
+        b.extend_from_slice(&frames.to_ne_bytes());
+        for ip in ips {
+            b.extend_from_slice(&ip.to_ne_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn a_stack_record_carries_only_the_frames_it_says_and_a_short_one_is_refused() {
+        let Ok(Record::Stack(s)) = decode(&stack_bytes(2, &[0x10, 0x20])) else { panic!() };
+        assert_eq!((s.tgid, s.tid, s.entry_mono_ns, s.return_address, s.flags), (7, 8, 500, 0x4444, 1));
+        assert_eq!(s.ips, [0x10, 0x20]);
+        assert_eq!(
+            decode(&stack_bytes(3, &[0x10, 0x20])),
+            Err(DecodeError::Truncated {
+                kind: RecordKind::Stack,
+                len: STACK_HEADER_LEN + 16,
+                need: STACK_HEADER_LEN + 24
+            })
+        );
     }
 }

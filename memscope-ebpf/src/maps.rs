@@ -80,6 +80,22 @@ pub fn submit<T>(entry: RingBufEntry<T>) {
     entry.submit(flags.into());
 }
 
+/// Copies `bytes` (a record built in scratch memory, of a length known only at run time) to the
+/// ring buffer, counting a drop when it is full.
+pub fn output_bytes(bytes: &[u8]) {
+    let flags = if EVENTS.query(BPF_RB_AVAIL_DATA.into()) >= WAKEUP_BYTES.load() && wakeup_due() {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    if EVENTS.output::<[u8]>(bytes, flags.into()).is_err() {
+        if let Some(count) = DROPS.get_ptr_mut(0) {
+            // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+            unsafe { *count += 1 };
+        }
+    }
+}
+
 /// Writes a small `record` (built on the stack) to the ring buffer.
 pub fn output<T: Copy + 'static>(record: &T) {
     if let Some(mut entry) = reserve::<T>() {

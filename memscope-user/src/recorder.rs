@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::procs;
+use crate::stacks::{StackId, NO_STACK};
 use crate::store::{Retag, Writer};
 
 pub struct Recorder {
@@ -37,13 +38,25 @@ impl Recorder {
                 self.children.remove(&event.pid);
             }
             EventKind::Marker(_) => self.markers += 1,
+            EventKind::Stack(_) => {
+                let EventKind::Stack(stack) = event.kind else { unreachable!("matched above") };
+                if let Err(e) = self.store.add_stack(stack) {
+                    self.error.get_or_insert(anyhow::Error::new(e).context("cannot write the trace"));
+                }
+                return;
+            }
         }
+        let stack = match &event.kind {
+            EventKind::Call(call) => call.stack,
+            _ => NO_STACK,
+        };
         self.tracker.apply(event, &mut self.outputs);
-        self.flush_outputs();
+        self.flush_outputs(stack);
     }
 
-    /// Writes the facts of the last event; the list keeps its capacity for the next one.
-    fn flush_outputs(&mut self) {
+    /// Writes the facts of the last event, with its call's stack; the list keeps its capacity
+    /// for the next one.
+    fn flush_outputs(&mut self, stack: StackId) {
         // After the first error nothing more is written: the trace stops on it.
         let writing = if self.error.is_none() { self.outputs.len() } else { 0 };
         for output in &mut self.outputs[..writing] {
@@ -52,7 +65,7 @@ impl Recorder {
                     let owner = std::mem::take(owner);
                     self.store.retag(Retag { device: *device, pid: *pid, event_type: *event_type, ptr: *ptr, owner })
                 }
-                output => self.store.write_output(output),
+                output => self.store.write_output(output, stack),
             };
             if let Err(e) = written {
                 self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));

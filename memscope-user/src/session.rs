@@ -29,6 +29,7 @@ use crate::procs;
 use crate::record::ring::Consumer;
 use crate::recorder::Recorder;
 use crate::say::say;
+use crate::stacks::spec::CallStacks;
 use crate::stop::{Detaching, Signals};
 use crate::store::{Format, Meta, ProbeRow, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, SkippedLibrary, Summary};
@@ -69,6 +70,8 @@ pub struct Plan {
     pub follow: bool,
     /// Report nothing until the program starts collection (markers `start()`).
     pub wait_for_start: bool,
+    /// `--call-stack`.
+    pub call_stacks: CallStacks,
 }
 
 /// Environment variables that set the allocators' behaviour, stored as `env.<NAME>` in
@@ -323,6 +326,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         quiet,
         follow,
         wait_for_start,
+        call_stacks,
     } = plan;
     let pid = target.pid();
     let clock = Clock::calibrate();
@@ -330,7 +334,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let start_wall = clock::wall_ns();
 
     let launch_mode = matches!(target, Target::Launched(_));
-    let mut tracer = load(pid, launch_mode, follow, ring_bytes, debug_dirs)?;
+    let mut tracer = load(pid, launch_mode, follow, ring_bytes, debug_dirs.clone(), call_stacks)?;
     let Attached { probes, markers, skipped } = attach_all(&mut tracer, &libraries, probe_set, quiet)?;
 
     let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
@@ -353,7 +357,12 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         meta.extend(skipped_meta(&skipped));
     }
     let run_dir = layout.root().to_owned();
-    let mut store = Writer::start(Store::new(layout, format, start_wall, meta));
+    if let Some(depth) = call_stacks.c {
+        meta.push(("call_stack_c".into(), depth.to_string()));
+    }
+    let mut store = Store::new(layout, format, start_wall, meta);
+    store.debug_dirs = debug_dirs;
+    let mut store = Writer::start(store);
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;
 
@@ -385,12 +394,14 @@ fn load(
     follow: bool,
     ring_bytes: u32,
     debug_dirs: Vec<PathBuf>,
+    call_stacks: CallStacks,
 ) -> anyhow::Result<Tracer> {
     let opts = LoadOptions {
         ring_bytes,
         wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION,
         follow_forks: follow,
         debug_dirs,
+        stack_depth: call_stacks.native_depth(),
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.
@@ -616,9 +627,10 @@ impl Live {
         let mut devices = device_lines(&tracker);
         let pools = pool_lines(&tracker);
         store.stopping()?;
-        tracker.finish(stop_wall, |output| store.write_output(&output))?;
+        tracker.finish(stop_wall, |output| store.write_output(&output, crate::stacks::NO_STACK))?;
         let undecodable = consumer.stats.undecodable;
-        let final_meta: Meta = vec![
+        let stacks = consumer.stack_stats();
+        let mut final_meta: Meta = vec![
             ("stop_ns".into(), stop_wall.to_string()),
             ("stop_reason".into(), stop_reason.clone()),
             ("calls_recorded".into(), calls.to_string()),
@@ -626,6 +638,13 @@ impl Live {
             ("records_lost".into(), lost.to_string()),
             ("records_undecodable".into(), undecodable.to_string()),
         ];
+        if stacks.stacks > 0 {
+            final_meta.extend([
+                ("stacks_captured".into(), stacks.stacks.to_string()),
+                ("stacks_unique".into(), stacks.unique.to_string()),
+                ("stack_frames_unmapped".into(), stacks.unknown_frames.to_string()),
+            ]);
+        }
         let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost)).collect();
         let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
         if written.is_empty() {

@@ -6,6 +6,9 @@
 //! - `late/libacl_rt.so`: a second copy at another path and name, loaded late by a workload the
 //!   way HCCL dlopens libacl_rt.so, to test that the tracer picks up new libraries.
 //! - `bin/alloc_bench`: the benchmark's allocation loop, linked to the stand-in.
+//! - `bin/stack_chain`, `bin/stack_chain_nofp`: a call chain known by construction
+//!   (`tests/standin/stacks/`), its library `stacks/libstackchain.so` built with frame pointers and
+//!   `stacks_nofp/libstackchain.so` without, for the native-stack tests.
 //! - `atb/libatb.so`: the stand-in Ascend Transformer Boost (a graph runner whose workspace the
 //!   caller takes from the stand-in torch_npu), with its DWARF kept so the tracer reads the
 //!   workspace fields' offsets from it.
@@ -89,6 +92,7 @@ pub fn standins() -> anyhow::Result<Built> {
         .arg(libascendcl.parent().expect("has a parent"))
         .arg(format!("-Wl,-rpath,{}", libascendcl.parent().expect("has a parent").display()))
         .arg("-lascendcl"))?;
+    stack_chain(&root, &standin, &lib64)?;
     Ok(Built {
         binary: root.join("target/release/memscope-bpf"),
         ascend_home,
@@ -99,6 +103,45 @@ pub fn standins() -> anyhow::Result<Built> {
         atb,
         markers: PathBuf::new(),
     })
+}
+
+/// The stack-chain program twice: its library with frame pointers (`bin/stack_chain`) and
+/// without (`bin/stack_chain_nofp`); the program itself keeps them, and exports its symbols
+/// (`-rdynamic`) so glibc's `backtrace_symbols` in its ledger names `main` too.
+fn stack_chain(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<()> {
+    let sources = root.join("tests/standin/stacks");
+    for (lib_dir, frame_pointers, exe) in [("stacks", true, "stack_chain"), ("stacks_nofp", false, "stack_chain_nofp")]
+    {
+        let dir = standin.join(lib_dir);
+        std::fs::create_dir_all(&dir)?;
+        let lib = dir.join("libstackchain.so");
+        let fp = if frame_pointers { "-fno-omit-frame-pointer" } else { "-fomit-frame-pointer" };
+        sh(Command::new("gcc")
+            .args(["-O2", "-g", fp, "-fno-ipa-icf", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"])
+            .arg("-I")
+            .arg(root.join("tests/standin/ascend"))
+            .arg("-o")
+            .arg(&lib)
+            .arg(sources.join("stack_chain.c"))
+            .arg("-Wl,-soname,libstackchain.so")
+            .arg("-L")
+            .arg(lib64)
+            .arg("-lascendcl")
+            .arg(format!("-Wl,-rpath,{}", lib64.display())))?;
+        let bin = standin.join("bin").join(exe);
+        std::fs::create_dir_all(bin.parent().expect("has a parent"))?;
+        sh(Command::new("gcc")
+            .args(CFLAGS)
+            .arg("-rdynamic")
+            .arg("-o")
+            .arg(&bin)
+            .arg(sources.join("stack_chain_main.c"))
+            .arg("-L")
+            .arg(&dir)
+            .arg("-lstackchain")
+            .arg(format!("-Wl,-rpath,{}", dir.display())))?;
+    }
+    Ok(())
 }
 
 /// The build id of an ELF file, as `readelf -n` prints it.

@@ -327,8 +327,15 @@ pub trait BlockHooks {
     fn seen(&mut self, _ts: i64) {}
     /// A MALLOC of `size` bytes by `owner` (the Attr's, else [`UNKNOWN_OWNER`]) opens the block
     /// at `key`.
-    fn open(&mut self, row: &DumpRow<'_>, key: BlockKey, family: Family, owner: &str, size: i64, attr: &Self::Attr<'_>)
-        -> Self::Block;
+    fn open(
+        &mut self,
+        row: &DumpRow<'_>,
+        key: BlockKey,
+        family: Family,
+        owner: &str,
+        size: i64,
+        attr: &Self::Attr<'_>,
+    ) -> Self::Block;
     /// The block is live (after `realloc` of the one it replaced, if any).
     fn opened(&mut self, _row: &DumpRow<'_>, _block: &Self::Block) {}
     /// A MALLOC at the key of a live block: the earlier one ends at `row`.
@@ -488,7 +495,15 @@ mod tests {
         fn seen(&mut self, ts: i64) {
             self.seen.push(ts);
         }
-        fn open(&mut self, row: &DumpRow<'_>, _: BlockKey, _: Family, owner: &str, size: i64, _: &Fields<'_>) -> Opened {
+        fn open(
+            &mut self,
+            row: &DumpRow<'_>,
+            _: BlockKey,
+            _: Family,
+            owner: &str,
+            size: i64,
+            _: &Fields<'_>,
+        ) -> Opened {
             Opened { owner: self.owners.id(owner), size, ts: row.ts }
         }
         fn opened(&mut self, _: &DumpRow<'_>, b: &Opened) {

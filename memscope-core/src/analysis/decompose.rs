@@ -287,7 +287,15 @@ impl BlockHooks for Metrics {
     fn seen(&mut self, ts: i64) {
         self.bounds.seen(ts);
     }
-    fn open(&mut self, _: &DumpRow<'_>, _: BlockKey, family: Family, owner: &str, size: i64, _: &AttrFields<'_>) -> LiveBlock {
+    fn open(
+        &mut self,
+        _: &DumpRow<'_>,
+        _: BlockKey,
+        family: Family,
+        owner: &str,
+        size: i64,
+        _: &AttrFields<'_>,
+    ) -> LiveBlock {
         let (slot, _) = self.slots.slot(family, owner);
         self.stats.mallocs[family.index()] += 1;
         LiveBlock { slot, size }

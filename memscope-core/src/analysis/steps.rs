@@ -407,7 +407,15 @@ impl<S: BlockSink> BlockHooks for Hooks<'_, S> {
     fn seen(&mut self, ts: i64) {
         self.live.bounds.last = Some(ts);
     }
-    fn open(&mut self, row: &DumpRow<'_>, _: BlockKey, family: Family, owner: &str, size: i64, attr: &AttrFields<'_>) -> LiveBlock {
+    fn open(
+        &mut self,
+        row: &DumpRow<'_>,
+        _: BlockKey,
+        family: Family,
+        owner: &str,
+        size: i64,
+        attr: &AttrFields<'_>,
+    ) -> LiveBlock {
         let live = &mut *self.live;
         let (slot, new) = live.slots.slot(family, owner);
         if new {

@@ -43,8 +43,16 @@ mod tests {
     use crate::model::{Call, DeviceKey, Event, EventKind, Marker, Op, Output, Pool, Tracker};
 
     fn call(wall_ns: u64, entry: u64, device: Option<u32>, status: i32, op: Op, api: Api) -> Event {
-        let call =
-            Call { api, entry_wall_ns: entry, status, out_of_memory: false, outer: None, thread_device: device, op };
+        let call = Call {
+            api,
+            entry_wall_ns: entry,
+            status,
+            out_of_memory: false,
+            outer: None,
+            thread_device: device,
+            op,
+            stack: crate::stacks::NO_STACK,
+        };
         Event { wall_ns, pid: 100, tid: 7, kind: EventKind::Call(call) }
     }
 

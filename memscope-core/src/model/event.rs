@@ -4,6 +4,7 @@
 
 pub use crate::apis::op::{level, DriverInfo, Marker, Op, PageType, Pool, Space};
 use crate::apis::Api;
+use crate::stacks::{Stack, StackId};
 use crate::vocab::EventType;
 
 impl Space {
@@ -63,6 +64,9 @@ pub struct Call {
     /// The thread's device at return, as set by its last successful set/get-device call.
     pub thread_device: Option<u32>,
     pub op: Op,
+    /// The native stack of the thread's outermost traced call this one ran in (or is), when
+    /// stacks are captured ([`NO_STACK`] otherwise): every row the call makes carries it.
+    pub stack: StackId,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,6 +80,9 @@ pub enum EventKind {
     },
     /// A traced process exited.
     Exit,
+    /// A stack seen for the first time, normalized: the store needs it before the first row
+    /// that refers to it. No model state changes.
+    Stack(Box<Stack>),
 }
 
 /// One event. `wall_ns` is nanoseconds since the Unix epoch (converted from the kernel's

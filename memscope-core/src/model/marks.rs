@@ -184,8 +184,16 @@ mod tests {
     }
 
     fn call(tid: u32, api: Api, op: Op) -> Event {
-        let call =
-            Call { api, entry_wall_ns: 0, status: 0, out_of_memory: false, outer: None, thread_device: Some(0), op };
+        let call = Call {
+            api,
+            entry_wall_ns: 0,
+            status: 0,
+            out_of_memory: false,
+            outer: None,
+            thread_device: Some(0),
+            op,
+            stack: crate::stacks::NO_STACK,
+        };
         at(tid, 2, EventKind::Call(call))
     }
 

@@ -101,6 +101,7 @@ mod tests {
             outer: None,
             thread_device: Some(0),
             op,
+            stack: crate::stacks::NO_STACK,
         };
         Event { wall_ns, pid: 1, tid: 1, kind: EventKind::Call(call) }
     }

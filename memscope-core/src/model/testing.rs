@@ -20,6 +20,7 @@ pub fn call(api: Api, tid: u32, device: Option<u32>, status: i32, op: Op) -> Eve
             outer: None,
             thread_device: device,
             op,
+            stack: crate::stacks::NO_STACK,
         }),
     }
 }

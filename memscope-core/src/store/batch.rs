@@ -12,11 +12,13 @@ use super::attr::push_addr;
 use super::insight::{self, is_untracked_free, Head, Row};
 use super::Format;
 use crate::model::{DeviceKey, Output};
+use crate::stacks::{StackId, NO_STACK};
 
 /// A row's typed columns, and where its text columns are in the batch's buffer.
 #[derive(Clone, Debug)]
 struct Slot {
     head: Head,
+    stack: StackId,
     /// Attr is `text[start..attr_end]`, Name `text[attr_end..name_end]`, Ptr
     /// `text[name_end..end]`: the Attr comes first because it is written before the model
     /// output has given the other columns.
@@ -35,6 +37,11 @@ pub struct RowText<'t> {
     pub ptr: &'t str,
     /// JSON for a DB, msMemScope's `{k:v,...}` for CSV.
     pub attr: &'t str,
+    /// The call's native stack.
+    pub stack: StackId,
+    /// Its `Call Stack(C)` text: "" in a batch; the store's thread, which symbolizes the
+    /// stacks, fills it in ([`super::Store::write_batch`]).
+    pub c_stack: &'t str,
 }
 
 #[derive(Debug, Default)]
@@ -61,26 +68,27 @@ impl Batch {
         self.slots.clear();
     }
 
-    /// Formats `row` (its Attr in `format`'s form) onto the end of the batch.
-    pub fn push(&mut self, row: &Row<'_>, format: Format) {
+    /// Formats `row` (its Attr in `format`'s form), made by a call with `stack`, onto the end
+    /// of the batch.
+    pub fn push(&mut self, row: &Row<'_>, format: Format, stack: StackId) {
         let start = offset(&self.text);
         match format {
             Format::Db => row.attr.write_json(&mut self.text),
             Format::Csv => row.attr.write_csv_form(&mut self.text),
         }
         let head = Head { untracked: is_untracked_free(row), ..row.head };
-        let slot = Slot { head, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
+        let slot = Slot { head, stack, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
         self.text.push_str(&row.name);
         self.push_ptr(slot);
     }
 
     /// Formats the row of a model output onto the end of the batch, its Attr as JSON (a DB's
     /// form) written in place; false, with nothing added, for an output that is no row
-    /// ([`Output::Retag`]).
-    pub fn push_output(&mut self, output: &Output) -> bool {
+    /// ([`Output::Retag`]). `stack` is the native stack of the call that made it.
+    pub fn push_output(&mut self, output: &Output, stack: StackId) -> bool {
         let start = offset(&self.text);
         let Some(c) = insight::write_row(output, &mut self.text) else { return false };
-        let slot = Slot { head: c.head, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
+        let slot = Slot { head: c.head, stack, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
         c.name.write(&mut self.text);
         self.push_ptr(slot);
         true
@@ -105,7 +113,7 @@ impl Batch {
         let attr_end = start + offset(row.attr);
         let name_end = attr_end + offset(row.name);
         let end = offset(&self.text);
-        self.slots.push(Slot { head: *row.head, start, attr_end, name_end, end });
+        self.slots.push(Slot { head: *row.head, stack: row.stack, start, attr_end, name_end, end });
     }
 
     pub fn get(&self, i: usize) -> RowText<'_> {
@@ -116,6 +124,8 @@ impl Batch {
             name: at(slot.attr_end, slot.name_end),
             ptr: at(slot.name_end, slot.end),
             attr: at(slot.start, slot.attr_end),
+            stack: slot.stack,
+            c_stack: "",
         }
     }
 
@@ -127,7 +137,7 @@ impl Batch {
 /// A row formatted on its own (the store's START/STOP rows, tests).
 pub fn single(row: &Row<'_>, format: Format) -> Batch {
     let mut batch = Batch::default();
-    batch.push(row, format);
+    batch.push(row, format, NO_STACK);
     batch
 }
 
@@ -177,8 +187,8 @@ mod tests {
     fn each_row_reads_back_its_own_columns() {
         let mut batch = Batch::default();
         let shadow = Attr::new().with("size", 8u64).with("shadow", "true");
-        batch.push(&row("aclrtFree", Some(0x10), shadow, false, true), Format::Db);
-        batch.push(&row("", None, Attr::new().with("unmatched", "true"), true, false), Format::Csv);
+        batch.push(&row("aclrtFree", Some(0x10), shadow, false, true), Format::Db, NO_STACK);
+        batch.push(&row("", None, Attr::new().with("unmatched", "true"), true, false), Format::Csv, NO_STACK);
         let mut copy = Batch::default();
         copy.push_text(batch.get(1));
         copy.push_text(batch.get(0));

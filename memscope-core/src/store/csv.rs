@@ -74,7 +74,7 @@ pub fn line(id: u64, row: RowText<'_>, device: &str) -> String {
         field(row.ptr),
         attr,
         String::new(),
-        String::new(),
+        field(row.c_stack),
     ]
     .join(",")
 }

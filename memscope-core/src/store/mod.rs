@@ -25,6 +25,7 @@ mod owner;
 pub mod schema;
 pub mod sqlite;
 mod sqlite_raw;
+pub mod stacks;
 pub mod writer;
 
 use std::collections::BTreeMap;
@@ -38,6 +39,7 @@ pub use batch::{Batch, RowText};
 #[cfg(test)]
 pub use insight::Row;
 pub use layout::RunLayout;
+pub use stacks::StackTable;
 pub use writer::Writer;
 
 use crate::model::DeviceKey;
@@ -88,6 +90,11 @@ pub struct Written {
 pub trait Sink: Send {
     /// Appends a row; `id` is the row's `ID` (1-based, per file).
     fn insert(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
+    /// The trace's stacks (`ms_stacks`, `ms_frames`), before [`Sink::finish`]; formats without
+    /// such tables keep only the rows' column.
+    fn add_stacks(&mut self, _stacks: &StackTable) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Appends the FREE of a block the trace never saw allocated to `ms_untracked_frees` (its
     /// own `ID`s, 1-based), out of Insight's table.
     fn insert_untracked(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
@@ -147,6 +154,8 @@ pub struct Store {
     not_replayed: u64,
     /// The stop has begun ([`Store::stopping`]): only its rows and [`Store::finish`] follow.
     stopping: bool,
+    /// Where the stacks' symbolizer also looks for separate debug files (`--debug-dir`).
+    pub debug_dirs: Vec<PathBuf>,
 }
 
 /// Broadcast rows kept for replay into outputs created later.
@@ -174,6 +183,7 @@ impl Store {
             broadcast: Batch::default(),
             not_replayed: 0,
             stopping: false,
+            debug_dirs: Vec::new(),
         }
     }
 
@@ -211,8 +221,9 @@ impl Store {
         Ok(self.open.get_mut(&device).expect("inserted above"))
     }
 
-    pub fn write_batch(&mut self, rows: &Batch) -> Result<(), StoreError> {
-        rows.iter().try_for_each(|row| self.write(row))
+    /// Writes a batch's rows, each with the `Call Stack(C)` text of its stack in `stacks`.
+    pub fn write_batch(&mut self, rows: &Batch, stacks: &StackTable) -> Result<(), StoreError> {
+        rows.iter().try_for_each(|row| self.write(RowText { c_stack: stacks.text(row.stack), ..row }))
     }
 
     pub fn write(&mut self, row: RowText<'_>) -> Result<(), StoreError> {
@@ -311,6 +322,7 @@ impl Store {
         stop_wall_ns: u64,
         final_meta: &Meta,
         lost_per_cpu: &[u64],
+        stacks: &StackTable,
     ) -> Result<Vec<Written>, StoreError> {
         let mut meta = self.meta.clone();
         if self.not_replayed > 0 {
@@ -324,6 +336,9 @@ impl Store {
         for (device, mut open) in std::mem::take(&mut self.open) {
             let stop = insight::system_row(EventType::StopTrace, stop_wall_ns, device, &meta);
             open.sink.insert(open.next_id, batch::single(&stop, self.format).get(0))?;
+            if !stacks.is_empty() {
+                open.sink.add_stacks(stacks)?;
+            }
             let path = open.sink.finish(&meta, lost_per_cpu)?;
             written.push(Written { device, path });
         }
@@ -361,7 +376,7 @@ mod tests {
         let free = Output::Free { site, device, space, ptr, size, allocation_id, used: 0, shadow, driver };
         let mut batch = Batch::default();
         for output in [malloc, free] {
-            batch.push(&insight::to_row(&output).unwrap(), Format::Db);
+            batch.push(&insight::to_row(&output).unwrap(), Format::Db, crate::stacks::NO_STACK);
         }
         batch
     }
@@ -376,7 +391,7 @@ mod tests {
         store.write(rows.get(0)).unwrap();
         store.stopping().unwrap();
         store.write(rows.get(1)).unwrap();
-        let written = store.finish(9, &vec![], &[]).unwrap();
+        let written = store.finish(9, &vec![], &[], &StackTable::default()).unwrap();
         let db = rusqlite::Connection::open(&written[0].path).unwrap();
         let events: Vec<String> = db
             .prepare("SELECT \"Event Type\" || ':' || Event FROM memscope_dump ORDER BY ID")
@@ -404,10 +419,10 @@ mod tests {
         let _ = std::fs::remove_dir_all(&out);
         let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
         let mut store = Store::new(layout.clone(), Format::Db, 5, vec![]);
-        store.write_batch(&free(DeviceKey::Npu(0), None)).unwrap();
-        store.write_batch(&free(DeviceKey::Npu(0), Some(8))).unwrap();
-        store.write_batch(&free(DeviceKey::Unknown, None)).unwrap();
-        let written = store.finish(9, &vec![], &[]).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(0), None), &StackTable::default()).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(0), Some(8)), &StackTable::default()).unwrap();
+        store.write_batch(&free(DeviceKey::Unknown, None), &StackTable::default()).unwrap();
+        let written = store.finish(9, &vec![], &[], &StackTable::default()).unwrap();
         let path = |d| written.iter().find(|w| w.device == d).unwrap().path.clone();
         let (npu0, unknown) = (path(DeviceKey::Npu(0)), path(DeviceKey::Unknown));
         // START_TRACE, the known free, STOP_TRACE; the untracked one in our own table.

@@ -3,7 +3,7 @@
 //! creates in the file itself (`memory_allocation`, `memory_block`, `status_info`).
 
 /// Version of our own tables (`ms_meta.schema_version`); bump on any change to them.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 
 pub const DUMP_TABLE: &str = "memscope_dump";
 /// Frees of blocks the trace never saw allocated, in `memscope_dump`'s columns: kept out of
@@ -47,6 +47,19 @@ CREATE TABLE IF NOT EXISTS ms_probes (
     library TEXT NOT NULL, symbol TEXT NOT NULL, api TEXT NOT NULL,
     file_offset INTEGER NOT NULL, source TEXT NOT NULL, attached_ns INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS ms_lost (cpu INTEGER PRIMARY KEY, lost INTEGER NOT NULL);
+";
+
+/// The trace's native stacks, when it has any (`trace --call-stack c`): one row per stack, and
+/// one per function of each frame (docs/db-schema.md).
+pub const STACK_TABLES: &str = "
+CREATE TABLE IF NOT EXISTS ms_stacks (
+    id INTEGER PRIMARY KEY, pid INTEGER NOT NULL, cut TEXT NOT NULL, frames INTEGER NOT NULL,
+    text TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS ms_frames (
+    stack_id INTEGER NOT NULL, frame INTEGER NOT NULL, depth INTEGER NOT NULL, addr INTEGER NOT NULL,
+    path TEXT, build_id TEXT, file_offset INTEGER, symbol TEXT, symbol_offset INTEGER, file TEXT,
+    line INTEGER, inlined INTEGER NOT NULL, status TEXT NOT NULL,
+    PRIMARY KEY (stack_id, frame, depth));
 ";
 
 /// The CSV header of the dump, as msMemScope writes it.

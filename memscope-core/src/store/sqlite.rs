@@ -25,6 +25,7 @@ use super::btree::Col;
 use super::bulk::{BulkError, BulkTable, Files};
 use super::schema::{self, SCHEMA_VERSION};
 use super::sqlite_raw::tune_sqlite_once;
+use super::stacks::{FrameRow, StackRow, StackTable};
 use super::{Meta, ProbeRow, Sink, StoreError};
 
 pub struct DbSink {
@@ -48,11 +49,17 @@ struct Queued {
     probes: Vec<ProbeRow>,
     untracked: Vec<(u64, OwnedRow)>,
     owners: Vec<(u64, String)>,
+    stacks: Vec<StackRow>,
+    frames: Vec<FrameRow>,
 }
 
 impl Queued {
     fn is_empty(&self) -> bool {
-        self.meta.is_empty() && self.probes.is_empty() && self.untracked.is_empty() && self.owners.is_empty()
+        self.meta.is_empty()
+            && self.probes.is_empty()
+            && self.untracked.is_empty()
+            && self.owners.is_empty()
+            && self.stacks.is_empty()
     }
 }
 
@@ -65,6 +72,7 @@ struct OwnedRow {
     tid: u32,
     ptr: String,
     attr: String,
+    c_stack: String,
 }
 
 /// Page size of a new DB (see the module doc). It must be set before the WAL is.
@@ -160,7 +168,7 @@ fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<(
     }
     let columns: Vec<String> = schema::DUMP_COLUMNS.iter().map(|(name, _)| format!("\"{name}\"")).collect();
     let sql = format!(
-        "INSERT INTO {} ({}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,'','')",
+        "INSERT INTO {} ({}) VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,'',?11)",
         schema::UNTRACKED_FREES_TABLE,
         columns.join(", ")
     );
@@ -176,11 +184,47 @@ fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<(
             r.tid,
             device,
             r.ptr,
-            r.attr
+            r.attr,
+            r.c_stack
         ])?;
     }
     for (id, owner) in &q.owners {
         set_owner(conn, *id, owner)?;
+    }
+    write_stacks(conn, &q.stacks, &q.frames)
+}
+
+/// `ms_stacks` and `ms_frames` (docs/db-schema.md), created when the trace has stacks.
+fn write_stacks(conn: &Connection, stacks: &[StackRow], frames: &[FrameRow]) -> rusqlite::Result<()> {
+    if stacks.is_empty() {
+        return Ok(());
+    }
+    conn.execute_batch(schema::STACK_TABLES)?;
+    let mut stmt =
+        conn.prepare_cached("INSERT INTO ms_stacks (id, pid, cut, frames, text) VALUES (?1, ?2, ?3, ?4, ?5)")?;
+    for s in stacks {
+        stmt.execute(params![s.id, s.pid, s.cut.as_str(), s.frames, &*s.text])?;
+    }
+    let mut stmt = conn.prepare_cached(
+        "INSERT INTO ms_frames (stack_id, frame, depth, addr, path, build_id, file_offset, symbol, symbol_offset, \
+         file, line, inlined, status) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+    )?;
+    for f in frames {
+        stmt.execute(params![
+            f.stack,
+            f.frame,
+            f.depth,
+            f.addr as i64,
+            f.path,
+            f.build_id,
+            f.file_offset.map(|o| o as i64),
+            f.symbol,
+            f.symbol_offset.map(|o| o as i64),
+            f.file,
+            f.line,
+            f.inlined,
+            f.status
+        ])?;
     }
     Ok(())
 }
@@ -216,7 +260,7 @@ impl Sink for DbSink {
                 Col::Text(row.ptr),
                 Col::Text(row.attr),
                 Col::Text(""),
-                Col::Text(""),
+                Col::Text(row.c_stack),
             ])
             .map_err(bulk_error(&self.path))?;
         self.uncommitted += 1;
@@ -240,8 +284,16 @@ impl Sink for DbSink {
                 tid: head.tid,
                 ptr: row.ptr.to_owned(),
                 attr: row.attr.to_owned(),
+                c_stack: row.c_stack.to_owned(),
             },
         ));
+        Ok(())
+    }
+
+    /// Written with the last commit: a stack's rows only grow until then.
+    fn add_stacks(&mut self, stacks: &StackTable) -> Result<(), StoreError> {
+        self.queued.stacks = stacks.rows().to_vec();
+        self.queued.frames = stacks.frames().to_vec();
         Ok(())
     }
 

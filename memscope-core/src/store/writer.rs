@@ -12,8 +12,10 @@
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::thread::JoinHandle;
 
+use super::StackTable;
 use super::{insight, Batch, Format, Meta, ProbeRow, Retag, Store, StoreError, Written};
 use crate::model::Output;
+use crate::stacks::{Stack, StackId};
 
 /// Rows per message.
 const BATCH: usize = 1024;
@@ -23,6 +25,7 @@ const IN_FLIGHT: usize = 16;
 
 enum Msg {
     Rows(Batch),
+    Stack(Box<Stack>),
     Probes(Vec<ProbeRow>),
     Meta(Meta),
     Retag(Retag),
@@ -41,10 +44,12 @@ pub struct Writer {
 }
 
 fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Vec<Written>, StoreError> {
+    let mut stacks = StackTable::new(store.debug_dirs.clone());
     for msg in rx {
         match msg {
+            Msg::Stack(stack) => stacks.add(&stack),
             Msg::Rows(mut rows) => {
-                store.write_batch(&rows)?;
+                store.write_batch(&rows, &stacks)?;
                 rows.clear();
                 // The session may be gone (finishing): then the batch is simply dropped.
                 let _ = spare.send(rows);
@@ -55,7 +60,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Ve
             Msg::Commit => store.commit()?,
             Msg::Stopping => store.stopping()?,
             Msg::Finish { stop_wall_ns, meta, lost_per_cpu } => {
-                return store.finish(stop_wall_ns, &meta, &lost_per_cpu)
+                return store.finish(stop_wall_ns, &meta, &lost_per_cpu, &stacks)
             }
         }
     }
@@ -92,15 +97,21 @@ impl Writer {
         }
     }
 
+    /// A stack seen for the first time: it goes ahead of the rows that refer to it (the batch
+    /// being filled is sent after it), to be symbolized on the store's thread.
+    pub fn add_stack(&mut self, stack: Box<Stack>) -> Result<(), StoreError> {
+        self.send(Msg::Stack(stack))
+    }
+
     /// Writes the row of a model output, if it has one (an [`Output::Retag`] has none). A DB's
     /// rows are formatted straight into the batch; CSV's Attr form is made from a [`Row`].
-    pub fn write_output(&mut self, output: &Output) -> Result<(), StoreError> {
+    pub fn write_output(&mut self, output: &Output, stack: StackId) -> Result<(), StoreError> {
         match self.format {
             Format::Db => {
-                self.batch.push_output(output);
+                self.batch.push_output(output, stack);
             }
             Format::Csv => match insight::to_row(output) {
-                Some(row) => self.batch.push(&row, self.format),
+                Some(row) => self.batch.push(&row, self.format, stack),
                 None => return Ok(()),
             },
         }

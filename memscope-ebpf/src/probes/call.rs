@@ -31,7 +31,7 @@ use memscope_common::{
     },
 };
 
-use super::nonzero_arg;
+use super::{nonzero_arg, stack};
 use crate::maps::{is_traced, reserve, submit, SPECS};
 
 /// A call in flight on one thread and layer.
@@ -110,6 +110,20 @@ fn slot(state: &mut ThreadState, layer: u32) -> Option<&mut Pending> {
     state.open.get_mut(index)
 }
 
+/// Whether the thread has no traced call open in a layer other than `layer`: the call starting
+/// now is the outermost, so its stack is the one every nested call shares.
+fn no_other_call_open(state: &ThreadState, layer: u32) -> bool {
+    let own = (layer as usize) & (layer::SLOTS - 1);
+    let mut i = 0;
+    while i < layer::SLOTS {
+        if i != own && state.open[i].depth > 0 {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 #[cfg(bpf_target_arch = "x86_64")]
 fn stack_pointer(ctx: &ProbeContext) -> u64 {
     // SAFETY: `regs` is the context pointer; reading a fixed field of it is allowed.
@@ -151,8 +165,14 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     open.spec_id = spec_id;
     open.depth = 1;
     // SAFETY: helper without arguments.
-    open.entry_ns = unsafe { bpf_ktime_get_ns() };
+    let entry_ns = unsafe { bpf_ktime_get_ns() };
+    open.entry_ns = entry_ns;
     open.entry_sp = sp;
+    if stack::enabled() && no_other_call_open(state, layer) {
+        let _ = stack::capture(ctx, pid_tgid, entry_ns, sp);
+    }
+    // Reborrowed: the stack check read the whole state.
+    let open = slot(state, layer)?;
     for (i, arg) in open.args.iter_mut().enumerate() {
         *arg = ctx.arg::<u64>(i).unwrap_or(0);
     }

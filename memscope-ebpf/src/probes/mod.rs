@@ -1,6 +1,7 @@
 //! Probe families; one file each.
 pub mod call;
 pub mod process;
+pub mod stack;
 pub mod usdt;
 
 /// The argument at `index` (out of six) if it is non-zero; `None` past the end, for a negative

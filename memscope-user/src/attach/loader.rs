@@ -121,6 +121,9 @@ pub struct LoadOptions {
     pub follow_forks: bool,
     /// Extra folders to look for separate debug files in (`--debug-dir`).
     pub debug_dirs: Vec<PathBuf>,
+    /// Native frames to capture per call (`--call-stack c:N`; 0: none), at most
+    /// [`memscope_common::record::MAX_STACK_DEPTH`].
+    pub stack_depth: u32,
 }
 
 pub struct Tracer {
@@ -195,6 +198,7 @@ impl Tracer {
             .map_max_entries("EVENTS", opts.ring_bytes)
             .override_global("WAKEUP_BYTES", &opts.wakeup_bytes, true)
             .override_global("FOLLOW_FORKS", &follow, true)
+            .override_global("STACK_DEPTH", &opts.stack_depth, true)
             .override_global("TARGET_TGID", &target, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)

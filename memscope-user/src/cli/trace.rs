@@ -19,6 +19,7 @@ use crate::launch;
 use crate::preflight::{self, PreflightError};
 use crate::say::say;
 use crate::session::{self, Plan, Target};
+use crate::stacks::spec::CallStacks;
 use crate::store::Format;
 
 /// The default ring buffer, in MiB: as many call records as the 64 MiB ring held when every call
@@ -110,6 +111,16 @@ pub struct Args {
     #[arg(long)]
     pub wait_for_start: bool,
 
+    /// Call stacks to record with each row, in msMemScope's spelling: `c` (native frames),
+    /// `python`, or both as `c,python`, each with an optional depth (`c:16`, default 50).
+    /// Native stacks are taken at the entry of the thread's outermost traced call (a driver row
+    /// shares its runtime call's), walked through frame pointers (at most 127 frames), and
+    /// symbolized from the files (functions, file:line, inlined calls) into the `Call Stack(C)`
+    /// column and the `ms_stacks`/`ms_frames` tables. A stack that ends before the thread's
+    /// entry is marked truncated (a library on the way was built without frame pointers).
+    #[arg(long, value_name = "KINDS", value_parser = parse_call_stack)]
+    pub call_stack: Option<CallStacks>,
+
     /// The program to launch, after `--`. Its probes are live before its first instruction.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
@@ -147,9 +158,19 @@ fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> {
     Ok(found)
 }
 
+fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
+    CallStacks::parse(text).map_err(|e| e.to_string())
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Checked before tracing: a typo must not cost a whole run.
     let analyses = args.analysis.as_deref().map(super::analyze::parse_list).transpose()?;
+    if args.call_stack.is_some_and(|s| s.python.is_some()) {
+        bail!(
+            "--call-stack python: Python stacks are not available in this build yet; \
+             record native stacks with --call-stack c"
+        );
+    }
     let format = args.format;
     let target_given = args.pid.is_some() || !args.command.is_empty();
     if !target_given {
@@ -195,6 +216,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let command = args.command.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
     let plan = Plan {
+        call_stacks: args.call_stack.unwrap_or_default(),
         command: (!command.is_empty()).then_some(command),
         target,
         libraries,

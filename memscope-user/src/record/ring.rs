@@ -11,9 +11,12 @@ use memscope_common::record::RecordKind;
 
 use super::decode::{self, RawBlob, RawCall, Record};
 use super::ring_map::{RingMap, RingMapError};
+use super::stacks::ThreadStacks;
 use crate::apis::Api;
 use crate::clock::Clock;
 use crate::model::{Call, Event, EventKind};
+use crate::stacks::capture::CaptureStats;
+use crate::stacks::{StackId, NO_STACK};
 
 /// Counts of what the consumer saw.
 #[derive(Clone, Copy, Debug, Default)]
@@ -41,6 +44,11 @@ impl Consumer {
         &self.ring
     }
 
+    /// What the stack capture saw (`--call-stack c`).
+    pub fn stack_stats(&self) -> CaptureStats {
+        self.decoder.stack_stats()
+    }
+
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
         let Self { ring, stats, decoder } = self;
@@ -55,11 +63,16 @@ pub struct Decoder {
     /// Buffers copied at a call's entry, waiting for the call's record on the same thread
     /// (looked up for every record, hence the fast hash).
     blobs: HashMap<u32, RawBlob, foldhash::fast::RandomState>,
+    stacks: ThreadStacks,
 }
 
 impl Decoder {
     pub fn new(clock: Clock) -> Self {
-        Self { clock, blobs: HashMap::default() }
+        Self { clock, blobs: HashMap::default(), stacks: ThreadStacks::default() }
+    }
+
+    pub fn stack_stats(&self) -> CaptureStats {
+        self.stacks.stats()
     }
 
     /// Decodes one record; the event it makes, if any, goes to `sink`.
@@ -78,12 +91,24 @@ impl Decoder {
             if !self.blobs.is_empty() {
                 self.join_blob(&mut call);
             }
-            call_event(&call, self.clock)
+            let stack = if self.stacks.is_empty() { NO_STACK } else { self.stacks.of_call(&call) };
+            call_event(&call, self.clock, stack)
         } else {
             match decode::decode(bytes) {
                 Ok(Record::Blob(blob)) => {
                     self.blobs.insert(blob.tid, blob);
                     return;
+                }
+                Ok(Record::Stack(raw)) => {
+                    if let Some(stack) = self.stacks.on_stack(&raw) {
+                        let wall_ns = self.clock.to_wall(raw.entry_mono_ns);
+                        sink(Event { wall_ns, pid: raw.tgid, tid: raw.tid, kind: EventKind::Stack(Box::new(stack)) });
+                    }
+                    return;
+                }
+                Ok(record @ Record::Exit { tgid, .. }) => {
+                    self.stacks.process_exited(tgid);
+                    to_event(record, self.clock)
                 }
                 Ok(record) => to_event(record, self.clock),
                 Err(_) => {
@@ -111,7 +136,7 @@ impl Decoder {
 
 /// A decoded call as a model event; `None` for an API this build does not know.
 #[inline]
-fn call_event(raw: &RawCall, clock: Clock) -> Option<Event> {
+fn call_event(raw: &RawCall, clock: Clock, stack: StackId) -> Option<Event> {
     let api = Api::from_spec_id(raw.spec_id)?;
     let def = api.def();
     // A function without a status (void, or a pointer result) never fails by its return.
@@ -128,6 +153,7 @@ fn call_event(raw: &RawCall, clock: Clock) -> Option<Event> {
             outer: raw.outer_spec.and_then(Api::from_spec_id),
             thread_device: raw.thread_device,
             op: (def.decode)(raw),
+            stack,
         }),
     })
 }
@@ -135,15 +161,15 @@ fn call_event(raw: &RawCall, clock: Clock) -> Option<Event> {
 /// A decoded record as a model event; `None` for a call of an API this build does not know.
 pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
     Some(match record {
-        Record::Call(raw) => return call_event(&raw, clock),
+        Record::Call(raw) => return call_event(&raw, clock, NO_STACK),
         Record::Usdt(raw) => Event {
             wall_ns: clock.to_wall(raw.mono_ns),
             pid: raw.tgid,
             tid: raw.tid,
             kind: EventKind::Marker(crate::apis::markers::decode(&raw)?),
         },
-        // Joined to its call by the consumer; one on its own has no call to belong to.
-        Record::Blob(_) => return None,
+        // Joined to their calls by the consumer; one on its own has no call to belong to.
+        Record::Blob(_) | Record::Stack(_) => return None,
         Record::Fork { mono_ns, parent, child } => {
             Event { wall_ns: clock.to_wall(mono_ns), pid: parent, tid: parent, kind: EventKind::Fork { child } }
         }

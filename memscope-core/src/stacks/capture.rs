@@ -1,0 +1,147 @@
+//! Raw stacks to [`Stack`]s: deduplicated per process, and normalized (address → mapped file
+//! and file offset, with the file's build id) while the process still lives, with blazesym's
+//! `Normalizer`.
+//!
+//! Each process gets its own normalizer with its mappings cached: a stack captured just before
+//! its process exited still normalizes from the cache once `/proc/PID/maps` is gone. A cache can
+//! go stale when the process maps a new library (a `dlopen` after the first stack), so a stack
+//! with a frame no cached mapping holds is normalized again from fresh mappings, once, while the
+//! process lives.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use blazesym::normalize::{Normalizer, UserMeta};
+use blazesym::Pid;
+use foldhash::HashMap;
+
+use super::{Frame, Module, Stack, StackId, NO_STACK};
+
+/// A stack as the kernel sent it.
+#[derive(Clone, Copy, Debug)]
+pub struct RawStack<'a> {
+    pub pid: u32,
+    /// The traced function's return address at its entry (its caller's frame).
+    pub return_address: u64,
+    /// Innermost first: the function's entry, then the frame-pointer chain's return addresses.
+    pub ips: &'a [u64],
+    pub at_depth: bool,
+    pub failed: bool,
+}
+
+/// What the capture side saw, for the summary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CaptureStats {
+    pub stacks: u64,
+    pub unique: u64,
+    /// Frames no mapping held (JIT code, a library unmapped since, a process gone unseen).
+    pub unknown_frames: u64,
+}
+
+#[derive(Default)]
+pub struct Capture {
+    ids: HashMap<(u32, Box<[u64]>), StackId>,
+    normalizers: HashMap<u32, Normalizer>,
+    modules: HashMap<Module, Arc<Module>>,
+    pub stats: CaptureStats,
+}
+
+/// The frames of a raw stack: the walk's, with the caller's frame put back after the first
+/// (a walk from a function's entry skips it; see `StackRecord::return_address`).
+fn frames_of(raw: &RawStack<'_>) -> Vec<u64> {
+    let mut ips = Vec::with_capacity(raw.ips.len() + 1);
+    ips.extend(raw.ips.iter().copied().take(1));
+    if raw.return_address != 0 && !ips.is_empty() && raw.ips.get(1) != Some(&raw.return_address) {
+        ips.push(raw.return_address);
+    }
+    ips.extend(raw.ips.iter().copied().skip(1).take_while(|&ip| ip != 0));
+    ips
+}
+
+fn normalizer() -> Normalizer {
+    Normalizer::builder().enable_vma_caching(true).enable_build_ids(true).enable_build_id_caching(true).build()
+}
+
+impl Capture {
+    /// The id of `raw`'s stack, and the stack itself when it is new (to be sent to the store
+    /// before any row that refers to it).
+    pub fn stack(&mut self, raw: &RawStack<'_>) -> (StackId, Option<Stack>) {
+        self.stats.stacks += 1;
+        let ips = frames_of(raw);
+        if ips.is_empty() && !raw.failed {
+            return (NO_STACK, None);
+        }
+        let key = (raw.pid, ips.into_boxed_slice());
+        if let Some(&id) = self.ids.get(&key) {
+            return (id, None);
+        }
+        let id = StackId::try_from(self.ids.len() + 1).expect("fewer than 4 billion stacks");
+        let frames = self.normalize(raw.pid, &key.1);
+        self.ids.insert(key, id);
+        self.stats.unique += 1;
+        (id, Some(Stack { id, pid: raw.pid, frames, at_depth: raw.at_depth, failed: raw.failed }))
+    }
+
+    /// Frames of `ips`, from the process's cached mappings, refreshed once if one is missing.
+    fn normalize(&mut self, pid: u32, ips: &[u64]) -> Vec<Frame> {
+        // A return address is the instruction after its call, which may be another function or
+        // line: the call itself is one byte before.
+        let lookups: Vec<u64> =
+            ips.iter().enumerate().map(|(i, &ip)| if i == 0 { ip } else { ip.saturating_sub(1) }).collect();
+        let mut frames = self.lookup(pid, ips, &lookups);
+        let missing = frames.iter().any(|f| f.module.is_none());
+        if missing && Path::new(&format!("/proc/{pid}")).exists() {
+            self.normalizers.insert(pid, normalizer());
+            frames = self.lookup(pid, ips, &lookups);
+        }
+        self.stats.unknown_frames += frames.iter().filter(|f| f.module.is_none()).count() as u64;
+        frames
+    }
+
+    fn lookup(&mut self, pid: u32, ips: &[u64], lookups: &[u64]) -> Vec<Frame> {
+        let normalizer = self.normalizers.entry(pid).or_insert_with(normalizer);
+        let Ok(out) = normalizer.normalize_user_addrs(Pid::from(pid), lookups) else {
+            return ips.iter().map(|&addr| Frame { addr, module: None, returns: false }).collect();
+        };
+        let metas: Vec<Option<Arc<Module>>> = out
+            .meta
+            .iter()
+            .map(|meta| match meta {
+                UserMeta::Elf(elf) => {
+                    let module = Module { path: elf.path.clone(), build_id: elf.build_id.as_ref().map(|b| b.to_vec()) };
+                    Some(self.modules.entry(module.clone()).or_insert_with(|| Arc::new(module)).clone())
+                }
+                _ => None,
+            })
+            .collect();
+        ips.iter()
+            .zip(out.outputs)
+            .enumerate()
+            .map(|(i, (&addr, (offset, meta)))| Frame {
+                addr,
+                module: metas.get(meta).cloned().flatten().map(|m| (m, offset)),
+                returns: i > 0,
+            })
+            .collect()
+    }
+
+    /// Forgets a process's cached mappings (it exited; its stacks are normalized already).
+    pub fn process_exited(&mut self, pid: u32) {
+        self.normalizers.remove(&pid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_callers_frame_goes_back_after_the_entry_unless_the_walk_has_it() {
+        let raw =
+            |ips: &'static [u64], ret| RawStack { pid: 1, return_address: ret, ips, at_depth: false, failed: false };
+        assert_eq!(frames_of(&raw(&[10, 30, 40], 20)), [10, 20, 30, 40]);
+        assert_eq!(frames_of(&raw(&[10, 20, 30], 20)), [10, 20, 30]);
+        assert_eq!(frames_of(&raw(&[10, 30], 0)), [10, 30]);
+        assert_eq!(frames_of(&raw(&[], 20)), Vec::<u64>::new());
+    }
+}

@@ -1,0 +1,62 @@
+//! Stack records joined to their calls: each thread's stack of its open outermost traced call,
+//! given to that call and to every call nested in it (their records come first, at their
+//! returns), and new stacks normalized while their process lives
+//! ([`crate::stacks::capture`]).
+
+use std::collections::HashMap;
+
+use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED};
+
+use super::decode::{RawCall, RawStack};
+use crate::stacks::capture::{Capture, CaptureStats, RawStack as Captured};
+use crate::stacks::{Stack, StackId, NO_STACK};
+
+#[derive(Default)]
+pub struct ThreadStacks {
+    capture: Capture,
+    /// By thread: the entry time of its open outermost call, and that call's stack.
+    open: HashMap<u32, (u64, StackId), foldhash::fast::RandomState>,
+}
+
+impl ThreadStacks {
+    /// A stack record: the thread's outermost call has begun. Returns the stack when it is new
+    /// (the store must have it before the first row that refers to it).
+    pub fn on_stack(&mut self, raw: &RawStack) -> Option<Stack> {
+        let (id, new) = self.capture.stack(&Captured {
+            pid: raw.tgid,
+            return_address: raw.return_address,
+            ips: &raw.ips,
+            at_depth: raw.flags & STACK_AT_DEPTH != 0,
+            failed: raw.flags & STACK_FAILED != 0,
+        });
+        self.open.insert(raw.tid, (raw.entry_mono_ns, id));
+        new
+    }
+
+    /// The stack of a call: its thread's open outermost call's, when the call began inside it
+    /// (or is it: then the thread has no open call any more).
+    pub fn of_call(&mut self, call: &RawCall) -> StackId {
+        let Some(&(entry, id)) = self.open.get(&call.tid) else { return NO_STACK };
+        if call.entry_mono_ns == entry {
+            self.open.remove(&call.tid);
+            id
+        } else if call.entry_mono_ns > entry {
+            id
+        } else {
+            NO_STACK
+        }
+    }
+
+    /// A process exited: its stacks are all normalized (its records came before this one).
+    pub fn process_exited(&mut self, pid: u32) {
+        self.capture.process_exited(pid);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+
+    pub fn stats(&self) -> CaptureStats {
+        self.capture.stats
+    }
+}

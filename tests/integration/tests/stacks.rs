@@ -1,0 +1,185 @@
+//! Native call stacks (`trace --call-stack c`): the stack-chain stand-in
+//! (tests/standin/stacks/stack_chain.c) allocates through a chain of functions known by
+//! construction, and writes to its ledger what glibc's own unwinder (`backtrace()`, from
+//! `.eh_frame`, no frame pointers needed) saw just before each `aclrtMalloc`, with the
+//! `__LINE__` of the call and of the inlined step. The ground truth is that ledger, never the
+//! tracer.
+//!
+//! - Built with frame pointers, each MALLOC row's `Call Stack(C)` is the runtime's entry, then
+//!   exactly the ledger's functions in its order, with the inlined `chain_step` between
+//!   `chain_inner` and `chain_middle` at the ledger's lines; `ms_stacks` calls the stack whole.
+//! - Built without (`stack_chain_nofp`), the frame-pointer walk cannot pass the library: the
+//!   stack holds the runtime's entry and `chain_inner` (the caller's frame, from the return
+//!   address) and is marked truncated, in the column and in `ms_stacks`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use memscope_integration::*;
+
+/// Keeps the program alive after its allocations: its mappings are read while it lives.
+const HOLD_MS: &str = "400";
+
+fn program(env: &TestEnv, name: &str) -> PathBuf {
+    env.ascend_home.parent().expect("target/standin").join("bin").join(name)
+}
+
+/// Traces `program COUNT LEDGER HOLD_MS` with `--call-stack c` (plus `extra`); returns the DB.
+fn trace(env: &TestEnv, name: &str, count: &str, extra: &[&str]) -> (PathBuf, PathBuf) {
+    let out = env.scratch.join("out");
+    let ledger = env.scratch.join("ledger.txt");
+    let exe = program(env, name);
+    let (out_s, exe_s, ledger_s) = (out.display().to_string(), exe.display().to_string(), ledger.display().to_string());
+    let mut args = vec!["trace", "--output", &out_s, "--call-stack", "c"];
+    args.extend_from_slice(extra);
+    args.extend(["--", &exe_s, count, &ledger_s, HOLD_MS]);
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+    let (code, stderr) = Tracer::spawn_with(env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let output = read_output(&out);
+    (output.db("device_0").to_owned(), ledger)
+}
+
+/// One allocation as the ledger saw it.
+#[derive(Debug, Default)]
+struct Alloc {
+    ptr: u64,
+    /// Function names of glibc's frames that have one, innermost first.
+    functions: Vec<String>,
+    inner_line: String,
+    step_line: String,
+}
+
+fn ledger(path: &Path) -> Vec<Alloc> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut all = Vec::new();
+    let mut cur = Alloc::default();
+    for line in text.lines() {
+        let (tag, rest) = line.split_once(' ').unwrap_or((line, ""));
+        match tag {
+            // `path(function+0xoff) [0xaddr]`: named frames only.
+            "frame" => {
+                if let Some(name) = rest.split_once('(').and_then(|(_, r)| r.split(['+', ')']).next()) {
+                    if !name.is_empty() {
+                        cur.functions.push(name.to_owned());
+                    }
+                }
+            }
+            "alloc" => {
+                cur.ptr = u64::from_str_radix(rest.split(' ').next().unwrap().trim_start_matches("0x"), 16).unwrap()
+            }
+            "line" if rest.starts_with("chain_inner ") => cur.inner_line = rest["chain_inner ".len()..].to_owned(),
+            "line" if rest.starts_with("chain_step ") => cur.step_line = rest["chain_step ".len()..].to_owned(),
+            "end" => all.push(std::mem::take(&mut cur)),
+            _ => {}
+        }
+    }
+    all
+}
+
+/// (Ptr, `Call Stack(C)`) of every HAL MALLOC row, and `ms_stacks`' cut of the stack with that
+/// text.
+fn malloc_stacks(db: &Path) -> Vec<(u64, String, String)> {
+    let conn = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT d.Ptr, d.\"Call Stack(C)\", s.cut FROM memscope_dump d LEFT JOIN ms_stacks s ON s.text = d.\"Call Stack(C)\" \
+             WHERE d.Event = 'MALLOC' AND d.\"Event Type\" = 'HAL' ORDER BY d.ID",
+        )
+        .unwrap();
+    stmt.query_map([], |r| {
+        let ptr: String = r.get(0)?;
+        Ok((
+            u64::from_str_radix(ptr.trim_start_matches("0x"), 16).unwrap(),
+            r.get(1)?,
+            r.get::<_, Option<String>>(2)?.unwrap_or_default(),
+        ))
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// A column line's function (`path(function+0xoff) [0xaddr] ...`) and what follows the address.
+fn function_of(line: &str) -> Option<(&str, &str)> {
+    let (_, rest) = line.split_once('(')?;
+    let name = rest.split(['+', ')']).next()?;
+    let after = rest.split_once("] ").map_or("", |(_, a)| a);
+    Some((name, after))
+}
+
+#[test]
+fn frame_pointer_stacks_hold_the_ledgers_chain_with_its_lines_and_inlined_step() {
+    let env = env("stacks_fp");
+    let (db, ledger_path) = trace(&env, "stack_chain", "3", &[]);
+    let allocs = ledger(&ledger_path);
+    assert_eq!(allocs.len(), 3, "the workload's ledger");
+    let rows = malloc_stacks(&db);
+    for alloc in &allocs {
+        let (_, text, cut) = rows
+            .iter()
+            .find(|(ptr, ..)| *ptr == alloc.ptr)
+            .unwrap_or_else(|| panic!("no MALLOC row for {:#x}", alloc.ptr));
+        let lines: Vec<(&str, &str)> = text.lines().filter_map(function_of).collect();
+        assert!(lines[0].0.starts_with("aclrtMalloc"), "innermost is the traced runtime call:\n{text}");
+        let expected_inline = ["chain_inner", "chain_step", "chain_middle"];
+        let names: Vec<&str> = lines.iter().map(|(n, _)| *n).collect();
+        assert_eq!(&names[1..4], expected_inline, "the chain, with its inlined step:\n{text}");
+        // glibc's frames (no inlined ones), each in order, named as the DB names them.
+        let outer: Vec<&str> = names[1..].iter().copied().filter(|n| *n != "chain_step").collect();
+        let named_by_glibc: Vec<&str> =
+            alloc.functions.iter().map(String::as_str).take_while(|f| *f != "__libc_start_main").collect();
+        assert!(outer.starts_with(&named_by_glibc), "DB {outer:?}\nledger {named_by_glibc:?}\n{text}");
+        assert!(
+            lines[1].1.ends_with(&alloc.inner_line),
+            "chain_inner at the aclrtMalloc call ({}):\n{text}",
+            alloc.inner_line
+        );
+        let step = lines[2].1.strip_suffix(" (inlined)").unwrap_or_else(|| panic!("chain_step is inlined:\n{text}"));
+        assert!(
+            step.ends_with(&alloc.step_line),
+            "chain_step at its call of chain_inner ({}):\n{text}",
+            alloc.step_line
+        );
+        assert_eq!(cut, "whole", "the walk reaches the process's entry:\n{text}");
+    }
+}
+
+#[test]
+fn a_library_without_frame_pointers_gives_a_stack_marked_truncated() {
+    let env = env("stacks_nofp");
+    let (db, ledger_path) = trace(&env, "stack_chain_nofp", "1", &[]);
+    let allocs = ledger(&ledger_path);
+    let rows = malloc_stacks(&db);
+    let (_, text, cut) = rows.iter().find(|(ptr, ..)| *ptr == allocs[0].ptr).expect("the MALLOC row");
+    let names: Vec<&str> = text.lines().filter_map(function_of).map(|(n, _)| n).collect();
+    assert!(names[0].starts_with("aclrtMalloc") && names.get(1) == Some(&"chain_inner"), "{text}");
+    assert!(!names.contains(&"chain_outer"), "a frame-pointer walk cannot pass the library:\n{text}");
+    assert!(allocs[0].functions.iter().any(|f| f == "chain_outer"), "glibc's unwinder does");
+    assert_eq!(cut, "truncated");
+    assert!(text.lines().last().unwrap().contains("frame pointers"), "the column says why it ends:\n{text}");
+}
+
+#[test]
+fn csv_rows_carry_the_same_stacks() {
+    let env = env("stacks_csv");
+    let out = env.scratch.join("out");
+    let ledger = env.scratch.join("ledger.txt");
+    let exe = program(&env, "stack_chain");
+    let (out_s, exe_s, ledger_s) = (out.display().to_string(), exe.display().to_string(), ledger.display().to_string());
+    let args =
+        ["trace", "--output", &out_s, "--call-stack", "c:8", "--format", "csv", "--", &exe_s, "1", &ledger_s, HOLD_MS];
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let csv = std::fs::read_dir(run_dir(&out).join("device_0/dump"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "csv"))
+        .expect("the CSV");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let malloc = text.split(",MALLOC,").nth(1).expect("a MALLOC row");
+    for f in ["aclrtMalloc", "chain_inner", "chain_step", "chain_middle"] {
+        assert!(malloc.contains(&format!("({f}")), "{f} in the CSV's last column:\n{malloc}");
+    }
+}
