@@ -35,6 +35,9 @@ pub enum RecordKind {
     /// The user stack at the entry of a thread's outermost traced call: [`StackRecord`], cut to
     /// the frames captured.
     Stack = 7,
+    /// A window of a thread's user stack and its registers at the entry of its outermost traced
+    /// call (`--unwind dwarf`): [`StackWindowRecord`], cut to the bytes copied.
+    StackWindow = 8,
 }
 
 impl RecordKind {
@@ -48,6 +51,7 @@ impl RecordKind {
             5 => Some(Self::Blob),
             6 => Some(Self::CallText),
             7 => Some(Self::Stack),
+            8 => Some(Self::StackWindow),
             _ => None,
         }
     }
@@ -216,6 +220,40 @@ pub struct StackRecord {
 /// Bytes of a [`StackRecord`] before its `ips`.
 pub const STACK_HEADER_LEN: usize = 24 + 16;
 
+/// The largest stack window `--unwind dwarf` copies (`--stack-window`), as `perf --call-graph
+/// dwarf` copies 8 KiB by default.
+pub const MAX_STACK_WINDOW: usize = 16384;
+
+/// [`StackWindowRecord::flags`]: no window could be read at all.
+pub const WINDOW_FAILED: u32 = 1;
+
+/// The registers and the top of a thread's user stack at the entry of its outermost traced
+/// call, for unwinding in userspace from `.eh_frame` (`--unwind dwarf`), where frame pointers
+/// are missing. Sent, like a [`StackRecord`], before the calls' own records; only the bytes
+/// copied travel: the record is `WINDOW_HEADER_LEN + len` bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StackWindowRecord {
+    /// `ts_ns` is the outermost call's entry time, exactly its [`CallRecord::entry_ns`].
+    pub hdr: RecordHeader,
+    /// The instruction pointer (the traced function's entry).
+    pub ip: u64,
+    /// The stack pointer: `data` is the memory from here up.
+    pub sp: u64,
+    /// The frame pointer (x86-64 `rbp`, arm64 `x29`).
+    pub fp: u64,
+    /// The link register (arm64 `x30`; 0 on x86-64, where the return address is on the stack).
+    pub lr: u64,
+    /// Bytes of `data` copied (the window asked for, or less at the top of the stack).
+    pub len: u32,
+    /// `WINDOW_*` bits.
+    pub flags: u32,
+    pub data: [u8; MAX_STACK_WINDOW],
+}
+
+/// Bytes of a [`StackWindowRecord`] before its `data`.
+pub const WINDOW_HEADER_LEN: usize = 24 + 40;
+
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
 const _: () = assert!(core::mem::size_of::<BlobRecord>() == 24 + 16 + BLOB_LEN);
 const _: () =
@@ -228,6 +266,7 @@ const _: () = assert!(crate::spec::MAX_FIELDS <= 8);
 const _: () = assert!(core::mem::size_of::<ForkRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<ExitRecord>() == 24);
 const _: () = assert!(core::mem::size_of::<StackRecord>() == STACK_HEADER_LEN + 8 * MAX_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<StackWindowRecord>() == WINDOW_HEADER_LEN + MAX_STACK_WINDOW);
 
 #[cfg(test)]
 mod tests {

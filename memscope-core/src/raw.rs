@@ -9,7 +9,7 @@ use std::mem::{align_of, size_of};
 
 use memscope_common::record::{
     BlobRecord, CallRecord, CallTextRecord, ExitRecord, ForkRecord, RecordHeader, RecordKind, UsdtRecord,
-    MAX_STACK_DEPTH, NO_MODULE, STACK_HEADER_LEN,
+    MAX_STACK_DEPTH, MAX_STACK_WINDOW, NO_MODULE, STACK_HEADER_LEN, WINDOW_HEADER_LEN,
 };
 use memscope_common::spec::MAX_FIELDS;
 use memscope_common::usdt::USDT_MAX_ARGS;
@@ -24,6 +24,9 @@ pub enum DecodeError {
     /// A kind this build does not know (a newer eBPF object with an older userspace?).
     #[error("record kind {kind} is unknown to this build")]
     UnknownKind { kind: u32 },
+    /// A record read in place only (its own function), never copied into a [`Record`].
+    #[error("{kind:?} records are read in place")]
+    ReadInPlace { kind: RecordKind },
     /// The header's kind needs more bytes than the record has.
     #[error("{kind:?} record has {len} bytes, needs {need}")]
     Truncated { kind: RecordKind, len: usize, need: usize },
@@ -141,6 +144,11 @@ const _: () = {
     assert!(std::mem::offset_of!(StackRecord, flags) == 32);
     assert!(std::mem::offset_of!(StackRecord, frames) == 36);
     assert!(std::mem::offset_of!(StackRecord, ips) == STACK_HEADER_LEN);
+    use memscope_common::record::StackWindowRecord as W;
+    assert!(std::mem::offset_of!(W, ip) == 24 && std::mem::offset_of!(W, sp) == 32);
+    assert!(std::mem::offset_of!(W, fp) == 40 && std::mem::offset_of!(W, lr) == 48);
+    assert!(std::mem::offset_of!(W, len) == 56 && std::mem::offset_of!(W, flags) == 60);
+    assert!(std::mem::offset_of!(W, data) == WINDOW_HEADER_LEN);
 };
 // SAFETY: as above.
 unsafe impl Plain for UsdtRecord {}
@@ -271,6 +279,8 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             }))
         }
         RecordKind::Stack => stack(bytes).map(Record::Stack),
+        // Read in place by the consumer ([`stack_window`]): only its unwound frames are kept.
+        RecordKind::StackWindow => Err(DecodeError::ReadInPlace { kind }),
         RecordKind::Fork => {
             need::<ForkRecord>(kind, bytes)?;
             let r: ForkRecord = read(bytes);
@@ -308,6 +318,48 @@ fn stack(bytes: &[u8]) -> Result<RawStack, DecodeError> {
             .chunks_exact(8)
             .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
             .collect(),
+    })
+}
+
+/// A stack window record, read in place: the unwinder reads the copied stack straight from the
+/// ring's bytes, with no copy in between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackWindowView<'a> {
+    pub tgid: u32,
+    pub tid: u32,
+    pub entry_mono_ns: u64,
+    pub ip: u64,
+    pub sp: u64,
+    pub fp: u64,
+    pub lr: u64,
+    /// `memscope_common::record::WINDOW_*` bits.
+    pub flags: u32,
+    pub data: &'a [u8],
+}
+
+/// Reads a [`RecordKind::StackWindow`] record: its fixed part, then the bytes it says it holds.
+pub fn stack_window(bytes: &[u8]) -> Result<StackWindowView<'_>, DecodeError> {
+    let kind = RecordKind::StackWindow;
+    if bytes.len() < WINDOW_HEADER_LEN {
+        return Err(DecodeError::Truncated { kind, len: bytes.len(), need: WINDOW_HEADER_LEN });
+    }
+    let word = |at: usize| u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("checked length"));
+    let half = |at: usize| u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("checked length"));
+    let len = (half(56) as usize).min(MAX_STACK_WINDOW);
+    let need = WINDOW_HEADER_LEN + len;
+    if bytes.len() < need {
+        return Err(DecodeError::Truncated { kind, len: bytes.len(), need });
+    }
+    Ok(StackWindowView {
+        tgid: half(16),
+        tid: half(20),
+        entry_mono_ns: word(8),
+        ip: word(24),
+        sp: word(32),
+        fp: word(40),
+        lr: word(48),
+        flags: half(60),
+        data: &bytes[WINDOW_HEADER_LEN..need],
     })
 }
 

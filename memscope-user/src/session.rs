@@ -29,7 +29,7 @@ use crate::procs;
 use crate::record::ring::Consumer;
 use crate::recorder::Recorder;
 use crate::say::say;
-use crate::stacks::spec::CallStacks;
+use crate::stacks::spec::{StackOptions, Unwind};
 use crate::stop::{Detaching, Signals};
 use crate::store::{Format, Meta, ProbeRow, RunLayout, Store, Writer};
 use crate::summary::{DeviceLine, PoolLine, SkippedLibrary, Summary};
@@ -70,8 +70,8 @@ pub struct Plan {
     pub follow: bool,
     /// Report nothing until the program starts collection (markers `start()`).
     pub wait_for_start: bool,
-    /// `--call-stack`.
-    pub call_stacks: CallStacks,
+    /// `--call-stack`, `--unwind`, `--stack-window`.
+    pub stacks: StackOptions,
 }
 
 /// Environment variables that set the allocators' behaviour, stored as `env.<NAME>` in
@@ -326,7 +326,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         quiet,
         follow,
         wait_for_start,
-        call_stacks,
+        stacks,
     } = plan;
     let pid = target.pid();
     let clock = Clock::calibrate();
@@ -334,7 +334,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let start_wall = clock::wall_ns();
 
     let launch_mode = matches!(target, Target::Launched(_));
-    let mut tracer = load(pid, launch_mode, follow, ring_bytes, debug_dirs.clone(), call_stacks)?;
+    let mut tracer = load(pid, launch_mode, follow, ring_bytes, debug_dirs.clone(), stacks)?;
     let Attached { probes, markers, skipped } = attach_all(&mut tracer, &libraries, probe_set, quiet)?;
 
     let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
@@ -357,8 +357,13 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         meta.extend(skipped_meta(&skipped));
     }
     let run_dir = layout.root().to_owned();
-    if let Some(depth) = call_stacks.c {
+    if let Some(depth) = stacks.call.c {
         meta.push(("call_stack_c".into(), depth.to_string()));
+        let unwind = match stacks.unwind {
+            Unwind::Fp => "fp".to_owned(),
+            Unwind::Dwarf => format!("dwarf (window {} bytes)", stacks.window),
+        };
+        meta.push(("unwind".into(), unwind));
     }
     let mut store = Store::new(layout, format, start_wall, meta);
     store.debug_dirs = debug_dirs;
@@ -366,7 +371,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;
 
-    let consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    consumer.set_stack_depth(stacks.call.native_depth());
     // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd`: both go into
     // `Live`, where `ring_fd` is declared first and so dropped first (and `finish` drops it
     // before `consumer`).
@@ -394,14 +400,15 @@ fn load(
     follow: bool,
     ring_bytes: u32,
     debug_dirs: Vec<PathBuf>,
-    call_stacks: CallStacks,
+    stacks: StackOptions,
 ) -> anyhow::Result<Tracer> {
     let opts = LoadOptions {
         ring_bytes,
         wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION,
         follow_forks: follow,
         debug_dirs,
-        stack_depth: call_stacks.native_depth(),
+        stack_depth: stacks.kernel_depth(),
+        stack_window: stacks.window_bytes(),
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.

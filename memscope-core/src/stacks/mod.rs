@@ -15,6 +15,7 @@ pub mod capture;
 pub mod spec;
 pub mod symbolize;
 pub mod text;
+pub mod unwind;
 
 use std::path::PathBuf;
 use std::sync::Arc;

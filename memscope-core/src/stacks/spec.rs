@@ -24,6 +24,22 @@ pub enum SpecError {
     NativeTooDeep(u32),
 }
 
+/// How native stacks are walked (`--unwind`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Unwind {
+    /// Frame pointers, in the kernel: cheap, but a library built without them truncates the
+    /// stack or skips frames.
+    #[default]
+    Fp,
+    /// A window of the stack copied at each call and unwound in userspace from `.eh_frame`, as
+    /// `perf --call-graph dwarf`: whole stacks through libraries without frame pointers, at the
+    /// cost of copying the window (`--stack-window`).
+    Dwarf,
+}
+
+/// `--stack-window`'s default, as `perf --call-graph dwarf`'s.
+pub const DEFAULT_WINDOW: u32 = 8192;
+
 /// The stacks asked for: a depth per kind, `None` when not captured (depth 0 is none too).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CallStacks {
@@ -68,6 +84,35 @@ impl CallStacks {
     /// Native frames per call for the BPF side (0: none).
     pub fn native_depth(&self) -> u32 {
         self.c.unwrap_or(0)
+    }
+}
+
+/// Everything `trace` was told about stacks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackOptions {
+    pub call: CallStacks,
+    pub unwind: Unwind,
+    /// `--stack-window` bytes (`--unwind dwarf`).
+    pub window: u32,
+}
+
+impl StackOptions {
+    /// Frames the kernel walks per call (frame-pointer mode; 0 otherwise).
+    pub fn kernel_depth(&self) -> u32 {
+        if self.unwind == Unwind::Fp {
+            self.call.native_depth()
+        } else {
+            0
+        }
+    }
+
+    /// Stack bytes the kernel copies per call (`--unwind dwarf` with native stacks; 0 otherwise).
+    pub fn window_bytes(&self) -> u32 {
+        if self.unwind == Unwind::Dwarf && self.call.c.is_some() {
+            self.window
+        } else {
+            0
+        }
     }
 }
 

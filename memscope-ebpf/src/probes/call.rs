@@ -168,8 +168,12 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let entry_ns = unsafe { bpf_ktime_get_ns() };
     open.entry_ns = entry_ns;
     open.entry_sp = sp;
-    if stack::enabled() && no_other_call_open(state, layer) {
-        let _ = stack::capture(ctx, pid_tgid, entry_ns, sp);
+    if (stack::enabled() || stack::windowed()) && no_other_call_open(state, layer) {
+        let _ = if stack::windowed() {
+            stack::capture_window(ctx, pid_tgid, entry_ns)
+        } else {
+            stack::capture(ctx, pid_tgid, entry_ns, sp)
+        };
     }
     // Reborrowed: the stack check read the whole state.
     let open = slot(state, layer)?;

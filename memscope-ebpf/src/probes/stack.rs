@@ -5,14 +5,20 @@
 //! [`StackRecord`]; only the frames it found go to the ring (`bpf_ringbuf_output` takes a
 //! bounded length, where a reservation's size must be a constant), so a stack of 20 frames costs
 //! 200 bytes of ring, not the 1 KiB of a full record. Userspace deduplicates, normalizes and
-//! symbolizes; the kernel only copies.
+//! symbolizes; the kernel only copies. With `--unwind dwarf` it copies the registers and a window
+//! of the stack instead ([`capture_window`]), for userspace to unwind from `.eh_frame`.
 
 use aya_ebpf::{
-    bindings::BPF_F_USER_STACK, helpers::generated::bpf_get_stack, macros::map, maps::PerCpuArray,
-    programs::ProbeContext, EbpfContext, Global,
+    bindings::BPF_F_USER_STACK,
+    helpers::{bpf_probe_read_user_buf, generated::bpf_get_stack},
+    macros::map,
+    maps::PerCpuArray,
+    programs::ProbeContext,
+    EbpfContext, Global,
 };
 use memscope_common::record::{
-    RecordHeader, RecordKind, StackRecord, MAX_STACK_DEPTH, STACK_AT_DEPTH, STACK_FAILED, STACK_HEADER_LEN,
+    RecordHeader, RecordKind, StackRecord, StackWindowRecord, MAX_STACK_DEPTH, MAX_STACK_WINDOW, STACK_AT_DEPTH,
+    STACK_FAILED, STACK_HEADER_LEN, WINDOW_FAILED, WINDOW_HEADER_LEN,
 };
 
 use crate::maps::output_bytes;
@@ -71,6 +77,69 @@ pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64, sp: u64) -> Opt
     let len = STACK_HEADER_LEN + frames * 8;
     // SAFETY: the record is plain integers; `len` is at most its size.
     let bytes = unsafe { core::slice::from_raw_parts((record as *const StackRecord).cast::<u8>(), len) };
+    output_bytes(bytes);
+    Some(())
+}
+
+/// Bytes of stack to copy per call for `--unwind dwarf` (0: frame-pointer walks). Userspace
+/// sets it at load time, at most [`MAX_STACK_WINDOW`].
+#[no_mangle]
+static STACK_WINDOW: Global<u32> = Global::new(0);
+
+/// The window record being built (16 KiB: far too large for the BPF stack).
+#[map]
+static WINDOW_SCRATCH: PerCpuArray<StackWindowRecord> = PerCpuArray::with_max_entries(1, 0);
+
+pub fn windowed() -> bool {
+    STACK_WINDOW.load() != 0
+}
+
+#[cfg(bpf_target_arch = "x86_64")]
+fn registers(ctx: &ProbeContext) -> (u64, u64, u64, u64) {
+    // SAFETY: `regs` is the context pointer; reading fixed fields of it is allowed.
+    unsafe { ((*ctx.regs).rip, (*ctx.regs).rsp, (*ctx.regs).rbp, 0) }
+}
+
+#[cfg(bpf_target_arch = "aarch64")]
+fn registers(ctx: &ProbeContext) -> (u64, u64, u64, u64) {
+    // SAFETY: as above.
+    unsafe { ((*ctx.regs).pc, (*ctx.regs).sp, (*ctx.regs).regs[29], (*ctx.regs).regs[30]) }
+}
+
+#[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
+fn registers(_ctx: &ProbeContext) -> (u64, u64, u64, u64) {
+    (0, 0, 0, 0)
+}
+
+/// Copies the registers and the top of the user stack, for unwinding in userspace. Near the
+/// stack's top a full window would run past the mapping and fail whole, so a failed read is
+/// retried at half the size, down to 512 bytes.
+pub fn capture_window(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
+    let record = WINDOW_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: per-CPU scratch slot; nothing else runs on this CPU while the probe does.
+    let record = unsafe { &mut *record };
+    record.hdr = RecordHeader::of_task(RecordKind::StackWindow, entry_ns, pid_tgid);
+    let (ip, sp, fp, lr) = registers(ctx);
+    (record.ip, record.sp, record.fp, record.lr) = (ip, sp, fp, lr);
+    let mut want = (STACK_WINDOW.load() as usize).min(MAX_STACK_WINDOW);
+    record.len = 0;
+    record.flags = WINDOW_FAILED;
+    for _ in 0..6 {
+        if want < 512 {
+            break;
+        }
+        let want_bounded = want.min(MAX_STACK_WINDOW);
+        // SAFETY: a checked user read into the record's own buffer, at most its size.
+        if unsafe { bpf_probe_read_user_buf(sp as *const u8, &mut record.data[..want_bounded]) }.is_ok() {
+            record.len = want_bounded as u32;
+            record.flags = 0;
+            break;
+        }
+        want /= 2;
+    }
+    let len = (WINDOW_HEADER_LEN + record.len as usize).min(core::mem::size_of::<StackWindowRecord>());
+    // SAFETY: the record is plain integers; `len` is at most its size.
+    let bytes = unsafe { core::slice::from_raw_parts((record as *const StackWindowRecord).cast::<u8>(), len) };
     output_bytes(bytes);
     Some(())
 }

@@ -124,6 +124,8 @@ pub struct LoadOptions {
     /// Native frames to capture per call (`--call-stack c:N`; 0: none), at most
     /// [`memscope_common::record::MAX_STACK_DEPTH`].
     pub stack_depth: u32,
+    /// Bytes of stack to copy per call for `--unwind dwarf` (0: frame-pointer walks).
+    pub stack_window: u32,
 }
 
 pub struct Tracer {
@@ -199,6 +201,7 @@ impl Tracer {
             .override_global("WAKEUP_BYTES", &opts.wakeup_bytes, true)
             .override_global("FOLLOW_FORKS", &follow, true)
             .override_global("STACK_DEPTH", &opts.stack_depth, true)
+            .override_global("STACK_WINDOW", &opts.stack_window, true)
             .override_global("TARGET_TGID", &target, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)

@@ -19,7 +19,7 @@ use crate::launch;
 use crate::preflight::{self, PreflightError};
 use crate::say::say;
 use crate::session::{self, Plan, Target};
-use crate::stacks::spec::CallStacks;
+use crate::stacks::spec::{CallStacks, StackOptions, Unwind, DEFAULT_WINDOW};
 use crate::store::Format;
 
 /// The default ring buffer, in MiB: as many call records as the 64 MiB ring held when every call
@@ -121,6 +121,19 @@ pub struct Args {
     #[arg(long, value_name = "KINDS", value_parser = parse_call_stack)]
     pub call_stack: Option<CallStacks>,
 
+    /// How native stacks are walked: fp (frame pointers, in the kernel; the default) or dwarf
+    /// (a window of the stack is copied at each call and unwound here from the libraries'
+    /// `.eh_frame`, as `perf --call-graph dwarf`): whole stacks through libraries built without
+    /// frame pointers (`probes --pid` says which), at the cost of copying the window.
+    #[arg(long, value_enum, default_value_t = Unwind::Fp, requires = "call_stack")]
+    pub unwind: Unwind,
+
+    /// Bytes of stack copied per call with --unwind dwarf, 512 to 16384: frames deeper than the
+    /// window are not reached (the stack is then marked truncated).
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_WINDOW,
+          value_parser = clap::value_parser!(u32).range(512..=16384))]
+    pub stack_window: u32,
+
     /// The program to launch, after `--`. Its probes are live before its first instruction.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
@@ -216,7 +229,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let command = args.command.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
     let plan = Plan {
-        call_stacks: args.call_stack.unwrap_or_default(),
+        stacks: StackOptions {
+            call: args.call_stack.unwrap_or_default(),
+            unwind: args.unwind,
+            window: args.stack_window,
+        },
         command: (!command.is_empty()).then_some(command),
         target,
         libraries,

@@ -49,6 +49,10 @@ impl Consumer {
         self.decoder.stack_stats()
     }
 
+    pub fn set_stack_depth(&mut self, depth: u32) {
+        self.decoder.set_stack_depth(depth);
+    }
+
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
         let Self { ring, stats, decoder } = self;
@@ -75,6 +79,11 @@ impl Decoder {
         self.stacks.stats()
     }
 
+    /// Frames to keep of an unwound stack window (`--call-stack c:N`).
+    pub fn set_stack_depth(&mut self, depth: u32) {
+        self.stacks.depth = depth as usize;
+    }
+
     /// Decodes one record; the event it makes, if any, goes to `sink`.
     pub fn feed(&mut self, bytes: &[u8], stats: &mut ConsumerStats, sink: &mut impl FnMut(Event)) {
         stats.records += 1;
@@ -82,6 +91,18 @@ impl Decoder {
             stats.undecodable += 1;
             return;
         };
+        if kind == RecordKind::StackWindow {
+            match decode::stack_window(bytes) {
+                Ok(w) => {
+                    if let Some(stack) = self.stacks.on_window(&w) {
+                        let wall_ns = self.clock.to_wall(w.entry_mono_ns);
+                        sink(Event { wall_ns, pid: w.tgid, tid: w.tid, kind: EventKind::Stack(Box::new(stack)) });
+                    }
+                }
+                Err(_) => stats.undecodable += 1,
+            }
+            return;
+        }
         let event = if matches!(kind, RecordKind::Call | RecordKind::CallText) {
             // Almost every record: straight to the call, whose event reads it by reference.
             let Ok(mut call) = decode::decode_call(kind, bytes) else {

@@ -1,19 +1,25 @@
 //! Stack records joined to their calls: each thread's stack of its open outermost traced call,
 //! given to that call and to every call nested in it (their records come first, at their
 //! returns), and new stacks normalized while their process lives
-//! ([`crate::stacks::capture`]).
+//! ([`crate::stacks::capture`]); with `--unwind dwarf`, the stack windows unwound first
+//! ([`crate::stacks::unwind`]), straight from the ring's bytes.
 
 use std::collections::HashMap;
 
-use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED};
+use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED, WINDOW_FAILED};
 
-use super::decode::{RawCall, RawStack};
+use super::decode::{RawCall, RawStack, StackWindowView};
 use crate::stacks::capture::{Capture, CaptureStats, RawStack as Captured};
+use crate::stacks::unwind::{Unwinder, Window};
 use crate::stacks::{Stack, StackId, NO_STACK};
 
 #[derive(Default)]
 pub struct ThreadStacks {
     capture: Capture,
+    /// `--unwind dwarf`'s stack windows, unwound as they arrive (while their process lives).
+    unwinder: Unwinder,
+    /// Frames to keep of an unwound window (`--call-stack c:N`).
+    pub depth: usize,
     /// By thread: the entry time of its open outermost call, and that call's stack.
     open: HashMap<u32, (u64, StackId), foldhash::fast::RandomState>,
 }
@@ -30,6 +36,23 @@ impl ThreadStacks {
             failed: raw.flags & STACK_FAILED != 0,
         });
         self.open.insert(raw.tid, (raw.entry_mono_ns, id));
+        new
+    }
+
+    /// A stack window record (`--unwind dwarf`): unwound here, then as [`Self::on_stack`].
+    pub fn on_window(&mut self, w: &StackWindowView<'_>) -> Option<Stack> {
+        let window = Window { pid: w.tgid, ip: w.ip, sp: w.sp, fp: w.fp, lr: w.lr, data: w.data };
+        let depth = if self.depth == 0 { crate::stacks::spec::DEFAULT_DEPTH as usize } else { self.depth };
+        let unwound =
+            if w.flags & WINDOW_FAILED != 0 { Default::default() } else { self.unwinder.unwind(&window, depth) };
+        let (id, new) = self.capture.stack(&Captured {
+            pid: w.tgid,
+            return_address: 0,
+            ips: &unwound.ips,
+            at_depth: !unwound.complete && unwound.ips.len() >= depth,
+            failed: unwound.ips.is_empty(),
+        });
+        self.open.insert(w.tid, (w.entry_mono_ns, id));
         new
     }
 
@@ -50,6 +73,7 @@ impl ThreadStacks {
     /// A process exited: its stacks are all normalized (its records came before this one).
     pub fn process_exited(&mut self, pid: u32) {
         self.capture.process_exited(pid);
+        self.unwinder.process_exited(pid);
     }
 
     pub fn is_empty(&self) -> bool {

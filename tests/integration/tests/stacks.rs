@@ -10,7 +10,9 @@
 //!   `chain_inner` and `chain_middle` at the ledger's lines; `ms_stacks` calls the stack whole.
 //! - Built without (`stack_chain_nofp`), the frame-pointer walk cannot pass the library: the
 //!   stack holds the runtime's entry and `chain_inner` (the caller's frame, from the return
-//!   address) and is marked truncated, in the column and in `ms_stacks`.
+//!   address) and is marked truncated, in the column and in `ms_stacks`; with `--unwind dwarf`
+//!   (the stack copied and unwound from `.eh_frame`) the same program's stacks are whole again,
+//!   equal to the ledger's as with frame pointers.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -108,13 +110,12 @@ fn function_of(line: &str) -> Option<(&str, &str)> {
     Some((name, after))
 }
 
-#[test]
-fn frame_pointer_stacks_hold_the_ledgers_chain_with_its_lines_and_inlined_step() {
-    let env = env("stacks_fp");
-    let (db, ledger_path) = trace(&env, "stack_chain", "3", &[]);
-    let allocs = ledger(&ledger_path);
-    assert_eq!(allocs.len(), 3, "the workload's ledger");
-    let rows = malloc_stacks(&db);
+/// Every allocation's row holds the runtime's entry, then exactly the ledger's chain with the
+/// inlined step at its lines, and the stack is whole.
+fn assert_whole_chains(db: &Path, ledger_path: &Path) {
+    let allocs = ledger(ledger_path);
+    assert!(!allocs.is_empty(), "the workload's ledger");
+    let rows = malloc_stacks(db);
     for alloc in &allocs {
         let (_, text, cut) = rows
             .iter()
@@ -143,6 +144,21 @@ fn frame_pointer_stacks_hold_the_ledgers_chain_with_its_lines_and_inlined_step()
         );
         assert_eq!(cut, "whole", "the walk reaches the process's entry:\n{text}");
     }
+}
+
+#[test]
+fn frame_pointer_stacks_hold_the_ledgers_chain_with_its_lines_and_inlined_step() {
+    let env = env("stacks_fp");
+    let (db, ledger_path) = trace(&env, "stack_chain", "3", &[]);
+    assert_whole_chains(&db, &ledger_path);
+}
+
+#[test]
+fn dwarf_unwinding_walks_the_whole_chain_through_a_library_without_frame_pointers() {
+    let env = env("stacks_dwarf");
+    let (db, ledger_path) = trace(&env, "stack_chain_nofp", "3", &["--unwind", "dwarf"]);
+    assert_whole_chains(&db, &ledger_path);
+    assert_eq!(meta(&db, "unwind").as_deref(), Some("dwarf (window 8192 bytes)"));
 }
 
 #[test]
