@@ -12,6 +12,7 @@
 //! id, so a loop that allocates from the same place a million times stores one stack.
 
 pub mod capture;
+pub mod frame_pointers;
 pub mod spec;
 pub mod symbolize;
 pub mod text;

@@ -108,7 +108,7 @@ fn page_size() -> u64 {
 }
 
 /// `/proc/PID/maps`' executable file mappings: (range, file offset, path).
-fn executable_mappings(pid: u32) -> Vec<(Range<u64>, u64, PathBuf)> {
+pub fn executable_mappings(pid: u32) -> Vec<(Range<u64>, u64, PathBuf)> {
     let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { return Vec::new() };
     text.lines()
         .filter_map(|line| {

@@ -1,5 +1,6 @@
 //! `memscope-bpf probes`: what a trace would attach to, layer by layer, without attaching
-//! anything. With `--lib` only it reads files and needs no privileges.
+//! anything. With `--lib` only it reads files and needs no privileges. With `--pid` it also
+//! says, per mapped file, whether native stacks through it will be whole.
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -13,6 +14,7 @@ use crate::attach::libs::{self, Library, Origin};
 use crate::attach::plan::{describe_debug, plan, DebugStatus};
 use crate::attach::ProbeSet;
 use crate::preflight::{self, PreflightError};
+use crate::stacks::{frame_pointers, unwind};
 
 /// List the traced API symbols found in a process's libraries or in given files, per layer:
 /// where each one is (dynsym, symtab, debug file), which would be attached, which are missing and
@@ -107,6 +109,42 @@ fn describe_markers(lib: &Library, text: &mut String) -> bool {
     true
 }
 
+/// Per file the process has mapped as code: whether frame-pointer stacks (`trace --call-stack
+/// c`) through it will be whole, and what to use where they will not.
+fn describe_native_stacks(pid: u32, text: &mut String) {
+    let mut files: Vec<PathBuf> = unwind::executable_mappings(pid).into_iter().map(|(_, _, path)| path).collect();
+    files.sort();
+    files.dedup();
+    let _ = writeln!(text, "native stacks (trace --call-stack c), per mapped file:");
+    let mut without = 0;
+    for path in &files {
+        let verdict = match frame_pointers::survey(path) {
+            Ok(s) if s.functions == 0 => "no functions to look at (no symbols)".to_owned(),
+            Ok(s) if s.keeps_frame_pointers() => {
+                format!(
+                    "frame pointers ({} of {} functions): frame-pointer stacks through it are whole",
+                    s.with_frame_pointer, s.functions
+                )
+            }
+            Ok(s) => {
+                without += 1;
+                format!(
+                    "no frame pointers ({} of {} functions): frame-pointer stacks through it are cut or skip frames",
+                    s.with_frame_pointer, s.functions
+                )
+            }
+            Err(e) => format!("not surveyed: {e}"),
+        };
+        let _ = writeln!(text, "  {}: {verdict}", path.display());
+    }
+    if without > 0 {
+        let _ = writeln!(
+            text,
+            "  => {without} without frame pointers: use `trace --call-stack c --unwind dwarf` for whole stacks"
+        );
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.pid.is_none() && args.libs.is_empty() {
         bail!("nothing to inspect: give --pid PID or --lib PATH");
@@ -180,6 +218,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let _ = writeln!(text, "    => {}", note.text);
             }
         }
+    }
+    if let Some(pid) = args.pid {
+        describe_native_stacks(pid, &mut text);
     }
     match std::io::stdout().lock().write_all(text.as_bytes()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => return Err(e).context("cannot write to stdout"),

@@ -199,3 +199,34 @@ fn csv_rows_carry_the_same_stacks() {
         assert!(malloc.contains(&format!("({f}")), "{f} in the CSV's last column:\n{malloc}");
     }
 }
+
+/// `probes --pid` says, per mapped file, whether frame-pointer stacks through it hold: the
+/// stack chain's library is built with frame pointers in one program and without in the other,
+/// by construction (xtask's build).
+#[test]
+fn probes_tells_libraries_without_frame_pointers_and_suggests_dwarf() {
+    let env = env("stacks_probes");
+    for (name, lib_dir, keeps) in [("stack_chain", "stacks", true), ("stack_chain_nofp", "stacks_nofp", false)] {
+        let ledger = env.scratch.join(format!("{name}.txt"));
+        let mut child = std::process::Command::new(program(&env, name))
+            .args(["1", ledger.to_str().unwrap(), "5000"])
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .spawn()
+            .unwrap();
+        let _ = wait_for_file(&ledger, &mut child, Duration::from_secs(20));
+        let out =
+            std::process::Command::new(&env.bin).args(["probes", "--pid", &child.id().to_string()]).output().unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        let lib = format!("{lib_dir}/libstackchain.so: ");
+        let line = text.lines().find(|l| l.contains(&lib)).unwrap_or_else(|| panic!("no line for {lib}:\n{text}"));
+        if keeps {
+            assert!(line.contains(": frame pointers (") && line.contains("are whole"), "{line}");
+        } else {
+            assert!(line.contains(": no frame pointers (0 of "), "{line}");
+            assert!(text.contains("--unwind dwarf"), "{text}");
+        }
+    }
+}
