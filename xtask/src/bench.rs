@@ -54,6 +54,10 @@ pub struct Options {
     /// or analyses.
     #[arg(long)]
     pub consumer_only: bool,
+    /// Only the cost of native stacks per pair (`trace --call-stack c`, against bpftrace's
+    /// `ustack`).
+    #[arg(long)]
+    pub stacks_only: bool,
     /// Only the analysis throughput (`--analysis-pairs`, `--analysis-rounds`, `--baseline-bin`).
     #[arg(long)]
     pub analysis_only: bool,
@@ -231,6 +235,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         rounds: opts.analysis_rounds.max(1),
         baseline: opts.baseline_bin.as_deref(),
     };
+    if opts.stacks_only {
+        let md = crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?;
+        std::fs::write(dir.join("results-stacks.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
     if opts.analysis_only {
         let md = crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
         std::fs::write(dir.join("results-analysis.md"), &md)?;
@@ -248,6 +258,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     let (mut md, have_bpftrace) = pair_rounds(opts, &built, &dir)?;
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
+    md.push_str(&crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
     md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
     if opts.loss_seconds > 0 {
         md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);

@@ -12,6 +12,7 @@ mod bench_analysis;
 mod bench_consumer;
 mod bench_loss;
 mod bench_markers;
+mod bench_stacks;
 mod bench_stop;
 mod build;
 mod demo;

@@ -1,0 +1,129 @@
+//! The cost of native stacks per aclrtMalloc + aclrtFree pair (`trace --call-stack c`, frame
+//! pointers and `--unwind dwarf`), against bpftrace on the same 8 probes taking `ustack` at the
+//! same two outermost entries (its stacks go to a stack map, deduplicated in the kernel), all in
+//! the same run and interleaved: untraced, memscope-bpf without stacks, with `c`, with `c
+//! --unwind dwarf`, bpftrace without and with `ustack`. Python stacks are not in this build.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::bench::{median, run_capture};
+use crate::build::Built;
+use crate::util::{output, privileged};
+
+fn ns(stdout: &str) -> anyhow::Result<f64> {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("ns_per_pair "))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no ns_per_pair in:\n{stdout}"))
+}
+
+fn traced(built: &Built, out: &Path, pairs: u64, stacks: &[&str]) -> anyhow::Result<(f64, String)> {
+    let _ = std::fs::remove_dir_all(out);
+    let (stdout, stderr) = run_capture(
+        privileged(built.binary.to_str().expect("utf-8 path"))
+            .args(["trace", "--quiet", "--output"])
+            .arg(out)
+            .arg("--lib")
+            .arg(&built.libascendcl)
+            .args(stacks)
+            .arg("--")
+            .arg(&built.alloc_bench)
+            .arg(pairs.to_string()),
+    )?;
+    let lost = stderr.lines().find(|l| l.contains("calls recorded")).unwrap_or("").trim_start_matches("memscope-bpf: ");
+    Ok((ns(&stdout)?, lost.to_owned()))
+}
+
+/// The bench's 8 probes; with `ustack`, a 50-frame user stack counted per outermost call.
+fn bpftrace_script(lib: &Path, ustack: bool) -> String {
+    let (l, h) = (lib.display(), lib.with_file_name("libascend_hal.so"));
+    let h = h.display();
+    let (st, clear_st) = if ustack { ("@st[ustack(50)] = count();", "clear(@st);") } else { ("", "") };
+    format!(
+        "uprobe:{l}:aclrtMallocImpl {{ @p[tid] = arg0; {st} }} \
+         uretprobe:{l}:aclrtMallocImpl /@p[tid]/ {{ @live[*(uint64 *)uptr(@p[tid])] = 1; delete(@p[tid]); }} \
+         uprobe:{l}:aclrtFreeImpl {{ @f[tid] = arg0; {st} }} \
+         uretprobe:{l}:aclrtFreeImpl /@f[tid]/ {{ delete(@live[@f[tid]]); delete(@f[tid]); }} \
+         uprobe:{h}:halMemAllocInner {{ @hp[tid] = arg0; }} \
+         uretprobe:{h}:halMemAllocInner /@hp[tid]/ {{ @hlive[*(uint64 *)uptr(@hp[tid])] = 1; delete(@hp[tid]); }} \
+         uprobe:{h}:halMemFreeInner {{ @hf[tid] = arg0; }} \
+         uretprobe:{h}:halMemFreeInner /@hf[tid]/ {{ delete(@hlive[@hf[tid]]); delete(@hf[tid]); }} \
+         END {{ clear(@live); clear(@p); clear(@f); clear(@hlive); clear(@hp); clear(@hf); {clear_st} }}"
+    )
+}
+
+fn bpftrace(built: &Built, pairs: u64, ustack: bool) -> anyhow::Result<f64> {
+    let (stdout, _) = run_capture(
+        privileged("bpftrace")
+            .arg("-e")
+            .arg(bpftrace_script(&built.libascendcl, ustack))
+            .arg("-c")
+            .arg(format!("{} {pairs}", built.alloc_bench.display())),
+    )?;
+    ns(&stdout)
+}
+
+pub fn run(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {
+    let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
+    let names = [
+        "untraced",
+        "memscope-bpf, no stacks",
+        "memscope-bpf --call-stack c (frame pointers)",
+        "memscope-bpf --call-stack c --unwind dwarf (8 KiB window)",
+        "bpftrace, same 8 probes",
+        "bpftrace, same 8 probes + ustack(50) at the 2 outermost entries",
+    ];
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    let mut losses = Vec::new();
+    for round in 1..=rounds {
+        eprintln!("xtask bench: stacks, round {round}/{rounds}");
+        let (out, n) = (dir.join("out-stacks"), pairs.to_string());
+        runs[0].push(ns(&run_capture(Command::new(&built.alloc_bench).arg(&n))?.0)?);
+        for (i, stacks) in
+            [&[][..], &["--call-stack", "c"], &["--call-stack", "c", "--unwind", "dwarf"]].iter().enumerate()
+        {
+            let (v, lost) = traced(built, &out, pairs, stacks)?;
+            runs[1 + i].push(v);
+            losses.push(format!("{}: {lost}", names[1 + i]));
+        }
+        if have_bpftrace {
+            runs[4].push(bpftrace(built, pairs, false)?);
+            runs[5].push(bpftrace(built, pairs, true)?);
+        }
+    }
+    let med: Vec<f64> = runs.iter().map(|r| if r.is_empty() { f64::NAN } else { median(r.clone()) }).collect();
+    let mut md = format!(
+        "\n## Native stacks per pair\n\nCommand: `cargo xtask bench --stacks-only --pairs {pairs} --rounds {rounds}`. \
+         Median of {rounds} runs, interleaved; each run times {pairs} aclrtMalloc+aclrtFree pairs inside the process.\n\n\
+         | configuration | ns per pair (median) | added by the stacks | runs |\n|---|---|---|---|\n"
+    );
+    for (i, name) in names.iter().enumerate() {
+        if runs[i].is_empty() {
+            continue;
+        }
+        let base = match i {
+            2 | 3 => med[1],
+            5 => med[4],
+            _ => f64::NAN,
+        };
+        let added = if base.is_nan() { "–".to_owned() } else { format!("{:.0}", med[i] - base) };
+        let r = runs[i].iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ");
+        md.push_str(&format!("| {name} | {:.0} | {added} | {r} |\n", med[i]));
+    }
+    if have_bpftrace {
+        md.push_str(&format!(
+            "\nFrame-pointer stacks, added cost: memscope-bpf {:.0} ns against bpftrace's ustack {:.0} ns per pair: {:.3}x \
+             (target: at most 1.10x).\n",
+            med[2] - med[1],
+            med[5] - med[4],
+            (med[2] - med[1]) / (med[5] - med[4])
+        ));
+    } else {
+        md.push_str("\nbpftrace is not installed (`cargo xtask setup` installs it): no peer comparison.\n");
+    }
+    md.push_str(&format!("\nPer run: {}\n", losses.join("; ")));
+    Ok(md)
+}
