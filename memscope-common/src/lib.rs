@@ -10,8 +10,10 @@
 //! - [`spec`]: what one attach point means to the generic call probes (which argument is an
 //!   out-pointer, which carries a config struct, what it does to the thread's device).
 //! - [`usdt`]: how the USDT program reads one call site's arguments.
+//! - [`python`]: how the Python-stack probe walks an interpreter, and what it sends.
 #![no_std]
 
+pub mod python;
 pub mod record;
 pub mod spec;
 pub mod usdt;

@@ -38,6 +38,9 @@ pub enum RecordKind {
     /// A window of a thread's user stack and its registers at the entry of its outermost traced
     /// call (`--unwind dwarf`): [`StackWindowRecord`], cut to the bytes copied.
     StackWindow = 8,
+    /// The calling thread's Python frames at the entry of its outermost traced call:
+    /// [`crate::python::PyStackRecord`], cut to the frames read.
+    PyStack = 9,
 }
 
 impl RecordKind {
@@ -52,6 +55,7 @@ impl RecordKind {
             6 => Some(Self::CallText),
             7 => Some(Self::Stack),
             8 => Some(Self::StackWindow),
+            9 => Some(Self::PyStack),
             _ => None,
         }
     }

@@ -8,3 +8,5 @@ unsafe impl aya::Pod for ProbeSpec {}
 unsafe impl aya::Pod for CallRecord {}
 // SAFETY: as above.
 unsafe impl aya::Pod for UsdtSpec {}
+// SAFETY: as above.
+unsafe impl aya::Pod for crate::python::PyProcess {}

@@ -115,9 +115,23 @@ pub struct RawStack {
     pub ips: Vec<u64>,
 }
 
+/// A thread's Python frames (code object, instruction pointer) at the entry of its outermost
+/// traced call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawPyStack {
+    pub tgid: u32,
+    pub tid: u32,
+    pub entry_mono_ns: u64,
+    /// `memscope_common::python::PY_*` bits.
+    pub flags: u32,
+    /// Innermost first.
+    pub frames: Vec<(u64, u64)>,
+}
+
 /// A decoded record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
+    PyStack(RawPyStack),
     Call(RawCall),
     Usdt(RawUsdt),
     Blob(RawBlob),
@@ -279,6 +293,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             }))
         }
         RecordKind::Stack => stack(bytes).map(Record::Stack),
+        RecordKind::PyStack => py_stack(bytes).map(Record::PyStack),
         // Read in place by the consumer ([`stack_window`]): only its unwound frames are kept.
         RecordKind::StackWindow => Err(DecodeError::ReadInPlace { kind }),
         RecordKind::Fork => {
@@ -292,6 +307,29 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             Ok(Record::Exit { mono_ns: r.hdr.ts_ns, tgid: r.hdr.tgid })
         }
     }
+}
+
+/// A Python stack record: its fixed part, then the frames it says it holds.
+fn py_stack(bytes: &[u8]) -> Result<RawPyStack, DecodeError> {
+    use memscope_common::python::{MAX_PY_FRAMES, PY_STACK_HEADER_LEN};
+    let kind = RecordKind::PyStack;
+    if bytes.len() < PY_STACK_HEADER_LEN {
+        return Err(DecodeError::Truncated { kind, len: bytes.len(), need: PY_STACK_HEADER_LEN });
+    }
+    let word = |at: usize| u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("checked length"));
+    let half = |at: usize| u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("checked length"));
+    let n = (half(28) as usize).min(MAX_PY_FRAMES);
+    let need = PY_STACK_HEADER_LEN + 16 * n;
+    if bytes.len() < need {
+        return Err(DecodeError::Truncated { kind, len: bytes.len(), need });
+    }
+    Ok(RawPyStack {
+        tgid: half(16),
+        tid: half(20),
+        entry_mono_ns: word(8),
+        flags: half(24),
+        frames: (0..n).map(|i| (word(PY_STACK_HEADER_LEN + 16 * i), word(PY_STACK_HEADER_LEN + 16 * i + 8))).collect(),
+    })
 }
 
 /// A stack record: its fixed part, then as many frames as it says (the BPF side sends only

@@ -38,6 +38,13 @@ impl Recorder {
                 self.children.remove(&event.pid);
             }
             EventKind::Marker(_) => self.markers += 1,
+            EventKind::PyStack { .. } => {
+                let EventKind::PyStack { id, text } = event.kind else { unreachable!("matched above") };
+                if let Err(e) = self.store.add_py_stack(id, text) {
+                    self.error.get_or_insert(anyhow::Error::new(e).context("cannot write the trace"));
+                }
+                return;
+            }
             EventKind::Stack(_) => {
                 let EventKind::Stack(stack) = event.kind else { unreachable!("matched above") };
                 if let Err(e) = self.store.add_stack(stack) {
@@ -46,17 +53,17 @@ impl Recorder {
                 return;
             }
         }
-        let stack = match &event.kind {
-            EventKind::Call(call) => call.stack,
-            _ => NO_STACK,
+        let stacks = match &event.kind {
+            EventKind::Call(call) => (call.stack, call.py_stack),
+            _ => (NO_STACK, NO_STACK),
         };
         self.tracker.apply(event, &mut self.outputs);
-        self.flush_outputs(stack);
+        self.flush_outputs(stacks);
     }
 
     /// Writes the facts of the last event, with its call's stack; the list keeps its capacity
     /// for the next one.
-    fn flush_outputs(&mut self, stack: StackId) {
+    fn flush_outputs(&mut self, stacks: (StackId, StackId)) {
         // After the first error nothing more is written: the trace stops on it.
         let writing = if self.error.is_none() { self.outputs.len() } else { 0 };
         for output in &mut self.outputs[..writing] {
@@ -65,7 +72,7 @@ impl Recorder {
                     let owner = std::mem::take(owner);
                     self.store.retag(Retag { device: *device, pid: *pid, event_type: *event_type, ptr: *ptr, owner })
                 }
-                output => self.store.write_output(output, stack),
+                output => self.store.write_output(output, stacks),
             };
             if let Err(e) = written {
                 self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));

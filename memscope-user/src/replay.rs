@@ -175,7 +175,8 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
     let Recorder { mut tracker, mut store, .. } = recorder;
     let stop_wall = clock::wall_ns();
     store.stopping()?;
-    tracker.finish(stop_wall, |output| store.write_output(&output, crate::stacks::NO_STACK))?;
+    tracker
+        .finish(stop_wall, |output| store.write_output(&output, (crate::stacks::NO_STACK, crate::stacks::NO_STACK)))?;
     let written = store.finish(stop_wall, Vec::new(), Vec::new()).context("cannot finish the DB")?;
     Ok(Report {
         records: stats.records,

@@ -386,8 +386,19 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let waiter = release(&mut target)?;
 
     let tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
-    let mut live =
-        Live { pid, probe_set, quiet, tracer, ring_fd, consumer, recorder: Recorder::new(tracker, store), skipped };
+    let python = stacks.call.python.map(|_| BTreeSet::new());
+    let mut live = Live {
+        pid,
+        probe_set,
+        quiet,
+        tracer,
+        ring_fd,
+        consumer,
+        recorder: Recorder::new(tracker, store),
+        skipped,
+        python,
+    };
+    live.find_pythons()?;
     let mut signals = Signals::new()?;
     let stop_reason = live.trace(&mut signals, duration, waiter).await?;
     live.finish(signals, stop_reason, started, run_dir)
@@ -409,6 +420,7 @@ fn load(
         debug_dirs,
         stack_depth: stacks.kernel_depth(),
         stack_window: stacks.window_bytes(),
+        python_depth: stacks.python_depth(),
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.
@@ -499,9 +511,37 @@ struct Live {
     consumer: Consumer,
     recorder: Recorder,
     skipped: Vec<SkippedLibrary>,
+    /// `--call-stack python`: the processes whose interpreter was looked for (found or not).
+    python: Option<BTreeSet<u32>>,
 }
 
 impl Live {
+    /// Looks for the interpreter of each traced process not looked at yet, and lets the probe
+    /// walk it. A process that has not loaded Python yet is looked at again at the next rescan.
+    fn find_pythons(&mut self) -> anyhow::Result<()> {
+        let Some(seen) = &mut self.python else { return Ok(()) };
+        for pid in std::iter::once(self.pid).chain(self.recorder.children.iter().copied()) {
+            if seen.contains(&pid) {
+                continue;
+            }
+            match crate::stacks::python::find(pid) {
+                Ok(None) => continue,
+                Ok(Some(py)) => {
+                    let process = memscope_common::python::PyProcess { runtime: py.runtime, offsets: py.layout.walk };
+                    self.tracer.set_python(pid, process).context("cannot register the Python interpreter")?;
+                    self.consumer.set_python(pid, py.layout);
+                    note(
+                        self.quiet,
+                        format!("python: CPython 3.{} in process {pid} ({})", py.minor, py.path.display()),
+                    );
+                }
+                Err(e) => note(self.quiet, format!("python: process {pid}: no Python stacks: {e}")),
+            }
+            seen.insert(pid);
+        }
+        Ok(())
+    }
+
     /// Feeds every record waiting in the ring to the model and the store.
     fn drain(&mut self) {
         let Self { consumer, recorder, .. } = self;
@@ -585,6 +625,7 @@ impl Live {
 
     /// Probes the libraries the traced processes mapped since the last look.
     fn rescan(&mut self) -> anyhow::Result<()> {
+        self.find_pythons()?;
         let pids = std::iter::once(self.pid).chain(self.recorder.children.iter().copied()).collect::<Vec<_>>();
         let (quiet, store) = (self.quiet, &mut self.recorder.store);
         let (added, markers) =
@@ -634,7 +675,9 @@ impl Live {
         let mut devices = device_lines(&tracker);
         let pools = pool_lines(&tracker);
         store.stopping()?;
-        tracker.finish(stop_wall, |output| store.write_output(&output, crate::stacks::NO_STACK))?;
+        tracker.finish(stop_wall, |output| {
+            store.write_output(&output, (crate::stacks::NO_STACK, crate::stacks::NO_STACK))
+        })?;
         let undecodable = consumer.stats.undecodable;
         let stacks = consumer.stack_stats();
         let mut final_meta: Meta = vec![

@@ -52,6 +52,7 @@ mod tests {
             thread_device: device,
             op,
             stack: crate::stacks::NO_STACK,
+            py_stack: crate::stacks::NO_STACK,
         };
         Event { wall_ns, pid: 100, tid: 7, kind: EventKind::Call(call) }
     }

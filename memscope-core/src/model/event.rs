@@ -67,6 +67,8 @@ pub struct Call {
     /// The native stack of the thread's outermost traced call this one ran in (or is), when
     /// stacks are captured ([`NO_STACK`] otherwise): every row the call makes carries it.
     pub stack: StackId,
+    /// The thread's Python stack at that call (`--call-stack python`), or none.
+    pub py_stack: StackId,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,6 +85,11 @@ pub enum EventKind {
     /// A stack seen for the first time, normalized: the store needs it before the first row
     /// that refers to it. No model state changes.
     Stack(Box<Stack>),
+    /// A Python stack text seen for the first time, by its id (its own numbering).
+    PyStack {
+        id: StackId,
+        text: Box<str>,
+    },
 }
 
 /// One event. `wall_ns` is nanoseconds since the Unix epoch (converted from the kernel's

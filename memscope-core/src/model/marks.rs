@@ -193,6 +193,7 @@ mod tests {
             thread_device: Some(0),
             op,
             stack: crate::stacks::NO_STACK,
+            py_stack: crate::stacks::NO_STACK,
         };
         at(tid, 2, EventKind::Call(call))
     }

@@ -102,6 +102,7 @@ mod tests {
             thread_device: Some(0),
             op,
             stack: crate::stacks::NO_STACK,
+            py_stack: crate::stacks::NO_STACK,
         };
         Event { wall_ns, pid: 1, tid: 1, kind: EventKind::Call(call) }
     }

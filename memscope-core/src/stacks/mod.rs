@@ -13,6 +13,7 @@
 
 pub mod capture;
 pub mod frame_pointers;
+pub mod python;
 pub mod spec;
 pub mod symbolize;
 pub mod text;

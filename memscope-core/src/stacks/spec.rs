@@ -106,6 +106,11 @@ impl StackOptions {
         }
     }
 
+    /// Python frames the kernel reads per call (0: none), at most the record's capacity.
+    pub fn python_depth(&self) -> u32 {
+        self.call.python.unwrap_or(0).min(memscope_common::python::MAX_PY_FRAMES as u32)
+    }
+
     /// Stack bytes the kernel copies per call (`--unwind dwarf` with native stacks; 0 otherwise).
     pub fn window_bytes(&self) -> u32 {
         if self.unwind == Unwind::Dwarf && self.call.c.is_some() {

@@ -19,6 +19,7 @@ use crate::stacks::{StackId, NO_STACK};
 struct Slot {
     head: Head,
     stack: StackId,
+    py_stack: StackId,
     /// Attr is `text[start..attr_end]`, Name `text[attr_end..name_end]`, Ptr
     /// `text[name_end..end]`: the Attr comes first because it is written before the model
     /// output has given the other columns.
@@ -37,11 +38,14 @@ pub struct RowText<'t> {
     pub ptr: &'t str,
     /// JSON for a DB, msMemScope's `{k:v,...}` for CSV.
     pub attr: &'t str,
-    /// The call's native stack.
+    /// The call's native and Python stacks.
     pub stack: StackId,
+    pub py_stack: StackId,
     /// Its `Call Stack(C)` text: "" in a batch; the store's thread, which symbolizes the
     /// stacks, fills it in ([`super::Store::write_batch`]).
     pub c_stack: &'t str,
+    /// Its `Call Stack(Python)` text, filled in as `c_stack`.
+    pub py_text: &'t str,
 }
 
 #[derive(Debug, Default)]
@@ -70,14 +74,22 @@ impl Batch {
 
     /// Formats `row` (its Attr in `format`'s form), made by a call with `stack`, onto the end
     /// of the batch.
-    pub fn push(&mut self, row: &Row<'_>, format: Format, stack: StackId) {
+    pub fn push(&mut self, row: &Row<'_>, format: Format, stacks: (StackId, StackId)) {
         let start = offset(&self.text);
         match format {
             Format::Db => row.attr.write_json(&mut self.text),
             Format::Csv => row.attr.write_csv_form(&mut self.text),
         }
         let head = Head { untracked: is_untracked_free(row), ..row.head };
-        let slot = Slot { head, stack, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
+        let slot = Slot {
+            head,
+            stack: stacks.0,
+            py_stack: stacks.1,
+            start,
+            attr_end: offset(&self.text),
+            name_end: 0,
+            end: 0,
+        };
         self.text.push_str(&row.name);
         self.push_ptr(slot);
     }
@@ -85,10 +97,18 @@ impl Batch {
     /// Formats the row of a model output onto the end of the batch, its Attr as JSON (a DB's
     /// form) written in place; false, with nothing added, for an output that is no row
     /// ([`Output::Retag`]). `stack` is the native stack of the call that made it.
-    pub fn push_output(&mut self, output: &Output, stack: StackId) -> bool {
+    pub fn push_output(&mut self, output: &Output, stacks: (StackId, StackId)) -> bool {
         let start = offset(&self.text);
         let Some(c) = insight::write_row(output, &mut self.text) else { return false };
-        let slot = Slot { head: c.head, stack, start, attr_end: offset(&self.text), name_end: 0, end: 0 };
+        let slot = Slot {
+            head: c.head,
+            stack: stacks.0,
+            py_stack: stacks.1,
+            start,
+            attr_end: offset(&self.text),
+            name_end: 0,
+            end: 0,
+        };
         c.name.write(&mut self.text);
         self.push_ptr(slot);
         true
@@ -113,7 +133,15 @@ impl Batch {
         let attr_end = start + offset(row.attr);
         let name_end = attr_end + offset(row.name);
         let end = offset(&self.text);
-        self.slots.push(Slot { head: *row.head, stack: row.stack, start, attr_end, name_end, end });
+        self.slots.push(Slot {
+            head: *row.head,
+            stack: row.stack,
+            py_stack: row.py_stack,
+            start,
+            attr_end,
+            name_end,
+            end,
+        });
     }
 
     pub fn get(&self, i: usize) -> RowText<'_> {
@@ -125,7 +153,9 @@ impl Batch {
             ptr: at(slot.name_end, slot.end),
             attr: at(slot.start, slot.attr_end),
             stack: slot.stack,
+            py_stack: slot.py_stack,
             c_stack: "",
+            py_text: "",
         }
     }
 
@@ -137,7 +167,7 @@ impl Batch {
 /// A row formatted on its own (the store's START/STOP rows, tests).
 pub fn single(row: &Row<'_>, format: Format) -> Batch {
     let mut batch = Batch::default();
-    batch.push(row, format, NO_STACK);
+    batch.push(row, format, (NO_STACK, NO_STACK));
     batch
 }
 
@@ -187,8 +217,12 @@ mod tests {
     fn each_row_reads_back_its_own_columns() {
         let mut batch = Batch::default();
         let shadow = Attr::new().with("size", 8u64).with("shadow", "true");
-        batch.push(&row("aclrtFree", Some(0x10), shadow, false, true), Format::Db, NO_STACK);
-        batch.push(&row("", None, Attr::new().with("unmatched", "true"), true, false), Format::Csv, NO_STACK);
+        batch.push(&row("aclrtFree", Some(0x10), shadow, false, true), Format::Db, (NO_STACK, NO_STACK));
+        batch.push(
+            &row("", None, Attr::new().with("unmatched", "true"), true, false),
+            Format::Csv,
+            (NO_STACK, NO_STACK),
+        );
         let mut copy = Batch::default();
         copy.push_text(batch.get(1));
         copy.push_text(batch.get(0));

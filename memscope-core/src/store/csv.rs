@@ -73,7 +73,7 @@ pub fn line(id: u64, row: RowText<'_>, device: &str) -> String {
         field(device),
         field(row.ptr),
         attr,
-        String::new(),
+        field(row.py_text),
         field(row.c_stack),
     ]
     .join(",")

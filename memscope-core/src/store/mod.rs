@@ -223,7 +223,9 @@ impl Store {
 
     /// Writes a batch's rows, each with the `Call Stack(C)` text of its stack in `stacks`.
     pub fn write_batch(&mut self, rows: &Batch, stacks: &StackTable) -> Result<(), StoreError> {
-        rows.iter().try_for_each(|row| self.write(RowText { c_stack: stacks.text(row.stack), ..row }))
+        rows.iter().try_for_each(|row| {
+            self.write(RowText { c_stack: stacks.text(row.stack), py_text: stacks.py_text(row.py_stack), ..row })
+        })
     }
 
     pub fn write(&mut self, row: RowText<'_>) -> Result<(), StoreError> {
@@ -376,7 +378,11 @@ mod tests {
         let free = Output::Free { site, device, space, ptr, size, allocation_id, used: 0, shadow, driver };
         let mut batch = Batch::default();
         for output in [malloc, free] {
-            batch.push(&insight::to_row(&output).unwrap(), Format::Db, crate::stacks::NO_STACK);
+            batch.push(
+                &insight::to_row(&output).unwrap(),
+                Format::Db,
+                (crate::stacks::NO_STACK, crate::stacks::NO_STACK),
+            );
         }
         batch
     }

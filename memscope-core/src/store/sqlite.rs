@@ -259,7 +259,7 @@ impl Sink for DbSink {
                 Col::Text(&self.device),
                 Col::Text(row.ptr),
                 Col::Text(row.attr),
-                Col::Text(""),
+                Col::Text(row.py_text),
                 Col::Text(row.c_stack),
             ])
             .map_err(bulk_error(&self.path))?;

@@ -47,6 +47,8 @@ pub struct StackTable {
     /// By id: ids are given in order from 1, and each arrives once.
     rows: Vec<StackRow>,
     frames: Vec<FrameRow>,
+    /// Python stack texts by id (from 1).
+    py: Vec<Box<str>>,
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -121,6 +123,20 @@ impl StackTable {
             return "";
         }
         self.rows.get(id as usize - 1).map_or("", |r| &r.text)
+    }
+
+    /// A Python stack text, by its id (they arrive in id order).
+    pub fn add_py(&mut self, id: StackId, text: Box<str>) {
+        debug_assert_eq!(id as usize, self.py.len() + 1, "Python stacks arrive in id order");
+        self.py.push(text);
+    }
+
+    /// The `Call Stack(Python)` text of a row's Python stack ("" for none).
+    pub fn py_text(&self, id: StackId) -> &str {
+        if id == NO_STACK {
+            return "";
+        }
+        self.py.get(id as usize - 1).map_or("", |t| t)
     }
 
     pub fn rows(&self) -> &[StackRow] {

@@ -26,6 +26,7 @@ const IN_FLIGHT: usize = 16;
 enum Msg {
     Rows(Batch),
     Stack(Box<Stack>),
+    PyStack(StackId, Box<str>),
     Probes(Vec<ProbeRow>),
     Meta(Meta),
     Retag(Retag),
@@ -48,6 +49,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Ve
     for msg in rx {
         match msg {
             Msg::Stack(stack) => stacks.add(&stack),
+            Msg::PyStack(id, text) => stacks.add_py(id, text),
             Msg::Rows(mut rows) => {
                 store.write_batch(&rows, &stacks)?;
                 rows.clear();
@@ -103,15 +105,20 @@ impl Writer {
         self.send(Msg::Stack(stack))
     }
 
+    /// A Python stack text seen for the first time, ahead of the rows that refer to it.
+    pub fn add_py_stack(&mut self, id: StackId, text: Box<str>) -> Result<(), StoreError> {
+        self.send(Msg::PyStack(id, text))
+    }
+
     /// Writes the row of a model output, if it has one (an [`Output::Retag`] has none). A DB's
     /// rows are formatted straight into the batch; CSV's Attr form is made from a [`Row`].
-    pub fn write_output(&mut self, output: &Output, stack: StackId) -> Result<(), StoreError> {
+    pub fn write_output(&mut self, output: &Output, stacks: (StackId, StackId)) -> Result<(), StoreError> {
         match self.format {
             Format::Db => {
-                self.batch.push_output(output, stack);
+                self.batch.push_output(output, stacks);
             }
             Format::Csv => match insight::to_row(output) {
-                Some(row) => self.batch.push(&row, self.format, stack),
+                Some(row) => self.batch.push(&row, self.format, stacks),
                 None => return Ok(()),
             },
         }

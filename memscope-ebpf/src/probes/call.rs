@@ -31,7 +31,7 @@ use memscope_common::{
     },
 };
 
-use super::{nonzero_arg, stack};
+use super::{nonzero_arg, python, stack};
 use crate::maps::{is_traced, reserve, submit, SPECS};
 
 /// A call in flight on one thread and layer.
@@ -168,11 +168,17 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let entry_ns = unsafe { bpf_ktime_get_ns() };
     open.entry_ns = entry_ns;
     open.entry_sp = sp;
-    if (stack::enabled() || stack::windowed()) && no_other_call_open(state, layer) {
+    let stacks = stack::enabled() || stack::windowed() || python::enabled();
+    if stacks && no_other_call_open(state, layer) {
+        if python::enabled() {
+            let _ = python::capture(pid_tgid, entry_ns);
+        }
         let _ = if stack::windowed() {
             stack::capture_window(ctx, pid_tgid, entry_ns)
-        } else {
+        } else if stack::enabled() {
             stack::capture(ctx, pid_tgid, entry_ns, sp)
+        } else {
+            None
         };
     }
     // Reborrowed: the stack check read the whole state.

@@ -1,6 +1,7 @@
 //! Probe families; one file each.
 pub mod call;
 pub mod process;
+pub mod python;
 pub mod stack;
 pub mod usdt;
 

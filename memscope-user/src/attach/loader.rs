@@ -23,6 +23,7 @@ use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
+use memscope_common::python::PyProcess;
 use memscope_common::spec::ProbeSpec;
 use memscope_common::usdt::{UsdtSpec, MAX_USDT_SPECS};
 use thiserror::Error;
@@ -126,6 +127,8 @@ pub struct LoadOptions {
     pub stack_depth: u32,
     /// Bytes of stack to copy per call for `--unwind dwarf` (0: frame-pointer walks).
     pub stack_window: u32,
+    /// Python frames to read per call (`--call-stack python:N`; 0: none).
+    pub python_depth: u32,
 }
 
 pub struct Tracer {
@@ -202,6 +205,7 @@ impl Tracer {
             .override_global("FOLLOW_FORKS", &follow, true)
             .override_global("STACK_DEPTH", &opts.stack_depth, true)
             .override_global("STACK_WINDOW", &opts.stack_window, true)
+            .override_global("PY_DEPTH", &opts.python_depth, true)
             .override_global("TARGET_TGID", &target, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
@@ -279,6 +283,14 @@ impl Tracer {
         let mut traced: BpfHashMap<_, u32, u32> =
             BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
         traced.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "TRACED", source })
+    }
+
+    /// Lets the Python-stack probe walk `pid`'s interpreter (`--call-stack python`).
+    pub fn set_python(&mut self, pid: u32, py: PyProcess) -> Result<(), LoadError> {
+        let map = self.ebpf.map_mut("PY_PROCS").ok_or(LoadError::Missing("PY_PROCS"))?;
+        let mut procs: BpfHashMap<_, u32, PyProcess> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "PY_PROCS", source })?;
+        procs.insert(pid, py, 0).map_err(|source| LoadError::Map { name: "PY_PROCS", source })
     }
 
     /// The ids in the kernel's traced set: traced processes and, while they run, the threads

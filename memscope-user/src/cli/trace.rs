@@ -118,6 +118,9 @@ pub struct Args {
     /// symbolized from the files (functions, file:line, inlined calls) into the `Call Stack(C)`
     /// column and the `ms_stacks`/`ms_frames` tables. A stack that ends before the thread's
     /// entry is marked truncated (a library on the way was built without frame pointers).
+    /// Python stacks (CPython 3.11-3.13) are the calling thread's own, read at the same entry,
+    /// `file(line): function` innermost first, into `Call Stack(Python)` (at most 64 frames);
+    /// threads that run no Python get none.
     #[arg(long, value_name = "KINDS", value_parser = parse_call_stack)]
     pub call_stack: Option<CallStacks>,
 
@@ -178,12 +181,6 @@ fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Checked before tracing: a typo must not cost a whole run.
     let analyses = args.analysis.as_deref().map(super::analyze::parse_list).transpose()?;
-    if args.call_stack.is_some_and(|s| s.python.is_some()) {
-        bail!(
-            "--call-stack python: Python stacks are not available in this build yet; \
-             record native stacks with --call-stack c"
-        );
-    }
     let format = args.format;
     let target_given = args.pid.is_some() || !args.command.is_empty();
     if !target_given {

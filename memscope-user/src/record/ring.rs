@@ -53,6 +53,11 @@ impl Consumer {
         self.decoder.set_stack_depth(depth);
     }
 
+    /// A process's interpreter, found by the session.
+    pub fn set_python(&mut self, pid: u32, layout: &'static crate::stacks::python::Layout) {
+        self.decoder.set_python(pid, layout);
+    }
+
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
         let Self { ring, stats, decoder } = self;
@@ -84,6 +89,10 @@ impl Decoder {
         self.stacks.depth = depth as usize;
     }
 
+    pub fn set_python(&mut self, pid: u32, layout: &'static crate::stacks::python::Layout) {
+        self.stacks.set_python(pid, layout);
+    }
+
     /// Decodes one record; the event it makes, if any, goes to `sink`.
     pub fn feed(&mut self, bytes: &[u8], stats: &mut ConsumerStats, sink: &mut impl FnMut(Event)) {
         stats.records += 1;
@@ -112,12 +121,23 @@ impl Decoder {
             if !self.blobs.is_empty() {
                 self.join_blob(&mut call);
             }
-            let stack = if self.stacks.is_empty() { NO_STACK } else { self.stacks.of_call(&call) };
-            call_event(&call, self.clock, stack)
+            let stacks = if self.stacks.is_empty() {
+                (NO_STACK, NO_STACK)
+            } else {
+                (self.stacks.of_call(&call), self.stacks.py_of_call(&call))
+            };
+            call_event(&call, self.clock, stacks)
         } else {
             match decode::decode(bytes) {
                 Ok(Record::Blob(blob)) => {
                     self.blobs.insert(blob.tid, blob);
+                    return;
+                }
+                Ok(Record::PyStack(raw)) => {
+                    if let Some((id, text)) = self.stacks.on_py_stack(&raw) {
+                        let wall_ns = self.clock.to_wall(raw.entry_mono_ns);
+                        sink(Event { wall_ns, pid: raw.tgid, tid: raw.tid, kind: EventKind::PyStack { id, text } });
+                    }
                     return;
                 }
                 Ok(Record::Stack(raw)) => {
@@ -157,7 +177,7 @@ impl Decoder {
 
 /// A decoded call as a model event; `None` for an API this build does not know.
 #[inline]
-fn call_event(raw: &RawCall, clock: Clock, stack: StackId) -> Option<Event> {
+fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId)) -> Option<Event> {
     let api = Api::from_spec_id(raw.spec_id)?;
     let def = api.def();
     // A function without a status (void, or a pointer result) never fails by its return.
@@ -175,6 +195,7 @@ fn call_event(raw: &RawCall, clock: Clock, stack: StackId) -> Option<Event> {
             thread_device: raw.thread_device,
             op: (def.decode)(raw),
             stack,
+            py_stack,
         }),
     })
 }
@@ -182,7 +203,7 @@ fn call_event(raw: &RawCall, clock: Clock, stack: StackId) -> Option<Event> {
 /// A decoded record as a model event; `None` for a call of an API this build does not know.
 pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
     Some(match record {
-        Record::Call(raw) => return call_event(&raw, clock, NO_STACK),
+        Record::Call(raw) => return call_event(&raw, clock, (NO_STACK, NO_STACK)),
         Record::Usdt(raw) => Event {
             wall_ns: clock.to_wall(raw.mono_ns),
             pid: raw.tgid,
@@ -190,7 +211,7 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
             kind: EventKind::Marker(crate::apis::markers::decode(&raw)?),
         },
         // Joined to their calls by the consumer; one on its own has no call to belong to.
-        Record::Blob(_) | Record::Stack(_) => return None,
+        Record::Blob(_) | Record::Stack(_) | Record::PyStack(_) => return None,
         Record::Fork { mono_ns, parent, child } => {
             Event { wall_ns: clock.to_wall(mono_ns), pid: parent, tid: parent, kind: EventKind::Fork { child } }
         }

@@ -8,8 +8,9 @@ use std::collections::HashMap;
 
 use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED, WINDOW_FAILED};
 
-use super::decode::{RawCall, RawStack, StackWindowView};
+use super::decode::{RawCall, RawPyStack, RawStack, StackWindowView};
 use crate::stacks::capture::{Capture, CaptureStats, RawStack as Captured};
+use crate::stacks::python::Resolver;
 use crate::stacks::unwind::{Unwinder, Window};
 use crate::stacks::{Stack, StackId, NO_STACK};
 
@@ -20,6 +21,11 @@ pub struct ThreadStacks {
     unwinder: Unwinder,
     /// Frames to keep of an unwound window (`--call-stack c:N`).
     pub depth: usize,
+    /// Python frames to text, and each text's id (they are few: one per place that allocates).
+    py: Resolver,
+    py_ids: HashMap<(u32, Box<str>), StackId, foldhash::fast::RandomState>,
+    /// As `open`, for Python stacks.
+    py_open: HashMap<u32, (u64, StackId), foldhash::fast::RandomState>,
     /// By thread: the entry time of its open outermost call, and that call's stack.
     open: HashMap<u32, (u64, StackId), foldhash::fast::RandomState>,
 }
@@ -56,6 +62,45 @@ impl ThreadStacks {
         new
     }
 
+    /// A Python stack record: its frames resolved to text (now: the code objects are read from
+    /// the live process). Returns the text's id and the text when it is new.
+    pub fn on_py_stack(&mut self, raw: &RawPyStack) -> Option<(StackId, Box<str>)> {
+        let text = self.py.text(raw.tgid, &raw.frames);
+        if text.is_empty() {
+            self.py_open.remove(&raw.tid);
+            return None;
+        }
+        let key = (raw.tgid, Box::<str>::from(text));
+        let next = StackId::try_from(self.py_ids.len() + 1).expect("fewer than 4 billion stacks");
+        let (id, new) = match self.py_ids.get(&key) {
+            Some(&id) => (id, false),
+            None => {
+                self.py_ids.insert(key.clone(), next);
+                (next, true)
+            }
+        };
+        self.py_open.insert(raw.tid, (raw.entry_mono_ns, id));
+        new.then_some((id, key.1))
+    }
+
+    /// A call's Python stack, as [`Self::of_call`] for native ones.
+    pub fn py_of_call(&mut self, call: &RawCall) -> StackId {
+        let Some(&(entry, id)) = self.py_open.get(&call.tid) else { return NO_STACK };
+        if call.entry_mono_ns == entry {
+            self.py_open.remove(&call.tid);
+        }
+        if call.entry_mono_ns >= entry {
+            id
+        } else {
+            NO_STACK
+        }
+    }
+
+    /// The session found a process's interpreter: its layout, for resolving its frames.
+    pub fn set_python(&mut self, pid: u32, layout: &'static crate::stacks::python::Layout) {
+        self.py.set_layout(pid, layout);
+    }
+
     /// The stack of a call: its thread's open outermost call's, when the call began inside it
     /// (or is it: then the thread has no open call any more).
     pub fn of_call(&mut self, call: &RawCall) -> StackId {
@@ -74,10 +119,11 @@ impl ThreadStacks {
     pub fn process_exited(&mut self, pid: u32) {
         self.capture.process_exited(pid);
         self.unwinder.process_exited(pid);
+        self.py.process_exited(pid);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.open.is_empty()
+        self.open.is_empty() && self.py_open.is_empty()
     }
 
     pub fn stats(&self) -> CaptureStats {

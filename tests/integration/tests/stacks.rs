@@ -230,3 +230,108 @@ fn probes_tells_libraries_without_frame_pointers_and_suggests_dwarf() {
         }
     }
 }
+
+/// pyenv's CPython 3.`minor`, when installed.
+fn pyenv(minor: u32) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/root/.pyenv/versions")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("3.{minor}."))))
+        .map(|p| p.join(format!("bin/python3.{minor}")))
+        .filter(|p| p.is_file())
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+/// A frame as `traceback` gives it: file, line, function.
+type PyFrame = (String, u32, String);
+
+/// One allocation of the Python workload's ledger: its block, thread and this script's frames,
+/// innermost first.
+fn py_ledger(path: &Path) -> Vec<(u64, u32, Vec<PyFrame>)> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut all = Vec::new();
+    let mut cur: Option<(u64, u32, Vec<PyFrame>)> = None;
+    for line in text.lines() {
+        let (tag, rest) = line.split_once(' ').unwrap_or((line, ""));
+        match tag {
+            "alloc" => {
+                let mut f = rest.split(' ');
+                let ptr = u64::from_str_radix(f.next().unwrap().trim_start_matches("0x"), 16).unwrap();
+                cur = Some((ptr, f.next().unwrap().parse().unwrap(), Vec::new()));
+            }
+            "frame" => {
+                let mut f = rest.rsplitn(3, ':');
+                let (name, line, file) = (f.next().unwrap(), f.next().unwrap(), f.next().unwrap());
+                cur.as_mut().unwrap().2.push((file.to_owned(), line.parse().unwrap(), name.to_owned()));
+            }
+            "end" => all.push(cur.take().unwrap()),
+            _ => {}
+        }
+    }
+    all
+}
+
+/// `--call-stack python` on every pyenv CPython 3.11-3.13: each MALLOC row's `Call Stack(Python)`
+/// begins with exactly the workload's own frames (file, line, function) as the interpreter's
+/// `traceback` gave them at the call, on the main thread and on a second thread, whose rows carry
+/// their own thread's stack (`worker_chain`), not the main thread's.
+#[test]
+fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
+    let env = env("stacks_python");
+    let script = env.workload.with_file_name("standin_pystacks.py");
+    let mut checked = 0;
+    for minor in [11, 12, 13] {
+        let Some(python) = pyenv(minor) else {
+            eprintln!("skipped 3.{minor}: no pyenv CPython 3.{minor} (xtask setup installs them)");
+            continue;
+        };
+        let out = env.scratch.join(format!("out-3{minor}"));
+        let ledger = env.scratch.join(format!("ledger-3{minor}.txt"));
+        let (out_s, py_s, script_s, ledger_s) = (
+            out.display().to_string(),
+            python.display().to_string(),
+            script.display().to_string(),
+            ledger.display().to_string(),
+        );
+        let args =
+            ["trace", "--output", &out_s, "--call-stack", "python", "--", &py_s, &script_s, "--ledger", &ledger_s];
+        let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+        let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
+        assert_eq!(code, Some(0), "{stderr}");
+        assert!(stderr.contains(&format!("python: CPython 3.{minor} in process")), "{stderr}");
+        let db = read_output(&out).db("device_0").to_owned();
+        let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+        let mut stmt = conn
+            .prepare("SELECT Ptr, \"Thread Id\", \"Call Stack(Python)\" FROM memscope_dump WHERE Event = 'MALLOC' AND \"Event Type\" = 'HAL'")
+            .unwrap();
+        let rows: Vec<(String, u32, String)> =
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect();
+        let allocs = py_ledger(&ledger);
+        assert_eq!(allocs.len(), 4, "the workload's ledger");
+        let threads: std::collections::BTreeSet<u32> = allocs.iter().map(|a| a.1).collect();
+        assert_eq!(threads.len(), 2, "two threads allocated");
+        for (ptr, tid, frames) in &allocs {
+            let (_, row_tid, text) = rows
+                .iter()
+                .find(|(p, ..)| u64::from_str_radix(p.trim_start_matches("0x"), 16).ok() == Some(*ptr))
+                .unwrap_or_else(|| panic!("3.{minor}: no MALLOC row for {ptr:#x}"));
+            assert_eq!(row_tid, tid);
+            let lines: Vec<&str> = text.lines().collect();
+            assert!(lines.len() >= frames.len(), "3.{minor}:\n{text}");
+            for (line, (file, no, name)) in lines.iter().zip(frames) {
+                let (place, function) = line.split_once(": ").unwrap_or_else(|| panic!("{line}"));
+                assert_eq!(place, format!("{file}({no})"), "3.{minor}:\n{text}");
+                assert!(
+                    function == name || function.ends_with(&format!(".{name}")),
+                    "3.{minor}: {function} is {name}:\n{text}"
+                );
+            }
+        }
+        checked += 1;
+    }
+    if checked == 0 {
+        eprintln!("skipped: no pyenv CPython 3.11-3.13 here");
+    }
+}

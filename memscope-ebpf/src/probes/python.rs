@@ -1,0 +1,164 @@
+//! The calling thread's Python stack, read at the entry of its outermost traced call
+//! (`--call-stack python[:N]`), synchronously: a stack read later from userspace would have
+//! moved on.
+//!
+//! From the process's `_PyRuntime` (its address and the version's offsets are in [`PY_PROCS`],
+//! written by userspace) the probe walks the interpreter's thread states to the one whose
+//! `native_thread_id` is the calling thread (so a C++ worker thread gets no Python stack, where
+//! "whoever holds the GIL" would give it someone else's), then that thread's frames, sending
+//! (code object, instruction pointer) for each. Every read is a checked user read; every loop is
+//! bounded.
+
+use aya_ebpf::{
+    cty::c_void,
+    helpers::{bpf_probe_read_user, generated::bpf_loop},
+    macros::map,
+    maps::{HashMap, PerCpuArray},
+    Global,
+};
+use memscope_common::{
+    python::{
+        PyOffsets, PyProcess, PyStackRecord, MAX_PY_FRAMES, MAX_PY_THREADS, NO_OFFSET, PY_AT_DEPTH, PY_NO_THREAD,
+        PY_STACK_HEADER_LEN,
+    },
+    record::{RecordHeader, RecordKind},
+};
+
+use crate::maps::output_bytes;
+
+/// Python frames to read per call (0: Python stacks are off).
+#[no_mangle]
+static PY_DEPTH: Global<u32> = Global::new(0);
+
+/// tgid -> its interpreter. A process absent here has no Python stacks.
+#[map]
+pub static PY_PROCS: HashMap<u32, PyProcess> = HashMap::with_max_entries(1024, 0);
+
+#[map]
+static PY_SCRATCH: PerCpuArray<PyStackRecord> = PerCpuArray::with_max_entries(1, 0);
+
+pub fn enabled() -> bool {
+    PY_DEPTH.load() != 0
+}
+
+fn read_ptr(at: u64) -> Option<u64> {
+    // SAFETY: checked user read.
+    unsafe { bpf_probe_read_user(at as *const u64) }.ok().filter(|p| *p != 0)
+}
+
+/// The thread-list walk's state, shared with its `bpf_loop` callback.
+#[repr(C)]
+struct ThreadWalk {
+    tstate: u64,
+    tid: u64,
+    next: u64,
+    native_tid: u64,
+    found: u64,
+}
+
+/// One thread state of the walk: stops (1) at the calling thread's, or at the list's end.
+extern "C" fn thread_step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `ThreadWalk` on the caller's stack that `bpf_loop` hands back.
+    let w = unsafe { &mut *ctx.cast::<ThreadWalk>() };
+    if w.tstate == 0 {
+        return 1;
+    }
+    // SAFETY: checked user read (`native_thread_id` is an `unsigned long`).
+    if unsafe { bpf_probe_read_user((w.tstate + w.native_tid) as *const u64) } == Ok(w.tid) {
+        w.found = w.tstate;
+        return 1;
+    }
+    w.tstate = read_ptr(w.tstate + w.next).unwrap_or(0);
+    0
+}
+
+/// The frame walk's state, shared with its `bpf_loop` callback.
+#[repr(C)]
+struct FrameWalk {
+    frame: u64,
+    frames: u64,
+    depth: u64,
+    offsets: PyOffsets,
+}
+
+/// One frame: its (code, instruction) into the scratch record unless the C stack owns it, then
+/// on to the previous one; stops (1) at the last frame or the depth.
+extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `FrameWalk` on the caller's stack that `bpf_loop` hands back.
+    let w = unsafe { &mut *ctx.cast::<FrameWalk>() };
+    if w.frame == 0 || w.frames >= w.depth {
+        return 1;
+    }
+    let o = &w.offsets;
+    // SAFETY: checked user read of one byte.
+    let owner = unsafe { bpf_probe_read_user((w.frame + u64::from(o.frame_owner)) as *const u8) }.unwrap_or(0);
+    if o.owner_cstack == NO_OFFSET || u32::from(owner) != o.owner_cstack {
+        let code = read_ptr(w.frame + u64::from(o.frame_code)).unwrap_or(0);
+        let instr = read_ptr(w.frame + u64::from(o.frame_instr)).unwrap_or(0);
+        let Some(record) = PY_SCRATCH.get_ptr_mut(0) else { return 1 };
+        // SAFETY: per-CPU scratch slot, as in `capture`.
+        let record = unsafe { &mut *record };
+        if let Some(slot) = record.stack.get_mut(w.frames as usize) {
+            slot.code = code;
+            slot.instr = instr;
+            w.frames += 1;
+        }
+    }
+    w.frame = read_ptr(w.frame + u64::from(o.frame_previous)).unwrap_or(0);
+    0
+}
+
+/// Reads and sends the calling thread's Python frames. The walks are `bpf_loop`s: their
+/// callbacks are verified once, where bounded loops inlined here were verified along every
+/// path (and exceeded the verifier's limit).
+pub fn capture(pid_tgid: u64, entry_ns: u64) -> Option<()> {
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: a value of our own map, only read.
+    let py = unsafe { PY_PROCS.get(tgid) }?;
+    let o = py.offsets;
+    let record = PY_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: per-CPU scratch slot; nothing else runs on this CPU while the probe does.
+    let record = unsafe { &mut *record };
+    record.hdr = RecordHeader::of_task(RecordKind::PyStack, entry_ns, pid_tgid);
+    record.flags = 0;
+    record.frames = 0;
+    let interp = read_ptr(py.runtime + u64::from(o.runtime_interpreters_head)).unwrap_or(0);
+    let first = if interp == 0 { 0 } else { read_ptr(interp + u64::from(o.interp_threads_head)).unwrap_or(0) };
+    let mut threads = ThreadWalk {
+        tstate: first,
+        tid: pid_tgid & 0xffff_ffff,
+        next: u64::from(o.tstate_next),
+        native_tid: u64::from(o.tstate_native_thread_id),
+        found: 0,
+    };
+    // SAFETY: the callback and its context are ours; the count is a constant.
+    unsafe { bpf_loop(MAX_PY_THREADS, thread_step as *mut c_void, (&mut threads as *mut ThreadWalk).cast(), 0) };
+    if threads.found == 0 {
+        record.flags = PY_NO_THREAD;
+    } else {
+        let mut frame = read_ptr(threads.found + u64::from(o.tstate_frame)).unwrap_or(0);
+        if o.cframe_current_frame != NO_OFFSET && frame != 0 {
+            frame = read_ptr(frame + u64::from(o.cframe_current_frame)).unwrap_or(0);
+        }
+        let depth = u64::from(PY_DEPTH.load()).min(MAX_PY_FRAMES as u64);
+        let mut walk = FrameWalk { frame, frames: 0, depth, offsets: o };
+        // SAFETY: as above.
+        unsafe { bpf_loop(MAX_PY_FRAMES as u32, frame_step as *mut c_void, (&mut walk as *mut FrameWalk).cast(), 0) };
+        // The callback wrote into this same slot; reborrowed after it.
+        let record = PY_SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: as above.
+        let record = unsafe { &mut *record };
+        record.frames = walk.frames.min(MAX_PY_FRAMES as u64) as u32;
+        if walk.frames >= walk.depth && walk.frame != 0 {
+            record.flags = PY_AT_DEPTH;
+        }
+    }
+    let record = PY_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: as above.
+    let record = unsafe { &*record };
+    let len = (PY_STACK_HEADER_LEN + record.frames as usize * 16).min(core::mem::size_of::<PyStackRecord>());
+    // SAFETY: the record is plain integers; `len` is at most its size.
+    let bytes = unsafe { core::slice::from_raw_parts((record as *const PyStackRecord).cast::<u8>(), len) };
+    output_bytes(bytes);
+    Some(())
+}
