@@ -5,8 +5,8 @@
 //! natural alignment, and no field of these structs depends on the architecture). Each was
 //! checked against the interpreter's debug information (`gdb -batch -ex 'p/d &((PyThreadState
 //! *)0)->native_thread_id' libpython3.X.so` for every field, on pyenv's 3.11.7, 3.12.1 and
-//! 3.13.0): they are data, not guesses, and a test compares them with the DWARF of each
-//! interpreter found on the machine. 3.13 also carries its own `_Py_DebugOffsets` at
+//! 3.13.0): they are data, not guesses, and a test compares every one with what gdb reads from
+//! the DWARF of each interpreter found on the machine. 3.13 also carries its own `_Py_DebugOffsets` at
 //! `_PyRuntime`; its cookie is checked before the table is used. Versions not listed have no
 //! Python stacks (`probes` and `trace` say so).
 
@@ -126,3 +126,79 @@ pub fn supported() -> String {
 
 /// `_Py_DebugOffsets.cookie` (3.13+), at `_PyRuntime + 0`.
 pub const DEBUG_COOKIE: &[u8; 8] = b"xdebugpy";
+
+#[cfg(test)]
+mod tests {
+    //! The table against each interpreter's own debug information, read by gdb (an independent
+    //! reader of the DWARF), for every pyenv CPython 3.11+ on the machine.
+
+    use std::path::PathBuf;
+
+    use super::*;
+
+    /// (C expression of the offset, the table's value) for a version's layout.
+    fn fields(l: &Layout) -> Vec<(String, u64)> {
+        let w = &l.walk;
+        let c = &l.code;
+        let frame = if l.minor >= 13 { "f_executable" } else { "f_code" };
+        let instr = if l.minor >= 13 { "instr_ptr" } else { "prev_instr" };
+        let mut v = vec![
+            ("&((_PyRuntimeState*)0)->interpreters.head".to_owned(), u64::from(w.runtime_interpreters_head)),
+            ("&((PyInterpreterState*)0)->threads.head".into(), u64::from(w.interp_threads_head)),
+            ("&((PyThreadState*)0)->next".into(), u64::from(w.tstate_next)),
+            ("&((PyThreadState*)0)->native_thread_id".into(), u64::from(w.tstate_native_thread_id)),
+            (format!("&((_PyInterpreterFrame*)0)->{frame}"), u64::from(w.frame_code)),
+            ("&((_PyInterpreterFrame*)0)->previous".into(), u64::from(w.frame_previous)),
+            (format!("&((_PyInterpreterFrame*)0)->{instr}"), u64::from(w.frame_instr)),
+            ("&((_PyInterpreterFrame*)0)->owner".into(), u64::from(w.frame_owner)),
+            ("&((PyCodeObject*)0)->co_filename".into(), c.filename),
+            ("&((PyCodeObject*)0)->co_qualname".into(), c.qualname),
+            ("&((PyCodeObject*)0)->co_firstlineno".into(), c.firstlineno),
+            ("&((PyCodeObject*)0)->co_linetable".into(), c.linetable),
+            ("&((PyCodeObject*)0)->co_code_adaptive".into(), c.code_adaptive),
+            ("sizeof(PyASCIIObject)".into(), c.ascii_data),
+            ("&((PyASCIIObject*)0)->length".into(), c.str_length),
+            ("&((PyBytesObject*)0)->ob_sval".into(), c.bytes_data),
+        ];
+        if l.minor >= 13 {
+            v.push(("&((PyThreadState*)0)->current_frame".into(), u64::from(w.tstate_frame)));
+        } else {
+            v.push(("&((PyThreadState*)0)->cframe".into(), u64::from(w.tstate_frame)));
+            v.push(("&((_PyCFrame*)0)->current_frame".into(), u64::from(w.cframe_current_frame)));
+        }
+        v
+    }
+
+    fn libpython(minor: u32) -> Option<PathBuf> {
+        let python = crate::stacks::python::tests::pyenv(minor)?;
+        let lib = python.parent()?.parent()?.join(format!("lib/libpython3.{minor}.so"));
+        lib.is_file().then_some(lib)
+    }
+
+    #[test]
+    fn the_table_is_each_interpreters_own_layout() {
+        if std::process::Command::new("gdb").arg("--version").output().is_err() {
+            eprintln!("skipped: no gdb to read the interpreters' DWARF");
+            return;
+        }
+        for l in &LAYOUTS {
+            let Some(lib) = libpython(l.minor) else {
+                eprintln!("skipped 3.{}: no pyenv libpython3.{}.so", l.minor, l.minor);
+                continue;
+            };
+            let fields = fields(l);
+            let mut cmd = std::process::Command::new("gdb");
+            cmd.arg("-batch");
+            for (expr, _) in &fields {
+                cmd.args(["-ex", &format!("p/d {expr}")]);
+            }
+            let out = cmd.arg(&lib).output().unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            let values: Vec<u64> = text.lines().filter_map(|l| l.split(" = ").nth(1)?.trim().parse().ok()).collect();
+            assert_eq!(values.len(), fields.len(), "gdb read every field of 3.{}:\n{text}", l.minor);
+            for ((expr, ours), theirs) in fields.iter().zip(values) {
+                assert_eq!(*ours, theirs, "3.{}: {expr}", l.minor);
+            }
+        }
+    }
+}
