@@ -14,7 +14,7 @@ use crate::attach::libs::{self, Library, Origin};
 use crate::attach::plan::{describe_debug, plan, DebugStatus};
 use crate::attach::ProbeSet;
 use crate::preflight::{self, PreflightError};
-use crate::stacks::{frame_pointers, unwind};
+use crate::stacks::{frame_pointers, python, unwind};
 
 /// List the traced API symbols found in a process's libraries or in given files, per layer:
 /// where each one is (dynsym, symtab, debug file), which would be attached, which are missing and
@@ -145,6 +145,23 @@ fn describe_native_stacks(pid: u32, text: &mut String) {
     }
 }
 
+/// The process's Python interpreter, and whether `trace --call-stack python` can read its stacks.
+fn describe_python(pid: u32, text: &mut String) {
+    let line = match python::find(pid) {
+        Ok(None) => "no CPython in this process".to_owned(),
+        Ok(Some(py)) => format!(
+            "CPython 3.{} ({}): `_PyRuntime` at {:#x}, offsets from this build's 3.{} table{}",
+            py.minor,
+            py.path.display(),
+            py.runtime,
+            py.minor,
+            if py.minor >= 13 { ", its `_Py_DebugOffsets` cookie checked" } else { "" }
+        ),
+        Err(e) => format!("no Python stacks: {e}"),
+    };
+    let _ = writeln!(text, "python stacks (trace --call-stack python): {line}");
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.pid.is_none() && args.libs.is_empty() {
         bail!("nothing to inspect: give --pid PID or --lib PATH");
@@ -221,6 +238,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(pid) = args.pid {
         describe_native_stacks(pid, &mut text);
+        describe_python(pid, &mut text);
     }
     match std::io::stdout().lock().write_all(text.as_bytes()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => return Err(e).context("cannot write to stdout"),

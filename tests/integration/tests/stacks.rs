@@ -222,6 +222,7 @@ fn probes_tells_libraries_without_frame_pointers_and_suggests_dwarf() {
         assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
         let lib = format!("{lib_dir}/libstackchain.so: ");
         let line = text.lines().find(|l| l.contains(&lib)).unwrap_or_else(|| panic!("no line for {lib}:\n{text}"));
+        assert!(text.contains("python stacks (trace --call-stack python): no CPython in this process"), "{text}");
         if keeps {
             assert!(line.contains(": frame pointers (") && line.contains("are whole"), "{line}");
         } else {
@@ -273,7 +274,7 @@ fn py_ledger(path: &Path) -> Vec<(u64, u32, Vec<PyFrame>)> {
     all
 }
 
-/// `--call-stack python` on every pyenv CPython 3.11-3.13: each MALLOC row's `Call Stack(Python)`
+/// `--call-stack python` on every pyenv CPython 3.11-3.13 and Debian's python3: each MALLOC row's `Call Stack(Python)`
 /// begins with exactly the workload's own frames (file, line, function) as the interpreter's
 /// `traceback` gave them at the call, on the main thread and on a second thread, whose rows carry
 /// their own thread's stack (`worker_chain`), not the main thread's.
@@ -281,14 +282,24 @@ fn py_ledger(path: &Path) -> Vec<(u64, u32, Vec<PyFrame>)> {
 fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
     let env = env("stacks_python");
     let script = env.workload.with_file_name("standin_pystacks.py");
-    let mut checked = 0;
+    let mut interpreters = Vec::new();
     for minor in [11, 12, 13] {
-        let Some(python) = pyenv(minor) else {
-            eprintln!("skipped 3.{minor}: no pyenv CPython 3.{minor} (xtask setup installs them)");
-            continue;
-        };
-        let out = env.scratch.join(format!("out-3{minor}"));
-        let ledger = env.scratch.join(format!("ledger-3{minor}.txt"));
+        match pyenv(minor) {
+            Some(python) => interpreters.push((python, minor)),
+            None => eprintln!("skipped 3.{minor}: no pyenv CPython 3.{minor} (xtask setup installs them)"),
+        }
+    }
+    // Debian's own, a static executable (its `_PyRuntime` is exported for extension modules).
+    let debian = std::fs::canonicalize("/usr/bin/python3").ok();
+    let debian_minor = debian.as_ref().and_then(|p| p.file_name()?.to_str()?.strip_prefix("python3.")?.parse().ok());
+    match (debian, debian_minor) {
+        (Some(p), Some(minor)) => interpreters.push((p, minor)),
+        _ => eprintln!("skipped Debian's python3: not installed"),
+    }
+    let mut checked = 0;
+    for (i, (python, minor)) in interpreters.into_iter().enumerate() {
+        let out = env.scratch.join(format!("out-{i}"));
+        let ledger = env.scratch.join(format!("ledger-{i}.txt"));
         let (out_s, py_s, script_s, ledger_s) = (
             out.display().to_string(),
             python.display().to_string(),
@@ -334,4 +345,70 @@ fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
     if checked == 0 {
         eprintln!("skipped: no pyenv CPython 3.11-3.13 here");
     }
+}
+
+/// A CPython this build has no layout for (3.10 has neither `_PyInterpreterFrame` nor its thread
+/// list's layout): the trace says so and leaves the column empty rather than guessing.
+#[test]
+fn an_unsupported_cpython_is_named_and_gets_no_stacks() {
+    let env = env("stacks_python_old");
+    let Some(python) = pyenv(10) else {
+        eprintln!("skipped: no pyenv CPython 3.10");
+        return;
+    };
+    let script = env.workload.with_file_name("standin_pystacks.py");
+    let (out, ledger) = (env.scratch.join("out"), env.scratch.join("ledger.txt"));
+    let (out_s, py_s, script_s, ledger_s) = (
+        out.display().to_string(),
+        python.display().to_string(),
+        script.display().to_string(),
+        ledger.display().to_string(),
+    );
+    let args = [
+        "trace",
+        "--output",
+        &out_s,
+        "--call-stack",
+        "c,python",
+        "--",
+        &py_s,
+        &script_s,
+        "--ledger",
+        &ledger_s,
+        "--wait",
+        "0.6",
+    ];
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("no Python stacks: CPython 3.10") && stderr.contains("3.11, 3.12, 3.13"), "{stderr}");
+    let db = read_output(&out).db("device_0").to_owned();
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let (py, c): (String, String) = conn
+        .query_row(
+            "SELECT \"Call Stack(Python)\", \"Call Stack(C)\" FROM memscope_dump WHERE Event = 'MALLOC' LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(py, "", "no Python stack for a version without a layout");
+    assert!(c.contains("aclrtMalloc"), "native stacks are unaffected:\n{c}");
+}
+
+/// A traced child exits long before the trace ends (its parent goes on): its rows keep whole
+/// stacks. Its stacks were normalized while it lived; symbolizing reads only the files (no
+/// `/proc/PID`), so nothing of the process is needed once it is gone.
+#[test]
+fn the_stacks_of_a_process_that_exited_are_still_symbolized() {
+    let env = env("stacks_exited");
+    let (out, ledger) = (env.scratch.join("out"), env.scratch.join("ledger.txt"));
+    let exe = program(&env, "stack_chain");
+    let shell = format!("{} 1 {} 200; sleep 1.5", exe.display(), ledger.display());
+    let out_s = out.display().to_string();
+    let args = ["trace", "--output", &out_s, "--call-stack", "c", "--", "sh", "-c", &shell];
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let output = read_output(&out);
+    assert_whole_chains(output.db("device_0"), &ledger);
 }
