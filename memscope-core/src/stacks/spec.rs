@@ -5,6 +5,8 @@ use thiserror::Error;
 
 /// msMemScope's default depth, when a kind is named without one.
 pub const DEFAULT_DEPTH: u32 = 50;
+// The default must fit both kinds' records.
+const _: () = assert!(DEFAULT_DEPTH as usize <= memscope_common::python::MAX_PY_FRAMES);
 /// msMemScope's largest depth.
 pub const MAX_DEPTH: u32 = 1000;
 
@@ -22,6 +24,8 @@ pub enum SpecError {
         max = memscope_common::record::MAX_STACK_DEPTH
     )]
     NativeTooDeep(u32),
+    #[error("`python:{0}`: the probe reads at most {max} Python frames; use `python:{max}` or less", max = memscope_common::python::MAX_PY_FRAMES)]
+    PythonTooDeep(u32),
 }
 
 /// How native stacks are walked (`--unwind`).
@@ -75,6 +79,9 @@ impl CallStacks {
         }
         if let Some(c) = out.c.filter(|&c| c as usize > memscope_common::record::MAX_STACK_DEPTH) {
             return Err(SpecError::NativeTooDeep(c));
+        }
+        if let Some(p) = out.python.filter(|&p| p as usize > memscope_common::python::MAX_PY_FRAMES) {
+            return Err(SpecError::PythonTooDeep(p));
         }
         out.c = out.c.filter(|&d| d > 0);
         out.python = out.python.filter(|&d| d > 0);
@@ -142,5 +149,6 @@ mod tests {
         let deep = CallStacks::parse("c:500").unwrap_err();
         assert_eq!(deep, SpecError::NativeTooDeep(500));
         assert!(deep.to_string().contains("c:127"), "{deep}");
+        assert_eq!(CallStacks::parse("python:100"), Err(SpecError::PythonTooDeep(100)));
     }
 }

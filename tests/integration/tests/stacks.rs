@@ -412,3 +412,78 @@ fn the_stacks_of_a_process_that_exited_are_still_symbolized() {
     let output = read_output(&out);
     assert_whole_chains(output.db("device_0"), &ledger);
 }
+
+/// With REAL PyTorch (the torch venv): the `c10::alloc_cpu` row of a tensor the workload made
+/// carries, in `Call Stack(Python)`, exactly the workload's frames the interpreter's
+/// `traceback` named at the call, and `c10::alloc_cpu` in its native stack.
+#[test]
+fn a_real_torch_tensor_has_the_python_frames_that_made_it() {
+    let env = env("stacks_torch");
+    let Some((python, _)) = real_torch() else { return };
+    let script = env.workload.with_file_name("torch_pystacks.py");
+    let (out, ledger) = (env.scratch.join("out"), env.scratch.join("ledger.txt"));
+    let (out_s, py_s, script_s, ledger_s, lib_s) = (
+        out.display().to_string(),
+        python.display().to_string(),
+        script.display().to_string(),
+        ledger.display().to_string(),
+        env.libascendcl.display().to_string(),
+    );
+    let args = [
+        "trace",
+        "--output",
+        &out_s,
+        "--lib",
+        &lib_s,
+        "--call-stack",
+        "c,python",
+        "--",
+        &py_s,
+        &script_s,
+        "--ledger",
+        &ledger_s,
+    ];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &[]).finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    let allocs = py_ledger_torch(&ledger);
+    let output = read_output(&out);
+    let row = output
+        .rows()
+        .find(|r| r.event == "MALLOC" && r.ptr_value() == Some(allocs.0))
+        .unwrap_or_else(|| panic!("no MALLOC row for the tensor {:#x}:\n{stderr}", allocs.0));
+    let db = output.db(&row.folder).to_owned();
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let (py, c): (String, String) = conn
+        .query_row("SELECT \"Call Stack(Python)\", \"Call Stack(C)\" FROM memscope_dump WHERE ID = ?1", [row.id], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    let lines: Vec<&str> = py.lines().collect();
+    assert!(lines.len() >= allocs.1.len(), "{py}");
+    for (line, (file, no, name)) in lines.iter().zip(&allocs.1) {
+        let (place, function) = line.split_once(": ").unwrap();
+        assert_eq!(place, format!("{file}({no})"), "{py}");
+        assert!(function == name || function.ends_with(&format!(".{name}")), "{py}");
+    }
+    assert!(c.contains("alloc_cpu"), "the native stack starts at c10::alloc_cpu:\n{c}");
+}
+
+/// The torch workload's one allocation: its storage and its frames.
+fn py_ledger_torch(path: &Path) -> (u64, Vec<PyFrame>) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut ptr = 0;
+    let mut frames = Vec::new();
+    for line in text.lines() {
+        let (tag, rest) = line.split_once(' ').unwrap_or((line, ""));
+        match tag {
+            "alloc" => ptr = u64::from_str_radix(rest.split(' ').next().unwrap().trim_start_matches("0x"), 16).unwrap(),
+            "frame" => {
+                let mut f = rest.rsplitn(3, ':');
+                let (name, no, file) = (f.next().unwrap(), f.next().unwrap(), f.next().unwrap());
+                frames.push((file.to_owned(), no.parse().unwrap(), name.to_owned()));
+            }
+            _ => {}
+        }
+    }
+    (ptr, frames)
+}
