@@ -692,8 +692,31 @@ impl Live {
             final_meta.extend([
                 ("stacks_captured".into(), stacks.stacks.to_string()),
                 ("stacks_unique".into(), stacks.unique.to_string()),
+                ("stacks_failed".into(), stacks.failed.to_string()),
                 ("stack_frames_unmapped".into(), stacks.unknown_frames.to_string()),
             ]);
+            note(
+                self.quiet,
+                format!(
+                    "native stacks: {} taken, {} distinct, {} the kernel could not walk, {} frames in no mapped file",
+                    stacks.stacks, stacks.unique, stacks.failed, stacks.unknown_frames
+                ),
+            );
+        }
+        if stacks.py_stacks > 0 {
+            final_meta.extend([
+                ("py_stacks_captured".into(), stacks.py_stacks.to_string()),
+                ("py_stacks_unique".into(), stacks.py_unique.to_string()),
+                ("py_stacks_at_depth".into(), stacks.py_at_depth.to_string()),
+                ("py_stacks_no_thread".into(), stacks.py_no_thread.to_string()),
+            ]);
+            note(
+                self.quiet,
+                format!(
+                    "Python stacks: {} taken, {} distinct, {} cut at the depth asked for, {} on threads running no Python",
+                    stacks.py_stacks, stacks.py_unique, stacks.py_at_depth, stacks.py_no_thread
+                ),
+            );
         }
         let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost)).collect();
         let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;

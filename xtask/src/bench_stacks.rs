@@ -2,7 +2,10 @@
 //! pointers and `--unwind dwarf`), against bpftrace on the same 8 probes taking `ustack` at the
 //! same two outermost entries (its stacks go to a stack map, deduplicated in the kernel), all in
 //! the same run and interleaved: untraced, memscope-bpf without stacks, with `c`, with `c
-//! --unwind dwarf`, bpftrace without and with `ustack`. Python stacks are not in this build.
+//! --unwind dwarf`, bpftrace without and with `ustack`. Then Python stacks: the same pairs made
+//! from Python (`tests/bench/py_alloc_bench.py`, ctypes at the bottom of a 4-frame chain) on
+//! pyenv's CPython 3.12, without stacks, with `python` and with `c,python` (bpftrace has no
+//! Python stacks to compare with).
 
 use std::path::Path;
 use std::process::Command;
@@ -66,6 +69,74 @@ fn bpftrace(built: &Built, pairs: u64, ustack: bool) -> anyhow::Result<f64> {
     ns(&stdout)
 }
 
+/// pyenv's newest CPython 3.12, for the Python-stack rounds.
+fn python312() -> Option<std::path::PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir("/root/.pyenv/versions")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin/python3.12")))
+        .filter(|p| p.is_file())
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+fn py_run(built: &Built, python: &Path, out: &Path, pairs: u64, stacks: Option<&[&str]>) -> anyhow::Result<f64> {
+    let script = crate::util::root().join("tests/bench/py_alloc_bench.py");
+    let mut cmd = match stacks {
+        None => Command::new(python),
+        Some(stacks) => {
+            let _ = std::fs::remove_dir_all(out);
+            let mut c = privileged(built.binary.to_str().expect("utf-8 path"));
+            c.args(["trace", "--quiet", "--output"])
+                .arg(out)
+                .arg("--lib")
+                .arg(&built.libascendcl)
+                .args(stacks)
+                .arg("--")
+                .arg(python);
+            c.env("BENCH_WAIT", "1");
+            c
+        }
+    };
+    cmd.env("ASCEND_HOME_PATH", &built.ascend_home).arg(script).arg(pairs.to_string());
+    ns(&run_capture(&mut cmd)?.0)
+}
+
+/// The Python-stack rounds and their table.
+fn python_rounds(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {
+    let Some(python) = python312() else {
+        return Ok("
+No pyenv CPython 3.12 here (`cargo xtask setup` installs it): no Python-stack figures.
+"
+        .into());
+    };
+    let configs: [(&str, Option<&[&str]>); 4] = [
+        ("untraced", None),
+        ("memscope-bpf, no stacks", Some(&[])),
+        ("memscope-bpf --call-stack python", Some(&["--call-stack", "python"])),
+        ("memscope-bpf --call-stack c,python", Some(&["--call-stack", "c,python"])),
+    ];
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    for round in 1..=rounds {
+        eprintln!("xtask bench: Python stacks, round {round}/{rounds}");
+        for (i, (_, stacks)) in configs.iter().enumerate() {
+            runs[i].push(py_run(built, &python, &dir.join("out-pystacks"), pairs, *stacks)?);
+        }
+    }
+    let med: Vec<f64> = runs.iter().map(|r| median(r.clone())).collect();
+    let mut md = format!(
+        "\nPython stacks: the same pairs from Python ({}), {pairs} per run, median of {rounds}, interleaved.\n\n\
+         | configuration | ns per pair (median) | added by the stacks | runs |\n|---|---|---|---|\n",
+        python.display()
+    );
+    for (i, (name, _)) in configs.iter().enumerate() {
+        let added = if i >= 2 { format!("{:.0}", med[i] - med[1]) } else { "–".into() };
+        let r = runs[i].iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ");
+        md.push_str(&format!("| {name} | {:.0} | {added} | {r} |\n", med[i]));
+    }
+    Ok(md)
+}
+
 pub fn run(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {
     let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
     let names = [
@@ -125,5 +196,6 @@ pub fn run(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Resu
         md.push_str("\nbpftrace is not installed (`cargo xtask setup` installs it): no peer comparison.\n");
     }
     md.push_str(&format!("\nPer run: {}\n", losses.join("; ")));
+    md.push_str(&python_rounds(built, dir, pairs / 4, rounds)?);
     Ok(md)
 }

@@ -36,6 +36,14 @@ pub struct CaptureStats {
     pub unique: u64,
     /// Frames no mapping held (JIT code, a library unmapped since, a process gone unseen).
     pub unknown_frames: u64,
+    /// Stacks the kernel could not walk (or whose window it could not copy).
+    pub failed: u64,
+    /// Python stack records, distinct Python stacks, those cut at the depth asked for, and
+    /// records of threads with no Python thread state.
+    pub py_stacks: u64,
+    pub py_unique: u64,
+    pub py_at_depth: u64,
+    pub py_no_thread: u64,
 }
 
 #[derive(Default)]
@@ -67,6 +75,7 @@ impl Capture {
     /// before any row that refers to it).
     pub fn stack(&mut self, raw: &RawStack<'_>) -> (StackId, Option<Stack>) {
         self.stats.stacks += 1;
+        self.stats.failed += u64::from(raw.failed);
         let ips = frames_of(raw);
         if ips.is_empty() && !raw.failed {
             return (NO_STACK, None);

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use memscope_common::python::{PY_AT_DEPTH, PY_NO_THREAD};
 use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED, WINDOW_FAILED};
 
 use super::decode::{RawCall, RawPyStack, RawStack, StackWindowView};
@@ -65,6 +66,10 @@ impl ThreadStacks {
     /// A Python stack record: its frames resolved to text (now: the code objects are read from
     /// the live process). Returns the text's id and the text when it is new.
     pub fn on_py_stack(&mut self, raw: &RawPyStack) -> Option<(StackId, Box<str>)> {
+        let stats = &mut self.capture.stats;
+        stats.py_stacks += 1;
+        stats.py_at_depth += u64::from(raw.flags & PY_AT_DEPTH != 0);
+        stats.py_no_thread += u64::from(raw.flags & PY_NO_THREAD != 0);
         let text = self.py.text(raw.tgid, &raw.frames);
         if text.is_empty() {
             self.py_open.remove(&raw.tid);
@@ -76,6 +81,7 @@ impl ThreadStacks {
             Some(&id) => (id, false),
             None => {
                 self.py_ids.insert(key.clone(), next);
+                self.capture.stats.py_unique += 1;
                 (next, true)
             }
         };

@@ -110,9 +110,28 @@ fn function_of(line: &str) -> Option<(&str, &str)> {
     Some((name, after))
 }
 
+/// Insight's reading of the stack columns (reference §3.3): it finds them through
+/// `pragma_table_info` by the `Call Stack` prefix, Python then C, and reads `select *` rows by
+/// position. Each MALLOC row's C text read that way is the one read by name.
+fn assert_insight_reads_the_stacks(db: &Path) {
+    let conn = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let found: Vec<(i64, String)> = conn
+        .prepare("SELECT cid, name FROM pragma_table_info('memscope_dump') WHERE name LIKE 'Call Stack%' ORDER BY cid")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(found, [(10, "Call Stack(Python)".to_owned()), (11, "Call Stack(C)".to_owned())]);
+    let mut stmt = conn.prepare("SELECT * FROM memscope_dump WHERE Event = 'MALLOC'").unwrap();
+    let by_position: Vec<String> = stmt.query_map([], |r| r.get(11)).unwrap().map(Result::unwrap).collect();
+    assert!(!by_position.is_empty() && by_position.iter().all(|t| t.contains("aclrtMalloc")), "{by_position:?}");
+}
+
 /// Every allocation's row holds the runtime's entry, then exactly the ledger's chain with the
 /// inlined step at its lines, and the stack is whole.
 fn assert_whole_chains(db: &Path, ledger_path: &Path) {
+    assert_insight_reads_the_stacks(db);
     let allocs = ledger(ledger_path);
     assert!(!allocs.is_empty(), "the workload's ledger");
     let rows = malloc_stacks(db);
