@@ -38,7 +38,11 @@ pub struct PyOffsets {
     pub frame_owner: u32,
     /// The `owner` value of a frame the C stack owns (a shim, not Python code), or [`NO_OFFSET`].
     pub owner_cstack: u32,
-    pub _reserved: u32,
+    /// 3.9 and 3.10, which have no `native_thread_id`: `tstate_native_thread_id` is then the
+    /// offset of `thread_id` (`pthread_self()`, the thread's `struct pthread`), and the kernel
+    /// thread id is the `u32` at this offset in it. [`NO_OFFSET`] where the thread state holds
+    /// the id itself.
+    pub pthread_tid: u32,
 }
 
 /// A traced process's interpreter, as the probe reads it.

@@ -527,7 +527,7 @@ impl Live {
             match crate::stacks::python::find(pid) {
                 Ok(None) => continue,
                 Ok(Some(py)) => {
-                    let process = memscope_common::python::PyProcess { runtime: py.runtime, offsets: py.layout.walk };
+                    let process = memscope_common::python::PyProcess { runtime: py.runtime, offsets: py.walk };
                     self.tracer.set_python(pid, process).context("cannot register the Python interpreter")?;
                     self.consumer.set_python(pid, py.layout);
                     note(

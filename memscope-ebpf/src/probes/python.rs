@@ -53,6 +53,8 @@ struct ThreadWalk {
     tid: u64,
     next: u64,
     native_tid: u64,
+    /// `PyOffsets::pthread_tid`, or `u64::MAX`.
+    pthread_tid: u64,
     found: u64,
 }
 
@@ -63,8 +65,17 @@ extern "C" fn thread_step(_index: u64, ctx: *mut c_void) -> i64 {
     if w.tstate == 0 {
         return 1;
     }
-    // SAFETY: checked user read (`native_thread_id` is an `unsigned long`).
-    if unsafe { bpf_probe_read_user((w.tstate + w.native_tid) as *const u64) } == Ok(w.tid) {
+    let tid = if w.pthread_tid == u64::MAX {
+        // SAFETY: checked user read (`native_thread_id` is an `unsigned long`).
+        unsafe { bpf_probe_read_user((w.tstate + w.native_tid) as *const u64) }.ok()
+    } else {
+        // SAFETY: checked user reads: `thread_id` is the thread's `struct pthread`, which holds
+        // its kernel thread id.
+        read_ptr(w.tstate + w.native_tid)
+            .and_then(|pthread| unsafe { bpf_probe_read_user((pthread + w.pthread_tid) as *const u32) }.ok())
+            .map(u64::from)
+    };
+    if tid == Some(w.tid) {
         w.found = w.tstate;
         return 1;
     }
@@ -129,6 +140,7 @@ pub fn capture(pid_tgid: u64, entry_ns: u64) -> Option<()> {
         tid: pid_tgid & 0xffff_ffff,
         next: u64::from(o.tstate_next),
         native_tid: u64::from(o.tstate_native_thread_id),
+        pthread_tid: if o.pthread_tid == NO_OFFSET { u64::MAX } else { u64::from(o.pthread_tid) },
         found: 0,
     };
     // SAFETY: the callback and its context are ours; the count is a constant.

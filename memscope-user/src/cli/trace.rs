@@ -118,7 +118,7 @@ pub struct Args {
     /// symbolized from the files (functions, file:line, inlined calls) into the `Call Stack(C)`
     /// column and the `ms_stacks`/`ms_frames` tables. A stack that ends before the thread's
     /// entry is marked truncated (a library on the way was built without frame pointers).
-    /// Python stacks (CPython 3.11-3.13) are the calling thread's own, read at the same entry,
+    /// Python stacks (CPython 3.9-3.13) are the calling thread's own, read at the same entry,
     /// `file(line): function` innermost first, into `Call Stack(Python)` (at most 64 frames);
     /// threads that run no Python get none.
     #[arg(long, value_name = "KINDS", value_parser = parse_call_stack)]

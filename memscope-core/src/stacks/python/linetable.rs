@@ -1,4 +1,5 @@
-//! CPython 3.11+'s location table (`co_linetable`, `Objects/locations.md` in CPython): the line
+//! CPython's line tables: 3.11+'s location table (`co_linetable`, `Objects/locations.md` in
+//! CPython), 3.10's `co_linetable` pairs and 3.9's `co_lnotab`. [`line_of`] gives the line
 //! of a bytecode offset. Read by hand: no crate parses it, and it is a few dozen lines.
 //!
 //! Entries follow each other; each starts with a byte `1 cccc lll`: code `cccc`, and `lll + 1`
@@ -61,6 +62,39 @@ pub fn line_of(table: &[u8], firstlineno: i64, unit: u64) -> Option<i64> {
     None
 }
 
+/// 3.10's `co_linetable`: (bytecode bytes, signed line delta) pairs from the first line, a
+/// delta of -128 for bytes without a line. `addr` is in bytes.
+pub fn line_of_310(table: &[u8], firstlineno: i64, addr: u64) -> Option<i64> {
+    let (mut line, mut start) = (firstlineno, 0u64);
+    for pair in table.chunks_exact(2) {
+        let end = start + u64::from(pair[0]);
+        let delta = pair[1] as i8;
+        let here = (delta != -128).then(|| {
+            line += i64::from(delta);
+            line
+        });
+        if (start..end).contains(&addr) {
+            return here;
+        }
+        start = end;
+    }
+    None
+}
+
+/// 3.9's `co_lnotab`: (bytecode bytes, signed line delta) increments; the line of `addr` (in
+/// bytes) is the first line plus every delta whose address is at or before it.
+pub fn line_of_lnotab(table: &[u8], firstlineno: i64, addr: u64) -> i64 {
+    let (mut line, mut at) = (firstlineno, 0u64);
+    for pair in table.chunks_exact(2) {
+        at += u64::from(pair[0]);
+        if at > addr {
+            break;
+        }
+        line += i64::from(pair[1] as i8);
+    }
+    line
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,7 +149,41 @@ mod tests {
             checked += 1;
         }
         if checked == 0 {
-            eprintln!("skipped: no pyenv CPython 3.11-3.13 under ~/.pyenv/versions (xtask setup installs them)");
+            eprintln!("skipped: no pyenv CPython 3.11-3.13 (the location table) under ~/.pyenv/versions (xtask setup installs them)");
+        }
+    }
+
+    /// 3.9 and 3.10 against their own `dis.findlinestarts` reading, every instruction of every
+    /// code object of a script.
+    #[test]
+    fn old_tables_give_the_interpreters_own_lines() {
+        const SCRIPT: &str = "import dis,json,sys\nsrc=open(sys.argv[1]).read()\nout=[]\n\
+            def walk(c):\n    starts=dict(dis.findlinestarts(c))\n    lines=[]\n    cur=None\n\
+            \n    for off in range(0,len(c.co_code),2):\n        cur=starts.get(off,cur)\n        lines.append(cur)\n\
+            \n    t=c.co_linetable if sys.version_info>=(3,10) else c.co_lnotab\n\
+            \n    out.append([c.co_firstlineno,list(t),lines])\n    [walk(k) for k in c.co_consts if hasattr(k,'co_code')]\n\
+            walk(compile(src,sys.argv[1],'exec'))\nprint(json.dumps(out))\n";
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/workloads/standin_pystacks.py");
+        for minor in [9, 10] {
+            let Some(python) = crate::stacks::python::tests::pyenv(minor) else {
+                eprintln!("skipped 3.{minor}: no pyenv CPython 3.{minor}");
+                continue;
+            };
+            let out = std::process::Command::new(&python).args(["-c", SCRIPT, source]).output().unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let codes: Vec<(i64, Vec<u8>, Vec<Option<i64>>)> = serde_json::from_slice(&out.stdout).unwrap();
+            for (first, table, lines) in &codes {
+                for (i, want) in lines.iter().enumerate() {
+                    let Some(want) = want else { continue };
+                    let addr = 2 * i as u64;
+                    let got = if minor == 10 {
+                        line_of_310(table, *first, addr)
+                    } else {
+                        Some(line_of_lnotab(table, *first, addr))
+                    };
+                    assert_eq!(got, Some(*want), "3.{minor}, byte {addr} of a code object at {first}");
+                }
+            }
         }
     }
 

@@ -24,6 +24,9 @@ pub struct Interpreter {
     /// `_PyRuntime`'s address in the process.
     pub runtime: u64,
     pub layout: &'static Layout,
+    /// What the probe walks: the layout's offsets, with glibc's `struct pthread` thread-id
+    /// offset found in this process for 3.9 and 3.10.
+    pub walk: memscope_common::python::PyOffsets,
 }
 
 /// Why a process has no Python stacks.
@@ -35,6 +38,8 @@ pub enum FindError {
     NoRuntime { path: String },
     #[error("CPython 3.{minor} ({path}): `_PyRuntime` does not start with its debug cookie; its layout is unknown")]
     BadCookie { minor: u32, path: String },
+    #[error("CPython 3.{minor}: its threads' kernel ids were not found in their `struct pthread` (not glibc?)")]
+    NoThreadIds { minor: u32 },
 }
 
 /// The minor version of a CPython file, from its name (`libpython3.12.so.1.0`, `python3.12`).
@@ -115,7 +120,45 @@ pub fn find(pid: u32) -> Result<Option<Interpreter>, FindError> {
     if minor >= 13 && read_remote(pid, runtime, 8).as_deref() != Some(&offsets::DEBUG_COOKIE[..]) {
         return Err(FindError::BadCookie { minor, path: shown });
     }
-    Ok(Some(Interpreter { path: (*path).clone(), minor, runtime, layout }))
+    let mut walk = layout.walk;
+    if layout.frames != offsets::Frames::Interpreter {
+        walk.pthread_tid = pthread_tid_offset(pid, runtime, &walk).ok_or(FindError::NoThreadIds { minor })?;
+    }
+    Ok(Some(Interpreter { path: (*path).clone(), minor, runtime, layout, walk }))
+}
+
+/// Where glibc's `struct pthread` keeps the kernel thread id, in this process: the first offset
+/// at which every thread state's `thread_id` (its `pthread_self()`) holds one of the process's
+/// thread ids. glibc moves the field between versions, and the target's glibc may not be ours.
+fn pthread_tid_offset(pid: u32, runtime: u64, o: &memscope_common::python::PyOffsets) -> Option<u32> {
+    let tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let interp = remote_u64(pid, runtime + u64::from(o.runtime_interpreters_head)).filter(|&p| p != 0)?;
+    let mut tstate = remote_u64(pid, interp + u64::from(o.interp_threads_head)).unwrap_or(0);
+    const SPAN: usize = 2048;
+    let mut candidates: Option<Vec<u32>> = None;
+    for _ in 0..64 {
+        if tstate == 0 {
+            break;
+        }
+        let pthread = remote_u64(pid, tstate + u64::from(o.tstate_native_thread_id))?;
+        let bytes = read_remote(pid, pthread, SPAN)?;
+        let here: Vec<u32> = (0..SPAN / 4)
+            .map(|i| i as u32 * 4)
+            .filter(|&off| {
+                let v = u32::from_ne_bytes(bytes[off as usize..][..4].try_into().expect("4 bytes"));
+                tids.contains(&v)
+            })
+            .collect();
+        candidates = Some(match candidates {
+            None => here,
+            Some(c) => c.into_iter().filter(|off| here.contains(off)).collect(),
+        });
+        tstate = remote_u64(pid, tstate + u64::from(o.tstate_next)).unwrap_or(0);
+    }
+    candidates?.first().copied()
 }
 
 /// What a code object says of itself.
@@ -151,6 +194,21 @@ fn read_code(pid: u32, code: u64, o: &offsets::CodeOffsets) -> Option<Code> {
     Some(Code { filename, qualname, firstlineno, linetable, start: code + o.code_adaptive })
 }
 
+/// The line of a frame: `instr` is what the probe read at the layout's `frame_instr`.
+fn line(layout: &Layout, c: &Code, instr: u64) -> i64 {
+    use offsets::Frames;
+    let lasti = u64::from(instr as u32);
+    match layout.frames {
+        Frames::Interpreter => {
+            let unit = instr.saturating_sub(c.start) / 2;
+            linetable::line_of(&c.linetable, c.firstlineno, unit)
+        }
+        Frames::Object310 => linetable::line_of_310(&c.linetable, c.firstlineno, lasti * 2),
+        Frames::Object39 => Some(linetable::line_of_lnotab(&c.linetable, c.firstlineno, lasti)),
+    }
+    .unwrap_or(c.firstlineno)
+}
+
 /// Frames to lines, with each code object read once per process.
 #[derive(Default)]
 pub struct Resolver {
@@ -177,11 +235,7 @@ impl Resolver {
         for &(code, instr) in frames {
             let entry = self.codes.entry((pid, code)).or_insert_with(|| read_code(pid, code, &o));
             match entry {
-                Some(c) => {
-                    let unit = instr.saturating_sub(c.start) / 2;
-                    let line = linetable::line_of(&c.linetable, c.firstlineno, unit).unwrap_or(c.firstlineno);
-                    out.push_str(&format!("{}({line}): {}\n", c.filename, c.qualname));
-                }
+                Some(c) => out.push_str(&format!("{}({}): {}\n", c.filename, line(layout, c, instr), c.qualname)),
                 None => out.push_str("?\n"),
             }
         }

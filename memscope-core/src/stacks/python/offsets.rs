@@ -4,11 +4,12 @@
 //! The values are CPython's own layouts on 64-bit Linux, the same on x86-64 and arm64 (LP64,
 //! natural alignment, and no field of these structs depends on the architecture). Each was
 //! checked against the interpreter's debug information (`gdb -batch -ex 'p/d &((PyThreadState
-//! *)0)->native_thread_id' libpython3.X.so` for every field, on pyenv's 3.11.7, 3.12.1 and
-//! 3.13.0): they are data, not guesses, and a test compares every one with what gdb reads from
-//! the DWARF of each interpreter found on the machine. 3.13 also carries its own `_Py_DebugOffsets` at
-//! `_PyRuntime`; its cookie is checked before the table is used. Versions not listed have no
-//! Python stacks (`probes` and `trace` say so).
+//! *)0)->native_thread_id' libpython3.X.so` for every field, on pyenv's 3.9.18, 3.10.13,
+//! 3.11.7, 3.12.1 and 3.13.0): they are data, not guesses, and a test compares every one with
+//! what gdb reads from the DWARF of each interpreter found on the machine. 3.13 also carries its
+//! own `_Py_DebugOffsets` at `_PyRuntime`; its cookie is checked before the table is used.
+//! Versions not listed have no Python stacks (`probes` and `trace` say so). The one thing not
+//! CPython's, glibc's `struct pthread` thread-id offset (3.9, 3.10), is found per process.
 
 use memscope_common::python::{PyOffsets, NO_OFFSET};
 
@@ -32,10 +33,25 @@ pub struct CodeOffsets {
     pub bytes_data: u64,
 }
 
+/// How a frame says where it is, and how the code object maps that to a line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frames {
+    /// 3.11+: `_PyInterpreterFrame`, an instruction pointer into `co_code_adaptive`, and the
+    /// location table.
+    Interpreter,
+    /// 3.10: `PyFrameObject`, `f_lasti` in code units, and `co_linetable`'s (bytes, line) pairs.
+    Object310,
+    /// 3.9: `PyFrameObject`, `f_lasti` in bytes, and `co_lnotab`.
+    Object39,
+}
+
 /// The two tables of a version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     pub minor: u32,
+    pub frames: Frames,
+    /// `pthread_tid` is left [`NO_OFFSET`] here for 3.9 and 3.10: it is glibc's, found in each
+    /// process ([`super::find`]).
     pub walk: PyOffsets,
     pub code: CodeOffsets,
 }
@@ -57,9 +73,44 @@ const fn code(firstlineno: u64, code_adaptive: u64, ascii_data: u64) -> CodeOffs
 /// `FRAME_OWNED_BY_CSTACK` (3.12+): a shim frame of the C stack, not Python code.
 const OWNED_BY_CSTACK: u32 = 3;
 
-const LAYOUTS: [Layout; 3] = [
+/// 3.9 and 3.10: the thread state's frame object chain. `tstate_native_thread_id` is
+/// `thread_id`; the frame's "instruction" is `f_lasti` (an `int`, read as the low half).
+const fn object_walk(frame_lasti: u32) -> PyOffsets {
+    PyOffsets {
+        runtime_interpreters_head: 32,
+        interp_threads_head: 8,
+        tstate_next: 8,
+        tstate_native_thread_id: 176,
+        tstate_frame: 24,
+        cframe_current_frame: NO_OFFSET,
+        frame_code: 32,
+        frame_previous: 24,
+        frame_instr: frame_lasti,
+        frame_owner: NO_OFFSET,
+        owner_cstack: NO_OFFSET,
+        pthread_tid: NO_OFFSET,
+    }
+}
+
+/// 3.9 and 3.10's code object: no `co_qualname` (the name stands in), the line table at 120.
+const OBJECT_CODE: CodeOffsets = CodeOffsets {
+    filename: 104,
+    qualname: 112,
+    firstlineno: 40,
+    linetable: 120,
+    code_adaptive: 0,
+    ascii_data: 48,
+    str_length: 16,
+    bytes_size: 16,
+    bytes_data: 32,
+};
+
+const LAYOUTS: [Layout; 5] = [
+    Layout { minor: 9, frames: Frames::Object39, walk: object_walk(104), code: OBJECT_CODE },
+    Layout { minor: 10, frames: Frames::Object310, walk: object_walk(96), code: OBJECT_CODE },
     Layout {
         minor: 11,
+        frames: Frames::Interpreter,
         walk: PyOffsets {
             runtime_interpreters_head: 40,
             interp_threads_head: 16,
@@ -72,12 +123,13 @@ const LAYOUTS: [Layout; 3] = [
             frame_instr: 56,
             frame_owner: 69,
             owner_cstack: NO_OFFSET,
-            _reserved: 0,
+            pthread_tid: NO_OFFSET,
         },
         code: code(72, 184, 48),
     },
     Layout {
         minor: 12,
+        frames: Frames::Interpreter,
         walk: PyOffsets {
             runtime_interpreters_head: 40,
             interp_threads_head: 72,
@@ -90,12 +142,13 @@ const LAYOUTS: [Layout; 3] = [
             frame_instr: 56,
             frame_owner: 70,
             owner_cstack: OWNED_BY_CSTACK,
-            _reserved: 0,
+            pthread_tid: NO_OFFSET,
         },
         code: code(68, 192, 40),
     },
     Layout {
         minor: 13,
+        frames: Frames::Interpreter,
         walk: PyOffsets {
             runtime_interpreters_head: 632,
             interp_threads_head: 7344,
@@ -108,7 +161,7 @@ const LAYOUTS: [Layout; 3] = [
             frame_instr: 56,
             frame_owner: 70,
             owner_cstack: OWNED_BY_CSTACK,
-            _reserved: 0,
+            pthread_tid: NO_OFFSET,
         },
         code: code(68, 200, 40),
     },
@@ -130,14 +183,39 @@ pub const DEBUG_COOKIE: &[u8; 8] = b"xdebugpy";
 #[cfg(test)]
 mod tests {
     //! The table against each interpreter's own debug information, read by gdb (an independent
-    //! reader of the DWARF), for every pyenv CPython 3.11+ on the machine.
+    //! reader of the DWARF), for every pyenv CPython 3.9+ on the machine.
 
     use std::path::PathBuf;
 
     use super::*;
 
+    /// 3.9 and 3.10's fields, by their names there.
+    fn object_fields(l: &Layout) -> Vec<(String, u64)> {
+        let (w, c) = (&l.walk, &l.code);
+        let table = if l.minor == 9 { "co_lnotab" } else { "co_linetable" };
+        vec![
+            ("&((_PyRuntimeState*)0)->interpreters.head".to_owned(), u64::from(w.runtime_interpreters_head)),
+            ("&((PyInterpreterState*)0)->tstate_head".into(), u64::from(w.interp_threads_head)),
+            ("&((PyThreadState*)0)->next".into(), u64::from(w.tstate_next)),
+            ("&((PyThreadState*)0)->thread_id".into(), u64::from(w.tstate_native_thread_id)),
+            ("&((PyThreadState*)0)->frame".into(), u64::from(w.tstate_frame)),
+            ("&((PyFrameObject*)0)->f_back".into(), u64::from(w.frame_previous)),
+            ("&((PyFrameObject*)0)->f_code".into(), u64::from(w.frame_code)),
+            ("&((PyFrameObject*)0)->f_lasti".into(), u64::from(w.frame_instr)),
+            ("&((PyCodeObject*)0)->co_filename".into(), c.filename),
+            ("&((PyCodeObject*)0)->co_name".into(), c.qualname),
+            ("&((PyCodeObject*)0)->co_firstlineno".into(), c.firstlineno),
+            (format!("&((PyCodeObject*)0)->{table}"), c.linetable),
+            ("sizeof(PyASCIIObject)".into(), c.ascii_data),
+            ("&((PyBytesObject*)0)->ob_sval".into(), c.bytes_data),
+        ]
+    }
+
     /// (C expression of the offset, the table's value) for a version's layout.
     fn fields(l: &Layout) -> Vec<(String, u64)> {
+        if l.frames != Frames::Interpreter {
+            return object_fields(l);
+        }
         let w = &l.walk;
         let c = &l.code;
         let frame = if l.minor >= 13 { "f_executable" } else { "f_code" };
