@@ -309,6 +309,16 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     }
 }
 
+/// The `u64` at `at` of a record whose length was checked to hold it.
+fn word_at(bytes: &[u8], at: usize) -> u64 {
+    u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("checked length"))
+}
+
+/// The `u32` at `at`, as [`word_at`].
+fn half_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("checked length"))
+}
+
 /// A Python stack record: its fixed part, then the frames it says it holds.
 fn py_stack(bytes: &[u8]) -> Result<RawPyStack, DecodeError> {
     use memscope_common::python::{MAX_PY_FRAMES, PY_STACK_HEADER_LEN};
@@ -316,8 +326,7 @@ fn py_stack(bytes: &[u8]) -> Result<RawPyStack, DecodeError> {
     if bytes.len() < PY_STACK_HEADER_LEN {
         return Err(DecodeError::Truncated { kind, len: bytes.len(), need: PY_STACK_HEADER_LEN });
     }
-    let word = |at: usize| u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("checked length"));
-    let half = |at: usize| u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("checked length"));
+    let (word, half) = (|at| word_at(bytes, at), |at| half_at(bytes, at));
     let n = (half(28) as usize).min(MAX_PY_FRAMES);
     let need = PY_STACK_HEADER_LEN + 16 * n;
     if bytes.len() < need {
@@ -339,8 +348,7 @@ fn stack(bytes: &[u8]) -> Result<RawStack, DecodeError> {
     if bytes.len() < STACK_HEADER_LEN {
         return Err(DecodeError::Truncated { kind, len: bytes.len(), need: STACK_HEADER_LEN });
     }
-    let word = |at: usize| u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("checked length"));
-    let half = |at: usize| u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("checked length"));
+    let (word, half) = (|at| word_at(bytes, at), |at| half_at(bytes, at));
     let frames = (half(36) as usize).min(MAX_STACK_DEPTH);
     let need = STACK_HEADER_LEN + 8 * frames;
     if bytes.len() < need {
@@ -381,8 +389,7 @@ pub fn stack_window(bytes: &[u8]) -> Result<StackWindowView<'_>, DecodeError> {
     if bytes.len() < WINDOW_HEADER_LEN {
         return Err(DecodeError::Truncated { kind, len: bytes.len(), need: WINDOW_HEADER_LEN });
     }
-    let word = |at: usize| u64::from_ne_bytes(bytes[at..at + 8].try_into().expect("checked length"));
-    let half = |at: usize| u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("checked length"));
+    let (word, half) = (|at| word_at(bytes, at), |at| half_at(bytes, at));
     let len = (half(56) as usize).min(MAX_STACK_WINDOW);
     let need = WINDOW_HEADER_LEN + len;
     if bytes.len() < need {

@@ -54,10 +54,13 @@ pub struct Options {
     /// or analyses.
     #[arg(long)]
     pub consumer_only: bool,
-    /// Only the cost of native stacks per pair (`trace --call-stack c`, against bpftrace's
-    /// `ustack`).
+    /// Only the cost of stacks per pair (`trace --call-stack`, against bpftrace's `ustack`), and
+    /// the sustained load with them (`--stacks-seconds`).
     #[arg(long)]
     pub stacks_only: bool,
+    /// Seconds of the sustained 500 k calls/s load with native stacks (0 skips it).
+    #[arg(long, default_value_t = 60)]
+    pub stacks_seconds: u64,
     /// Only the analysis throughput (`--analysis-pairs`, `--analysis-rounds`, `--baseline-bin`).
     #[arg(long)]
     pub analysis_only: bool,
@@ -236,7 +239,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         baseline: opts.baseline_bin.as_deref(),
     };
     if opts.stacks_only {
-        let md = crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?;
+        let mut md = crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?;
+        if opts.stacks_seconds > 0 {
+            md.push_str(&crate::bench_stacks::sustained(&built, &dir, opts.stacks_seconds)?);
+        }
         std::fs::write(dir.join("results-stacks.md"), &md)?;
         println!("{md}");
         return Ok(());

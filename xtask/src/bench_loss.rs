@@ -38,6 +38,11 @@ fn recorded_lost(stderr: &str) -> Option<(u64, u64)> {
 }
 
 fn traced(built: &Built, out: &Path, pairs: u64, rate: u64) -> anyhow::Result<Run> {
+    traced_with(built, out, pairs, rate, &[])
+}
+
+/// The paced loop under `trace` with `extra` flags (`--call-stack c`, `--ring-mb N`).
+fn traced_with(built: &Built, out: &Path, pairs: u64, rate: u64, extra: &[&str]) -> anyhow::Result<Run> {
     let _ = std::fs::remove_dir_all(out);
     let (stdout, stderr) = run_capture(
         privileged(built.binary.to_str().expect("utf-8 path"))
@@ -45,6 +50,7 @@ fn traced(built: &Built, out: &Path, pairs: u64, rate: u64) -> anyhow::Result<Ru
             .arg(out)
             .arg("--lib")
             .arg(&built.libascendcl)
+            .args(extra)
             .arg("--")
             .arg(&built.alloc_bench)
             .args([pairs.to_string(), "0".into(), THREADS.to_string(), rate.to_string()]),
@@ -53,6 +59,21 @@ fn traced(built: &Built, out: &Path, pairs: u64, rate: u64) -> anyhow::Result<Ru
     let offered_calls_per_s = parse_after(&stdout, "calls_per_s ").context("alloc_bench printed no calls_per_s")?;
     let (recorded, lost) = recorded_lost(&stderr).with_context(|| format!("no summary line in:\n{stderr}"))?;
     Ok(Run { offered_calls_per_s, recorded, lost })
+}
+
+/// A sustained load: `rate` pairs/s on the two threads for `seconds`, traced with `extra`; one
+/// table row (`label`, calls/s offered, recorded, lost).
+pub fn sustained(
+    built: &Built,
+    dir: &Path,
+    seconds: u64,
+    rate: u64,
+    label: &str,
+    extra: &[&str],
+) -> anyhow::Result<String> {
+    eprintln!("xtask bench: {label}, {rate} pairs/s for {seconds} s");
+    let r = traced_with(built, &dir.join("out-sustained"), seconds * rate, rate, extra)?;
+    Ok(format!("| {label} | {seconds} | {:.0} | {} | {} |\n", r.offered_calls_per_s, r.recorded, r.lost))
 }
 
 pub fn run(built: &Built, dir: &Path, seconds: u64) -> anyhow::Result<String> {

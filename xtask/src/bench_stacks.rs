@@ -199,3 +199,22 @@ pub fn run(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Resu
     md.push_str(&python_rounds(built, dir, pairs / 4, rounds)?);
     Ok(md)
 }
+
+/// Sustained load with native stacks: 500 k traced calls/s (125 k pairs/s on two threads) for
+/// `seconds`, default 32 MiB ring, without and with `--call-stack c`.
+pub fn sustained(built: &Built, dir: &Path, seconds: u64) -> anyhow::Result<String> {
+    let mut md = String::from(
+        "\nSustained load (2 threads, 125,000 pairs/s = 500,000 traced calls/s offered, 32 MiB ring):\n\n\
+         | configuration | seconds | calls/s offered | calls recorded | lost |\n|---|---|---|---|---|\n",
+    );
+    md.push_str(&crate::bench_loss::sustained(built, dir, seconds, 125_000, "no stacks", &[])?);
+    md.push_str(&crate::bench_loss::sustained(
+        built,
+        dir,
+        seconds,
+        125_000,
+        "`--call-stack c`",
+        &["--call-stack", "c"],
+    )?);
+    Ok(md)
+}
