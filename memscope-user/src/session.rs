@@ -366,13 +366,14 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         meta.push(("unwind".into(), unwind));
     }
     let mut store = Store::new(layout, format, start_wall, meta);
-    store.debug_dirs = debug_dirs;
+    store.debug_dirs = debug_dirs.clone();
     let mut store = Writer::start(store);
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;
 
     let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
     consumer.set_stack_depth(stacks.call.native_depth());
+    consumer.set_debug_dirs(debug_dirs.clone());
     // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd`: both go into
     // `Live`, where `ring_fd` is declared first and so dropped first (and `finish` drops it
     // before `consumer`).

@@ -46,11 +46,16 @@ pub struct CaptureStats {
     pub py_no_thread: u64,
 }
 
+/// Finds a stripped file's separate debug file (the attach code's rules, handed in by the
+/// caller so this crate does not depend on it).
+pub type DebugFinder = Box<dyn FnMut(&Path) -> Option<std::path::PathBuf> + Send>;
+
 #[derive(Default)]
 pub struct Capture {
     ids: HashMap<(u32, Box<[u64]>), StackId>,
     normalizers: HashMap<u32, Normalizer>,
-    modules: HashMap<Module, Arc<Module>>,
+    modules: HashMap<(std::path::PathBuf, Option<Vec<u8>>), Arc<Module>>,
+    debug_finder: Option<DebugFinder>,
     pub stats: CaptureStats,
 }
 
@@ -117,8 +122,13 @@ impl Capture {
             .iter()
             .map(|meta| match meta {
                 UserMeta::Elf(elf) => {
-                    let module = Module { path: elf.path.clone(), build_id: elf.build_id.as_ref().map(|b| b.to_vec()) };
-                    Some(self.modules.entry(module.clone()).or_insert_with(|| Arc::new(module)).clone())
+                    let key = (elf.path.clone(), elf.build_id.as_ref().map(|b| b.to_vec()));
+                    let finder = &mut self.debug_finder;
+                    let module = self.modules.entry(key).or_insert_with_key(|(path, build_id)| {
+                        let debug_file = finder.as_mut().and_then(|find| find(path));
+                        Arc::new(Module { path: path.clone(), build_id: build_id.clone(), debug_file })
+                    });
+                    Some(module.clone())
                 }
                 _ => None,
             })
@@ -132,6 +142,11 @@ impl Capture {
                 returns: i > 0,
             })
             .collect()
+    }
+
+    /// Sets how stripped files' debug files are found.
+    pub fn set_debug_finder(&mut self, finder: DebugFinder) {
+        self.debug_finder = Some(finder);
     }
 
     /// Forgets a process's cached mappings (it exited; its stacks are normalized already).

@@ -33,6 +33,9 @@ pub struct Module {
     pub path: PathBuf,
     /// The GNU build id, when the file has one.
     pub build_id: Option<Vec<u8>>,
+    /// Its separate debug file, for a stripped file that has one (`.gnu_debuglink` or build id,
+    /// found as the attach code finds them): symbols are read from there.
+    pub debug_file: Option<PathBuf>,
 }
 
 /// One frame, normalized.

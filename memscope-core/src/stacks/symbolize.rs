@@ -51,6 +51,9 @@ enum FileCheck {
 pub struct Symbolizer {
     inner: Blazesym,
     checked: HashMap<Arc<Module>, FileCheck>,
+    /// (file offset, size, address) of the loadable segments of files symbolized from their
+    /// debug file, whose offsets are not the stripped file's: there the address is asked.
+    segments: HashMap<Arc<Module>, Vec<(u64, u64, u64)>>,
     cache: HashMap<(Arc<Module>, u64), Resolved>,
 }
 
@@ -66,7 +69,7 @@ impl Symbolizer {
             .enable_demangling(true)
             .set_debug_dirs(Some(dirs))
             .build();
-        Self { inner, checked: HashMap::new(), cache: HashMap::new() }
+        Self { inner, checked: HashMap::new(), segments: HashMap::new(), cache: HashMap::new() }
     }
 
     /// Resolves every frame of a stack, in order.
@@ -83,7 +86,13 @@ impl Symbolizer {
         if let Some(done) = self.cache.get(&key) {
             return done.clone();
         }
-        let resolved = self.symbolize(&module.path, *offset);
+        let resolved = match &module.debug_file {
+            Some(debug) => match self.address(module, *offset) {
+                Some(addr) => self.via_debug_file(debug, addr),
+                None => Resolved::NoSymbol,
+            },
+            None => self.symbolize(&module.path, Input::FileOffset(&[*offset])),
+        };
         self.cache.insert(key, resolved.clone());
         resolved
     }
@@ -95,9 +104,38 @@ impl Symbolizer {
         })
     }
 
-    fn symbolize(&self, path: &std::path::Path, offset: u64) -> Resolved {
+    /// The address (as the file states it) of a file offset, from the file's segments.
+    fn address(&mut self, module: &Arc<Module>, offset: u64) -> Option<u64> {
+        use object::{Object, ObjectSegment};
+        let segments = self.segments.entry(module.clone()).or_insert_with(|| {
+            let Ok(bytes) = std::fs::read(&module.path) else { return Vec::new() };
+            let Ok(file) = object::File::parse(&*bytes) else { return Vec::new() };
+            file.segments().map(|s| (s.file_range().0, s.file_range().1, s.address())).collect()
+        });
+        segments.iter().find(|(o, size, _)| (*o..o + size).contains(&offset)).map(|(o, _, addr)| addr + (offset - o))
+    }
+
+    /// A stripped file's frame, from its debug file: the function's name and offset from the
+    /// debug file's ELF symbol table (its DWARF gives C++ methods only their short name, and no
+    /// start), the lines and inlined calls from its DWARF.
+    fn via_debug_file(&self, debug: &std::path::Path, addr: u64) -> Resolved {
+        let resolved = self.symbolize(debug, Input::VirtOffset(&[addr]));
+        let mut elf = Elf::new(debug);
+        elf.debug_syms = false;
+        let named = self.inner.symbolize(&Source::Elf(elf), Input::VirtOffset(&[addr]));
+        let (Resolved::Symbols(symbols), Ok(mut named)) = (&resolved, named) else { return resolved };
+        let Some(Symbolized::Sym(sym)) = named.pop() else { return resolved };
+        let mut symbols = symbols.to_vec();
+        if let Some(own) = symbols.last_mut() {
+            own.name = sym.name.to_string();
+            own.offset = sym.offset as u64;
+        }
+        Resolved::Symbols(symbols.into())
+    }
+
+    fn symbolize(&self, path: &std::path::Path, input: Input<&[u64]>) -> Resolved {
         let src = Source::Elf(Elf::new(path));
-        let Ok(mut out) = self.inner.symbolize(&src, Input::FileOffset(&[offset])) else { return Resolved::NoSymbol };
+        let Ok(mut out) = self.inner.symbolize(&src, input) else { return Resolved::NoSymbol };
         let Some(Symbolized::Sym(sym)) = out.pop() else { return Resolved::NoSymbol };
         let code = |info: Option<&blazesym::symbolize::CodeInfo<'_>>| {
             info.map_or((None, None), |c| (Some(c.to_path().display().to_string()), c.line))
@@ -159,10 +197,10 @@ mod tests {
     #[test]
     fn a_file_that_is_not_the_build_traced_is_reported_changed_not_read() {
         let exe = std::env::current_exe().unwrap();
-        let module = Arc::new(Module { path: exe, build_id: Some(vec![0xde, 0xad]) });
+        let module = Arc::new(Module { path: exe, build_id: Some(vec![0xde, 0xad]), debug_file: None });
         let frame = Frame { addr: 0x1000, module: Some((module, 0x1000)), returns: false };
         assert_eq!(Symbolizer::new(&[]).frames(std::slice::from_ref(&frame)), [Resolved::Changed]);
-        let gone = Arc::new(Module { path: "/nonexistent/libgone.so".into(), build_id: None });
+        let gone = Arc::new(Module { path: "/nonexistent/libgone.so".into(), build_id: None, debug_file: None });
         let frame = Frame { module: Some((gone, 0x10)), ..frame };
         assert_eq!(Symbolizer::new(&[]).frames(&[frame]), [Resolved::Changed], "a file gone is not the file traced");
     }

@@ -99,7 +99,7 @@ mod tests {
     use crate::stacks::Module;
 
     fn frame(addr: u64, off: u64, returns: bool) -> Frame {
-        let module = Arc::new(Module { path: "/lib/libx.so".into(), build_id: None });
+        let module = Arc::new(Module { path: "/lib/libx.so".into(), build_id: None, debug_file: None });
         Frame { addr, module: Some((module, off)), returns }
     }
 

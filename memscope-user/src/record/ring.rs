@@ -53,6 +53,11 @@ impl Consumer {
         self.decoder.set_stack_depth(depth);
     }
 
+    /// Where stripped libraries' debug files are looked for (`--debug-dir`), for their stacks.
+    pub fn set_debug_dirs(&mut self, dirs: Vec<std::path::PathBuf>) {
+        self.decoder.set_debug_dirs(dirs);
+    }
+
     /// A process's interpreter, found by the session.
     pub fn set_python(&mut self, pid: u32, layout: &'static crate::stacks::python::Layout) {
         self.decoder.set_python(pid, layout);
@@ -91,6 +96,10 @@ impl Decoder {
 
     pub fn set_python(&mut self, pid: u32, layout: &'static crate::stacks::python::Layout) {
         self.stacks.set_python(pid, layout);
+    }
+
+    pub fn set_debug_dirs(&mut self, dirs: Vec<std::path::PathBuf>) {
+        self.stacks.set_debug_dirs(dirs);
     }
 
     /// Decodes one record; the event it makes, if any, goes to `sink`.

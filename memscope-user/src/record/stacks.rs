@@ -121,6 +121,19 @@ impl ThreadStacks {
         }
     }
 
+    /// Stripped files are symbolized from their debug files, found as the attach code finds
+    /// them (`.gnu_debuglink` or build id, also under `debug_dirs`).
+    pub fn set_debug_dirs(&mut self, debug_dirs: Vec<std::path::PathBuf>) {
+        self.capture.set_debug_finder(Box::new(move |path| {
+            let data = std::fs::read(path).ok()?;
+            let reference = crate::attach::debug::debug_ref(&data);
+            if reference.has_symtab {
+                return None;
+            }
+            crate::attach::debug::find(path, &reference, &debug_dirs).map(|d| d.path)
+        }));
+    }
+
     /// A process exited: its stacks are all normalized (its records came before this one).
     pub fn process_exited(&mut self, pid: u32) {
         self.capture.process_exited(pid);

@@ -509,3 +509,45 @@ fn py_ledger_torch(path: &Path) -> (u64, Vec<PyFrame>) {
     }
     (ptr, frames)
 }
+
+/// A stripped library's hidden functions are named from its separate debug file (found through
+/// its `.gnu_debuglink`, as the attach code finds it): the stand-in torch_npu is stripped and
+/// builds with hidden visibility, so `DeviceCachingAllocator::malloc` is in neither its symbol
+/// table (it has none) nor its dynamic one; a stack naming it read the debug file.
+#[test]
+fn hidden_functions_of_a_stripped_library_are_named_from_its_debug_file() {
+    let env = env("stacks_debugfile");
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG").join("libtorch_npu.so");
+    let dynsym = std::process::Command::new("nm").args(["-D", "--defined-only"]).arg(&torch).output().unwrap();
+    assert!(!String::from_utf8_lossy(&dynsym.stdout).contains("DeviceCachingAllocator"), "the function must be hidden");
+    let out = env.scratch.join("out");
+    let script = format!(
+        "import ctypes, os, time\n\
+         acl = ctypes.CDLL(os.path.join(os.environ['ASCEND_HOME_PATH'], 'lib64', 'libascendcl.so'))\n\
+         assert acl.aclrtSetDevice(0) == 0\n\
+         torch = ctypes.CDLL('{}')\n\
+         torch.standin_tensor_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]\n\
+         torch.standin_tensor_alloc.restype = ctypes.c_void_p\n\
+         time.sleep(0.5)\n\
+         assert torch.standin_tensor_alloc(1 << 20, 0)\n\
+         time.sleep(0.3)\n",
+        torch.display()
+    );
+    let (out_s, torch_s) = (out.display().to_string(), torch.display().to_string());
+    let args = ["trace", "--output", &out_s, "--lib", &torch_s, "--call-stack", "c", "--", "python3", "-c", &script];
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let db = read_output(&out).db("device_0").to_owned();
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let stacks: Vec<String> = conn
+        .prepare("SELECT \"Call Stack(C)\" FROM memscope_dump WHERE Event = 'MALLOC' AND \"Event Type\" = 'PTA'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert!(!stacks.is_empty(), "the pool's MALLOC row:\n{stderr}");
+    let first = stacks[0].lines().next().unwrap_or("");
+    assert!(first.contains("libtorch_npu.so(") && first.contains("DeviceCachingAllocator::malloc"), "{}", stacks[0]);
+}
