@@ -52,7 +52,13 @@ pub type DebugFinder = Box<dyn FnMut(&Path) -> Option<std::path::PathBuf> + Send
 
 #[derive(Default)]
 pub struct Capture {
-    ids: HashMap<(u32, Box<[u64]>), StackId>,
+    /// By process, then by its frames: looked up by a borrowed slice, so a stack seen before
+    /// (nearly every record) allocates nothing.
+    ids: HashMap<u32, HashMap<Box<[u64]>, StackId>>,
+    /// Stacks given an id so far.
+    count: u32,
+    /// The frames of the record at hand, reused.
+    scratch: Vec<u64>,
     normalizers: HashMap<u32, Normalizer>,
     modules: HashMap<(std::path::PathBuf, Option<Vec<u8>>), Arc<Module>>,
     debug_finder: Option<DebugFinder>,
@@ -61,14 +67,21 @@ pub struct Capture {
 
 /// The frames of a raw stack: the walk's, with the caller's frame put back after the first
 /// (a walk from a function's entry skips it; see `StackRecord::return_address`).
+#[cfg(test)]
 fn frames_of(raw: &RawStack<'_>) -> Vec<u64> {
-    let mut ips = Vec::with_capacity(raw.ips.len() + 1);
+    let mut ips = Vec::new();
+    frames_into(raw, &mut ips);
+    ips
+}
+
+/// [`frames_of`], into `ips` (cleared first).
+fn frames_into(raw: &RawStack<'_>, ips: &mut Vec<u64>) {
+    ips.clear();
     ips.extend(raw.ips.iter().copied().take(1));
     if raw.return_address != 0 && !ips.is_empty() && raw.ips.get(1) != Some(&raw.return_address) {
         ips.push(raw.return_address);
     }
     ips.extend(raw.ips.iter().copied().skip(1).take_while(|&ip| ip != 0));
-    ips
 }
 
 fn normalizer() -> Normalizer {
@@ -81,17 +94,21 @@ impl Capture {
     pub fn stack(&mut self, raw: &RawStack<'_>) -> (StackId, Option<Stack>) {
         self.stats.stacks += 1;
         self.stats.failed += u64::from(raw.failed);
-        let ips = frames_of(raw);
+        let mut ips = std::mem::take(&mut self.scratch);
+        frames_into(raw, &mut ips);
         if ips.is_empty() && !raw.failed {
+            self.scratch = ips;
             return (NO_STACK, None);
         }
-        let key = (raw.pid, ips.into_boxed_slice());
-        if let Some(&id) = self.ids.get(&key) {
+        if let Some(&id) = self.ids.get(&raw.pid).and_then(|m| m.get(ips.as_slice())) {
+            self.scratch = ips;
             return (id, None);
         }
-        let id = StackId::try_from(self.ids.len() + 1).expect("fewer than 4 billion stacks");
-        let frames = self.normalize(raw.pid, &key.1);
-        self.ids.insert(key, id);
+        self.count = self.count.checked_add(1).expect("fewer than 4 billion stacks");
+        let id = self.count;
+        let frames = self.normalize(raw.pid, &ips);
+        self.ids.entry(raw.pid).or_default().insert(ips.as_slice().into(), id);
+        self.scratch = ips;
         self.stats.unique += 1;
         (id, Some(Stack { id, pid: raw.pid, frames, at_depth: raw.at_depth, failed: raw.failed }))
     }

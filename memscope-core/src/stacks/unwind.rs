@@ -200,7 +200,7 @@ mod tests {
     use crate::stacks::capture::{Capture, RawStack};
     use crate::stacks::symbolize::{Resolved, Symbolizer};
 
-    /// (ip, sp, bp) here, and the 64 KiB of stack above sp (frames of unoptimized code are large).
+    /// (ip, sp, bp) here, and up to 64 KiB of stack above sp (frames of unoptimized code are large).
     #[inline(never)]
     fn copy_own_stack() -> (u64, u64, u64, Vec<u8>) {
         let (ip, sp, bp): (u64, u64, u64);
@@ -208,10 +208,13 @@ mod tests {
         unsafe {
             std::arch::asm!("lea {ip}, [rip]", "mov {sp}, rsp", "mov {bp}, rbp", ip = out(reg) ip, sp = out(reg) sp, bp = out(reg) bp);
         }
-        let mut data = vec![0u8; 65536];
-        // SAFETY: the 64 KiB above this frame's stack pointer are this thread's own live stack
-        // (the test harness's threads have megabytes of it; these frames are near its bottom).
-        unsafe { std::ptr::copy_nonoverlapping(sp as *const u8, data.as_mut_ptr(), data.len()) };
+        // As the probe does: the most of the stack above sp that is mapped, read without faulting
+        // (a new thread's stack may end a few KiB above).
+        let pid = std::process::id();
+        let data = [65536, 32768, 16384, 8192, 4096]
+            .into_iter()
+            .find_map(|len| crate::stacks::python::read_remote(pid, sp, len))
+            .expect("4 KiB of this thread's stack");
         (ip, sp, bp, std::hint::black_box(data))
     }
 
