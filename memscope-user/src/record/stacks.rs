@@ -15,6 +15,9 @@ use crate::stacks::python::Resolver;
 use crate::stacks::unwind::{Unwinder, Window};
 use crate::stacks::{Stack, StackId, NO_STACK};
 
+/// One process's Python stacks by their frames as read (code object, instruction).
+type PyIds = HashMap<Box<[(u64, u64)]>, StackId, foldhash::fast::RandomState>;
+
 #[derive(Default)]
 pub struct ThreadStacks {
     capture: Capture,
@@ -24,7 +27,10 @@ pub struct ThreadStacks {
     pub depth: usize,
     /// Python frames to text, and each text's id (they are few: one per place that allocates).
     py: Resolver,
-    py_ids: HashMap<(u32, Box<str>), StackId, foldhash::fast::RandomState>,
+    /// By process, then by its frames as read (code object, instruction): a stack seen before
+    /// is found without reading or formatting anything.
+    py_ids: HashMap<u32, PyIds, foldhash::fast::RandomState>,
+    py_count: StackId,
     /// As `open`, for Python stacks.
     py_open: HashMap<u32, (u64, StackId), foldhash::fast::RandomState>,
     /// By thread: the entry time of its open outermost call, and that call's stack.
@@ -63,30 +69,33 @@ impl ThreadStacks {
         new
     }
 
-    /// A Python stack record: its frames resolved to text (now: the code objects are read from
-    /// the live process). Returns the text's id and the text when it is new.
+    /// A Python stack record: a stack seen before (same process, same code objects and
+    /// instructions) is its id at once; a new one is resolved to text now (its code objects are
+    /// read from the live process). Returns the id and the text when the stack is new.
     pub fn on_py_stack(&mut self, raw: &RawPyStack) -> Option<(StackId, Box<str>)> {
         let stats = &mut self.capture.stats;
         stats.py_stacks += 1;
         stats.py_at_depth += u64::from(raw.flags & PY_AT_DEPTH != 0);
         stats.py_no_thread += u64::from(raw.flags & PY_NO_THREAD != 0);
+        if raw.frames.is_empty() {
+            self.py_open.remove(&raw.tid);
+            return None;
+        }
+        if let Some(&id) = self.py_ids.get(&raw.tgid).and_then(|m| m.get(raw.frames.as_slice())) {
+            self.py_open.insert(raw.tid, (raw.entry_mono_ns, id));
+            return None;
+        }
         let text = self.py.text(raw.tgid, &raw.frames);
         if text.is_empty() {
             self.py_open.remove(&raw.tid);
             return None;
         }
-        let key = (raw.tgid, Box::<str>::from(text));
-        let next = StackId::try_from(self.py_ids.len() + 1).expect("fewer than 4 billion stacks");
-        let (id, new) = match self.py_ids.get(&key) {
-            Some(&id) => (id, false),
-            None => {
-                self.py_ids.insert(key.clone(), next);
-                self.capture.stats.py_unique += 1;
-                (next, true)
-            }
-        };
+        self.py_count += 1;
+        let id = self.py_count;
+        self.py_ids.entry(raw.tgid).or_default().insert(raw.frames.as_slice().into(), id);
+        self.capture.stats.py_unique += 1;
         self.py_open.insert(raw.tid, (raw.entry_mono_ns, id));
-        new.then_some((id, key.1))
+        Some((id, text.into()))
     }
 
     /// A call's Python stack, as [`Self::of_call`] for native ones.
