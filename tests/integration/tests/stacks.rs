@@ -517,7 +517,8 @@ fn py_ledger_torch(path: &Path) -> (u64, Vec<PyFrame>) {
 #[test]
 fn hidden_functions_of_a_stripped_library_are_named_from_its_debug_file() {
     let env = env("stacks_debugfile");
-    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG").join("libtorch_npu.so");
+    // The stripped library, with its debug file beside it.
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let dynsym = std::process::Command::new("nm").args(["-D", "--defined-only"]).arg(&torch).output().unwrap();
     assert!(!String::from_utf8_lossy(&dynsym.stdout).contains("DeviceCachingAllocator"), "the function must be hidden");
     let out = env.scratch.join("out");
