@@ -520,6 +520,7 @@ fn hidden_functions_of_a_stripped_library_are_named_from_its_debug_file() {
     // The stripped library, with its debug file beside it.
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let dynsym = std::process::Command::new("nm").args(["-D", "--defined-only"]).arg(&torch).output().unwrap();
+    assert!(dynsym.status.success(), "nm -D {}: {}", torch.display(), String::from_utf8_lossy(&dynsym.stderr));
     assert!(!String::from_utf8_lossy(&dynsym.stdout).contains("DeviceCachingAllocator"), "the function must be hidden");
     let out = env.scratch.join("out");
     let script = format!(
