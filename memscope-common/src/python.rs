@@ -66,6 +66,12 @@ pub struct PyFrame {
 pub const PY_NO_THREAD: u32 = 1;
 /// [`PyStackRecord::flags`]: the walk stopped at [`MAX_PY_FRAMES`] or the depth asked for.
 pub const PY_AT_DEPTH: u32 = 2;
+/// [`PyStackRecord::flags`]: a read of the interpreter's memory failed (the runtime, a thread
+/// state or a frame), so the stack is missing or short.
+pub const PY_READ_FAILED: u32 = 4;
+/// [`PyStackRecord::flags`]: the thread list was longer than [`MAX_PY_THREADS`] and the calling
+/// thread's state was not among those walked.
+pub const PY_THREADS_BOUND: u32 = 8;
 
 /// The Python stack of the thread that made an outermost traced call, read at its entry; sent
 /// before the call's records, cut to the frames read.

@@ -8,13 +8,19 @@
 //! driver's `halMemAlloc` (nested in the runtime's call, so its record comes first), then
 //! `aclrtMalloc`, `halMemFree` and `aclrtFree`. `live` blocks are allocated first and never
 //! freed, so they are live at the stop and get their shadow frees there.
+//!
+//! With `stacks` (`--call-stack c` replayed), each outermost call is preceded by the stack
+//! record the probe sends, one of `stacks` distinct stacks of [`STACK_FRAMES`] frames taken
+//! round-robin. Their addresses are spread over this very executable's code, and the records
+//! carry this process's id, so each new stack is normalized against a live process's maps and
+//! symbolized from a real ELF file, as in a trace.
 
 use std::mem::size_of;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use memscope_common::record::{CallRecord, RecordHeader, RecordKind, NO_MODULE};
+use memscope_common::record::{CallRecord, RecordHeader, RecordKind, StackRecord, NO_MODULE, STACK_HEADER_LEN};
 
 use crate::apis::Api;
 use crate::clock::{self, Clock};
@@ -37,7 +43,12 @@ pub struct Options {
     pub pairs: u64,
     pub live: u64,
     pub output: PathBuf,
+    /// Distinct native stacks to replay (0: no stacks).
+    pub stacks: u64,
 }
+
+/// Frames per replayed stack: a typical depth from a Python training loop down to the runtime.
+pub const STACK_FRAMES: usize = 24;
 
 pub struct Report {
     pub records: u64,
@@ -57,18 +68,74 @@ struct Generator {
     next: u64,
     live_left: u64,
     pairs_left: u64,
+    pid: u32,
+    /// Code addresses the stacks are made of (empty: no stacks).
+    code: Vec<u64>,
+    stacks: u64,
+    /// Where each record of the chunk ends.
+    ends: Vec<usize>,
+}
+
+/// `count` addresses spread over this executable's code (its first executable mapping).
+fn own_code_addresses(count: usize) -> anyhow::Result<Vec<u64>> {
+    let exe = std::fs::read_link("/proc/self/exe").context("cannot read /proc/self/exe")?;
+    let maps = std::fs::read_to_string("/proc/self/maps").context("cannot read /proc/self/maps")?;
+    let exe = exe.to_string_lossy();
+    let (start, end) = maps
+        .lines()
+        .filter(|l| l.ends_with(exe.as_ref()) && l.split_whitespace().nth(1).is_some_and(|p| p.contains('x')))
+        .find_map(|l| {
+            let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+            Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?))
+        })
+        .context("this executable has no executable mapping in /proc/self/maps")?;
+    let step = (end - start) / count as u64;
+    Ok((0..count as u64).map(|i| start + i * step + 0x40).collect())
 }
 
 impl Generator {
-    fn record(&mut self, api: Api, outer: Option<Api>, args: [u64; 3], result: Option<u64>, out: &mut Vec<u8>) {
-        self.mono_ns += 500;
+    /// Stack number `n % stacks`: its three innermost frames spell the number in base
+    /// `code.len()`, the rest are fixed, so that `stacks` of them are distinct.
+    fn stack(&mut self, entry_ns: u64, out: &mut Vec<u8>) {
+        if self.code.is_empty() {
+            return;
+        }
+        let base = self.code.len() as u64;
+        let n = self.next % self.stacks;
+        let mut record = StackRecord {
+            hdr: RecordHeader::new(RecordKind::Stack, entry_ns, self.pid, self.pid),
+            return_address: self.code[1],
+            flags: 0,
+            frames: STACK_FRAMES as u32,
+            ips: [0; memscope_common::record::MAX_STACK_DEPTH],
+        };
+        for (i, ip) in record.ips[..STACK_FRAMES].iter_mut().enumerate() {
+            let digit = match i {
+                0..=2 => (n / base.pow(i as u32)) % base,
+                _ => i as u64 % base,
+            };
+            *ip = self.code[digit as usize];
+        }
+        out.extend_from_slice(&as_bytes(&record)[..STACK_HEADER_LEN + STACK_FRAMES * 8]);
+        self.ends.push(out.len());
+    }
+
+    /// A call that ran from `entry_ns` to `return_ns`.
+    fn record(
+        &mut self,
+        (api, outer): (Api, Option<Api>),
+        args: [u64; 3],
+        result: Option<u64>,
+        (entry_ns, return_ns): (u64, u64),
+        out: &mut Vec<u8>,
+    ) {
         let mut fields = [0; memscope_common::spec::MAX_FIELDS];
         fields[0] = result.unwrap_or(0);
         out.extend_from_slice(as_bytes(&CallRecord {
-            hdr: RecordHeader::new(RecordKind::Call, self.mono_ns, PID, PID),
+            hdr: RecordHeader::new(RecordKind::Call, return_ns, self.pid, self.pid),
             spec_id: api.spec_id() as u16,
             thread_device: 0,
-            entry_ns: self.mono_ns - 400,
+            entry_ns,
             args: [args[0], args[1], args[2], 0, 0, 0],
             ret: 0,
             fields,
@@ -78,23 +145,44 @@ impl Generator {
             cfg_module: NO_MODULE,
             _reserved: 0,
         }));
+        self.ends.push(out.len());
+    }
+
+    /// The runtime's call, its driver call nested in it (whose record comes first, at its
+    /// return), the stack before both.
+    fn outer_and_nested(
+        &mut self,
+        (outer, inner): (Api, Api),
+        (outer_args, inner_args): ([u64; 3], [u64; 3]),
+        result: Option<u64>,
+        out: &mut Vec<u8>,
+    ) {
+        self.mono_ns += 1000;
+        let entry = self.mono_ns;
+        self.stack(entry, out);
+        self.record((inner, Some(outer)), inner_args, result, (entry + 100, entry + 400), out);
+        self.record((outer, None), outer_args, result, (entry, entry + 500), out);
     }
 
     fn malloc(&mut self, ptr: u64, size: u64, out: &mut Vec<u8>) {
         let out_ptr = 0x7ffd_0000_1000;
         let driver_size = (size + 32).div_ceil(32) * 32;
-        self.record(Api::HalMemAlloc, Some(Api::AclrtMalloc), [out_ptr, driver_size, FLAG], Some(ptr), out);
-        self.record(Api::AclrtMalloc, None, [out_ptr, size, 0], Some(ptr), out);
+        self.outer_and_nested(
+            (Api::AclrtMalloc, Api::HalMemAlloc),
+            ([out_ptr, size, 0], [out_ptr, driver_size, FLAG]),
+            Some(ptr),
+            out,
+        );
     }
 
     fn free(&mut self, ptr: u64, out: &mut Vec<u8>) {
-        self.record(Api::HalMemFree, Some(Api::AclrtFree), [ptr, 0, 0], None, out);
-        self.record(Api::AclrtFree, None, [ptr, 0, 0], None, out);
+        self.outer_and_nested((Api::AclrtFree, Api::HalMemFree), ([ptr, 0, 0], [ptr, 0, 0]), None, out);
     }
 
     /// The next records (up to about [`CHUNK`], back to back); empty at the end.
     fn fill(&mut self, out: &mut Vec<u8>) {
         out.clear();
+        self.ends.clear();
         while out.len() < CHUNK * RECORD && (self.live_left > 0 || self.pairs_left > 0) {
             let size = 4096 + (self.next & 63);
             if self.live_left > 0 {
@@ -140,8 +228,8 @@ pub fn peak_rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-fn store(output: &Path, start_wall: u64) -> anyhow::Result<Writer> {
-    let layout = RunLayout::create(output, PID, (start_wall / 1_000_000_000) as i64)?;
+fn store(output: &Path, pid: u32, start_wall: u64) -> anyhow::Result<Writer> {
+    let layout = RunLayout::create(output, pid, (start_wall / 1_000_000_000) as i64)?;
     let meta: Meta = vec![("tool".into(), "memscope-bpf bench-consumer".into())];
     Ok(Writer::start(Store::new(layout, Format::Db, start_wall, meta)))
 }
@@ -150,11 +238,21 @@ fn store(output: &Path, start_wall: u64) -> anyhow::Result<Writer> {
 pub fn run(opts: &Options) -> anyhow::Result<Report> {
     let clock = Clock::calibrate();
     let start_wall = clock::wall_ns();
-    let mut recorder = Recorder::new(Tracker::new(), store(&opts.output, start_wall)?);
+    // Stacks are normalized against the records' process: with stacks, that is this one.
+    let (pid, code) = if opts.stacks == 0 { (PID, Vec::new()) } else { (std::process::id(), own_code_addresses(64)?) };
+    let mut recorder = Recorder::new(Tracker::new(), store(&opts.output, pid, start_wall)?);
     let mut decoder = Decoder::new(clock);
     let mut stats = ConsumerStats::default();
-    let mut generator =
-        Generator { mono_ns: clock::monotonic_ns(), next: 0, live_left: opts.live, pairs_left: opts.pairs };
+    let mut generator = Generator {
+        mono_ns: clock::monotonic_ns(),
+        next: 0,
+        live_left: opts.live,
+        pairs_left: opts.pairs,
+        pid,
+        code,
+        stacks: opts.stacks,
+        ends: Vec::new(),
+    };
     let mut chunk = Vec::with_capacity((CHUNK + 4) * RECORD);
     let (started, cpu_start) = (Instant::now(), process_cpu());
     let mut generating = Duration::ZERO;
@@ -165,8 +263,10 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
         if chunk.is_empty() {
             break;
         }
-        for record in chunk.chunks(RECORD) {
-            decoder.feed(record, &mut stats, &mut |e| recorder.on_event(e));
+        let mut start = 0;
+        for &end in &generator.ends {
+            decoder.feed(&chunk[start..end], &mut stats, &mut |e| recorder.on_event(e));
+            start = end;
         }
         if let Some(e) = recorder.error.take() {
             return Err(e);
@@ -202,7 +302,7 @@ mod tests {
     fn every_generated_call_becomes_the_rows_the_loop_would_write() {
         let dir = std::env::temp_dir().join(format!("memscope-replay-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let report = run(&Options { pairs: 3000, live: 700, output: dir.clone() }).unwrap();
+        let report = run(&Options { pairs: 3000, live: 700, output: dir.clone(), stacks: 0 }).unwrap();
         assert_eq!(report.records, (3000 * 4 + 700 * 2), "4 records per pair, 2 per live block");
         assert_eq!(report.rejected, 0);
         assert_eq!(report.files.len(), 1, "all on device 0: {:?}", report.files);
@@ -216,6 +316,30 @@ mod tests {
             count(&db, "SELECT count(*) FROM memscope_dump WHERE Event = 'FREE' AND Attr LIKE '%\"shadow\"%'"),
             700
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn replayed_stacks_reach_every_row_and_stay_as_distinct_as_generated() {
+        let dir = std::env::temp_dir().join(format!("memscope-replay-stacks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let report = run(&Options { pairs: 400, live: 0, output: dir.clone(), stacks: 7 }).unwrap();
+        assert_eq!(report.records, 400 * 6, "4 calls and 2 stacks per pair");
+        assert_eq!(report.rejected, 0);
+        let db = Connection::open(&report.files[0]).unwrap();
+        // Every call's row has its stack; the trace's own SYSTEM rows have none.
+        let sql = "SELECT count(*) FROM memscope_dump WHERE Event IN ('MALLOC', 'FREE') AND \"Call Stack(C)\" = ''";
+        assert_eq!(count(&db, sql), 0);
+        assert_eq!(count(&db, "SELECT count(*) FROM memscope_dump WHERE Event IN ('MALLOC', 'FREE')"), 800);
+        assert_eq!(
+            count(&db, "SELECT count(DISTINCT \"Call Stack(C)\") FROM memscope_dump WHERE Event IN ('MALLOC', 'FREE')"),
+            7
+        );
+        assert_eq!(count(&db, "SELECT count(*) FROM ms_stacks"), 7);
+        // Symbolized from this test executable's own file, which keeps its symbols.
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let sql = format!("SELECT count(*) FROM ms_frames WHERE path = '{}' AND symbol IS NOT NULL", exe.display());
+        assert!(count(&db, &sql) >= 7 * STACK_FRAMES as i64, "frames in {}", exe.display());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -11,7 +11,10 @@
 use std::collections::BTreeSet;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use aya_log::EbpfLogger;
 
 use anyhow::Context as _;
 use tokio::io::unix::AsyncFd;
@@ -26,9 +29,11 @@ use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
 use crate::model::Tracker;
 use crate::procs;
+use crate::record::bpf_log::{BpfLog, BpfLogCounts, BpfLogLevel};
 use crate::record::ring::Consumer;
 use crate::recorder::Recorder;
 use crate::say::say;
+use crate::stacks::capture::CaptureStats;
 use crate::stacks::spec::{StackOptions, Unwind};
 use crate::stop::{Detaching, Signals};
 use crate::store::{Format, Meta, ProbeRow, RunLayout, Store, Writer};
@@ -72,6 +77,8 @@ pub struct Plan {
     pub wait_for_start: bool,
     /// `--call-stack`, `--unwind`, `--stack-window`.
     pub stacks: StackOptions,
+    /// `--bpf-log`: what the probes tell of their own trouble.
+    pub bpf_log: Option<BpfLogLevel>,
 }
 
 /// Environment variables that set the allocators' behaviour, stored as `env.<NAME>` in
@@ -327,6 +334,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         follow,
         wait_for_start,
         stacks,
+        bpf_log,
     } = plan;
     let pid = target.pid();
     let clock = Clock::calibrate();
@@ -334,7 +342,15 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let start_wall = clock::wall_ns();
 
     let launch_mode = matches!(target, Target::Launched(_));
-    let mut tracer = load(pid, launch_mode, follow, ring_bytes, debug_dirs.clone(), stacks)?;
+    let mut tracer = load(pid, launch_mode, follow, ring_bytes, debug_dirs.clone(), stacks, bpf_log)?;
+    let bpf_log = match bpf_log {
+        Some(_) => {
+            let counts = Arc::new(BpfLogCounts::default());
+            let logger = tracer.bpf_logger(BpfLog { counts: Arc::clone(&counts) })?;
+            Some((logger, counts))
+        }
+        None => None,
+    };
     let Attached { probes, markers, skipped } = attach_all(&mut tracer, &libraries, probe_set, quiet)?;
 
     let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
@@ -398,6 +414,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         recorder: Recorder::new(tracker, store),
         skipped,
         python,
+        bpf_log,
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
@@ -413,6 +430,7 @@ fn load(
     ring_bytes: u32,
     debug_dirs: Vec<PathBuf>,
     stacks: StackOptions,
+    bpf_log: Option<BpfLogLevel>,
 ) -> anyhow::Result<Tracer> {
     let opts = LoadOptions {
         ring_bytes,
@@ -422,6 +440,7 @@ fn load(
         stack_depth: stacks.kernel_depth(),
         stack_window: stacks.window_bytes(),
         python_depth: stacks.python_depth(),
+        bpf_log,
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.
@@ -514,6 +533,8 @@ struct Live {
     skipped: Vec<SkippedLibrary>,
     /// `--call-stack python`: the processes whose interpreter was looked for (found or not).
     python: Option<BTreeSet<u32>>,
+    /// `--bpf-log`: the probes' messages, read on every drain, and their counts.
+    bpf_log: Option<(EbpfLogger<BpfLog>, Arc<BpfLogCounts>)>,
 }
 
 impl Live {
@@ -545,8 +566,11 @@ impl Live {
 
     /// Feeds every record waiting in the ring to the model and the store.
     fn drain(&mut self) {
-        let Self { consumer, recorder, .. } = self;
+        let Self { consumer, recorder, bpf_log, .. } = self;
         consumer.drain(|e| recorder.on_event(e));
+        if let Some((logger, _)) = bpf_log {
+            logger.flush();
+        }
     }
 
     /// The traced processes other than the target still running ([`still_traced`]).
@@ -666,6 +690,7 @@ impl Live {
         let stop_wall = clock::wall_ns();
         let lost_per_cpu = self.tracer.lost_per_cpu().unwrap_or_default();
         let lost: u64 = lost_per_cpu.iter().sum();
+        let bpf_log = self.bpf_log.as_ref().map(|(_, counts)| counts.get());
         let Self { tracer, ring_fd, consumer, recorder, skipped, .. } = self;
         drop(ring_fd);
         // From here on nothing is read from the probes: they detach while the DBs are finished.
@@ -689,36 +714,7 @@ impl Live {
             ("records_lost".into(), lost.to_string()),
             ("records_undecodable".into(), undecodable.to_string()),
         ];
-        if stacks.stacks > 0 {
-            final_meta.extend([
-                ("stacks_captured".into(), stacks.stacks.to_string()),
-                ("stacks_unique".into(), stacks.unique.to_string()),
-                ("stacks_failed".into(), stacks.failed.to_string()),
-                ("stack_frames_unmapped".into(), stacks.unknown_frames.to_string()),
-            ]);
-            note(
-                self.quiet,
-                format!(
-                    "native stacks: {} taken, {} distinct, {} the kernel could not walk, {} frames in no mapped file",
-                    stacks.stacks, stacks.unique, stacks.failed, stacks.unknown_frames
-                ),
-            );
-        }
-        if stacks.py_stacks > 0 {
-            final_meta.extend([
-                ("py_stacks_captured".into(), stacks.py_stacks.to_string()),
-                ("py_stacks_unique".into(), stacks.py_unique.to_string()),
-                ("py_stacks_at_depth".into(), stacks.py_at_depth.to_string()),
-                ("py_stacks_no_thread".into(), stacks.py_no_thread.to_string()),
-            ]);
-            note(
-                self.quiet,
-                format!(
-                    "Python stacks: {} taken, {} distinct, {} cut at the depth asked for, {} on threads running no Python",
-                    stacks.py_stacks, stacks.py_unique, stacks.py_at_depth, stacks.py_no_thread
-                ),
-            );
-        }
+        final_meta.extend(stack_meta(&stacks, bpf_log, self.quiet));
         let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost)).collect();
         let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
         if written.is_empty() {
@@ -744,6 +740,55 @@ impl Live {
 }
 
 /// The summary's line of each device, its file still unknown.
+/// `ms_meta`'s stack counts, and the summary's lines for them and for `--bpf-log`.
+fn stack_meta(stacks: &CaptureStats, bpf_log: Option<(u64, u64)>, quiet: bool) -> Meta {
+    let mut meta: Meta = Vec::new();
+    if stacks.stacks > 0 {
+        meta.extend([
+            ("stacks_captured".into(), stacks.stacks.to_string()),
+            ("stacks_unique".into(), stacks.unique.to_string()),
+            ("stacks_failed".into(), stacks.failed.to_string()),
+            ("stack_frames_unmapped".into(), stacks.unknown_frames.to_string()),
+        ]);
+        note(
+            quiet,
+            format!(
+                "native stacks: {} taken, {} distinct, {} the kernel could not walk, {} frames in no mapped file",
+                stacks.stacks, stacks.unique, stacks.failed, stacks.unknown_frames
+            ),
+        );
+    }
+    if stacks.py_stacks > 0 {
+        meta.extend([
+            ("py_stacks_captured".into(), stacks.py_stacks.to_string()),
+            ("py_stacks_unique".into(), stacks.py_unique.to_string()),
+            ("py_stacks_at_depth".into(), stacks.py_at_depth.to_string()),
+            ("py_stacks_no_thread".into(), stacks.py_no_thread.to_string()),
+            ("py_stacks_read_failed".into(), stacks.py_read_failed.to_string()),
+            ("py_stacks_threads_bound".into(), stacks.py_threads_bound.to_string()),
+        ]);
+        note(
+            quiet,
+            format!(
+                "Python stacks: {} taken, {} distinct, {} cut at the depth asked for, {} on threads running no Python, \
+                 {} with failed reads, {} of threads past the {}-thread bound",
+                stacks.py_stacks,
+                stacks.py_unique,
+                stacks.py_at_depth,
+                stacks.py_no_thread,
+                stacks.py_read_failed,
+                stacks.py_threads_bound,
+                memscope_common::python::MAX_PY_THREADS
+            ),
+        );
+    }
+    if let Some((warnings, other)) = bpf_log {
+        meta.extend([("bpf_log_warnings".into(), warnings.to_string()), ("bpf_log_other".into(), other.to_string())]);
+        note(quiet, format!("bpf log: {warnings} warnings, {other} other messages from the probes"));
+    }
+    meta
+}
+
 fn device_lines(tracker: &Tracker) -> Vec<DeviceLine> {
     tracker
         .devices()

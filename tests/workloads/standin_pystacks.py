@@ -1,12 +1,14 @@
 """Python stacks: allocations through the STAND-IN runtime (ctypes) from a Python call chain
-known by construction, on the main thread and on a second thread, with a C-only thread (the
-runtime's own calls from a thread that runs no Python: none here, but the second thread's stack
-must be its own, not the GIL holder's).
+known by construction, on the main thread and on a second thread (whose stack must be its own,
+not the GIL holder's), then two frees from C-only threads (`pthread_create` straight onto the
+runtime's `aclrtFree`: threads that never run Python and have no thread state), the second
+while more Python threads are alive than the probe walks (the tracer's MAX_PY_THREADS, 256).
 
 The ledger (--ledger) is the ground truth, from the interpreter itself: at each aclrtMalloc call
 `traceback.extract_stack()` gives (file, line, function) per frame, innermost last, with the line
 of the call. Lines: `alloc <ptr> <tid>` then `frame <file>:<line>:<function>` innermost first
-(this script's frames only), then `end`.
+(this script's frames only), then `end`; `cfree <ptr>` and `cfree_crowded <ptr> <threads>` for
+the blocks the C-only threads free.
 """
 
 import argparse
@@ -83,5 +85,32 @@ t = threading.Thread(target=lambda: (acl.aclrtSetDevice(0), worker_chain()))
 t.start()
 t.join()
 main_chain()
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.pthread_create.argtypes = [ctypes.POINTER(ctypes.c_ulong), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+libc.pthread_join.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
+
+
+def free_from_c_thread(tag, extra=""):
+    """aclrtFree(p) as the start routine of a thread that runs no Python at all."""
+    p = ctypes.c_void_p()
+    assert acl.aclrtMalloc(ctypes.byref(p), 8192, 0) == 0
+    out.write(f"{tag} {p.value:#x}{extra}\n")
+    out.flush()
+    thread = ctypes.c_ulong()
+    rc = libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(acl.aclrtFree, ctypes.c_void_p), p)
+    assert rc == 0, rc
+    assert libc.pthread_join(thread.value, None) == 0
+
+
+free_from_c_thread("cfree")
+crowd_go = threading.Event()
+crowd = [threading.Thread(target=crowd_go.wait) for _ in range(300)]
+for c in crowd:
+    c.start()
+free_from_c_thread("cfree_crowded", f" {len(crowd) + 1}")
+crowd_go.set()
+for c in crowd:
+    c.join()
 out.close()
 time.sleep(0.3)

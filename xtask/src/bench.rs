@@ -240,6 +240,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     };
     if opts.stacks_only {
         let mut md = crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?;
+        md.push_str(&crate::bench_stacks::consumer(&built, &dir, opts.pairs)?);
         if opts.stacks_seconds > 0 {
             md.push_str(&crate::bench_stacks::sustained(&built, &dir, opts.stacks_seconds)?);
         }
@@ -265,6 +266,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let (mut md, have_bpftrace) = pair_rounds(opts, &built, &dir)?;
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
     md.push_str(&crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
+    md.push_str(&crate::bench_stacks::consumer(&built, &dir, opts.consumer_pairs)?);
     md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
     if opts.loss_seconds > 0 {
         md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);

@@ -37,11 +37,19 @@ impl Replay {
 }
 
 fn replay(binary: &Path, out: &Path, pairs: u64, live: u64) -> anyhow::Result<Replay> {
+    replay_with(Command::new(binary), out, pairs, live, &[])
+}
+
+/// `bench-consumer` run through `command` (the binary, or `taskset` in front of it), with
+/// `extra` arguments.
+fn replay_with(mut command: Command, out: &Path, pairs: u64, live: u64, extra: &[&str]) -> anyhow::Result<Replay> {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out)?;
     let (stdout, _) = crate::bench::run_capture(
-        Command::new(binary)
-            .args(["bench-consumer", "--pairs", &pairs.to_string(), "--live", &live.to_string(), "--output"])
+        command
+            .args(["bench-consumer", "--pairs", &pairs.to_string(), "--live", &live.to_string()])
+            .args(extra)
+            .arg("--output")
             .arg(out),
     )?;
     let line = stdout.lines().find(|l| l.starts_with("records ")).context("no result line from bench-consumer")?;
@@ -49,6 +57,19 @@ fn replay(binary: &Path, out: &Path, pairs: u64, live: u64) -> anyhow::Result<Re
     let fields = words.chunks(2).filter(|c| c.len() == 2).map(|c| (c[0].to_owned(), c[1].to_owned())).collect();
     let _ = std::fs::remove_dir_all(out);
     Ok(Replay { fields })
+}
+
+/// Records per second of wall time and per CPU-second of `bench-consumer --pairs PAIRS
+/// --stacks STACKS`, the whole process (consumer and store thread, normalizing and
+/// symbolizing included) pinned to CPU 0, so that both figures are one core's.
+pub fn one_core_with_stacks(binary: &Path, out: &Path, pairs: u64, stacks: u64) -> anyhow::Result<(f64, f64)> {
+    let mut command = Command::new("taskset");
+    command.args(["-c", "0"]).arg(binary);
+    let r = replay_with(command, out, pairs, 0, &["--stacks", &stacks.to_string()])?;
+    if r.get("rejected")? != 0.0 {
+        bail!("bench-consumer rejected records of its own generator");
+    }
+    Ok((r.get("records_per_s")?, r.get("records_per_cpu_s")?))
 }
 
 /// A `kB` line of /proc/PID/status (`VmHWM`, `RssAnon`, `RssFile`).

@@ -200,6 +200,31 @@ pub fn run(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Resu
     Ok(md)
 }
 
+/// The consumer with native stacks, on one core: `bench-consumer` replays the allocation loop's
+/// records with a stack record before each outermost call, drawn round-robin from a number of
+/// distinct stacks (each new one normalized and symbolized from a real file), against no stacks.
+pub fn consumer(built: &Built, dir: &Path, pairs: u64) -> anyhow::Result<String> {
+    let mut md = format!(
+        "\nConsumer with native stacks on one core (`taskset -c 0 memscope-bpf bench-consumer --pairs {pairs} \
+         --stacks N`: 4 call records per pair, plus 2 stack records of 24 frames with stacks; decode, \
+         dedup, normalize and symbolize each new stack, rows and SQLite, all threads on CPU 0):\n\n\
+         | distinct stacks | records/s (wall, one core) | records per CPU-second | rows/s (wall) |\n|---|---|---|---|\n"
+    );
+    for stacks in [0, 100, 10_000] {
+        eprintln!("xtask bench: consumer on one core, {stacks} distinct stacks");
+        let (wall, cpu) =
+            crate::bench_consumer::one_core_with_stacks(&built.binary, &dir.join("replay-stacks"), pairs, stacks)?;
+        // A pair is 2 rows: its MALLOC and its FREE.
+        let records_per_pair = if stacks == 0 { 4.0 } else { 6.0 };
+        md.push_str(&format!(
+            "| {} | {wall:.0} | {cpu:.0} | {:.0} |\n",
+            if stacks == 0 { "none".to_owned() } else { stacks.to_string() },
+            wall / records_per_pair * 2.0
+        ));
+    }
+    Ok(md)
+}
+
 /// Sustained load with native stacks: 500 k traced calls/s (125 k pairs/s on two threads) for
 /// `seconds`, default 32 MiB ring, without and with `--call-stack c`.
 pub fn sustained(built: &Built, dir: &Path, seconds: u64) -> anyhow::Result<String> {

@@ -31,7 +31,13 @@ const APT_PACKAGES: &[&str] = &[
     "bpftrace",
     "gcc",
     "util-linux",
+    // Ascend hosts are often arm64: the tests compile for it (CPython's layouts from its own
+    // headers, and `cargo check` of the tracer with its eBPF object for arm64's registers).
+    "gcc-aarch64-linux-gnu",
+    "libc6-dev-arm64-cross",
 ];
+/// The Rust target of that check.
+pub const ARM64_TARGET: &str = "aarch64-unknown-linux-gnu";
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 
@@ -119,6 +125,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         if !bpf_linker_ready() {
             bail!("bpf-linker was installed but is not on PATH; add ~/.cargo/bin to PATH");
         }
+    }
+    let targets = output(Command::new("rustup").args(["target", "list", "--installed"])).unwrap_or_default();
+    if targets.lines().any(|t| t.trim() == ARM64_TARGET) {
+        eprintln!("xtask setup: Rust target {ARM64_TARGET} present");
+    } else {
+        sh(Command::new("rustup").args(["target", "add", ARM64_TARGET]))?;
     }
     if !ok(Command::new("python3").args(["-c", "import ctypes, sqlite3"])) {
         bail!("python3 with ctypes and sqlite3 is needed for the workloads; install python3");

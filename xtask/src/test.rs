@@ -21,6 +21,20 @@ pub struct Options {
     pub filter: Option<String>,
 }
 
+/// Compiles the tracer for arm64 (no arm64 machine here to run it): its register reads, its
+/// unwinder and its eBPF object (built with arm64's `pt_regs`) must keep compiling there.
+fn arm64_check(root: &Path) -> anyhow::Result<()> {
+    eprintln!("xtask test: cargo check for {} (eBPF object included)", setup::ARM64_TARGET);
+    sh(Command::new("cargo").current_dir(root).args(["check", "--quiet", "--target", setup::ARM64_TARGET]).args([
+        "-p",
+        "memscope-core",
+        "-p",
+        "memscope-user",
+        "--target-dir",
+        "target/arm64-check",
+    ]))
+}
+
 pub fn run(opts: &Options) -> anyhow::Result<()> {
     if !opts.no_setup {
         setup::run(&setup::Options { check: false })?;
@@ -28,6 +42,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let built = build::run()?;
     let root = root();
     stable_tier::run(&root)?;
+    arm64_check(&root)?;
     let real_torch = torch_env::python();
     if let Err(why) = &real_torch {
         eprintln!("xtask test: WARNING: the real PyTorch tests will skip: {why}");

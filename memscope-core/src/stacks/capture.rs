@@ -44,6 +44,10 @@ pub struct CaptureStats {
     pub py_unique: u64,
     pub py_at_depth: u64,
     pub py_no_thread: u64,
+    /// Python stack records whose walk had a read of the interpreter's memory fail, and those
+    /// of threads not found among the thread states the probe may walk.
+    pub py_read_failed: u64,
+    pub py_threads_bound: u64,
 }
 
 /// Finds a stripped file's separate debug file (the attach code's rules, handed in by the

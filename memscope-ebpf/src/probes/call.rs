@@ -171,7 +171,7 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let stacks = stack::enabled() || stack::windowed() || python::enabled();
     if stacks && no_other_call_open(state, layer) {
         if python::enabled() {
-            let _ = python::capture(pid_tgid, entry_ns);
+            let _ = python::capture(ctx, pid_tgid, entry_ns);
         }
         let _ = if stack::windowed() {
             stack::capture_window(ctx, pid_tgid, entry_ns)

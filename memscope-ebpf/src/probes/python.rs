@@ -8,21 +8,28 @@
 //! "whoever holds the GIL" would give it someone else's), then that thread's frames, sending
 //! (code object, instruction pointer) for each. Every read is a checked user read; every loop is
 //! bounded.
+//!
+//! A failed read or a thread list longer than the bound is flagged in the record (counted in
+//! the summary) and, with `trace --bpf-log`, told through aya-log once per walk: logging from
+//! the `bpf_loop` callbacks would be verified in each of them, and say the same thing per frame.
 
 use aya_ebpf::{
     cty::c_void,
     helpers::{bpf_probe_read_user, generated::bpf_loop},
     macros::map,
     maps::{HashMap, PerCpuArray},
+    programs::ProbeContext,
     Global,
 };
 use memscope_common::{
     python::{
         PyOffsets, PyProcess, PyStackRecord, MAX_PY_FRAMES, MAX_PY_THREADS, NO_OFFSET, PY_AT_DEPTH, PY_NO_THREAD,
-        PY_STACK_HEADER_LEN,
+        PY_READ_FAILED, PY_STACK_HEADER_LEN, PY_THREADS_BOUND,
     },
     record::{RecordHeader, RecordKind},
 };
+
+use aya_log_ebpf::{debug, warn};
 
 use crate::maps::output_bytes;
 
@@ -41,9 +48,23 @@ pub fn enabled() -> bool {
     PY_DEPTH.load() != 0
 }
 
-fn read_ptr(at: u64) -> Option<u64> {
+/// A word of the target's memory; `None` when it cannot be read.
+fn read_u64(at: u64) -> Option<u64> {
     // SAFETY: checked user read.
-    unsafe { bpf_probe_read_user(at as *const u64) }.ok().filter(|p| *p != 0)
+    unsafe { bpf_probe_read_user(at as *const u64) }.ok()
+}
+
+/// A pointer of the target's memory, 0 for NULL; a failed read counts in `failed` and reads as
+/// NULL, which ends whatever walk it was part of.
+fn read_ptr_or_null(at: u64, failed: &mut u64) -> u64 {
+    read_u64(at).unwrap_or_else(|| {
+        *failed += 1;
+        0
+    })
+}
+
+fn read_ptr(at: u64) -> Option<u64> {
+    read_u64(at).filter(|p| *p != 0)
 }
 
 /// The thread-list walk's state, shared with its `bpf_loop` callback.
@@ -56,6 +77,8 @@ struct ThreadWalk {
     /// `PyOffsets::pthread_tid`, or `u64::MAX`.
     pthread_tid: u64,
     found: u64,
+    /// Reads that failed.
+    failed: u64,
 }
 
 /// One thread state of the walk: stops (1) at the calling thread's, or at the list's end.
@@ -66,8 +89,8 @@ extern "C" fn thread_step(_index: u64, ctx: *mut c_void) -> i64 {
         return 1;
     }
     let tid = if w.pthread_tid == u64::MAX {
-        // SAFETY: checked user read (`native_thread_id` is an `unsigned long`).
-        unsafe { bpf_probe_read_user((w.tstate + w.native_tid) as *const u64) }.ok()
+        // `native_thread_id` is an `unsigned long`.
+        read_u64(w.tstate + w.native_tid)
     } else {
         // SAFETY: checked user reads: `thread_id` is the thread's `struct pthread`, which holds
         // its kernel thread id.
@@ -79,7 +102,8 @@ extern "C" fn thread_step(_index: u64, ctx: *mut c_void) -> i64 {
         w.found = w.tstate;
         return 1;
     }
-    w.tstate = read_ptr(w.tstate + w.next).unwrap_or(0);
+    w.failed += u64::from(tid.is_none());
+    w.tstate = read_ptr_or_null(w.tstate + w.next, &mut w.failed);
     0
 }
 
@@ -89,6 +113,8 @@ struct FrameWalk {
     frame: u64,
     frames: u64,
     depth: u64,
+    /// Reads that failed.
+    failed: u64,
     offsets: PyOffsets,
 }
 
@@ -101,11 +127,18 @@ extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
         return 1;
     }
     let o = &w.offsets;
-    // SAFETY: checked user read of one byte.
-    let owner = unsafe { bpf_probe_read_user((w.frame + u64::from(o.frame_owner)) as *const u8) }.unwrap_or(0);
+    let owner = if o.owner_cstack == NO_OFFSET {
+        0
+    } else {
+        // SAFETY: checked user read of one byte.
+        unsafe { bpf_probe_read_user((w.frame + u64::from(o.frame_owner)) as *const u8) }.unwrap_or_else(|_| {
+            w.failed += 1;
+            0
+        })
+    };
     if o.owner_cstack == NO_OFFSET || u32::from(owner) != o.owner_cstack {
-        let code = read_ptr(w.frame + u64::from(o.frame_code)).unwrap_or(0);
-        let instr = read_ptr(w.frame + u64::from(o.frame_instr)).unwrap_or(0);
+        let code = read_ptr_or_null(w.frame + u64::from(o.frame_code), &mut w.failed);
+        let instr = read_ptr_or_null(w.frame + u64::from(o.frame_instr), &mut w.failed);
         let Some(record) = PY_SCRATCH.get_ptr_mut(0) else { return 1 };
         // SAFETY: per-CPU scratch slot, as in `capture`.
         let record = unsafe { &mut *record };
@@ -115,14 +148,14 @@ extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
             w.frames += 1;
         }
     }
-    w.frame = read_ptr(w.frame + u64::from(o.frame_previous)).unwrap_or(0);
+    w.frame = read_ptr_or_null(w.frame + u64::from(o.frame_previous), &mut w.failed);
     0
 }
 
 /// Reads and sends the calling thread's Python frames. The walks are `bpf_loop`s: their
 /// callbacks are verified once, where bounded loops inlined here were verified along every
 /// path (and exceeded the verifier's limit).
-pub fn capture(pid_tgid: u64, entry_ns: u64) -> Option<()> {
+pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: a value of our own map, only read.
     let py = unsafe { PY_PROCS.get(tgid) }?;
@@ -133,8 +166,9 @@ pub fn capture(pid_tgid: u64, entry_ns: u64) -> Option<()> {
     record.hdr = RecordHeader::of_task(RecordKind::PyStack, entry_ns, pid_tgid);
     record.flags = 0;
     record.frames = 0;
-    let interp = read_ptr(py.runtime + u64::from(o.runtime_interpreters_head)).unwrap_or(0);
-    let first = if interp == 0 { 0 } else { read_ptr(interp + u64::from(o.interp_threads_head)).unwrap_or(0) };
+    let mut failed = 0;
+    let interp = read_ptr_or_null(py.runtime + u64::from(o.runtime_interpreters_head), &mut failed);
+    let first = if interp == 0 { 0 } else { read_ptr_or_null(interp + u64::from(o.interp_threads_head), &mut failed) };
     let mut threads = ThreadWalk {
         tstate: first,
         tid: pid_tgid & 0xffff_ffff,
@@ -142,18 +176,28 @@ pub fn capture(pid_tgid: u64, entry_ns: u64) -> Option<()> {
         native_tid: u64::from(o.tstate_native_thread_id),
         pthread_tid: if o.pthread_tid == NO_OFFSET { u64::MAX } else { u64::from(o.pthread_tid) },
         found: 0,
+        failed: 0,
     };
     // SAFETY: the callback and its context are ours; the count is a constant.
-    unsafe { bpf_loop(MAX_PY_THREADS, thread_step as *mut c_void, (&mut threads as *mut ThreadWalk).cast(), 0) };
+    let steps =
+        unsafe { bpf_loop(MAX_PY_THREADS, thread_step as *mut c_void, (&mut threads as *mut ThreadWalk).cast(), 0) };
+    failed += threads.failed;
+    let tid = pid_tgid as u32;
     if threads.found == 0 {
         record.flags = PY_NO_THREAD;
+        if steps == i64::from(MAX_PY_THREADS) && threads.tstate != 0 {
+            record.flags |= PY_THREADS_BOUND;
+            warn!(ctx, "Python stack of thread {}: not among the first {} thread states", tid, MAX_PY_THREADS);
+        } else {
+            debug!(ctx, "Python stack of thread {}: no Python thread state (not a Python thread)", tid);
+        }
     } else {
-        let mut frame = read_ptr(threads.found + u64::from(o.tstate_frame)).unwrap_or(0);
+        let mut frame = read_ptr_or_null(threads.found + u64::from(o.tstate_frame), &mut failed);
         if o.cframe_current_frame != NO_OFFSET && frame != 0 {
-            frame = read_ptr(frame + u64::from(o.cframe_current_frame)).unwrap_or(0);
+            frame = read_ptr_or_null(frame + u64::from(o.cframe_current_frame), &mut failed);
         }
         let depth = u64::from(PY_DEPTH.load()).min(MAX_PY_FRAMES as u64);
-        let mut walk = FrameWalk { frame, frames: 0, depth, offsets: o };
+        let mut walk = FrameWalk { frame, frames: 0, depth, failed: 0, offsets: o };
         // SAFETY: as above.
         unsafe { bpf_loop(MAX_PY_FRAMES as u32, frame_step as *mut c_void, (&mut walk as *mut FrameWalk).cast(), 0) };
         // The callback wrote into this same slot; reborrowed after it.
@@ -164,6 +208,13 @@ pub fn capture(pid_tgid: u64, entry_ns: u64) -> Option<()> {
         if walk.frames >= walk.depth && walk.frame != 0 {
             record.flags = PY_AT_DEPTH;
         }
+        failed += walk.failed;
+    }
+    if failed != 0 {
+        let record = PY_SCRATCH.get_ptr_mut(0)?;
+        // SAFETY: as above.
+        unsafe { (*record).flags |= PY_READ_FAILED };
+        warn!(ctx, "Python stack of thread {}: {} reads of the interpreter's memory failed", tid, failed);
     }
     let record = PY_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: as above.

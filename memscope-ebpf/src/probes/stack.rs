@@ -7,6 +7,9 @@
 //! 200 bytes of ring, not the 1 KiB of a full record. Userspace deduplicates, normalizes and
 //! symbolizes; the kernel only copies. With `--unwind dwarf` it copies the registers and a window
 //! of the stack instead ([`capture_window`]), for userspace to unwind from `.eh_frame`.
+//!
+//! A walk or copy that fails is flagged in its record (counted in the summary) and, with
+//! `trace --bpf-log`, told through aya-log with the error and the thread.
 
 use aya_ebpf::{
     bindings::BPF_F_USER_STACK,
@@ -16,6 +19,7 @@ use aya_ebpf::{
     programs::ProbeContext,
     EbpfContext, Global,
 };
+use aya_log_ebpf::{debug, warn};
 use memscope_common::record::{
     RecordHeader, RecordKind, StackRecord, StackWindowRecord, MAX_STACK_DEPTH, MAX_STACK_WINDOW, STACK_AT_DEPTH,
     STACK_FAILED, STACK_HEADER_LEN, WINDOW_FAILED, WINDOW_HEADER_LEN,
@@ -68,6 +72,7 @@ pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64, sp: u64) -> Opt
     let frames = if got > 0 { (got as usize / 8).min(MAX_STACK_DEPTH) } else { 0 };
     record.frames = frames as u32;
     record.flags = if got < 0 {
+        warn!(ctx, "user stack of thread {} not walked: bpf_get_stack returned {}", pid_tgid as u32, got);
         STACK_FAILED
     } else if frames == depth {
         STACK_AT_DEPTH
@@ -135,7 +140,11 @@ pub fn capture_window(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Optio
             record.flags = 0;
             break;
         }
+        debug!(ctx, "stack window of thread {} at sp {:x}: {} bytes unreadable", pid_tgid as u32, sp, want_bounded);
         want /= 2;
+    }
+    if record.flags == WINDOW_FAILED {
+        warn!(ctx, "stack window of thread {} at sp {:x} not copied", pid_tgid as u32, sp);
     }
     let len = (WINDOW_HEADER_LEN + record.len as usize).min(core::mem::size_of::<StackWindowRecord>());
     // SAFETY: the record is plain integers; `len` is at most its size.

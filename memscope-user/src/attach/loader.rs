@@ -36,6 +36,7 @@ use super::uprobe_multi::{self, MultiPrograms};
 use super::usdt::{self, UsdtSite};
 use super::usdt_notes::UsdtNoteError;
 use crate::apis::Api;
+use crate::record::bpf_log::{BpfLog, BpfLogLevel};
 
 /// Entries of the `TRACED` map (memscope-ebpf/src/maps.rs).
 const TRACED_CAPACITY: usize = 8192;
@@ -52,6 +53,8 @@ pub enum LoadError {
     Missing(&'static str),
     #[error("cannot load or attach `{name}`")]
     Program { name: &'static str, source: ProgramError },
+    #[error("cannot read the probes' log ring (`--bpf-log`)")]
+    BpfLog(#[source] aya_log::Error),
     #[error("cannot use map `{name}`")]
     Map { name: &'static str, source: MapError },
     #[error(
@@ -129,6 +132,8 @@ pub struct LoadOptions {
     pub stack_window: u32,
     /// Python frames to read per call (`--call-stack python:N`; 0: none).
     pub python_depth: u32,
+    /// What the probes tell through aya-log (`--bpf-log`; `None`: nothing).
+    pub bpf_log: Option<BpfLogLevel>,
 }
 
 pub struct Tracer {
@@ -206,6 +211,8 @@ impl Tracer {
             .override_global("STACK_DEPTH", &opts.stack_depth, true)
             .override_global("STACK_WINDOW", &opts.stack_window, true)
             .override_global("PY_DEPTH", &opts.python_depth, true)
+            // aya-log's own default lets every message through; ours is none.
+            .override_global("AYA_LOG_LEVEL", &BpfLogLevel::kernel_value(opts.bpf_log), true)
             .override_global("TARGET_TGID", &target, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
@@ -255,6 +262,12 @@ impl Tracer {
             multi,
             multi_links: Vec::new(),
         })
+    }
+
+    /// Starts reading the probes' messages (`--bpf-log`). Called after [`Self::load`], which
+    /// needs the log ring among the maps the multi-uprobe copies are relocated against.
+    pub fn bpf_logger(&mut self, log: BpfLog) -> Result<aya_log::EbpfLogger<BpfLog>, LoadError> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, log).map_err(LoadError::BpfLog)
     }
 
     /// How the probes are linked, for `ms_meta`: `uprobe_multi`, or `perf_event` and why.

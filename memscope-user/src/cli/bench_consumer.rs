@@ -13,13 +13,18 @@ pub struct Args {
     /// Blocks allocated first and left live until the stop (2 records each).
     #[arg(long, default_value_t = 0)]
     live: u64,
+    /// Distinct native stacks to replay, one before each outermost call (0: none), as
+    /// `--call-stack c` sends them: each new one is normalized and symbolized.
+    #[arg(long, default_value_t = 0)]
+    stacks: u64,
     /// Folder for the run's DB.
     #[arg(long)]
     output: PathBuf,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let r = replay::run(&Options { pairs: args.pairs, live: args.live, output: args.output.clone() })?;
+    let r =
+        replay::run(&Options { pairs: args.pairs, live: args.live, output: args.output.clone(), stacks: args.stacks })?;
     let (wall, cpu) = (r.wall.as_secs_f64(), r.cpu.as_secs_f64());
     println!(
         "records {} rejected {} wall_s {wall:.3} cpu_s {cpu:.3} records_per_s {:.0} records_per_cpu_s {:.0} peak_rss_kib {}",

@@ -17,6 +17,7 @@ use crate::attach::libs::{self, Library};
 use crate::attach::ProbeSet;
 use crate::launch;
 use crate::preflight::{self, PreflightError};
+use crate::record::bpf_log::BpfLogLevel;
 use crate::say::say;
 use crate::session::{self, Plan, Target};
 use crate::stacks::spec::{CallStacks, StackOptions, Unwind, DEFAULT_WINDOW};
@@ -137,6 +138,15 @@ pub struct Args {
           value_parser = clap::value_parser!(u32).range(512..=16384))]
     pub stack_window: u32,
 
+    /// Print what the probes report about their own trouble, as it happens: a user stack the
+    /// kernel could not walk, a stack window it could not copy, a Python walk whose reads of
+    /// the interpreter failed or that ran past its bound of thread states (with the thread and
+    /// the error). `warn` (the default when the flag is given bare) is only that; `debug` adds
+    /// the expected cases (threads running no Python, window reads retried smaller). The
+    /// summary counts the messages; the counts of the trouble itself are always in it.
+    #[arg(long, value_enum, value_name = "LEVEL", num_args = 0..=1, default_missing_value = "warn")]
+    pub bpf_log: Option<BpfLogLevel>,
+
     /// The program to launch, after `--`. Its probes are live before its first instruction.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
@@ -226,6 +236,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let command = args.command.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
     let plan = Plan {
+        bpf_log: args.bpf_log,
         stacks: StackOptions {
             call: args.call_stack.unwrap_or_default(),
             unwind: args.unwind,

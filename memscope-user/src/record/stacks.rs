@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use memscope_common::python::{PY_AT_DEPTH, PY_NO_THREAD};
+use memscope_common::python::{PY_AT_DEPTH, PY_NO_THREAD, PY_READ_FAILED, PY_THREADS_BOUND};
 use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED, WINDOW_FAILED};
 
 use super::decode::{RawCall, RawPyStack, RawStack, StackWindowView};
@@ -76,7 +76,10 @@ impl ThreadStacks {
         let stats = &mut self.capture.stats;
         stats.py_stacks += 1;
         stats.py_at_depth += u64::from(raw.flags & PY_AT_DEPTH != 0);
-        stats.py_no_thread += u64::from(raw.flags & PY_NO_THREAD != 0);
+        // A thread past the bound may well run Python: counted as that, not as "no Python".
+        stats.py_no_thread += u64::from(raw.flags & (PY_NO_THREAD | PY_THREADS_BOUND) == PY_NO_THREAD);
+        stats.py_read_failed += u64::from(raw.flags & PY_READ_FAILED != 0);
+        stats.py_threads_bound += u64::from(raw.flags & PY_THREADS_BOUND != 0);
         if raw.frames.is_empty() {
             self.py_open.remove(&raw.tid);
             return None;

@@ -293,10 +293,70 @@ fn py_ledger(path: &Path) -> Vec<(u64, u32, Vec<PyFrame>)> {
     all
 }
 
+/// The blocks the workload's C-only threads freed: (`cfree`'s, `cfree_crowded`'s).
+fn c_thread_frees(path: &Path) -> (u64, u64) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let ptr = |tag: &str| {
+        let line = text.lines().find_map(|l| l.strip_prefix(tag)).unwrap_or_else(|| panic!("no {tag} in the ledger"));
+        u64::from_str_radix(line.split_whitespace().next().unwrap().trim_start_matches("0x"), 16).unwrap()
+    };
+    (ptr("cfree "), ptr("cfree_crowded "))
+}
+
+/// The frees of the workload's C-only threads: their rows have no Python stack and another
+/// thread than any Python one; `--bpf-log debug` names the first thread as running no Python,
+/// and the second (freeing while 301 Python threads live, past the probe's bound of 256) as
+/// not found, in a warning, which ms_meta counts with the records flagged so.
+fn assert_c_threads_reported(conn: &rusqlite::Connection, ledger: &Path, stderr: &str, python_tids: &[u32]) {
+    let (plain, crowded) = c_thread_frees(ledger);
+    let mut stmt = conn
+        .prepare(
+            "SELECT Ptr, \"Thread Id\", \"Call Stack(Python)\" FROM memscope_dump WHERE Event = 'FREE' AND \"Event Type\" = 'HAL' \
+             ORDER BY ID",
+        )
+        .unwrap();
+    let frees: Vec<(String, u32, String)> =
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect();
+    // The last free of the address: the allocator may have handed it out before.
+    let free_row = |ptr: u64| -> (u32, String) {
+        frees
+            .iter()
+            .rev()
+            .find(|(p, ..)| u64::from_str_radix(p.trim_start_matches("0x"), 16).ok() == Some(ptr))
+            .map(|(_, tid, text)| (*tid, text.clone()))
+            .unwrap_or_else(|| panic!("no FREE row for {ptr:#x}"))
+    };
+    // The probe's documented bound (docs/db-schema.md, `py_stacks_threads_bound`); the workload
+    // starts 300 more threads than that needs.
+    let bound = 256;
+    for (ptr, message) in [
+        (plain, "bpf debug: Python stack of thread {}: no Python thread state".to_owned()),
+        (crowded, format!("bpf warn: Python stack of thread {{}}: not among the first {bound} thread states")),
+    ] {
+        let (tid, text) = free_row(ptr);
+        assert!(!python_tids.contains(&tid), "{ptr:#x} was freed by a C-only thread, not {tid}");
+        assert_eq!(text, "", "a thread that runs no Python has no Python stack");
+        let message = message.replace("{}", &tid.to_string());
+        assert!(stderr.contains(&message), "{message}\n{stderr}");
+    }
+    let warnings = stderr.matches("bpf warn: ").count();
+    let meta = |key: &str| -> usize {
+        conn.query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get::<_, String>(0))
+            .unwrap_or_else(|e| panic!("ms_meta {key}: {e}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(warnings >= 1, "{stderr}");
+    assert_eq!(meta("py_stacks_threads_bound"), warnings, "one warning per record flagged past the bound");
+    assert_eq!(meta("bpf_log_warnings"), warnings);
+    assert_eq!(meta("py_stacks_read_failed"), 0);
+}
+
 /// `--call-stack python` on every pyenv CPython 3.9-3.13 and Debian's python3: each MALLOC row's `Call Stack(Python)`
 /// begins with exactly the workload's own frames (file, line, function) as the interpreter's
 /// `traceback` gave them at the call, on the main thread and on a second thread, whose rows carry
-/// their own thread's stack (`worker_chain`), not the main thread's.
+/// their own thread's stack (`worker_chain`), not the main thread's. The frees of C-only
+/// threads: see [`assert_c_threads_reported`].
 #[test]
 fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
     let env = env("stacks_python");
@@ -325,8 +385,20 @@ fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
             script.display().to_string(),
             ledger.display().to_string(),
         );
-        let args =
-            ["trace", "--output", &out_s, "--call-stack", "python", "--", &py_s, &script_s, "--ledger", &ledger_s];
+        let args = [
+            "trace",
+            "--output",
+            &out_s,
+            "--call-stack",
+            "python",
+            "--bpf-log",
+            "debug",
+            "--",
+            &py_s,
+            &script_s,
+            "--ledger",
+            &ledger_s,
+        ];
         let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
         let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
         assert_eq!(code, Some(0), "{stderr}");
@@ -359,6 +431,8 @@ fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
                 );
             }
         }
+        let python_tids: Vec<u32> = threads.iter().copied().collect();
+        assert_c_threads_reported(&conn, &ledger, &stderr, &python_tids);
         checked += 1;
     }
     if checked == 0 {

@@ -2,11 +2,14 @@
 //! ([`PyOffsets`]) and what userspace reads of a code object ([`CodeOffsets`]).
 //!
 //! The values are CPython's own layouts on 64-bit Linux, the same on x86-64 and arm64 (LP64,
-//! natural alignment, and no field of these structs depends on the architecture). Each was
-//! checked against the interpreter's debug information (`gdb -batch -ex 'p/d &((PyThreadState
-//! *)0)->native_thread_id' libpython3.X.so` for every field, on pyenv's 3.9.18, 3.10.13,
-//! 3.11.7, 3.12.1 and 3.13.0): they are data, not guesses, and a test compares every one with
-//! what gdb reads from the DWARF of each interpreter found on the machine. 3.13 also carries its
+//! natural alignment, and no field of these structs depends on the architecture), so one table
+//! serves both. Each was checked against the interpreter's debug information (`gdb -batch -ex
+//! 'p/d &((PyThreadState *)0)->native_thread_id' libpython3.X.so` for every field, on pyenv's
+//! 3.9.18, 3.10.13, 3.11.7, 3.12.1 and 3.13.0): they are data, not guesses, and a test compares
+//! every one with what gdb reads from the DWARF of each interpreter found on the machine. For
+//! arm64, where no interpreter runs here, a second test has the cross compiler
+//! (`aarch64-linux-gnu-gcc`, installed by `cargo xtask setup`) lay out the same fields from each
+//! version's own headers, and compares. 3.13 also carries its
 //! own `_Py_DebugOffsets` at `_PyRuntime`; its cookie is checked before the table is used.
 //! Versions not listed have no Python stacks (`probes` and `trace` say so). The one thing not
 //! CPython's, glibc's `struct pthread` thread-id offset (3.9, 3.10), is found per process.
@@ -245,6 +248,95 @@ mod tests {
             v.push(("&((_PyCFrame*)0)->current_frame".into(), u64::from(w.cframe_current_frame)));
         }
         v
+    }
+
+    /// `&((T*)0)->a.b` as `__builtin_offsetof(T, a.b)`, which a cross compiler folds to a
+    /// constant; `sizeof(...)` as it is.
+    fn as_offsetof(expr: &str) -> String {
+        let Some(rest) = expr.strip_prefix("&((") else { return expr.to_owned() };
+        let (ty, member) = rest.split_once("*)0)->").expect("an `&((T*)0)->member` expression");
+        format!("__builtin_offsetof({ty}, {member})")
+    }
+
+    /// What `compiler` makes of each field with version `minor`'s installed headers (in
+    /// `include`): a C file whose globals are the offsets, compiled to an object whose data the
+    /// values are read back from (the target's code never runs).
+    fn compiled_offsets(compiler: &str, include: &std::path::Path, minor: u32, exprs: &[String]) -> Vec<u64> {
+        use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
+        let dir = std::env::temp_dir().join(format!("memscope-py-offsets-{}-{minor}-{compiler}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = String::from("#define Py_BUILD_CORE 1\n#include <Python.h>\n");
+        if minor < 11 {
+            // `PyFrameObject`'s fields (opaque from 3.11 on, where `_PyInterpreterFrame` is read).
+            c.push_str("#include <frameobject.h>\n");
+        }
+        let mut internal = vec!["pycore_runtime.h", "pycore_interp.h"];
+        if minor >= 11 {
+            internal.push("pycore_frame.h");
+        }
+        for h in internal {
+            c.push_str(&format!("#include <internal/{h}>\n"));
+        }
+        for (i, expr) in exprs.iter().enumerate() {
+            c.push_str(&format!("unsigned long long field_{i} = {};\n", as_offsetof(expr)));
+        }
+        let (src, obj) = (dir.join("offsets.c"), dir.join("offsets.o"));
+        std::fs::write(&src, c).unwrap();
+        let out = std::process::Command::new(compiler)
+            // Offsets of 0 stay in .data, where their bytes are.
+            .args(["-std=gnu11", "-c", "-O0", "-w", "-fno-zero-initialized-in-bss", "-I"])
+            .arg(include)
+            .arg(&src)
+            .arg("-o")
+            .arg(&obj)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{compiler} on 3.{minor}'s headers:\n{}", String::from_utf8_lossy(&out.stderr));
+        let data = std::fs::read(&obj).unwrap();
+        let file = object::File::parse(&*data).unwrap();
+        let values = (0..exprs.len())
+            .map(|i| {
+                let sym = file.symbols().find(|s| s.name() == Ok(&format!("field_{i}"))).expect("the field's symbol");
+                let section = file.section_by_index(sym.section_index().unwrap()).unwrap();
+                let bytes = section.data().unwrap();
+                let at = sym.address() as usize;
+                u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+            })
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        values
+    }
+
+    /// The one table is arm64's too: the cross compiler lays out every field from each pyenv
+    /// version's own headers, and each is the table's value (and the same compile for x86-64
+    /// agrees with gdb's reading above, so the method is sound).
+    #[test]
+    fn the_table_is_each_versions_arm64_layout_too() {
+        let cross = "aarch64-linux-gnu-gcc";
+        if std::process::Command::new(cross).arg("--version").output().is_err() {
+            eprintln!("skipped: no {cross} (cargo xtask setup installs gcc-aarch64-linux-gnu)");
+            return;
+        }
+        let mut checked = 0;
+        for l in &LAYOUTS {
+            let Some(python) = crate::stacks::python::tests::pyenv(l.minor) else {
+                eprintln!("skipped 3.{}: no pyenv CPython 3.{}", l.minor, l.minor);
+                continue;
+            };
+            let include = python.parent().unwrap().parent().unwrap().join(format!("include/python3.{}", l.minor));
+            let fields = fields(l);
+            let exprs: Vec<String> = fields.iter().map(|(e, _)| e.clone()).collect();
+            for compiler in [cross, "gcc"] {
+                let values = compiled_offsets(compiler, &include, l.minor, &exprs);
+                for ((expr, ours), theirs) in fields.iter().zip(values) {
+                    assert_eq!(*ours, theirs, "3.{} with {compiler}: {expr}", l.minor);
+                }
+            }
+            checked += 1;
+        }
+        if checked == 0 {
+            eprintln!("skipped: no pyenv CPython 3.9-3.13 here");
+        }
     }
 
     fn libpython(minor: u32) -> Option<PathBuf> {
