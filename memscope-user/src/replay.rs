@@ -11,9 +11,11 @@
 //!
 //! With `stacks` (`--call-stack c` replayed), each outermost call is preceded by the stack
 //! record the probe sends, one of `stacks` distinct stacks of [`STACK_FRAMES`] frames taken
-//! round-robin. Their addresses are spread over this very executable's code, and the records
-//! carry this process's id, so each new stack is normalized against a live process's maps and
-//! symbolized from a real ELF file, as in a trace.
+//! round-robin. Their addresses are spread over the code of the C library this process maps
+//! (stripped of its line tables and local symbols, as vendor libraries ship: each frame is a
+//! function name and an offset, about 80 bytes of text), and the records carry this process's
+//! id, so each new stack is normalized against a live process's maps and symbolized from a real
+//! ELF file, as in a trace.
 
 use std::mem::size_of;
 use std::path::{Path, PathBuf};
@@ -76,21 +78,26 @@ struct Generator {
     ends: Vec<usize>,
 }
 
-/// `count` addresses spread over this executable's code (its first executable mapping).
-fn own_code_addresses(count: usize) -> anyhow::Result<Vec<u64>> {
-    let exe = std::fs::read_link("/proc/self/exe").context("cannot read /proc/self/exe")?;
+/// `count` addresses spread over the code of the C library this process maps (its executable
+/// mapping), and that library's path.
+fn libc_code_addresses(count: usize) -> anyhow::Result<(Vec<u64>, PathBuf)> {
     let maps = std::fs::read_to_string("/proc/self/maps").context("cannot read /proc/self/maps")?;
-    let exe = exe.to_string_lossy();
+    let libc = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| Path::new(p).file_name().is_some_and(|n| n.to_string_lossy().starts_with("libc.so")))
+        .context("this process maps no libc.so")?
+        .to_owned();
     let (start, end) = maps
         .lines()
-        .filter(|l| l.ends_with(exe.as_ref()) && l.split_whitespace().nth(1).is_some_and(|p| p.contains('x')))
+        .filter(|l| l.ends_with(libc.as_str()) && l.split_whitespace().nth(1).is_some_and(|p| p.contains('x')))
         .find_map(|l| {
             let (a, b) = l.split_whitespace().next()?.split_once('-')?;
             Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?))
         })
-        .context("this executable has no executable mapping in /proc/self/maps")?;
+        .context("libc.so has no executable mapping in /proc/self/maps")?;
     let step = (end - start) / count as u64;
-    Ok((0..count as u64).map(|i| start + i * step + 0x40).collect())
+    Ok(((0..count as u64).map(|i| start + i * step + 0x40).collect(), PathBuf::from(libc)))
 }
 
 impl Generator {
@@ -239,7 +246,8 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
     let clock = Clock::calibrate();
     let start_wall = clock::wall_ns();
     // Stacks are normalized against the records' process: with stacks, that is this one.
-    let (pid, code) = if opts.stacks == 0 { (PID, Vec::new()) } else { (std::process::id(), own_code_addresses(64)?) };
+    let (pid, code) =
+        if opts.stacks == 0 { (PID, Vec::new()) } else { (std::process::id(), libc_code_addresses(64)?.0) };
     let mut recorder = Recorder::new(Tracker::new(), store(&opts.output, pid, start_wall)?);
     let mut decoder = Decoder::new(clock);
     let mut stats = ConsumerStats::default();
@@ -336,10 +344,10 @@ mod tests {
             7
         );
         assert_eq!(count(&db, "SELECT count(*) FROM ms_stacks"), 7);
-        // Symbolized from this test executable's own file, which keeps its symbols.
-        let exe = std::fs::read_link("/proc/self/exe").unwrap();
-        let sql = format!("SELECT count(*) FROM ms_frames WHERE path = '{}' AND symbol IS NOT NULL", exe.display());
-        assert!(count(&db, &sql) >= 7 * STACK_FRAMES as i64, "frames in {}", exe.display());
+        // Symbolized from the C library's file: every frame has its path and a function.
+        let (_, libc) = libc_code_addresses(1).unwrap();
+        let sql = format!("SELECT count(*) FROM ms_frames WHERE path = '{}' AND symbol IS NOT NULL", libc.display());
+        assert!(count(&db, &sql) >= 7 * STACK_FRAMES as i64, "frames in {}", libc.display());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
