@@ -9,6 +9,9 @@ The ledger (--ledger) is the ground truth, from the interpreter itself: at each 
 of the call. Lines: `alloc <ptr> <tid>` then `frame <file>:<line>:<function>` innermost first
 (this script's frames only), then `end`; `cfree <ptr>` and `cfree_crowded <ptr> <threads>` for
 the blocks the C-only threads free.
+
+With `--fork`, the process forks first and only the child allocates (main_chain, after
+`--wait`): a process the tracer learns of mid-trace, whose interpreter it must find then.
 """
 
 import argparse
@@ -21,6 +24,7 @@ import traceback
 parser = argparse.ArgumentParser()
 parser.add_argument("--ledger", required=True)
 parser.add_argument("--wait", type=float, default=1.0, help="seconds before allocating (the tracer finds the interpreter)")
+parser.add_argument("--fork", action="store_true", help="allocate only in a child forked at the start")
 args = parser.parse_args()
 
 acl = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
@@ -77,6 +81,21 @@ def main_chain():
     for n in range(3, 5):
         Model().forward(n)
 
+
+if args.fork:
+    child = os.fork()
+    if child != 0:
+        _, status = os.waitpid(child, 0)
+        raise SystemExit(os.waitstatus_to_exitcode(status))
+    time.sleep(args.wait)
+    if acl.aclrtSetDevice(0) != 0:
+        os._exit(1)
+    main_chain()
+    out.close()
+    # Code objects are read from the live process as their records are decoded (within
+    # 20 ms); a process gone by then leaves `?` frames.
+    time.sleep(0.3)
+    os._exit(0)
 
 if acl.aclrtSetDevice(0) != 0:
     raise SystemExit("aclrtSetDevice failed")

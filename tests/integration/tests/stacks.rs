@@ -440,6 +440,71 @@ fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
     }
 }
 
+/// A Python process the trace learns of mid-run (forked by the launched interpreter, which
+/// itself allocates nothing): its interpreter is found at a rescan, and its rows carry its own
+/// frames as its ledger gives them, under its own process id.
+#[test]
+fn a_forked_python_child_gets_its_own_python_stacks() {
+    let env = env("stacks_python_fork");
+    let Some(python) = pyenv(12).or_else(|| pyenv(11)) else {
+        eprintln!("skipped: no pyenv CPython 3.11 or 3.12");
+        return;
+    };
+    let script = env.workload.with_file_name("standin_pystacks.py");
+    let (out, ledger) = (env.scratch.join("out"), env.scratch.join("ledger.txt"));
+    let (out_s, py_s, script_s, ledger_s) = (
+        out.display().to_string(),
+        python.display().to_string(),
+        script.display().to_string(),
+        ledger.display().to_string(),
+    );
+    let args = [
+        "trace",
+        "--output",
+        &out_s,
+        "--call-stack",
+        "python",
+        "--",
+        &py_s,
+        &script_s,
+        "--ledger",
+        &ledger_s,
+        "--fork",
+    ];
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let allocs = py_ledger(&ledger);
+    assert_eq!(allocs.len(), 2, "the child's ledger");
+    let child = allocs[0].1;
+    assert!(
+        stderr.contains(&format!("python: CPython 3.")) && stderr.contains(&format!("in process {child}")),
+        "{stderr}"
+    );
+    let db = read_output(&out).db("device_0").to_owned();
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let mut stmt = conn
+        .prepare("SELECT Ptr, \"Process Id\", \"Call Stack(Python)\" FROM memscope_dump WHERE Event = 'MALLOC' AND \"Event Type\" = 'HAL'")
+        .unwrap();
+    let rows: Vec<(String, u32, String)> =
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect();
+    for (ptr, tid, frames) in &allocs {
+        let (_, pid, text) = rows
+            .iter()
+            .find(|(p, ..)| u64::from_str_radix(p.trim_start_matches("0x"), 16).ok() == Some(*ptr))
+            .unwrap_or_else(|| panic!("no MALLOC row for {ptr:#x}"));
+        // The child is single-threaded: its thread id is its process id.
+        assert_eq!(pid, tid, "the child's row");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines.len() >= frames.len(), "{text}");
+        for (line, (file, no, name)) in lines.iter().zip(frames) {
+            let (place, function) = line.split_once(": ").unwrap_or_else(|| panic!("{line}"));
+            assert_eq!(place, format!("{file}({no})"), "{text}");
+            assert!(function == name || function.ends_with(&format!(".{name}")), "{function} is {name}:\n{text}");
+        }
+    }
+}
+
 /// A CPython this build has no layout for (3.8): the trace says so and leaves the column empty
 /// rather than guessing.
 #[test]
