@@ -352,6 +352,62 @@ fn assert_c_threads_reported(conn: &rusqlite::Connection, ledger: &Path, stderr:
     assert_eq!(meta("py_stacks_read_failed"), 0);
 }
 
+/// Runs the Python stack workload under `trace` (`trace_args`, then `--` and the interpreter
+/// with the script's `script_args`); returns stderr and the device 0 DB. `tag` names the run's
+/// output folder and ledger in the test's scratch.
+fn trace_pystacks(
+    env: &TestEnv,
+    tag: &str,
+    python: &Path,
+    trace_args: &[&str],
+    script_args: &[&str],
+) -> (String, PathBuf, PathBuf) {
+    let script = env.workload.with_file_name("standin_pystacks.py");
+    let (out, ledger) = (env.scratch.join(format!("out-{tag}")), env.scratch.join(format!("ledger-{tag}.txt")));
+    let (out_s, py_s, script_s, ledger_s) = (
+        out.display().to_string(),
+        python.display().to_string(),
+        script.display().to_string(),
+        ledger.display().to_string(),
+    );
+    let mut args = vec!["trace", "--output", &out_s];
+    args.extend_from_slice(trace_args);
+    args.extend(["--", &py_s, &script_s, "--ledger", &ledger_s]);
+    args.extend_from_slice(script_args);
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
+    let (code, stderr) = Tracer::spawn_with(env, &args, &vars).finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let db = read_output(&out).db("device_0").to_owned();
+    (stderr, db, ledger)
+}
+
+/// (Ptr, `id_column`, `Call Stack(Python)`) of every HAL MALLOC row.
+fn py_malloc_rows(conn: &rusqlite::Connection, id_column: &str) -> Vec<(u64, u32, String)> {
+    let sql = format!(
+        "SELECT Ptr, \"{id_column}\", \"Call Stack(Python)\" FROM memscope_dump WHERE Event = 'MALLOC' AND \"Event Type\" = 'HAL'"
+    );
+    let mut stmt = conn.prepare(&sql).unwrap();
+    stmt.query_map([], |r| {
+        let ptr: String = r.get(0)?;
+        Ok((u64::from_str_radix(ptr.trim_start_matches("0x"), 16).unwrap(), r.get(1)?, r.get(2)?))
+    })
+    .unwrap()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// The column's text begins with exactly the ledger's frames: `FILE(LINE): FUNCTION`, the
+/// function qualified by its class where it has one.
+fn assert_frames(text: &str, frames: &[PyFrame], what: &str) {
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() >= frames.len(), "{what}:\n{text}");
+    for (line, (file, no, name)) in lines.iter().zip(frames) {
+        let (place, function) = line.split_once(": ").unwrap_or_else(|| panic!("{what}: {line}"));
+        assert_eq!(place, format!("{file}({no})"), "{what}:\n{text}");
+        assert!(function == name || function.ends_with(&format!(".{name}")), "{what}: {function} is {name}:\n{text}");
+    }
+}
+
 /// `--call-stack python` on every pyenv CPython 3.9-3.13 and Debian's python3: each MALLOC row's `Call Stack(Python)`
 /// begins with exactly the workload's own frames (file, line, function) as the interpreter's
 /// `traceback` gave them at the call, on the main thread and on a second thread, whose rows carry
@@ -360,7 +416,6 @@ fn assert_c_threads_reported(conn: &rusqlite::Connection, ledger: &Path, stderr:
 #[test]
 fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
     let env = env("stacks_python");
-    let script = env.workload.with_file_name("standin_pystacks.py");
     let mut interpreters = Vec::new();
     for minor in [9, 10, 11, 12, 13] {
         match pyenv(minor) {
@@ -377,59 +432,20 @@ fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
     }
     let mut checked = 0;
     for (i, (python, minor)) in interpreters.into_iter().enumerate() {
-        let out = env.scratch.join(format!("out-{i}"));
-        let ledger = env.scratch.join(format!("ledger-{i}.txt"));
-        let (out_s, py_s, script_s, ledger_s) = (
-            out.display().to_string(),
-            python.display().to_string(),
-            script.display().to_string(),
-            ledger.display().to_string(),
-        );
-        let args = [
-            "trace",
-            "--output",
-            &out_s,
-            "--call-stack",
-            "python",
-            "--bpf-log",
-            "debug",
-            "--",
-            &py_s,
-            &script_s,
-            "--ledger",
-            &ledger_s,
-        ];
-        let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
-        let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
-        assert_eq!(code, Some(0), "{stderr}");
+        let trace_args = ["--call-stack", "python", "--bpf-log", "debug"];
+        let (stderr, db, ledger) = trace_pystacks(&env, &i.to_string(), &python, &trace_args, &[]);
         assert!(stderr.contains(&format!("python: CPython 3.{minor} in process")), "{stderr}");
-        let db = read_output(&out).db("device_0").to_owned();
         let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
-        let mut stmt = conn
-            .prepare("SELECT Ptr, \"Thread Id\", \"Call Stack(Python)\" FROM memscope_dump WHERE Event = 'MALLOC' AND \"Event Type\" = 'HAL'")
-            .unwrap();
-        let rows: Vec<(String, u32, String)> =
-            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect();
+        let rows = py_malloc_rows(&conn, "Thread Id");
         let allocs = py_ledger(&ledger);
         assert_eq!(allocs.len(), 4, "the workload's ledger");
         let threads: std::collections::BTreeSet<u32> = allocs.iter().map(|a| a.1).collect();
         assert_eq!(threads.len(), 2, "two threads allocated");
         for (ptr, tid, frames) in &allocs {
-            let (_, row_tid, text) = rows
-                .iter()
-                .find(|(p, ..)| u64::from_str_radix(p.trim_start_matches("0x"), 16).ok() == Some(*ptr))
-                .unwrap_or_else(|| panic!("3.{minor}: no MALLOC row for {ptr:#x}"));
+            let (_, row_tid, text) =
+                rows.iter().find(|(p, ..)| p == ptr).unwrap_or_else(|| panic!("3.{minor}: no MALLOC row for {ptr:#x}"));
             assert_eq!(row_tid, tid);
-            let lines: Vec<&str> = text.lines().collect();
-            assert!(lines.len() >= frames.len(), "3.{minor}:\n{text}");
-            for (line, (file, no, name)) in lines.iter().zip(frames) {
-                let (place, function) = line.split_once(": ").unwrap_or_else(|| panic!("{line}"));
-                assert_eq!(place, format!("{file}({no})"), "3.{minor}:\n{text}");
-                assert!(
-                    function == name || function.ends_with(&format!(".{name}")),
-                    "3.{minor}: {function} is {name}:\n{text}"
-                );
-            }
+            assert_frames(text, frames, &format!("3.{minor}"));
         }
         let python_tids: Vec<u32> = threads.iter().copied().collect();
         assert_c_threads_reported(&conn, &ledger, &stderr, &python_tids);
@@ -450,58 +466,19 @@ fn a_forked_python_child_gets_its_own_python_stacks() {
         eprintln!("skipped: no pyenv CPython 3.11 or 3.12");
         return;
     };
-    let script = env.workload.with_file_name("standin_pystacks.py");
-    let (out, ledger) = (env.scratch.join("out"), env.scratch.join("ledger.txt"));
-    let (out_s, py_s, script_s, ledger_s) = (
-        out.display().to_string(),
-        python.display().to_string(),
-        script.display().to_string(),
-        ledger.display().to_string(),
-    );
-    let args = [
-        "trace",
-        "--output",
-        &out_s,
-        "--call-stack",
-        "python",
-        "--",
-        &py_s,
-        &script_s,
-        "--ledger",
-        &ledger_s,
-        "--fork",
-    ];
-    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
-    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
-    assert_eq!(code, Some(0), "{stderr}");
+    let (stderr, db, ledger) = trace_pystacks(&env, "fork", &python, &["--call-stack", "python"], &["--fork"]);
     let allocs = py_ledger(&ledger);
     assert_eq!(allocs.len(), 2, "the child's ledger");
     let child = allocs[0].1;
-    assert!(
-        stderr.contains(&format!("python: CPython 3.")) && stderr.contains(&format!("in process {child}")),
-        "{stderr}"
-    );
-    let db = read_output(&out).db("device_0").to_owned();
+    assert!(stderr.contains(&format!("in process {child}")), "{stderr}");
     let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
-    let mut stmt = conn
-        .prepare("SELECT Ptr, \"Process Id\", \"Call Stack(Python)\" FROM memscope_dump WHERE Event = 'MALLOC' AND \"Event Type\" = 'HAL'")
-        .unwrap();
-    let rows: Vec<(String, u32, String)> =
-        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap().map(Result::unwrap).collect();
+    let rows = py_malloc_rows(&conn, "Process Id");
     for (ptr, tid, frames) in &allocs {
-        let (_, pid, text) = rows
-            .iter()
-            .find(|(p, ..)| u64::from_str_radix(p.trim_start_matches("0x"), 16).ok() == Some(*ptr))
-            .unwrap_or_else(|| panic!("no MALLOC row for {ptr:#x}"));
+        let (_, pid, text) =
+            rows.iter().find(|(p, ..)| p == ptr).unwrap_or_else(|| panic!("no MALLOC row for {ptr:#x}"));
         // The child is single-threaded: its thread id is its process id.
         assert_eq!(pid, tid, "the child's row");
-        let lines: Vec<&str> = text.lines().collect();
-        assert!(lines.len() >= frames.len(), "{text}");
-        for (line, (file, no, name)) in lines.iter().zip(frames) {
-            let (place, function) = line.split_once(": ").unwrap_or_else(|| panic!("{line}"));
-            assert_eq!(place, format!("{file}({no})"), "{text}");
-            assert!(function == name || function.ends_with(&format!(".{name}")), "{function} is {name}:\n{text}");
-        }
+        assert_frames(text, frames, "the forked child");
     }
 }
 
@@ -514,36 +491,11 @@ fn an_unsupported_cpython_is_named_and_gets_no_stacks() {
         eprintln!("skipped: no pyenv CPython 3.8");
         return;
     };
-    let script = env.workload.with_file_name("standin_pystacks.py");
-    let (out, ledger) = (env.scratch.join("out"), env.scratch.join("ledger.txt"));
-    let (out_s, py_s, script_s, ledger_s) = (
-        out.display().to_string(),
-        python.display().to_string(),
-        script.display().to_string(),
-        ledger.display().to_string(),
-    );
-    let args = [
-        "trace",
-        "--output",
-        &out_s,
-        "--call-stack",
-        "c,python",
-        "--",
-        &py_s,
-        &script_s,
-        "--ledger",
-        &ledger_s,
-        "--wait",
-        "0.6",
-    ];
-    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str()))];
-    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(60));
-    assert_eq!(code, Some(0), "{stderr}");
+    let (stderr, db, _) = trace_pystacks(&env, "old", &python, &["--call-stack", "c,python"], &["--wait", "0.6"]);
     assert!(
         stderr.contains("no Python stacks: CPython 3.8") && stderr.contains("3.9, 3.10, 3.11, 3.12, 3.13"),
         "{stderr}"
     );
-    let db = read_output(&out).db("device_0").to_owned();
     let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
     let (py, c): (String, String) = conn
         .query_row(
