@@ -41,6 +41,9 @@ pub enum RecordKind {
     /// The calling thread's Python frames at the entry of its outermost traced call:
     /// [`crate::python::PyStackRecord`], cut to the frames read.
     PyStack = 9,
+    /// A traced process replaced its image (`execve`): an [`ExitRecord`]'s layout, the header
+    /// alone. What was known of its old image (its interpreter, its mappings) no longer holds.
+    Exec = 10,
 }
 
 impl RecordKind {
@@ -56,6 +59,7 @@ impl RecordKind {
             7 => Some(Self::Stack),
             8 => Some(Self::StackWindow),
             9 => Some(Self::PyStack),
+            10 => Some(Self::Exec),
             _ => None,
         }
     }

@@ -138,6 +138,7 @@ pub enum Record {
     Stack(RawStack),
     Fork { mono_ns: u64, parent: u32, child: u32 },
     Exit { mono_ns: u64, tgid: u32 },
+    Exec { mono_ns: u64, tgid: u32 },
 }
 
 /// A ring record type for which any bytes of its size are a value.
@@ -305,6 +306,11 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             need::<ExitRecord>(kind, bytes)?;
             let r: ExitRecord = read(bytes);
             Ok(Record::Exit { mono_ns: r.hdr.ts_ns, tgid: r.hdr.tgid })
+        }
+        RecordKind::Exec => {
+            need::<ExitRecord>(kind, bytes)?;
+            let r: ExitRecord = read(bytes);
+            Ok(Record::Exec { mono_ns: r.hdr.ts_ns, tgid: r.hdr.tgid })
         }
     }
 }
@@ -585,6 +591,8 @@ mod tests {
         assert_eq!(decode(&encode(&fork)), Ok(Record::Fork { mono_ns: 5, parent: 10, child: 11 }));
         let exit = ExitRecord { hdr: RecordHeader::new(RecordKind::Exit, 6, 10, 10) };
         assert_eq!(decode(&encode(&exit)), Ok(Record::Exit { mono_ns: 6, tgid: 10 }));
+        let exec = ExitRecord { hdr: RecordHeader::new(RecordKind::Exec, 7, 11, 11) };
+        assert_eq!(decode(&encode(&exec)), Ok(Record::Exec { mono_ns: 7, tgid: 11 }));
     }
 
     fn stack_bytes(frames: u32, ips: &[u64]) -> Vec<u8> {

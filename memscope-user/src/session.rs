@@ -566,8 +566,14 @@ impl Live {
 
     /// Feeds every record waiting in the ring to the model and the store.
     fn drain(&mut self) {
-        let Self { consumer, recorder, bpf_log, .. } = self;
+        let Self { consumer, recorder, bpf_log, python, .. } = self;
         consumer.drain(|e| recorder.on_event(e));
+        // A process that replaced its image has its interpreter, if any, looked for again.
+        for pid in consumer.take_execs() {
+            if let Some(seen) = python.as_mut() {
+                seen.remove(&pid);
+            }
+        }
         if let Some((logger, _)) = bpf_log {
             logger.flush();
         }

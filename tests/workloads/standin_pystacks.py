@@ -11,12 +11,15 @@ of the call. Lines: `alloc <ptr> <tid>` then `frame <file>:<line>:<function>` in
 the blocks the C-only threads free.
 
 With `--fork`, the process forks first and only the child allocates (main_chain, after
-`--wait`): a process the tracer learns of mid-trace, whose interpreter it must find then.
+`--wait`): a process the tracer learns of mid-trace. With `--exec`, it waits `--wait`, then
+replaces itself with a fresh interpreter running this script without `--exec` (same pid, a new
+image whose interpreter lies elsewhere), which does the rest.
 """
 
 import argparse
 import ctypes
 import os
+import sys
 import threading
 import time
 import traceback
@@ -25,6 +28,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--ledger", required=True)
 parser.add_argument("--wait", type=float, default=1.0, help="seconds before allocating (the tracer finds the interpreter)")
 parser.add_argument("--fork", action="store_true", help="allocate only in a child forked at the start")
+parser.add_argument("--exec", action="store_true", help="exec a fresh interpreter on this script first")
 args = parser.parse_args()
 
 acl = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
@@ -81,6 +85,11 @@ def main_chain():
     for n in range(3, 5):
         Model().forward(n)
 
+
+if args.exec:
+    time.sleep(args.wait)
+    out.close()
+    os.execv(sys.executable, [sys.executable, __file__, "--ledger", args.ledger, "--wait", str(args.wait)])
 
 if args.fork:
     child = os.fork()

@@ -171,8 +171,11 @@ impl Capture {
     }
 
     /// Forgets a process's cached mappings (it exited; its stacks are normalized already).
+    /// A process exited or replaced its image (`execve`): its records so far are all in, and
+    /// an address of the new image may mean another file, so nothing of it is kept.
     pub fn process_exited(&mut self, pid: u32) {
         self.normalizers.remove(&pid);
+        self.ids.remove(&pid);
     }
 }
 

@@ -1,7 +1,10 @@
 //! Process lifecycle: `sched_process_fork` grows the traced set with the children of traced
 //! processes (unless the trace was started with `--no-follow`), `sched_process_exit` shrinks it
 //! and forgets per-thread state, so a reused thread id never inherits a dead thread's device or
-//! half a call. Userspace reads the set to know when the last traced process has exited: an
+//! half a call. A forked child inherits its parent's interpreter (`--call-stack python`): the
+//! same memory at the same addresses, so it has Python stacks from its first call, before
+//! userspace has looked at it; `sched_process_exec` drops the interpreter of a process that
+//! replaces its image, and tells userspace to look again. Userspace reads the set to know when the last traced process has exited: an
 //! entry leaves it in the exit tracepoint, before the process's pidfd says it exited.
 //!
 //! Field offsets come from the tracepoint's format file at load time (they moved between kernel
@@ -17,6 +20,7 @@ use memscope_common::record::{ExitRecord, ForkRecord, RecordHeader, RecordKind};
 
 use crate::maps::{follow_forks, is_traced, output, TRACED};
 use crate::probes::call::THREADS;
+use crate::probes::python::PY_PROCS;
 
 /// Offset of `child_pid` in `sched/sched_process_fork`.
 #[no_mangle]
@@ -51,6 +55,11 @@ fn try_fork(ctx: &TracePointContext) -> Option<()> {
     // A new thread also lands here with its tid; as a key it is harmless (the filter looks up
     // tgids) and the exit probe removes it again.
     TRACED.insert(child, 1, 0).ok()?;
+    // SAFETY: a value of our own map, copied out before the insert.
+    if let Some(py) = unsafe { PY_PROCS.get((pid_tgid >> 32) as u32) }.copied() {
+        // A thread lands here too; its key is removed at its exit, as in `TRACED`.
+        let _ = PY_PROCS.insert(child, py, 0);
+    }
     output(&ForkRecord { hdr: header(RecordKind::Fork, pid_tgid), child, _reserved: 0 });
     Some(())
 }
@@ -72,6 +81,7 @@ fn try_exit(ctx: &TracePointContext) -> Option<()> {
     let _ = THREADS.remove(tid);
     if tid != tgid {
         let _ = TRACED.remove(tid);
+        let _ = PY_PROCS.remove(tid);
     }
     // SAFETY: offset from the format file.
     let group_dead: u8 = unsafe { ctx.read_at(EXIT_GROUP_DEAD_OFFSET.load() as usize) }.ok()?;
@@ -79,6 +89,19 @@ fn try_exit(ctx: &TracePointContext) -> Option<()> {
         return Some(());
     }
     let _ = TRACED.remove(tgid);
+    let _ = PY_PROCS.remove(tgid);
     output(&ExitRecord { hdr: header(RecordKind::Exit, pid_tgid) });
     Some(())
+}
+
+#[tracepoint]
+pub fn sched_process_exec(_ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    if is_traced(tgid) {
+        // The old image's interpreter is gone with it; userspace finds the new one's.
+        let _ = PY_PROCS.remove(tgid);
+        output(&ExitRecord { hdr: header(RecordKind::Exec, pid_tgid) });
+    }
+    0
 }

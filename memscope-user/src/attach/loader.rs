@@ -227,9 +227,11 @@ impl Tracer {
             }
         }
 
-        for (name, event) in
-            [("sched_process_fork", "sched_process_fork"), ("sched_process_exit", "sched_process_exit")]
-        {
+        for (name, event) in [
+            ("sched_process_fork", "sched_process_fork"),
+            ("sched_process_exit", "sched_process_exit"),
+            ("sched_process_exec", "sched_process_exec"),
+        ] {
             let name: &'static str = name;
             let prog: &mut TracePoint = ebpf
                 .program_mut(name)

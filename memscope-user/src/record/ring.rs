@@ -63,6 +63,12 @@ impl Consumer {
         self.decoder.set_python(pid, layout);
     }
 
+    /// The traced processes that replaced their image since the last call (their interpreter
+    /// must be looked for again).
+    pub fn take_execs(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.decoder.execs)
+    }
+
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
         let Self { ring, stats, decoder } = self;
@@ -78,11 +84,13 @@ pub struct Decoder {
     /// (looked up for every record, hence the fast hash).
     blobs: HashMap<u32, RawBlob, foldhash::fast::RandomState>,
     stacks: ThreadStacks,
+    /// Processes seen replacing their image, until the session takes them.
+    execs: Vec<u32>,
 }
 
 impl Decoder {
     pub fn new(clock: Clock) -> Self {
-        Self { clock, blobs: HashMap::default(), stacks: ThreadStacks::default() }
+        Self { clock, blobs: HashMap::default(), stacks: ThreadStacks::default(), execs: Vec::new() }
     }
 
     pub fn stack_stats(&self) -> CaptureStats {
@@ -160,6 +168,13 @@ impl Decoder {
                     self.stacks.process_exited(tgid);
                     to_event(record, self.clock)
                 }
+                Ok(Record::Exec { tgid, .. }) => {
+                    // Its old image's stacks are all normalized (their records came first); the
+                    // new one's mappings and interpreter are learnt afresh.
+                    self.stacks.process_exited(tgid);
+                    self.execs.push(tgid);
+                    return;
+                }
                 Ok(record) => to_event(record, self.clock),
                 Err(_) => {
                     stats.undecodable += 1;
@@ -227,6 +242,8 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
         Record::Exit { mono_ns, tgid } => {
             Event { wall_ns: clock.to_wall(mono_ns), pid: tgid, tid: tgid, kind: EventKind::Exit }
         }
+        // The consumer keeps it for the session; nothing of the model changes.
+        Record::Exec { .. } => return None,
     })
 }
 

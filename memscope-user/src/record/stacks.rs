@@ -146,9 +146,11 @@ impl ThreadStacks {
         }));
     }
 
-    /// A process exited: its stacks are all normalized (its records came before this one).
+    /// A process exited or replaced its image: its stacks are all normalized (its records came
+    /// before this one), and what was learnt of its image is dropped.
     pub fn process_exited(&mut self, pid: u32) {
         self.capture.process_exited(pid);
+        self.py_ids.remove(&pid);
         self.unwinder.process_exited(pid);
         self.py.process_exited(pid);
     }

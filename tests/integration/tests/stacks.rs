@@ -457,8 +457,9 @@ fn python_stacks_are_the_calling_threads_own_on_every_cpython() {
 }
 
 /// A Python process the trace learns of mid-run (forked by the launched interpreter, which
-/// itself allocates nothing): its interpreter is found at a rescan, and its rows carry its own
-/// frames as its ledger gives them, under its own process id.
+/// itself allocates nothing), allocating at once after the fork: it inherits its parent's
+/// interpreter in the kernel, so its first rows already carry its own frames as its ledger
+/// gives them, under its own process id.
 #[test]
 fn a_forked_python_child_gets_its_own_python_stacks() {
     let env = env("stacks_python_fork");
@@ -466,11 +467,10 @@ fn a_forked_python_child_gets_its_own_python_stacks() {
         eprintln!("skipped: no pyenv CPython 3.11 or 3.12");
         return;
     };
-    let (stderr, db, ledger) = trace_pystacks(&env, "fork", &python, &["--call-stack", "python"], &["--fork"]);
+    let script_args = ["--fork", "--wait", "0"];
+    let (_, db, ledger) = trace_pystacks(&env, "fork", &python, &["--call-stack", "python"], &script_args);
     let allocs = py_ledger(&ledger);
     assert_eq!(allocs.len(), 2, "the child's ledger");
-    let child = allocs[0].1;
-    assert!(stderr.contains(&format!("in process {child}")), "{stderr}");
     let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
     let rows = py_malloc_rows(&conn, "Process Id");
     for (ptr, tid, frames) in &allocs {
@@ -480,6 +480,33 @@ fn a_forked_python_child_gets_its_own_python_stacks() {
         assert_eq!(pid, tid, "the child's row");
         assert_frames(text, frames, "the forked child");
     }
+}
+
+/// A traced Python process that replaces itself with a fresh interpreter (`execve`, same pid):
+/// the old image's interpreter is dropped at the exec and the new one found, so the rows made
+/// after it carry the new image's frames, and no walk read the old image's addresses.
+#[test]
+fn a_python_that_execs_a_new_interpreter_gets_the_new_ones_stacks() {
+    let env = env("stacks_python_exec");
+    let Some(python) = pyenv(12).or_else(|| pyenv(11)) else {
+        eprintln!("skipped: no pyenv CPython 3.11 or 3.12");
+        return;
+    };
+    let (stderr, db, ledger) = trace_pystacks(&env, "exec", &python, &["--call-stack", "python"], &["--exec"]);
+    let allocs = py_ledger(&ledger);
+    assert_eq!(allocs.len(), 4, "the new image's ledger");
+    // Found in the first image, then again after the exec (once more if a rescan looked while
+    // the new image was still loading).
+    assert!(stderr.matches("python: CPython 3.").count() >= 2, "found before and after the exec:\n{stderr}");
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let rows = py_malloc_rows(&conn, "Thread Id");
+    for (ptr, _, frames) in &allocs {
+        let (.., text) = rows.iter().find(|(p, ..)| p == ptr).unwrap_or_else(|| panic!("no MALLOC row for {ptr:#x}"));
+        assert_frames(text, frames, "after the exec");
+    }
+    let failed: String =
+        conn.query_row("SELECT value FROM ms_meta WHERE key = 'py_stacks_read_failed'", [], |r| r.get(0)).unwrap();
+    assert_eq!(failed, "0", "no walk of the old image's interpreter");
 }
 
 /// A CPython this build has no layout for (3.8): the trace says so and leaves the column empty
