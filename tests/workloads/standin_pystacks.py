@@ -10,8 +10,8 @@ of the call. Lines: `alloc <ptr> <tid>` then `frame <file>:<line>:<function>` in
 (this script's frames only), then `end`; `cfree <ptr>` and `cfree_crowded <ptr> <threads>` for
 the blocks the C-only threads free.
 
-With `--fork`, the process forks first and only the child allocates (main_chain, after
-`--wait`): a process the tracer learns of mid-trace. With `--exec`, it waits `--wait`, then
+With `--fork`, the process waits `--wait`, then forks, and only the child allocates
+(main_chain, at once): a process the tracer learns of mid-trace. With `--exec`, it waits `--wait`, then
 replaces itself with a fresh interpreter running this script without `--exec` (same pid, a new
 image whose interpreter lies elsewhere), which does the rest.
 """
@@ -92,11 +92,13 @@ if args.exec:
     os.execv(sys.executable, [sys.executable, __file__, "--ledger", args.ledger, "--wait", str(args.wait)])
 
 if args.fork:
+    # The parent waits (the tracer finds its interpreter); the child allocates at once, before
+    # a rescan of the tracer could have found the child's.
+    time.sleep(args.wait)
     child = os.fork()
     if child != 0:
         _, status = os.waitpid(child, 0)
         raise SystemExit(os.waitstatus_to_exitcode(status))
-    time.sleep(args.wait)
     if acl.aclrtSetDevice(0) != 0:
         os._exit(1)
     main_chain()

@@ -467,8 +467,7 @@ fn a_forked_python_child_gets_its_own_python_stacks() {
         eprintln!("skipped: no pyenv CPython 3.11 or 3.12");
         return;
     };
-    let script_args = ["--fork", "--wait", "0"];
-    let (_, db, ledger) = trace_pystacks(&env, "fork", &python, &["--call-stack", "python"], &script_args);
+    let (_, db, ledger) = trace_pystacks(&env, "fork", &python, &["--call-stack", "python"], &["--fork"]);
     let allocs = py_ledger(&ledger);
     assert_eq!(allocs.len(), 2, "the child's ledger");
     let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
