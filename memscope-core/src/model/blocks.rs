@@ -3,8 +3,8 @@
 //!
 //! - A block counts from its successful allocation to its successful free; a failed call is an
 //!   [`Output::Failed`], never a block (so it is no leak).
-//! - An address handed out again while still live means its free was missed (before an attach,
-//!   or a lost record): the stale block is retired with a shadow free first.
+//! - An address handed out again while still live: the stale block is retired, and its FREE row
+//!   waits for a free still on its way from another thread (see `reuse`).
 //! - A free of an address never seen allocated is counted apart (`untracked_frees`), without
 //!   size or id.
 //! - Owners: the allocator's label (the driver module, host) and the thread's open tag spans at
@@ -15,6 +15,7 @@ use std::collections::btree_map::Entry;
 use super::event::{Call, DeviceKey, DriverInfo, Op, Space};
 use super::output::{Origin, Output, Site};
 use super::owners::OwnerBase;
+use super::reuse::{free_row, Key};
 use super::tags::BlockLabels;
 use super::tracker::{Failure, Tracker};
 use crate::apis::Api;
@@ -84,10 +85,17 @@ impl Tracker {
     pub(super) fn apply_free(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
         let Op::Free { space, ptr, driver } = call.op else { return };
         let fallback = space_device(space, self.thread_device(site, call));
+        let key = (site.pid, space, ptr);
+        let late = self.is_late_free(key, call);
         if call.status != 0 {
-            let device = self.blocks.get(&(site.pid, space, ptr)).map_or(fallback, |b| b.device);
+            let device = if late { self.late_free_device(key) } else { self.blocks.get(&key).map(|b| b.device) };
+            let device = device.unwrap_or(fallback);
             self.fail(site, call, Failure { device, size: None, ptr: Some(ptr), driver }, out);
+        } else if late {
+            // The block now at the address (and its segment) is not this free's.
+            self.late_free(site, key, (fallback, driver), out);
         } else {
+            self.settle_displaced(key, out);
             self.remove_block(site, BlockFree { space, ptr, fallback, shadow: false, driver }, out);
             self.remove_segment(site.pid, ptr);
         }
@@ -110,11 +118,11 @@ impl Tracker {
         // One search of the table for a new block, the common case.
         let slot = match self.blocks.entry(key) {
             Entry::Vacant(slot) => slot,
-            Entry::Occupied(_) => {
-                // The runtime handed out an address we still consider live: the free was missed
-                // (it happened before an attach, or its record was dropped). Retire the stale
+            Entry::Occupied(stale) => {
+                // The runtime handed out an address we still consider live: retire the stale
                 // block first so the totals stay true to what the runtime says is allocated.
-                self.remove_block(site, BlockFree { space, ptr, fallback: device, shadow: true, driver: None }, out);
+                let stale = stale.remove();
+                self.displace(site, key, stale, out);
                 match self.blocks.entry(key) {
                     Entry::Vacant(slot) => slot,
                     Entry::Occupied(_) => unreachable!("removed above"),
@@ -150,50 +158,38 @@ impl Tracker {
 
     pub(super) fn remove_block(&mut self, site: Site, free: BlockFree, out: &mut Vec<Output>) {
         let BlockFree { space, ptr, fallback, shadow, driver } = free;
-        match self.blocks.remove(&(site.pid, space, ptr)) {
-            Some(block) => {
-                let stats = self.stats(block.device);
-                stats.used -= block.size;
-                stats.live_blocks -= 1;
-                stats.frees += 1;
-                let used = stats.used;
-                if block.hidden {
-                    return;
-                }
-                out.push(Output::Free {
-                    site,
-                    device: block.device,
-                    space,
-                    ptr,
-                    size: Some(block.size),
-                    allocation_id: Some(block.allocation_id),
-                    used,
-                    shadow,
-                    driver,
-                });
-            }
-            None => {
-                let stats = self.stats(fallback);
-                stats.frees += 1;
-                stats.untracked_frees += 1;
-                let used = stats.used;
-                if self.is_paused(site.pid) {
-                    return;
-                }
-                let (size, allocation_id) = (None, None);
-                out.push(Output::Free {
-                    site,
-                    device: fallback,
-                    space,
-                    ptr,
-                    size,
-                    allocation_id,
-                    used,
-                    shadow,
-                    driver,
-                });
-            }
+        let key = (site.pid, space, ptr);
+        let Some(block) = self.blocks.remove(&key) else {
+            return self.untracked_free(site, key, fallback, driver, out);
+        };
+        let stats = self.stats(block.device);
+        stats.used -= block.size;
+        stats.live_blocks -= 1;
+        stats.frees += 1;
+        let used = stats.used;
+        if !block.hidden {
+            out.push(free_row(site, key, &block, used, shadow, driver));
         }
+    }
+
+    /// A free of an address the trace never saw allocated: counted on `fallback`, no size or id.
+    pub(super) fn untracked_free(
+        &mut self,
+        site: Site,
+        (_, space, ptr): Key,
+        fallback: DeviceKey,
+        driver: Option<DriverInfo>,
+        out: &mut Vec<Output>,
+    ) {
+        let stats = self.stats(fallback);
+        stats.frees += 1;
+        stats.untracked_frees += 1;
+        let used = stats.used;
+        if self.is_paused(site.pid) {
+            return;
+        }
+        let (size, allocation_id, shadow) = (None, None, false);
+        out.push(Output::Free { site, device: fallback, space, ptr, size, allocation_id, used, shadow, driver });
     }
 }
 
@@ -281,9 +277,14 @@ mod tests {
 
     #[test]
     fn reused_address_retires_the_stale_block() {
-        let (t, out) = run(&[malloc(Some(0x1), 10, Some(0), 0), malloc(Some(0x1), 20, Some(0), 0)]);
-        assert!(matches!(out[1], Output::Free { shadow: true, size: Some(10), .. }));
-        assert_eq!(t.devices().next().unwrap().1.used, 20);
+        let (mut t, mut out) = run(&[malloc(Some(0x1), 10, Some(0), 0), malloc(Some(0x1), 20, Some(0), 0)]);
+        assert_eq!(t.devices().next().unwrap().1.used, 20, "the stale block no longer counts");
+        t.finish(0, |o| {
+            out.push(o);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
+        assert!(matches!(out[2], Output::Free { shadow: true, size: Some(10), .. }), "{out:?}");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 
 use super::event::{DeviceKey, Pool};
 use super::output::{Output, Site};
+use super::reuse::Settle;
 use super::tracker::Tracker;
 
 impl Tracker {
@@ -22,6 +23,7 @@ impl Tracker {
     pub fn finish<E>(&mut self, wall_ns: u64, mut emit: impl FnMut(Output) -> Result<(), E>) -> Result<(), E> {
         let mut held = Vec::new();
         self.flush_all_inner(&mut held);
+        self.settle_displaced_where(Settle::All, &mut held);
         held.into_iter().try_for_each(&mut emit)?;
         let at = wall_ns.max(self.last_wall_ns) + 1;
         self.shadow_free_blocks(at, &mut emit)?;
@@ -162,12 +164,14 @@ mod tests {
         assert_eq!(
             shadow_frees(&mut t),
             [
+                (DeviceKey::Npu(1), 1, 0x9000, 48),
                 (DeviceKey::Npu(0), 1, 0x8000, 8),
                 (DeviceKey::Npu(0), 2, 0x6000, 0),
                 (DeviceKey::Npu(1), 3, 0x5000, 32),
                 (DeviceKey::Npu(1), 4, 0x9000, 0),
             ],
-            "device 1's block at 0x9000 was handed out again (id 4), its first life retired then"
+            "device 1's block at 0x9000 was handed out again (id 4): its first life, retired then, \
+             gets its row first (no late free came)"
         );
     }
 }

@@ -5,7 +5,8 @@
 //! - [`event`]: what happened, as typed events ([`Event`], [`Op`]).
 //! - [`output`]: the facts the store writes ([`Output`]).
 //! - [`tracker`]: what is alive where, updated one event at a time; it hands each event to the
-//!   part that owns its kind of memory: `blocks` (device and host blocks), `vmm` (reservations,
+//!   part that owns its kind of memory: `blocks` (device and host blocks; `reuse`: an address
+//!   handed out again before its free was seen), `vmm` (reservations,
 //!   physical handles, mappings), `pools` (framework pools), `devices` (per-device totals, the
 //!   device a thread is on), `owners` (owner paths, made once per allocator and spans); `finish`
 //!   writes the stop's shadow frees.
@@ -23,6 +24,7 @@ mod oom;
 pub mod output;
 mod owners;
 mod pools;
+mod reuse;
 pub mod tags;
 #[cfg(test)]
 mod testing;

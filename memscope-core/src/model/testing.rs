@@ -7,14 +7,22 @@ use super::tracker::Tracker;
 use super::DeviceKey;
 use crate::apis::Api;
 
+thread_local! {
+    /// Calls made so far on this test's thread: each call starts and ends after the one made
+    /// before it, as one thread's calls do.
+    static CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 pub fn call(api: Api, tid: u32, device: Option<u32>, status: i32, op: Op) -> Event {
+    let n = CALLS.with(|c| c.replace(c.get() + 1));
+    let wall_ns = 1_000 + 10 * n + u64::from(tid % 5);
     Event {
-        wall_ns: 1_000 + u64::from(tid),
+        wall_ns,
         pid: 100,
         tid,
         kind: EventKind::Call(Call {
             api,
-            entry_wall_ns: 900,
+            entry_wall_ns: wall_ns - 5,
             status,
             out_of_memory: status == 207_001,
             outer: None,

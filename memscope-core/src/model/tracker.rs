@@ -21,7 +21,7 @@
 //! - Collection gating: while the program has asked not to be recorded (`stop()` of the
 //!   markers), blocks born then are tracked but never reported, nor are their frees.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::blocks::Live;
 use super::devices::DeviceStats;
@@ -29,6 +29,7 @@ use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool, Spac
 use super::output::{Output, Site};
 use super::owners::Owners;
 use super::pools::{PendingHandle, PoolBlock, PoolStats, Segment};
+use super::reuse::{Displaced, Settle};
 use super::tags::Tags;
 use super::vmm::Physical;
 
@@ -49,6 +50,11 @@ pub struct Tracker {
     /// found without a scan (and without a second index: a B-tree also has no resize that
     /// briefly doubles a million-entry table).
     pub(super) blocks: BTreeMap<(u32, Space, u64), Live>,
+    /// Blocks retired because their address was handed out again, whose FREE row waits for a
+    /// free still on its way (`reuse`).
+    pub(super) displaced: Map<(u32, Space, u64), Displaced>,
+    /// When each was displaced, oldest first (entries since settled are skipped).
+    pub(super) displaced_order: VecDeque<(u64, (u32, Space, u64))>,
     pub(super) physical: Map<(u32, u64), Physical>,
     pub(super) reserved: Map<(u32, u64), (DeviceKey, u64)>,
     pub(super) devices: BTreeMap<DeviceKey, DeviceStats>,
@@ -117,6 +123,7 @@ impl Tracker {
     /// Applies one event, appending what it adds to `out`.
     pub fn apply(&mut self, mut event: Event, out: &mut Vec<Output>) {
         self.last_wall_ns = self.last_wall_ns.max(event.wall_ns);
+        self.settle_displaced_where(Settle::Expired, out);
         if let EventKind::Marker(marker) = &event.kind {
             return self.apply_marker(&event, marker, None, out);
         }
@@ -161,6 +168,7 @@ impl Tracker {
     /// A process ended: its threads' spans, devices and operators go, and the driver calls they
     /// still held are facts of their own.
     fn process_exited(&mut self, pid: u32, out: &mut Vec<Output>) {
+        self.settle_displaced_where(Settle::Process(pid), out);
         self.tags.forget_process(pid);
         self.learnt_devices.retain(|(p, _), _| *p != pid);
         self.ops.retain(|(p, _), _| *p != pid);

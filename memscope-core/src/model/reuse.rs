@@ -1,0 +1,260 @@
+//! An address handed out again while the tracer still holds a block there.
+//!
+//! Two different things look alike at that moment. Either the old block's free was missed (it
+//! happened before an attach, or its record was dropped), or it was not missed but is still on
+//! its way: a free's record is sent when the free returns, so thread A's free can give the
+//! address back, thread B's malloc take it and return, and B's record reach the ring before A's
+//! (seen with the stand-in driver's threads, whose freed addresses come straight back). The
+//! calls' entry times tell the two apart: a free called before a block was handed out cannot be
+//! that block's free.
+//!
+//! So the stale block is retired at once (its device's totals drop as the runtime's did, so no
+//! peak is ever counted twice), but its FREE row waits in [`Displaced`]: a late free writes it
+//! as the real free it is, with that call's values; otherwise, once no free can still be on its
+//! way (the next free of the address, [`REUSE_WAIT_NS`] of trace time, its process's exit or the
+//! trace's end), it is written as the shadow free it would have been, at the reuse's time.
+
+use super::blocks::Live;
+use super::event::{Call, DeviceKey, DriverInfo, Space};
+use super::output::{Output, Site};
+use super::tracker::Tracker;
+
+/// How long after a reuse a late free of the old block is still waited for. A free's record
+/// trails its return by the time the consumer takes to reach it, far less than this.
+pub(super) const REUSE_WAIT_NS: u64 = 1_000_000_000;
+
+/// A block whose address was handed out again before its free was seen.
+#[derive(Clone, Debug)]
+pub(super) struct Displaced {
+    pub(super) block: Live,
+    /// The call that handed the address out again (its row's time is the shadow free's).
+    pub(super) reuse: Site,
+}
+
+/// (pid, space, address), as the live-block table's key.
+pub(super) type Key = (u32, Space, u64);
+
+impl Tracker {
+    /// Retires `block`, found at `key` when `reuse` handed the address out again.
+    pub(super) fn displace(&mut self, reuse: Site, key: Key, block: Live, out: &mut Vec<Output>) {
+        self.settle_displaced(key, out);
+        let stats = self.stats(block.device);
+        stats.used -= block.size;
+        stats.live_blocks -= 1;
+        stats.frees += 1;
+        self.displaced_order.push_back((reuse.wall_ns, key));
+        self.displaced.insert(key, Displaced { block, reuse });
+    }
+
+    /// A free called before the live block at its address was handed out: the free is of the block
+    /// that was there before, or (when the tracer never saw that one) of a block it never knew.
+    pub(super) fn is_late_free(&self, key: Key, call: &Call) -> bool {
+        call.entry_wall_ns != 0 && self.blocks.get(&key).is_some_and(|live| live.born_ns > call.entry_wall_ns)
+    }
+
+    /// The device a late free's block was on, if the tracer knew it.
+    pub(super) fn late_free_device(&self, key: Key) -> Option<DeviceKey> {
+        self.displaced.get(&key).map(|d| d.block.device)
+    }
+
+    /// Writes a late free: the displaced block's real FREE row, else an untracked free.
+    pub(super) fn late_free(
+        &mut self,
+        site: Site,
+        key: Key,
+        (fallback, driver): (DeviceKey, Option<DriverInfo>),
+        out: &mut Vec<Output>,
+    ) {
+        let Some(Displaced { block, .. }) = self.displaced.remove(&key) else {
+            return self.untracked_free(site, key, fallback, driver, out);
+        };
+        if !block.hidden {
+            let used = self.stats(block.device).used;
+            out.push(free_row(site, key, &block, used, false, driver));
+        }
+    }
+
+    /// The displaced block at `key`, if any, missed its free after all: its shadow row now.
+    pub(super) fn settle_displaced(&mut self, key: Key, out: &mut Vec<Output>) {
+        if let Some(d) = self.displaced.remove(&key) {
+            self.shadow_displaced(key, d, out);
+        }
+    }
+
+    /// Settles the displaced blocks whose late free can no longer come: those displaced more
+    /// than [`REUSE_WAIT_NS`] ago (checked at every event, so from the oldest only), all of an
+    /// exited process's, or all at the trace's end.
+    pub(super) fn settle_displaced_where(&mut self, which: Settle, out: &mut Vec<Output>) {
+        if self.displaced.is_empty() {
+            return;
+        }
+        let now = self.last_wall_ns;
+        let mut due = Vec::new();
+        match which {
+            Settle::Expired => {
+                while let Some(&(at, key)) = self.displaced_order.front() {
+                    if at.saturating_add(REUSE_WAIT_NS) >= now {
+                        break;
+                    }
+                    self.displaced_order.pop_front();
+                    // Skip an entry already settled, or displaced again since.
+                    if self.displaced.get(&key).is_some_and(|d| d.reuse.wall_ns == at) {
+                        due.push((at, key));
+                    }
+                }
+            }
+            Settle::Process(exited) => {
+                due.extend(self.displaced.iter().filter(|(k, _)| k.0 == exited).map(|(&k, d)| (d.reuse.wall_ns, k)));
+            }
+            Settle::All => due.extend(self.displaced.iter().map(|(&k, d)| (d.reuse.wall_ns, k))),
+        }
+        // In the order they were displaced, so the rows keep time order among themselves.
+        due.sort_unstable();
+        for (_, key) in due {
+            self.settle_displaced(key, out);
+        }
+        if self.displaced.is_empty() {
+            self.displaced_order.clear();
+        }
+    }
+
+    fn shadow_displaced(&mut self, key: Key, d: Displaced, out: &mut Vec<Output>) {
+        if !d.block.hidden {
+            let used = self.stats(d.block.device).used;
+            out.push(free_row(d.reuse, key, &d.block, used, true, None));
+        }
+    }
+}
+
+/// Which displaced blocks [`Tracker::settle_displaced_where`] settles.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Settle {
+    Expired,
+    Process(u32),
+    All,
+}
+
+/// The FREE row of `block`, with its device's total `used` after it.
+pub(super) fn free_row(
+    site: Site,
+    (_, space, ptr): Key,
+    block: &Live,
+    used: u64,
+    shadow: bool,
+    driver: Option<DriverInfo>,
+) -> Output {
+    Output::Free {
+        site,
+        device: block.device,
+        space,
+        ptr,
+        size: Some(block.size),
+        allocation_id: Some(block.allocation_id),
+        used,
+        shadow,
+        driver,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use crate::model::{Event, EventKind, Tracker};
+
+    /// `e` with its call's entry and return times set.
+    fn timed(mut e: Event, entry: u64, ret: u64, tid: u32) -> Event {
+        e.wall_ns = ret;
+        e.tid = tid;
+        if let EventKind::Call(c) = &mut e.kind {
+            c.entry_wall_ns = entry;
+        }
+        e
+    }
+
+    fn frees(out: &[Output]) -> Vec<(DeviceKey, Option<u64>, Option<u64>, bool)> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Free { device, size, allocation_id, shadow, .. } => {
+                    Some((*device, *size, *allocation_id, *shadow))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_free_that_returns_after_its_address_was_handed_out_again_is_the_old_blocks_real_free() {
+        // Thread 1 frees 0x1000 (device 1) at 200..400; thread 2 takes it on device 0 at
+        // 250..300, and its record comes first.
+        let (t, out) = run(&[
+            timed(malloc(Some(0x1000), 64, Some(1), 0), 90, 100, 1),
+            timed(malloc(Some(0x1000), 32, Some(0), 0), 250, 300, 2),
+            timed(free(0x1000, Some(1)), 200, 400, 1),
+            timed(free(0x1000, Some(0)), 500, 600, 2),
+        ]);
+        let npu = DeviceKey::Npu;
+        assert_eq!(
+            frees(&out),
+            [(npu(1), Some(64), Some(1), false), (npu(0), Some(32), Some(1), false)],
+            "each free is its own block's, none shadow: {out:#?}"
+        );
+        // Device 1's total dropped at the reuse, not 100 ns later: no moment counts both.
+        let used: Vec<_> = t.devices().map(|(d, s)| (d, s.used, s.peak, s.frees)).collect();
+        assert_eq!(used, [(npu(0), 0, 32, 1), (npu(1), 0, 64, 1)]);
+    }
+
+    #[test]
+    fn a_reused_address_whose_free_never_comes_gets_its_shadow_free_at_the_reuse_time() {
+        let later = 300 + REUSE_WAIT_NS + 1;
+        let (_, out) = run(&[
+            timed(malloc(Some(0x1000), 64, Some(1), 0), 90, 100, 1),
+            timed(malloc(Some(0x1000), 32, Some(0), 0), 250, 300, 2),
+            timed(malloc(Some(0x2000), 8, Some(0), 0), later - 10, later, 2),
+        ]);
+        let shadow = out.iter().find_map(|o| match o {
+            Output::Free { site, size: Some(64), shadow: true, .. } => Some(site.wall_ns),
+            _ => None,
+        });
+        assert_eq!(shadow, Some(300), "{out:#?}");
+    }
+
+    #[test]
+    fn the_next_free_of_the_address_settles_a_missed_free_first() {
+        // The old block's free was missed; the new block's own free (called after it was handed
+        // out) comes: the old block gets its shadow row first, then the new block its free.
+        let (_, out) = run(&[
+            timed(malloc(Some(0x1000), 64, Some(1), 0), 90, 100, 1),
+            timed(malloc(Some(0x1000), 32, Some(0), 0), 250, 300, 2),
+            timed(free(0x1000, Some(0)), 350, 400, 2),
+        ]);
+        let npu = DeviceKey::Npu;
+        assert_eq!(frees(&out), [(npu(1), Some(64), Some(1), true), (npu(0), Some(32), Some(1), false)]);
+    }
+
+    #[test]
+    fn a_late_free_of_a_block_never_seen_leaves_the_new_block_alone() {
+        // 0x1000 was allocated before the attach; its free and the reuse race as above.
+        let (t, out) =
+            run(&[timed(malloc(Some(0x1000), 32, Some(0), 0), 250, 300, 2), timed(free(0x1000, Some(0)), 200, 400, 1)]);
+        assert_eq!(frees(&out), [(DeviceKey::Npu(0), None, None, false)]);
+        let stats: Vec<_> = t.devices().map(|(d, s)| (d, s.used, s.untracked_frees)).collect();
+        assert_eq!(stats, [(DeviceKey::Npu(0), 32, 1)], "the new block stays live");
+    }
+
+    #[test]
+    fn exit_and_the_end_settle_what_is_displaced() {
+        let mut t = Tracker::new();
+        let mut out = Vec::new();
+        t.apply(timed(malloc(Some(0x1000), 64, Some(1), 0), 90, 100, 1), &mut out);
+        t.apply(timed(malloc(Some(0x1000), 32, Some(0), 0), 250, 300, 2), &mut out);
+        assert!(frees(&out).is_empty(), "the old block's row waits for a late free");
+        t.finish(1_000, |o| {
+            out.push(o);
+            Ok::<_, ()>(())
+        })
+        .unwrap();
+        let npu = DeviceKey::Npu;
+        assert_eq!(frees(&out), [(npu(1), Some(64), Some(1), true), (npu(0), Some(32), Some(1), true)]);
+    }
+}
