@@ -23,3 +23,10 @@ macro_rules! say {
 }
 
 pub(crate) use say;
+
+/// A `memscope-bpf: ` line, unless `--quiet`.
+pub fn note(quiet: bool, msg: impl AsRef<str>) {
+    if !quiet {
+        say!("memscope-bpf: {}", msg.as_ref());
+    }
+}

@@ -7,6 +7,12 @@
 //! drains what is left, hands the probes to a thread that detaches them (slow in the kernel, see
 //! `stop`), and meanwhile writes shadow frees for live blocks and closes every file: the DBs are
 //! complete before the detaching is.
+//!
+//! [`attaching`]: the libraries probed at the start and as they are mapped; [`facts`]: what
+//! the trace records about itself in `ms_meta` and the summary.
+
+mod attaching;
+mod facts;
 
 use std::collections::BTreeSet;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -21,10 +27,9 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
 
-use crate::attach::libs::{self, Library};
-use crate::attach::loader::AttachError;
+use crate::attach::libs::Library;
 use crate::attach::loader::LoadOptions;
-use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
+use crate::attach::{ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
 use crate::model::Tracker;
@@ -32,12 +37,17 @@ use crate::procs;
 use crate::record::bpf_log::{BpfLog, BpfLogCounts, BpfLogLevel};
 use crate::record::ring::Consumer;
 use crate::recorder::Recorder;
-use crate::say::say;
-use crate::stacks::capture::CaptureStats;
+use crate::say::note;
 use crate::stacks::spec::{StackOptions, Unwind};
 use crate::stop::{Detaching, Signals};
-use crate::store::{Format, Meta, ProbeRow, RunLayout, Store, Writer};
-use crate::summary::{DeviceLine, PoolLine, SkippedLibrary, Summary};
+use crate::store::{Format, Meta, RunLayout, Store, Writer};
+use crate::summary::{SkippedLibrary, Summary};
+
+use attaching::{
+    announce, attach_all, describe_libraries, describe_marker_libraries, probe_rows, rescan, skipped_meta, usdt_rows,
+    Attached,
+};
+use facts::{allocator_env, command_line, device_lines, kernel_release, pool_lines, stack_meta};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
@@ -81,102 +91,6 @@ pub struct Plan {
     pub bpf_log: Option<BpfLogLevel>,
 }
 
-/// Environment variables that set the allocators' behaviour, stored as `env.<NAME>` in
-/// `ms_meta` so the advisor can say what the job ran with (and what to change).
-const ALLOCATOR_ENV: &[&str] = &[
-    "PYTORCH_NPU_ALLOC_CONF",
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "PYTORCH_ALLOC_CONF",
-    "MULTI_STREAM_MEMORY_REUSE",
-    "ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE",
-    "ATB_WORKSPACE_MEM_ALLOC_GLOBAL",
-    "TASK_QUEUE_ENABLE",
-    "HCCL_BUFFSIZE",
-];
-
-/// The target's allocator settings, from its environment at attach (launch: the environment it
-/// inherits from us). Absent variables are stored as absent, so "unset" stays distinguishable.
-fn allocator_env(pid: u32) -> Vec<(String, String)> {
-    let env = libs::process_env(pid).unwrap_or_default();
-    ALLOCATOR_ENV.iter().filter_map(|k| env.get(*k).map(|v| (format!("env.{k}"), v.clone()))).collect()
-}
-
-fn kernel_release() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
-}
-
-fn command_line(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|raw| {
-            raw.split(|b| *b == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default()
-}
-
-fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
-    probes
-        .iter()
-        .map(|p| ProbeRow {
-            library: p.library.clone(),
-            symbol: p.symbol.clone(),
-            api: p.api.name().to_owned(),
-            file_offset: p.file_offset,
-            source: p.source.as_str().to_owned(),
-            attached_wall_ns: at,
-        })
-        .collect()
-}
-
-fn usdt_rows(sites: &[AttachedUsdt], at: u64) -> Vec<ProbeRow> {
-    sites
-        .iter()
-        .map(|s| ProbeRow {
-            library: s.library.clone(),
-            symbol: s.probe.clone(),
-            api: "usdt".to_owned(),
-            file_offset: s.file_offset,
-            source: match s.semaphore_offset {
-                Some(sem) => format!("stapsdt note, semaphore at file offset {sem:#x}"),
-                None => "stapsdt note".to_owned(),
-            },
-            attached_wall_ns: at,
-        })
-        .collect()
-}
-
-/// Attaches the marker sites of `libs`; a library whose notes cannot be used is reported and
-/// skipped (the allocation probes matter more than the markers).
-fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool) -> Vec<AttachedUsdt> {
-    let mut attached = Vec::new();
-    if !crate::attach::perf_uprobe::ref_ctr_supported() {
-        // Our markers only fire when their semaphore is raised, which needs the kernel's
-        // reference counter; attaching without it would look live and see nothing.
-        if libs.iter().any(|l| libs::is_markers_module(&l.path)) {
-            note(quiet, "warning: this kernel has no uprobe ref_ctr_offset (Linux >= 4.20): markers are not traced");
-        }
-        return attached;
-    }
-    for lib in libs {
-        match tracer.attach_usdt(lib) {
-            Ok((sites, skipped)) => {
-                attached.extend(sites);
-                for why in skipped {
-                    note(quiet, format!("warning: marker site skipped: {why}"));
-                }
-            }
-            Err(e) => note(
-                quiet,
-                format!("warning: markers in {} are not traced: {}", lib.shown, crate::attach::with_causes(&e)),
-            ),
-        }
-    }
-    attached
-}
-
 /// The traced processes other than the target that are still running: the kernel's traced set
 /// (complete even before the ring delivers the fork records), or, if it cannot be read, the
 /// children those records named.
@@ -216,99 +130,6 @@ async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::
             return "target exited".to_owned();
         }
     }
-}
-
-fn note(quiet: bool, msg: impl AsRef<str>) {
-    if !quiet {
-        say!("memscope-bpf: {}", msg.as_ref());
-    }
-}
-
-fn describe_marker_libraries(sites: &[AttachedUsdt]) -> String {
-    let libs: BTreeSet<&str> = sites.iter().map(|p| p.library.as_str()).collect();
-    libs.into_iter().collect::<Vec<_>>().join(", ")
-}
-
-fn describe_libraries(probes: &[AttachedProbe]) -> String {
-    let libs: BTreeSet<&str> = probes.iter().map(|p| p.library.as_str()).collect();
-    libs.into_iter().collect::<Vec<_>>().join(", ")
-}
-
-/// Attaches newly mapped libraries of the traced processes; returns the new probes and marker
-/// sites. The markers go last: a program's `wait_for_tracer()` returns as soon as their
-/// semaphores rise, and by then every library it had mapped must be probed too. A library that
-/// cannot be probed (not an ELF file, replaced or gone since the maps were read) is a warning,
-/// added to `skipped` and to `ms_meta`; tracing goes on with the others. Only a process that
-/// ended between its maps read and the attach is no warning.
-fn rescan(
-    tracer: &mut Tracer,
-    pids: impl Iterator<Item = u32>,
-    set: ProbeSet,
-    quiet: bool,
-    skipped: &mut Vec<SkippedLibrary>,
-    store: &mut Writer,
-) -> anyhow::Result<(Vec<AttachedProbe>, Vec<AttachedUsdt>)> {
-    let mut added = Vec::new();
-    let mut found = Vec::new();
-    let before = skipped.len();
-    for pid in pids {
-        for lib in libs::from_maps(pid).unwrap_or_default() {
-            if tracer.is_attached(&lib) {
-                continue;
-            }
-            match tracer.attach(&lib, set) {
-                Ok(probes) => {
-                    added.extend(probes);
-                    found.push(lib);
-                }
-                // A process that ended meanwhile takes its view of the files (`/proc/PID/root`)
-                // with it: nothing is wrong with the library, which is tried again if another
-                // traced process maps it.
-                Err(_) if std::fs::metadata(format!("/proc/{pid}/root")).is_err() => {}
-                Err(e) => skipped.push(skip(quiet, &lib, &e)),
-            }
-        }
-    }
-    if skipped.len() > before {
-        store.set_meta(skipped_meta(skipped))?;
-    }
-    let markers = attach_markers(tracer, &found, quiet);
-    Ok((added, markers))
-}
-
-/// Warns about a library that cannot be probed; the warning names the file and why.
-fn skip(quiet: bool, lib: &Library, e: &AttachError) -> SkippedLibrary {
-    let reason = crate::attach::with_causes(e);
-    note(quiet, format!("warning: {} is not traced: {reason}", lib.shown));
-    SkippedLibrary { library: lib.shown.clone(), reason }
-}
-
-/// `ms_meta.libraries_skipped` (how many) and `ms_meta.skipped_libraries` (a JSON array of
-/// `{"library", "reason"}`).
-fn skipped_meta(skipped: &[SkippedLibrary]) -> Meta {
-    let list: Vec<serde_json::Value> =
-        skipped.iter().map(|s| serde_json::json!({ "library": s.library, "reason": s.reason })).collect();
-    vec![
-        ("libraries_skipped".into(), skipped.len().to_string()),
-        ("skipped_libraries".into(), serde_json::Value::Array(list).to_string()),
-    ]
-}
-
-/// The error when no library could be probed at start: the ones without the API, and why each
-/// unusable one was refused.
-fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]) -> anyhow::Error {
-    let refused: Vec<String> = skipped.iter().map(|s| format!("{} ({})", s.library, s.reason)).collect();
-    let usable: Vec<&str> =
-        libraries.iter().map(|l| l.shown.as_str()).filter(|l| !skipped.iter().any(|s| s.library == *l)).collect();
-    let mut text = String::new();
-    if !usable.is_empty() {
-        text = format!("none of {} exports the ACL memory API (aclrtMalloc, aclrtFree, ...)", usable.join(", "));
-    }
-    if !refused.is_empty() {
-        let sep = if text.is_empty() { "" } else { "; " };
-        text = format!("{text}{sep}no usable library: {}", refused.join("; "));
-    }
-    anyhow::anyhow!("{text}; pass --lib with the right library")
 }
 
 /// A trace whose DBs are finished, with its probes still being detached.
@@ -448,61 +269,6 @@ fn load(
     let mut tracer = Tracer::load(&opts, pid, scope_pid).context("cannot load the eBPF programs")?;
     tracer.trace_process(pid).context("cannot register the target process")?;
     Ok(tracer)
-}
-
-/// What the start's attach found: the API probes, the marker sites and the libraries refused.
-struct Attached {
-    probes: Vec<AttachedProbe>,
-    markers: Vec<AttachedUsdt>,
-    skipped: Vec<SkippedLibrary>,
-}
-
-/// Attaches the libraries given at start. One unusable file among the candidates is a warning;
-/// none usable is the error.
-fn attach_all(tracer: &mut Tracer, libraries: &[Library], set: ProbeSet, quiet: bool) -> anyhow::Result<Attached> {
-    let mut probes = Vec::new();
-    let mut skipped = Vec::new();
-    let mut usable = Vec::new();
-    for lib in libraries {
-        match tracer.attach(lib, set) {
-            Ok(attached) => {
-                probes.extend(attached);
-                usable.push(lib.clone());
-            }
-            Err(e) => skipped.push(skip(quiet, lib, &e)),
-        }
-    }
-    let markers = attach_markers(tracer, &usable, quiet);
-    if probes.is_empty() {
-        return Err(nothing_to_probe(libraries, &skipped));
-    }
-    Ok(Attached { probes, markers, skipped })
-}
-
-/// The "live" line: what is probed and which processes are traced.
-fn announce(
-    probes: &[AttachedProbe],
-    markers: &[AttachedUsdt],
-    libraries: usize,
-    pid: u32,
-    follow: bool,
-    launch_mode: bool,
-    quiet: bool,
-) {
-    say!(
-        "memscope-bpf: live: {} probes on {} ({}); tracing pid {pid}{}",
-        probes.len(),
-        if libraries == 1 { "1 library".to_owned() } else { format!("{libraries} libraries") },
-        describe_libraries(probes),
-        match (follow, launch_mode) {
-            (true, true) => " and its children".to_owned(),
-            (true, false) => format!(" and the children it forks from now on (--no-follow traces pid {pid} alone)"),
-            (false, _) => String::new(),
-        },
-    );
-    if !markers.is_empty() {
-        note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(markers)));
-    }
 }
 
 /// Lets a launched target run, now that its probes are in place; the returned channel gets its
@@ -743,88 +509,4 @@ impl Live {
         };
         Ok(Finished { summary, detaching })
     }
-}
-
-/// The summary's line of each device, its file still unknown.
-/// `ms_meta`'s stack counts, and the summary's lines for them and for `--bpf-log`.
-fn stack_meta(stacks: &CaptureStats, bpf_log: Option<(u64, u64)>, quiet: bool) -> Meta {
-    let mut meta: Meta = Vec::new();
-    if stacks.stacks > 0 {
-        meta.extend([
-            ("stacks_captured".into(), stacks.stacks.to_string()),
-            ("stacks_unique".into(), stacks.unique.to_string()),
-            ("stacks_failed".into(), stacks.failed.to_string()),
-            ("stack_frames_unmapped".into(), stacks.unknown_frames.to_string()),
-        ]);
-        note(
-            quiet,
-            format!(
-                "native stacks: {} taken, {} distinct, {} the kernel could not walk, {} frames in no mapped file",
-                stacks.stacks, stacks.unique, stacks.failed, stacks.unknown_frames
-            ),
-        );
-    }
-    if stacks.py_stacks > 0 {
-        meta.extend([
-            ("py_stacks_captured".into(), stacks.py_stacks.to_string()),
-            ("py_stacks_unique".into(), stacks.py_unique.to_string()),
-            ("py_stacks_at_depth".into(), stacks.py_at_depth.to_string()),
-            ("py_stacks_no_thread".into(), stacks.py_no_thread.to_string()),
-            ("py_stacks_read_failed".into(), stacks.py_read_failed.to_string()),
-            ("py_stacks_threads_bound".into(), stacks.py_threads_bound.to_string()),
-        ]);
-        note(
-            quiet,
-            format!(
-                "Python stacks: {} taken, {} distinct, {} cut at the depth asked for, {} on threads running no Python, \
-                 {} with failed reads, {} of threads past the {}-thread bound",
-                stacks.py_stacks,
-                stacks.py_unique,
-                stacks.py_at_depth,
-                stacks.py_no_thread,
-                stacks.py_read_failed,
-                stacks.py_threads_bound,
-                memscope_common::python::MAX_PY_THREADS
-            ),
-        );
-    }
-    if let Some((warnings, other)) = bpf_log {
-        meta.extend([("bpf_log_warnings".into(), warnings.to_string()), ("bpf_log_other".into(), other.to_string())]);
-        note(quiet, format!("bpf log: {warnings} warnings, {other} other messages from the probes"));
-    }
-    meta
-}
-
-fn device_lines(tracker: &Tracker) -> Vec<DeviceLine> {
-    tracker
-        .devices()
-        .map(|(device, s)| DeviceLine {
-            device,
-            peak: s.peak,
-            live_bytes: s.used,
-            live_blocks: s.live_blocks,
-            mallocs: s.mallocs,
-            frees: s.frees,
-            untracked_frees: s.untracked_frees,
-            failures: s.failures,
-            file: None,
-        })
-        .collect()
-}
-
-/// The summary's line of each caching pool.
-fn pool_lines(tracker: &Tracker) -> Vec<PoolLine> {
-    tracker
-        .pools()
-        .map(|((device, pool, pid), s)| PoolLine {
-            device,
-            pid,
-            pool: pool.as_str(),
-            peak_used: s.peak_used,
-            peak_total: s.peak_total,
-            used: s.used,
-            total: s.total,
-            live_blocks: s.live_blocks,
-        })
-        .collect()
 }

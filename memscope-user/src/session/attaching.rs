@@ -1,0 +1,220 @@
+//! Attaching a trace's libraries, at the start and as the traced processes map new ones: the
+//! API probes first, then the marker sites (a program's `wait_for_tracer()` returns once their
+//! semaphores rise, so everything else must be probed by then), with a warning and an
+//! `ms_meta` entry for each library that cannot be probed, and the rows of `ms_probes`.
+
+use std::collections::BTreeSet;
+
+use crate::attach::libs::{self, Library};
+use crate::attach::loader::AttachError;
+use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
+use crate::say::{note, say};
+use crate::store::{Meta, ProbeRow, Writer};
+use crate::summary::SkippedLibrary;
+
+pub(super) fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
+    probes
+        .iter()
+        .map(|p| ProbeRow {
+            library: p.library.clone(),
+            symbol: p.symbol.clone(),
+            api: p.api.name().to_owned(),
+            file_offset: p.file_offset,
+            source: p.source.as_str().to_owned(),
+            attached_wall_ns: at,
+        })
+        .collect()
+}
+
+pub(super) fn usdt_rows(sites: &[AttachedUsdt], at: u64) -> Vec<ProbeRow> {
+    sites
+        .iter()
+        .map(|s| ProbeRow {
+            library: s.library.clone(),
+            symbol: s.probe.clone(),
+            api: "usdt".to_owned(),
+            file_offset: s.file_offset,
+            source: match s.semaphore_offset {
+                Some(sem) => format!("stapsdt note, semaphore at file offset {sem:#x}"),
+                None => "stapsdt note".to_owned(),
+            },
+            attached_wall_ns: at,
+        })
+        .collect()
+}
+
+/// Attaches the marker sites of `libs`; a library whose notes cannot be used is reported and
+/// skipped (the allocation probes matter more than the markers).
+pub(super) fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool) -> Vec<AttachedUsdt> {
+    let mut attached = Vec::new();
+    if !crate::attach::perf_uprobe::ref_ctr_supported() {
+        // Our markers only fire when their semaphore is raised, which needs the kernel's
+        // reference counter; attaching without it would look live and see nothing.
+        if libs.iter().any(|l| libs::is_markers_module(&l.path)) {
+            note(quiet, "warning: this kernel has no uprobe ref_ctr_offset (Linux >= 4.20): markers are not traced");
+        }
+        return attached;
+    }
+    for lib in libs {
+        match tracer.attach_usdt(lib) {
+            Ok((sites, skipped)) => {
+                attached.extend(sites);
+                for why in skipped {
+                    note(quiet, format!("warning: marker site skipped: {why}"));
+                }
+            }
+            Err(e) => note(
+                quiet,
+                format!("warning: markers in {} are not traced: {}", lib.shown, crate::attach::with_causes(&e)),
+            ),
+        }
+    }
+    attached
+}
+
+pub(super) fn describe_marker_libraries(sites: &[AttachedUsdt]) -> String {
+    let libs: BTreeSet<&str> = sites.iter().map(|p| p.library.as_str()).collect();
+    libs.into_iter().collect::<Vec<_>>().join(", ")
+}
+
+pub(super) fn describe_libraries(probes: &[AttachedProbe]) -> String {
+    let libs: BTreeSet<&str> = probes.iter().map(|p| p.library.as_str()).collect();
+    libs.into_iter().collect::<Vec<_>>().join(", ")
+}
+
+/// Attaches newly mapped libraries of the traced processes; returns the new probes and marker
+/// sites. The markers go last: a program's `wait_for_tracer()` returns as soon as their
+/// semaphores rise, and by then every library it had mapped must be probed too. A library that
+/// cannot be probed (not an ELF file, replaced or gone since the maps were read) is a warning,
+/// added to `skipped` and to `ms_meta`; tracing goes on with the others. Only a process that
+/// ended between its maps read and the attach is no warning.
+pub(super) fn rescan(
+    tracer: &mut Tracer,
+    pids: impl Iterator<Item = u32>,
+    set: ProbeSet,
+    quiet: bool,
+    skipped: &mut Vec<SkippedLibrary>,
+    store: &mut Writer,
+) -> anyhow::Result<(Vec<AttachedProbe>, Vec<AttachedUsdt>)> {
+    let mut added = Vec::new();
+    let mut found = Vec::new();
+    let before = skipped.len();
+    for pid in pids {
+        for lib in libs::from_maps(pid).unwrap_or_default() {
+            if tracer.is_attached(&lib) {
+                continue;
+            }
+            match tracer.attach(&lib, set) {
+                Ok(probes) => {
+                    added.extend(probes);
+                    found.push(lib);
+                }
+                // A process that ended meanwhile takes its view of the files (`/proc/PID/root`)
+                // with it: nothing is wrong with the library, which is tried again if another
+                // traced process maps it.
+                Err(_) if std::fs::metadata(format!("/proc/{pid}/root")).is_err() => {}
+                Err(e) => skipped.push(skip(quiet, &lib, &e)),
+            }
+        }
+    }
+    if skipped.len() > before {
+        store.set_meta(skipped_meta(skipped))?;
+    }
+    let markers = attach_markers(tracer, &found, quiet);
+    Ok((added, markers))
+}
+
+/// Warns about a library that cannot be probed; the warning names the file and why.
+pub(super) fn skip(quiet: bool, lib: &Library, e: &AttachError) -> SkippedLibrary {
+    let reason = crate::attach::with_causes(e);
+    note(quiet, format!("warning: {} is not traced: {reason}", lib.shown));
+    SkippedLibrary { library: lib.shown.clone(), reason }
+}
+
+/// `ms_meta.libraries_skipped` (how many) and `ms_meta.skipped_libraries` (a JSON array of
+/// `{"library", "reason"}`).
+pub(super) fn skipped_meta(skipped: &[SkippedLibrary]) -> Meta {
+    let list: Vec<serde_json::Value> =
+        skipped.iter().map(|s| serde_json::json!({ "library": s.library, "reason": s.reason })).collect();
+    vec![
+        ("libraries_skipped".into(), skipped.len().to_string()),
+        ("skipped_libraries".into(), serde_json::Value::Array(list).to_string()),
+    ]
+}
+
+/// The error when no library could be probed at start: the ones without the API, and why each
+/// unusable one was refused.
+pub(super) fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]) -> anyhow::Error {
+    let refused: Vec<String> = skipped.iter().map(|s| format!("{} ({})", s.library, s.reason)).collect();
+    let usable: Vec<&str> =
+        libraries.iter().map(|l| l.shown.as_str()).filter(|l| !skipped.iter().any(|s| s.library == *l)).collect();
+    let mut text = String::new();
+    if !usable.is_empty() {
+        text = format!("none of {} exports the ACL memory API (aclrtMalloc, aclrtFree, ...)", usable.join(", "));
+    }
+    if !refused.is_empty() {
+        let sep = if text.is_empty() { "" } else { "; " };
+        text = format!("{text}{sep}no usable library: {}", refused.join("; "));
+    }
+    anyhow::anyhow!("{text}; pass --lib with the right library")
+}
+
+/// What the start's attach found: the API probes, the marker sites and the libraries refused.
+pub(super) struct Attached {
+    pub(super) probes: Vec<AttachedProbe>,
+    pub(super) markers: Vec<AttachedUsdt>,
+    pub(super) skipped: Vec<SkippedLibrary>,
+}
+
+/// Attaches the libraries given at start. One unusable file among the candidates is a warning;
+/// none usable is the error.
+pub(super) fn attach_all(
+    tracer: &mut Tracer,
+    libraries: &[Library],
+    set: ProbeSet,
+    quiet: bool,
+) -> anyhow::Result<Attached> {
+    let mut probes = Vec::new();
+    let mut skipped = Vec::new();
+    let mut usable = Vec::new();
+    for lib in libraries {
+        match tracer.attach(lib, set) {
+            Ok(attached) => {
+                probes.extend(attached);
+                usable.push(lib.clone());
+            }
+            Err(e) => skipped.push(skip(quiet, lib, &e)),
+        }
+    }
+    let markers = attach_markers(tracer, &usable, quiet);
+    if probes.is_empty() {
+        return Err(nothing_to_probe(libraries, &skipped));
+    }
+    Ok(Attached { probes, markers, skipped })
+}
+
+/// The "live" line: what is probed and which processes are traced.
+pub(super) fn announce(
+    probes: &[AttachedProbe],
+    markers: &[AttachedUsdt],
+    libraries: usize,
+    pid: u32,
+    follow: bool,
+    launch_mode: bool,
+    quiet: bool,
+) {
+    say!(
+        "memscope-bpf: live: {} probes on {} ({}); tracing pid {pid}{}",
+        probes.len(),
+        if libraries == 1 { "1 library".to_owned() } else { format!("{libraries} libraries") },
+        describe_libraries(probes),
+        match (follow, launch_mode) {
+            (true, true) => " and its children".to_owned(),
+            (true, false) => format!(" and the children it forks from now on (--no-follow traces pid {pid} alone)"),
+            (false, _) => String::new(),
+        },
+    );
+    if !markers.is_empty() {
+        note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(markers)));
+    }
+}
