@@ -38,41 +38,46 @@ fn recorded_lost(stderr: &str) -> Option<(u64, u64)> {
 }
 
 fn traced(built: &Built, out: &Path, pairs: u64, rate: u64) -> anyhow::Result<Run> {
-    traced_with(built, out, pairs, rate, &[])
+    traced_with(built, out, (pairs, rate), &[], false)
 }
 
-/// The paced loop under `trace` with `extra` flags (`--call-stack c`, `--ring-mb N`).
-fn traced_with(built: &Built, out: &Path, pairs: u64, rate: u64, extra: &[&str]) -> anyhow::Result<Run> {
+/// The paced loop under `trace` with `extra` flags (`--call-stack c`, `--ring-mb N`); `pinned`
+/// puts the tracer on CPU 0 and the loop's threads on CPU 1, so that neither takes the other's.
+fn traced_with(
+    built: &Built,
+    out: &Path,
+    (pairs, rate): (u64, u64),
+    extra: &[&str],
+    pinned: bool,
+) -> anyhow::Result<Run> {
     let _ = std::fs::remove_dir_all(out);
-    let (stdout, stderr) = run_capture(
-        privileged(built.binary.to_str().expect("utf-8 path"))
-            .args(["trace", "--output"])
-            .arg(out)
-            .arg("--lib")
-            .arg(&built.libascendcl)
-            .args(extra)
-            .arg("--")
-            .arg(&built.alloc_bench)
-            .args([pairs.to_string(), "0".into(), THREADS.to_string(), rate.to_string()]),
-    )?;
+    let binary = built.binary.to_str().expect("utf-8 path");
+    let mut command = if pinned { privileged("taskset") } else { privileged(binary) };
+    if pinned {
+        command.args(["-c", "0", binary]);
+    }
+    command.args(["trace", "--output"]).arg(out).arg("--lib").arg(&built.libascendcl).args(extra).arg("--");
+    if pinned {
+        command.args(["taskset", "-c", "1"]);
+    }
+    command.arg(&built.alloc_bench).args([pairs.to_string(), "0".into(), THREADS.to_string(), rate.to_string()]);
+    let (stdout, stderr) = run_capture(&mut command)?;
     let _ = std::fs::remove_dir_all(out);
     let offered_calls_per_s = parse_after(&stdout, "calls_per_s ").context("alloc_bench printed no calls_per_s")?;
     let (recorded, lost) = recorded_lost(&stderr).with_context(|| format!("no summary line in:\n{stderr}"))?;
     Ok(Run { offered_calls_per_s, recorded, lost })
 }
 
-/// A sustained load: `rate` pairs/s on the two threads for `seconds`, traced with `extra`; one
-/// table row (`label`, calls/s offered, recorded, lost).
+/// A sustained load: `rate` pairs/s on the two threads for `seconds`, traced with `extra`
+/// (`pinned`: see [`traced_with`]); one table row (`label`, calls/s offered, recorded, lost).
 pub fn sustained(
     built: &Built,
     dir: &Path,
-    seconds: u64,
-    rate: u64,
-    label: &str,
-    extra: &[&str],
+    (seconds, rate): (u64, u64),
+    (label, extra, pinned): (&str, &[&str], bool),
 ) -> anyhow::Result<String> {
     eprintln!("xtask bench: {label}, {rate} pairs/s for {seconds} s");
-    let r = traced_with(built, &dir.join("out-sustained"), seconds * rate, rate, extra)?;
+    let r = traced_with(built, &dir.join("out-sustained"), (seconds * rate, rate), extra, pinned)?;
     Ok(format!("| {label} | {seconds} | {:.0} | {} | {} |\n", r.offered_calls_per_s, r.recorded, r.lost))
 }
 
