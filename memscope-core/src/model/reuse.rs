@@ -76,6 +76,10 @@ impl Tracker {
 
     /// The displaced block at `key`, if any, missed its free after all: its shadow row now.
     pub(super) fn settle_displaced(&mut self, key: Key, out: &mut Vec<Output>) {
+        // Every free asks; the table is almost always empty, and a lookup would hash the key.
+        if self.displaced.is_empty() {
+            return;
+        }
         if let Some(d) = self.displaced.remove(&key) {
             self.shadow_displaced(key, d, out);
         }
