@@ -15,7 +15,7 @@ use std::collections::btree_map::Entry;
 use super::event::{Call, DeviceKey, DriverInfo, Op, Space};
 use super::output::{Origin, Output, Site};
 use super::owners::OwnerBase;
-use super::reuse::{free_row, Key};
+use super::reuse::{free_row, Key, Slot};
 use super::tags::BlockLabels;
 use super::tracker::{Failure, Tracker};
 use crate::apis::Api;
@@ -95,7 +95,7 @@ impl Tracker {
             // The block now at the address (and its segment) is not this free's.
             self.late_free(site, key, (fallback, driver), out);
         } else {
-            self.settle_displaced(key, out);
+            self.settle_displaced(Slot::Block(key), out);
             self.remove_block(site, BlockFree { space, ptr, fallback, shadow: false, driver }, out);
             self.remove_segment(site.pid, ptr);
         }

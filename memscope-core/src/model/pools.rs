@@ -14,6 +14,7 @@
 use super::event::{Call, DeviceKey, Op, Pool};
 use super::output::{Output, Site};
 use super::owners::OwnerBase;
+use super::reuse::Slot;
 use super::tags::BlockLabels;
 use super::tracker::Tracker;
 use crate::apis::Api;
@@ -81,6 +82,9 @@ struct PoolBlockFree {
     shadow: bool,
     /// Inferred from the next workspace use (no free of it is probed).
     implied: bool,
+    /// When the freeing call was entered (0: not a call of this block's): a free entered before
+    /// the live block at its address was handed out is the block's before it (`reuse`).
+    entry_ns: u64,
 }
 
 impl Tracker {
@@ -100,7 +104,14 @@ impl Tracker {
                     let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
                     self.remove_pool_block(
                         site,
-                        PoolBlockFree { ptr, pool, fallback: device, shadow: false, implied: false },
+                        PoolBlockFree {
+                            ptr,
+                            pool,
+                            fallback: device,
+                            shadow: false,
+                            implied: false,
+                            entry_ns: call.entry_wall_ns,
+                        },
                         out,
                     );
                 }
@@ -196,9 +207,10 @@ impl Tracker {
                         out,
                     );
                 } else {
+                    let entry_ns = call.entry_wall_ns;
                     self.remove_pool_block(
                         site,
-                        PoolBlockFree { ptr, pool, fallback: device, shadow: false, implied: false },
+                        PoolBlockFree { ptr, pool, fallback: device, shadow: false, implied: false, entry_ns },
                         out,
                     );
                 }
@@ -243,7 +255,14 @@ impl Tracker {
             if self.pool_blocks.contains_key(&(site.pid, ptr)) {
                 self.remove_pool_block(
                     site,
-                    PoolBlockFree { ptr, pool: Pool::Workspace, fallback: device, shadow: false, implied: true },
+                    PoolBlockFree {
+                        ptr,
+                        pool: Pool::Workspace,
+                        fallback: device,
+                        shadow: false,
+                        implied: true,
+                        entry_ns: 0,
+                    },
                     out,
                 );
             }
@@ -252,14 +271,10 @@ impl Tracker {
 
     fn add_pool_block(&mut self, site: Site, block: NewPoolBlock, out: &mut Vec<Output>) {
         let NewPoolBlock { device, pool, ptr, size, req_size } = block;
-        // Handed out again while we think it is live: the free was not seen (before the attach,
-        // or lost). Retire the old one so `used` stays the allocator's.
-        if self.pool_blocks.contains_key(&(site.pid, ptr)) {
-            self.remove_pool_block(
-                site,
-                PoolBlockFree { ptr, pool, fallback: device, shadow: true, implied: false },
-                out,
-            );
+        // Handed out again while we think it is live: its free was missed, or is still on its way
+        // from another thread (`reuse`). Retire the old one so `used` stays the allocator's.
+        if let Some(stale) = self.pool_blocks.remove(&(site.pid, ptr)) {
+            self.displace_pool(site, ptr, stale, out);
         }
         let allocation_id = self.next_allocation_id(device);
         let stats = self.pools.entry((device, pool, site.pid)).or_default();
@@ -280,31 +295,21 @@ impl Tracker {
     }
 
     fn remove_pool_block(&mut self, site: Site, free: PoolBlockFree, out: &mut Vec<Output>) {
-        let PoolBlockFree { ptr, pool, fallback, shadow, implied } = free;
-        match self.pool_blocks.remove(&(site.pid, ptr)) {
-            Some(block) => {
+        let PoolBlockFree { ptr, pool, fallback, shadow, implied, entry_ns } = free;
+        let block = if self.is_late_pool_free(site.pid, ptr, entry_ns) {
+            // The block now at the address is not this free's.
+            self.take_displaced_pool(site.pid, ptr)
+        } else {
+            self.settle_displaced(Slot::Pool(site.pid, ptr), out);
+            self.pool_blocks.remove(&(site.pid, ptr)).inspect(|block| {
                 let stats = self.pools.entry((block.device, block.pool, site.pid)).or_default();
                 stats.used -= block.size;
                 stats.live_blocks -= 1;
-                let (used, total) = (stats.used, stats.total);
-                if block.hidden {
-                    return;
-                }
-                let block_streams = block.streams.len() as u32;
-                out.push(Output::PoolFree {
-                    site,
-                    device: block.device,
-                    pool: block.pool,
-                    ptr,
-                    size: Some(block.size),
-                    allocation_id: Some(block.allocation_id),
-                    used,
-                    total,
-                    shadow,
-                    implied,
-                    stream_uses: block_streams,
-                });
-            }
+            })
+        };
+        match block {
+            Some(block) if block.hidden => {}
+            Some(block) => out.push(self.pool_free_row(site, ptr, &block, (shadow, implied))),
             None => {
                 self.stats(fallback).untracked_frees += 1;
                 let stats = self.pools.entry((fallback, pool, site.pid)).or_default();
@@ -328,6 +333,30 @@ impl Tracker {
                     stream_uses: 0,
                 });
             }
+        }
+    }
+
+    /// The free row of a pool block already taken out of its pool's totals.
+    pub(super) fn pool_free_row(
+        &mut self,
+        site: Site,
+        ptr: u64,
+        block: &PoolBlock,
+        (shadow, implied): (bool, bool),
+    ) -> Output {
+        let stats = self.pools.entry((block.device, block.pool, site.pid)).or_default();
+        Output::PoolFree {
+            site,
+            device: block.device,
+            pool: block.pool,
+            ptr,
+            size: Some(block.size),
+            allocation_id: Some(block.allocation_id),
+            used: stats.used,
+            total: stats.total,
+            shadow,
+            implied,
+            stream_uses: block.streams.len() as u32,
         }
     }
 }

@@ -17,33 +17,71 @@
 use super::blocks::Live;
 use super::event::{Call, DeviceKey, DriverInfo, Space};
 use super::output::{Output, Site};
+use super::pools::PoolBlock;
 use super::tracker::Tracker;
 
 /// How long after a reuse a late free of the old block is still waited for. A free's record
 /// trails its return by the time the consumer takes to reach it, far less than this.
 pub(super) const REUSE_WAIT_NS: u64 = 1_000_000_000;
 
+/// (pid, space, address), as the live-block table's key.
+pub(super) type Key = (u32, Space, u64);
+
+/// Where a displaced block was: the live-block table or the pool-block table (pool calls are
+/// serialized by their allocator's lock, so the window is short there, but it is the same race).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) enum Slot {
+    Block(Key),
+    Pool(u32, u64),
+}
+
+impl Slot {
+    fn pid(self) -> u32 {
+        match self {
+            Self::Block((pid, ..)) | Self::Pool(pid, _) => pid,
+        }
+    }
+}
+
+/// The block a [`Displaced`] entry holds.
+#[derive(Clone, Debug)]
+pub(super) enum Retired {
+    Block(Live),
+    Pool(PoolBlock),
+}
+
 /// A block whose address was handed out again before its free was seen.
 #[derive(Clone, Debug)]
 pub(super) struct Displaced {
-    pub(super) block: Live,
+    pub(super) retired: Retired,
     /// The call that handed the address out again (its row's time is the shadow free's).
     pub(super) reuse: Site,
 }
 
-/// (pid, space, address), as the live-block table's key.
-pub(super) type Key = (u32, Space, u64);
-
 impl Tracker {
     /// Retires `block`, found at `key` when `reuse` handed the address out again.
     pub(super) fn displace(&mut self, reuse: Site, key: Key, block: Live, out: &mut Vec<Output>) {
-        self.settle_displaced(key, out);
+        self.settle_displaced(Slot::Block(key), out);
         let stats = self.stats(block.device);
         stats.used -= block.size;
         stats.live_blocks -= 1;
         stats.frees += 1;
-        self.displaced_order.push_back((reuse.wall_ns, key));
-        self.displaced.insert(key, Displaced { block, reuse });
+        self.hold_displaced(Slot::Block(key), Displaced { retired: Retired::Block(block), reuse });
+    }
+
+    /// As [`Self::displace`], for a pool block at `ptr` of `reuse`'s process.
+    pub(super) fn displace_pool(&mut self, reuse: Site, ptr: u64, block: PoolBlock, out: &mut Vec<Output>) {
+        let slot = Slot::Pool(reuse.pid, ptr);
+        self.settle_displaced(slot, out);
+        let stats = self.pools.entry((block.device, block.pool, reuse.pid)).or_default();
+        stats.used -= block.size;
+        stats.live_blocks -= 1;
+        self.hold_displaced(slot, Displaced { retired: Retired::Pool(block), reuse });
+    }
+
+    fn hold_displaced(&mut self, slot: Slot, d: Displaced) {
+        self.displaced_order.push_back((d.reuse.wall_ns, slot));
+        self.displaced.insert(slot, d);
     }
 
     /// A free called before the live block at its address was handed out: the free is of the block
@@ -52,9 +90,17 @@ impl Tracker {
         call.entry_wall_ns != 0 && self.blocks.get(&key).is_some_and(|live| live.born_ns > call.entry_wall_ns)
     }
 
+    /// As [`Self::is_late_free`], for a pool free entered at `entry_ns` (0: not a call's).
+    pub(super) fn is_late_pool_free(&self, pid: u32, ptr: u64, entry_ns: u64) -> bool {
+        entry_ns != 0 && self.pool_blocks.get(&(pid, ptr)).is_some_and(|live| live.born_ns > entry_ns)
+    }
+
     /// The device a late free's block was on, if the tracer knew it.
     pub(super) fn late_free_device(&self, key: Key) -> Option<DeviceKey> {
-        self.displaced.get(&key).map(|d| d.block.device)
+        match self.displaced.get(&Slot::Block(key)) {
+            Some(Displaced { retired: Retired::Block(b), .. }) => Some(b.device),
+            _ => None,
+        }
     }
 
     /// Writes a late free: the displaced block's real FREE row, else an untracked free.
@@ -65,7 +111,7 @@ impl Tracker {
         (fallback, driver): (DeviceKey, Option<DriverInfo>),
         out: &mut Vec<Output>,
     ) {
-        let Some(Displaced { block, .. }) = self.displaced.remove(&key) else {
+        let Some(Displaced { retired: Retired::Block(block), .. }) = self.displaced.remove(&Slot::Block(key)) else {
             return self.untracked_free(site, key, fallback, driver, out);
         };
         if !block.hidden {
@@ -74,14 +120,22 @@ impl Tracker {
         }
     }
 
-    /// The displaced block at `key`, if any, missed its free after all: its shadow row now.
-    pub(super) fn settle_displaced(&mut self, key: Key, out: &mut Vec<Output>) {
+    /// A late pool free: the displaced pool block's real free row, if the tracer knew it.
+    pub(super) fn take_displaced_pool(&mut self, pid: u32, ptr: u64) -> Option<PoolBlock> {
+        match self.displaced.remove(&Slot::Pool(pid, ptr)) {
+            Some(Displaced { retired: Retired::Pool(block), .. }) => Some(block),
+            _ => None,
+        }
+    }
+
+    /// The displaced block at `slot`, if any, missed its free after all: its shadow row now.
+    pub(super) fn settle_displaced(&mut self, slot: Slot, out: &mut Vec<Output>) {
         // Every free asks; the table is almost always empty, and a lookup would hash the key.
         if self.displaced.is_empty() {
             return;
         }
-        if let Some(d) = self.displaced.remove(&key) {
-            self.shadow_displaced(key, d, out);
+        if let Some(d) = self.displaced.remove(&slot) {
+            self.shadow_displaced(slot, d, out);
         }
     }
 
@@ -96,36 +150,42 @@ impl Tracker {
         let mut due = Vec::new();
         match which {
             Settle::Expired => {
-                while let Some(&(at, key)) = self.displaced_order.front() {
+                while let Some(&(at, slot)) = self.displaced_order.front() {
                     if at.saturating_add(REUSE_WAIT_NS) >= now {
                         break;
                     }
                     self.displaced_order.pop_front();
                     // Skip an entry already settled, or displaced again since.
-                    if self.displaced.get(&key).is_some_and(|d| d.reuse.wall_ns == at) {
-                        due.push((at, key));
+                    if self.displaced.get(&slot).is_some_and(|d| d.reuse.wall_ns == at) {
+                        due.push((at, slot));
                     }
                 }
             }
             Settle::Process(exited) => {
-                due.extend(self.displaced.iter().filter(|(k, _)| k.0 == exited).map(|(&k, d)| (d.reuse.wall_ns, k)));
+                due.extend(self.displaced.iter().filter(|(k, _)| k.pid() == exited).map(|(&k, d)| (d.reuse.wall_ns, k)))
             }
             Settle::All => due.extend(self.displaced.iter().map(|(&k, d)| (d.reuse.wall_ns, k))),
         }
         // In the order they were displaced, so the rows keep time order among themselves.
         due.sort_unstable();
-        for (_, key) in due {
-            self.settle_displaced(key, out);
+        for (_, slot) in due {
+            self.settle_displaced(slot, out);
         }
         if self.displaced.is_empty() {
             self.displaced_order.clear();
         }
     }
 
-    fn shadow_displaced(&mut self, key: Key, d: Displaced, out: &mut Vec<Output>) {
-        if !d.block.hidden {
-            let used = self.stats(d.block.device).used;
-            out.push(free_row(d.reuse, key, &d.block, used, true, None));
+    fn shadow_displaced(&mut self, slot: Slot, d: Displaced, out: &mut Vec<Output>) {
+        match (slot, d.retired) {
+            (Slot::Block(key), Retired::Block(block)) if !block.hidden => {
+                let used = self.stats(block.device).used;
+                out.push(free_row(d.reuse, key, &block, used, true, None));
+            }
+            (Slot::Pool(_, ptr), Retired::Pool(block)) if !block.hidden => {
+                out.push(self.pool_free_row(d.reuse, ptr, &block, (true, false)));
+            }
+            _ => {}
         }
     }
 }
@@ -164,7 +224,8 @@ pub(super) fn free_row(
 mod tests {
     use super::super::testing::*;
     use super::*;
-    use crate::model::{Event, EventKind, Tracker};
+    use crate::apis::Api;
+    use crate::model::{Event, EventKind, Op, Pool, Tracker};
 
     /// `e` with its call's entry and return times set.
     fn timed(mut e: Event, entry: u64, ret: u64, tid: u32) -> Event {
@@ -260,5 +321,67 @@ mod tests {
         .unwrap();
         let npu = DeviceKey::Npu;
         assert_eq!(frees(&out), [(npu(1), Some(64), Some(1), true), (npu(0), Some(32), Some(1), true)]);
+    }
+
+    fn pool_free(ptr: u64) -> Event {
+        let op = Op::PoolFree { pool: Pool::Caching, ptr: Some(ptr), handle: None, size: None, device: Some(0) };
+        call(Api::DeviceCachingAllocatorFree, 1, None, 0, op)
+    }
+
+    fn pool_frees(out: &[Output]) -> Vec<(Option<u64>, bool, u64)> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::PoolFree { size, shadow, used, .. } => Some((*size, *shadow, *used)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_pool_free_that_returns_after_its_block_was_handed_out_again_is_the_old_blocks_free() {
+        // The caching allocator's lock serializes the calls, not their returns: thread 1's free
+        // (200..400) unlocks, thread 2's malloc (250..300) takes the block, and returns first.
+        let (t, out) = run(&[
+            timed(pool_malloc(0x1000, 64, 0), 90, 100, 1),
+            timed(pool_malloc(0x1000, 32, 0), 250, 300, 2),
+            timed(pool_free(0x1000), 200, 400, 1),
+        ]);
+        assert_eq!(pool_frees(&out), [(Some(64), false, 32)], "the old block's real free: {out:#?}");
+        let pool = t.pools().next().unwrap().1;
+        assert_eq!(
+            (pool.used, pool.live_blocks, pool.peak_used),
+            (32, 1, 64),
+            "the new block stays live, and no moment held both"
+        );
+    }
+
+    #[test]
+    fn a_missed_pool_free_gets_its_shadow_row_at_the_reuse_and_the_next_free_settles_it() {
+        let (_, out) = run(&[
+            timed(pool_malloc(0x1000, 64, 0), 90, 100, 1),
+            timed(pool_malloc(0x1000, 32, 0), 250, 300, 2),
+            timed(pool_free(0x1000), 350, 400, 2),
+        ]);
+        assert_eq!(pool_frees(&out), [(Some(64), true, 32), (Some(32), false, 0)]);
+        let shadow_time = out.iter().find_map(|o| match o {
+            Output::PoolFree { site, shadow: true, .. } => Some(site.wall_ns),
+            _ => None,
+        });
+        assert_eq!(shadow_time, Some(300), "timed at the reuse");
+        let later = 300 + REUSE_WAIT_NS + 1;
+        let (_, out) = run(&[
+            timed(pool_malloc(0x1000, 64, 0), 90, 100, 1),
+            timed(pool_malloc(0x1000, 32, 0), 250, 300, 2),
+            timed(pool_malloc(0x2000, 8, 0), later - 10, later, 2),
+        ]);
+        assert_eq!(pool_frees(&out), [(Some(64), true, 32)], "settled once no late free can come");
+    }
+
+    #[test]
+    fn a_late_pool_free_of_a_block_never_seen_leaves_the_new_block_alone() {
+        let (t, out) = run(&[timed(pool_malloc(0x1000, 32, 0), 250, 300, 2), timed(pool_free(0x1000), 200, 400, 1)]);
+        assert_eq!(pool_frees(&out), [(None, false, 32)]);
+        let pool = t.pools().next().unwrap().1;
+        assert_eq!((pool.used, pool.live_blocks), (32, 1));
     }
 }

@@ -29,7 +29,7 @@ use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool, Spac
 use super::output::{Output, Site};
 use super::owners::Owners;
 use super::pools::{PendingHandle, PoolBlock, PoolStats, Segment};
-use super::reuse::{Displaced, Settle};
+use super::reuse::{Displaced, Settle, Slot};
 use super::tags::Tags;
 use super::vmm::Physical;
 
@@ -50,11 +50,11 @@ pub struct Tracker {
     /// found without a scan (and without a second index: a B-tree also has no resize that
     /// briefly doubles a million-entry table).
     pub(super) blocks: BTreeMap<(u32, Space, u64), Live>,
-    /// Blocks retired because their address was handed out again, whose FREE row waits for a
-    /// free still on its way (`reuse`).
-    pub(super) displaced: Map<(u32, Space, u64), Displaced>,
+    /// Blocks and pool blocks retired because their address was handed out again, whose free row
+    /// waits for a free still on its way (`reuse`).
+    pub(super) displaced: Map<Slot, Displaced>,
     /// When each was displaced, oldest first (entries since settled are skipped).
-    pub(super) displaced_order: VecDeque<(u64, (u32, Space, u64))>,
+    pub(super) displaced_order: VecDeque<(u64, Slot)>,
     pub(super) physical: Map<(u32, u64), Physical>,
     pub(super) reserved: Map<(u32, u64), (DeviceKey, u64)>,
     pub(super) devices: BTreeMap<DeviceKey, DeviceStats>,

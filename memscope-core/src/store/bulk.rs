@@ -13,9 +13,12 @@
 //! changed the table (an owner rewritten in place can split a leaf), whether through this
 //! connection or another (`PRAGMA data_version`: an `analyze` of the live trace rewriting Attr),
 //! [`BulkTable::begin`] reads its shape back before appending.
+//!
+//! New pages past the committed end skip the pager when no other process has the DB open
+//! ([`others_have_it_open`]), and skip the page cache too where the file system allows
+//! ([`direct`]): they are not read again while the trace runs.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -23,6 +26,9 @@ use rusqlite::{Connection, OptionalExtension};
 
 use super::btree::{pending_page, BtreeError, Col, PageWriter, TableBuilder};
 use super::sqlite_raw::{another_process_locks, release_page_cache, Param, RawStatement};
+use direct::Run;
+
+mod direct;
 
 /// Where SQLite keeps its lock bytes; the page holding it is never part of a B-tree.
 const PENDING_BYTE: u64 = 0x4000_0000;
@@ -53,11 +59,14 @@ pub enum BulkError {
 pub struct Files {
     db: File,
     shm: Option<File>,
+    /// The DB opened for `O_DIRECT` writes of new pages, where its file system allows it.
+    direct: Option<File>,
 }
 
 struct Pages<'s> {
     pager: &'s mut RawStatement,
-    file: &'s File,
+    files: &'s Files,
+    run: &'s mut Run,
     /// No other process has the DB open: pages past the committed end may bypass the pager.
     direct: bool,
     written_direct: &'s mut u64,
@@ -77,7 +86,7 @@ impl PageWriter for Pages<'_> {
             return Ok(false);
         }
         let at = u64::from(pgno - 1) * page.len() as u64;
-        self.file.write_all_at(page, at).map_err(BulkError::Io)?;
+        self.run.write(self.files.direct.as_ref(), &self.files.db, page, at).map_err(BulkError::Io)?;
         *self.written_direct += 1;
         Ok(true)
     }
@@ -95,6 +104,8 @@ pub struct BulkTable {
     files: Arc<Files>,
     /// This transaction may write new pages past the pager ([`others_have_it_open`]).
     direct: bool,
+    /// Those pages not in the file yet ([`direct`]): written by [`BulkTable::seal`] at the latest.
+    run: Run,
     /// Pages written past the pager so far.
     written_direct: u64,
     /// SQL changed the table since the pages were last written: read its shape back first.
@@ -151,7 +162,7 @@ impl BulkTable {
         let mut shm_path = path.as_os_str().to_owned();
         shm_path.push("-shm");
         let shm = std::fs::OpenOptions::new().read(true).write(true).open(shm_path).ok();
-        let files = Arc::new(Files { db, shm });
+        let files = Arc::new(Files { db, shm, direct: direct::open(path) });
         Ok(Self {
             table: table.to_owned(),
             root,
@@ -161,6 +172,7 @@ impl BulkTable {
             write,
             files,
             direct: false,
+            run: Run::default(),
             written_direct: 0,
             stale: true,
             data_version: None,
@@ -181,6 +193,7 @@ impl BulkTable {
             // Another connection committed since: it may have changed this table.
             self.stale = true;
         }
+        self.run.clear();
         let count = page_count(conn)?;
         if self.stale {
             let shape = |source| BulkError::Shape { table: self.table.clone(), source };
@@ -217,7 +230,8 @@ impl BulkTable {
         self.unsealed += 1;
         let mut pages = Pages {
             pager: &mut self.write,
-            file: &self.files.db,
+            files: &self.files,
+            run: &mut self.run,
             direct: self.direct,
             written_direct: &mut self.written_direct,
         };
@@ -232,11 +246,14 @@ impl BulkTable {
         }
         let mut pages = Pages {
             pager: &mut self.write,
-            file: &self.files.db,
+            files: &self.files,
+            run: &mut self.run,
             direct: self.direct,
             written_direct: &mut self.written_direct,
         };
         let sealed = self.builder.seal(&mut pages)?;
+        // In the file before the commit that moves the end past them.
+        self.run.flush(self.files.direct.as_ref(), &self.files.db).map_err(BulkError::Io)?;
         let mut page1 = read_page(conn, 1)?;
         let mut count = sealed.page_count.max(u32::from_be_bytes(page1[28..32].try_into().expect("4 bytes")));
         for pgno in sealed.unused {
