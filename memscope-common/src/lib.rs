@@ -11,10 +11,12 @@
 //!   out-pointer, which carries a config struct, what it does to the thread's device).
 //! - [`usdt`]: how the USDT program reads one call site's arguments.
 //! - [`python`]: how the Python-stack probe walks an interpreter, and what it sends.
+//! - [`sampling`]: which allocations the daemon's sampling records, and with what weight.
 #![no_std]
 
 pub mod python;
 pub mod record;
+pub mod sampling;
 pub mod spec;
 pub mod usdt;
 

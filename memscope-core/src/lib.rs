@@ -12,12 +12,14 @@
 //!              └─ apis     what each traced API means (the catalogue) and what a call did (`Op`)
 //!                   └─ raw      ring-buffer bytes to checked, typed records
 //! vocab     the DB's Event, Event Type and Attr names (below store and analysis, beside all)
+//! sampling  the daemon's gap table and the error of sampled totals (beside all)
 //! ```
 
 pub mod analysis;
 pub mod apis;
 pub mod model;
 pub mod raw;
+pub mod sampling;
 pub mod stacks;
 pub mod store;
 pub mod vocab;
