@@ -126,6 +126,7 @@ mod tests {
         assert!(beyond_2 <= seeds as usize / 10, "{beyond_2} of {seeds} beyond 2 standard errors");
         assert!(beyond_2 >= 3, "only {beyond_2} of {seeds} beyond 2 standard errors: is anything sampled?");
         let (got, expected) = recorded;
+        println!("{seeds} jobs: mean error {mean:.3} standard errors, {beyond_2} beyond 2; {got} small blocks recorded, {expected:.0} expected");
         assert!((got / expected - 1.0).abs() < 0.01, "{got} small blocks recorded, {expected:.0} expected");
     }
 

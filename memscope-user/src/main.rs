@@ -15,6 +15,7 @@ mod attach;
 mod cli;
 mod clock;
 mod launch;
+mod metrics;
 mod preflight;
 mod procs;
 mod record;

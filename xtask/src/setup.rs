@@ -4,8 +4,8 @@
 //! The eBPF build chain (shared/reference/toolchain-recipe.md): Debian's llvm-22 (from
 //! bookworm-security), bpf-linker 0.13 built against it, and nightly Rust with rust-src for
 //! `-Z build-std=core`. Plus gcc for the stand-in libraries, bpftrace as the benchmark's peer and
-//! Python's development headers for the markers package's C extension, and pip to fetch the
-//! real torch_npu wheel a test reads.
+//! Python's development headers for the markers package's C extension, pip to fetch the real
+//! torch_npu wheel a test reads, and Prometheus to scrape `--listen`'s metrics in the tests.
 
 use std::process::Command;
 use std::time::Instant;
@@ -35,6 +35,9 @@ const APT_PACKAGES: &[&str] = &[
     // headers, and `cargo check` of the tracer with its eBPF object for arm64's registers).
     "gcc-aarch64-linux-gnu",
     "libc6-dev-arm64-cross",
+    // The real consumer of `--listen`'s metrics: the tests scrape the tracer with Prometheus and
+    // query it, and check the exposition with its `promtool`.
+    "prometheus",
 ];
 /// The Rust target of that check.
 pub const ARM64_TARGET: &str = "aarch64-unknown-linux-gnu";

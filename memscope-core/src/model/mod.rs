@@ -31,6 +31,8 @@ mod testing;
 pub mod tracker;
 mod vmm;
 
+pub use devices::DeviceStats;
 pub use event::{level, Call, DeviceKey, DriverInfo, Event, EventKind, Marker, Op, PageType, Pool, Space};
 pub use output::{AccessKind, MstxKind, Origin, Output, Site, VmmStep};
+pub use pools::PoolStats;
 pub use tracker::Tracker;

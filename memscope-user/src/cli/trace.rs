@@ -147,6 +147,13 @@ pub struct Args {
     #[arg(long, value_enum, value_name = "LEVEL", num_args = 0..=1, default_missing_value = "warn")]
     pub bpf_log: Option<BpfLogLevel>,
 
+    /// Serve the trace's totals for Prometheus on this address while it runs: `GET /metrics`
+    /// (per device: live, peak and failed allocations; per framework pool: used and reserved;
+    /// the tracer's recorded and lost records) and `GET /healthz`. Use a loopback address unless
+    /// the network is trusted; port 0 picks a free one (the address is printed at the start).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub listen: Option<std::net::SocketAddr>,
+
     /// The program to launch, after `--`. Its probes are live before its first instruction.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
@@ -254,6 +261,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         quiet: args.quiet,
         follow: !args.no_follow,
         wait_for_start: args.wait_for_start,
+        listen: args.listen,
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

@@ -15,6 +15,7 @@ mod attaching;
 mod facts;
 
 use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,6 +33,7 @@ use crate::attach::loader::LoadOptions;
 use crate::attach::{ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
+use crate::metrics::{self, Published, Snapshot};
 use crate::model::Tracker;
 use crate::procs;
 use crate::record::bpf_log::{BpfLog, BpfLogCounts, BpfLogLevel};
@@ -50,6 +52,8 @@ use attaching::{
 use facts::{allocator_env, command_line, device_lines, kernel_release, pool_lines, stack_meta};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
+/// How often `--listen`'s totals are renewed (Prometheus scrapes every 15 s by default).
+const PUBLISH_EVERY: Duration = Duration::from_millis(500);
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
 const RESCAN_EVERY: Duration = Duration::from_millis(250);
 /// The consumer wakes up early once this much is waiting.
@@ -89,6 +93,8 @@ pub struct Plan {
     pub stacks: StackOptions,
     /// `--bpf-log`: what the probes tell of their own trouble.
     pub bpf_log: Option<BpfLogLevel>,
+    /// `--listen`: where Prometheus scrapes the trace's totals.
+    pub listen: Option<SocketAddr>,
 }
 
 /// The traced processes other than the target that are still running: the kernel's traced set
@@ -156,8 +162,14 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         wait_for_start,
         stacks,
         bpf_log,
+        listen,
     } = plan;
     let pid = target.pid();
+    // Before anything is attached: a port in use fails the trace at once.
+    let metrics = match listen {
+        Some(addr) => Some(metrics::serve(addr, quiet).await?),
+        None => None,
+    };
     let clock = Clock::calibrate();
     let started = Instant::now();
     let start_wall = clock::wall_ns();
@@ -236,6 +248,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         skipped,
         python,
         bpf_log,
+        metrics,
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
@@ -301,6 +314,8 @@ struct Live {
     python: Option<BTreeSet<u32>>,
     /// `--bpf-log`: the probes' messages, read on every drain, and their counts.
     bpf_log: Option<(EbpfLogger<BpfLog>, Arc<BpfLogCounts>)>,
+    /// `--listen`: the totals the next scrape reports, renewed at every drain tick.
+    metrics: Option<Published>,
 }
 
 impl Live {
@@ -345,6 +360,14 @@ impl Live {
         }
     }
 
+    /// `--listen`: the totals as they are now, for the next scrape.
+    fn publish_metrics(&self) {
+        if let Some(metrics) = &self.metrics {
+            let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
+            metrics.publish(Snapshot::of(&self.recorder.tracker, self.recorder.calls, lost));
+        }
+    }
+
     /// The traced processes other than the target still running ([`still_traced`]).
     fn still_traced(&self) -> Vec<u32> {
         still_traced(&self.tracer, &self.recorder.children, self.pid)
@@ -379,6 +402,7 @@ impl Live {
         let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
         let mut last_commit = Instant::now();
         let mut last_rescan = Instant::now();
+        let mut last_publish = Instant::now();
 
         loop {
             tokio::select! {
@@ -401,6 +425,10 @@ impl Live {
                 }
                 _ = drain_tick.tick() => {
                     self.drain();
+                    if last_publish.elapsed() >= PUBLISH_EVERY {
+                        last_publish = Instant::now();
+                        self.publish_metrics();
+                    }
                     if ending.check_due() {
                         if let Some(reason) = ending.check(&self.still_traced()) {
                             return Ok(reason);

@@ -1,0 +1,244 @@
+//! `--listen`: what the trace knows now, for Prometheus to scrape (`/metrics`, [`http`]).
+//!
+//! The session publishes a [`Snapshot`] of the tracker's totals about once a second; a scrape
+//! encodes the latest one. So a scrape never waits for the session, never sees an event half
+//! applied, and costs the traced work nothing. Names follow Prometheus's conventions: the unit in
+//! the name, `_total` on counters, labels of bounded cardinality (devices, pools, processes).
+//! The values are the same totals the trace's summary prints and its DB's rows carry.
+
+pub mod http;
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use memscope_core::model::{DeviceKey, DeviceStats, Pool, PoolStats, Tracker};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::{Registry, Unit};
+
+/// The totals a scrape reports.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub devices: Vec<(DeviceKey, DeviceStats)>,
+    pub pools: Vec<((DeviceKey, Pool, u32), PoolStats)>,
+    /// Traced calls decoded so far.
+    pub calls: u64,
+    /// Records the ring buffer dropped so far.
+    pub lost: u64,
+}
+
+impl Snapshot {
+    pub fn of(tracker: &Tracker, calls: u64, lost: u64) -> Self {
+        Self {
+            devices: tracker.devices().map(|(k, s)| (k, s.clone())).collect(),
+            pools: tracker.pools().map(|(k, s)| (k, s.clone())).collect(),
+            calls,
+            lost,
+        }
+    }
+}
+
+/// Where the session puts the latest [`Snapshot`], and the registry that encodes it.
+#[derive(Clone, Debug, Default)]
+pub struct Published(Arc<Mutex<Snapshot>>);
+
+impl Published {
+    pub fn publish(&self, snapshot: Snapshot) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = snapshot;
+    }
+
+    /// A registry whose every scrape reads the latest snapshot.
+    pub fn registry(&self) -> Registry {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(self.clone()));
+        registry
+    }
+}
+
+/// Binds `addr` and serves the latest published totals there until the runtime ends.
+pub async fn serve(addr: std::net::SocketAddr, quiet: bool) -> Result<Published, http::ListenError> {
+    let listener = http::bind(addr).await?;
+    crate::say::note(quiet, format!("metrics: http://{}/metrics", listener.addr));
+    let published = Published::default();
+    listener.serve(published.registry());
+    Ok(published)
+}
+
+/// The `device` label: the runtime's id, `cpu` for host memory, `unknown` where the trace never
+/// learnt it (as the DB folders are named).
+fn device_label(device: DeviceKey) -> String {
+    match device {
+        DeviceKey::Npu(n) => n.to_string(),
+        DeviceKey::Cpu => "cpu".to_owned(),
+        DeviceKey::Unknown => "unknown".to_owned(),
+    }
+}
+
+fn pool_label(pool: Pool) -> &'static str {
+    match pool {
+        Pool::Caching => "caching",
+        Pool::Workspace => "workspace",
+    }
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// One metric family: a gauge or a counter per label set.
+fn family<S>(
+    encoder: &mut DescriptorEncoder<'_>,
+    f: &Family<S>,
+    series: impl Iterator<Item = (Labels, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let metric_type =
+        if f.counter { ConstCounter::new(0u64).metric_type() } else { ConstGauge::new(0u64).metric_type() };
+    let unit = f.bytes.then_some(&Unit::Bytes);
+    let mut metric = encoder.encode_descriptor(f.name, f.help, unit, metric_type)?;
+    for (labels, value) in series {
+        let sample = metric.encode_family(&labels)?;
+        if f.counter {
+            ConstCounter::new(value).encode(sample)?;
+        } else {
+            ConstGauge::new(value).encode(sample)?;
+        }
+    }
+    Ok(())
+}
+
+/// One metric family: its name (the unit is appended), help, kind, and its value in one source.
+struct Family<S> {
+    name: &'static str,
+    help: &'static str,
+    bytes: bool,
+    counter: bool,
+    value: fn(&S) -> u64,
+}
+
+const fn gauge<S>(name: &'static str, help: &'static str, bytes: bool, value: fn(&S) -> u64) -> Family<S> {
+    Family { name, help, bytes, counter: false, value }
+}
+
+const fn counter<S>(name: &'static str, help: &'static str, value: fn(&S) -> u64) -> Family<S> {
+    Family { name, help, bytes: false, counter: true, value }
+}
+
+const DEVICE_FAMILIES: [Family<DeviceStats>; 7] = [
+    gauge("memscope_live", "Bytes the runtime and driver have handed out and not taken back", true, |s| s.used),
+    gauge("memscope_peak", "The most bytes live at once since the trace started", true, |s| s.peak),
+    gauge("memscope_live_blocks", "Blocks handed out and not taken back", false, |s| s.live_blocks),
+    counter("memscope_allocations", "Successful allocations", |s| s.mallocs),
+    counter("memscope_frees", "Frees of blocks the trace saw allocated", |s| s.frees),
+    counter("memscope_untracked_frees", "Frees of blocks allocated before the trace", |s| s.untracked_frees),
+    counter("memscope_failed_allocations", "Allocations that failed (out of memory among them)", |s| s.failures),
+];
+
+const POOL_FAMILIES: [Family<PoolStats>; 4] = [
+    gauge("memscope_pool_used", "Bytes a framework pool has handed out (PTA caching, workspace)", true, |s| s.used),
+    gauge("memscope_pool_reserved", "Device memory a framework pool holds", true, |s| s.total),
+    gauge("memscope_pool_peak_used", "The most bytes a pool had handed out at once", true, |s| s.peak_used),
+    gauge("memscope_pool_peak_reserved", "The most device memory a pool held at once", true, |s| s.peak_total),
+];
+
+const TRACER_FAMILIES: [Family<Snapshot>; 2] = [
+    counter("memscope_calls_recorded", "Traced calls recorded", |s| s.calls),
+    counter("memscope_records_lost", "Records the ring buffer dropped (raise --ring-mb)", |s| s.lost),
+];
+
+impl Collector for Published {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let s = self.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        for f in &DEVICE_FAMILIES {
+            let series = s.devices.iter().map(|(d, stats)| (vec![("device", device_label(*d))], (f.value)(stats)));
+            family(&mut encoder, f, series)?;
+        }
+        for f in &POOL_FAMILIES {
+            let series = s.pools.iter().map(|((d, p, pid), stats)| {
+                let labels =
+                    vec![("device", device_label(*d)), ("pool", pool_label(*p).to_owned()), ("pid", pid.to_string())];
+                (labels, (f.value)(stats))
+            });
+            family(&mut encoder, f, series)?;
+        }
+        for f in &TRACER_FAMILIES {
+            family(&mut encoder, f, std::iter::once((Labels::new(), (f.value)(&s))))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+
+    use prometheus_client::encoding::prometheus_text;
+
+    use super::*;
+
+    fn encoded(snapshot: Snapshot) -> String {
+        let published = Published::default();
+        let registry = published.registry();
+        published.publish(snapshot);
+        let mut text = String::new();
+        prometheus_text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    fn sample(text: &str, series: &str) -> Option<u64> {
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn a_scrape_reads_the_latest_snapshot_in_prometheus_names() {
+        let mut device = DeviceStats::default();
+        (device.used, device.peak, device.live_blocks, device.mallocs, device.failures) = (4096, 8192, 1, 3, 1);
+        let pool = PoolStats { used: 512, total: 2 << 20, peak_used: 1024, peak_total: 2 << 20, live_blocks: 2 };
+        let snapshot = Snapshot {
+            devices: vec![(DeviceKey::Npu(1), device), (DeviceKey::Cpu, DeviceStats::default())],
+            pools: vec![((DeviceKey::Npu(1), Pool::Caching, 4242), pool)],
+            calls: 10,
+            lost: 0,
+        };
+        let text = encoded(snapshot);
+        assert_eq!(sample(&text, r#"memscope_live_bytes{device="1"}"#), Some(4096), "{text}");
+        assert_eq!(sample(&text, r#"memscope_peak_bytes{device="1"}"#), Some(8192));
+        assert_eq!(sample(&text, r#"memscope_live_bytes{device="cpu"}"#), Some(0));
+        assert_eq!(sample(&text, r#"memscope_allocations_total{device="1"}"#), Some(3));
+        assert_eq!(sample(&text, r#"memscope_failed_allocations_total{device="1"}"#), Some(1));
+        let reserved = r#"memscope_pool_reserved_bytes{device="1",pool="caching",pid="4242"}"#;
+        assert_eq!(sample(&text, reserved), Some(2 << 20));
+        assert_eq!(sample(&text, "memscope_calls_recorded_total"), Some(10));
+        assert_eq!(sample(&text, "memscope_records_lost_total"), Some(0));
+    }
+
+    /// Prometheus's own linter reads the exposition: the format, the names' conventions (units,
+    /// `_total`) and the help texts.
+    #[test]
+    fn promtool_accepts_the_exposition() {
+        let mut device = DeviceStats::default();
+        device.used = 1;
+        let snapshot = Snapshot {
+            devices: vec![(DeviceKey::Npu(0), device)],
+            pools: vec![((DeviceKey::Npu(0), Pool::Workspace, 1), PoolStats::default())],
+            calls: 1,
+            lost: 2,
+        };
+        let text = encoded(snapshot);
+        let child = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let Ok(mut child) = child else {
+            eprintln!(
+                "SKIPPED: promtool is not installed (Debian's prometheus package; `cargo xtask setup` installs it)"
+            );
+            return;
+        };
+        child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && said.trim().is_empty(), "promtool: {said}\n{text}");
+    }
+}
