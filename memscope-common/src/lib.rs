@@ -11,9 +11,11 @@
 //!   out-pointer, which carries a config struct, what it does to the thread's device).
 //! - [`usdt`]: how the USDT program reads one call site's arguments.
 //! - [`python`]: how the Python-stack probe walks an interpreter, and what it sends.
+//! - [`filter`]: which processes the daemon admits, decided in the kernel.
 //! - [`sampling`]: which allocations the daemon's sampling records, and with what weight.
 #![no_std]
 
+pub mod filter;
 pub mod python;
 pub mod record;
 pub mod sampling;

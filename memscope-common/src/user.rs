@@ -10,3 +10,5 @@ unsafe impl aya::Pod for CallRecord {}
 unsafe impl aya::Pod for UsdtSpec {}
 // SAFETY: as above.
 unsafe impl aya::Pod for crate::python::PyProcess {}
+// SAFETY: as above (`_pad` makes the padding explicit).
+unsafe impl aya::Pod for crate::filter::CgroupRule {}

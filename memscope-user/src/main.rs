@@ -14,6 +14,7 @@
 mod attach;
 mod cli;
 mod clock;
+mod daemon;
 mod launch;
 mod metrics;
 mod preflight;

@@ -32,7 +32,7 @@ use memscope_common::{
 };
 
 use super::{nonzero_arg, python, stack};
-use crate::maps::{is_traced, reserve, submit, SPECS};
+use crate::maps::{admits, reserve, submit, SPECS};
 
 /// A call in flight on one thread and layer.
 #[repr(C)]
@@ -150,7 +150,7 @@ pub fn call_enter(ctx: ProbeContext) -> u32 {
 
 fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let pid_tgid = bpf_get_current_pid_tgid();
-    if !is_traced((pid_tgid >> 32) as u32) {
+    if !admits((pid_tgid >> 32) as u32) {
         return None;
     }
     // SAFETY: helper on our own context.

@@ -18,7 +18,7 @@ use aya_ebpf::{
 };
 use memscope_common::record::{ExitRecord, ForkRecord, RecordHeader, RecordKind};
 
-use crate::maps::{follow_forks, is_traced, output, TRACED};
+use crate::maps::{admit_any, deny_by_comm, follow_forks, is_traced, output, DENIED, TRACED};
 use crate::probes::call::THREADS;
 use crate::probes::python::PY_PROCS;
 
@@ -74,6 +74,10 @@ fn try_exit(ctx: &TracePointContext) -> Option<()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
+    if admit_any() && tid == tgid {
+        // Its pid may be reused by a process the rules admit.
+        let _ = DENIED.remove(tgid);
+    }
     if !is_traced(tgid) {
         return None;
     }
@@ -98,6 +102,7 @@ fn try_exit(ctx: &TracePointContext) -> Option<()> {
 pub fn sched_process_exec(_ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
+    deny_by_comm(tgid);
     if is_traced(tgid) {
         // The old image's interpreter is gone with it; userspace finds the new one's.
         let _ = PY_PROCS.remove(tgid);

@@ -23,7 +23,7 @@ use memscope_common::{
 };
 
 use super::nonzero_arg;
-use crate::maps::{is_traced, reserve, submit};
+use crate::maps::{admits, reserve, submit};
 
 /// Per-site argument specs, written by userspace before the site is attached.
 #[map]
@@ -41,7 +41,7 @@ pub fn usdt_hit(ctx: ProbeContext) -> u32 {
 
 fn try_hit(ctx: &ProbeContext) -> Option<()> {
     let pid_tgid = bpf_get_current_pid_tgid();
-    if !is_traced((pid_tgid >> 32) as u32) {
+    if !admits((pid_tgid >> 32) as u32) {
         return None;
     }
     // SAFETY: helper on our own context.

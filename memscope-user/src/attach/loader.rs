@@ -23,6 +23,7 @@ use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
+use memscope_common::filter::{CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
 use memscope_common::python::PyProcess;
 use memscope_common::spec::ProbeSpec;
 use memscope_common::usdt::{UsdtSpec, MAX_USDT_SPECS};
@@ -62,6 +63,8 @@ pub enum LoadError {
          variable (`cargo xtask build`, after `cargo xtask setup` installs nightly and bpf-linker)"
     )]
     Stub,
+    #[error("{0} --cgroup rules: the kernel checks {MAX_CGROUP_RULES} at most (name a common parent instead)")]
+    TooManyCgroups(u32),
     #[error("tracefs is not available ({0}); mount it with `mount -t tracefs nodev /sys/kernel/tracing`")]
     Tracefs(String),
 }
@@ -134,6 +137,18 @@ pub struct LoadOptions {
     pub python_depth: u32,
     /// What the probes tell through aya-log (`--bpf-log`; `None`: nothing).
     pub bpf_log: Option<BpfLogLevel>,
+    /// The daemon's rules: `Some` traces every process that calls a probed function unless
+    /// they deny it (`memscope_common::filter`).
+    pub admission: Option<Admission>,
+}
+
+/// What the kernel checks before it traces a process it has not seen (the daemon).
+#[derive(Clone, Debug, Default)]
+pub struct Admission {
+    /// `--cgroup`: a process must be inside one of these (none: anywhere).
+    pub cgroups: Vec<CgroupRule>,
+    /// `--exclude-comm`: names denied at exec.
+    pub deny_comms: Vec<[u8; COMM_LEN]>,
 }
 
 pub struct Tracer {
@@ -204,6 +219,12 @@ impl Tracer {
         let child_pid_offset = field_offset(tracefs, "sched/sched_process_fork", "child_pid")?;
         let group_dead_offset = field_offset(tracefs, "sched/sched_process_exit", "group_dead")?;
         let follow = u32::from(opts.follow_forks);
+        let admission = opts.admission.clone();
+        let admit_any = u32::from(admission.is_some());
+        let cgroup_rules = admission.as_ref().map_or(0, |a| a.cgroups.len() as u32);
+        if cgroup_rules > MAX_CGROUP_RULES {
+            return Err(LoadError::TooManyCgroups(cgroup_rules));
+        }
         let mut ebpf = EbpfLoader::new()
             .map_max_entries("EVENTS", opts.ring_bytes)
             .override_global("WAKEUP_BYTES", &opts.wakeup_bytes, true)
@@ -214,6 +235,8 @@ impl Tracer {
             // aya-log's own default lets every message through; ours is none.
             .override_global("AYA_LOG_LEVEL", &BpfLogLevel::kernel_value(opts.bpf_log), true)
             .override_global("TARGET_TGID", &target, true)
+            .override_global("ADMIT_ANY", &admit_any, true)
+            .override_global("CGROUP_RULES", &cgroup_rules, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .load(EBPF_OBJECT)?;
@@ -227,6 +250,9 @@ impl Tracer {
             }
         }
 
+        if let Some(admission) = &admission {
+            write_admission(&mut ebpf, admission)?;
+        }
         for (name, event) in [
             ("sched_process_fork", "sched_process_fork"),
             ("sched_process_exit", "sched_process_exit"),
@@ -298,6 +324,16 @@ impl Tracer {
         let mut traced: BpfHashMap<_, u32, u32> =
             BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
         traced.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "TRACED", source })
+    }
+
+    #[allow(dead_code, reason = "called by the daemon verb, not wired yet (issue 13)")]
+    /// The daemon: never traces process `pid` (`--exclude-pid`, or a running process whose name
+    /// a rule denies), until it execs a new image.
+    pub fn deny_process(&mut self, pid: u32) -> Result<(), LoadError> {
+        let map = self.ebpf.map_mut("DENIED").ok_or(LoadError::Missing("DENIED"))?;
+        let mut denied: BpfHashMap<_, u32, u32> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENIED", source })?;
+        denied.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "DENIED", source })
     }
 
     /// Lets the Python-stack probe walk `pid`'s interpreter (`--call-stack python`).
@@ -559,6 +595,23 @@ impl Tracer {
         let values = drops.get(&0, 0).map_err(|source| LoadError::Map { name: "DROPS", source })?;
         Ok(values.iter().copied().collect())
     }
+}
+
+/// Writes the daemon's cgroup rules and denied names into their maps, before anything is attached.
+fn write_admission(ebpf: &mut Ebpf, admission: &Admission) -> Result<(), LoadError> {
+    let map = ebpf.map_mut("ALLOW_CGROUPS").ok_or(LoadError::Missing("ALLOW_CGROUPS"))?;
+    let mut rules: Array<_, CgroupRule> =
+        Array::try_from(map).map_err(|source| LoadError::Map { name: "ALLOW_CGROUPS", source })?;
+    for (i, rule) in admission.cgroups.iter().enumerate() {
+        rules.set(i as u32, rule, 0).map_err(|source| LoadError::Map { name: "ALLOW_CGROUPS", source })?;
+    }
+    let map = ebpf.map_mut("DENY_COMM").ok_or(LoadError::Missing("DENY_COMM"))?;
+    let mut comms: BpfHashMap<_, [u8; COMM_LEN], u32> =
+        BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENY_COMM", source })?;
+    for comm in &admission.deny_comms {
+        comms.insert(comm, 1, 0).map_err(|source| LoadError::Map { name: "DENY_COMM", source })?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

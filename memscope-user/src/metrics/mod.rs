@@ -7,6 +7,7 @@
 //! The values are the same totals the trace's summary prints and its DB's rows carry.
 
 pub mod http;
+mod own;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -17,26 +18,40 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
+/// One job's totals: a traced process (with `trace`, the target and the children it forked).
+#[derive(Clone, Debug, Default)]
+pub struct JobTotals {
+    pub pid: u32,
+    /// Its command name (`/proc/PID/comm`), a label operators recognise.
+    pub comm: String,
+    pub devices: Vec<(DeviceKey, DeviceStats)>,
+    pub pools: Vec<((DeviceKey, Pool, u32), PoolStats)>,
+}
+
+impl JobTotals {
+    pub fn of(pid: u32, comm: String, tracker: &Tracker) -> Self {
+        Self {
+            pid,
+            comm,
+            devices: tracker.devices().map(|(k, s)| (k, s.clone())).collect(),
+            pools: tracker.pools().map(|(k, s)| (k, s.clone())).collect(),
+        }
+    }
+}
+
 /// The totals a scrape reports.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
-    pub devices: Vec<(DeviceKey, DeviceStats)>,
-    pub pools: Vec<((DeviceKey, Pool, u32), PoolStats)>,
+    pub jobs: Vec<JobTotals>,
     /// Traced calls decoded so far.
     pub calls: u64,
     /// Records the ring buffer dropped so far.
     pub lost: u64,
 }
 
-impl Snapshot {
-    pub fn of(tracker: &Tracker, calls: u64, lost: u64) -> Self {
-        Self {
-            devices: tracker.devices().map(|(k, s)| (k, s.clone())).collect(),
-            pools: tracker.pools().map(|(k, s)| (k, s.clone())).collect(),
-            calls,
-            lost,
-        }
-    }
+/// A process's command name, as `/proc/PID/comm` gives it ("" once it is gone).
+pub fn comm_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim_end().to_owned()).unwrap_or_default()
 }
 
 /// Where the session puts the latest [`Snapshot`], and the registry that encodes it.
@@ -139,7 +154,8 @@ const POOL_FAMILIES: [Family<PoolStats>; 4] = [
     gauge("memscope_pool_peak_reserved", "The most device memory a pool held at once", true, |s| s.peak_total),
 ];
 
-const TRACER_FAMILIES: [Family<Snapshot>; 2] = [
+const TRACER_FAMILIES: [Family<Snapshot>; 3] = [
+    gauge("memscope_jobs", "Processes traced now", false, |s| s.jobs.len() as u64),
     counter("memscope_calls_recorded", "Traced calls recorded", |s| s.calls),
     counter("memscope_records_lost", "Records the ring buffer dropped (raise --ring-mb)", |s| s.lost),
 ];
@@ -148,21 +164,33 @@ impl Collector for Published {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let s = self.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
         for f in &DEVICE_FAMILIES {
-            let series = s.devices.iter().map(|(d, stats)| (vec![("device", device_label(*d))], (f.value)(stats)));
+            let series = s.jobs.iter().flat_map(|job| {
+                job.devices.iter().map(move |(d, stats)| {
+                    let labels =
+                        vec![("pid", job.pid.to_string()), ("comm", job.comm.clone()), ("device", device_label(*d))];
+                    (labels, (f.value)(stats))
+                })
+            });
             family(&mut encoder, f, series)?;
         }
         for f in &POOL_FAMILIES {
-            let series = s.pools.iter().map(|((d, p, pid), stats)| {
-                let labels =
-                    vec![("device", device_label(*d)), ("pool", pool_label(*p).to_owned()), ("pid", pid.to_string())];
-                (labels, (f.value)(stats))
+            let series = s.jobs.iter().flat_map(|job| {
+                job.pools.iter().map(move |((d, p, pid), stats)| {
+                    let labels = vec![
+                        ("pid", pid.to_string()),
+                        ("comm", job.comm.clone()),
+                        ("device", device_label(*d)),
+                        ("pool", pool_label(*p).to_owned()),
+                    ];
+                    (labels, (f.value)(stats))
+                })
             });
             family(&mut encoder, f, series)?;
         }
         for f in &TRACER_FAMILIES {
             family(&mut encoder, f, std::iter::once((Labels::new(), (f.value)(&s))))?;
         }
-        Ok(())
+        own::encode(&mut encoder)
     }
 }
 
@@ -193,22 +221,28 @@ mod tests {
         let mut device = DeviceStats::default();
         (device.used, device.peak, device.live_blocks, device.mallocs, device.failures) = (4096, 8192, 1, 3, 1);
         let pool = PoolStats { used: 512, total: 2 << 20, peak_used: 1024, peak_total: 2 << 20, live_blocks: 2 };
-        let snapshot = Snapshot {
+        let job = JobTotals {
+            pid: 4242,
+            comm: "python3".into(),
             devices: vec![(DeviceKey::Npu(1), device), (DeviceKey::Cpu, DeviceStats::default())],
             pools: vec![((DeviceKey::Npu(1), Pool::Caching, 4242), pool)],
-            calls: 10,
-            lost: 0,
         };
+        let snapshot = Snapshot { jobs: vec![job], calls: 10, lost: 0 };
         let text = encoded(snapshot);
-        assert_eq!(sample(&text, r#"memscope_live_bytes{device="1"}"#), Some(4096), "{text}");
-        assert_eq!(sample(&text, r#"memscope_peak_bytes{device="1"}"#), Some(8192));
-        assert_eq!(sample(&text, r#"memscope_live_bytes{device="cpu"}"#), Some(0));
-        assert_eq!(sample(&text, r#"memscope_allocations_total{device="1"}"#), Some(3));
-        assert_eq!(sample(&text, r#"memscope_failed_allocations_total{device="1"}"#), Some(1));
-        let reserved = r#"memscope_pool_reserved_bytes{device="1",pool="caching",pid="4242"}"#;
+        assert_eq!(sample(&text, r#"memscope_live_bytes{pid="4242",comm="python3",device="1"}"#), Some(4096), "{text}");
+        assert_eq!(sample(&text, r#"memscope_peak_bytes{pid="4242",comm="python3",device="1"}"#), Some(8192));
+        assert_eq!(sample(&text, r#"memscope_live_bytes{pid="4242",comm="python3",device="cpu"}"#), Some(0));
+        assert_eq!(sample(&text, r#"memscope_allocations_total{pid="4242",comm="python3",device="1"}"#), Some(3));
+        assert_eq!(
+            sample(&text, r#"memscope_failed_allocations_total{pid="4242",comm="python3",device="1"}"#),
+            Some(1)
+        );
+        let reserved = r#"memscope_pool_reserved_bytes{pid="4242",comm="python3",device="1",pool="caching"}"#;
         assert_eq!(sample(&text, reserved), Some(2 << 20));
         assert_eq!(sample(&text, "memscope_calls_recorded_total"), Some(10));
         assert_eq!(sample(&text, "memscope_records_lost_total"), Some(0));
+        assert_eq!(sample(&text, "memscope_jobs"), Some(1));
+        assert!(sample(&text, "process_resident_memory_bytes").is_some_and(|rss| rss > 0), "{text}");
     }
 
     /// Prometheus's own linter reads the exposition: the format, the names' conventions (units,
@@ -217,12 +251,13 @@ mod tests {
     fn promtool_accepts_the_exposition() {
         let mut device = DeviceStats::default();
         device.used = 1;
-        let snapshot = Snapshot {
+        let job = JobTotals {
+            pid: 1,
+            comm: "train".into(),
             devices: vec![(DeviceKey::Npu(0), device)],
             pools: vec![((DeviceKey::Npu(0), Pool::Workspace, 1), PoolStats::default())],
-            calls: 1,
-            lost: 2,
         };
+        let snapshot = Snapshot { jobs: vec![job], calls: 1, lost: 2 };
         let text = encoded(snapshot);
         let child = Command::new("promtool")
             .args(["check", "metrics"])

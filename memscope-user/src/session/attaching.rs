@@ -12,7 +12,7 @@ use crate::say::{note, say};
 use crate::store::{Meta, ProbeRow, Writer};
 use crate::summary::SkippedLibrary;
 
-pub(super) fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
+pub(crate) fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
     probes
         .iter()
         .map(|p| ProbeRow {
@@ -26,7 +26,7 @@ pub(super) fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
         .collect()
 }
 
-pub(super) fn usdt_rows(sites: &[AttachedUsdt], at: u64) -> Vec<ProbeRow> {
+pub(crate) fn usdt_rows(sites: &[AttachedUsdt], at: u64) -> Vec<ProbeRow> {
     sites
         .iter()
         .map(|s| ProbeRow {
@@ -45,7 +45,7 @@ pub(super) fn usdt_rows(sites: &[AttachedUsdt], at: u64) -> Vec<ProbeRow> {
 
 /// Attaches the marker sites of `libs`; a library whose notes cannot be used is reported and
 /// skipped (the allocation probes matter more than the markers).
-pub(super) fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool) -> Vec<AttachedUsdt> {
+pub(crate) fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool) -> Vec<AttachedUsdt> {
     let mut attached = Vec::new();
     if !crate::attach::perf_uprobe::ref_ctr_supported() {
         // Our markers only fire when their semaphore is raised, which needs the kernel's
@@ -72,12 +72,12 @@ pub(super) fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool)
     attached
 }
 
-pub(super) fn describe_marker_libraries(sites: &[AttachedUsdt]) -> String {
+pub(crate) fn describe_marker_libraries(sites: &[AttachedUsdt]) -> String {
     let libs: BTreeSet<&str> = sites.iter().map(|p| p.library.as_str()).collect();
     libs.into_iter().collect::<Vec<_>>().join(", ")
 }
 
-pub(super) fn describe_libraries(probes: &[AttachedProbe]) -> String {
+pub(crate) fn describe_libraries(probes: &[AttachedProbe]) -> String {
     let libs: BTreeSet<&str> = probes.iter().map(|p| p.library.as_str()).collect();
     libs.into_iter().collect::<Vec<_>>().join(", ")
 }
@@ -88,7 +88,7 @@ pub(super) fn describe_libraries(probes: &[AttachedProbe]) -> String {
 /// cannot be probed (not an ELF file, replaced or gone since the maps were read) is a warning,
 /// added to `skipped` and to `ms_meta`; tracing goes on with the others. Only a process that
 /// ended between its maps read and the attach is no warning.
-pub(super) fn rescan(
+pub(crate) fn rescan(
     tracer: &mut Tracer,
     pids: impl Iterator<Item = u32>,
     set: ProbeSet,
@@ -125,7 +125,7 @@ pub(super) fn rescan(
 }
 
 /// Warns about a library that cannot be probed; the warning names the file and why.
-pub(super) fn skip(quiet: bool, lib: &Library, e: &AttachError) -> SkippedLibrary {
+pub(crate) fn skip(quiet: bool, lib: &Library, e: &AttachError) -> SkippedLibrary {
     let reason = crate::attach::with_causes(e);
     note(quiet, format!("warning: {} is not traced: {reason}", lib.shown));
     SkippedLibrary { library: lib.shown.clone(), reason }
@@ -133,7 +133,7 @@ pub(super) fn skip(quiet: bool, lib: &Library, e: &AttachError) -> SkippedLibrar
 
 /// `ms_meta.libraries_skipped` (how many) and `ms_meta.skipped_libraries` (a JSON array of
 /// `{"library", "reason"}`).
-pub(super) fn skipped_meta(skipped: &[SkippedLibrary]) -> Meta {
+pub(crate) fn skipped_meta(skipped: &[SkippedLibrary]) -> Meta {
     let list: Vec<serde_json::Value> =
         skipped.iter().map(|s| serde_json::json!({ "library": s.library, "reason": s.reason })).collect();
     vec![
@@ -144,7 +144,7 @@ pub(super) fn skipped_meta(skipped: &[SkippedLibrary]) -> Meta {
 
 /// The error when no library could be probed at start: the ones without the API, and why each
 /// unusable one was refused.
-pub(super) fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]) -> anyhow::Error {
+pub(crate) fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]) -> anyhow::Error {
     let refused: Vec<String> = skipped.iter().map(|s| format!("{} ({})", s.library, s.reason)).collect();
     let usable: Vec<&str> =
         libraries.iter().map(|l| l.shown.as_str()).filter(|l| !skipped.iter().any(|s| s.library == *l)).collect();
@@ -160,15 +160,15 @@ pub(super) fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]
 }
 
 /// What the start's attach found: the API probes, the marker sites and the libraries refused.
-pub(super) struct Attached {
-    pub(super) probes: Vec<AttachedProbe>,
-    pub(super) markers: Vec<AttachedUsdt>,
-    pub(super) skipped: Vec<SkippedLibrary>,
+pub(crate) struct Attached {
+    pub(crate) probes: Vec<AttachedProbe>,
+    pub(crate) markers: Vec<AttachedUsdt>,
+    pub(crate) skipped: Vec<SkippedLibrary>,
 }
 
 /// Attaches the libraries given at start. One unusable file among the candidates is a warning;
 /// none usable is the error.
-pub(super) fn attach_all(
+pub(crate) fn attach_all(
     tracer: &mut Tracer,
     libraries: &[Library],
     set: ProbeSet,
@@ -194,7 +194,7 @@ pub(super) fn attach_all(
 }
 
 /// The "live" line: what is probed and which processes are traced.
-pub(super) fn announce(
+pub(crate) fn announce(
     probes: &[AttachedProbe],
     markers: &[AttachedUsdt],
     libraries: usize,

@@ -24,16 +24,16 @@ const ALLOCATOR_ENV: &[&str] = &[
 
 /// The target's allocator settings, from its environment at attach (launch: the environment it
 /// inherits from us). Absent variables are stored as absent, so "unset" stays distinguishable.
-pub(super) fn allocator_env(pid: u32) -> Vec<(String, String)> {
+pub(crate) fn allocator_env(pid: u32) -> Vec<(String, String)> {
     let env = libs::process_env(pid).unwrap_or_default();
     ALLOCATOR_ENV.iter().filter_map(|k| env.get(*k).map(|v| (format!("env.{k}"), v.clone()))).collect()
 }
 
-pub(super) fn kernel_release() -> String {
+pub(crate) fn kernel_release() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
 }
 
-pub(super) fn command_line(pid: u32) -> String {
+pub(crate) fn command_line(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|raw| {
             raw.split(|b| *b == 0)
@@ -46,7 +46,7 @@ pub(super) fn command_line(pid: u32) -> String {
 }
 
 /// `ms_meta`'s stack counts, and the summary's lines for them and for `--bpf-log`.
-pub(super) fn stack_meta(stacks: &CaptureStats, bpf_log: Option<(u64, u64)>, quiet: bool) -> Meta {
+pub(crate) fn stack_meta(stacks: &CaptureStats, bpf_log: Option<(u64, u64)>, quiet: bool) -> Meta {
     let mut meta: Meta = Vec::new();
     if stacks.stacks > 0 {
         meta.extend([
@@ -95,7 +95,7 @@ pub(super) fn stack_meta(stacks: &CaptureStats, bpf_log: Option<(u64, u64)>, qui
 }
 
 /// The summary's line of each device, its file still unknown.
-pub(super) fn device_lines(tracker: &Tracker) -> Vec<DeviceLine> {
+pub(crate) fn device_lines(tracker: &Tracker) -> Vec<DeviceLine> {
     tracker
         .devices()
         .map(|(device, s)| DeviceLine {
@@ -113,7 +113,7 @@ pub(super) fn device_lines(tracker: &Tracker) -> Vec<DeviceLine> {
 }
 
 /// The summary's line of each caching pool.
-pub(super) fn pool_lines(tracker: &Tracker) -> Vec<PoolLine> {
+pub(crate) fn pool_lines(tracker: &Tracker) -> Vec<PoolLine> {
     tracker
         .pools()
         .map(|((device, pool, pid), s)| PoolLine {

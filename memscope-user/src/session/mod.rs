@@ -11,8 +11,8 @@
 //! [`attaching`]: the libraries probed at the start and as they are mapped; [`facts`]: what
 //! the trace records about itself in `ms_meta` and the summary.
 
-mod attaching;
-mod facts;
+pub(crate) mod attaching;
+pub(crate) mod facts;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -33,7 +33,7 @@ use crate::attach::loader::LoadOptions;
 use crate::attach::{ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::launch::{self, Launched};
-use crate::metrics::{self, Published, Snapshot};
+use crate::metrics::{self, JobTotals, Published, Snapshot};
 use crate::model::Tracker;
 use crate::procs;
 use crate::record::bpf_log::{BpfLog, BpfLogCounts, BpfLogLevel};
@@ -166,10 +166,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     } = plan;
     let pid = target.pid();
     // Before anything is attached: a port in use fails the trace at once.
-    let metrics = match listen {
-        Some(addr) => Some(metrics::serve(addr, quiet).await?),
-        None => None,
-    };
+    let metrics = serve_metrics(listen, quiet).await?;
     let clock = Clock::calibrate();
     let started = Instant::now();
     let start_wall = clock::wall_ns();
@@ -249,11 +246,20 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         python,
         bpf_log,
         metrics,
+        comm: String::new(),
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
     let stop_reason = live.trace(&mut signals, duration, waiter).await?;
     live.finish(signals, stop_reason, started, run_dir)
+}
+
+/// `--listen`: binds the address and serves the totals published from then on.
+async fn serve_metrics(listen: Option<SocketAddr>, quiet: bool) -> anyhow::Result<Option<Published>> {
+    Ok(match listen {
+        Some(addr) => Some(metrics::serve(addr, quiet).await?),
+        None => None,
+    })
 }
 
 /// Loads the eBPF programs and registers the target in the kernel's traced set.
@@ -275,6 +281,7 @@ fn load(
         stack_window: stacks.window_bytes(),
         python_depth: stacks.python_depth(),
         bpf_log,
+        admission: None,
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.
@@ -316,6 +323,8 @@ struct Live {
     bpf_log: Option<(EbpfLogger<BpfLog>, Arc<BpfLogCounts>)>,
     /// `--listen`: the totals the next scrape reports, renewed at every drain tick.
     metrics: Option<Published>,
+    /// The target's command name, for the metrics' `comm` label (the last one read).
+    comm: String,
 }
 
 impl Live {
@@ -361,10 +370,16 @@ impl Live {
     }
 
     /// `--listen`: the totals as they are now, for the next scrape.
-    fn publish_metrics(&self) {
+    fn publish_metrics(&mut self) {
         if let Some(metrics) = &self.metrics {
+            // Read each time: a launched target takes its name at its exec, after the start.
+            let comm = metrics::comm_of(self.pid);
+            if !comm.is_empty() {
+                self.comm = comm;
+            }
             let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
-            metrics.publish(Snapshot::of(&self.recorder.tracker, self.recorder.calls, lost));
+            let job = JobTotals::of(self.pid, self.comm.clone(), &self.recorder.tracker);
+            metrics.publish(Snapshot { jobs: vec![job], calls: self.recorder.calls, lost });
         }
     }
 

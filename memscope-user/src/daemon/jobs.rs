@@ -1,0 +1,180 @@
+//! The daemon's jobs: each traced process gets the run folder `trace` would give it
+//! (`OUTPUT/memscope_<pid>_<time>_ascend/`, one DB per device), opened at its first recorded call
+//! and finished when it exits or the daemon stops, so every offline verb and Insight open it as
+//! they open a trace's.
+//!
+//! One process is one job: the kernel admits each process on its own (`memscope_common::filter`),
+//! so a launcher's workers (torchrun, multiprocessing) are jobs of their own, each with its own
+//! devices, as msMemScope writes one folder per process too.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context as _;
+
+use crate::clock::{self, Clock};
+use crate::metrics::{self, JobTotals};
+use crate::model::{Event, EventKind, Tracker};
+use crate::recorder::Recorder;
+use crate::session::facts::{allocator_env, command_line, kernel_release};
+use crate::stacks::NO_STACK;
+use crate::store::{Format, Meta, ProbeRow, RunLayout, Store, Writer};
+
+/// What every job's DB records about the daemon that wrote it.
+pub struct Context {
+    pub output: PathBuf,
+    pub format: Format,
+    pub clock: Clock,
+    pub ring_bytes: u32,
+    pub probe_links: String,
+}
+
+struct Job {
+    comm: String,
+    recorder: Recorder,
+    run_dir: PathBuf,
+    last_event: Instant,
+}
+
+/// A finished job, for the daemon's log.
+pub struct Ended {
+    pub pid: u32,
+    pub comm: String,
+    pub run_dir: PathBuf,
+    pub calls: u64,
+}
+
+#[derive(Default)]
+pub struct Jobs {
+    jobs: BTreeMap<u32, Job>,
+}
+
+impl Jobs {
+    /// Feeds one event to its process's job, opening the job at the process's first event.
+    /// A process that exits has its job finished at once; what went wrong with a job's files
+    /// ends that job, not the daemon.
+    pub fn on_event(&mut self, event: Event, cx: &Context, probes: &[ProbeRow]) -> Option<anyhow::Result<Ended>> {
+        let pid = event.pid;
+        let exit = matches!(event.kind, EventKind::Exit);
+        let job = match self.jobs.entry(pid) {
+            std::collections::btree_map::Entry::Occupied(job) => job.into_mut(),
+            // An exit of a process that never made a recorded call opens nothing.
+            std::collections::btree_map::Entry::Vacant(_) if exit => return None,
+            std::collections::btree_map::Entry::Vacant(slot) => match open(pid, cx, probes) {
+                Ok(job) => slot.insert(job),
+                Err(e) => return Some(Err(e)),
+            },
+        };
+        job.last_event = Instant::now();
+        job.recorder.on_event(event);
+        if exit || job.recorder.error.is_some() {
+            let reason = if exit { "process exited" } else { "write error" };
+            return Some(self.finish(pid, reason, &[]));
+        }
+        None
+    }
+
+    /// The pids of the jobs now open.
+    pub fn pids(&self) -> Vec<u32> {
+        self.jobs.keys().copied().collect()
+    }
+
+    /// Records newly attached probes in every open job's `ms_probes`.
+    pub fn add_probes(&mut self, probes: &[ProbeRow]) -> anyhow::Result<()> {
+        for job in self.jobs.values_mut() {
+            job.recorder.store.add_probes(probes.to_vec())?;
+        }
+        Ok(())
+    }
+
+    /// Commits every job's rows written so far (so a killed daemon leaves readable DBs).
+    pub fn commit(&mut self) -> Vec<(u32, anyhow::Error)> {
+        let mut failed = Vec::new();
+        for (pid, job) in &mut self.jobs {
+            if let Err(e) = job.recorder.store.commit() {
+                failed.push((*pid, anyhow::Error::new(e)));
+            }
+        }
+        failed
+    }
+
+    pub fn totals(&self) -> Vec<JobTotals> {
+        self.jobs.iter().map(|(pid, job)| JobTotals::of(*pid, job.comm.clone(), &job.recorder.tracker)).collect()
+    }
+
+    pub fn calls(&self) -> u64 {
+        self.jobs.values().map(|j| j.recorder.calls).sum()
+    }
+
+    /// Finishes job `pid`: shadow frees for its live blocks, its totals in `ms_meta`, the DBs
+    /// closed. `lost_per_cpu` is the daemon's own count (the ring is shared by every job).
+    pub fn finish(&mut self, pid: u32, reason: &str, lost_per_cpu: &[u64]) -> anyhow::Result<Ended> {
+        let job = self.jobs.remove(&pid).context("no such job")?;
+        let Job { comm, recorder, run_dir, .. } = job;
+        let Recorder { mut tracker, mut store, calls, markers, error, .. } = recorder;
+        if let Some(e) = error {
+            // The DB is left as its last commit had it; nothing more can be written to it.
+            return Err(e.context(format!("job {pid} ({comm}): its DB ends at the last commit")));
+        }
+        let stop_wall = clock::wall_ns();
+        store.stopping()?;
+        tracker.finish(stop_wall, |output| store.write_output(&output, (NO_STACK, NO_STACK)))?;
+        let lost: u64 = lost_per_cpu.iter().sum();
+        let meta: Meta = vec![
+            ("stop_ns".into(), stop_wall.to_string()),
+            ("stop_reason".into(), reason.to_owned()),
+            ("calls_recorded".into(), calls.to_string()),
+            ("markers_recorded".into(), markers.to_string()),
+            ("records_lost".into(), lost.to_string()),
+        ];
+        let written = store.finish(stop_wall, meta, lost_per_cpu.to_vec())?;
+        if written.is_empty() {
+            let _ = std::fs::remove_dir(&run_dir);
+        }
+        Ok(Ended { pid, comm, run_dir, calls })
+    }
+
+    /// Jobs whose process is gone though no exit record came (one lost in a full ring).
+    pub fn vanished(&self) -> Vec<u32> {
+        let quiet_for = std::time::Duration::from_secs(1);
+        self.jobs
+            .iter()
+            .filter(|(pid, job)| {
+                job.last_event.elapsed() > quiet_for && crate::procs::liveness(**pid) == crate::procs::Liveness::Exited
+            })
+            .map(|(pid, _)| *pid)
+            .collect()
+    }
+}
+
+/// Opens a job's run folder and store, as `trace` does for its target.
+fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
+    let start_wall = clock::wall_ns();
+    let layout = RunLayout::create(&cx.output, pid, (start_wall / 1_000_000_000) as i64)
+        .with_context(|| format!("cannot make a run folder for process {pid} in {}", cx.output.display()))?;
+    let run_dir = layout.root().to_owned();
+    let comm = metrics::comm_of(pid);
+    let mut meta: Meta = vec![
+        ("tool".into(), "memscope-bpf".into()),
+        ("tool_version".into(), env!("CARGO_PKG_VERSION").into()),
+        ("kernel".into(), kernel_release()),
+        ("mode".into(), "daemon".into()),
+        ("target_pid".into(), pid.to_string()),
+        ("command".into(), command_line(pid)),
+        ("start_ns".into(), start_wall.to_string()),
+        ("clock".into(), format!("CLOCK_MONOTONIC + {} ns offset measured at start", cx.clock.offset().as_nanos())),
+        ("ring_bytes".into(), cx.ring_bytes.to_string()),
+        ("format".into(), format!("{:?}", cx.format).to_lowercase()),
+        ("probe_links".into(), cx.probe_links.clone()),
+    ];
+    meta.extend(allocator_env(pid));
+    let mut store = Writer::start(Store::new(layout, cx.format, start_wall, meta));
+    store.add_probes(probes.to_vec())?;
+    Ok(Job { comm, recorder: Recorder::new(Tracker::new(), store), run_dir, last_event: Instant::now() })
+}
+
+/// Where a job's folders go: shown once at the start.
+pub fn describe_output(output: &Path) -> String {
+    format!("{}/memscope_<pid>_<time>_ascend/", output.display())
+}
