@@ -49,6 +49,18 @@ impl Signals {
     }
 }
 
+impl Signals {
+    /// The daemon's: the next stop signal, or `None` for SIGHUP, which asks a daemon to apply
+    /// its configuration again rather than to stop.
+    pub async fn next_or_hangup(&mut self) -> Option<&'static str> {
+        tokio::select! {
+            _ = self.int.recv() => Some("interrupted (SIGINT)"),
+            _ = self.term.recv() => Some("terminated (SIGTERM)"),
+            _ = self.hup.recv() => None,
+        }
+    }
+}
+
 /// Probes being detached on a thread of their own.
 pub struct Detaching {
     done: oneshot::Receiver<Duration>,

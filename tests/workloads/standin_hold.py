@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A job that holds many live blocks on the STAND-IN Ascend runtime (tests and bench only).
 
-It allocates --blocks device blocks with aclrtMalloc on device 0, writes its ledger (the same
+It allocates --blocks device blocks with aclrtMalloc on device --device (default 0), writes its ledger (the same
 JSON-lines form as standin_train.py: one object per call with API, device, size, pointer, return
 code, thread id and entry/exit wall-clock times), then writes its pid to --ready-file and holds
 every block for --hold seconds, freeing none: a tracer stopped now has that many live blocks to
@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--ledger", required=True, help="where to write the JSON-lines ledger")
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--size", type=int, default=64, help="bytes per block")
+    ap.add_argument("--device", type=int, default=0, help="the device to allocate on")
     ap.add_argument("--hold", type=float, default=60, help="seconds to hold the blocks before exiting")
     ap.add_argument("--ready-file", help="written with the pid once every block is allocated and logged")
     args = ap.parse_args()
@@ -37,8 +38,8 @@ def main():
     tid = threading.get_native_id()
     now = time.time_ns
     t0 = now()
-    rc = lib.aclrtSetDevice(0)
-    entries = [{"api": "aclrtSetDevice", "rc": rc, "tid": tid, "t0": t0, "t1": now(), "device": 0}]
+    rc = lib.aclrtSetDevice(args.device)
+    entries = [{"api": "aclrtSetDevice", "rc": rc, "tid": tid, "t0": t0, "t1": now(), "device": args.device}]
     if rc != 0:
         print(f"aclrtSetDevice failed: {rc}", file=sys.stderr)
         return 1
@@ -49,7 +50,7 @@ def main():
         t0 = now()
         rc = malloc(pp, args.size, 0)
         t1 = now()
-        entries.append({"api": "aclrtMalloc", "rc": rc, "tid": tid, "t0": t0, "t1": t1, "device": 0,
+        entries.append({"api": "aclrtMalloc", "rc": rc, "tid": tid, "t0": t0, "t1": t1, "device": args.device,
                         "size": args.size, "ptr": p.value if rc == 0 else None})
         if rc != 0:
             print(f"aclrtMalloc failed: {rc}", file=sys.stderr)

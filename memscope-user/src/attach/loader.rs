@@ -326,7 +326,6 @@ impl Tracer {
         traced.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "TRACED", source })
     }
 
-    #[allow(dead_code, reason = "called by the daemon verb, not wired yet (issue 13)")]
     /// The daemon: never traces process `pid` (`--exclude-pid`, or a running process whose name
     /// a rule denies), until it execs a new image.
     pub fn deny_process(&mut self, pid: u32) -> Result<(), LoadError> {

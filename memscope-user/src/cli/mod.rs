@@ -4,6 +4,7 @@ pub mod advise;
 pub mod analyze;
 mod bench_consumer;
 pub mod compare;
+pub mod daemon;
 mod inputs;
 pub mod probes;
 pub mod trace;
@@ -28,6 +29,7 @@ enum Command {
     Analyze(analyze::Args),
     Compare(compare::Args),
     Advise(advise::Args),
+    Daemon(daemon::Args),
     /// Replays synthetic ring records through the consumer (for `cargo xtask bench`).
     #[command(hide = true)]
     BenchConsumer(bench_consumer::Args),
@@ -41,6 +43,7 @@ impl Cli {
             Command::Analyze(args) => analyze::run(args),
             Command::Compare(args) => compare::run(args),
             Command::Advise(args) => advise::run(args),
+            Command::Daemon(args) => daemon::run(args),
             Command::BenchConsumer(args) => bench_consumer::run(&args),
         }
     }

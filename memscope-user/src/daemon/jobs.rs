@@ -39,40 +39,77 @@ struct Job {
 
 /// A finished job, for the daemon's log.
 pub struct Ended {
-    pub pid: u32,
     pub comm: String,
     pub run_dir: PathBuf,
     pub calls: u64,
 }
 
+/// What became of a job at an event.
+pub enum Outcome {
+    /// Its process exited: the job is to be finished.
+    Exited(u32),
+    /// Its DB could not be written: the job is to be finished (it ends at its last commit).
+    WriteFailed(u32),
+    /// Its run folder could not be made: the process is not recorded from then on.
+    Failed(u32, anyhow::Error),
+}
+
 #[derive(Default)]
 pub struct Jobs {
     jobs: BTreeMap<u32, Job>,
+    /// Opened since the last [`Jobs::take_opened`].
+    opened: Vec<u32>,
+    /// Processes whose job could not be opened: their events are dropped until they exit.
+    refused: std::collections::BTreeSet<u32>,
 }
 
 impl Jobs {
     /// Feeds one event to its process's job, opening the job at the process's first event.
-    /// A process that exits has its job finished at once; what went wrong with a job's files
-    /// ends that job, not the daemon.
-    pub fn on_event(&mut self, event: Event, cx: &Context, probes: &[ProbeRow]) -> Option<anyhow::Result<Ended>> {
+    /// Returns the job to finish now: its process exited, or its files failed (what goes wrong
+    /// with a job's files ends that job, not the daemon).
+    pub fn on_event(&mut self, event: Event, cx: &Context, probes: &[ProbeRow]) -> Option<Outcome> {
         let pid = event.pid;
         let exit = matches!(event.kind, EventKind::Exit);
+        if !self.refused.is_empty() && self.refused.contains(&pid) {
+            if exit {
+                self.refused.remove(&pid);
+            }
+            return None;
+        }
         let job = match self.jobs.entry(pid) {
             std::collections::btree_map::Entry::Occupied(job) => job.into_mut(),
             // An exit of a process that never made a recorded call opens nothing.
             std::collections::btree_map::Entry::Vacant(_) if exit => return None,
             std::collections::btree_map::Entry::Vacant(slot) => match open(pid, cx, probes) {
-                Ok(job) => slot.insert(job),
-                Err(e) => return Some(Err(e)),
+                Ok(job) => {
+                    let job = slot.insert(job);
+                    self.opened.push(pid);
+                    job
+                }
+                Err(e) => {
+                    self.refused.insert(pid);
+                    return Some(Outcome::Failed(pid, e));
+                }
             },
         };
         job.last_event = Instant::now();
         job.recorder.on_event(event);
-        if exit || job.recorder.error.is_some() {
-            let reason = if exit { "process exited" } else { "write error" };
-            return Some(self.finish(pid, reason, &[]));
+        if exit {
+            Some(Outcome::Exited(pid))
+        } else if job.recorder.error.is_some() {
+            Some(Outcome::WriteFailed(pid))
+        } else {
+            None
         }
-        None
+    }
+
+    /// The jobs opened since the last call, with their run folders, for the daemon's log.
+    pub fn take_opened(&mut self) -> Vec<(u32, String, PathBuf)> {
+        let opened = std::mem::take(&mut self.opened);
+        opened
+            .into_iter()
+            .filter_map(|pid| self.jobs.get(&pid).map(|j| (pid, j.comm.clone(), j.run_dir.clone())))
+            .collect()
     }
 
     /// The pids of the jobs now open.
@@ -127,12 +164,13 @@ impl Jobs {
             ("calls_recorded".into(), calls.to_string()),
             ("markers_recorded".into(), markers.to_string()),
             ("records_lost".into(), lost.to_string()),
+            ("records_lost_scope".into(), "the daemon's ring, shared by every job, until this job ended".into()),
         ];
         let written = store.finish(stop_wall, meta, lost_per_cpu.to_vec())?;
         if written.is_empty() {
             let _ = std::fs::remove_dir(&run_dir);
         }
-        Ok(Ended { pid, comm, run_dir, calls })
+        Ok(Ended { comm, run_dir, calls })
     }
 
     /// Jobs whose process is gone though no exit record came (one lost in a full ring).

@@ -1,7 +1,345 @@
-//! `memscope-bpf daemon` (issue 13), being built: every accelerator process on the node traced
-//! at once, one run folder per process ([`jobs`]), the kernel admitting processes by its rules
-//! (`memscope_common::filter`, `attach::loader::Admission`). The verb itself, its discovery loop
-//! and its tests come next; until then nothing calls this module.
-#![allow(dead_code, reason = "the daemon verb that uses it is not wired yet (issue 13)")]
+//! `memscope-bpf daemon`: every accelerator process on the node traced at once, for as long as
+//! the daemon runs, each in a run folder of its own ([`jobs`]), with their totals served for
+//! Prometheus.
+//!
+//! The probes go on library files, for every process ([`discover`]); the kernel admits a
+//! process at its first probed call unless the filters deny it ([`rules`],
+//! `memscope_common::filter`), so there is no per-process attach and no window between a job's
+//! start and its tracing. One ring carries every job's records; the loop hands each to its
+//! process's job, commits every job's rows every second (a daemon killed outright leaves DBs
+//! that open), looks for library files not probed yet every second, renews the metrics every
+//! 0.5 s, and finishes a job when its process exits. SIGINT and SIGTERM finish every open job
+//! and stop; SIGHUP applies the name filters again to the processes running then.
 
+pub mod discover;
 pub mod jobs;
+pub mod rules;
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+use crate::attach::libs::Library;
+use crate::attach::loader::{Admission, LoadOptions};
+use crate::attach::{ProbeSet, Tracer};
+use crate::clock::{self, Clock};
+use crate::metrics::{self, Published, Snapshot};
+use crate::record::ring::Consumer;
+use crate::say::{note, say};
+use crate::session::attaching::{attach_found, describe_libraries, describe_marker_libraries, probe_rows, usdt_rows};
+use crate::stop::{Detaching, Signals};
+use crate::store::{Format, ProbeRow};
+use crate::summary::SkippedLibrary;
+
+use discover::Discovery;
+use jobs::{Context, Jobs, Outcome};
+
+const DRAIN_EVERY: Duration = Duration::from_millis(20);
+const PUBLISH_EVERY: Duration = Duration::from_millis(500);
+const COMMIT_EVERY: Duration = Duration::from_secs(1);
+const SCAN_EVERY: Duration = Duration::from_secs(1);
+/// The consumer wakes up early once this much of the ring is waiting.
+const WAKEUP_FRACTION: u64 = 4;
+
+pub struct Plan {
+    /// `--lib` and the runtime folders of the daemon's own environment: probed at the start.
+    pub libraries: Vec<Library>,
+    pub output: PathBuf,
+    pub duration: Option<Duration>,
+    pub format: Format,
+    pub probe_set: ProbeSet,
+    pub ring_bytes: u32,
+    pub quiet: bool,
+    pub listen: SocketAddr,
+    pub admission: Admission,
+    /// `--exclude-pid`.
+    pub exclude_pids: Vec<u32>,
+}
+
+/// What the daemon did, once it stopped (its probes still being detached).
+pub struct Stopped {
+    pub reason: String,
+    pub jobs: u64,
+    pub calls: u64,
+    pub lost: u64,
+    pub detaching: Detaching,
+}
+
+/// Runs the daemon until a stop signal or `--duration`.
+pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
+    // Before anything is attached: a port in use fails the daemon at once.
+    let metrics = metrics::serve(plan.listen, plan.quiet).await?;
+    let clock = Clock::calibrate();
+    let opts = LoadOptions {
+        ring_bytes: plan.ring_bytes,
+        wakeup_bytes: u64::from(plan.ring_bytes) / WAKEUP_FRACTION,
+        follow_forks: false,
+        debug_dirs: Vec::new(),
+        stack_depth: 0,
+        stack_window: 0,
+        python_depth: 0,
+        bpf_log: None,
+        admission: Some(plan.admission.clone()),
+    };
+    // No target (pid 0 is never a process's tgid): the kernel admits processes by the rules.
+    let mut tracer = Tracer::load(&opts, 0, None).context("cannot load the eBPF programs")?;
+    let denied = deny(&mut tracer, &plan)?;
+    let consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    // SAFETY: the ring's descriptor belongs to `consumer`; `Daemon` declares `ring_fd` first, so
+    // it is dropped first, and `stop` drops it before anything else.
+    let ring_fd = unsafe { AsyncFd::register_with_interest(consumer.ring().as_raw_fd(), Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)
+        .context("cannot poll the ring buffer")?;
+    let cx = Context {
+        output: plan.output.clone(),
+        format: plan.format,
+        clock,
+        ring_bytes: plan.ring_bytes,
+        probe_links: tracer.link_kind(),
+    };
+    let mut daemon = Daemon {
+        ring_fd,
+        consumer,
+        tracer,
+        metrics,
+        cx,
+        jobs: Jobs::default(),
+        probes: Vec::new(),
+        skipped: Vec::new(),
+        discovery: Discovery::default(),
+        plan,
+        ended: 0,
+        ended_calls: 0,
+    };
+    let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
+    daemon.attach(start, "given at the start");
+    daemon.scan();
+    daemon.announce(denied);
+    let mut signals = Signals::new()?;
+    let reason = daemon.watch(&mut signals).await;
+    Ok(daemon.stop(reason, signals))
+}
+
+/// `--exclude-pid`, and the running processes `--exclude-comm` names (the kernel denies
+/// names at exec only). Returns how many were denied.
+fn deny(tracer: &mut Tracer, plan: &Plan) -> anyhow::Result<usize> {
+    let mut pids = plan.exclude_pids.clone();
+    pids.extend(rules::running_denied(&plan.admission.deny_comms));
+    pids.sort_unstable();
+    pids.dedup();
+    for pid in &pids {
+        tracer.deny_process(*pid).with_context(|| format!("cannot exclude process {pid}"))?;
+    }
+    Ok(pids.len())
+}
+
+/// A running daemon.
+struct Daemon {
+    /// Declared before `consumer`, whose descriptor it polls, so that it is dropped first.
+    ring_fd: AsyncFd<std::os::fd::RawFd>,
+    consumer: Consumer,
+    tracer: Tracer,
+    metrics: Published,
+    cx: Context,
+    jobs: Jobs,
+    /// Every probe and marker site attached so far: each new job's `ms_probes`.
+    probes: Vec<ProbeRow>,
+    skipped: Vec<SkippedLibrary>,
+    discovery: Discovery,
+    plan: Plan,
+    /// Jobs finished so far, and the calls they recorded.
+    ended: u64,
+    ended_calls: u64,
+}
+
+impl Daemon {
+    /// Probes library files not probed yet; new probes go into every open job's `ms_probes`.
+    fn attach(&mut self, libs: Vec<(Option<u32>, Library)>, found: &str) {
+        let quiet = self.plan.quiet;
+        let (added, markers) = attach_found(&mut self.tracer, libs, self.plan.probe_set, quiet, &mut self.skipped);
+        let now = clock::wall_ns();
+        let mut rows = probe_rows(&added, now);
+        rows.extend(usdt_rows(&markers, now));
+        if rows.is_empty() {
+            return;
+        }
+        if !added.is_empty() {
+            note(quiet, format!("probed {} functions in {} ({found})", added.len(), describe_libraries(&added)));
+        }
+        if !markers.is_empty() {
+            note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(&markers)));
+        }
+        if let Err(e) = self.jobs.add_probes(&rows) {
+            say!("memscope-bpf: warning: the new probes are not listed in the open jobs' ms_probes: {e:#}");
+        }
+        self.probes.extend(rows);
+    }
+
+    /// Looks at the processes due a look for library files not probed yet.
+    fn scan(&mut self) {
+        let found: Vec<(Option<u32>, Library)> =
+            self.discovery.due().into_iter().flat_map(discover::libraries_of).collect();
+        if !found.is_empty() {
+            self.attach(found, "mapped or named by a running process");
+        }
+    }
+
+    fn announce(&self, denied: usize) {
+        let plan = &self.plan;
+        let files = self.probes.iter().map(|p| p.library.as_str()).collect::<std::collections::BTreeSet<_>>().len();
+        let mut filters = Vec::new();
+        if !plan.admission.cgroups.is_empty() {
+            filters.push(format!("inside {} cgroup(s) given", plan.admission.cgroups.len()));
+        }
+        if !plan.admission.deny_comms.is_empty() || denied > 0 {
+            filters.push(format!(
+                "{} name(s) excluded, {denied} running process(es) denied",
+                plan.admission.deny_comms.len()
+            ));
+        }
+        let filters = if filters.is_empty() { String::new() } else { format!(" ({})", filters.join("; ")) };
+        say!(
+            "memscope-bpf: live: daemon: {} probes on {files} library file(s); tracing every process that calls them{filters}; jobs go to {}",
+            self.probes.len(),
+            jobs::describe_output(&plan.output),
+        );
+        if files == 0 {
+            note(plan.quiet, "no runtime library found yet: looking at new processes every second");
+        }
+    }
+
+    /// The loop, until a stop signal or `--duration`; returns why it stopped.
+    async fn watch(&mut self, signals: &mut Signals) -> String {
+        let duration = self.plan.duration;
+        let deadline = async move {
+            match duration {
+                Some(d) => {
+                    tokio::time::sleep(d).await;
+                    format!("--duration {:.1} s reached", d.as_secs_f64())
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(deadline);
+        let mut tick = tokio::time::interval(DRAIN_EVERY);
+        let (mut last_commit, mut last_scan, mut last_publish) = (Instant::now(), Instant::now(), Instant::now());
+        loop {
+            tokio::select! {
+                stop = signals.next_or_hangup() => match stop {
+                    Some(reason) => return reason.to_owned(),
+                    None => self.reapply_names(),
+                },
+                reason = &mut deadline => return reason,
+                guard = self.ring_fd.readable() => {
+                    if let Ok(mut guard) = guard {
+                        guard.clear_ready();
+                    }
+                    self.drain();
+                }
+                _ = tick.tick() => {
+                    self.drain();
+                    if last_publish.elapsed() >= PUBLISH_EVERY {
+                        last_publish = Instant::now();
+                        self.publish();
+                    }
+                    if last_commit.elapsed() >= COMMIT_EVERY {
+                        last_commit = Instant::now();
+                        self.commit();
+                    }
+                    if last_scan.elapsed() >= SCAN_EVERY {
+                        last_scan = Instant::now();
+                        self.scan();
+                    }
+                }
+            }
+        }
+    }
+
+    /// SIGHUP: the running processes `--exclude-comm` names now (one renamed or started
+    /// through a path the exec check did not see) are denied too.
+    fn reapply_names(&mut self) {
+        let pids = rules::running_denied(&self.plan.admission.deny_comms);
+        for pid in &pids {
+            if let Err(e) = self.tracer.deny_process(*pid) {
+                say!("memscope-bpf: warning: cannot exclude process {pid}: {e}");
+            }
+        }
+        note(
+            self.plan.quiet,
+            format!("SIGHUP: name filters applied again ({} running process(es) denied)", pids.len()),
+        );
+    }
+
+    /// Hands every record waiting in the ring to its job; finishes the jobs whose process ended.
+    fn drain(&mut self) {
+        let mut outcomes = Vec::new();
+        let Self { consumer, jobs, cx, probes, .. } = self;
+        consumer.drain(|e| outcomes.extend(jobs.on_event(e, cx, probes)));
+        for (pid, comm, dir) in self.jobs.take_opened() {
+            note(self.plan.quiet, format!("job {pid} ({comm}): traced, in {}", dir.display()));
+        }
+        for outcome in outcomes {
+            match outcome {
+                Outcome::Exited(pid) => self.finish(pid, "process exited"),
+                Outcome::WriteFailed(pid) => self.finish(pid, "write error"),
+                Outcome::Failed(pid, e) => say!("memscope-bpf: warning: process {pid} is not recorded: {e:#}"),
+            }
+        }
+    }
+
+    fn finish(&mut self, pid: u32, reason: &str) {
+        let lost = self.tracer.lost_per_cpu().unwrap_or_default();
+        match self.jobs.finish(pid, reason, &lost) {
+            Ok(ended) => {
+                self.ended += 1;
+                self.ended_calls += ended.calls;
+                note(
+                    self.plan.quiet,
+                    format!(
+                        "job {pid} ({}): {reason}; {} calls recorded in {}",
+                        ended.comm,
+                        ended.calls,
+                        ended.run_dir.display()
+                    ),
+                );
+            }
+            Err(e) => say!("memscope-bpf: warning: job {pid}: {e:#}"),
+        }
+    }
+
+    fn publish(&mut self) {
+        let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
+        let calls = self.ended_calls + self.jobs.calls();
+        self.metrics.publish(Snapshot { jobs: self.jobs.totals(), calls, lost });
+    }
+
+    /// Commits every job's rows; finishes the jobs whose process is gone without an exit record
+    /// (one lost in a full ring).
+    fn commit(&mut self) {
+        for (pid, e) in self.jobs.commit() {
+            say!("memscope-bpf: warning: job {pid}: cannot commit its rows: {e:#}");
+        }
+        for pid in self.jobs.vanished() {
+            self.finish(pid, "process exited (its exit record was lost)");
+        }
+    }
+
+    /// Drains what is left, finishes every open job and starts detaching the probes.
+    fn stop(mut self, reason: String, signals: Signals) -> Stopped {
+        note(self.plan.quiet, format!("stopping ({reason})…"));
+        self.drain();
+        let stop_reason = format!("daemon stopped: {reason}");
+        for pid in self.jobs.pids() {
+            self.finish(pid, &stop_reason);
+        }
+        let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
+        let Self { ring_fd, tracer, ended, ended_calls, .. } = self;
+        drop(ring_fd);
+        Stopped { reason, jobs: ended, calls: ended_calls, lost, detaching: Detaching::start(tracer, signals) }
+    }
+}

@@ -9,7 +9,7 @@ use crate::attach::libs::{self, Library};
 use crate::attach::loader::AttachError;
 use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 use crate::say::{note, say};
-use crate::store::{Meta, ProbeRow, Writer};
+use crate::store::{Meta, ProbeRow};
 use crate::summary::SkippedLibrary;
 
 pub(crate) fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
@@ -83,45 +83,56 @@ pub(crate) fn describe_libraries(probes: &[AttachedProbe]) -> String {
 }
 
 /// Attaches newly mapped libraries of the traced processes; returns the new probes and marker
-/// sites. The markers go last: a program's `wait_for_tracer()` returns as soon as their
-/// semaphores rise, and by then every library it had mapped must be probed too. A library that
-/// cannot be probed (not an ELF file, replaced or gone since the maps were read) is a warning,
-/// added to `skipped` and to `ms_meta`; tracing goes on with the others. Only a process that
-/// ended between its maps read and the attach is no warning.
+/// sites ([`attach_found`]). Only a process that ended between its maps read and the attach is
+/// no warning.
 pub(crate) fn rescan(
     tracer: &mut Tracer,
     pids: impl Iterator<Item = u32>,
     set: ProbeSet,
     quiet: bool,
     skipped: &mut Vec<SkippedLibrary>,
-    store: &mut Writer,
-) -> anyhow::Result<(Vec<AttachedProbe>, Vec<AttachedUsdt>)> {
+) -> (Vec<AttachedProbe>, Vec<AttachedUsdt>) {
+    let mut found = Vec::new();
+    for pid in pids {
+        let libs = libs::from_maps(pid).unwrap_or_default();
+        found.extend(libs.into_iter().filter(|l| !tracer.is_attached(l)).map(|l| (Some(pid), l)));
+    }
+    attach_found(tracer, found, set, quiet, skipped)
+}
+
+/// Attaches libraries not probed yet, each found in process `pid`'s view (if any); returns the
+/// new probes and marker sites. The markers go last: a program's `wait_for_tracer()` returns as
+/// soon as their semaphores rise, and by then every library it had mapped must be probed too.
+/// A library that cannot be probed (not an ELF file, replaced or gone since it was found) is a
+/// warning, added to `skipped` (the caller records it in `ms_meta`); tracing goes on with the
+/// others.
+pub(crate) fn attach_found(
+    tracer: &mut Tracer,
+    libs: Vec<(Option<u32>, Library)>,
+    set: ProbeSet,
+    quiet: bool,
+    skipped: &mut Vec<SkippedLibrary>,
+) -> (Vec<AttachedProbe>, Vec<AttachedUsdt>) {
     let mut added = Vec::new();
     let mut found = Vec::new();
-    let before = skipped.len();
-    for pid in pids {
-        for lib in libs::from_maps(pid).unwrap_or_default() {
-            if tracer.is_attached(&lib) {
-                continue;
+    for (pid, lib) in libs {
+        if tracer.is_attached(&lib) {
+            continue;
+        }
+        match tracer.attach(&lib, set) {
+            Ok(probes) => {
+                added.extend(probes);
+                found.push(lib);
             }
-            match tracer.attach(&lib, set) {
-                Ok(probes) => {
-                    added.extend(probes);
-                    found.push(lib);
-                }
-                // A process that ended meanwhile takes its view of the files (`/proc/PID/root`)
-                // with it: nothing is wrong with the library, which is tried again if another
-                // traced process maps it.
-                Err(_) if std::fs::metadata(format!("/proc/{pid}/root")).is_err() => {}
-                Err(e) => skipped.push(skip(quiet, &lib, &e)),
-            }
+            // A process that ended meanwhile takes its view of the files (`/proc/PID/root`)
+            // with it: nothing is wrong with the library, which is tried again if another
+            // process maps it.
+            Err(_) if pid.is_some_and(|pid| std::fs::metadata(format!("/proc/{pid}/root")).is_err()) => {}
+            Err(e) => skipped.push(skip(quiet, &lib, &e)),
         }
     }
-    if skipped.len() > before {
-        store.set_meta(skipped_meta(skipped))?;
-    }
     let markers = attach_markers(tracer, &found, quiet);
-    Ok((added, markers))
+    (added, markers)
 }
 
 /// Warns about a library that cannot be probed; the warning names the file and why.

@@ -468,8 +468,11 @@ impl Live {
         self.find_pythons()?;
         let pids = std::iter::once(self.pid).chain(self.recorder.children.iter().copied()).collect::<Vec<_>>();
         let (quiet, store) = (self.quiet, &mut self.recorder.store);
-        let (added, markers) =
-            rescan(&mut self.tracer, pids.into_iter(), self.probe_set, quiet, &mut self.skipped, store)?;
+        let before = self.skipped.len();
+        let (added, markers) = rescan(&mut self.tracer, pids.into_iter(), self.probe_set, quiet, &mut self.skipped);
+        if self.skipped.len() > before {
+            store.set_meta(skipped_meta(&self.skipped))?;
+        }
         if !added.is_empty() {
             let libraries = describe_libraries(&added);
             note(

@@ -7,7 +7,8 @@
 //!
 //! By role: [`environment`] (paths, variables, skips), [`ledgers`] (the workloads' own ground
 //! truth), [`readers`] (the DBs, CSVs and text the tracer wrote, read back), [`runner`] (starting
-//! memscope-bpf and the workloads) and [`assertions`] (the comparisons). Everything is
+//! memscope-bpf and the workloads), [`scrape`] (HTTP, Prometheus and PromQL) and [`assertions`]
+//! (the comparisons). Everything is
 //! re-exported here, so a test needs only `use memscope_integration::*`.
 
 pub mod assertions;
@@ -15,9 +16,11 @@ pub mod environment;
 pub mod ledgers;
 pub mod readers;
 pub mod runner;
+pub mod scrape;
 
 pub use assertions::*;
 pub use environment::*;
 pub use ledgers::*;
 pub use readers::*;
 pub use runner::*;
+pub use scrape::*;

@@ -199,7 +199,11 @@ fn read_dump_file(file: &Path, folder: &str, untracked: &mut Vec<DbRow>) -> Vec<
 /// calls with no known device. Every DB named for Insight must pass its import rules
 /// ([`insight_rules`]): this is where the tests read what the tracer wrote, so no DB escapes.
 pub fn read_output(output: &Path) -> Output {
-    let run_dir = run_dir(output);
+    read_run(&run_dir(output))
+}
+/// As [`read_output`], for one run folder among several (the daemon writes one per job).
+pub fn read_run(run_dir: &Path) -> Output {
+    let run_dir = run_dir.to_owned();
     let mut files = BTreeMap::new();
     let mut untracked = Vec::new();
     for entry in std::fs::read_dir(&run_dir).unwrap() {

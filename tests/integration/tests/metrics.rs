@@ -3,59 +3,15 @@
 //! its blocks, and a PromQL query over Prometheus's HTTP API returns the job's live bytes and
 //! allocations as the job's own ledger counts them.
 
-use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use memscope_integration::*;
 
-/// Kills Prometheus however the test ends.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// `GET path` over HTTP/1.0; the status line and the body.
-fn get(addr: SocketAddr, path: &str) -> std::io::Result<(String, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply)?;
-    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
-    Ok((head.lines().next().unwrap_or_default().to_owned(), body.to_owned()))
-}
-
-/// A PromQL query's single value, once Prometheus has one.
-fn query(prometheus: SocketAddr, promql: &str) -> Option<u64> {
-    let mut encoded = String::new();
-    for b in promql.bytes() {
-        match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' => encoded.push(b as char),
-            _ => encoded.push_str(&format!("%{b:02X}")),
-        }
-    }
-    let (_, body) = get(prometheus, &format!("/api/v1/query?query={encoded}")).ok()?;
-    let reply: serde_json::Value = serde_json::from_str(&body).ok()?;
-    let result = reply["data"]["result"].as_array()?;
-    assert!(result.len() <= 1, "{promql}: one series expected, got {reply}");
-    result.first()?["value"][1].as_str()?.parse().ok()
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[test]
 fn prometheus_scrapes_the_jobs_live_bytes_and_allocations_as_its_ledger_counts_them() {
     let env = env("metrics_prometheus");
-    if Command::new("prometheus").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: prometheus is not installed (Debian's package; `cargo xtask setup` installs it)");
+    if let Some(why) = prometheus_missing() {
+        eprintln!("SKIPPED: {why}");
         return;
     }
     let (out, ledger_path, ready) =
@@ -90,11 +46,7 @@ fn prometheus_scrapes_the_jobs_live_bytes_and_allocations_as_its_ledger_counts_t
         assert!(Instant::now() < deadline, "the workload did not allocate its blocks:\n{}", tracer.stderr());
         std::thread::sleep(Duration::from_millis(50));
     }
-    let stderr = tracer.stderr();
-    let metrics: SocketAddr = stderr
-        .lines()
-        .find_map(|l| l.split("metrics: http://").nth(1)?.strip_suffix("/metrics")?.parse().ok())
-        .unwrap_or_else(|| panic!("no metrics address in:\n{stderr}"));
+    let metrics = metrics_address(&tracer.stderr());
     let (status, body) = get(metrics, "/healthz").unwrap();
     assert!(status.contains(" 200 ") && body == "ok\n", "/healthz: {status} {body:?}");
     assert!(get(metrics, "/nothing").unwrap().0.contains("404"));
@@ -106,24 +58,7 @@ fn prometheus_scrapes_the_jobs_live_bytes_and_allocations_as_its_ledger_counts_t
     let live_bytes: u64 = mallocs.iter().filter_map(|e| e.size).map(|n| (n + 32).div_ceil(32) * 32).sum();
     assert_eq!(mallocs.len(), 300, "the ledger's allocations");
 
-    let prometheus_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let config = env.scratch.join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: memscope\n    static_configs:\n      - targets: ['{metrics}']\n"
-        ),
-    )
-    .unwrap();
-    let prometheus = Command::new("prometheus")
-        .arg(format!("--config.file={}", config.display()))
-        .arg(format!("--storage.tsdb.path={}", env.scratch.join("tsdb").display()))
-        .arg(format!("--web.listen-address={prometheus_addr}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("cannot start prometheus");
-    let _prometheus = Killed(prometheus);
+    let (_prometheus, prometheus_addr) = start_prometheus(&env.scratch, metrics);
 
     // What the scraped series say, once Prometheus has scraped (every second).
     let live = r#"memscope_live_bytes{job="memscope",device="0"}"#;

@@ -1,0 +1,157 @@
+//! `memscope-bpf daemon`: trace every accelerator process on the node for as long as it runs,
+//! one run folder per process, with the totals served for Prometheus. Privileged.
+//!
+//! As with `trace`, everything that can be checked before the probes load is checked here (the
+//! filters, the output folder, the address), so a mistake costs one clear line.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+
+use super::parse_duration;
+use super::trace::{user_libraries, DEFAULT_RING_MB};
+use crate::attach::libs;
+use crate::attach::loader::Admission;
+use crate::attach::ProbeSet;
+use crate::daemon::{self, rules, Plan, Stopped};
+use crate::preflight;
+use crate::say::say;
+use crate::store::Format;
+
+/// The port Prometheus's exporter list gives memscope-bpf's metrics.
+const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
+
+/// Trace every process on this node that uses the accelerator runtime, for as long as the
+/// daemon runs, and serve the totals for Prometheus.
+///
+/// Every process: sudo memscope-bpf daemon
+/// Filtered:      sudo memscope-bpf daemon --cgroup /kubepods.slice --exclude-comm python3.8
+///
+/// The probes go on the runtime, driver and framework libraries that processes map (looked
+/// for in /proc every second) or that --lib and ASCEND_HOME_PATH name; a process is traced from
+/// its first call into them, unless a filter excludes it. Each traced process is a job with its
+/// own folder, OUTPUT/memscope_<pid>_<time>_ascend/, one DB per device, the folder `trace`
+/// writes: every offline verb (analyze, compare, advise) and MindStudio Insight open it. Rows
+/// are committed every second; a job is finished when its process exits. GET /metrics serves
+/// every running job's totals (labels pid, comm, device, pool), GET /healthz says the daemon
+/// is up. SIGINT or SIGTERM finishes every job's DBs and stops; SIGHUP applies --exclude-comm
+/// again to the processes running then. Needs root.
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// Folder for the jobs' run folders (made if missing; 0700, files 0600).
+    #[arg(short, long, value_name = "DIR", default_value = "/var/lib/memscope")]
+    pub output: PathBuf,
+
+    /// Serve the metrics on this address: `GET /metrics` and `GET /healthz`. Use a loopback
+    /// address unless the network is trusted; port 0 picks a free one (printed at the start).
+    #[arg(long, value_name = "ADDR:PORT", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Trace only processes inside this cgroup (v2), given as /proc/PID/cgroup shows it
+    /// (/kubepods.slice) or as a folder under the cgroup2 mount. Repeatable, at most 8: a
+    /// process inside any of them is traced. Checked in the kernel at a process's first call.
+    #[arg(long = "cgroup", value_name = "PATH")]
+    pub cgroups: Vec<PathBuf>,
+
+    /// Never trace processes of this command name, as /proc/PID/comm shows it (cut to 15
+    /// bytes). Repeatable. Checked in the kernel when a process execs, and here at the start
+    /// (and on SIGHUP) for the processes already running.
+    #[arg(long = "exclude-comm", value_name = "NAME")]
+    pub exclude_comms: Vec<String>,
+
+    /// Never trace this process (until it execs another program). Repeatable.
+    #[arg(long = "exclude-pid", value_name = "PID")]
+    pub exclude_pids: Vec<u32>,
+
+    /// Also probe this library: a file of any name or a folder. Repeatable. The libraries the
+    /// node's processes map, and those in ASCEND_HOME_PATH's runtime folders (the daemon's and
+    /// each process's), are probed without it.
+    #[arg(long = "lib", value_name = "PATH")]
+    pub libs: Vec<PathBuf>,
+
+    /// Stop after this long (e.g. 30s, 10m, 24h). Default: until SIGINT or SIGTERM.
+    #[arg(short, long, value_name = "TIME", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+
+    /// The jobs' output format: db (SQLite, what MindStudio Insight opens) or csv.
+    #[arg(long, value_enum, default_value_t = Format::Db)]
+    pub format: Format,
+
+    /// Where a library exports both aclrtX and aclrtXImpl: probe the Impl only (default) or both.
+    #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
+    pub probe_set: ProbeSet,
+
+    /// Ring buffer size in MiB, a power of two, shared by every job (see `trace --help`).
+    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_RING_MB)]
+    pub ring_mb: u32,
+
+    /// Print only errors and the final line (not each job's start and end).
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if !args.ring_mb.is_power_of_two() || args.ring_mb > 1024 {
+        bail!("--ring-mb {} must be a power of two between 1 and 1024", args.ring_mb);
+    }
+    let admission =
+        Admission { cgroups: rules::cgroup_rules(&args.cgroups)?, deny_comms: rules::comm_keys(&args.exclude_comms)? };
+    crate::attach::loader::check_object()?;
+    preflight::check_privileges()?;
+    preflight::check_uprobes()?;
+    let mut libraries = user_libraries(&args.libs)?;
+    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    libraries.extend(libs::from_env(&env, Path::new("/"), false));
+    let libraries = libs::with_dependencies(libraries);
+    preflight::check_output(&args.output)?;
+
+    let plan = Plan {
+        libraries,
+        output: args.output,
+        duration: args.duration,
+        format: args.format,
+        probe_set: args.probe_set,
+        ring_bytes: args.ring_mb * 1024 * 1024,
+        quiet: args.quiet,
+        listen: args.listen,
+        admission,
+        exclude_pids: args.exclude_pids,
+    };
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;
+    let Stopped { reason, jobs, calls, lost, detaching } = runtime.block_on(daemon::run(plan))?;
+    say!(
+        "memscope-bpf: daemon stopped ({reason}): {jobs} job(s) finished, {calls} calls recorded, {lost} records lost"
+    );
+    runtime.block_on(detaching.wait(args.quiet));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use crate::cli::Cli;
+
+    #[test]
+    fn defaults_are_a_daemons() {
+        let cli = Cli::try_parse_from(["memscope-bpf", "daemon"]).unwrap();
+        let text = format!("{cli:?}");
+        assert!(text.contains("/var/lib/memscope") && text.contains("127.0.0.1:9464"), "{text}");
+    }
+
+    #[test]
+    fn bad_filters_fail_before_anything_is_loaded() {
+        let cli = Cli::try_parse_from(["memscope-bpf", "daemon", "--exclude-comm", ""]).unwrap();
+        let err = format!("{:#}", cli.run().unwrap_err());
+        assert!(err.contains("--exclude-comm"), "{err}");
+        let cli = Cli::try_parse_from(["memscope-bpf", "daemon", "--cgroup", "/no/such/cgroup/here"]).unwrap();
+        let err = format!("{:#}", cli.run().unwrap_err());
+        assert!(err.contains("/no/such/cgroup/here"), "{err}");
+        let cli = Cli::try_parse_from(["memscope-bpf", "daemon", "--ring-mb", "3"]).unwrap();
+        assert!(format!("{:#}", cli.run().unwrap_err()).contains("power of two"));
+    }
+}

@@ -1,0 +1,151 @@
+//! The daemon's filters as the kernel checks them (`memscope_common::filter`): `--cgroup` paths
+//! turned into (id, depth) rules of the cgroup v2 tree, `--exclude-comm` names cut as the kernel
+//! cuts them, and the running processes those names deny (the kernel only sees names at exec).
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Component, Path, PathBuf};
+
+use memscope_common::filter::{comm_key, CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuleError {
+    #[error("--cgroup needs the cgroup v2 (unified) hierarchy, and /proc/self/mountinfo has no cgroup2 mount: mount it (`mount -t cgroup2 none /sys/fs/cgroup`) or trace without --cgroup")]
+    NoCgroup2,
+    #[error(
+        "--cgroup {path}: {reason} (give a folder of the cgroup v2 tree, as /kubepods.slice or {mount}/kubepods.slice)"
+    )]
+    BadCgroup { path: PathBuf, mount: PathBuf, reason: String },
+    #[error("--cgroup given {0} times; the kernel checks at most {MAX_CGROUP_RULES}: give a common parent instead")]
+    TooMany(usize),
+    #[error("--exclude-comm `{0}` is empty: give a command name as /proc/PID/comm shows it")]
+    EmptyComm(String),
+}
+
+/// Where the cgroup v2 hierarchy is mounted, from a `mountinfo` text.
+fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        // ID PARENT MAJ:MIN ROOT MOUNT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER
+        let (left, right) = line.split_once(" - ")?;
+        let fstype = right.split_ascii_whitespace().next()?;
+        (fstype == "cgroup2").then(|| left.split_ascii_whitespace().nth(4).map(PathBuf::from))?
+    })
+}
+
+/// A `--cgroup` rule: `path` is a folder under the cgroup v2 mount, given either inside the
+/// hierarchy (`/kubepods.slice`, as `/proc/PID/cgroup` shows it) or as a full path.
+pub fn cgroup_rule(path: &Path) -> Result<CgroupRule, RuleError> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mount = cgroup2_mount(&mountinfo).ok_or(RuleError::NoCgroup2)?;
+    cgroup_rule_under(&mount, path)
+}
+
+fn cgroup_rule_under(mount: &Path, path: &Path) -> Result<CgroupRule, RuleError> {
+    let bad = |reason: String| RuleError::BadCgroup { path: path.to_owned(), mount: mount.to_owned(), reason };
+    let inside = match path.strip_prefix(mount) {
+        Ok(inside) => inside.to_owned(),
+        Err(_) => path.strip_prefix("/").unwrap_or(path).to_owned(),
+    };
+    if inside.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(bad("`.` and `..` are not allowed".into()));
+    }
+    let full = mount.join(&inside);
+    let meta = std::fs::metadata(&full).map_err(|e| bad(format!("{}: {e}", full.display())))?;
+    if !meta.is_dir() {
+        return Err(bad(format!("{} is not a folder", full.display())));
+    }
+    // The kernel's ancestor at level 0 is the root; each folder below adds one.
+    let level = inside.components().count() as u32;
+    // In cgroup v2 a cgroup's id is its folder's inode number.
+    Ok(CgroupRule { id: meta.ino(), level, _pad: 0 })
+}
+
+/// Every `--cgroup`, checked.
+pub fn cgroup_rules(paths: &[PathBuf]) -> Result<Vec<CgroupRule>, RuleError> {
+    if paths.len() > MAX_CGROUP_RULES as usize {
+        return Err(RuleError::TooMany(paths.len()));
+    }
+    paths.iter().map(|p| cgroup_rule(p)).collect()
+}
+
+/// Every `--exclude-comm`, as the kernel compares it (15 bytes at most: longer names are cut,
+/// as the kernel cuts a process's own name).
+pub fn comm_keys(names: &[String]) -> Result<Vec<[u8; COMM_LEN]>, RuleError> {
+    names
+        .iter()
+        .map(|n| if n.is_empty() { Err(RuleError::EmptyComm(n.clone())) } else { Ok(comm_key(n.as_bytes())) })
+        .collect()
+}
+
+/// The running processes whose `/proc/PID/comm` is one of `denied`: the kernel checks names
+/// at exec, so processes started before the daemon are denied from here.
+pub fn running_denied(denied: &[[u8; COMM_LEN]]) -> Vec<u32> {
+    if denied.is_empty() {
+        return Vec::new();
+    }
+    crate::daemon::discover::all_pids()
+        .into_iter()
+        .filter(|pid| {
+            let comm = crate::metrics::comm_of(*pid);
+            !comm.is_empty() && denied.contains(&comm_key(comm.as_bytes()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cgroup2_mount_is_found_among_others() {
+        let text = "25 1 0:23 / /sys/fs/cgroup/systemd rw - cgroup cgroup rw,name=systemd\n\
+                    30 1 0:26 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n";
+        assert_eq!(cgroup2_mount(text), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        // Optional fields before the separator do not shift the fields.
+        let text = "30 1 0:26 / /sys/fs/cgroup rw shared:9 master:2 - cgroup2 cgroup2 rw\n";
+        assert_eq!(cgroup2_mount(text), Some(PathBuf::from("/sys/fs/cgroup")));
+        assert_eq!(cgroup2_mount("22 1 0:5 / /proc rw - proc proc rw\n"), None);
+    }
+
+    #[test]
+    fn a_rule_is_the_folders_inode_at_its_depth() {
+        let mount = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(mount.path().join("kube.slice/pod1")).unwrap();
+        let ino = std::fs::metadata(mount.path().join("kube.slice/pod1")).unwrap().ino();
+        // Inside the hierarchy or as a full path: the same rule.
+        for given in [PathBuf::from("/kube.slice/pod1"), mount.path().join("kube.slice/pod1")] {
+            let rule = cgroup_rule_under(mount.path(), &given).unwrap();
+            assert_eq!((rule.id, rule.level), (ino, 2), "{}", given.display());
+        }
+        let root = cgroup_rule_under(mount.path(), Path::new("/")).unwrap();
+        assert_eq!(root.level, 0);
+    }
+
+    #[test]
+    fn bad_cgroups_name_the_path_and_the_fix() {
+        let mount = tempfile::tempdir().unwrap();
+        std::fs::write(mount.path().join("file"), "").unwrap();
+        for (given, says) in [("/nope", "No such file"), ("/file", "is not a folder"), ("/a/../b", "not allowed")] {
+            let err = cgroup_rule_under(mount.path(), Path::new(given)).unwrap_err().to_string();
+            assert!(err.contains(given) && err.contains(says) && err.contains("give a folder"), "{err}");
+        }
+        let many: Vec<PathBuf> = (0..=MAX_CGROUP_RULES).map(|i| PathBuf::from(format!("/{i}"))).collect();
+        assert!(matches!(cgroup_rules(&many), Err(RuleError::TooMany(9))));
+    }
+
+    #[test]
+    fn names_are_cut_as_the_kernel_cuts_them() {
+        let keys = comm_keys(&["python3.8".into(), "a_very_long_command_name".into()]).unwrap();
+        assert_eq!(&keys[0][..10], b"python3.8\0");
+        assert_eq!(&keys[1][..15], b"a_very_long_com");
+        assert_eq!(keys[1][15], 0);
+        assert!(comm_keys(&[String::new()]).is_err());
+    }
+
+    #[test]
+    fn running_processes_are_denied_by_their_name() {
+        let own = crate::metrics::comm_of(std::process::id());
+        let denied = running_denied(&comm_keys(&[own]).unwrap());
+        assert!(denied.contains(&std::process::id()), "{denied:?}");
+        assert!(running_denied(&[]).is_empty());
+    }
+}

@@ -1,0 +1,222 @@
+//! Privileged tests of `memscope-bpf daemon`: stand-in jobs start and stop while the daemon
+//! runs; the ones its filters admit get a run folder each, whose DB holds exactly the calls of
+//! the job's own ledger, and series that a real Prometheus scrapes with the ledger's values and
+//! that go away when the job ends; the ones the filters deny (outside the `--cgroup`, or named
+//! by `--exclude-comm`) get neither.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use memscope_integration::*;
+
+/// A cgroup v2 folder of the test's own, removed at the end.
+struct Cgroup {
+    dir: PathBuf,
+    /// As `--cgroup` takes it: the path inside the hierarchy.
+    inside: String,
+}
+
+impl Cgroup {
+    fn make() -> Result<Self, String> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| e.to_string())?;
+        let mount = mountinfo
+            .lines()
+            .find_map(|l| {
+                let (left, right) = l.split_once(" - ")?;
+                right.starts_with("cgroup2 ").then(|| left.split(' ').nth(4).map(PathBuf::from))?
+            })
+            .ok_or("no cgroup2 mount")?;
+        let inside = format!("memscope-test-{}", std::process::id());
+        let dir = mount.join(&inside);
+        std::fs::create_dir(&dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+        Ok(Self { dir, inside: format!("/{inside}") })
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        // Its processes were killed by then; the kernel needs a moment to take them out.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// One stand-in job holding its blocks, and its ledger.
+struct Job {
+    process: Killed,
+    ledger: PathBuf,
+    ready: PathBuf,
+}
+
+impl Job {
+    /// Starts `standin_hold.py` with `python` on `device`, inside `cgroup` if given (it moves
+    /// itself there before it execs Python, so its first call is made inside).
+    fn start(env: &TestEnv, name: &str, python: &Path, device: u32, blocks: u32, cgroup: Option<&Path>) -> Self {
+        let (ledger, ready) = (env.scratch.join(format!("{name}.jsonl")), env.scratch.join(format!("{name}.ready")));
+        let hold = env.workload.with_file_name("standin_hold.py");
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(r#"if [ -n "$1" ]; then echo $$ > "$1/cgroup.procs" || exit 9; fi; shift; exec "$@""#)
+            .arg("sh")
+            .arg(cgroup.map(Path::as_os_str).unwrap_or_default())
+            .arg(python)
+            .arg(&hold)
+            .args(["--ledger", &ledger.display().to_string(), "--ready-file", &ready.display().to_string()])
+            .args(["--device", &device.to_string(), "--blocks", &blocks.to_string(), "--size", "5000", "--hold", "300"])
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            // The stand-in driver has 2 devices unless told otherwise.
+            .env("STANDIN_ACL_DEVICE_COUNT", "4")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        Self { process: Killed(cmd.spawn().expect("start a stand-in job")), ledger, ready }
+    }
+
+    /// Waits until every block is allocated and logged; the job's pid.
+    fn wait_ready(&mut self) -> u32 {
+        let pid = wait_for_file(&self.ready, &mut self.process.0, Duration::from_secs(60));
+        pid.trim().parse().unwrap()
+    }
+}
+
+/// The real interpreter behind `python3` (not a launcher script), so that a link to it execs
+/// Python under the link's name.
+fn real_python() -> PathBuf {
+    let out = Command::new("python3").args(["-c", "import sys; print(sys.executable)"]).output().unwrap();
+    std::fs::canonicalize(String::from_utf8(out.stdout).unwrap().trim()).unwrap()
+}
+
+/// Live bytes as the driver hands them out for a job's ledger: the stand-in runtime asks its
+/// driver for each aclrtMalloc's size + 32, rounded up to 32 (standin_ascendcl.c's header).
+fn ledger_live_bytes(ledger: &[Entry]) -> u64 {
+    ledger
+        .iter()
+        .filter(|e| e.api == "aclrtMalloc" && e.rc == 0)
+        .filter_map(|e| e.size)
+        .map(|n| (n + 32).div_ceil(32) * 32)
+        .sum()
+}
+
+/// The run folders the daemon made, by the pid in their names.
+fn run_folders(out: &Path) -> Vec<(u32, PathBuf)> {
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir(out)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|p| Some((p.file_name()?.to_str()?.split('_').nth(1)?.parse().ok()?, p)))
+        .collect();
+    found.sort();
+    found
+}
+
+#[test]
+fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its_ledger() {
+    let env = env("daemon_jobs");
+    if let Some(why) = prometheus_missing() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let cgroup = match Cgroup::make() {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("SKIPPED: no cgroup v2 folder can be made here ({why})");
+            return;
+        }
+    };
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let args = [
+        "daemon",
+        "--output",
+        &s(&out),
+        "--listen",
+        "127.0.0.1:0",
+        "--cgroup",
+        &cgroup.inside,
+        "--exclude-comm",
+        "denied_job",
+    ];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+
+    let python = real_python();
+    let denied_name = env.scratch.join("denied_job");
+    std::os::unix::fs::symlink(&python, &denied_name).unwrap();
+    let inside = Some(cgroup.dir.as_path());
+    let mut jobs = [
+        Job::start(&env, "a", &python, 0, 200, inside),
+        Job::start(&env, "b", &python, 1, 300, inside),
+        // Inside the cgroup, but its name is denied.
+        Job::start(&env, "denied", &denied_name, 2, 100, inside),
+        // Not denied by name, but outside the cgroup.
+        Job::start(&env, "outside", &python, 3, 100, None),
+    ];
+    let pids: Vec<u32> = jobs.iter_mut().map(Job::wait_ready).collect();
+    let ledgers: Vec<Vec<Entry>> = jobs.iter().map(|j| read_ledger(&j.ledger)).collect();
+
+    let metrics = metrics_address(&daemon.stderr());
+    let (_prometheus, prometheus) = start_prometheus(&env.scratch, metrics);
+    // The admitted jobs' series, scraped, against their ledgers.
+    let series = |pid: u32, device: u32| {
+        let labels = format!(r#"job="memscope",pid="{pid}",device="{device}""#);
+        (
+            query(prometheus, &format!("memscope_live_bytes{{{labels}}}")),
+            query(prometheus, &format!("memscope_allocations_total{{{labels}}}")),
+        )
+    };
+    let want = |i: usize| {
+        let mallocs = ledgers[i].iter().filter(|e| e.api == "aclrtMalloc" && e.rc == 0).count() as u64;
+        (Some(ledger_live_bytes(&ledgers[i])), Some(mallocs))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let got =
+            [series(pids[0], 0), series(pids[1], 1), (query(prometheus, r#"memscope_jobs{job="memscope"}"#), None)];
+        let wanted = [want(0), want(1), (Some(2), None)];
+        if got == wanted {
+            break;
+        }
+        assert!(Instant::now() < deadline, "Prometheus {got:?} against the ledgers {wanted:?}:\n{}", daemon.stderr());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (_, body) = get(metrics, "/metrics").unwrap();
+    for denied in &pids[2..] {
+        assert!(!body.contains(&format!("pid=\"{denied}\"")), "denied job {denied} has series:\n{body}");
+    }
+
+    // A job that ends has its series gone at the next renewal, and its DBs finished.
+    jobs[0].process.0.kill().unwrap();
+    jobs[0].process.0.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, body) = get(metrics, "/metrics").unwrap();
+        if !body.contains(&format!("pid=\"{}\"", pids[0])) {
+            assert!(body.contains(&format!("pid=\"{}\"", pids[1])), "job b's series went too:\n{body}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "job a's series outlived it:\n{body}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+
+    // One folder per admitted job, none for the denied ones; each DB holds its ledger's calls.
+    let folders = run_folders(&out);
+    let mut admitted = pids[..2].to_vec();
+    admitted.sort();
+    assert_eq!(folders.iter().map(|(p, _)| *p).collect::<Vec<_>>(), admitted, "{stderr}");
+    for (i, reason) in [(0, "process exited"), (1, "daemon stopped: terminated (SIGTERM)")] {
+        let folder = &folders.iter().find(|(p, _)| *p == pids[i]).unwrap().1;
+        let run = read_run(folder);
+        assert_exact(&ledgers[i], &run);
+        let db = run.db(&format!("device_{i}"));
+        assert_eq!(meta(db, "stop_reason").as_deref(), Some(reason), "job {i}");
+        assert_eq!(meta(db, "mode").as_deref(), Some("daemon"));
+        assert_eq!(meta(db, "target_pid"), Some(pids[i].to_string()));
+    }
+}
