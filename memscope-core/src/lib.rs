@@ -22,4 +22,5 @@ pub mod raw;
 pub mod sampling;
 pub mod stacks;
 pub mod store;
+pub mod units;
 pub mod vocab;

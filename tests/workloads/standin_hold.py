@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--size", type=int, default=64, help="bytes per block")
     ap.add_argument("--device", type=int, default=0, help="the device to allocate on")
+    ap.add_argument("--oom-size", type=int, help="then ask for this many bytes, more than the device has: "
+                    "an out-of-memory failure, logged with its status, before the hold")
     ap.add_argument("--hold", type=float, default=60, help="seconds to hold the blocks before exiting")
     ap.add_argument("--ready-file", help="written with the pid once every block is allocated and logged")
     args = ap.parse_args()
@@ -54,6 +56,14 @@ def main():
                         "size": args.size, "ptr": p.value if rc == 0 else None})
         if rc != 0:
             print(f"aclrtMalloc failed: {rc}", file=sys.stderr)
+            return 1
+    if args.oom_size:
+        t0 = now()
+        rc = malloc(pp, args.oom_size, 0)
+        entries.append({"api": "aclrtMalloc", "rc": rc, "tid": tid, "t0": t0, "t1": now(), "device": args.device,
+                        "size": args.oom_size, "ptr": p.value if rc == 0 else None})
+        if rc == 0:
+            print(f"aclrtMalloc of {args.oom_size} bytes did not fail", file=sys.stderr)
             return 1
     with open(args.ledger, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in entries)

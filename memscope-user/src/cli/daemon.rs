@@ -28,6 +28,7 @@ const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
 ///
 /// Every process: sudo memscope-bpf daemon
 /// Filtered:      sudo memscope-bpf daemon --cgroup /kubepods.slice --exclude-comm python3.8
+/// Bounded disk:  sudo memscope-bpf daemon --max-db 2GiB --retention 7d
 ///
 /// The probes go on the runtime, driver and framework libraries that processes map (looked
 /// for in /proc every second) or that --lib and ASCEND_HOME_PATH name; a process is traced from
@@ -65,6 +66,17 @@ pub struct Args {
     /// Never trace this process (until it execs another program). Repeatable.
     #[arg(long = "exclude-pid", value_name = "PID")]
     pub exclude_pids: Vec<u32>,
+
+    /// Keep the run folders under OUTPUT within this much disk (e.g. 2GiB): the oldest
+    /// finished jobs' folders are removed first. A running job's folder is never removed (a
+    /// warning says when running jobs alone are over). Applied every 10 s and when a job ends.
+    #[arg(long, value_name = "SIZE", value_parser = memscope_core::units::parse_bytes)]
+    pub max_db: Option<u64>,
+
+    /// Remove finished jobs' run folders whose last write is older than this (e.g. 7d, 12h),
+    /// also those an earlier daemon left in OUTPUT.
+    #[arg(long, value_name = "TIME", value_parser = parse_duration)]
+    pub retention: Option<Duration>,
 
     /// Also probe this library: a file of any name or a folder. Repeatable. The libraries the
     /// node's processes map, and those in ASCEND_HOME_PATH's runtime folders (the daemon's and
@@ -119,6 +131,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         listen: args.listen,
         admission,
         exclude_pids: args.exclude_pids,
+        limits: daemon::retention::Limits { max_bytes: args.max_db, retention: args.retention },
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

@@ -49,19 +49,20 @@ impl Cli {
     }
 }
 
-/// Parses `30`, `30s`, `500ms`, `5m`, `1h`.
+/// Parses `30`, `30s`, `500ms`, `5m`, `1h`, `7d`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let value: f64 =
-        number.parse().map_err(|_| format!("`{text}` is not a duration (examples: 30, 30s, 500ms, 5m, 1h)"))?;
+        number.parse().map_err(|_| format!("`{text}` is not a duration (examples: 30, 30s, 500ms, 5m, 1h, 7d)"))?;
     let seconds = match unit {
         "" | "s" => value,
         "ms" => value / 1e3,
         "m" => value * 60.0,
         "h" => value * 3600.0,
-        _ => return Err(format!("unknown unit `{unit}` in `{text}` (use ms, s, m or h)")),
+        "d" => value * 86400.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{text}` (use ms, s, m, h or d)")),
     };
     if !(seconds.is_finite() && seconds > 0.0) {
         return Err(format!("`{text}` must be a positive duration"));
@@ -80,6 +81,7 @@ mod tests {
         assert_eq!(parse_duration("30").unwrap(), Duration::from_secs(30));
         assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86400));
         assert!(parse_duration("0").is_err());
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("x").is_err());

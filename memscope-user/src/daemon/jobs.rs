@@ -93,7 +93,15 @@ impl Jobs {
             },
         };
         job.last_event = Instant::now();
+        let oom = matches!(&event.kind, EventKind::Call(call) if call.out_of_memory);
         job.recorder.on_event(event);
+        if oom {
+            // The OOM's forensics (trigger, recent and largest blocks, pool state) are on disk
+            // at once, not at the next commit: the process may be about to die of it.
+            if let Err(e) = job.recorder.store.commit() {
+                job.recorder.error.get_or_insert(anyhow::Error::new(e).context("cannot commit the OOM's rows"));
+            }
+        }
         if exit {
             Some(Outcome::Exited(pid))
         } else if job.recorder.error.is_some() {
@@ -115,6 +123,11 @@ impl Jobs {
     /// The pids of the jobs now open.
     pub fn pids(&self) -> Vec<u32> {
         self.jobs.keys().copied().collect()
+    }
+
+    /// The open jobs' run folders.
+    pub fn run_dirs(&self) -> Vec<PathBuf> {
+        self.jobs.values().map(|j| j.run_dir.clone()).collect()
     }
 
     /// Records newly attached probes in every open job's `ms_probes`.

@@ -13,6 +13,7 @@
 
 pub mod discover;
 pub mod jobs;
+pub mod retention;
 pub mod rules;
 
 use std::net::SocketAddr;
@@ -43,6 +44,8 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const PUBLISH_EVERY: Duration = Duration::from_millis(500);
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
 const SCAN_EVERY: Duration = Duration::from_secs(1);
+/// How often `--max-db` and `--retention` are applied (and whenever a job ends).
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// The consumer wakes up early once this much of the ring is waiting.
 const WAKEUP_FRACTION: u64 = 4;
 
@@ -59,6 +62,8 @@ pub struct Plan {
     pub admission: Admission,
     /// `--exclude-pid`.
     pub exclude_pids: Vec<u32>,
+    /// `--max-db`, `--retention`.
+    pub limits: retention::Limits,
 }
 
 /// What the daemon did, once it stopped (its probes still being detached).
@@ -115,10 +120,13 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         plan,
         ended: 0,
         ended_calls: 0,
+        over_cap: false,
+        swept_at: 0,
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
     daemon.scan();
+    daemon.sweep();
     daemon.announce(denied);
     let mut signals = Signals::new()?;
     let reason = daemon.watch(&mut signals).await;
@@ -155,6 +163,10 @@ struct Daemon {
     /// Jobs finished so far, and the calls they recorded.
     ended: u64,
     ended_calls: u64,
+    /// Running jobs alone were over `--max-db` at the last sweep (warned once per crossing).
+    over_cap: bool,
+    /// [`Self::ended`] at the last sweep: a job that ended since is swept for at once.
+    swept_at: u64,
 }
 
 impl Daemon {
@@ -228,6 +240,7 @@ impl Daemon {
         tokio::pin!(deadline);
         let mut tick = tokio::time::interval(DRAIN_EVERY);
         let (mut last_commit, mut last_scan, mut last_publish) = (Instant::now(), Instant::now(), Instant::now());
+        let mut last_sweep = Instant::now();
         loop {
             tokio::select! {
                 stop = signals.next_or_hangup() => match stop {
@@ -254,6 +267,10 @@ impl Daemon {
                     if last_scan.elapsed() >= SCAN_EVERY {
                         last_scan = Instant::now();
                         self.scan();
+                    }
+                    if last_sweep.elapsed() >= SWEEP_EVERY || self.swept_at < self.ended {
+                        last_sweep = Instant::now();
+                        self.sweep();
                     }
                 }
             }
@@ -327,6 +344,27 @@ impl Daemon {
         for pid in self.jobs.vanished() {
             self.finish(pid, "process exited (its exit record was lost)");
         }
+    }
+
+    /// `--max-db` and `--retention` on OUTPUT's run folders.
+    fn sweep(&mut self) {
+        self.swept_at = self.ended;
+        let limits = self.plan.limits;
+        if !limits.any() {
+            return;
+        }
+        let running = self.jobs.run_dirs();
+        let swept = retention::sweep(&self.plan.output, &running, limits, std::time::SystemTime::now());
+        for (path, why) in &swept.removed {
+            note(self.plan.quiet, format!("removed {} ({why})", path.display()));
+        }
+        if swept.over_cap && !self.over_cap {
+            say!(
+                "memscope-bpf: warning: the running jobs' folders alone take {} MiB, over --max-db; nothing running is removed",
+                swept.bytes >> 20
+            );
+        }
+        self.over_cap = swept.over_cap;
     }
 
     /// Drains what is left, finishes every open job and starts detaching the probes.

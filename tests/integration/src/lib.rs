@@ -7,12 +7,13 @@
 //!
 //! By role: [`environment`] (paths, variables, skips), [`ledgers`] (the workloads' own ground
 //! truth), [`readers`] (the DBs, CSVs and text the tracer wrote, read back), [`runner`] (starting
-//! memscope-bpf and the workloads), [`scrape`] (HTTP, Prometheus and PromQL) and [`assertions`]
+//! memscope-bpf and the workloads), [`scrape`] (HTTP, Prometheus and PromQL), [`kernel`] (the BPF programs loaded) and [`assertions`]
 //! (the comparisons). Everything is
 //! re-exported here, so a test needs only `use memscope_integration::*`.
 
 pub mod assertions;
 pub mod environment;
+pub mod kernel;
 pub mod ledgers;
 pub mod readers;
 pub mod runner;
@@ -20,6 +21,7 @@ pub mod scrape;
 
 pub use assertions::*;
 pub use environment::*;
+pub use kernel::*;
 pub use ledgers::*;
 pub use readers::*;
 pub use runner::*;

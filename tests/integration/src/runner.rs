@@ -94,6 +94,16 @@ impl Tracer {
         (status.code(), self.stderr())
     }
 }
+/// A test that panics while its tracer runs leaves no tracer behind (its probes would stay on
+/// the stand-in libraries, and a daemon's on every later test's jobs).
+impl Drop for Tracer {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
 /// The workload command line (for launch mode or a plain spawn).
 pub fn workload_args(env: &TestEnv, ledger: &Path, extra: &[&str]) -> Vec<String> {
     let mut v =

@@ -57,6 +57,18 @@ impl Job {
     /// Starts `standin_hold.py` with `python` on `device`, inside `cgroup` if given (it moves
     /// itself there before it execs Python, so its first call is made inside).
     fn start(env: &TestEnv, name: &str, python: &Path, device: u32, blocks: u32, cgroup: Option<&Path>) -> Self {
+        Self::start_with(env, name, python, device, blocks, cgroup, &[])
+    }
+
+    fn start_with(
+        env: &TestEnv,
+        name: &str,
+        python: &Path,
+        device: u32,
+        blocks: u32,
+        cgroup: Option<&Path>,
+        extra: &[&str],
+    ) -> Self {
         let (ledger, ready) = (env.scratch.join(format!("{name}.jsonl")), env.scratch.join(format!("{name}.ready")));
         let hold = env.workload.with_file_name("standin_hold.py");
         let mut cmd = Command::new("sh");
@@ -68,6 +80,7 @@ impl Job {
             .arg(&hold)
             .args(["--ledger", &ledger.display().to_string(), "--ready-file", &ready.display().to_string()])
             .args(["--device", &device.to_string(), "--blocks", &blocks.to_string(), "--size", "5000", "--hold", "300"])
+            .args(extra)
             .env("ASCEND_HOME_PATH", &env.ascend_home)
             // The stand-in driver has 2 devices unless told otherwise.
             .env("STANDIN_ACL_DEVICE_COUNT", "4")
@@ -219,4 +232,130 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
         assert_eq!(meta(db, "mode").as_deref(), Some("daemon"));
         assert_eq!(meta(db, "target_pid"), Some(pids[i].to_string()));
     }
+}
+
+/// The one DB file under a run folder's device folder (the daemon's DB need not be finished).
+fn device_db(run: &Path, device: u32) -> PathBuf {
+    let dump = run.join(format!("device_{device}")).join("dump");
+    let dbs: Vec<PathBuf> = std::fs::read_dir(&dump)
+        .unwrap_or_else(|e| panic!("{}: {e}", dump.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "db"))
+        .collect();
+    assert_eq!(dbs.len(), 1, "{dbs:?}");
+    dbs[0].clone()
+}
+
+#[test]
+fn a_killed_daemon_leaves_its_jobs_running_without_probes_and_dbs_that_open_with_the_ooms_rows() {
+    let env = env("daemon_killed");
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    assert!(bpf_program_names().iter().any(|n| n == "call_exit"), "the daemon's probes are not loaded");
+    let oom_size = 1u64 << 40;
+    let mut job = Job::start_with(&env, "oom", &real_python(), 0, 100, None, &["--oom-size", &oom_size.to_string()]);
+    let pid = job.wait_ready();
+    // The OOM is committed as it is seen, not at the next second's commit, which this kill
+    // comes before (the job wrote its ready file after the failure, and the daemon drains every
+    // 20 ms).
+    std::thread::sleep(Duration::from_millis(200));
+    daemon.signal(libc::SIGKILL);
+    let (code, stderr) = daemon.finish(Duration::from_secs(10));
+    assert_eq!(code, None, "killed by a signal:\n{stderr}");
+
+    // The job runs on, and nothing of the daemon stays in the kernel.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while bpf_program_names().iter().any(|n| n == "call_enter" || n == "call_exit") {
+        assert!(Instant::now() < deadline, "the probes outlived the daemon: {:?}", bpf_program_names());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(job.process.0.try_wait().unwrap().is_none(), "the job died with the daemon");
+
+    let run = &run_folders(&out).into_iter().find(|(p, _)| *p == pid).expect("the job's run folder").1;
+    let db = device_db(run, 0);
+    let (health, _) = db_health(&db);
+    assert_eq!(health, "ok");
+    let rows = read_db(&db, "device_0");
+    let ledger = read_ledger(&job.ledger);
+    let failed = ledger.iter().find(|e| e.rc != 0).expect("the ledger's failed allocation");
+    let trigger = rows
+        .iter()
+        .find(|r| r.event_type == "OOM_TRIGGER")
+        .unwrap_or_else(|| panic!("no OOM_TRIGGER row in the killed daemon's DB:\n{stderr}"));
+    assert_eq!(trigger.attr_u64("req_size"), failed.size, "{trigger:?}");
+    let mallocs = rows
+        .iter()
+        .filter(|r| r.event == "MALLOC" && r.event_type != "OOM_RECENT_ALLOC" && r.event_type != "OOM_TOP_ALLOC");
+    assert!(mallocs.count() >= 100, "the job's allocations before the OOM are committed");
+}
+
+/// A run folder of an earlier daemon, as the sweep sees one: `bytes` of DB, last written `age` ago.
+fn seed_folder(out: &Path, name: &str, bytes: usize, age: Duration) -> PathBuf {
+    let dump = out.join(name).join("device_0").join("dump");
+    std::fs::create_dir_all(&dump).unwrap();
+    let db = dump.join("memscope_dump_20260101000000.db");
+    std::fs::write(&db, vec![7u8; bytes]).unwrap();
+    let when = std::time::SystemTime::now() - age;
+    for path in [db.as_path(), &dump, dump.parent().unwrap(), &out.join(name)] {
+        std::fs::File::open(path).unwrap().set_modified(when).unwrap();
+    }
+    out.join(name)
+}
+
+/// Bytes on disk under `dir` (as `du` counts them).
+fn disk_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let entry = entry.unwrap();
+        let meta = entry.metadata().unwrap();
+        total += meta.blocks() * 512 + if meta.is_dir() { disk_bytes(&entry.path()) } else { 0 };
+    }
+    total
+}
+
+#[test]
+fn the_daemon_keeps_its_folders_within_max_db_and_retention_and_never_touches_other_files() {
+    let env = env("daemon_disk");
+    let out = env.scratch.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let minutes = |m: u64| Duration::from_secs(60 * m);
+    let mib = 1 << 20;
+    let expired = seed_folder(&out, "memscope_11_20260101000000_ascend", 4096, minutes(120));
+    let oldest = seed_folder(&out, "memscope_12_20260101000000_ascend", 8 * mib, minutes(30));
+    let older = seed_folder(&out, "memscope_13_20260101000000_ascend", 8 * mib, minutes(20));
+    let newest = seed_folder(&out, "memscope_14_20260101000000_ascend", 8 * mib, minutes(10));
+    // Not a run folder's name: never removed, never counted.
+    let other = seed_folder(&out, "keep_me", 4 * mib, minutes(600));
+    let s = |p: &Path| p.display().to_string();
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--max-db", "17MiB", "--retention", "1h"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    // At the start: the expired folder goes by age, then the oldest by size (24 MiB > 17 MiB).
+    assert!(!expired.exists() && !oldest.exists(), "{}", daemon.stderr());
+    assert!(older.exists() && newest.exists() && other.exists());
+
+    // A job's folder that takes the total over the cap (16 MiB and the job's 1-9 MiB) removes
+    // the oldest finished one when the job ends, not the job's own, and no more than that.
+    let mut job = Job::start(&env, "big", &real_python(), 0, 3000, None);
+    let pid = job.wait_ready();
+    job.process.0.kill().unwrap();
+    job.process.0.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while older.exists() {
+        assert!(Instant::now() < deadline, "the cap was not applied when the job ended:\n{}", daemon.stderr());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let job_folder = run_folders(&out).into_iter().find(|(p, _)| *p == pid).expect("the job's folder is kept").1;
+    let job_bytes = disk_bytes(&job_folder);
+    assert!((mib as u64..9 * mib as u64).contains(&job_bytes), "the test assumes a 1-9 MiB job folder: {job_bytes}");
+    assert!(newest.exists() && other.exists(), "{stderr}");
+    assert_eq!(db_health(&device_db(&job_folder, 0)).0, "ok");
 }

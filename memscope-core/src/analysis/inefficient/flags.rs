@@ -5,6 +5,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+pub(super) use crate::units::parse_bytes;
+
 /// msMemScope's `THREHOLD` (`inefficient_analyzer.h`) and `idle_threshold`'s default offline.
 pub const DEFAULT_IDLE_THRESHOLD: u64 = 3000;
 
@@ -127,25 +129,6 @@ impl FromStr for TimeThreshold {
         }
         Ok(t)
     }
-}
-
-/// `1048576`, `512KiB`, `1MiB`, `2GiB` (`K`/`M`/`G` too): bytes.
-pub(super) fn parse_bytes(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let scale: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "K" | "KiB" | "KB" => 1 << 10,
-        "M" | "MiB" | "MB" => 1 << 20,
-        "G" | "GiB" | "GB" => 1 << 30,
-        _ => return Err(format!("`{text}` is not a size (examples: 1048576, 512KiB, 1MiB)")),
-    };
-    number
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(scale))
-        .ok_or_else(|| format!("`{text}` is not a size (examples: 1048576, 512KiB, 1MiB)"))
 }
 
 // The options of `analyze --analysis inefficient`. Plain comments here: a doc comment on a
