@@ -93,7 +93,22 @@ struct UprobeMultiAttr {
 /// The fd of a map aya created (only the kinds our object declares, globals included).
 fn map_fd(map: &Map) -> Option<RawFd> {
     let data = match map {
-        Map::Array(d) | Map::PerCpuArray(d) | Map::HashMap(d) | Map::RingBuf(d) => d,
+        // Every kind the probes declare or may come to (a kind left out here makes every trace
+        // fall back to perf-event links, which the privileged tests check against).
+        Map::Array(d)
+        | Map::PerCpuArray(d)
+        | Map::HashMap(d)
+        | Map::LruHashMap(d)
+        | Map::PerCpuHashMap(d)
+        | Map::PerCpuLruHashMap(d)
+        | Map::RingBuf(d)
+        | Map::StackTraceMap(d)
+        | Map::Queue(d)
+        | Map::Stack(d)
+        | Map::BloomFilter(d)
+        | Map::LpmTrie(d)
+        | Map::ProgramArray(d)
+        | Map::PerfEventArray(d) => d,
         _ => return None,
     };
     Some(data.fd().as_fd().as_raw_fd())

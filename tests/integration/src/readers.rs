@@ -233,11 +233,25 @@ pub fn read_run(run_dir: &Path) -> Output {
         );
         if file_name.ends_with(".db") {
             insight_rules(&file);
+            assert_multi_links(&file);
         }
         let rows = read_dump_file(&file, &name, &mut untracked);
         files.insert(name, (file, rows));
     }
     Output { run_dir, files, untracked }
+}
+/// Where the kernel has multi-uprobe links (Linux 6.6), a trace's probes use them: a trace
+/// that fell back to one perf event per probe still works, but detaches slowly, so the fallback
+/// must not happen unnoticed (a map kind the loader did not know once caused it).
+fn assert_multi_links(db: &Path) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    if version < (6, 6) {
+        return;
+    }
+    let links = meta(db, "probe_links").unwrap_or_default();
+    assert_eq!(links, "uprobe_multi", "{}: Linux {version:?} has multi-uprobe links", db.display());
 }
 /// Shadow frees in the output, as (device, ptr). Their sizes are their blocks' (see
 /// `assert_frees_carry_block_sizes`).
