@@ -24,8 +24,17 @@ pub enum PreflightError {
     NoLibrary { where_: String },
     #[error("output folder {path} is not writable ({reason}); pass --output with a folder you can write to")]
     OutputNotWritable { path: PathBuf, reason: String },
+    #[error(
+        "the daemon lacks {}: run it as root, or grant every capability docs/deploy/README.md lists \
+         (CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH), e.g. in the DaemonSet's \
+         securityContext.capabilities.add",
+        .0.join("; ")
+    )]
+    MissingCaps(Vec<String>),
 }
 
+const CAP_DAC_READ_SEARCH: u32 = 2;
+const CAP_SYS_PTRACE: u32 = 19;
 const CAP_SYS_ADMIN: u32 = 21;
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
@@ -47,6 +56,45 @@ pub fn check_privileges() -> Result<(), PreflightError> {
     match effective_caps(&status) {
         Some(caps) if caps_suffice(caps) => Ok(()),
         _ => Err(PreflightError::NotPrivileged),
+    }
+}
+
+/// What the daemon needs each capability for, as the caps test found them (docs/deploy).
+const DAEMON_CAPS: [(u32, &str, &str); 4] = [
+    (CAP_BPF, "CAP_BPF", "to load the eBPF programs and make their maps"),
+    (CAP_PERFMON, "CAP_PERFMON", "to load tracing programs and attach the uprobes and process tracepoints"),
+    (
+        CAP_SYS_PTRACE,
+        "CAP_SYS_PTRACE",
+        "to read other users' /proc/PID/maps, environ and root, where jobs' libraries are found",
+    ),
+    (
+        CAP_DAC_READ_SEARCH,
+        "CAP_DAC_READ_SEARCH",
+        "to read tracefs (/sys/kernel/tracing is mode 0700) for the tracepoints' layout",
+    ),
+];
+
+/// The daemon's capabilities missing from a mask, each with what it is for. CAP_SYS_ADMIN
+/// stands for CAP_BPF and CAP_PERFMON, as the kernel lets it.
+pub fn missing_daemon_caps(caps: u64) -> Vec<String> {
+    let has = |bit: u32| caps & (1 << bit) != 0;
+    let held = |bit: u32| has(bit) || (has(CAP_SYS_ADMIN) && matches!(bit, CAP_BPF | CAP_PERFMON));
+    DAEMON_CAPS.iter().filter(|(bit, ..)| !held(*bit)).map(|(_, name, why)| format!("{name} ({why})")).collect()
+}
+
+/// The daemon's check: every capability it needs, named when missing. `MEMSCOPE_SKIP_CAP_CHECK`
+/// (for the caps test only, which shows what each missing one breaks) skips it.
+pub fn check_daemon_caps() -> Result<(), PreflightError> {
+    if std::env::var_os("MEMSCOPE_SKIP_CAP_CHECK").is_some() {
+        return Ok(());
+    }
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let missing = missing_daemon_caps(effective_caps(&status).unwrap_or(0));
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(PreflightError::MissingCaps(missing))
     }
 }
 
@@ -97,6 +145,23 @@ mod tests {
         assert!(!caps_suffice(0));
         assert_eq!(effective_caps("Name:\tx\nCapEff:\t000001ffffffffff\n"), Some(0x1ff_ffff_ffff));
         assert_eq!(effective_caps("CapEff:\t0000000000000000\n").map(caps_suffice), Some(false));
+    }
+
+    #[test]
+    fn the_daemons_missing_capabilities_are_named() {
+        let all = (1 << CAP_BPF) | (1 << CAP_PERFMON) | (1 << CAP_SYS_PTRACE) | (1 << CAP_DAC_READ_SEARCH);
+        assert!(missing_daemon_caps(all).is_empty());
+        assert!(missing_daemon_caps(u64::MAX).is_empty());
+        let missing = missing_daemon_caps(all & !(1 << CAP_SYS_PTRACE));
+        assert_eq!(missing.len(), 1);
+        assert!(missing[0].starts_with("CAP_SYS_PTRACE (") && missing[0].contains("maps"), "{missing:?}");
+        // CAP_SYS_ADMIN stands for the two BPF ones, not for the others.
+        let admin = (1 << CAP_SYS_ADMIN) | (1 << CAP_SYS_PTRACE);
+        let missing = missing_daemon_caps(admin);
+        assert_eq!(missing.len(), 1, "{missing:?}");
+        assert!(missing[0].starts_with("CAP_DAC_READ_SEARCH"));
+        let text = PreflightError::MissingCaps(missing_daemon_caps(0)).to_string();
+        assert!(text.contains("CAP_BPF (") && text.contains("run it as root"), "{text}");
     }
 
     #[test]

@@ -29,11 +29,13 @@ def main():
     ap.add_argument("--oom-size", type=int, help="then ask for this many bytes, more than the device has: "
                     "an out-of-memory failure, logged with its status, before the hold")
     ap.add_argument("--hold", type=float, default=60, help="seconds to hold the blocks before exiting")
+    ap.add_argument("--delay", type=float, default=0, help="seconds to wait before the first call")
     ap.add_argument("--ready-file", help="written with the pid once every block is allocated and logged")
     args = ap.parse_args()
     if not args.lib:
         ap.error("no library: pass --lib or set ASCEND_HOME_PATH")
 
+    time.sleep(args.delay)
     lib = ctypes.CDLL(args.lib)
     lib.aclrtSetDevice.argtypes = [ctypes.c_int32]
     lib.aclrtMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]

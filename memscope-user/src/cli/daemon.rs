@@ -112,7 +112,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let admission =
         Admission { cgroups: rules::cgroup_rules(&args.cgroups)?, deny_comms: rules::comm_keys(&args.exclude_comms)? };
     crate::attach::loader::check_object()?;
-    preflight::check_privileges()?;
+    preflight::check_daemon_caps()?;
     preflight::check_uprobes()?;
     let mut libraries = user_libraries(&args.libs)?;
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();

@@ -29,7 +29,25 @@ impl Tracer {
     /// As [`Self::spawn`], with variables to set (`Some`) or to remove (`None`) so that a launched
     /// job does not inherit them from whoever runs the tests.
     pub fn spawn_with(env: &TestEnv, args: &[&str], vars: &[(&str, Option<&std::ffi::OsStr>)]) -> Self {
-        let mut cmd = Command::new(&env.bin);
+        Self::spawn_wrapped(env, &[], args, vars)
+    }
+
+    /// As [`Self::spawn_with`], started through `wrapper` (e.g. `setpriv ... --`), which is
+    /// given memscope-bpf's path and `args`.
+    pub fn spawn_wrapped(
+        env: &TestEnv,
+        wrapper: &[&str],
+        args: &[&str],
+        vars: &[(&str, Option<&std::ffi::OsStr>)],
+    ) -> Self {
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(rest).arg(&env.bin);
+                cmd
+            }
+            None => Command::new(&env.bin),
+        };
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         for (k, v) in vars {
             match v {
