@@ -164,6 +164,29 @@ mod tests {
         assert!(text.contains("CAP_BPF (") && text.contains("run it as root"), "{text}");
     }
 
+    /// The DaemonSet and the deployment notes grant exactly the capabilities checked here.
+    #[test]
+    fn the_daemonset_adds_exactly_the_daemons_capabilities() {
+        let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy");
+        let manifest = std::fs::read_to_string(deploy.join("daemonset.yaml")).unwrap();
+        let add = manifest.lines().find_map(|l| l.trim().strip_prefix("add:")).expect("capabilities.add");
+        let mut granted: Vec<String> = add
+            .trim()
+            .trim_matches(['[', ']'])
+            .split(',')
+            .map(|c| format!("CAP_{}", c.trim().trim_matches('"')))
+            .collect();
+        let mut checked: Vec<String> = DAEMON_CAPS.iter().map(|(_, name, _)| (*name).to_owned()).collect();
+        granted.sort();
+        checked.sort();
+        assert_eq!(granted, checked);
+        assert!(manifest.contains(r#"drop: ["ALL"]"#) && manifest.contains("hostPID: true"));
+        let readme = std::fs::read_to_string(deploy.join("README.md")).unwrap();
+        for name in &checked {
+            assert!(readme.contains(&format!("| `{name}` |")), "README.md does not say why {name}");
+        }
+    }
+
     #[test]
     fn pid_checks() {
         assert!(check_pid(std::process::id()).is_ok());

@@ -276,4 +276,58 @@ mod tests {
         let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success() && said.trim().is_empty(), "promtool: {said}\n{text}");
     }
+
+    /// The deployment's Prometheus files (docs/deploy) are what Prometheus accepts, and every
+    /// series the alerts and the Grafana dashboard query is one the exposition has.
+    #[test]
+    fn the_deploy_files_query_exported_series_and_promtool_accepts_them() {
+        let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy");
+        let mut device = DeviceStats::default();
+        device.used = 1;
+        let job = JobTotals {
+            pid: 1,
+            comm: "train".into(),
+            devices: vec![(DeviceKey::Npu(0), device)],
+            pools: vec![((DeviceKey::Npu(0), Pool::Workspace, 1), PoolStats::default())],
+        };
+        let text = encoded(Snapshot { jobs: vec![job], calls: 1, lost: 2 });
+        let exported: std::collections::BTreeSet<&str> =
+            text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+        for file in ["alerts.yml", "grafana-dashboard.json"] {
+            let body = std::fs::read_to_string(deploy.join(file)).unwrap();
+            let mut queried = 0;
+            for (at, _) in body.match_indices("memscope_").chain(body.match_indices("process_")) {
+                let name: String = body[at..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+                assert!(exported.contains(name.as_str()), "{file} queries {name}, which is not exported: {exported:?}");
+                queried += 1;
+            }
+            assert!(queried >= 3, "{file}: {queried}");
+        }
+        let promtool = |what: &str, file: &std::path::Path| {
+            let out = Command::new("promtool").args(["check", what]).arg(file).output().ok()?;
+            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            Some((out.status.success(), said))
+        };
+        let Some((ok, said)) = promtool("rules", &deploy.join("alerts.yml")) else {
+            eprintln!(
+                "SKIPPED: promtool is not installed (Debian's prometheus package; `cargo xtask setup` installs it)"
+            );
+            return;
+        };
+        assert!(ok, "promtool check rules alerts.yml: {said}");
+        let scrape = deploy.join("prometheus-scrape.yml");
+        let (mut ok, mut said) = promtool("config", &scrape).unwrap();
+        if !ok && said.contains("field kubernetes_sd_configs not found") {
+            // Debian builds Prometheus without Kubernetes discovery: check the rest of the job
+            // with a static target in its place.
+            let body = std::fs::read_to_string(&scrape).unwrap();
+            let (head, rest) = body.split_once("    kubernetes_sd_configs:").unwrap();
+            let tail = &rest[rest.find("    relabel_configs:").unwrap()..];
+            let swapped = format!("{head}    static_configs:\n      - targets: ['127.0.0.1:9464']\n{tail}");
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("scrape.yml"), swapped).unwrap();
+            (ok, said) = promtool("config", &dir.path().join("scrape.yml")).unwrap();
+        }
+        assert!(ok, "promtool check config prometheus-scrape.yml: {said}");
+    }
 }
