@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--oom-size", type=int, help="then ask for this many bytes, more than the device has: "
                     "an out-of-memory failure, logged with its status, before the hold")
     ap.add_argument("--hold", type=float, default=60, help="seconds to hold the blocks before exiting")
+    ap.add_argument("--rename", help="once ready, take this command name (prctl PR_SET_NAME), as a process may")
     ap.add_argument("--delay", type=float, default=0, help="seconds to wait before the first call")
     ap.add_argument("--ready-file", help="written with the pid once every block is allocated and logged")
     args = ap.parse_args()
@@ -73,6 +74,9 @@ def main():
         with open(args.ready_file + ".part", "w") as f:
             f.write(str(os.getpid()))
         os.rename(args.ready_file + ".part", args.ready_file)
+    if args.rename:
+        pr_set_name = 15
+        ctypes.CDLL(None).prctl(pr_set_name, args.rename.encode(), 0, 0, 0)
     time.sleep(args.hold)
     return 0
 

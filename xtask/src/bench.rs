@@ -71,6 +71,16 @@ pub struct Options {
     /// with this build's (a refactor against what it replaced).
     #[arg(long, value_name = "PATH")]
     pub baseline_bin: Option<std::path::PathBuf>,
+    /// Only the daemon's cost: the training workload's wall time off, under the daemon and under
+    /// `trace`, and the daemon's RSS and CPU with 10 jobs holding `--daemon-blocks` each.
+    #[arg(long)]
+    pub daemon_only: bool,
+    /// Interleaved rounds of the daemon's wall-time comparison (0 skips the daemon's part).
+    #[arg(long, default_value_t = 5)]
+    pub daemon_rounds: usize,
+    /// Live blocks each of the daemon bench's 10 jobs holds.
+    #[arg(long, default_value_t = 100_000)]
+    pub daemon_blocks: u64,
 }
 
 struct Sample {
@@ -233,6 +243,18 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         println!("{md}");
         return Ok(());
     }
+    if opts.daemon_only {
+        let md = crate::bench_daemon::run(
+            &built,
+            &root,
+            &dir.join("out-daemon"),
+            opts.daemon_rounds.max(1),
+            opts.daemon_blocks,
+        )?;
+        std::fs::write(dir.join("results-daemon.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
     let analysis_plan = crate::bench_analysis::Plan {
         pairs: opts.analysis_pairs,
         rounds: opts.analysis_rounds.max(1),
@@ -276,6 +298,15 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     if opts.stop_blocks > 0 {
         md.push_str(&crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
+    }
+    if opts.daemon_rounds > 0 {
+        md.push_str(&crate::bench_daemon::run(
+            &built,
+            &root,
+            &dir.join("out-daemon"),
+            opts.daemon_rounds,
+            opts.daemon_blocks,
+        )?);
     }
     std::fs::write(dir.join("results.md"), &md)?;
     println!("{md}");

@@ -10,6 +10,7 @@
 mod bench;
 mod bench_analysis;
 mod bench_consumer;
+mod bench_daemon;
 mod bench_loss;
 mod bench_markers;
 mod bench_stacks;

@@ -327,8 +327,15 @@ impl Tracer {
     }
 
     /// The daemon: never traces process `pid` (`--exclude-pid`, or a running process whose name
-    /// a rule denies), until it execs a new image.
+    /// a rule denies), until it execs a new image; one traced already stops being traced.
     pub fn deny_process(&mut self, pid: u32) -> Result<(), LoadError> {
+        {
+            let map = self.ebpf.map_mut("TRACED").ok_or(LoadError::Missing("TRACED"))?;
+            let mut traced: BpfHashMap<_, u32, u32> =
+                BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
+            // Not traced yet is the usual case.
+            let _ = traced.remove(&pid);
+        }
         let map = self.ebpf.map_mut("DENIED").ok_or(LoadError::Missing("DENIED"))?;
         let mut denied: BpfHashMap<_, u32, u32> =
             BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENIED", source })?;

@@ -277,13 +277,19 @@ impl Daemon {
         }
     }
 
-    /// SIGHUP: the running processes `--exclude-comm` names now (one renamed or started
-    /// through a path the exec check did not see) are denied too.
+    /// SIGHUP: the running processes `--exclude-comm` names now (one that renamed itself since
+    /// its exec) are denied too, and their open jobs finished.
     fn reapply_names(&mut self) {
         let pids = rules::running_denied(&self.plan.admission.deny_comms);
         for pid in &pids {
             if let Err(e) = self.tracer.deny_process(*pid) {
                 say!("memscope-bpf: warning: cannot exclude process {pid}: {e}");
+                continue;
+            }
+            if self.jobs.pids().contains(pid) {
+                // What it did before is kept: its job is finished as if it had exited.
+                self.drain();
+                self.finish(*pid, "excluded by --exclude-comm (on SIGHUP)");
             }
         }
         note(

@@ -203,14 +203,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         meta.extend(skipped_meta(&skipped));
     }
     let run_dir = layout.root().to_owned();
-    if let Some(depth) = stacks.call.c {
-        meta.push(("call_stack_c".into(), depth.to_string()));
-        let unwind = match stacks.unwind {
-            Unwind::Fp => "fp".to_owned(),
-            Unwind::Dwarf => format!("dwarf (window {} bytes)", stacks.window),
-        };
-        meta.push(("unwind".into(), unwind));
-    }
+    meta.extend(stacks_asked(&stacks));
     let mut store = Store::new(layout, format, start_wall, meta);
     store.debug_dirs = debug_dirs.clone();
     let mut store = Writer::start(store);
@@ -252,6 +245,23 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let mut signals = Signals::new()?;
     let stop_reason = live.trace(&mut signals, duration, waiter).await?;
     live.finish(signals, stop_reason, started, run_dir)
+}
+
+/// `ms_meta`'s record of the stacks asked for (`--call-stack`, `--unwind`).
+fn stacks_asked(stacks: &StackOptions) -> Meta {
+    let mut meta = Meta::new();
+    if let Some(depth) = stacks.call.c {
+        meta.push(("call_stack_c".into(), depth.to_string()));
+        let unwind = match stacks.unwind {
+            Unwind::Fp => "fp".to_owned(),
+            Unwind::Dwarf => format!("dwarf (window {} bytes)", stacks.window),
+        };
+        meta.push(("unwind".into(), unwind));
+    }
+    if let Some(depth) = stacks.call.python {
+        meta.push(("call_stack_python".into(), depth.to_string()));
+    }
+    meta
 }
 
 /// `--listen`: binds the address and serves the totals published from then on.

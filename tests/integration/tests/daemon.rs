@@ -359,3 +359,46 @@ fn the_daemon_keeps_its_folders_within_max_db_and_retention_and_never_touches_ot
     assert!(newest.exists() && other.exists(), "{stderr}");
     assert_eq!(db_health(&device_db(&job_folder, 0)).0, "ok");
 }
+
+#[test]
+fn on_sighup_a_job_that_took_an_excluded_name_is_no_longer_traced_and_its_db_is_finished() {
+    let env = env("daemon_sighup");
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--exclude-comm", "renamed_job"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let mut job = Job::start_with(&env, "renamed", &real_python(), 0, 100, None, &["--rename", "renamed_job"]);
+    let pid = job.wait_ready();
+    let metrics = metrics_address(&daemon.stderr());
+    let label = format!("pid=\"{pid}\"");
+    let has_series = || get(metrics, "/metrics").unwrap().1.contains(&label);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !has_series() {
+        assert!(Instant::now() < deadline, "the job was never traced:\n{}", daemon.stderr());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Its new name is excluded, but the kernel only checks names at exec: SIGHUP applies it.
+    while comm_now(pid) != "renamed_job" {
+        assert!(Instant::now() < deadline, "the job did not rename itself");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(has_series(), "the rename alone must not end the tracing");
+    daemon.signal(libc::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while has_series() {
+        assert!(Instant::now() < deadline, "the excluded job's series stayed:\n{}", daemon.stderr());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(job.process.0.try_wait().unwrap().is_none(), "the job must run on");
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let run = read_run(&run_folders(&out).into_iter().find(|(p, _)| *p == pid).expect("the job's folder").1);
+    assert_exact(&read_ledger(&job.ledger), &run);
+    assert_eq!(meta(run.db("device_0"), "stop_reason").as_deref(), Some("excluded by --exclude-comm (on SIGHUP)"));
+}
+
+fn comm_now(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim().to_owned()).unwrap_or_default()
+}

@@ -1,0 +1,205 @@
+//! The daemon's cost (`cargo xtask bench --daemon-only`, and a part of the full bench):
+//!
+//! - the stand-in training workload's wall time with nothing attached, under `memscope-bpf
+//!   daemon`, and under `memscope-bpf trace` (full recording), interleaved round by round so
+//!   that the machine's drift falls on all three alike; the median of each;
+//! - the daemon's RSS and CPU time with 10 jobs holding `--blocks` live blocks each (1 M in all
+//!   by default): while they allocate, and idle for 10 s after.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+
+use crate::build::Built;
+use crate::util::privileged;
+
+/// A running daemon with its output in `out`; killed if dropped before [`Daemon::stop`].
+struct Daemon(Child);
+
+impl Daemon {
+    fn start(built: &Built, out: &Path) -> anyhow::Result<Self> {
+        let _ = std::fs::remove_dir_all(out);
+        std::fs::create_dir_all(out)?;
+        let child = privileged(built.binary.to_str().expect("utf-8 path"))
+            .args(["daemon", "--quiet", "--listen", "127.0.0.1:0", "--output"])
+            .arg(out.join("jobs"))
+            .env("ASCEND_HOME_PATH", &built.ascend_home)
+            .stdin(Stdio::null())
+            .stderr(std::fs::File::create(out.join("stderr"))?)
+            .spawn()
+            .context("cannot start memscope-bpf daemon")?;
+        let daemon = Self(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::fs::read_to_string(out.join("stderr")).unwrap_or_default().contains(": live:") {
+            if Instant::now() > deadline {
+                bail!(
+                    "the daemon did not go live: {}",
+                    std::fs::read_to_string(out.join("stderr")).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(daemon)
+    }
+
+    /// (RSS bytes, CPU seconds) of the daemon now.
+    fn usage(&self) -> (u64, f64) {
+        let pid = self.0.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let rss_kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0);
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Fields after the command name: utime and stime are the 12th and 13th.
+        let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let ticks: u64 = after.split_whitespace().skip(11).take(2).filter_map(|t| t.parse::<u64>().ok()).sum();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        (rss_kib * 1024, ticks as f64 / hz)
+    }
+
+    fn stop(mut self) -> anyhow::Result<()> {
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let status = self.0.wait()?;
+        if !status.success() {
+            bail!("the daemon failed ({status})");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// The training workload's wall time, in seconds.
+fn train(built: &Built, root: &Path, out: &Path, traced: bool) -> anyhow::Result<f64> {
+    let workload = root.join("tests/workloads/standin_train.py");
+    let ledger = out.join("ledger.jsonl");
+    let steps = ["--steps", "400", "--blocks-per-step", "64", "--devices", "2"];
+    let mut cmd = if traced {
+        let mut cmd = privileged(built.binary.to_str().expect("utf-8 path"));
+        cmd.args(["trace", "--quiet", "--output"]).arg(out.join("trace")).arg("--").arg("python3");
+        cmd
+    } else {
+        Command::new("python3")
+    };
+    cmd.arg(&workload).arg("--ledger").arg(&ledger).args(steps).env("ASCEND_HOME_PATH", &built.ascend_home);
+    let start = Instant::now();
+    let out = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).status()?;
+    if !out.success() {
+        bail!("the training workload failed ({out})");
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Wall time off / under the daemon / under `trace`; returns the section.
+fn wall_time(built: &Built, root: &Path, out: &Path, rounds: usize) -> anyhow::Result<String> {
+    let (mut off, mut daemon_on, mut trace_on) = (Vec::new(), Vec::new(), Vec::new());
+    let calls = |dir: &Path| std::fs::read_to_string(dir.join("ledger.jsonl")).map_or(0, |l| l.lines().count());
+    let mut per_run = 0;
+    for round in 1..=rounds {
+        eprintln!("xtask bench: daemon, wall time, round {round}/{rounds}");
+        off.push(train(built, root, out, false)?);
+        per_run = calls(out);
+        let daemon = Daemon::start(built, &out.join("daemon"))?;
+        daemon_on.push(train(built, root, out, false)?);
+        daemon.stop()?;
+        trace_on.push(train(built, root, out, true)?);
+    }
+    let (off, daemon_on, trace_on) = (median(off), median(daemon_on), median(trace_on));
+    let pct = |t: f64| (t / off - 1.0) * 100.0;
+    let per_call = |t: f64| (t - off) * 1e9 / per_run.max(1) as f64;
+    Ok(format!(
+        "\n## Daemon: the training workload's wall time (standin_train.py --steps 400 --blocks-per-step 64 --devices 2, \
+         {per_run} runtime calls; median of {rounds} interleaved rounds)\n\n\
+         | run | wall s | vs off | ns per call |\n|---|---|---|---|\n\
+         | nothing attached | {off:.3} | – | – |\n\
+         | `memscope-bpf daemon` | {daemon_on:.3} | {:+.2} % | {:.0} |\n\
+         | `memscope-bpf trace` (full recording) | {trace_on:.3} | {:+.2} % | {:.0} |\n",
+        pct(daemon_on),
+        per_call(daemon_on),
+        pct(trace_on),
+        per_call(trace_on),
+    ))
+}
+
+/// The daemon's RSS and CPU with 10 jobs holding `blocks` live blocks each.
+fn ten_jobs(built: &Built, root: &Path, out: &Path, blocks: u64) -> anyhow::Result<String> {
+    eprintln!("xtask bench: daemon, 10 jobs of {blocks} live blocks");
+    let daemon = Daemon::start(built, &out.join("daemon"))?;
+    let (rss_idle, cpu_idle) = daemon.usage();
+    let started = Instant::now();
+    let mut jobs = Vec::new();
+    for i in 0..10 {
+        let ready = out.join(format!("ready-{i}"));
+        let _ = std::fs::remove_file(&ready);
+        let child = Command::new("python3")
+            .arg(root.join("tests/workloads/standin_hold.py"))
+            .arg("--ledger")
+            .arg(out.join(format!("hold-{i}.jsonl")))
+            .args(["--blocks", &blocks.to_string(), "--hold", "600", "--device", &(i % 2).to_string()])
+            .arg("--ready-file")
+            .arg(&ready)
+            .env("ASCEND_HOME_PATH", &built.ascend_home)
+            .stdin(Stdio::null())
+            .spawn()?;
+        jobs.push((child, ready));
+    }
+    let deadline = Instant::now() + Duration::from_secs(1200);
+    while !jobs.iter().all(|(_, r)| r.exists()) {
+        if Instant::now() > deadline {
+            bail!("the jobs did not allocate their blocks");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let allocating = started.elapsed().as_secs_f64();
+    // What the ring still holds is drained within a few ticks.
+    std::thread::sleep(Duration::from_secs(2));
+    let (rss_full, cpu_full) = daemon.usage();
+    std::thread::sleep(Duration::from_secs(10));
+    let (_, cpu_after) = daemon.usage();
+    for (mut child, _) in jobs {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    daemon.stop()?;
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    Ok(format!(
+        "\n## Daemon: 10 jobs, {} live blocks in all (standin_hold.py --blocks {blocks} each)\n\n\
+         | measure | value |\n|---|---|\n\
+         | RSS, no job | {:.1} MiB |\n\
+         | RSS, 10 jobs holding their blocks | {:.1} MiB |\n\
+         | CPU while the jobs allocated ({allocating:.1} s wall) | {:.2} s |\n\
+         | CPU over the next 10 s, jobs idle | {:.3} s ({:.2} % of a core) |\n",
+        10 * blocks,
+        mib(rss_idle),
+        mib(rss_full),
+        cpu_full - cpu_idle,
+        cpu_after - cpu_full,
+        (cpu_after - cpu_full) * 10.0,
+    ))
+}
+
+/// The daemon's part of results.md.
+pub fn run(built: &Built, root: &Path, out: &Path, rounds: usize, blocks: u64) -> anyhow::Result<String> {
+    std::fs::create_dir_all(out)?;
+    let mut md = wall_time(built, root, out, rounds)?;
+    md.push_str(&ten_jobs(built, root, out, blocks)?);
+    Ok(md)
+}
