@@ -11,11 +11,13 @@
 //! link's per-offset cookie), which aya 0.14 cannot do. [`MultiPrograms::load`] therefore loads
 //! a second copy of `call_enter` and `call_exit` from the same object with `aya-obj`, relocated
 //! against the maps aya created, so both copies share every map and global. Where the kernel
-//! refuses the program type or the link, the loader keeps aya's per-probe links.
+//! refuses the program type or the link, the loader keeps aya's per-probe links. The copies
+//! are loaded with the object's BTF and function info, as aya loads its own: the Python walk's
+//! `bpf_loop` callbacks are refused without them.
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsFd as _, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -25,6 +27,7 @@ use aya_obj::Object;
 use thiserror::Error;
 
 const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_BTF_LOAD: libc::c_long = 18;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
 const BPF_TRACE_UPROBE_MULTI: u32 = 48;
@@ -71,6 +74,38 @@ struct ProgLoadAttr {
     prog_name: [u8; 16],
     prog_ifindex: u32,
     expected_attach_type: u32,
+    prog_btf_fd: u32,
+    func_info_rec_size: u32,
+    func_info: u64,
+    func_info_cnt: u32,
+    line_info_rec_size: u32,
+    line_info: u64,
+    line_info_cnt: u32,
+    attach_btf_id: u32,
+}
+
+/// `union bpf_attr` for `BPF_BTF_LOAD`.
+#[repr(C)]
+#[derive(Default)]
+struct BtfLoadAttr {
+    btf: u64,
+    btf_log_buf: u64,
+    btf_size: u32,
+    btf_log_size: u32,
+    btf_log_level: u32,
+    _pad: u32,
+}
+
+/// Loads the object's BTF, fixed up for this kernel as aya fixes up its own; `None` where there
+/// is none or the kernel refuses it (the copies are then loaded without function info).
+fn load_btf(obj: &mut Object) -> Option<OwnedFd> {
+    let features = aya::features().btf()?;
+    let bytes = obj.fixup_and_sanitize_btf(features).ok()??.to_bytes();
+    let attr = BtfLoadAttr { btf: bytes.as_ptr() as u64, btf_size: bytes.len() as u32, ..BtfLoadAttr::default() };
+    // SAFETY: a valid BPF_BTF_LOAD attribute of the size passed; `bytes` outlives the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_BTF_LOAD, &attr as *const BtfLoadAttr, size_of_val(&attr)) };
+    // SAFETY: a non-negative return is a new file descriptor we own.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// The `link_create` member of `union bpf_attr` with its `uprobe_multi` part.
@@ -128,17 +163,27 @@ impl MultiPrograms {
         obj.relocate_maps(fds.iter().map(|(n, fd)| (n.as_str(), *fd, &maps[n])), &text)
             .map_err(|e| MultiError::Relocate { name: "maps", why: e.to_string() })?;
         obj.relocate_calls(&text).map_err(|e| MultiError::Relocate { name: "calls", why: e.to_string() })?;
+        let btf = load_btf(&mut obj);
+        let btf = btf.as_ref().map(AsFd::as_fd);
         Ok(Self {
-            enter: load_one(&obj, "call_enter", "call_enter_um")?,
-            exit: load_one(&obj, "call_exit", "call_exit_um")?,
-            usdt: load_one(&obj, "usdt_hit", "usdt_hit_um")?,
+            enter: load_one(&obj, btf, "call_enter", "call_enter_um")?,
+            exit: load_one(&obj, btf, "call_exit", "call_exit_um")?,
+            usdt: load_one(&obj, btf, "usdt_hit", "usdt_hit_um")?,
         })
     }
 }
 
-fn load_one(obj: &Object, name: &'static str, kernel_name: &str) -> Result<OwnedFd, MultiError> {
+fn load_one(
+    obj: &Object,
+    btf: Option<BorrowedFd<'_>>,
+    name: &'static str,
+    kernel_name: &str,
+) -> Result<OwnedFd, MultiError> {
     let prog = obj.programs.get(name).ok_or(MultiError::NoProgram(name))?;
-    let insns = &obj.functions.get(&prog.function_key()).ok_or(MultiError::NoProgram(name))?.instructions;
+    let function = obj.functions.get(&prog.function_key()).ok_or(MultiError::NoProgram(name))?;
+    let insns = &function.instructions;
+    let (func_info, line_info) = (function.func_info.func_info_bytes(), function.line_info.line_info_bytes());
+    let with_btf = btf.filter(|_| function.func_info.num_info > 0);
     let mut prog_name = [0u8; 16];
     prog_name[..kernel_name.len()].copy_from_slice(kernel_name.as_bytes());
     let mut log = vec![0u8; 1 << 16];
@@ -152,6 +197,13 @@ fn load_one(obj: &Object, name: &'static str, kernel_name: &str) -> Result<Owned
         log_buf: 0,
         prog_name,
         expected_attach_type: BPF_TRACE_UPROBE_MULTI,
+        prog_btf_fd: with_btf.map_or(0, |fd| fd.as_raw_fd() as u32),
+        func_info_rec_size: if with_btf.is_some() { size_of::<aya_obj::generated::bpf_func_info>() as u32 } else { 0 },
+        func_info: if with_btf.is_some() { func_info.as_ptr() as u64 } else { 0 },
+        func_info_cnt: if with_btf.is_some() { function.func_info.num_info } else { 0 },
+        line_info_rec_size: if with_btf.is_some() { size_of::<aya_obj::generated::bpf_line_info>() as u32 } else { 0 },
+        line_info: if with_btf.is_some() { line_info.as_ptr() as u64 } else { 0 },
+        line_info_cnt: if with_btf.is_some() { function.line_info.num_info } else { 0 },
         ..ProgLoadAttr::default()
     };
     // SAFETY: `attr` is a valid, fully initialised BPF_PROG_LOAD attribute of the size passed;

@@ -242,16 +242,13 @@ pub fn read_run(run_dir: &Path) -> Output {
 }
 /// Where the kernel has multi-uprobe links (Linux 6.6), a trace's probes use them: a trace
 /// that fell back to one perf event per probe still works, but detaches slowly, so the fallback
-/// must not happen unnoticed (a map kind the loader did not know once caused it).
+/// must not happen unnoticed (a map kind the loader did not know, and copies loaded without
+/// BTF, which the Python walk's `bpf_loop` callbacks need, once caused it).
 fn assert_multi_links(db: &Path) {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
     let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    // Known gap: with Python stacks on, the kernel refuses the multi-uprobe copy of
-    // `call_enter` (EINVAL; its Python walk's `bpf_loop` callbacks likely need the BTF
-    // func_info the copy is loaded without), and the trace falls back to perf events. Tracked
-    // on issue 13's notes; until it is fixed it is the one fallback allowed here.
-    if version < (6, 6) || meta(db, "call_stack_python").is_some() {
+    if version < (6, 6) {
         return;
     }
     let links = meta(db, "probe_links").unwrap_or_default();
