@@ -64,15 +64,21 @@ impl Discovery {
     }
 }
 
-/// The libraries process `pid` maps, and those in the runtime folders of its environment, with
-/// the pid whose view of the files they were found through. Kernel threads and processes gone
-/// meanwhile give none.
-pub fn libraries_of(pid: u32) -> Vec<(Option<u32>, Library)> {
+/// The libraries process `pid` maps, and those in the runtime folders of its environment, that
+/// `known` does not know, with their dependencies, and the pid whose view of the files they
+/// were found through. Kernel threads and processes gone meanwhile give none. Known files are
+/// left out before their dependencies are looked for, which means reading each file's ELF
+/// headers: most scans find nothing new and read no library.
+pub fn libraries_of(pid: u32, known: impl Fn(&Library) -> bool) -> Vec<(Option<u32>, Library)> {
     let mut found = libs::from_maps(pid).unwrap_or_default();
     if let Ok(env) = libs::process_env(pid) {
         found.extend(libs::from_env(&env, Path::new(&format!("/proc/{pid}/root")), false));
     }
-    libs::with_dependencies(found).into_iter().map(|l| (Some(pid), l)).collect()
+    found.retain(|l| !known(l));
+    if found.is_empty() {
+        return Vec::new();
+    }
+    libs::with_dependencies(found).into_iter().filter(|l| !known(l)).map(|l| (Some(pid), l)).collect()
 }
 
 #[cfg(test)]
@@ -111,8 +117,8 @@ mod tests {
         // This test binary maps no Ascend library and its environment names none.
         let env_home = std::env::var_os("ASCEND_HOME_PATH");
         if env_home.is_none() {
-            assert!(libraries_of(std::process::id()).is_empty());
+            assert!(libraries_of(std::process::id(), |_| false).is_empty());
         }
-        assert!(libraries_of(u32::MAX - 1).is_empty());
+        assert!(libraries_of(u32::MAX - 1, |_| false).is_empty());
     }
 }

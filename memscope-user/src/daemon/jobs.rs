@@ -35,6 +35,8 @@ struct Job {
     recorder: Recorder,
     run_dir: PathBuf,
     last_event: Instant,
+    /// Rows came since the last commit (an idle job's commit would be an empty transaction).
+    dirty: bool,
 }
 
 /// A finished job, for the daemon's log.
@@ -93,6 +95,7 @@ impl Jobs {
             },
         };
         job.last_event = Instant::now();
+        job.dirty = true;
         let oom = matches!(&event.kind, EventKind::Call(call) if call.out_of_memory);
         job.recorder.on_event(event);
         if oom {
@@ -133,15 +136,18 @@ impl Jobs {
     /// Records newly attached probes in every open job's `ms_probes`.
     pub fn add_probes(&mut self, probes: &[ProbeRow]) -> anyhow::Result<()> {
         for job in self.jobs.values_mut() {
+            job.dirty = true;
             job.recorder.store.add_probes(probes.to_vec())?;
         }
         Ok(())
     }
 
-    /// Commits every job's rows written so far (so a killed daemon leaves readable DBs).
+    /// Commits every job's rows written since the last commit (so a killed daemon leaves
+    /// readable DBs).
     pub fn commit(&mut self) -> Vec<(u32, anyhow::Error)> {
         let mut failed = Vec::new();
-        for (pid, job) in &mut self.jobs {
+        for (pid, job) in self.jobs.iter_mut().filter(|(_, j)| j.dirty) {
+            job.dirty = false;
             if let Err(e) = job.recorder.store.commit() {
                 failed.push((*pid, anyhow::Error::new(e)));
             }
@@ -222,7 +228,7 @@ fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
     meta.extend(allocator_env(pid));
     let mut store = Writer::start(Store::new(layout, cx.format, start_wall, meta));
     store.add_probes(probes.to_vec())?;
-    Ok(Job { comm, recorder: Recorder::new(Tracker::new(), store), run_dir, last_event: Instant::now() })
+    Ok(Job { comm, recorder: Recorder::new(Tracker::new(), store), run_dir, last_event: Instant::now(), dirty: true })
 }
 
 /// Where a job's folders go: shown once at the start.

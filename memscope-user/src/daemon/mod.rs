@@ -194,8 +194,13 @@ impl Daemon {
 
     /// Looks at the processes due a look for library files not probed yet.
     fn scan(&mut self) {
-        let found: Vec<(Option<u32>, Library)> =
-            self.discovery.due().into_iter().flat_map(discover::libraries_of).collect();
+        let tracer = &self.tracer;
+        let found: Vec<(Option<u32>, Library)> = self
+            .discovery
+            .due()
+            .into_iter()
+            .flat_map(|pid| discover::libraries_of(pid, |l| tracer.is_attached(l)))
+            .collect();
         if !found.is_empty() {
             self.attach(found, "mapped or named by a running process");
         }
