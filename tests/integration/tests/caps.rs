@@ -73,6 +73,8 @@ fn the_daemon_runs_with_exactly_its_documented_capabilities_and_names_a_missing_
     std::fs::create_dir_all(&out).unwrap();
     // nobody writes the jobs' folders and reaches the binary and the scratch folder.
     std::os::unix::fs::chown(&out, Some(NOBODY), Some(NOBODY)).unwrap();
+    // For the tier's Insight sweep (tests/insight.rs): these DBs are nobody's, not root's.
+    std::fs::write(env.scratch.join("expected_owner"), format!("{NOBODY}:{NOBODY}")).unwrap();
     for dir in [env.scratch.as_path(), env.scratch.parent().unwrap()] {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
