@@ -61,6 +61,45 @@ impl Signals {
     }
 }
 
+/// Resolves once `--duration` has passed (never without one), with the stop reason the summary
+/// and `ms_meta` give.
+pub async fn deadline(duration: Option<Duration>) -> String {
+    match duration {
+        Some(d) => {
+            tokio::time::sleep(d).await;
+            format!("--duration {:.1} s reached", d.as_secs_f64())
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// A piece of a loop's periodic work (commit, rescan, publish): due once its period has passed
+/// since it last ran.
+pub struct Every {
+    period: Duration,
+    last: Instant,
+}
+
+impl Every {
+    pub fn new(period: Duration) -> Self {
+        Self { period, last: Instant::now() }
+    }
+
+    /// Whether the work is due now; if so it counts as done from now.
+    pub fn due(&mut self) -> bool {
+        let due = self.last.elapsed() >= self.period;
+        if due {
+            self.last = Instant::now();
+        }
+        due
+    }
+
+    /// Counts the work as done now (it ran for another reason).
+    pub fn ran(&mut self) {
+        self.last = Instant::now();
+    }
+}
+
 /// Probes being detached on a thread of their own.
 pub struct Detaching {
     done: oneshot::Receiver<Duration>,

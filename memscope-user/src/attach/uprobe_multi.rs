@@ -183,7 +183,20 @@ fn load_one(
     let function = obj.functions.get(&prog.function_key()).ok_or(MultiError::NoProgram(name))?;
     let insns = &function.instructions;
     let (func_info, line_info) = (function.func_info.func_info_bytes(), function.line_info.line_info_bytes());
-    let with_btf = btf.filter(|_| function.func_info.num_info > 0);
+    // The object's BTF and the function's records, or nothing of either.
+    let (prog_btf_fd, func_info_rec_size, func_info_at, func_info_cnt, line_info_rec_size, line_info_at, line_info_cnt) =
+        match btf.filter(|_| function.func_info.num_info > 0) {
+            Some(fd) => (
+                fd.as_raw_fd() as u32,
+                size_of::<aya_obj::generated::bpf_func_info>() as u32,
+                func_info.as_ptr() as u64,
+                function.func_info.num_info,
+                size_of::<aya_obj::generated::bpf_line_info>() as u32,
+                line_info.as_ptr() as u64,
+                function.line_info.num_info,
+            ),
+            None => (0, 0, 0, 0, 0, 0, 0),
+        };
     let mut prog_name = [0u8; 16];
     prog_name[..kernel_name.len()].copy_from_slice(kernel_name.as_bytes());
     let mut log = vec![0u8; 1 << 16];
@@ -197,13 +210,13 @@ fn load_one(
         log_buf: 0,
         prog_name,
         expected_attach_type: BPF_TRACE_UPROBE_MULTI,
-        prog_btf_fd: with_btf.map_or(0, |fd| fd.as_raw_fd() as u32),
-        func_info_rec_size: if with_btf.is_some() { size_of::<aya_obj::generated::bpf_func_info>() as u32 } else { 0 },
-        func_info: if with_btf.is_some() { func_info.as_ptr() as u64 } else { 0 },
-        func_info_cnt: if with_btf.is_some() { function.func_info.num_info } else { 0 },
-        line_info_rec_size: if with_btf.is_some() { size_of::<aya_obj::generated::bpf_line_info>() as u32 } else { 0 },
-        line_info: if with_btf.is_some() { line_info.as_ptr() as u64 } else { 0 },
-        line_info_cnt: if with_btf.is_some() { function.line_info.num_info } else { 0 },
+        prog_btf_fd,
+        func_info_rec_size,
+        func_info: func_info_at,
+        func_info_cnt,
+        line_info_rec_size,
+        line_info: line_info_at,
+        line_info_cnt,
         ..ProgLoadAttr::default()
     };
     // SAFETY: `attr` is a valid, fully initialised BPF_PROG_LOAD attribute of the size passed;

@@ -19,7 +19,7 @@ pub mod rules;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use tokio::io::unix::AsyncFd;
@@ -33,7 +33,7 @@ use crate::metrics::{self, Published, Snapshot};
 use crate::record::ring::Consumer;
 use crate::say::{note, say};
 use crate::session::attaching::{attach_found, describe_libraries, describe_marker_libraries, probe_rows, usdt_rows};
-use crate::stop::{Detaching, Signals};
+use crate::stop::{self, Detaching, Every, Signals};
 use crate::store::{Format, ProbeRow};
 use crate::summary::SkippedLibrary;
 
@@ -232,20 +232,11 @@ impl Daemon {
 
     /// The loop, until a stop signal or `--duration`; returns why it stopped.
     async fn watch(&mut self, signals: &mut Signals) -> String {
-        let duration = self.plan.duration;
-        let deadline = async move {
-            match duration {
-                Some(d) => {
-                    tokio::time::sleep(d).await;
-                    format!("--duration {:.1} s reached", d.as_secs_f64())
-                }
-                None => std::future::pending().await,
-            }
-        };
+        let deadline = stop::deadline(self.plan.duration);
         tokio::pin!(deadline);
         let mut tick = tokio::time::interval(DRAIN_EVERY);
-        let (mut last_commit, mut last_scan, mut last_publish) = (Instant::now(), Instant::now(), Instant::now());
-        let mut last_sweep = Instant::now();
+        let (mut publish, mut commit) = (Every::new(PUBLISH_EVERY), Every::new(COMMIT_EVERY));
+        let (mut scan, mut sweep) = (Every::new(SCAN_EVERY), Every::new(SWEEP_EVERY));
         loop {
             tokio::select! {
                 stop = signals.next_or_hangup() => match stop {
@@ -261,20 +252,17 @@ impl Daemon {
                 }
                 _ = tick.tick() => {
                     self.drain();
-                    if last_publish.elapsed() >= PUBLISH_EVERY {
-                        last_publish = Instant::now();
+                    if publish.due() {
                         self.publish();
                     }
-                    if last_commit.elapsed() >= COMMIT_EVERY {
-                        last_commit = Instant::now();
+                    if commit.due() {
                         self.commit();
                     }
-                    if last_scan.elapsed() >= SCAN_EVERY {
-                        last_scan = Instant::now();
+                    if scan.due() {
                         self.scan();
                     }
-                    if last_sweep.elapsed() >= SWEEP_EVERY || self.swept_at < self.ended {
-                        last_sweep = Instant::now();
+                    if sweep.due() || self.swept_at < self.ended {
+                        sweep.ran();
                         self.sweep();
                     }
                 }

@@ -245,10 +245,8 @@ mod tests {
         assert!(sample(&text, "process_resident_memory_bytes").is_some_and(|rss| rss > 0), "{text}");
     }
 
-    /// Prometheus's own linter reads the exposition: the format, the names' conventions (units,
-    /// `_total`) and the help texts.
-    #[test]
-    fn promtool_accepts_the_exposition() {
+    /// One job with a device and a pool: every kind of series the exposition has.
+    fn one_job() -> Snapshot {
         let mut device = DeviceStats::default();
         device.used = 1;
         let job = JobTotals {
@@ -257,8 +255,14 @@ mod tests {
             devices: vec![(DeviceKey::Npu(0), device)],
             pools: vec![((DeviceKey::Npu(0), Pool::Workspace, 1), PoolStats::default())],
         };
-        let snapshot = Snapshot { jobs: vec![job], calls: 1, lost: 2 };
-        let text = encoded(snapshot);
+        Snapshot { jobs: vec![job], calls: 1, lost: 2 }
+    }
+
+    /// Prometheus's own linter reads the exposition: the format, the names' conventions (units,
+    /// `_total`) and the help texts.
+    #[test]
+    fn promtool_accepts_the_exposition() {
+        let text = encoded(one_job());
         let child = Command::new("promtool")
             .args(["check", "metrics"])
             .stdin(Stdio::piped())
@@ -282,15 +286,7 @@ mod tests {
     #[test]
     fn the_deploy_files_query_exported_series_and_promtool_accepts_them() {
         let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy");
-        let mut device = DeviceStats::default();
-        device.used = 1;
-        let job = JobTotals {
-            pid: 1,
-            comm: "train".into(),
-            devices: vec![(DeviceKey::Npu(0), device)],
-            pools: vec![((DeviceKey::Npu(0), Pool::Workspace, 1), PoolStats::default())],
-        };
-        let text = encoded(Snapshot { jobs: vec![job], calls: 1, lost: 2 });
+        let text = encoded(one_job());
         let exported: std::collections::BTreeSet<&str> =
             text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
         for file in ["alerts.yml", "grafana-dashboard.json"] {

@@ -41,7 +41,7 @@ use crate::record::ring::Consumer;
 use crate::recorder::Recorder;
 use crate::say::note;
 use crate::stacks::spec::{StackOptions, Unwind};
-use crate::stop::{Detaching, Signals};
+use crate::stop::{Detaching, Every, Signals};
 use crate::store::{Format, Meta, RunLayout, Store, Writer};
 use crate::summary::{SkippedLibrary, Summary};
 
@@ -411,23 +411,14 @@ impl Live {
         duration: Option<Duration>,
         waiter: Option<oneshot::Receiver<std::io::Result<i32>>>,
     ) -> anyhow::Result<String> {
-        let deadline = async {
-            match duration {
-                Some(d) => {
-                    tokio::time::sleep(d).await;
-                    format!("--duration {:.1} s reached", d.as_secs_f64())
-                }
-                None => std::future::pending().await,
-            }
-        };
+        let deadline = crate::stop::deadline(duration);
         tokio::pin!(deadline);
         let exited = target_exit(self.pid, waiter);
         tokio::pin!(exited);
         let mut ending = procs::Ending::default();
         let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
-        let mut last_commit = Instant::now();
-        let mut last_rescan = Instant::now();
-        let mut last_publish = Instant::now();
+        let (mut commit, mut rescan) = (Every::new(COMMIT_EVERY), Every::new(RESCAN_EVERY));
+        let mut publish = Every::new(PUBLISH_EVERY);
 
         loop {
             tokio::select! {
@@ -450,8 +441,7 @@ impl Live {
                 }
                 _ = drain_tick.tick() => {
                     self.drain();
-                    if last_publish.elapsed() >= PUBLISH_EVERY {
-                        last_publish = Instant::now();
+                    if publish.due() {
                         self.publish_metrics();
                     }
                     if ending.check_due() {
@@ -459,12 +449,10 @@ impl Live {
                             return Ok(reason);
                         }
                     }
-                    if last_commit.elapsed() >= COMMIT_EVERY {
+                    if commit.due() {
                         self.recorder.store.commit()?;
-                        last_commit = Instant::now();
                     }
-                    if last_rescan.elapsed() >= RESCAN_EVERY {
-                        last_rescan = Instant::now();
+                    if rescan.due() {
                         self.rescan()?;
                     }
                 }
