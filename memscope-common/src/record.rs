@@ -124,7 +124,11 @@ pub struct CallRecord {
     pub cfg_module: u16,
     /// Bit i set: `fields[i]` was read successfully.
     pub fields_ok: u8,
-    pub _reserved: u8,
+    /// Sampling's verdict on a sampled API's call: 0, recorded in full (no sampling, a block of
+    /// the interval or more, a free, a failure); else the sample points that fell in its
+    /// requested bytes (at most [`crate::sampling::MAX_POINTS`]), its weight being that many
+    /// intervals.
+    pub points: u8,
 }
 
 /// [`CallRecord::cfg_module`] when the config named no module (so module 0xffff reads as none;

@@ -50,3 +50,61 @@ pub fn weigh(countdown: &mut u64, size: u64, interval: u64, mut gap: impl FnMut(
     *countdown = countdown.saturating_sub(rest).max(1);
     interval * points
 }
+
+/// [`crate::record::CallRecord::points`] kept in a call's open slot while its verdict is "not
+/// recorded": the call still counts, and a failed allocation is still recorded.
+pub const SKIP: u32 = 0xff;
+
+/// The key of a counted block: the process and the block's address (or the pool's handle).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct BlockKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    pub ptr: u64,
+}
+
+/// What the kernel keeps of a counted block until its free: what to take off the counters,
+/// and whether the free is to be recorded (its allocation was).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CountedBlock {
+    pub size: u64,
+    pub device: i32,
+    /// A [`crate::spec::sample_class`] value.
+    pub class: u8,
+    /// 1: the allocation was recorded.
+    pub recorded: u8,
+    pub _pad: u16,
+}
+
+/// The key of the exact counters: process, device (-1: not known) and class.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CounterKey {
+    pub tgid: u32,
+    pub device: i32,
+    pub class: u32,
+    pub _pad: u32,
+}
+
+/// The exact counters of one [`CounterKey`], updated with atomic adds by every CPU: what a
+/// sampled trace cannot estimate (peaks, counts) comes from here.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Bytes in blocks handed out and not taken back.
+    pub live: u64,
+    /// The most `live` was, counted at each allocation.
+    pub peak: u64,
+    pub allocs: u64,
+    pub frees: u64,
+    /// Frees whose block the kernel did not hold (allocated before the trace, or evicted from
+    /// the full block map).
+    pub untracked_frees: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<BlockKey>() == 16);
+const _: () = assert!(core::mem::size_of::<CountedBlock>() == 16);
+const _: () = assert!(core::mem::size_of::<CounterKey>() == 16);
+const _: () = assert!(core::mem::size_of::<Counters>() == 40);

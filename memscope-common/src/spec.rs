@@ -138,6 +138,75 @@ impl FieldRead {
     }
 }
 
+/// Where a sampling rule finds one value of a call.
+pub mod value_at {
+    /// Nowhere: the rule has no such value.
+    pub const NONE: u8 = 0;
+    /// Argument `index`.
+    pub const ARG: u8 = 1;
+    /// The spec's field read `index` (entry-time reads for a free, return-time for an alloc).
+    pub const FIELD: u8 = 2;
+    /// The return value.
+    pub const RET: u8 = 3;
+    /// The device the thread last set (for a block's device only).
+    pub const THREAD_DEVICE: u8 = 4;
+}
+
+/// What sampling does with an API's calls (`memscope-bpf daemon --sample-bytes`).
+pub mod sample_kind {
+    /// Always recorded (device-level calls, markers, everything that is not a pool block).
+    pub const NONE: u8 = 0;
+    /// Hands out a block: recorded when the sampler picks it; counted always.
+    pub const ALLOC: u8 = 1;
+    /// Takes a block back: recorded when its allocation was; counted always.
+    pub const FREE: u8 = 2;
+}
+
+/// A family of sampled blocks, counted apart in the kernel's exact counters.
+pub mod sample_class {
+    /// torch_npu's caching allocator.
+    pub const CACHING: u8 = 1;
+    /// torch_npu's workspace allocator.
+    pub const WORKSPACE: u8 = 2;
+    /// PyTorch's CPU allocator (host memory).
+    pub const CPU: u8 = 3;
+}
+
+/// The values a sampled API's call is weighed and counted by, each a ([`value_at`], index)
+/// pair: for an alloc, the requested bytes (known at entry, so the decision and the stack capture
+/// that depends on it happen there), the block's size and address and its device (known at
+/// return); for a free, the address (at entry).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SampleRule {
+    /// A [`sample_kind`] value.
+    pub kind: u8,
+    /// A [`sample_class`] value.
+    pub class: u8,
+    pub request: [u8; 2],
+    /// The block's size; when absent, the request is.
+    pub size: [u8; 2],
+    pub ptr: [u8; 2],
+    /// The block's device; when absent, `device_else`; when that is too, -1 (host memory, or
+    /// not known).
+    pub device: [u8; 2],
+    pub device_else: [u8; 2],
+    pub _pad: [u8; 4],
+}
+
+impl SampleRule {
+    pub const NONE: Self = Self {
+        kind: 0,
+        class: 0,
+        request: [0; 2],
+        size: [0; 2],
+        ptr: [0; 2],
+        device: [0; 2],
+        device_else: [0; 2],
+        _pad: [0; 4],
+    };
+}
+
 /// One API's capture rules, indexed by attach cookie.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -164,6 +233,8 @@ pub struct ProbeSpec {
     /// copied).
     pub blob_len_arg: i16,
     pub fields: [FieldRead; MAX_FIELDS],
+    /// What sampling does with its calls.
+    pub sample: SampleRule,
 }
 
 impl ProbeSpec {
@@ -178,6 +249,7 @@ impl ProbeSpec {
         blob_arg: -1,
         blob_len_arg: -1,
         fields: [FieldRead::NONE; MAX_FIELDS],
+        sample: SampleRule::NONE,
     };
 
     /// Whether any field is read at entry (the entry probe only looks at the spec then).
@@ -187,4 +259,5 @@ impl ProbeSpec {
 }
 
 const _: () = assert!(core::mem::size_of::<FieldRead>() == 16);
-const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 32 + 16 * MAX_FIELDS);
+const _: () = assert!(core::mem::size_of::<SampleRule>() == 16);
+const _: () = assert!(core::mem::size_of::<ProbeSpec>() == 32 + 16 * MAX_FIELDS + 16);

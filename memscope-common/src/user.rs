@@ -12,3 +12,11 @@ unsafe impl aya::Pod for UsdtSpec {}
 unsafe impl aya::Pod for crate::python::PyProcess {}
 // SAFETY: as above (`_pad` makes the padding explicit).
 unsafe impl aya::Pod for crate::filter::CgroupRule {}
+// SAFETY: plain `repr(C)` integers, no padding the kernel would not also write.
+unsafe impl aya::Pod for crate::sampling::BlockKey {}
+// SAFETY: as above.
+unsafe impl aya::Pod for crate::sampling::CountedBlock {}
+// SAFETY: as above.
+unsafe impl aya::Pod for crate::sampling::CounterKey {}
+// SAFETY: as above.
+unsafe impl aya::Pod for crate::sampling::Counters {}

@@ -55,6 +55,9 @@ pub struct RawCall {
     /// The buffer argument copied at entry (its [`BlobRecord`] preceded this record on the
     /// thread), when the spec has one.
     pub blob: Option<Vec<u8>>,
+    /// Sampling's points in the call's requested bytes (`CallRecord::points`): 0, recorded in
+    /// full; else its weight is that many sampling intervals.
+    pub points: u8,
 }
 
 impl RawCall {
@@ -247,6 +250,7 @@ fn call(r: &CallRecord, text: Option<String>) -> RawCall {
         thread_device: non_negative(r.thread_device),
         text,
         blob: None,
+        points: r.points,
     }
 }
 
@@ -451,7 +455,7 @@ mod tests {
             outer_spec: 0,
             cfg_device: -1,
             cfg_module: 7,
-            _reserved: 0,
+            points: 0,
         }
     }
 

@@ -154,6 +154,9 @@ pub mod attr {
         size,
         /// Bytes a caller requested (before rounding or the driver's granularity).
         req_size,
+        /// Under sampling (`daemon --sample-bytes`), the bytes a recorded block stands for:
+        /// totals of sampled rows sum it in place of `size`. Absent: the row is exact.
+        weight,
         /// The block's id, unique in its file (Insight pairs a block's rows by it).
         allocation_id,
         /// The traced API behind the row.

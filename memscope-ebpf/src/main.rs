@@ -8,6 +8,11 @@
 //! - `maps`: the maps shared between them and userspace, and the ring-buffer output path.
 #![no_std]
 #![no_main]
+// The BPF target has no fetching atomics in `core::sync::atomic` (its baseline CPU lacks them),
+// while the kernels we load on all take BPF_ATOMIC's fetch-add and cmpxchg: the sampling counters
+// use the intrinsics, and memscope-user/build.rs builds for that CPU (`probes::sample`).
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 mod maps;
 mod probes;

@@ -150,7 +150,7 @@ impl Generator {
             outer_spec: outer.map_or(0, |a| a.spec_id() as u16),
             cfg_device: -1,
             cfg_module: NO_MODULE,
-            _reserved: 0,
+            points: 0,
         }));
         self.ends.push(out.len());
     }

@@ -257,13 +257,16 @@ pub trait BlockAttr<'a>: Sized + Default {
     fn parse(text: &'a str) -> Option<Self>;
     fn addr(&self) -> Option<&str>;
     fn size(&self) -> Option<&str>;
+    /// The bytes a sampled block stands for (`daemon --sample-bytes`), in place of its size in
+    /// totals.
+    fn weight(&self) -> Option<&str>;
     fn owner(&self) -> Option<&str>;
     fn shadow(&self) -> Option<&str>;
     fn unmatched(&self) -> Option<&str>;
 }
 
-/// Implements [`BlockAttr`] for an `attr_fields!` struct with `addr`, `size`, `owner`, `shadow`
-/// and `unmatched` fields.
+/// Implements [`BlockAttr`] for an `attr_fields!` struct with `addr`, `size`, `weight`, `owner`,
+/// `shadow` and `unmatched` fields.
 macro_rules! block_attr {
     ($name:ident) => {
         impl<'a> $crate::analysis::blocks::BlockAttr<'a> for $name<'a> {
@@ -275,6 +278,9 @@ macro_rules! block_attr {
             }
             fn size(&self) -> Option<&str> {
                 self.size.as_deref()
+            }
+            fn weight(&self) -> Option<&str> {
+                self.weight.as_deref()
             }
             fn owner(&self) -> Option<&str> {
                 self.owner.as_deref()
@@ -302,6 +308,10 @@ pub trait BlockHooks {
     /// end. For an analysis of time (inefficient) it does: the block's life ends at the shadow
     /// FREE's instant, and no later row can reach it.
     const SHADOW_ENDS_BLOCK: bool = false;
+
+    /// Whether a sampled block opens with its `weight` (the bytes it stands for) as its size:
+    /// right for totals (owners, steps), wrong for what an analysis says of one block.
+    const WEIGHTED: bool = true;
 
     /// Whether a FREE's Attr can go unread: an analysis that needs only the marks of a FREE can
     /// tell from the text that it has none (half the rows are FREEs).
@@ -422,6 +432,8 @@ impl<B: Copy> BlockReplay<B> {
             hooks.no_size();
             return;
         };
+        let weight = if H::WEIGHTED { attr.weight().and_then(|w| w.trim().parse::<i64>().ok()) } else { None };
+        let size = weight.filter(|&w| w > 0).unwrap_or(size);
         let owner = attr.owner().filter(|o| !o.is_empty()).unwrap_or(UNKNOWN_OWNER);
         let block = hooks.open(row, key, family, owner, size, attr);
         if let Some(old) = self.live.insert(key, block) {
@@ -454,7 +466,7 @@ mod tests {
     use crate::analysis::attr::attr_fields;
 
     attr_fields! {
-        struct Fields { addr, size, owner, shadow, unmatched }
+        struct Fields { addr, size, weight, owner, shadow, unmatched }
     }
     block_attr!(Fields);
 
@@ -552,6 +564,17 @@ mod tests {
             ]
         );
         assert_eq!(live, 1, "the PTA_WORKSPACE block is another key: still live");
+    }
+
+    /// docs/db-schema.md: a sampled row's `weight` is the bytes it stands for in totals.
+    #[test]
+    fn a_sampled_malloc_opens_with_its_weight_and_an_exact_one_with_its_size() {
+        let (log, _) = replay(&[
+            row("MALLOC", "PTA", 1, 1, "0x10", r#"{"size":"100","weight":"524288"}"#),
+            row("MALLOC", "PTA", 2, 1, "0x20", r#"{"size":"100"}"#),
+            row("MALLOC", "PTA", 3, 1, "0x30", r#"{"size":"100","weight":"no"}"#),
+        ]);
+        assert_eq!(log.events, ["open UNKNOWN 524288", "open UNKNOWN 100", "open UNKNOWN 100"]);
     }
 
     #[test]

@@ -198,7 +198,7 @@ pub fn analyse(db: &DumpDb, wanted: &[TimeSpec]) -> Result<Report, AnalysisError
 attr_fields! {
     /// The Attr keys decompose reads. Non-string values read as absent, exactly as Insight's getter
     /// treats them, so both tools see the same blocks.
-    struct AttrFields { addr, size, owner, unmatched, shadow }
+    struct AttrFields { addr, size, weight, owner, unmatched, shadow }
 }
 block_attr!(AttrFields);
 

@@ -114,7 +114,7 @@ pub struct RowDetails {
 
 attr_fields! {
     /// The Attr keys read here. Non-string values read as absent, as Insight's getter treats them.
-    struct AttrFields { addr, size, owner, unmatched, shadow, segment, pool, allocation_id, freed_by }
+    struct AttrFields { addr, size, weight, owner, unmatched, shadow, segment, pool, allocation_id, freed_by }
 }
 block_attr!(AttrFields);
 

@@ -6,10 +6,10 @@
 //! numbers (parameter and optimizer-state storage bytes) the owner decomposition must match.
 //! The blocks are host memory (`HOST` rows on the cpu output, not pinned).
 
-use memscope_common::spec::{layer, ret_kind, ProbeSpec};
+use memscope_common::spec::{layer, ret_kind, sample_class, ProbeSpec};
 
 use super::op::{Op, Space};
-use super::{spec, Api, ApiDef, Family};
+use super::{at, sampled_alloc, sampled_free, spec, Api, ApiDef, Family};
 use crate::raw::RawCall;
 
 /// A framework allocator like torch_npu's pools; neither function returns a status. Frees inside
@@ -21,7 +21,13 @@ const fn c10_spec() -> ProbeSpec {
 }
 
 const fn row(api: Api, name: &'static str, symbol: &'static str, decode: fn(&RawCall) -> Op) -> ApiDef {
-    ApiDef { name, ..ApiDef::plain(api, symbol, Family::C10, c10_spec(), decode) }
+    let spec = match api {
+        Api::C10AllocCpu => {
+            sampled_alloc(c10_spec(), sample_class::CPU, [at::arg(0), at::NONE, at::RET, at::NONE, at::NONE])
+        }
+        _ => sampled_free(c10_spec(), sample_class::CPU, at::arg(0)),
+    };
+    ApiDef { name, ..ApiDef::plain(api, symbol, Family::C10, spec, decode) }
 }
 
 pub(super) static TABLE: [ApiDef; 2] = [

@@ -20,7 +20,7 @@ pub mod op;
 mod python_gc;
 pub mod torch_npu;
 
-use memscope_common::spec::{FieldRead, ProbeSpec, MAX_FIELDS, MAX_SPECS};
+use memscope_common::spec::{sample_kind, value_at, FieldRead, ProbeSpec, SampleRule, MAX_FIELDS, MAX_SPECS};
 
 use crate::raw::RawCall;
 pub use op::Op;
@@ -255,6 +255,42 @@ pub const fn spec(layer: u32, outer_layer: u32, fields: &[FieldRead]) -> ProbeSp
     s
 }
 
+/// Where a [`SampleRule`] finds a value: argument `i`, field read `i`, the return value, nowhere.
+pub mod at {
+    use super::value_at;
+
+    pub const fn arg(i: u8) -> [u8; 2] {
+        [value_at::ARG, i]
+    }
+    pub const fn field(i: usize) -> [u8; 2] {
+        [value_at::FIELD, i as u8]
+    }
+    pub const RET: [u8; 2] = [value_at::RET, 0];
+    pub const THREAD_DEVICE: [u8; 2] = [value_at::THREAD_DEVICE, 0];
+    pub const NONE: [u8; 2] = [value_at::NONE, 0];
+}
+
+/// `spec` with the sampling rule of an API that hands out blocks of `class`
+/// (`memscope_common::spec::sample_class`): where its requested bytes, block size, address and
+/// device (and where else the device is, when that read fails) are. These must be the values its
+/// `decode` reads (a test checks them against it).
+pub const fn sampled_alloc(
+    mut spec: ProbeSpec,
+    class: u8,
+    [request, size, ptr, device, device_else]: [[u8; 2]; 5],
+) -> ProbeSpec {
+    let kind = sample_kind::ALLOC;
+    spec.sample = SampleRule { kind, class, request, size, ptr, device, device_else, ..SampleRule::NONE };
+    spec
+}
+
+/// `spec` with the sampling rule of the API that takes the blocks of `class` back, by the
+/// address at `ptr` (at its entry).
+pub const fn sampled_free(mut spec: ProbeSpec, class: u8, ptr: [u8; 2]) -> ProbeSpec {
+    spec.sample = SampleRule { kind: sample_kind::FREE, class, ptr, ..SampleRule::NONE };
+    spec
+}
+
 /// The catalogue's families' tables, in spec-id order.
 const TABLES: [&[ApiDef]; 8] = [
     &acl::TABLE,
@@ -390,12 +426,69 @@ pub(crate) fn call_with(api: Api, args: [u64; 6], fields: [Option<u64>; MAX_FIEL
         thread_device: Some(0),
         text: None,
         blob: None,
+        points: 0,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the kernel reads for a rule's value (`memscope-ebpf/src/probes/sample.rs`).
+    fn rule_value(at: [u8; 2], call: &RawCall) -> Option<u64> {
+        match at[0] {
+            value_at::ARG => call.args.get(usize::from(at[1])).copied(),
+            value_at::FIELD => call.field(usize::from(at[1])),
+            value_at::RET => Some(call.ret),
+            _ => None,
+        }
+    }
+
+    /// The kernel counts and samples blocks by the rule's values and the model by the decoded
+    /// op's: for every sampled API they must be the same values of one call.
+    #[test]
+    fn each_sampling_rule_reads_what_its_api_decodes() {
+        let mut sampled = Vec::new();
+        for def in Api::all().filter(|d| d.spec.sample.kind != sample_kind::NONE) {
+            let rule = def.spec.sample;
+            let fields = std::array::from_fn(|i| Some(0x10_0000 * (i as u64 + 1)));
+            let mut call = call_with(def.api, [0x1000, 3, 0x3000, 0x4000, 0x5000, 0x6000], fields);
+            call.ret = 0x70_0000;
+            let (ptr, size, req, device) = match (def.decode)(&call) {
+                Op::PoolMalloc { ptr, size, req, device, .. } => (ptr, size, req, device),
+                Op::Malloc { ptr, size, device, .. } => (ptr, Some(size), Some(size), device),
+                Op::PoolFree { ptr, .. } => (ptr, None, None, None),
+                Op::Free { ptr, .. } => (Some(ptr), None, None, None),
+                op => panic!("{:?} has a sampling rule but decodes to {op:?}", def.api),
+            };
+            assert_eq!(rule_value(rule.ptr, &call), ptr, "{:?}: address", def.api);
+            if rule.kind == sample_kind::ALLOC {
+                assert_eq!(rule_value(rule.request, &call), req, "{:?}: requested bytes", def.api);
+                let counted = rule_value(rule.size, &call).or(rule_value(rule.request, &call));
+                assert_eq!(counted, size.or(req), "{:?}: size", def.api);
+                let found = |call: &RawCall| rule_value(rule.device, call).or(rule_value(rule.device_else, call));
+                assert_eq!(found(&call), device.map(u64::from), "{:?}: device", def.api);
+                // And when the reads fail, as the kernel falls back.
+                call.fields = [None; MAX_FIELDS];
+                if let Op::PoolMalloc { device: Some(device), .. } = (def.decode)(&call) {
+                    assert_eq!(found(&call), Some(u64::from(device)), "{:?}: device without reads", def.api);
+                }
+            }
+            sampled.push(def.api);
+        }
+        // Device-level calls are never sampled: the pool blocks and CPU tensors are.
+        let expected = [
+            Api::DeviceCachingAllocatorMalloc,
+            Api::DeviceCachingAllocatorFree,
+            Api::NpuCachingAllocatorMalloc,
+            Api::NpuCachingAllocatorFree,
+            Api::WorkspaceMalloc,
+            Api::WorkspaceFree,
+            Api::C10AllocCpu,
+            Api::C10FreeCpu,
+        ];
+        assert_eq!(sampled, expected);
+    }
 
     #[test]
     fn named_reads_go_to_their_slots_in_whatever_order_they_are_written() {

@@ -23,10 +23,10 @@
 //!
 //! Member functions take `this` as argument 0.
 
-use memscope_common::spec::{layer, ret_kind, FieldRead, ProbeSpec};
+use memscope_common::spec::{layer, ret_kind, sample_class, FieldRead, ProbeSpec};
 
 use super::op::{Op, Pool};
-use super::{named, no_status, spec, Api, ApiDef, Family, Layout, Tracking};
+use super::{at, named, no_status, sampled_alloc, sampled_free, spec, Api, ApiDef, Family, Layout, Tracking};
 use crate::raw::RawCall;
 
 /// `c10_npu::NPUWorkspaceAllocator::DeviceWorkspaceAllocator`: one per device, so its `device`
@@ -113,11 +113,21 @@ pub(super) static TABLE: [ApiDef; 13] = [
             "DeviceCachingAllocator::malloc",
             "_ZN7c10_npu19NPUCachingAllocator22DeviceCachingAllocator6mallocEimPvh",
             // Offsets are placeholders until the DWARF layout is known.
-            pool_spec(&named(&[
-                (BlockField::Ptr as usize, FieldRead::ret_field(0, 8)),
-                (BlockField::Size as usize, FieldRead::ret_field(0, 8)),
-                (BlockField::Device as usize, FieldRead::ret_field(0, 4)),
-            ])),
+            sampled_alloc(
+                pool_spec(&named(&[
+                    (BlockField::Ptr as usize, FieldRead::ret_field(0, 8)),
+                    (BlockField::Size as usize, FieldRead::ret_field(0, 8)),
+                    (BlockField::Device as usize, FieldRead::ret_field(0, 4)),
+                ])),
+                sample_class::CACHING,
+                [
+                    at::arg(2),
+                    at::field(BlockField::Size as usize),
+                    at::field(BlockField::Ptr as usize),
+                    at::field(BlockField::Device as usize),
+                    at::arg(1),
+                ],
+            ),
             |c| Op::PoolMalloc {
                 pool: Pool::Caching,
                 ptr: if c.ret == 0 { None } else { c.field(BlockField::Ptr as usize) },
@@ -134,11 +144,15 @@ pub(super) static TABLE: [ApiDef; 13] = [
             Api::DeviceCachingAllocatorFree,
             "DeviceCachingAllocator::free",
             "_ZN7c10_npu19NPUCachingAllocator22DeviceCachingAllocator4freeEPNS0_12_GLOBAL__N_15BlockEh",
-            pool_spec(&named(&[
-                (BlockField::Ptr as usize, FieldRead::arg_at_entry(1, 0, 8)),
-                (BlockField::Size as usize, FieldRead::arg_at_entry(1, 0, 8)),
-                (BlockField::Device as usize, FieldRead::arg_at_entry(1, 0, 4)),
-            ])),
+            sampled_free(
+                pool_spec(&named(&[
+                    (BlockField::Ptr as usize, FieldRead::arg_at_entry(1, 0, 8)),
+                    (BlockField::Size as usize, FieldRead::arg_at_entry(1, 0, 8)),
+                    (BlockField::Device as usize, FieldRead::arg_at_entry(1, 0, 4)),
+                ])),
+                sample_class::CACHING,
+                at::field(BlockField::Ptr as usize),
+            ),
             |c| Op::PoolFree {
                 pool: Pool::Caching,
                 ptr: c.field(BlockField::Ptr as usize),
@@ -152,7 +166,11 @@ pub(super) static TABLE: [ApiDef; 13] = [
         Api::NpuCachingAllocatorMalloc,
         "NpuCachingAllocator::malloc",
         "_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator6mallocEPPvimS2_",
-        pool_spec(&named(&[(OutPtr::Ptr as usize, FieldRead::arg_at_exit(1, 0, 8))])),
+        sampled_alloc(
+            pool_spec(&named(&[(OutPtr::Ptr as usize, FieldRead::arg_at_exit(1, 0, 8))])),
+            sample_class::CACHING,
+            [at::arg(3), at::NONE, at::field(OutPtr::Ptr as usize), at::arg(2), at::NONE],
+        ),
         |c| Op::PoolMalloc {
             pool: Pool::Caching,
             ptr: c.field(OutPtr::Ptr as usize).and_then(non_zero),
@@ -166,7 +184,7 @@ pub(super) static TABLE: [ApiDef; 13] = [
         Api::NpuCachingAllocatorFree,
         "NpuCachingAllocator::free",
         "_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator4freeEPv",
-        pool_spec(&[]),
+        sampled_free(pool_spec(&[]), sample_class::CACHING, at::arg(1)),
         |c| Op::PoolFree { pool: Pool::Caching, ptr: non_zero(c.args[1]), handle: None, size: None, device: None },
     ),
     ApiDef {
@@ -176,7 +194,11 @@ pub(super) static TABLE: [ApiDef; 13] = [
             "DeviceWorkspaceAllocator::malloc",
             "_ZN7c10_npu21NPUWorkspaceAllocator24DeviceWorkspaceAllocator6mallocEmPv",
             // `this->device` is read only once DWARF gave its offset (the plan patches field 0 in).
-            pool_spec(&[]),
+            sampled_alloc(
+                pool_spec(&[]),
+                sample_class::WORKSPACE,
+                [at::arg(1), at::arg(1), at::RET, at::field(WorkspaceField::Device as usize), at::THREAD_DEVICE],
+            ),
             |c| Op::PoolMalloc {
                 pool: Pool::Workspace,
                 ptr: non_zero(c.ret),
@@ -191,7 +213,7 @@ pub(super) static TABLE: [ApiDef; 13] = [
         Api::WorkspaceFree,
         "DeviceWorkspaceAllocator::free",
         "_ZN7c10_npu21NPUWorkspaceAllocator24DeviceWorkspaceAllocator4freeEPv",
-        pool_spec(&[]),
+        sampled_free(pool_spec(&[]), sample_class::WORKSPACE, at::arg(1)),
         |c| Op::PoolFree { pool: Pool::Workspace, ptr: non_zero(c.args[1]), handle: None, size: None, device: None },
     ),
     row(Api::MallocBlock, "MallocBlock", "_ZN7c10_npu19NPUCachingAllocator11MallocBlockEmPvi", pool_spec(&[]), |c| {

@@ -53,6 +53,7 @@ mod tests {
             op,
             stack: crate::stacks::NO_STACK,
             py_stack: crate::stacks::NO_STACK,
+            sample_weight: None,
         };
         Event { wall_ns, pid: 100, tid: 7, kind: EventKind::Call(call) }
     }

@@ -69,6 +69,9 @@ pub struct Call {
     pub stack: StackId,
     /// The thread's Python stack at that call (`--call-stack python`), or none.
     pub py_stack: StackId,
+    /// Under the daemon's sampling, the requested bytes this recorded allocation stands for
+    /// (a multiple of the interval; `memscope_common::sampling`); `None`: recorded in full.
+    pub sample_weight: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

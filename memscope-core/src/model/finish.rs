@@ -46,7 +46,7 @@ impl Tracker {
                 continue;
             }
             emit(Output::Free {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false, weight: None },
                 device: block.device,
                 space,
                 ptr,
@@ -71,7 +71,7 @@ impl Tracker {
                 continue;
             }
             emit(Output::PoolFree {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false },
+                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false, weight: None },
                 device: block.device,
                 pool: block.pool,
                 ptr,

@@ -194,6 +194,7 @@ mod tests {
             op,
             stack: crate::stacks::NO_STACK,
             py_stack: crate::stacks::NO_STACK,
+            sample_weight: None,
         };
         at(tid, 2, EventKind::Call(call))
     }

@@ -103,6 +103,7 @@ mod tests {
             op,
             stack: crate::stacks::NO_STACK,
             py_stack: crate::stacks::NO_STACK,
+            sample_weight: None,
         };
         Event { wall_ns, pid: 1, tid: 1, kind: EventKind::Call(call) }
     }

@@ -21,6 +21,8 @@ pub struct Site {
     pub tid: u32,
     /// The call ran inside a pass of Python's garbage collector (a free the collector caused).
     pub gc: bool,
+    /// The call's sampling weight ([`super::event::Call::sample_weight`]).
+    pub weight: Option<u64>,
 }
 
 /// How a block came to exist.

@@ -198,7 +198,8 @@ impl Tracker {
     fn apply_one(&mut self, event: &Event, out: &mut Vec<Output>) {
         if let EventKind::Call(call) = &event.kind {
             let gc = call.outer.is_some_and(|outer| outer.tracking().collects_garbage);
-            let site = Site { api: call.api, wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, gc };
+            let (wall_ns, pid, tid, weight) = (event.wall_ns, event.pid, event.tid, call.sample_weight);
+            let site = Site { api: call.api, wall_ns, pid, tid, gc, weight };
             self.learn_device(site, call);
             self.apply_call(site, call, out);
         }

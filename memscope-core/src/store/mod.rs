@@ -360,14 +360,14 @@ mod tests {
     use crate::model::{Output, Site, Space};
 
     fn free(device: DeviceKey, size: Option<u64>) -> Batch {
-        let site = Site { api: Api::AclrtFree, wall_ns: 7, pid: 1, tid: 1, gc: false };
+        let site = Site { api: Api::AclrtFree, wall_ns: 7, pid: 1, tid: 1, gc: false, weight: None };
         let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
         let output = Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver };
         batch::single(&insight::to_row(&output).unwrap(), Format::Db)
     }
 
     fn live_block_rows(shadow: bool) -> Batch {
-        let site = Site { api: Api::AclrtMalloc, wall_ns: 7, pid: 1, tid: 1, gc: false };
+        let site = Site { api: Api::AclrtMalloc, wall_ns: 7, pid: 1, tid: 1, gc: false, weight: None };
         let (device, space, ptr, size) = (DeviceKey::Npu(0), Space::Device, 0x20, 8);
         let origin = crate::model::Origin::Direct { policy: None, module: None, driver: None };
         let (req_size, allocation_id, used, owner, segment) = (8, 1, 8, Some(std::sync::Arc::from("CANN@APP")), None);

@@ -8,6 +8,9 @@
 //! `...Impl`, an allocation API calling another) only deepen the saved call, so one logical call
 //! gives one record, named after the outermost function.
 //!
+//! Under the daemon's sampling (`sample`) a pool allocation or free is decided at entry: one left
+//! out is counted at return but sends no record, and captures no stack.
+//!
 //! Cost matters here (every allocation pays it twice), so each probe does one hash lookup: all
 //! per-thread state — the device and one open-call slot per layer — lives in one map value that
 //! is created on the thread's first call, updated in place, and removed at thread exit.
@@ -25,12 +28,14 @@ use aya_ebpf::{
 };
 use memscope_common::{
     record::{BlobRecord, CallRecord, CallTextRecord, RecordHeader, RecordKind, BLOB_LEN, MAX_ARGS, NO_MODULE},
+    sampling::SKIP,
     spec::{
         acl_layout, cfg_kind, device_effect, field_source, layer, ret_kind, split_cookie, FieldRead, ProbeSpec,
         MAX_FIELDS,
     },
 };
 
+use super::sample::{self, Values};
 use super::{nonzero_arg, python, stack};
 use crate::maps::{admits, reserve, submit, SPECS};
 
@@ -50,7 +55,9 @@ pub struct Pending {
     /// Values of the spec's entry-time field reads.
     fields: [u64; MAX_FIELDS],
     fields_ok: u32,
-    _pad: u32,
+    /// Sampling's verdict at entry ([`sample::at_entry`]): 0 or the sample points, recorded;
+    /// [`SKIP`], not (but counted).
+    verdict: u32,
 }
 
 /// Everything the probes keep per thread.
@@ -110,13 +117,14 @@ fn slot(state: &mut ThreadState, layer: u32) -> Option<&mut Pending> {
     state.open.get_mut(index)
 }
 
-/// Whether the thread has no traced call open in a layer other than `layer`: the call starting
-/// now is the outermost, so its stack is the one every nested call shares.
+/// Whether the thread has no traced call open in a layer other than `layer`, but for calls
+/// sampling leaves out: the call starting now is the outermost recorded one, so its stack is the
+/// one every nested call shares.
 fn no_other_call_open(state: &ThreadState, layer: u32) -> bool {
     let own = (layer as usize) & (layer::SLOTS - 1);
     let mut i = 0;
     while i < layer::SLOTS {
-        if i != own && state.open[i].depth > 0 {
+        if i != own && state.open[i].depth > 0 && state.open[i].verdict != SKIP {
             return false;
         }
         i += 1;
@@ -168,8 +176,22 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let entry_ns = unsafe { bpf_ktime_get_ns() };
     open.entry_ns = entry_ns;
     open.entry_sp = sp;
+    for (i, arg) in open.args.iter_mut().enumerate() {
+        *arg = ctx.arg::<u64>(i).unwrap_or(0);
+    }
+    open.fields_ok = 0;
+    open.verdict = 0;
+    let spec: &ProbeSpec = SPECS.get(spec_id)?;
+    if spec.reads_at_entry() {
+        let args = open.args;
+        read_fields(spec, &args, 0, true, &mut open.fields, &mut open.fields_ok);
+    }
+    open.verdict = sample::at_entry(&spec.sample, (pid_tgid >> 32) as u32, &open.args, &open.fields, open.fields_ok);
+    let verdict = open.verdict;
+    let args = open.args;
     let stacks = stack::enabled() || stack::windowed() || python::enabled();
-    if stacks && no_other_call_open(state, layer) {
+    // The stack check reads the whole state: `open` is not used past here.
+    if stacks && verdict != SKIP && no_other_call_open(state, layer) {
         if python::enabled() {
             let _ = python::capture(ctx, pid_tgid, entry_ns);
         }
@@ -181,19 +203,7 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
             None
         };
     }
-    // Reborrowed: the stack check read the whole state.
-    let open = slot(state, layer)?;
-    for (i, arg) in open.args.iter_mut().enumerate() {
-        *arg = ctx.arg::<u64>(i).unwrap_or(0);
-    }
-    open.fields_ok = 0;
-    let spec: &ProbeSpec = SPECS.get(spec_id)?;
-    if spec.reads_at_entry() {
-        let args = open.args;
-        read_fields(spec, &args, 0, true, &mut open.fields, &mut open.fields_ok);
-    }
-    if spec.blob_arg >= 0 {
-        let args = open.args;
+    if spec.blob_arg >= 0 && verdict != SKIP {
         copy_blob(spec, spec_id, &args, pid_tgid);
     }
     Some(())
@@ -254,6 +264,16 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     // The outermost call's spec decides what to read: an inner `...Impl` shares its arguments.
     let spec: &ProbeSpec = SPECS.get(open.spec_id)?;
     let ret: u64 = ctx.ret();
+    let args = open.args;
+    read_fields(spec, &args, ret, false, &mut open.fields, &mut open.fields_ok);
+    if spec.sample.kind != 0 {
+        let values = Values { args: &open.args, fields: &open.fields, ok: open.fields_ok, ret };
+        // SAFETY: the device field of the thread's state; `open` is another part of it.
+        let device = unsafe { (*state).device };
+        if !sample::at_exit(&spec.sample, open.verdict, pid_tgid, values, device) {
+            return Some(());
+        }
+    }
     // The record is built in place in the ring buffer: it and the open call together would not
     // fit the 512-byte BPF stack. Two reserve sites because a reservation's size must be a
     // constant: only the few APIs with a text argument pay for its bytes.
@@ -299,12 +319,11 @@ fn fill_call(
     record.entry_ns = open.entry_ns;
     record.args = open.args;
     record.ret = ret;
+    // Both phases' reads are in: the return's were made before the record was reserved.
     record.fields = open.fields;
-    let mut fields_ok = open.fields_ok;
-    read_fields(spec, &record.args, ret, false, &mut record.fields, &mut fields_ok);
-    record.fields_ok = fields_ok as u8;
+    record.fields_ok = open.fields_ok as u8;
     record.outer_spec = 0;
-    record._reserved = 0;
+    record.points = if open.verdict == SKIP { 0 } else { open.verdict as u8 };
     record.cfg_device = -1;
     record.cfg_module = NO_MODULE;
     if spec.cfg_kind == cfg_kind::MALLOC_CONFIG {

@@ -2,6 +2,7 @@
 pub mod call;
 pub mod process;
 pub mod python;
+pub mod sample;
 pub mod stack;
 pub mod usdt;
 

@@ -25,6 +25,7 @@ use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use memscope_common::filter::{CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
 use memscope_common::python::PyProcess;
+use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::ProbeSpec;
 use memscope_common::usdt::{UsdtSpec, MAX_USDT_SPECS};
 use thiserror::Error;
@@ -140,6 +141,15 @@ pub struct LoadOptions {
     /// The daemon's rules: `Some` traces every process that calls a probed function unless
     /// they deny it (`memscope_common::filter`).
     pub admission: Option<Admission>,
+    /// The daemon's sampling of pool blocks (`None`: every call recorded).
+    pub sampling: Option<Sampling>,
+}
+
+/// `--sample-bytes` and the kernel's bound on the blocks it counts (`--max-blocks`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sampling {
+    pub interval: u64,
+    pub max_blocks: u32,
 }
 
 /// What the kernel checks before it traces a process it has not seen (the daemon).
@@ -225,8 +235,13 @@ impl Tracer {
         if cgroup_rules > MAX_CGROUP_RULES {
             return Err(LoadError::TooManyCgroups(cgroup_rules));
         }
+        let interval = opts.sampling.map_or(0, |s| s.interval);
+        // Unsampled, the block map is never touched: one entry rather than the daemon's million.
+        let max_blocks = opts.sampling.map_or(1, |s| s.max_blocks.max(1));
         let mut ebpf = EbpfLoader::new()
             .map_max_entries("EVENTS", opts.ring_bytes)
+            .map_max_entries("BLOCKS", max_blocks)
+            .override_global("SAMPLE_INTERVAL", &interval, true)
             .override_global("WAKEUP_BYTES", &opts.wakeup_bytes, true)
             .override_global("FOLLOW_FORKS", &follow, true)
             .override_global("STACK_DEPTH", &opts.stack_depth, true)
@@ -252,6 +267,14 @@ impl Tracer {
 
         if let Some(admission) = &admission {
             write_admission(&mut ebpf, admission)?;
+        }
+        if interval > 0 {
+            let map = ebpf.map_mut("GAPS").ok_or(LoadError::Missing("GAPS"))?;
+            let mut gaps: Array<_, u64> =
+                Array::try_from(map).map_err(|source| LoadError::Map { name: "GAPS", source })?;
+            for (i, gap) in memscope_core::sampling::gap_table(interval).into_iter().enumerate() {
+                gaps.set(i as u32, gap, 0).map_err(|source| LoadError::Map { name: "GAPS", source })?;
+            }
         }
         for (name, event) in [
             ("sched_process_fork", "sched_process_fork"),
@@ -340,6 +363,28 @@ impl Tracer {
         let mut denied: BpfHashMap<_, u32, u32> =
             BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENIED", source })?;
         denied.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "DENIED", source })
+    }
+
+    /// The kernel's exact counters of sampled blocks (`--sample-bytes`), by process, device
+    /// and class.
+    pub fn exact_counters(&self) -> Result<Vec<(CounterKey, Counters)>, LoadError> {
+        let map = self.ebpf.map("COUNTERS").ok_or(LoadError::Missing("COUNTERS"))?;
+        let counters: BpfHashMap<_, CounterKey, Counters> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "COUNTERS", source })?;
+        // An entry removed between the key walk and its lookup is skipped, not an error.
+        Ok(counters.iter().filter_map(Result::ok).collect())
+    }
+
+    /// Drops the counters of processes that exited (the kernel never does).
+    pub fn forget_counters(&mut self, pids: &HashSet<u32>) -> Result<(), LoadError> {
+        let map = self.ebpf.map_mut("COUNTERS").ok_or(LoadError::Missing("COUNTERS"))?;
+        let mut counters: BpfHashMap<_, CounterKey, Counters> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "COUNTERS", source })?;
+        let gone: Vec<CounterKey> = counters.keys().filter_map(Result::ok).filter(|k| pids.contains(&k.tgid)).collect();
+        for key in gone {
+            let _ = counters.remove(&key);
+        }
+        Ok(())
     }
 
     /// Lets the Python-stack probe walk `pid`'s interpreter (`--call-stack python`).

@@ -13,7 +13,7 @@ use anyhow::{bail, Context as _};
 use super::parse_duration;
 use super::trace::{user_libraries, DEFAULT_RING_MB};
 use crate::attach::libs;
-use crate::attach::loader::Admission;
+use crate::attach::loader::{Admission, Sampling};
 use crate::attach::ProbeSet;
 use crate::daemon::{self, rules, Plan, Stopped};
 use crate::preflight;
@@ -22,6 +22,9 @@ use crate::store::Format;
 
 /// The port Prometheus's exporter list gives memscope-bpf's metrics.
 const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
+
+/// Blocks the kernel counts at once, all jobs together: about 100 bytes of kernel memory each.
+const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
 
 /// Trace every process on this node that uses the accelerator runtime, for as long as the
 /// daemon runs, and serve the totals for Prometheus.
@@ -100,6 +103,20 @@ pub struct Args {
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_RING_MB)]
     pub ring_mb: u32,
 
+    /// Record pool and CPU-tensor blocks by Poisson sampling with this mean interval (0: record
+    /// every call). A block of the interval or more is always recorded at its size; a smaller
+    /// one is recorded when a sample point falls in it, its DB row carrying the bytes it stands
+    /// for (Attr `weight`). Runtime and driver calls and failed allocations are always recorded,
+    /// and the metrics' live bytes, peaks and counts are exact: the kernel counts every block.
+    #[arg(long, value_name = "SIZE", default_value = "512KiB", value_parser = memscope_core::units::parse_bytes)]
+    pub sample_bytes: u64,
+
+    /// The most sampled-family blocks the kernel counts at once, all jobs together (about 100
+    /// bytes of kernel memory each). Past it the oldest are forgotten, and their frees are
+    /// counted as untracked.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_BLOCKS)]
+    pub max_blocks: u32,
+
     /// Print only errors and the final line (not each job's start and end).
     #[arg(short, long)]
     pub quiet: bool,
@@ -108,6 +125,9 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     if !args.ring_mb.is_power_of_two() || args.ring_mb > 1024 {
         bail!("--ring-mb {} must be a power of two between 1 and 1024", args.ring_mb);
+    }
+    if args.max_blocks == 0 {
+        bail!("--max-blocks must be at least 1 (the default is {DEFAULT_MAX_BLOCKS})");
     }
     let admission =
         Admission { cgroups: rules::cgroup_rules(&args.cgroups)?, deny_comms: rules::comm_keys(&args.exclude_comms)? };
@@ -132,6 +152,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         admission,
         exclude_pids: args.exclude_pids,
         limits: daemon::retention::Limits { max_bytes: args.max_db, retention: args.retention },
+        sampling: (args.sample_bytes > 0)
+            .then_some(Sampling { interval: args.sample_bytes, max_blocks: args.max_blocks }),
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

@@ -28,6 +28,8 @@ pub struct Context {
     pub clock: Clock,
     pub ring_bytes: u32,
     pub probe_links: String,
+    /// `--sample-bytes` (0: every call recorded).
+    pub sample_bytes: u64,
 }
 
 struct Job {
@@ -224,6 +226,7 @@ fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
         ("ring_bytes".into(), cx.ring_bytes.to_string()),
         ("format".into(), format!("{:?}", cx.format).to_lowercase()),
         ("probe_links".into(), cx.probe_links.clone()),
+        ("sample_bytes".into(), cx.sample_bytes.to_string()),
     ];
     meta.extend(allocator_env(pid));
     let mut store = Writer::start(Store::new(layout, cx.format, start_wall, meta));

@@ -26,7 +26,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
 use crate::attach::libs::Library;
-use crate::attach::loader::{Admission, LoadOptions};
+use crate::attach::loader::{Admission, LoadOptions, Sampling};
 use crate::attach::{ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::metrics::{self, Published, Snapshot};
@@ -64,6 +64,8 @@ pub struct Plan {
     pub exclude_pids: Vec<u32>,
     /// `--max-db`, `--retention`.
     pub limits: retention::Limits,
+    /// `--sample-bytes`, `--max-blocks` (`None`: every call recorded).
+    pub sampling: Option<Sampling>,
 }
 
 /// What the daemon did, once it stopped (its probes still being detached).
@@ -90,11 +92,13 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         python_depth: 0,
         bpf_log: None,
         admission: Some(plan.admission.clone()),
+        sampling: plan.sampling,
     };
     // No target (pid 0 is never a process's tgid): the kernel admits processes by the rules.
     let mut tracer = Tracer::load(&opts, 0, None).context("cannot load the eBPF programs")?;
     let denied = deny(&mut tracer, &plan)?;
-    let consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    consumer.set_sample_bytes(plan.sampling.map_or(0, |s| s.interval));
     // SAFETY: the ring's descriptor belongs to `consumer`; `Daemon` declares `ring_fd` first, so
     // it is dropped first, and `stop` drops it before anything else.
     let ring_fd = unsafe { AsyncFd::register_with_interest(consumer.ring().as_raw_fd(), Interest::READABLE) }
@@ -106,6 +110,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         clock,
         ring_bytes: plan.ring_bytes,
         probe_links: tracer.link_kind(),
+        sample_bytes: plan.sampling.map_or(0, |s| s.interval),
     };
     let mut daemon = Daemon {
         ring_fd,
@@ -309,6 +314,9 @@ impl Daemon {
     }
 
     fn finish(&mut self, pid: u32, reason: &str) {
+        if self.plan.sampling.is_some() {
+            let _ = self.tracer.forget_counters(&std::iter::once(pid).collect());
+        }
         let lost = self.tracer.lost_per_cpu().unwrap_or_default();
         match self.jobs.finish(pid, reason, &lost) {
             Ok(ended) => {
@@ -331,7 +339,14 @@ impl Daemon {
     fn publish(&mut self) {
         let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
         let calls = self.ended_calls + self.jobs.calls();
-        self.metrics.publish(Snapshot { jobs: self.jobs.totals(), calls, lost });
+        let mut jobs = self.jobs.totals();
+        if self.plan.sampling.is_some() {
+            match self.tracer.exact_counters() {
+                Ok(counters) => metrics::apply_exact(&mut jobs, &counters),
+                Err(e) => say!("memscope-bpf: warning: cannot read the kernel's counters: {e}"),
+            }
+        }
+        self.metrics.publish(Snapshot { jobs, calls, lost });
     }
 
     /// Commits every job's rows; finishes the jobs whose process is gone without an exit record

@@ -11,6 +11,8 @@ mod own;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use memscope_common::sampling::{CounterKey, Counters};
+use memscope_common::spec::sample_class;
 use memscope_core::model::{DeviceKey, DeviceStats, Pool, PoolStats, Tracker};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -35,6 +37,60 @@ impl JobTotals {
             comm,
             devices: tracker.devices().map(|(k, s)| (k, s.clone())).collect(),
             pools: tracker.pools().map(|(k, s)| (k, s.clone())).collect(),
+        }
+    }
+}
+
+/// Puts the kernel's exact counters (`--sample-bytes`) over what the sampled rows say: a pool's
+/// bytes handed out, its peak and its live blocks, and the CPU allocator's device totals. A
+/// pool's reserved memory is exact already (its segments are runtime calls, never sampled).
+pub fn apply_exact(jobs: &mut [JobTotals], counters: &[(CounterKey, Counters)]) {
+    for job in jobs {
+        let mine = counters.iter().filter(|(k, _)| k.tgid == job.pid);
+        let mut cpu: Option<DeviceStats> = None;
+        for (key, c) in mine {
+            let device = u32::try_from(key.device).map_or(DeviceKey::Unknown, DeviceKey::Npu);
+            let pool = match key.class as u8 {
+                sample_class::CACHING => Pool::Caching,
+                sample_class::WORKSPACE => Pool::Workspace,
+                sample_class::CPU => {
+                    // Host memory: the kernel counts it under device -1 alone.
+                    let mut d = DeviceStats::default();
+                    (d.used, d.peak, d.mallocs, d.frees) = (c.live, c.peak, c.allocs, c.frees);
+                    d.untracked_frees = c.untracked_frees;
+                    cpu = Some(d);
+                    continue;
+                }
+                _ => continue,
+            };
+            if c.allocs == 0 {
+                // Only frees of blocks from before the trace: nothing of the pool's to show.
+                continue;
+            }
+            let key = (device, pool, job.pid);
+            let at = match job.pools.iter().position(|(k, _)| *k == key) {
+                Some(at) => at,
+                None => {
+                    job.pools.push((key, PoolStats::default()));
+                    job.pools.len() - 1
+                }
+            };
+            let stats = &mut job.pools[at].1;
+            (stats.used, stats.peak_used) = (c.live, c.peak);
+            stats.live_blocks = c.allocs.saturating_sub(c.frees);
+        }
+        if let Some(exact) = cpu {
+            let at = match job.devices.iter().position(|(k, _)| *k == DeviceKey::Cpu) {
+                Some(at) => at,
+                None => {
+                    job.devices.push((DeviceKey::Cpu, DeviceStats::default()));
+                    job.devices.len() - 1
+                }
+            };
+            let stats = &mut job.devices[at].1;
+            (stats.used, stats.peak, stats.mallocs, stats.frees) = (exact.used, exact.peak, exact.mallocs, exact.frees);
+            stats.live_blocks = exact.mallocs.saturating_sub(exact.frees);
+            stats.untracked_frees = exact.untracked_frees;
         }
     }
 }
@@ -147,8 +203,11 @@ const DEVICE_FAMILIES: [Family<DeviceStats>; 7] = [
     counter("memscope_failed_allocations", "Allocations that failed (out of memory among them)", |s| s.failures),
 ];
 
-const POOL_FAMILIES: [Family<PoolStats>; 4] = [
+const POOL_FAMILIES: [Family<PoolStats>; 5] = [
     gauge("memscope_pool_used", "Bytes a framework pool has handed out (PTA caching, workspace)", true, |s| s.used),
+    gauge("memscope_pool_live_blocks", "Blocks a framework pool has handed out and not taken back", false, |s| {
+        s.live_blocks
+    }),
     gauge("memscope_pool_reserved", "Device memory a framework pool holds", true, |s| s.total),
     gauge("memscope_pool_peak_used", "The most bytes a pool had handed out at once", true, |s| s.peak_used),
     gauge("memscope_pool_peak_reserved", "The most device memory a pool held at once", true, |s| s.peak_total),
@@ -243,6 +302,38 @@ mod tests {
         assert_eq!(sample(&text, "memscope_records_lost_total"), Some(0));
         assert_eq!(sample(&text, "memscope_jobs"), Some(1));
         assert!(sample(&text, "process_resident_memory_bytes").is_some_and(|rss| rss > 0), "{text}");
+    }
+
+    /// The kernel's counters replace the sampled rows' pool totals and CPU totals, per job, and
+    /// leave the exact reserved bytes and other jobs alone.
+    #[test]
+    fn the_kernels_exact_counters_replace_what_sampled_rows_sum_to() {
+        let pool = PoolStats { used: 10, total: 2 << 20, peak_used: 10, peak_total: 2 << 20, live_blocks: 1 };
+        let job = |pid| JobTotals {
+            pid,
+            comm: "train".into(),
+            devices: vec![(DeviceKey::Npu(1), DeviceStats::default())],
+            pools: vec![((DeviceKey::Npu(1), Pool::Caching, pid), pool.clone())],
+        };
+        let mut jobs = vec![job(7), job(8)];
+        let key = |device, class| CounterKey { tgid: 7, device, class: u32::from(class), _pad: 0 };
+        let counters = |live, peak, allocs, frees| Counters { live, peak, allocs, frees, untracked_frees: 0 };
+        let exact = [
+            (key(1, sample_class::CACHING), counters(4096, 8192, 5, 2)),
+            (key(0, sample_class::WORKSPACE), counters(0, 1 << 20, 3, 3)),
+            (key(-1, sample_class::CPU), Counters { untracked_frees: 4, ..counters(64, 128, 2, 1) }),
+            // Frees of blocks from before the trace only: no pool to show.
+            (key(-1, sample_class::CACHING), Counters { untracked_frees: 9, ..Counters::default() }),
+        ];
+        apply_exact(&mut jobs, &exact);
+        let caching = &jobs[0].pools[0].1;
+        assert_eq!((caching.used, caching.peak_used, caching.live_blocks, caching.total), (4096, 8192, 3, 2 << 20));
+        let workspace = jobs[0].pools.iter().find(|(k, _)| k.1 == Pool::Workspace).unwrap();
+        assert_eq!((workspace.0 .0, workspace.1.peak_used, workspace.1.live_blocks), (DeviceKey::Npu(0), 1 << 20, 0));
+        assert_eq!(jobs[0].pools.len(), 2, "{:?}", jobs[0].pools);
+        let cpu = &jobs[0].devices.iter().find(|(k, _)| *k == DeviceKey::Cpu).unwrap().1;
+        assert_eq!((cpu.used, cpu.peak, cpu.mallocs, cpu.live_blocks, cpu.untracked_frees), (64, 128, 2, 1, 4));
+        assert_eq!(jobs[1].pools[0].1.used, 10, "another process's counters are not job 8's");
     }
 
     /// One job with a device and a pool: every kind of series the exposition has.

@@ -53,6 +53,11 @@ impl Consumer {
         self.decoder.set_stack_depth(depth);
     }
 
+    /// The kernel samples with this interval (`--sample-bytes`; 0: not at all).
+    pub fn set_sample_bytes(&mut self, bytes: u64) {
+        self.decoder.set_sample_bytes(bytes);
+    }
+
     /// Where stripped libraries' debug files are looked for (`--debug-dir`), for their stacks.
     pub fn set_debug_dirs(&mut self, dirs: Vec<std::path::PathBuf>) {
         self.decoder.set_debug_dirs(dirs);
@@ -86,11 +91,19 @@ pub struct Decoder {
     stacks: ThreadStacks,
     /// Processes seen replacing their image, until the session takes them.
     execs: Vec<u32>,
+    /// The kernel's sampling interval in bytes (0: every call recorded).
+    sample_bytes: u64,
 }
 
 impl Decoder {
     pub fn new(clock: Clock) -> Self {
-        Self { clock, blobs: HashMap::default(), stacks: ThreadStacks::default(), execs: Vec::new() }
+        Self { clock, blobs: HashMap::default(), stacks: ThreadStacks::default(), execs: Vec::new(), sample_bytes: 0 }
+    }
+
+    /// The kernel samples allocations with this mean interval (`--sample-bytes`): a sampled
+    /// call's weight is a multiple of it.
+    pub fn set_sample_bytes(&mut self, bytes: u64) {
+        self.sample_bytes = bytes;
     }
 
     pub fn stack_stats(&self) -> CaptureStats {
@@ -143,7 +156,7 @@ impl Decoder {
             } else {
                 (self.stacks.of_call(&call), self.stacks.py_of_call(&call))
             };
-            call_event(&call, self.clock, stacks)
+            call_event(&call, self.clock, stacks, self.sample_bytes)
         } else {
             match decode::decode(bytes) {
                 Ok(Record::Blob(blob)) => {
@@ -201,7 +214,7 @@ impl Decoder {
 
 /// A decoded call as a model event; `None` for an API this build does not know.
 #[inline]
-fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId)) -> Option<Event> {
+fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId), interval: u64) -> Option<Event> {
     let api = Api::from_spec_id(raw.spec_id)?;
     let def = api.def();
     // A function without a status (void, or a pointer result) never fails by its return.
@@ -220,6 +233,7 @@ fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId)
             op: (def.decode)(raw),
             stack,
             py_stack,
+            sample_weight: (raw.points > 0 && interval > 0).then(|| u64::from(raw.points) * interval),
         }),
     })
 }
@@ -227,7 +241,7 @@ fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId)
 /// A decoded record as a model event; `None` for a call of an API this build does not know.
 pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
     Some(match record {
-        Record::Call(raw) => return call_event(&raw, clock, (NO_STACK, NO_STACK)),
+        Record::Call(raw) => return call_event(&raw, clock, (NO_STACK, NO_STACK), 0),
         Record::Usdt(raw) => Event {
             wall_ns: clock.to_wall(raw.mono_ns),
             pid: raw.tgid,
@@ -268,7 +282,23 @@ mod tests {
             thread_device: Some(1),
             text: None,
             blob: None,
+            points: 0,
         }
+    }
+
+    #[test]
+    fn a_sampled_call_weighs_its_points_in_intervals_and_an_unsampled_one_nothing() {
+        let mut r = raw(Api::C10AllocCpu as u32, [700, 0, 0, 0, 0, 0], 0x5000, None);
+        r.points = 3;
+        let weight = |r: &RawCall, interval| {
+            let e = call_event(r, Clock::with_offset(0), (NO_STACK, NO_STACK), interval).unwrap();
+            let EventKind::Call(c) = e.kind else { panic!() };
+            c.sample_weight
+        };
+        assert_eq!(weight(&r, 1 << 19), Some(3 << 19));
+        assert_eq!(weight(&r, 0), None, "no sampling: no weight");
+        r.points = 0;
+        assert_eq!(weight(&r, 1 << 19), None, "recorded in full");
     }
 
     #[test]

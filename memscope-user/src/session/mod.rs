@@ -292,6 +292,7 @@ fn load(
         python_depth: stacks.python_depth(),
         bpf_log,
         admission: None,
+        sampling: None,
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.

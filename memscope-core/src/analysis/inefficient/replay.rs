@@ -74,7 +74,7 @@ impl ApiState {
 
 attr_fields! {
     /// The Attr keys this analysis reads.
-    struct Fields { addr, size, owner, pool, allocation_id, shadow, unmatched, inefficient_type }
+    struct Fields { addr, size, weight, owner, pool, allocation_id, shadow, unmatched, inefficient_type }
 }
 block_attr!(Fields);
 
@@ -147,6 +147,8 @@ impl BlockHooks for State {
     // msMemScope hands its shadow frees to no analyzer, so they are no FREE API; but they end
     // the block's time.
     const SHADOW_ENDS_BLOCK: bool = true;
+    // A finding is about one block: its own size, not what a sample of it stands for.
+    const WEIGHTED: bool = false;
 
     fn not_a_block(&mut self, row: &DumpRow<'_>) {
         match Fields::parse(row.attr) {

@@ -51,6 +51,16 @@ pub(super) fn with_module(attr: Pairs<'_>, module: Option<u16>) -> Pairs<'_> {
     }
 }
 
+/// The bytes a sampled block stands for: the call's weight is in requested bytes, and the block
+/// holds `size` for each `req` of them (a ratio the sampling did not see, so it scales exactly).
+fn block_weight(site: &Site, size: u64, req: Option<u64>) -> Option<u64> {
+    let weight = site.weight?;
+    Some(match req {
+        Some(req) if req > 0 => (u128::from(weight) * u128::from(size) / u128::from(req)) as u64,
+        _ => weight,
+    })
+}
+
 /// The flags a FREE may carry, in the order they are written.
 #[derive(Clone, Copy)]
 struct FreeFlags {
@@ -107,6 +117,7 @@ pub(super) fn malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a
         attr.with_opt(attr::owner, owner.as_deref()).with_opt(attr::segment, segment.map(pool_name))
     };
     let attr = MALLOC_TAIL.with_borrow_mut(|last| last.write(attr, site.api, origin, owner, *segment, tail));
+    let attr = attr.with_opt(attr::weight, block_weight(site, *size, Some(*req_size)));
     (Columns::at(site, Event::Malloc, space.event_type(), *device, Some(*ptr)), attr)
 }
 
@@ -199,7 +210,8 @@ pub(super) fn pool_malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Colum
         .with(attr::used, *used)
         .with(attr::total, *total)
         .with(attr::pool, pool_name(*pool))
-        .with(attr::owner, &**owner);
+        .with(attr::owner, &**owner)
+        .with_opt(attr::weight, block_weight(site, *size, *req_size));
     (Columns::at(site, Event::Malloc, EventType::Pta, *device, Some(*ptr)), attr)
 }
 

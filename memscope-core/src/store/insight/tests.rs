@@ -8,7 +8,7 @@ fn to_row(output: Output) -> Row<'static> {
 }
 
 fn site(api: Api) -> Site {
-    Site { api, wall_ns: 5, pid: 1, tid: 2, gc: false }
+    Site { api, wall_ns: 5, pid: 1, tid: 2, gc: false, weight: None }
 }
 
 #[test]
@@ -104,6 +104,26 @@ fn pool_blocks_are_pta_with_counters_and_owner() {
         assert_eq!(r.attr.get("total").as_deref(), Some("2097152"));
         assert_eq!(r.attr.get("req_size").as_deref(), Some("1000"));
     }
+}
+
+/// docs/db-schema.md "Sampled rows": weight = k × N × size / req_size; an exact row has none.
+#[test]
+fn a_sampled_pool_block_carries_its_weight_scaled_from_its_request_to_its_size() {
+    let block = |weight| Output::PoolMalloc {
+        site: Site { weight, ..site(Api::NpuCachingAllocatorMalloc) },
+        device: DeviceKey::Npu(0),
+        pool: Pool::Caching,
+        ptr: 0x200,
+        size: 1024,
+        req_size: Some(1000),
+        allocation_id: 1,
+        used: 1024,
+        total: 2 << 20,
+        owner: crate::model::tracker::OwnerBase::Pool(Pool::Caching).label(),
+    };
+    // Two points of a 512 KiB interval in a 1000-byte request, for a 1024-byte block.
+    assert_eq!(to_row(block(Some(2 << 19))).attr.get("weight").as_deref(), Some("1073741"));
+    assert_eq!(to_row(block(None)).attr.get("weight"), None);
 }
 
 #[test]
