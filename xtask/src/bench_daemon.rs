@@ -4,7 +4,10 @@
 //!   daemon`, and under `memscope-bpf trace` (full recording), interleaved round by round so
 //!   that the machine's drift falls on all three alike; the median of each;
 //! - the daemon's RSS and CPU time with 10 jobs holding `--blocks` live blocks each (1 M in all
-//!   by default): while they allocate, and idle for 10 s after.
+//!   by default): while they allocate, and idle for 10 s after;
+//! - the cost per pool allocation (the stand-in caching allocator's tensors: what a training
+//!   step does most) with nothing attached, under the daemon recording every call
+//!   (`--sample-bytes 0`) and under its default sampling, timed by the workload's own loop.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -20,11 +23,16 @@ struct Daemon(Child);
 
 impl Daemon {
     fn start(built: &Built, out: &Path) -> anyhow::Result<Self> {
+        Self::start_with(built, out, &[])
+    }
+
+    fn start_with(built: &Built, out: &Path, extra: &[&str]) -> anyhow::Result<Self> {
         let _ = std::fs::remove_dir_all(out);
         std::fs::create_dir_all(out)?;
         let child = privileged(built.binary.to_str().expect("utf-8 path"))
             .args(["daemon", "--quiet", "--listen", "127.0.0.1:0", "--output"])
             .arg(out.join("jobs"))
+            .args(extra)
             .env("ASCEND_HOME_PATH", &built.ascend_home)
             .stdin(Stdio::null())
             .stderr(std::fs::File::create(out.join("stderr"))?)
@@ -196,10 +204,73 @@ fn ten_jobs(built: &Built, root: &Path, out: &Path, blocks: u64) -> anyhow::Resu
     ))
 }
 
+/// Allocations (and about as many frees) each pool run makes.
+const POOL_ALLOCS: u64 = 200_000;
+
+/// One run of the pool workload: its loop's seconds.
+fn pool_loop(built: &Built, root: &Path, out: &Path) -> anyhow::Result<f64> {
+    let ready = out.join("pool.ready");
+    let _ = std::fs::remove_file(&ready);
+    let run = Command::new("python3")
+        .arg(root.join("tests/workloads/standin_pool_hold.py"))
+        .arg("--torch-lib")
+        .arg(&built.torch.with_debug)
+        .args(["--count", &POOL_ALLOCS.to_string(), "--hold", "0", "--max", "65536"])
+        // The daemon finds the allocator in the job's mappings within a second.
+        .args(["--delay", "2"])
+        .arg("--ready-file")
+        .arg(&ready)
+        .env("ASCEND_HOME_PATH", &built.ascend_home)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()?;
+    if !run.status.success() {
+        bail!("the pool workload failed ({})", run.status);
+    }
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("loop_s=")?.trim().parse().ok())
+        .with_context(|| format!("the pool workload printed no loop time: {stdout}"))
+}
+
+/// Pool allocations off / under the daemon recording all / under its default sampling.
+fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize) -> anyhow::Result<String> {
+    let (mut off, mut full, mut sampled) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        eprintln!("xtask bench: daemon, pool allocations, round {round}/{rounds}");
+        off.push(pool_loop(built, root, out)?);
+        let daemon = Daemon::start_with(built, &out.join("daemon"), &["--sample-bytes", "0"])?;
+        full.push(pool_loop(built, root, out)?);
+        daemon.stop()?;
+        let daemon = Daemon::start(built, &out.join("daemon"))?;
+        sampled.push(pool_loop(built, root, out)?);
+        daemon.stop()?;
+    }
+    let (off, full, sampled) = (median(off), median(full), median(sampled));
+    // Each allocation is one traced call and each free another: about 1.5 calls per allocation.
+    let per_alloc = |t: f64| (t - off) * 1e9 / POOL_ALLOCS as f64;
+    let pct = |t: f64| (t / off - 1.0) * 100.0;
+    Ok(format!(
+        "\n## Daemon: pool allocations (standin_pool_hold.py --count {POOL_ALLOCS}: tensors of 256 B to 64 KiB on \
+         the stand-in caching allocator, about half freed again; the loop's own time, median of {rounds} \
+         interleaved rounds)\n\n\
+         | run | loop s | vs off | ns per allocation (with its share of frees) |\n|---|---|---|---|\n\
+         | nothing attached | {off:.3} | – | – |\n\
+         | `daemon --sample-bytes 0` (every call recorded) | {full:.3} | {:+.1} % | {:.0} |\n\
+         | `daemon` (default sampling, 512 KiB) | {sampled:.3} | {:+.1} % | {:.0} |\n",
+        pct(full),
+        per_alloc(full),
+        pct(sampled),
+        per_alloc(sampled),
+    ))
+}
+
 /// The daemon's part of results.md.
 pub fn run(built: &Built, root: &Path, out: &Path, rounds: usize, blocks: u64) -> anyhow::Result<String> {
     std::fs::create_dir_all(out)?;
     let mut md = wall_time(built, root, out, rounds)?;
+    md.push_str(&pool_cost(built, root, out, rounds)?);
     md.push_str(&ten_jobs(built, root, out, blocks)?);
     Ok(md)
 }

@@ -9,7 +9,7 @@
 //! a compare-and-swap: a per-CPU copy would sum to the right live bytes but never to the peak.
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_F_NO_COMMON_LRU, BPF_NOEXIST},
     helpers::bpf_get_prandom_u32,
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
@@ -34,9 +34,10 @@ static GAPS: Array<u64> = Array::with_max_entries(GAP_TABLE_LEN, 0);
 static COUNTDOWN: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Every live block of a sampled API, until its free. Sized by userspace (`--max-blocks`) and
-/// LRU: the blocks of a process that exited are the ones to lose.
+/// LRU: the blocks of a process that exited are the ones to lose. Per-CPU LRU lists: the shared
+/// list's lock is taken by every insert, on the allocation path of every traced thread.
 #[map]
-pub static BLOCKS: LruHashMap<BlockKey, CountedBlock> = LruHashMap::with_max_entries(1, 0);
+pub static BLOCKS: LruHashMap<BlockKey, CountedBlock> = LruHashMap::with_max_entries(1, BPF_F_NO_COMMON_LRU);
 
 /// The exact counters, by process, device and class; userspace removes a process's at its exit.
 #[map]

@@ -82,21 +82,26 @@ fn a_malloc_whose_tail_repeats_the_last_ones_is_written_the_same_as_on_its_own()
     }
 }
 
+/// A 1024-byte pool block asked for as 1000 bytes.
+fn pool_block(pool: Pool, weight: Option<u64>) -> Output {
+    Output::PoolMalloc {
+        site: Site { weight, ..site(Api::DeviceCachingAllocatorMalloc) },
+        device: DeviceKey::Npu(0),
+        pool,
+        ptr: 0x200,
+        size: 1024,
+        req_size: Some(1000),
+        allocation_id: 1,
+        used: 1024,
+        total: 2 << 20,
+        owner: crate::model::tracker::OwnerBase::Pool(pool).label(),
+    }
+}
+
 #[test]
 fn pool_blocks_are_pta_with_counters_and_owner() {
     for (pool, owner) in [(Pool::Caching, "PTA"), (Pool::Workspace, "PTA_WORKSPACE")] {
-        let r = to_row(Output::PoolMalloc {
-            site: site(Api::DeviceCachingAllocatorMalloc),
-            device: DeviceKey::Npu(0),
-            pool,
-            ptr: 0x200,
-            size: 1024,
-            req_size: Some(1000),
-            allocation_id: 1,
-            used: 1024,
-            total: 2 << 20,
-            owner: crate::model::tracker::OwnerBase::Pool(pool).label(),
-        });
+        let r = to_row(pool_block(pool, None));
         assert_eq!((r.head.event.as_str(), r.head.event_type.as_str()), ("MALLOC", "PTA"));
         assert_eq!(r.attr.get("owner").as_deref(), Some(owner));
         assert_eq!(r.attr.get("pool").as_deref(), Some(pool.as_str()));
@@ -109,18 +114,7 @@ fn pool_blocks_are_pta_with_counters_and_owner() {
 /// docs/db-schema.md "Sampled rows": weight = k × N × size / req_size; an exact row has none.
 #[test]
 fn a_sampled_pool_block_carries_its_weight_scaled_from_its_request_to_its_size() {
-    let block = |weight| Output::PoolMalloc {
-        site: Site { weight, ..site(Api::NpuCachingAllocatorMalloc) },
-        device: DeviceKey::Npu(0),
-        pool: Pool::Caching,
-        ptr: 0x200,
-        size: 1024,
-        req_size: Some(1000),
-        allocation_id: 1,
-        used: 1024,
-        total: 2 << 20,
-        owner: crate::model::tracker::OwnerBase::Pool(Pool::Caching).label(),
-    };
+    let block = |weight| pool_block(Pool::Caching, weight);
     // Two points of a 512 KiB interval in a 1000-byte request, for a 1024-byte block.
     assert_eq!(to_row(block(Some(2 << 19))).attr.get("weight").as_deref(), Some("1073741"));
     assert_eq!(to_row(block(None)).attr.get("weight"), None);
