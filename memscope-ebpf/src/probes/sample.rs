@@ -135,14 +135,17 @@ pub fn at_exit(rule: &SampleRule, verdict: u32, pid_tgid: u64, values: Values<'_
     };
     let tgid = (pid_tgid >> 32) as u32;
     let key = BlockKey { tgid, _pad: 0, ptr };
-    // SAFETY: a plain value copied out of the map.
-    if let Some(old) = unsafe { BLOCKS.get(&key) }.copied() {
-        // An address handed out again before its free was seen: that block is gone.
-        count(tgid, old.device, old.class, old.size, false);
-    }
     let recorded = u8::from(verdict != SKIP);
     let block = CountedBlock { size: size.unwrap_or(0), device, class: rule.class, recorded, _pad: 0 };
-    let _ = BLOCKS.insert(&key, &block, 0);
+    // One hash operation in the usual case; only an address already held is looked up.
+    if BLOCKS.insert(&key, &block, BPF_NOEXIST.into()).is_err() {
+        // SAFETY: a plain value copied out of the map.
+        if let Some(old) = unsafe { BLOCKS.get(&key) }.copied() {
+            // An address handed out again before its free was seen: that block is gone.
+            count(tgid, old.device, old.class, old.size, false);
+        }
+        let _ = BLOCKS.insert(&key, &block, 0);
+    }
     count(tgid, device, rule.class, block.size, true);
     verdict != SKIP
 }
