@@ -4,6 +4,8 @@
 
 use std::collections::BTreeSet;
 
+use memscope_core::analysis::live::LiveView;
+
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::procs;
 use crate::stacks::{StackId, NO_STACK};
@@ -19,11 +21,22 @@ pub struct Recorder {
     pub children: BTreeSet<u32>,
     /// The first write error; the trace stops on it.
     pub error: Option<anyhow::Error>,
+    /// The daemon's live view of the job (owners, steps), fed the same facts as the store.
+    pub live: Option<LiveView>,
 }
 
 impl Recorder {
     pub fn new(tracker: Tracker, store: Writer) -> Self {
-        Self { tracker, store, outputs: Vec::new(), calls: 0, markers: 0, children: BTreeSet::new(), error: None }
+        Self {
+            tracker,
+            store,
+            outputs: Vec::new(),
+            calls: 0,
+            markers: 0,
+            children: BTreeSet::new(),
+            error: None,
+            live: None,
+        }
     }
 
     pub fn on_event(&mut self, event: Event) {
@@ -64,6 +77,11 @@ impl Recorder {
     /// Writes the facts of the last event, with its call's stack; the list keeps its capacity
     /// for the next one.
     fn flush_outputs(&mut self, stacks: (StackId, StackId)) {
+        if let Some(live) = &mut self.live {
+            // Before the store takes a retag's owner.
+            self.outputs.iter().for_each(|o| live.observe(o));
+            live.settle();
+        }
         // After the first error nothing more is written: the trace stops on it.
         let writing = if self.error.is_none() { self.outputs.len() } else { 0 };
         for output in &mut self.outputs[..writing] {

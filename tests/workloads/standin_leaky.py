@@ -10,6 +10,8 @@ Both variants run the same steps with the same seeded noise; only `--variant lea
 - leaky only: from step 2 on, one 2 MiB `kv_cache` block per step that is never freed, and at
   step 3 a 1 MiB aclrtMalloc buffer that is never freed;
 - `memscope.step()` ends every step (its number is the step that ended).
+With `--hold S` the job stops for S seconds after its last step, before anything is freed, so a
+live view can be read against the ledger written then (`--ready-file` says when).
 At the end everything else is freed and the allocator's cache emptied.
 
 The ledger (JSON lines) is the ground truth, made by construction, not by the tracer:
@@ -122,10 +124,23 @@ def train(job, args):
         if leaky and step == 3:
             job.hal_malloc(1 * MIB, leak=True)
         job.end_step()
+    if args.hold:
+        # Every step is done and nothing more is freed: what a live view sees now is the ledger
+        # so far, written before the ready file says so.
+        write_ledger(job, args.ledger)
+        with open(args.ready_file, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(args.hold)
     job.free(carry)
     for p in kept:
         job.free(p)
     job.torch.standin_empty_cache()
+
+
+def write_ledger(job, path):
+    with open(path, "w") as f:
+        for line in job.lines:
+            f.write(json.dumps(line) + "\n")
 
 
 def main():
@@ -136,7 +151,11 @@ def main():
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--tracer-timeout", type=float, default=30.0)
+    ap.add_argument("--hold", type=float, default=0.0, help="after the last step, sleep this long before freeing")
+    ap.add_argument("--ready-file", help="with --hold: the pid goes here once the ledger so far is written")
     args = ap.parse_args()
+    if args.hold and not args.ready_file:
+        ap.error("--hold needs --ready-file")
 
     job = Job(args)
     job.acl.aclrtSetDevice(0)
@@ -145,9 +164,7 @@ def main():
         return 1
     time.sleep(0.1)  # the last attachment completes
     train(job, args)
-    with open(args.ledger, "w") as f:
-        for line in job.lines:
-            f.write(json.dumps(line) + "\n")
+    write_ledger(job, args.ledger)
     return 0
 
 

@@ -41,6 +41,7 @@ pub mod gc_held;
 pub mod incidents;
 pub mod inefficient;
 pub mod leaks;
+pub mod live;
 pub mod oom;
 pub mod opdiff;
 pub mod pass;

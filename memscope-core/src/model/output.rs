@@ -25,6 +25,16 @@ pub struct Site {
     pub weight: Option<u64>,
 }
 
+/// The bytes a sampled block stands for: the call's weight is in requested bytes, and the block
+/// holds `size` for each `req` of them (a ratio the sampling did not see, so it scales exactly).
+pub fn block_weight(site: &Site, size: u64, req: Option<u64>) -> Option<u64> {
+    let weight = site.weight?;
+    Some(match req {
+        Some(req) if req > 0 => (u128::from(weight) * u128::from(size) / u128::from(req)) as u64,
+        _ => weight,
+    })
+}
+
 /// How a block came to exist.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
+use memscope_core::analysis::live;
 
 use super::parse_duration;
 use super::trace::{user_libraries, DEFAULT_RING_MB};
@@ -22,6 +23,10 @@ use crate::store::Format;
 
 /// The port Prometheus's exporter list gives memscope-bpf's metrics.
 const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
+
+/// How often a job's degradation verdicts are computed again (they are quadratic in the
+/// boundaries kept, up to `live::MAX_POINTS`).
+const TREND_EVERY: Duration = Duration::from_secs(5);
 
 /// Blocks the kernel counts at once, all jobs together: about 100 bytes of kernel memory each.
 const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
@@ -39,8 +44,9 @@ const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
 /// own folder, OUTPUT/memscope_<pid>_<time>_ascend/, one DB per device, the folder `trace`
 /// writes: every offline verb (analyze, compare, advise) and MindStudio Insight open it. Rows
 /// are committed every second; a job is finished when its process exits. GET /metrics serves
-/// every running job's totals (labels pid, comm, device, pool), GET /healthz says the daemon
-/// is up. SIGINT or SIGTERM finishes every job's DBs and stops; SIGHUP applies --exclude-comm
+/// every running job's totals (labels pid, comm, device, pool), its largest owners' live bytes,
+/// and the degradation verdict of `analyze --analysis leaks` on its step boundaries, kept up to
+/// date as it runs (docs/metrics.md); GET /healthz says the daemon is up. SIGINT or SIGTERM finishes every job's DBs and stops; SIGHUP applies --exclude-comm
 /// again to the processes running then. Needs root.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
@@ -117,6 +123,26 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_BLOCKS)]
     pub max_blocks: u32,
 
+    /// Owners each job's live bytes are broken down by in memscope_owner_live_bytes: the N
+    /// largest (by device and layer), the rest summed as owner="other" (0: no owner series).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub owner_labels: usize,
+
+    /// Boundaries ending steps up to N are the warm-up: the degradation gauges judge the live
+    /// bytes from the end of step N on (as `analyze --analysis leaks --warmup-steps`).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub warmup_steps: u64,
+
+    /// Take step boundaries from MSTX marks (or ranges) with this message instead of
+    /// memscope.step() / mstx `step start` ranges (as `analyze --step-marker`).
+    #[arg(long, value_name = "NAME")]
+    pub step_marker: Option<String>,
+
+    /// A job that marks no steps gets a boundary every TIME instead, so the degradation gauges
+    /// judge its growth too; its first marked step replaces them (0: none).
+    #[arg(long, value_name = "TIME", default_value = "1m", value_parser = parse_duration)]
+    pub step_window: Duration,
+
     /// Print only errors and the final line (not each job's start and end).
     #[arg(short, long)]
     pub quiet: bool,
@@ -154,6 +180,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         limits: daemon::retention::Limits { max_bytes: args.max_db, retention: args.retention },
         sampling: (args.sample_bytes > 0)
             .then_some(Sampling { interval: args.sample_bytes, max_blocks: args.max_blocks }),
+        live: live::Options {
+            warmup_steps: args.warmup_steps,
+            step_marker: args.step_marker,
+            window_ns: u64::try_from(args.step_window.as_nanos()).unwrap_or(u64::MAX),
+            trend_every_ns: TREND_EVERY.as_nanos() as u64,
+        },
+        owner_labels: args.owner_labels,
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context as _;
+use memscope_core::analysis::live::{self, LiveView};
 
 use crate::clock::{self, Clock};
 use crate::metrics::{self, JobTotals};
@@ -30,6 +31,10 @@ pub struct Context {
     pub probe_links: String,
     /// `--sample-bytes` (0: every call recorded).
     pub sample_bytes: u64,
+    /// `--warmup-steps`, `--step-marker`, `--step-window`: each job's live view.
+    pub live: live::Options,
+    /// `--owner-labels`.
+    pub owner_labels: usize,
 }
 
 struct Job {
@@ -157,8 +162,21 @@ impl Jobs {
         failed
     }
 
-    pub fn totals(&self) -> Vec<JobTotals> {
-        self.jobs.iter().map(|(pid, job)| JobTotals::of(*pid, job.comm.clone(), &job.recorder.tracker)).collect()
+    /// Every open job's totals, with its live view brought up to `now_ns` (wall clock).
+    pub fn totals(&mut self, now_ns: u64, owner_labels: usize) -> Vec<JobTotals> {
+        self.jobs
+            .iter_mut()
+            .map(|(pid, job)| {
+                let totals = JobTotals::of(*pid, job.comm.clone(), &job.recorder.tracker);
+                match &mut job.recorder.live {
+                    Some(view) => {
+                        view.tick(now_ns);
+                        totals.with_live(view, owner_labels)
+                    }
+                    None => totals,
+                }
+            })
+            .collect()
     }
 
     pub fn calls(&self) -> u64 {
@@ -231,7 +249,9 @@ fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
     meta.extend(allocator_env(pid));
     let mut store = Writer::start(Store::new(layout, cx.format, start_wall, meta));
     store.add_probes(probes.to_vec())?;
-    Ok(Job { comm, recorder: Recorder::new(Tracker::new(), store), run_dir, last_event: Instant::now(), dirty: true })
+    let mut recorder = Recorder::new(Tracker::new(), store);
+    recorder.live = Some(LiveView::new(cx.live.clone()));
+    Ok(Job { comm, recorder, run_dir, last_event: Instant::now(), dirty: true })
 }
 
 /// Where a job's folders go: shown once at the start.

@@ -66,6 +66,10 @@ pub struct Plan {
     pub limits: retention::Limits,
     /// `--sample-bytes`, `--max-blocks` (`None`: every call recorded).
     pub sampling: Option<Sampling>,
+    /// `--warmup-steps`, `--step-marker`, `--step-window`.
+    pub live: memscope_core::analysis::live::Options,
+    /// `--owner-labels`.
+    pub owner_labels: usize,
 }
 
 /// What the daemon did, once it stopped (its probes still being detached).
@@ -111,6 +115,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         ring_bytes: plan.ring_bytes,
         probe_links: tracer.link_kind(),
         sample_bytes: plan.sampling.map_or(0, |s| s.interval),
+        live: plan.live.clone(),
+        owner_labels: plan.owner_labels,
     };
     let mut daemon = Daemon {
         ring_fd,
@@ -339,7 +345,7 @@ impl Daemon {
     fn publish(&mut self) {
         let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
         let calls = self.ended_calls + self.jobs.calls();
-        let mut jobs = self.jobs.totals();
+        let mut jobs = self.jobs.totals(clock::wall_ns(), self.cx.owner_labels);
         if self.plan.sampling.is_some() {
             match self.tracer.exact_counters() {
                 Ok(counters) => metrics::apply_exact(&mut jobs, &counters),

@@ -7,12 +7,14 @@
 //! The values are the same totals the trace's summary prints and its DB's rows carry.
 
 pub mod http;
+mod live;
 mod own;
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::sample_class;
+use memscope_core::analysis::live::{LiveView, OwnerLive, SeriesTrend, StepSource};
 use memscope_core::model::{DeviceKey, DeviceStats, Pool, PoolStats, Tracker};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -28,6 +30,10 @@ pub struct JobTotals {
     pub comm: String,
     pub devices: Vec<(DeviceKey, DeviceStats)>,
     pub pools: Vec<((DeviceKey, Pool, u32), PoolStats)>,
+    /// The live view's owners, step and verdicts (the daemon's jobs; empty for `trace`).
+    pub owners: Vec<OwnerLive>,
+    pub step: Option<(u64, StepSource)>,
+    pub trends: Vec<SeriesTrend>,
 }
 
 impl JobTotals {
@@ -37,7 +43,16 @@ impl JobTotals {
             comm,
             devices: tracker.devices().map(|(k, s)| (k, s.clone())).collect(),
             pools: tracker.pools().map(|(k, s)| (k, s.clone())).collect(),
+            ..Self::default()
         }
+    }
+
+    /// Adds what the job's live view knows: its `top` owners, its step and its verdicts.
+    pub fn with_live(mut self, live: &LiveView, top: usize) -> Self {
+        self.owners = if top == 0 { Vec::new() } else { live.owners(top) };
+        self.step = live.step();
+        self.trends = live.trends().to_vec();
+        self
     }
 }
 
@@ -249,6 +264,7 @@ impl Collector for Published {
         for f in &TRACER_FAMILIES {
             family(&mut encoder, f, std::iter::once((Labels::new(), (f.value)(&s))))?;
         }
+        live::encode(&mut encoder, &s.jobs)?;
         own::encode(&mut encoder)
     }
 }
@@ -258,6 +274,7 @@ mod tests {
     use std::io::Write as _;
     use std::process::{Command, Stdio};
 
+    use memscope_core::model::Output;
     use prometheus_client::encoding::prometheus_text;
 
     use super::*;
@@ -285,6 +302,7 @@ mod tests {
             comm: "python3".into(),
             devices: vec![(DeviceKey::Npu(1), device), (DeviceKey::Cpu, DeviceStats::default())],
             pools: vec![((DeviceKey::Npu(1), Pool::Caching, 4242), pool)],
+            ..JobTotals::default()
         };
         let snapshot = Snapshot { jobs: vec![job], calls: 10, lost: 0 };
         let text = encoded(snapshot);
@@ -314,6 +332,7 @@ mod tests {
             comm: "train".into(),
             devices: vec![(DeviceKey::Npu(1), DeviceStats::default())],
             pools: vec![((DeviceKey::Npu(1), Pool::Caching, pid), pool.clone())],
+            ..JobTotals::default()
         };
         let mut jobs = vec![job(7), job(8)];
         let key = |device, class| CounterKey { tgid: 7, device, class: u32::from(class), _pad: 0 };
@@ -345,8 +364,62 @@ mod tests {
             comm: "train".into(),
             devices: vec![(DeviceKey::Npu(0), device)],
             pools: vec![((DeviceKey::Npu(0), Pool::Workspace, 1), PoolStats::default())],
+            ..JobTotals::default()
         };
-        Snapshot { jobs: vec![job], calls: 1, lost: 2 }
+        Snapshot { jobs: vec![job.with_live(&leaking_view(), 1)], calls: 1, lost: 2 }
+    }
+
+    /// A job's live view after 8 steps that each kept 1 MiB more under `PTA@kv_cache`, beside a
+    /// constant `PTA@weight`.
+    fn leaking_view() -> LiveView {
+        use memscope_core::analysis::live::Options;
+        use memscope_core::apis::Api;
+        use memscope_core::model::Site;
+        let mut view = LiveView::new(Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: 0 });
+        let site = Site { api: Api::DeviceCachingAllocatorMalloc, wall_ns: 1, pid: 1, tid: 1, gc: false, weight: None };
+        let block = |ptr: u64, owner: &str| Output::PoolMalloc {
+            site,
+            device: DeviceKey::Npu(0),
+            pool: Pool::Caching,
+            ptr,
+            size: 1 << 20,
+            req_size: Some(1 << 20),
+            allocation_id: ptr,
+            used: 0,
+            total: 0,
+            owner: owner.into(),
+        };
+        view.observe(&block(1, "PTA@weight"));
+        view.observe(&block(2, "PTA@weight"));
+        for step in 1..=8 {
+            view.observe(&block(100 + step, "PTA@kv_cache"));
+            view.observe(&Output::Step { wall_ns: step, pid: 1, tid: 1, number: step });
+            view.settle();
+        }
+        view.tick(1);
+        view
+    }
+
+    #[test]
+    fn a_jobs_owners_step_and_degradation_are_series_with_bounded_owner_labels() {
+        let text = encoded(one_job());
+        let at = |series: &str| -> Option<i64> {
+            text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        };
+        let labels = r#"pid="1",comm="train",device="0",layer="PTA""#;
+        // The top owner alone has a label of its own (--owner-labels 1); the other is summed.
+        assert_eq!(
+            at(&format!(r#"memscope_owner_live_bytes{{{labels},owner="PTA@kv_cache"}}"#)),
+            Some(8 << 20),
+            "{text}"
+        );
+        assert_eq!(at(&format!(r#"memscope_owner_live_bytes{{{labels},owner="other"}}"#)), Some(2 << 20));
+        assert!(!text.contains("PTA@weight"), "{text}");
+        assert_eq!(at(r#"memscope_step{pid="1",comm="train",source="markers"}"#), Some(8));
+        assert_eq!(at(&format!("memscope_degradation_sustained{{{labels}}}")), Some(1));
+        // Boundaries ending steps 1..=8: 7 steps of 1 MiB each after the warm-up's end.
+        assert_eq!(at(&format!("memscope_degradation_rise_bytes{{{labels}}}")), Some(7 << 20));
+        assert_eq!(at(&format!("memscope_degradation_points{{{labels}}}")), Some(8));
     }
 
     /// Prometheus's own linter reads the exposition: the format, the names' conventions (units,

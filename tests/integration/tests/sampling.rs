@@ -105,6 +105,17 @@ fn sampled_pool_blocks_have_exact_counters_and_weights_within_the_stated_error_o
         );
         std::thread::sleep(Duration::from_millis(300));
     }
+    // The owner series sum the same weights the DB's rows carry (one owner here: the job tags
+    // nothing); the job holds its blocks, so a scrape after the next renewal is final.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (_, body) = get(metrics, "/metrics").unwrap();
+    let owner_labels = [format!("pid=\"{pid}\""), "device=\"0\"".into(), "layer=\"PTA\"".into()];
+    let online: u64 = body
+        .lines()
+        .filter(|l| l.starts_with("memscope_owner_live_bytes{"))
+        .filter(|l| owner_labels.iter().all(|want| l.contains(want.as_str())))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
     daemon.signal(libc::SIGTERM);
     let (code, stderr) = daemon.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
@@ -145,6 +156,7 @@ fn sampled_pool_blocks_have_exact_counters_and_weights_within_the_stated_error_o
         t.requests.len()
     );
     assert!(z.abs() < 4.5, "estimate {estimate} against the ledger's {exact}: {z:.1} standard errors");
+    assert_eq!(online as f64, estimate, "memscope_owner_live_bytes against the DB's weighted rows");
     // A block is recorded with probability 1 - exp(-req / interval) (1 at the interval or more).
     let p: Vec<f64> = t
         .requests

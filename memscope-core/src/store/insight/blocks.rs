@@ -5,7 +5,7 @@ use std::cell::RefCell;
 
 use super::{api_name, Columns, Pairs, Plain, Value, TRUE};
 use crate::apis::{hal, Api};
-use crate::model::output::Owner;
+use crate::model::output::{block_weight, Owner};
 use crate::model::{DeviceKey, DriverInfo, Origin, Output, PageType, Pool, Site, Space};
 use crate::vocab::{attr, Event, EventType, GC, STREAM_USES, UNMATCHED};
 
@@ -49,16 +49,6 @@ pub(super) fn with_module(attr: Pairs<'_>, module: Option<u16>) -> Pairs<'_> {
         Some(m) => attr.with(attr::module_id, m).with(attr::owner, hal::owner(m)),
         None => attr,
     }
-}
-
-/// The bytes a sampled block stands for: the call's weight is in requested bytes, and the block
-/// holds `size` for each `req` of them (a ratio the sampling did not see, so it scales exactly).
-fn block_weight(site: &Site, size: u64, req: Option<u64>) -> Option<u64> {
-    let weight = site.weight?;
-    Some(match req {
-        Some(req) if req > 0 => (u128::from(weight) * u128::from(size) / u128::from(req)) as u64,
-        _ => weight,
-    })
 }
 
 /// The flags a FREE may carry, in the order they are written.
