@@ -191,7 +191,11 @@ pub struct SampleRule {
     /// not known).
     pub device: [u8; 2],
     pub device_else: [u8; 2],
-    pub _pad: [u8; 4],
+    /// 1: a free counted and recorded at entry, with no return probe (set by the loader for the
+    /// daemon: a free returns nothing the record needs, and its return trap is a third of the
+    /// cost of an allocation and its free).
+    pub at_entry_only: u8,
+    pub _pad: [u8; 3],
 }
 
 impl SampleRule {
@@ -203,7 +207,8 @@ impl SampleRule {
         ptr: [0; 2],
         device: [0; 2],
         device_else: [0; 2],
-        _pad: [0; 4],
+        at_entry_only: 0,
+        _pad: [0; 3],
     };
 }
 
@@ -255,6 +260,17 @@ impl ProbeSpec {
     /// Whether any field is read at entry (the entry probe only looks at the spec then).
     pub fn reads_at_entry(&self) -> bool {
         self.fields.iter().any(|f| f.source != field_source::NONE && f.at_entry == 1)
+    }
+
+    /// Whether a call's record needs nothing from its return: a sampled free that returns no
+    /// status and reads nothing then, whose record can be sent from its entry probe alone.
+    pub fn complete_at_entry(&self) -> bool {
+        self.sample.kind == sample_kind::FREE
+            && self.ret_kind == ret_kind::NONE
+            && self.text_arg < 0
+            && self.cfg_kind == cfg_kind::NONE
+            && self.device_effect == device_effect::NONE
+            && !self.fields.iter().any(|f| f.source != field_source::NONE && f.at_entry == 0)
     }
 }
 

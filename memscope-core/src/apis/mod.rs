@@ -490,6 +490,29 @@ mod tests {
         assert_eq!(sampled, expected);
     }
 
+    /// The daemon sends a sampled free's record from its entry probe alone (no return probe):
+    /// what its return would add must change nothing the free decodes to.
+    #[test]
+    fn every_sampled_free_decodes_the_same_from_its_entry_alone() {
+        let frees: Vec<&ApiDef> = Api::all().filter(|d| d.spec.sample.kind == sample_kind::FREE).collect();
+        assert_eq!(frees.len(), 4);
+        for def in frees {
+            assert!(def.spec.complete_at_entry(), "{:?} needs its return", def.api);
+            let fields = std::array::from_fn(|i| Some(0x10_0000 * (i as u64 + 1)));
+            let mut returned = call_with(def.api, [0x1000, 3, 0x3000, 0x4000, 0x5000, 0x6000], fields);
+            returned.ret = 0x70_0000;
+            let mut at_entry = returned.clone();
+            at_entry.ret = 0;
+            for (i, f) in def.spec.fields.iter().enumerate() {
+                if f.at_entry == 0 {
+                    at_entry.fields[i] = None;
+                }
+            }
+            let (a, b) = ((def.decode)(&returned), (def.decode)(&at_entry));
+            assert_eq!(format!("{a:?}"), format!("{b:?}"), "{:?}", def.api);
+        }
+    }
+
     #[test]
     fn named_reads_go_to_their_slots_in_whatever_order_they_are_written() {
         let (a, b) = (FieldRead::arg_at_entry(1, 0, 8), FieldRead::arg_at_exit(0, 8, 4));

@@ -9,7 +9,9 @@
 //! gives one record, named after the outermost function.
 //!
 //! Under the daemon's sampling (`sample`) a pool allocation or free is decided at entry: one left
-//! out is counted at return but sends no record, and captures no stack.
+//! out is counted at return but sends no record, and captures no stack. A sampled free that
+//! needs nothing from its return (`SampleRule::at_entry_only`) has no return probe at all: it
+//! is counted, and its record sent, at entry, and it opens no slot.
 //!
 //! Cost matters here (every allocation pays it twice), so each probe does one hash lookup: all
 //! per-thread state — the device and one open-call slot per layer — lives in one map value that
@@ -163,15 +165,20 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     }
     // SAFETY: helper on our own context.
     let (spec_id, layer) = split_cookie(unsafe { bpf_get_attach_cookie(ctx.as_ptr()) });
+    let spec: &ProbeSpec = SPECS.get(spec_id)?;
+    // A call with no return probe must not open the slot: nothing would close it.
+    let entry_only = spec.sample.at_entry_only == 1 && sample::enabled();
     let state = thread_state(pid_tgid as u32)?;
     let open = slot(state, layer)?;
     let sp = stack_pointer(ctx);
     if open.depth > 0 && (sp == 0 || sp <= open.entry_sp) {
-        open.depth += 1;
+        if !entry_only {
+            open.depth += 1;
+        }
         return Some(());
     }
     open.spec_id = spec_id;
-    open.depth = 1;
+    open.depth = u32::from(!entry_only);
     // SAFETY: helper without arguments.
     let entry_ns = unsafe { bpf_ktime_get_ns() };
     open.entry_ns = entry_ns;
@@ -181,7 +188,6 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     }
     open.fields_ok = 0;
     open.verdict = 0;
-    let spec: &ProbeSpec = SPECS.get(spec_id)?;
     if spec.reads_at_entry() {
         let args = open.args;
         read_fields(spec, &args, 0, true, &mut open.fields, &mut open.fields_ok);
@@ -205,6 +211,17 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     }
     if spec.blob_arg >= 0 && verdict != SKIP {
         copy_blob(spec, spec_id, &args, pid_tgid);
+    }
+    if entry_only && verdict != SKIP {
+        // The slot was filled as scratch (its depth stays 0): the record is complete now.
+        let state: *mut ThreadState = state;
+        // SAFETY: the thread's state, alive in the map; only this thread touches it.
+        let open = slot(unsafe { &mut *state }, layer)?;
+        let mut entry = reserve::<CallRecord>()?;
+        // SAFETY: a reserved, exclusively owned slot; every field is written before submit.
+        let record = unsafe { &mut *entry.as_mut_ptr() };
+        fill_call(record, RecordKind::Call, spec, open, 0, pid_tgid, state);
+        submit(entry);
     }
     Some(())
 }

@@ -150,6 +150,19 @@ pub struct LoadOptions {
 pub struct Sampling {
     pub interval: u64,
     pub max_blocks: u32,
+    /// Sampled frees that need nothing from their return get no return probe: counted and
+    /// recorded at entry ([`ProbeSpec::complete_at_entry`]). Only where no two probed frees nest
+    /// on one layer (the default probe set attaches one of the caching allocator's two), since
+    /// a call without a return cannot open its layer's slot for a nested one to join.
+    pub frees_at_entry: bool,
+}
+
+/// `spec` as the kernel gets it: marked to be completed at entry where `sampling` says so.
+fn kernel_spec(mut spec: ProbeSpec, sampling: Option<Sampling>) -> ProbeSpec {
+    if sampling.is_some_and(|s| s.frees_at_entry) && spec.complete_at_entry() {
+        spec.sample.at_entry_only = 1;
+    }
+    spec
 }
 
 /// What the kernel checks before it traces a process it has not seen (the daemon).
@@ -180,6 +193,7 @@ pub struct Tracer {
     /// The multi-uprobe links, two per probed library and one per markers module; dropping one
     /// detaches all its probes.
     multi_links: Vec<OwnedFd>,
+    sampling: Option<Sampling>,
 }
 
 fn tracefs_root() -> Result<&'static Path, LoadError> {
@@ -261,7 +275,8 @@ impl Tracer {
             let mut specs: Array<_, ProbeSpec> =
                 Array::try_from(map).map_err(|source| LoadError::Map { name: "SPECS", source })?;
             for def in Api::all() {
-                specs.set(def.api.spec_id(), def.spec, 0).map_err(|source| LoadError::Map { name: "SPECS", source })?;
+                let spec = kernel_spec(def.spec, opts.sampling);
+                specs.set(def.api.spec_id(), spec, 0).map_err(|source| LoadError::Map { name: "SPECS", source })?;
             }
         }
 
@@ -312,6 +327,7 @@ impl Tracer {
             debug_dirs: opts.debug_dirs.clone(),
             multi,
             multi_links: Vec::new(),
+            sampling: opts.sampling,
         })
     }
 
@@ -455,16 +471,27 @@ impl Tracer {
             let mut specs: Array<_, ProbeSpec> =
                 Array::try_from(map).map_err(|source| AttachError::Spec(Box::new(source)))?;
             for (api, spec) in &plan.specs {
-                specs.set(api.spec_id(), *spec, 0).map_err(|source| AttachError::Spec(Box::new(source)))?;
+                let spec = kernel_spec(*spec, self.sampling);
+                specs.set(api.spec_id(), spec, 0).map_err(|source| AttachError::Spec(Box::new(source)))?;
             }
         }
-        if self.attach_multi(lib, &plan.probes) {
+        let returns: Vec<AttachedProbe> = plan
+            .probes
+            .iter()
+            .filter(|p| {
+                let spec = plan.specs.iter().find(|(api, _)| *api == p.api).map_or(p.api.def().spec, |(_, s)| *s);
+                kernel_spec(spec, self.sampling).sample.at_entry_only == 0
+            })
+            .cloned()
+            .collect();
+        if self.attach_multi(lib, &plan.probes, &returns) {
             return Ok(plan.probes);
         }
         for (program, kind) in [("call_exit", "return probe"), ("call_enter", "entry probe")] {
             let prog: &mut UProbe =
                 self.ebpf.program_mut(program).expect("loaded in Tracer::load").try_into().expect("a uprobe program");
-            for probe in &plan.probes {
+            let probes = if program == "call_exit" { &returns } else { &plan.probes };
+            for probe in probes {
                 let point = UProbeAttachPoint {
                     location: UProbeAttachLocation::AbsoluteOffset(probe.file_offset),
                     cookie: Some(memscope_common::spec::cookie(probe.api.spec_id(), probe.api.def().spec.layer)),
@@ -483,16 +510,23 @@ impl Tracer {
 
     /// Attaches `probes` as two multi-uprobe links, returns first; false (nothing attached) where
     /// the kernel cannot, and the per-probe links are used instead.
-    fn attach_multi(&mut self, lib: &Library, probes: &[AttachedProbe]) -> bool {
+    fn attach_multi(&mut self, lib: &Library, probes: &[AttachedProbe], returns: &[AttachedProbe]) -> bool {
         let Ok(multi) = &self.multi else { return false };
         if probes.is_empty() {
             return true;
         }
-        let offsets: Vec<u64> = probes.iter().map(|p| p.file_offset).collect();
-        let cookies: Vec<u64> =
-            probes.iter().map(|p| memscope_common::spec::cookie(p.api.spec_id(), p.api.def().spec.layer)).collect();
+        let points = |probes: &[AttachedProbe]| -> (Vec<u64>, Vec<u64>) {
+            let offsets = probes.iter().map(|p| p.file_offset).collect();
+            let cookies =
+                probes.iter().map(|p| memscope_common::spec::cookie(p.api.spec_id(), p.api.def().spec.layer)).collect();
+            (offsets, cookies)
+        };
         let mut links = Vec::with_capacity(2);
         for (prog, ret) in [(&multi.exit, true), (&multi.enter, false)] {
+            let (offsets, cookies) = points(if ret { returns } else { probes });
+            if offsets.is_empty() {
+                continue;
+            }
             match uprobe_multi::attach(prog.as_fd(), &lib.path, &offsets, &cookies, None, ret, self.scope_pid) {
                 Ok(link) => links.push(link),
                 // Dropping the return link (if made) detaches it again.

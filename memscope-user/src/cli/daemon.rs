@@ -178,8 +178,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         admission,
         exclude_pids: args.exclude_pids,
         limits: daemon::retention::Limits { max_bytes: args.max_db, retention: args.retention },
-        sampling: (args.sample_bytes > 0)
-            .then_some(Sampling { interval: args.sample_bytes, max_blocks: args.max_blocks }),
+        sampling: (args.sample_bytes > 0).then_some(Sampling {
+            interval: args.sample_bytes,
+            max_blocks: args.max_blocks,
+            frees_at_entry: args.probe_set == ProbeSet::Default,
+        }),
         live: live::Options {
             warmup_steps: args.warmup_steps,
             step_marker: args.step_marker,
