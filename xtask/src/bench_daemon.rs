@@ -6,8 +6,10 @@
 //! - the daemon's RSS and CPU time with 10 jobs holding `--blocks` live blocks each (1 M in all
 //!   by default): while they allocate, and idle for 10 s after;
 //! - the cost per pool allocation (the stand-in caching allocator's tensors: what a training
-//!   step does most) with nothing attached, under the daemon recording every call
-//!   (`--sample-bytes 0`) and under its default sampling, timed by the workload's own loop.
+//!   step does most) with nothing attached, under bpftrace counting live bytes as bcc's memleak
+//!   does (the peer, and about the least a uprobe tool can do per call), under the daemon
+//!   recording every call (`--sample-bytes 0`), under its default sampling, and under `trace`,
+//!   timed by the workload's own loop.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -68,6 +70,20 @@ impl Daemon {
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
         (rss_kib * 1024, ticks as f64 / hz)
+    }
+
+    /// Runs and nanoseconds of every BPF program the daemon loaded (kernel.bpf_stats_enabled).
+    fn program_time(&self) -> (u64, u64) {
+        let dir = format!("/proc/{}/fdinfo", self.0.id());
+        let mut total = (0, 0);
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)?.trim().parse::<u64>().ok());
+            if let (Some(runs), Some(ns)) = (field("run_cnt:"), field("run_time_ns:")) {
+                total = (total.0 + runs, total.1 + ns);
+            }
+        }
+        total
     }
 
     fn stop(mut self) -> anyhow::Result<()> {
@@ -209,9 +225,23 @@ const POOL_ALLOCS: u64 = 200_000;
 
 /// One run of the pool workload: its loop's seconds.
 fn pool_loop(built: &Built, root: &Path, out: &Path) -> anyhow::Result<f64> {
+    pool_loop_with(built, root, out, None)
+}
+
+/// One run of the pool workload, launched by `memscope-bpf trace` when `trace` names its output.
+fn pool_loop_with(built: &Built, root: &Path, out: &Path, trace: Option<&Path>) -> anyhow::Result<f64> {
     let ready = out.join("pool.ready");
     let _ = std::fs::remove_file(&ready);
-    let run = Command::new("python3")
+    let mut cmd = match trace {
+        Some(dir) => {
+            let _ = std::fs::remove_dir_all(dir);
+            let mut cmd = privileged(built.binary.to_str().expect("utf-8 path"));
+            cmd.args(["trace", "--quiet", "--output"]).arg(dir).arg("--").arg("python3");
+            cmd
+        }
+        None => Command::new("python3"),
+    };
+    let run = cmd
         .arg(root.join("tests/workloads/standin_pool_hold.py"))
         .arg("--torch-lib")
         .arg(&built.torch.with_debug)
@@ -234,35 +264,134 @@ fn pool_loop(built: &Built, root: &Path, out: &Path) -> anyhow::Result<f64> {
         .with_context(|| format!("the pool workload printed no loop time: {stdout}"))
 }
 
-/// Pool allocations off / under the daemon recording all / under its default sampling.
+/// The peer: bcc memleak's exact live-bytes count, written for bpftrace, on the stand-in's
+/// own tensor entry points (an entry and a return probe per allocation, an entry probe per
+/// free, as the daemon has under sampling).
+fn memleak_script(lib: &Path) -> String {
+    let l = lib.display();
+    format!(
+        "uprobe:{l}:standin_tensor_alloc {{ @size[tid] = arg0; }} \
+         uretprobe:{l}:standin_tensor_alloc /@size[tid]/ {{ @live[retval] = @size[tid]; @bytes += @size[tid]; \
+         delete(@size[tid]); }} \
+         uprobe:{l}:standin_tensor_free /@live[arg0]/ {{ @bytes -= @live[arg0]; delete(@live[arg0]); }} \
+         END {{ clear(@size); clear(@live); clear(@bytes); }}"
+    )
+}
+
+/// `kernel.bpf_stats_enabled` on until dropped, then as it was.
+struct BpfStats(Option<String>);
+
+impl BpfStats {
+    const PATH: &'static str = "/proc/sys/kernel/bpf_stats_enabled";
+
+    fn on() -> Self {
+        let before = std::fs::read_to_string(Self::PATH).ok();
+        let _ = std::fs::write(Self::PATH, "1");
+        Self(before)
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        if let Some(before) = &self.0 {
+            let _ = std::fs::write(Self::PATH, before.trim());
+        }
+    }
+}
+
+/// A bpftrace running `script` until dropped; started once its probes are attached.
+struct Bpftrace(Child);
+
+impl Bpftrace {
+    fn start(script: &str, out: &Path) -> anyhow::Result<Self> {
+        let log = out.join("bpftrace.out");
+        let child = privileged("bpftrace")
+            .arg("-e")
+            .arg(script)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log)?)
+            .stderr(Stdio::null())
+            .spawn()
+            .context("cannot start bpftrace")?;
+        let peer = Self(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::fs::read_to_string(&log).unwrap_or_default().contains("Attaching") {
+            if Instant::now() > deadline {
+                bail!("bpftrace did not attach: {}", std::fs::read_to_string(&log).unwrap_or_default());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // "Attaching N probes..." is printed before the last of them is in.
+        std::thread::sleep(Duration::from_millis(500));
+        Ok(peer)
+    }
+}
+
+impl Drop for Bpftrace {
+    fn drop(&mut self) {
+        // SAFETY: plain kill(2) on our child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let _ = self.0.wait();
+    }
+}
+
+/// Pool allocations off / under bpftrace's memleak count / under the daemon recording all /
+/// under its default sampling / under `trace`.
 fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize) -> anyhow::Result<String> {
-    let (mut off, mut full, mut sampled) = (Vec::new(), Vec::new(), Vec::new());
+    let have_bpftrace = Command::new("bpftrace").arg("--version").output().is_ok_and(|o| o.status.success());
+    let mut runs: [Vec<f64>; 5] = Default::default();
+    // The kernel times each BPF program run while this is on (it costs two clock reads a run,
+    // in both daemon rows alike).
+    let stats = BpfStats::on();
+    let mut programs = [(0u64, 0u64); 2];
     for round in 1..=rounds {
         eprintln!("xtask bench: daemon, pool allocations, round {round}/{rounds}");
-        off.push(pool_loop(built, root, out)?);
-        let daemon = Daemon::start_with(built, &out.join("daemon"), &["--sample-bytes", "0"])?;
-        full.push(pool_loop(built, root, out)?);
-        daemon.stop()?;
-        let daemon = Daemon::start(built, &out.join("daemon"))?;
-        sampled.push(pool_loop(built, root, out)?);
-        daemon.stop()?;
+        runs[0].push(pool_loop(built, root, out)?);
+        if have_bpftrace {
+            let peer = Bpftrace::start(&memleak_script(&built.torch.with_debug), out)?;
+            runs[1].push(pool_loop(built, root, out)?);
+            drop(peer);
+        }
+        for (i, extra) in [&["--sample-bytes", "0"][..], &[]].into_iter().enumerate() {
+            let daemon = Daemon::start_with(built, &out.join("daemon"), extra)?;
+            runs[2 + i].push(pool_loop(built, root, out)?);
+            let (n, ns) = daemon.program_time();
+            programs[i] = (programs[i].0 + n, programs[i].1 + ns);
+            daemon.stop()?;
+        }
+        runs[4].push(pool_loop_with(built, root, out, Some(&out.join("pool-trace")))?);
     }
-    let (off, full, sampled) = (median(off), median(full), median(sampled));
+    drop(stats);
+    let [off, peer, full, sampled, traced] = runs.map(|v| if v.is_empty() { f64::NAN } else { median(v) });
+    let per_run = |(n, ns): (u64, u64)| if n == 0 { f64::NAN } else { ns as f64 / n as f64 };
+    let bpf = format!(
+        "\nBPF program time (kernel.bpf_stats_enabled, all rounds): {:.0} ns per program run recording \
+         every call, {:.0} ns under the default sampling; {:.2} and {:.2} program runs per allocation (its \
+         share of frees and the process tracepoints included).\n",
+        per_run(programs[0]),
+        per_run(programs[1]),
+        programs[0].0 as f64 / (rounds as u64 * POOL_ALLOCS) as f64,
+        programs[1].0 as f64 / (rounds as u64 * POOL_ALLOCS) as f64,
+    );
     // Each allocation is one traced call and each free another: about 1.5 calls per allocation.
     let per_alloc = |t: f64| (t - off) * 1e9 / POOL_ALLOCS as f64;
-    let pct = |t: f64| (t / off - 1.0) * 100.0;
+    let row = |name: &str, t: f64| {
+        if t.is_nan() {
+            format!("| {name} | not run (no bpftrace) | – | – |\n")
+        } else {
+            format!("| {name} | {t:.3} | {:+.1} % | {:.0} |\n", (t / off - 1.0) * 100.0, per_alloc(t))
+        }
+    };
     Ok(format!(
         "\n## Daemon: pool allocations (standin_pool_hold.py --count {POOL_ALLOCS}: tensors of 256 B to 64 KiB on \
          the stand-in caching allocator, about half freed again; the loop's own time, median of {rounds} \
          interleaved rounds)\n\n\
          | run | loop s | vs off | ns per allocation (with its share of frees) |\n|---|---|---|---|\n\
-         | nothing attached | {off:.3} | – | – |\n\
-         | `daemon --sample-bytes 0` (every call recorded) | {full:.3} | {:+.1} % | {:.0} |\n\
-         | `daemon` (default sampling, 512 KiB) | {sampled:.3} | {:+.1} % | {:.0} |\n",
-        pct(full),
-        per_alloc(full),
-        pct(sampled),
-        per_alloc(sampled),
+         | nothing attached | {off:.3} | – | – |\n{}{}{}{}{bpf}",
+        row("bpftrace, bcc memleak's exact count (entry + return per allocation, entry per free)", peer),
+        row("`daemon --sample-bytes 0` (every call recorded)", full),
+        row("`daemon` (default sampling, 512 KiB)", sampled),
+        row("`trace` (every call recorded, start and stop outside the loop)", traced),
     ))
 }
 

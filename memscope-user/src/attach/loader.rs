@@ -194,6 +194,8 @@ pub struct Tracer {
     /// detaches all its probes.
     multi_links: Vec<OwnedFd>,
     sampling: Option<Sampling>,
+    /// The ring buffer's kernel memory, measured before [`Self::take_ring`] took it.
+    ring_memory: Option<(String, u64)>,
 }
 
 fn tracefs_root() -> Result<&'static Path, LoadError> {
@@ -328,6 +330,7 @@ impl Tracer {
             multi,
             multi_links: Vec::new(),
             sampling: opts.sampling,
+            ring_memory: None,
         })
     }
 
@@ -424,6 +427,15 @@ impl Tracer {
             .take(2 * TRACED_CAPACITY)
             .collect::<Result<_, _>>()
             .map_err(|source| LoadError::Map { name: "TRACED", source })
+    }
+
+    /// Kernel memory charged to each of the tracer's maps, by name, largest first.
+    pub fn map_memory(&self) -> Vec<(String, u64)> {
+        let mut maps = super::kmem::map_memory(&self.ebpf);
+        // The ring is the consumer's once taken; its size is fixed.
+        maps.extend(self.ring_memory.clone());
+        maps.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        maps
     }
 
     /// Whether this file is already probed, or was refused under this path (a file that cannot be
@@ -666,6 +678,8 @@ impl Tracer {
 
     /// The ring buffer map, handed to the consumer once (which maps it: `record::ring_map`).
     pub fn take_ring(&mut self) -> Result<MapData, LoadError> {
+        // Measured while it is still among the maps: the consumer owns it from here on.
+        self.ring_memory = super::kmem::map_memory(&self.ebpf).into_iter().find(|(name, _)| name == "EVENTS");
         match self.ebpf.take_map("EVENTS") {
             Some(aya::maps::Map::RingBuf(map)) => Ok(map),
             _ => Err(LoadError::Missing("EVENTS")),

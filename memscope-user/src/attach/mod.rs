@@ -12,11 +12,13 @@
 //! - [`perf_uprobe`]: uprobe attach with a USDT semaphore and a cookie, which aya lacks.
 //! - [`usdt`]: which sites of a library are our markers, ready to attach.
 //! - [`uprobe_multi`]: a library's probes of one program as one link, detached in one wait.
+//! - [`kmem`]: the kernel memory each of the tracer's maps holds.
 
 pub mod debug;
 pub mod dwarf;
 pub mod elf;
 pub mod file;
+pub mod kmem;
 pub mod libs;
 pub mod loader;
 pub mod perf_uprobe;

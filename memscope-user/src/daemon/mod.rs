@@ -352,7 +352,7 @@ impl Daemon {
                 Err(e) => say!("memscope-bpf: warning: cannot read the kernel's counters: {e}"),
             }
         }
-        self.metrics.publish(Snapshot { jobs, calls, lost });
+        self.metrics.publish(Snapshot { jobs, calls, lost, maps: self.tracer.map_memory() });
     }
 
     /// Commits every job's rows; finishes the jobs whose process is gone without an exit record

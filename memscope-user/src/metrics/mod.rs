@@ -118,6 +118,8 @@ pub struct Snapshot {
     pub calls: u64,
     /// Records the ring buffer dropped so far.
     pub lost: u64,
+    /// Kernel memory charged to each of the tracer's BPF maps, by name.
+    pub maps: Vec<(String, u64)>,
 }
 
 /// A process's command name, as `/proc/PID/comm` gives it ("" once it is gone).
@@ -234,6 +236,14 @@ const TRACER_FAMILIES: [Family<Snapshot>; 3] = [
     counter("memscope_records_lost", "Records the ring buffer dropped (raise --ring-mb)", |s| s.lost),
 ];
 
+/// Per map: the value comes with the series, not from a field.
+const MAP_MEMORY: Family<()> = gauge(
+    "memscope_bpf_map_memory",
+    "Kernel memory charged to one of the tracer's BPF maps (fdinfo memlock; the ring buffer among them)",
+    true,
+    |_| 0,
+);
+
 impl Collector for Published {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let s = self.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
@@ -264,6 +274,8 @@ impl Collector for Published {
         for f in &TRACER_FAMILIES {
             family(&mut encoder, f, std::iter::once((Labels::new(), (f.value)(&s))))?;
         }
+        let maps = s.maps.iter().map(|(name, bytes)| (vec![("map", name.clone())], *bytes));
+        family(&mut encoder, &MAP_MEMORY, maps)?;
         live::encode(&mut encoder, &s.jobs)?;
         own::encode(&mut encoder)
     }
@@ -304,7 +316,7 @@ mod tests {
             pools: vec![((DeviceKey::Npu(1), Pool::Caching, 4242), pool)],
             ..JobTotals::default()
         };
-        let snapshot = Snapshot { jobs: vec![job], calls: 10, lost: 0 };
+        let snapshot = Snapshot { jobs: vec![job], calls: 10, lost: 0, maps: vec![("BLOCKS".into(), 96 << 20)] };
         let text = encoded(snapshot);
         assert_eq!(sample(&text, r#"memscope_live_bytes{pid="4242",comm="python3",device="1"}"#), Some(4096), "{text}");
         assert_eq!(sample(&text, r#"memscope_peak_bytes{pid="4242",comm="python3",device="1"}"#), Some(8192));
@@ -319,6 +331,7 @@ mod tests {
         assert_eq!(sample(&text, "memscope_calls_recorded_total"), Some(10));
         assert_eq!(sample(&text, "memscope_records_lost_total"), Some(0));
         assert_eq!(sample(&text, "memscope_jobs"), Some(1));
+        assert_eq!(sample(&text, r#"memscope_bpf_map_memory_bytes{map="BLOCKS"}"#), Some(96 << 20));
         assert!(sample(&text, "process_resident_memory_bytes").is_some_and(|rss| rss > 0), "{text}");
     }
 
@@ -366,7 +379,12 @@ mod tests {
             pools: vec![((DeviceKey::Npu(0), Pool::Workspace, 1), PoolStats::default())],
             ..JobTotals::default()
         };
-        Snapshot { jobs: vec![job.with_live(&leaking_view(), 1)], calls: 1, lost: 2 }
+        Snapshot {
+            jobs: vec![job.with_live(&leaking_view(), 1)],
+            calls: 1,
+            lost: 2,
+            maps: vec![("EVENTS".into(), 1 << 20)],
+        }
     }
 
     /// A job's live view after 8 steps that each kept 1 MiB more under `PTA@kv_cache`, beside a

@@ -390,7 +390,8 @@ impl Live {
             }
             let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
             let job = JobTotals::of(self.pid, self.comm.clone(), &self.recorder.tracker);
-            metrics.publish(Snapshot { jobs: vec![job], calls: self.recorder.calls, lost });
+            let maps = self.tracer.map_memory();
+            metrics.publish(Snapshot { jobs: vec![job], calls: self.recorder.calls, lost, maps });
         }
     }
 

@@ -57,6 +57,40 @@ fn scraped(body: &str, name: &str, labels: &[String]) -> Option<u64> {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// `memlock` of the daemon's LRU hash map with 1 Mi entries, from its fdinfo.
+fn blocks_memlock(pid: u32) -> Option<u64> {
+    std::fs::read_dir(format!("/proc/{pid}/fdinfo")).ok()?.filter_map(Result::ok).find_map(|e| {
+        let text = std::fs::read_to_string(e.path()).ok()?;
+        let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)?.trim().parse::<u64>().ok());
+        (field("map_type:") == Some(9) && field("max_entries:") == Some(1 << 20)).then(|| field("memlock:"))?
+    })
+}
+
+/// After the exact counters match: the owner series' sum (the same weights the DB's rows carry;
+/// one owner here: the job tags nothing), checking the block map's exported kernel memory
+/// against the daemon's fdinfo on the way.
+fn owners_and_block_map(metrics: std::net::SocketAddr, pid: u32, daemon_pid: u32) -> u64 {
+    // The job holds its blocks: a scrape after the next renewal is final.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (_, body) = get(metrics, "/metrics").unwrap();
+    let owner_labels = [format!("pid=\"{pid}\""), "device=\"0\"".into(), "layer=\"PTA\"".into()];
+    let online: u64 = body
+        .lines()
+        .filter(|l| l.starts_with("memscope_owner_live_bytes{"))
+        .filter(|l| owner_labels.iter().all(|want| l.contains(want.as_str())))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    // The block map's kernel memory, as exported, is what the kernel says of the daemon's own
+    // descriptor: the LRU hash (type 9) of --max-blocks' default 1 Mi entries.
+    let exported = body
+        .lines()
+        .find_map(|l| l.strip_prefix("memscope_bpf_map_memory_bytes{map=\"BLOCKS\"} ")?.parse::<u64>().ok());
+    let fdinfo = blocks_memlock(daemon_pid);
+    assert!(fdinfo.is_some_and(|b| b >= 64 << 20), "BLOCKS in the daemon's fdinfo: {fdinfo:?}");
+    assert_eq!(exported, fdinfo, "memscope_bpf_map_memory_bytes against /proc/PID/fdinfo");
+    online
+}
+
 #[test]
 fn sampled_pool_blocks_have_exact_counters_and_weights_within_the_stated_error_of_the_ledger() {
     let env = env("daemon_sampling");
@@ -105,17 +139,7 @@ fn sampled_pool_blocks_have_exact_counters_and_weights_within_the_stated_error_o
         );
         std::thread::sleep(Duration::from_millis(300));
     }
-    // The owner series sum the same weights the DB's rows carry (one owner here: the job tags
-    // nothing); the job holds its blocks, so a scrape after the next renewal is final.
-    std::thread::sleep(Duration::from_millis(1500));
-    let (_, body) = get(metrics, "/metrics").unwrap();
-    let owner_labels = [format!("pid=\"{pid}\""), "device=\"0\"".into(), "layer=\"PTA\"".into()];
-    let online: u64 = body
-        .lines()
-        .filter(|l| l.starts_with("memscope_owner_live_bytes{"))
-        .filter(|l| owner_labels.iter().all(|want| l.contains(want.as_str())))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum();
+    let online = owners_and_block_map(metrics, pid, daemon.child.id());
     daemon.signal(libc::SIGTERM);
     let (code, stderr) = daemon.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
