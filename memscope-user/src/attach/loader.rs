@@ -718,6 +718,22 @@ mod tests {
     use super::*;
     use crate::attach::usdt_args::{build_spec, parse_args, Arch};
 
+    /// Only the sampled frees lose their return probe, and only when the daemon asks.
+    #[test]
+    fn only_sampled_frees_are_completed_at_entry_and_only_under_frees_at_entry() {
+        let sampling = |frees_at_entry| Some(Sampling { interval: 1 << 19, max_blocks: 1, frees_at_entry });
+        let at_entry: Vec<Api> = Api::all()
+            .filter(|d| kernel_spec(d.spec, sampling(true)).sample.at_entry_only == 1)
+            .map(|d| d.api)
+            .collect();
+        let frees =
+            [Api::DeviceCachingAllocatorFree, Api::NpuCachingAllocatorFree, Api::WorkspaceFree, Api::C10FreeCpu];
+        assert_eq!(at_entry, frees);
+        for off in [sampling(false), None] {
+            assert!(Api::all().all(|d| kernel_spec(d.spec, off).sample.at_entry_only == 0));
+        }
+    }
+
     fn spec(stack_offset: usize) -> UsdtSpec {
         let args = parse_args(&format!("8@{stack_offset}(%rsp)"), Arch::X86_64).unwrap();
         build_spec(&args, None, 0).unwrap()

@@ -117,3 +117,35 @@ pub fn read_pool_ledger(path: &Path) -> Vec<PoolEntry> {
 pub fn pool_ledger_path(ledger: &Path) -> PathBuf {
     ledger.with_extension("torch.jsonl")
 }
+
+/// A line of tests/workloads/standin_leaky.py's ledger: a tensor, a free, a device buffer or a
+/// step, with the owner, the step it was made in and whether it leaks on purpose.
+#[derive(Debug, Deserialize)]
+pub struct LoopLine {
+    pub kind: String,
+    #[serde(default)]
+    pub ptr: u64,
+    #[serde(default)]
+    pub owner: String,
+    #[serde(default)]
+    pub step: u64,
+    #[serde(default)]
+    pub leak: bool,
+    #[serde(default)]
+    pub t0: u64,
+    #[serde(default)]
+    pub t1: u64,
+}
+
+pub fn read_loop_ledger(path: &Path) -> Vec<LoopLine> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("ledger {}: {e}", path.display()));
+    text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad ledger line {l}: {e}"))).collect()
+}
+
+/// The allocator's block size for `line`'s tensor: its block made while the workload's call ran.
+pub fn loop_block_size(pool: &[PoolEntry], line: &LoopLine) -> u64 {
+    pool.iter()
+        .find(|e| e.ev == "block_malloc" && e.ptr == line.ptr && e.t0 >= Some(line.t0) && e.t1 <= Some(line.t1))
+        .and_then(|e| e.size)
+        .unwrap_or_else(|| panic!("no allocator block for {line:?}"))
+}

@@ -12,22 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use memscope_integration::*;
-use serde::Deserialize;
 
 const STEPS: u64 = 14;
-
-#[derive(Debug, Deserialize)]
-struct Line {
-    kind: String,
-    #[serde(default)]
-    ptr: u64,
-    #[serde(default)]
-    owner: String,
-    #[serde(default)]
-    t0: u64,
-    #[serde(default)]
-    t1: u64,
-}
 
 struct Loop {
     process: Killed,
@@ -59,18 +45,11 @@ fn start_loop(env: &TestEnv, variant: &str) -> Loop {
 /// Live bytes by owner, from the ledger: the tensors allocated and not freed, at the allocator's
 /// block size.
 fn ledger_owners(ledger: &Path, pool: &[PoolEntry]) -> BTreeMap<String, u64> {
-    let text = std::fs::read_to_string(ledger).unwrap();
-    let lines: Vec<Line> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let mut live: BTreeMap<u64, (String, u64)> = BTreeMap::new();
-    for l in &lines {
+    for l in &read_loop_ledger(ledger) {
         match l.kind.as_str() {
             "tensor" => {
-                let size = pool
-                    .iter()
-                    .find(|e| e.ev == "block_malloc" && e.ptr == l.ptr && e.t0 >= Some(l.t0) && e.t1 <= Some(l.t1))
-                    .and_then(|e| e.size)
-                    .unwrap_or_else(|| panic!("no allocator block for {l:?}"));
-                live.insert(l.ptr, (l.owner.clone(), size));
+                live.insert(l.ptr, (l.owner.clone(), loop_block_size(pool, l)));
             }
             "free" => {
                 live.remove(&l.ptr);

@@ -16,32 +16,14 @@ use std::process::Command;
 use std::time::Duration;
 
 use memscope_integration::*;
-use serde::Deserialize;
 
 const STEPS: u64 = 14;
 const MIB: u64 = 1 << 20;
 
-#[derive(Debug, Deserialize)]
-struct Line {
-    kind: String,
-    #[serde(default)]
-    ptr: u64,
-    #[serde(default)]
-    owner: String,
-    #[serde(default)]
-    step: u64,
-    #[serde(default)]
-    leak: bool,
-    #[serde(default)]
-    t0: u64,
-    #[serde(default)]
-    t1: u64,
-}
-
 struct Run {
     run_dir: PathBuf,
     db: PathBuf,
-    ledger: Vec<Line>,
+    ledger: Vec<LoopLine>,
     pool: Vec<PoolEntry>,
     driver: Vec<DriverEntry>,
     stdout: String,
@@ -85,16 +67,11 @@ fn launch(env: &TestEnv, variant: &str, online: bool) -> Run {
     Run {
         run_dir,
         db,
-        ledger: read_lines(&ledger),
+        ledger: read_loop_ledger(&ledger),
         pool: read_pool_ledger(&pool),
         driver: read_driver_ledger(&driver),
         stdout: reader.join().unwrap(),
     }
-}
-
-fn read_lines(path: &Path) -> Vec<Line> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("ledger {}: {e}", path.display()));
-    text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad ledger line {l}: {e}"))).collect()
 }
 
 fn memscope(env: &TestEnv, args: &[&str]) -> String {
@@ -125,16 +102,8 @@ fn blocks(list: &serde_json::Value) -> BTreeSet<(String, u64)> {
     list.as_array().unwrap().iter().map(|l| (l["family"].as_str().unwrap().to_owned(), ptr_of(l))).collect()
 }
 
-/// The allocator's block size at the time the workload allocated `line`'s tensor.
-fn block_size(pool: &[PoolEntry], line: &Line) -> u64 {
-    pool.iter()
-        .find(|e| e.ev == "block_malloc" && e.ptr == line.ptr && e.t0 >= Some(line.t0) && e.t1 <= Some(line.t1))
-        .and_then(|e| e.size)
-        .unwrap_or_else(|| panic!("no allocator block for {line:?}"))
-}
-
 /// The workload's leaks that must be candidates, as (family, ptr).
-fn expected_candidates(ledger: &[Line]) -> BTreeSet<(String, u64)> {
+fn expected_candidates(ledger: &[LoopLine]) -> BTreeSet<(String, u64)> {
     let young = STEPS; // born in the last step: not yet live a whole step later
     ledger
         .iter()
@@ -144,7 +113,7 @@ fn expected_candidates(ledger: &[Line]) -> BTreeSet<(String, u64)> {
 }
 
 /// Segments the allocator took and never gave back, plus the workload's own device leaks.
-fn expected_never_freed(ledger: &[Line], pool: &[PoolEntry]) -> BTreeSet<(String, u64)> {
+fn expected_never_freed(ledger: &[LoopLine], pool: &[PoolEntry]) -> BTreeSet<(String, u64)> {
     let mut segments: BTreeMap<u64, i64> = BTreeMap::new();
     for e in pool {
         match e.ev.as_str() {
@@ -162,7 +131,7 @@ fn expected_never_freed(ledger: &[Line], pool: &[PoolEntry]) -> BTreeSet<(String
 }
 
 /// The allocator's allocated bytes when each `memscope.step()` was called.
-fn allocated_at_steps(ledger: &[Line], pool: &[PoolEntry]) -> Vec<(u64, u64)> {
+fn allocated_at_steps(ledger: &[LoopLine], pool: &[PoolEntry]) -> Vec<(u64, u64)> {
     ledger
         .iter()
         .filter(|l| l.kind == "step")
@@ -203,7 +172,7 @@ fn leak_candidates_degradation_and_compare_match_the_ledgers() {
         assert_eq!(c["free_ts"], serde_json::Value::Null, "{c}");
         if line.kind == "tensor" {
             assert_eq!(c["owner"], line.owner.as_str(), "{c}");
-            assert_eq!(c["size"].as_u64(), Some(block_size(&leaky.pool, line)), "{c}");
+            assert_eq!(c["size"].as_u64(), Some(loop_block_size(&leaky.pool, line)), "{c}");
             assert_eq!(c["steps_alive"].as_u64(), Some(STEPS - line.step), "{c}");
         } else {
             // What the driver took for the 1 MiB asked.
@@ -227,7 +196,7 @@ fn leak_candidates_degradation_and_compare_match_the_ledgers() {
     let pta = degradation(&report, "PTA");
     assert_eq!(pta["verdict"], "sustained_rise", "{pta:#}");
     let kv_leaked: u64 =
-        leaky.ledger.iter().filter(|l| l.kind == "tensor" && l.leak).map(|l| block_size(&leaky.pool, l)).sum();
+        leaky.ledger.iter().filter(|l| l.kind == "tensor" && l.leak).map(|l| loop_block_size(&leaky.pool, l)).sum();
     assert_eq!(pta["owners"][0]["owner"], "PTA@kv_cache", "{pta:#}");
     assert_eq!(
         pta["owners"][0]["delta"].as_u64(),
