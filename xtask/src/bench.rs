@@ -135,7 +135,7 @@ fn memscope(binary: &Path, lib: &Path, bench: &Path, pairs: u64, out: &Path) -> 
 
 /// The same 8 probes memscope-bpf attaches for this loop: entry and return of the runtime's and
 /// the driver's allocation and free implementations.
-fn bpftrace_script(lib: &Path) -> String {
+pub(crate) fn bpftrace_script(lib: &Path) -> String {
     let l = lib.display();
     let hal = lib.with_file_name("libascend_hal.so");
     let h = hal.display();
