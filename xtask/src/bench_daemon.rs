@@ -277,26 +277,32 @@ fn pool_loop_with(built: &Built, root: &Path, out: &Path, trace: Option<&Path>) 
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()?;
+    loop_seconds(&run, "the pool workload")
+}
+
+/// The `loop_s=` a finished workload printed: its loop's own seconds.
+fn loop_seconds(run: &std::process::Output, what: &str) -> anyhow::Result<f64> {
     if !run.status.success() {
-        bail!("the pool workload failed ({})", run.status);
+        bail!("{what} failed ({})", run.status);
     }
     let stdout = String::from_utf8_lossy(&run.stdout);
     stdout
         .lines()
         .find_map(|l| l.strip_prefix("loop_s=")?.trim().parse().ok())
-        .with_context(|| format!("the pool workload printed no loop time: {stdout}"))
+        .with_context(|| format!("{what} printed no loop time: {stdout}"))
 }
 
-/// The peer: bcc memleak's exact live-bytes count, written for bpftrace, on the stand-in's
-/// own tensor entry points (an entry and a return probe per allocation, an entry probe per
-/// free, as the daemon has under sampling).
-fn memleak_script(lib: &Path) -> String {
+/// The peer: bcc memleak's exact live-bytes count, written for bpftrace, on one allocator's
+/// `alloc` and `free` symbols in `lib` (an entry and a return probe per allocation, an entry
+/// probe per free, as the daemon has under sampling); the allocations counted are printed at
+/// exit (`@calls`).
+fn memleak_script(lib: &Path, alloc: &str, free: &str) -> String {
     let l = lib.display();
     format!(
-        "uprobe:{l}:standin_tensor_alloc {{ @size[tid] = arg0; }} \
-         uretprobe:{l}:standin_tensor_alloc /@size[tid]/ {{ @live[retval] = @size[tid]; @bytes += @size[tid]; \
+        "uprobe:{l}:{alloc} {{ @size[tid] = arg0; @calls = count(); }} \
+         uretprobe:{l}:{alloc} /@size[tid]/ {{ @live[retval] = @size[tid]; @bytes += @size[tid]; \
          delete(@size[tid]); }} \
-         uprobe:{l}:standin_tensor_free /@live[arg0]/ {{ @bytes -= @live[arg0]; delete(@live[arg0]); }} \
+         uprobe:{l}:{free} /@live[arg0]/ {{ @bytes -= @live[arg0]; delete(@live[arg0]); }} \
          END {{ clear(@size); clear(@live); clear(@bytes); }}"
     )
 }
@@ -371,7 +377,10 @@ fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize) -> anyhow::R
         eprintln!("xtask bench: daemon, pool allocations, round {round}/{rounds}");
         runs[0].push(pool_loop(built, root, out)?);
         if have_bpftrace {
-            let peer = Bpftrace::start(&memleak_script(&built.torch.with_debug), out)?;
+            let peer = Bpftrace::start(
+                &memleak_script(&built.torch.with_debug, "standin_tensor_alloc", "standin_tensor_free"),
+                out,
+            )?;
             runs[1].push(pool_loop(built, root, out)?);
             drop(peer);
         }
@@ -426,28 +435,12 @@ fn torch_loop(python: &Path, root: &Path) -> anyhow::Result<f64> {
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()?;
-    if !run.status.success() {
-        bail!("the PyTorch loop failed ({})", run.status);
-    }
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("loop_s=")?.trim().parse().ok())
-        .with_context(|| format!("the PyTorch loop printed no loop time: {stdout}"))
+    loop_seconds(&run, "the PyTorch loop")
 }
 
-/// bcc memleak's count on PyTorch's CPU allocator, for the real loop's peer row; the calls
-/// counted are printed at exit (`@calls`).
-fn c10_memleak_script(libc10: &Path) -> String {
-    let l = libc10.display();
-    format!(
-        "uprobe:{l}:_ZN3c109alloc_cpuEm {{ @size[tid] = arg0; @calls = count(); }} \
-         uretprobe:{l}:_ZN3c109alloc_cpuEm /@size[tid]/ {{ @live[retval] = @size[tid]; @bytes += @size[tid]; \
-         delete(@size[tid]); }} \
-         uprobe:{l}:_ZN3c108free_cpuEPv /@live[arg0]/ {{ @bytes -= @live[arg0]; delete(@live[arg0]); }} \
-         END {{ clear(@size); clear(@live); clear(@bytes); }}"
-    )
-}
+/// PyTorch's CPU allocator, as libc10.so exports it.
+const C10_ALLOC: &str = "_ZN3c109alloc_cpuEm";
+const C10_FREE: &str = "_ZN3c108free_cpuEPv";
 
 /// A real PyTorch training loop on the CPU (an MLP, 512 wide, batch 64, 300 steps): nothing
 /// attached, under bpftrace's memleak count, under the daemon recording every call, and under
@@ -474,7 +467,7 @@ fn real_torch(root: &Path, out: &Path, built: &Built, rounds: usize) -> anyhow::
             let t = match variant {
                 0 => torch_loop(&python, root)?,
                 1 if have_bpftrace => {
-                    let peer = Bpftrace::start(&c10_memleak_script(&libc10), out)?;
+                    let peer = Bpftrace::start(&memleak_script(&libc10, C10_ALLOC, C10_FREE), out)?;
                     let t = torch_loop(&python, root)?;
                     drop(peer);
                     let said = std::fs::read_to_string(out.join("bpftrace.out")).unwrap_or_default();
