@@ -41,9 +41,16 @@ pub enum RecordKind {
     /// The calling thread's Python frames at the entry of its outermost traced call:
     /// [`crate::python::PyStackRecord`], cut to the frames read.
     PyStack = 9,
-    /// A traced process replaced its image (`execve`): an [`ExitRecord`]'s layout, the header
-    /// alone. What was known of its old image (its interpreter, its mappings) no longer holds.
+    /// A process replaced its image (`execve`): an [`ExitRecord`]'s layout, the header alone.
+    /// What was known of its old image (its interpreter, its mappings) no longer holds. Sent for
+    /// traced processes, and in the daemon for every process its rules do not deny (a new
+    /// program to look at for libraries).
     Exec = 10,
+    /// The dynamic linker of a process that is or may be traced changed its list of loaded
+    /// objects (`_dl_debug_state`: the program's libraries at its start, each `dlopen` and
+    /// `dlclose`): an [`ExitRecord`]'s layout, the header alone. Its mappings are to be read
+    /// again, for library files not probed yet.
+    Loaded = 11,
 }
 
 impl RecordKind {
@@ -60,6 +67,7 @@ impl RecordKind {
             8 => Some(Self::StackWindow),
             9 => Some(Self::PyStack),
             10 => Some(Self::Exec),
+            11 => Some(Self::Loaded),
             _ => None,
         }
     }

@@ -142,6 +142,7 @@ pub enum Record {
     Fork { mono_ns: u64, parent: u32, child: u32 },
     Exit { mono_ns: u64, tgid: u32 },
     Exec { mono_ns: u64, tgid: u32 },
+    Loaded { mono_ns: u64, tgid: u32 },
 }
 
 /// A ring record type for which any bytes of its size are a value.
@@ -315,6 +316,11 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
             need::<ExitRecord>(kind, bytes)?;
             let r: ExitRecord = read(bytes);
             Ok(Record::Exec { mono_ns: r.hdr.ts_ns, tgid: r.hdr.tgid })
+        }
+        RecordKind::Loaded => {
+            need::<ExitRecord>(kind, bytes)?;
+            let r: ExitRecord = read(bytes);
+            Ok(Record::Loaded { mono_ns: r.hdr.ts_ns, tgid: r.hdr.tgid })
         }
     }
 }
@@ -597,6 +603,8 @@ mod tests {
         assert_eq!(decode(&encode(&exit)), Ok(Record::Exit { mono_ns: 6, tgid: 10 }));
         let exec = ExitRecord { hdr: RecordHeader::new(RecordKind::Exec, 7, 11, 11) };
         assert_eq!(decode(&encode(&exec)), Ok(Record::Exec { mono_ns: 7, tgid: 11 }));
+        let loaded = ExitRecord { hdr: RecordHeader::new(RecordKind::Loaded, 8, 12, 13) };
+        assert_eq!(decode(&encode(&loaded)), Ok(Record::Loaded { mono_ns: 8, tgid: 12 }));
     }
 
     fn stack_bytes(frames: u32, ips: &[u64]) -> Vec<u8> {

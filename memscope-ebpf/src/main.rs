@@ -5,6 +5,8 @@
 //! - `probes::usdt`: the USDT probe attached to every marker call site; each site's argument
 //!   locations come from a [`memscope_common::usdt::UsdtSpec`] chosen by the attach cookie.
 //! - `probes::process`: fork/exit tracepoints that keep the set of traced processes current.
+//! - `probes::loader`: the dynamic linker's `_dl_debug_state`, which says a process loaded
+//!   objects, so userspace reads its mappings for library files to probe at once.
 //! - `maps`: the maps shared between them and userspace, and the ring-buffer output path.
 #![no_std]
 #![no_main]

@@ -101,6 +101,17 @@ pub fn admits(tgid: u32) -> bool {
     admitted
 }
 
+/// Whether [`admits`] would trace the calling process, without deciding anything for one not
+/// seen yet: the dynamic linker's hook and exec fire in every process on the node, and must not
+/// make one a job nor deny it before its first call does.
+pub fn would_admit(tgid: u32) -> bool {
+    if is_traced(tgid) {
+        return true;
+    }
+    // SAFETY: the value is a plain u32 that is only read.
+    admit_any() && unsafe { DENIED.get(tgid) }.is_none() && in_allowed_cgroup()
+}
+
 fn in_allowed_cgroup() -> bool {
     let rules = CGROUP_RULES.load();
     if rules == 0 {

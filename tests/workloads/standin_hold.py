@@ -30,7 +30,8 @@ def main():
                     "an out-of-memory failure, logged with its status, before the hold")
     ap.add_argument("--hold", type=float, default=60, help="seconds to hold the blocks before exiting")
     ap.add_argument("--rename", help="once ready, take this command name (prctl PR_SET_NAME), as a process may")
-    ap.add_argument("--delay", type=float, default=0, help="seconds to wait before the first call")
+    ap.add_argument("--delay", type=float, default=0, help="seconds to wait before loading the library")
+    ap.add_argument("--settle", type=float, default=0, help="seconds between loading the library and the first call")
     ap.add_argument("--ready-file", help="written with the pid once every block is allocated and logged")
     args = ap.parse_args()
     if not args.lib:
@@ -38,6 +39,7 @@ def main():
 
     time.sleep(args.delay)
     lib = ctypes.CDLL(args.lib)
+    time.sleep(args.settle)
     lib.aclrtSetDevice.argtypes = [ctypes.c_int32]
     lib.aclrtMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
     tid = threading.get_native_id()

@@ -1,5 +1,6 @@
 //! Probe families; one file each.
 pub mod call;
+pub mod loader;
 pub mod process;
 pub mod python;
 pub mod sample;

@@ -4,7 +4,8 @@
 //! half a call. A forked child inherits its parent's interpreter (`--call-stack python`): the
 //! same memory at the same addresses, so it has Python stacks from its first call, before
 //! userspace has looked at it; `sched_process_exec` drops the interpreter of a process that
-//! replaces its image, and tells userspace to look again. Userspace reads the set to know when the last traced process has exited: an
+//! replaces its image, and tells userspace to look again (in the daemon, at any process its
+//! rules would trace: a new program, whose libraries are looked for at once). Userspace reads the set to know when the last traced process has exited: an
 //! entry leaves it in the exit tracepoint, before the process's pidfd says it exited.
 //!
 //! Field offsets come from the tracepoint's format file at load time (they moved between kernel
@@ -18,7 +19,7 @@ use aya_ebpf::{
 };
 use memscope_common::record::{ExitRecord, ForkRecord, RecordHeader, RecordKind};
 
-use crate::maps::{admit_any, deny_by_comm, follow_forks, is_traced, output, DENIED, TRACED};
+use crate::maps::{admit_any, deny_by_comm, follow_forks, is_traced, output, would_admit, DENIED, TRACED};
 use crate::probes::call::THREADS;
 use crate::probes::python::PY_PROCS;
 
@@ -106,6 +107,10 @@ pub fn sched_process_exec(_ctx: TracePointContext) -> u32 {
     if is_traced(tgid) {
         // The old image's interpreter is gone with it; userspace finds the new one's.
         let _ = PY_PROCS.remove(tgid);
+    }
+    // In the daemon also a process not traced yet: a new program, whose libraries (and dynamic
+    // linker) userspace looks at now rather than at a scan of /proc.
+    if would_admit(tgid) {
         output(&ExitRecord { hdr: header(RecordKind::Exec, pid_tgid) });
     }
     0

@@ -87,6 +87,8 @@ pub enum AttachError {
          the markers package has one per probe (is a modified copy loaded?)"
     )]
     TooManyUsdtSpecs { library: String, needed: usize, left: usize },
+    #[error("the dynamic linker {library} defines no `{}`: the libraries its processes load are found by the scan of /proc only", super::linker::HOOK_SYMBOL)]
+    NoLinkerHook { library: String },
 }
 
 /// How many of `specs` (a library's sites) need a layout slot that `known` does not have yet.
@@ -102,6 +104,17 @@ pub struct AttachedUsdt {
     pub probe: String,
     pub file_offset: u64,
     pub semaphore_offset: Option<u64>,
+}
+
+/// What [`Tracer::hook_linker`] made of a dynamic linker file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkerHook {
+    /// Hooked now.
+    Added,
+    /// Hooked before.
+    Known,
+    /// Could not be hooked (said when it was tried).
+    Refused,
 }
 
 /// Which symbols to probe in a library that has both `aclrtX` and `aclrtXImpl`.
@@ -182,6 +195,8 @@ pub struct Tracer {
     usdt_specs: HashMap<UsdtSpec, u32>,
     /// Held for the trace's life: dropping one detaches it and lowers its semaphore.
     usdt_links: Vec<RefCtrProbe>,
+    /// Dynamic linker files tried ([`Self::hook_linker`]), and whether the hook is on.
+    linker_files: HashMap<(u64, u64), bool>,
     /// Files that could not be probed, by (file id, path tried).
     refused: HashSet<((u64, u64), PathBuf)>,
     scope_pid: Option<u32>,
@@ -307,7 +322,7 @@ impl Tracer {
             prog.load().map_err(|source| LoadError::Program { name, source })?;
             prog.attach("sched", event).map_err(|source| LoadError::Program { name, source })?;
         }
-        for name in ["call_enter", "call_exit", "usdt_hit"] {
+        for name in ["call_enter", "call_exit", "usdt_hit", "objects_changed"] {
             let prog: &mut UProbe = ebpf
                 .program_mut(name)
                 .ok_or(LoadError::Missing(name))?
@@ -323,6 +338,7 @@ impl Tracer {
             usdt_files: HashSet::new(),
             usdt_specs: HashMap::new(),
             usdt_links: Vec::new(),
+            linker_files: HashMap::new(),
             refused: HashSet::new(),
             scope_pid: scope_pid.filter(|p| *p != 0),
             scope,
@@ -547,6 +563,52 @@ impl Tracer {
         }
         self.multi_links.extend(links);
         true
+    }
+
+    /// Hooks a dynamic linker file's `_dl_debug_state` (`attach::linker`): from now on each
+    /// change to the loaded objects of a process running it that the probes would trace sends a
+    /// `Loaded` record. A file is tried once: later calls say what came of it.
+    pub fn hook_linker(&mut self, ld: &Library) -> Result<LinkerHook, AttachError> {
+        if let Some(hooked) = self.linker_files.get(&ld.file_id) {
+            return Ok(if *hooked { LinkerHook::Known } else { LinkerHook::Refused });
+        }
+        self.linker_files.insert(ld.file_id, false);
+        self.attach_linker_hook(ld)?;
+        self.linker_files.insert(ld.file_id, true);
+        Ok(LinkerHook::Added)
+    }
+
+    fn attach_linker_hook(&mut self, ld: &Library) -> Result<(), AttachError> {
+        let symbol = super::linker::HOOK_SYMBOL;
+        let offset = super::linker::hook_offset(&ld.path)?
+            .ok_or_else(|| AttachError::NoLinkerHook { library: ld.shown.clone() })?;
+        if let Ok(multi) = &self.multi {
+            if let Ok(link) =
+                uprobe_multi::attach(multi.linker.as_fd(), &ld.path, &[offset], &[0], None, false, self.scope_pid)
+            {
+                self.multi_links.push(link);
+                return Ok(());
+            }
+        }
+        let prog: &mut UProbe = self
+            .ebpf
+            .program_mut("objects_changed")
+            .expect("loaded in Tracer::load")
+            .try_into()
+            .expect("a uprobe program");
+        let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: None };
+        prog.attach(point, &ld.path, self.scope).map_err(|source| AttachError::Probe {
+            kind: "linker probe",
+            symbol: symbol.to_owned(),
+            library: ld.shown.clone(),
+            source: Box::new(source),
+        })?;
+        Ok(())
+    }
+
+    /// How many dynamic linker files are hooked.
+    pub fn linkers_hooked(&self) -> usize {
+        self.linker_files.values().filter(|h| **h).count()
     }
 
     /// Attaches the markers' USDT sites in one library (none if it carries none of ours).

@@ -13,6 +13,8 @@
 //! - [`usdt`]: which sites of a library are our markers, ready to attach.
 //! - [`uprobe_multi`]: a library's probes of one program as one link, detached in one wait.
 //! - [`kmem`]: the kernel memory each of the tracer's maps holds.
+//! - [`linker`]: a process's dynamic linker and its `_dl_debug_state`, where the daemon hears
+//!   of each `dlopen`.
 
 pub mod debug;
 pub mod dwarf;
@@ -20,6 +22,7 @@ pub mod elf;
 pub mod file;
 pub mod kmem;
 pub mod libs;
+pub mod linker;
 pub mod loader;
 pub mod perf_uprobe;
 pub mod plan;
@@ -28,7 +31,7 @@ pub mod usdt;
 pub mod usdt_args;
 pub mod usdt_notes;
 
-pub use loader::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
+pub use loader::{AttachedProbe, AttachedUsdt, LinkerHook, ProbeSet, Tracer};
 
 /// An error followed by its causes (`what: why: why`), each said once: the CLI's error line and
 /// the warnings printed where anyhow's `{:#}` is not at hand. Error messages leave their cause to

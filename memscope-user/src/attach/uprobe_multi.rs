@@ -51,11 +51,13 @@ pub enum MultiError {
     Link { path: PathBuf, count: usize, source: io::Error },
 }
 
-/// `call_enter`, `call_exit` and `usdt_hit` loaded for `BPF_TRACE_UPROBE_MULTI`.
+/// `call_enter`, `call_exit`, `usdt_hit` and `objects_changed` loaded for
+/// `BPF_TRACE_UPROBE_MULTI`.
 pub struct MultiPrograms {
     pub enter: OwnedFd,
     pub exit: OwnedFd,
     pub usdt: OwnedFd,
+    pub linker: OwnedFd,
 }
 
 /// `union bpf_attr` for `BPF_PROG_LOAD`, up to `expected_attach_type`.
@@ -169,6 +171,7 @@ impl MultiPrograms {
             enter: load_one(&obj, btf, "call_enter", "call_enter_um")?,
             exit: load_one(&obj, btf, "call_exit", "call_exit_um")?,
             usdt: load_one(&obj, btf, "usdt_hit", "usdt_hit_um")?,
+            linker: load_one(&obj, btf, "objects_changed", "objs_changed_um")?,
         })
     }
 }

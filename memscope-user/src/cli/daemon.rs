@@ -40,7 +40,8 @@ const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
 /// Bounded disk:  sudo memscope-bpf daemon --max-db 2GiB --retention 7d
 ///
 /// The probes go on the runtime, driver and framework libraries that processes map (looked
-/// for in /proc every second) or that --lib and ASCEND_HOME_PATH name; a process is traced from
+/// for when a program starts and each time one loads libraries, as its dynamic linker says) or
+/// that --lib and ASCEND_HOME_PATH name; a process is traced from
 /// its first call into them, unless a filter excludes it. Each traced process is a job with its
 /// own folder, OUTPUT/memscope_<pid>_<time>_ascend/, one DB per device, the folder `trace`
 /// writes: every offline verb (analyze, compare, advise) and MindStudio Insight open it. Rows

@@ -7,7 +7,8 @@
 //! `memscope_common::filter`), so there is no per-process attach and no window between a job's
 //! start and its tracing. One ring carries every job's records; the loop hands each to its
 //! process's job, commits every job's rows every second (a daemon killed outright leaves DBs
-//! that open), looks for library files not probed yet every second, renews the metrics every
+//! that open), looks for library files not probed yet in the processes the kernel says just
+//! started or loaded objects ([`discover`]), renews the metrics every
 //! 0.5 s, and finishes a job when its process exits. SIGINT and SIGTERM finish every open job
 //! and stop; SIGHUP applies the name filters again to the processes running then.
 
@@ -27,7 +28,7 @@ use tokio::io::Interest;
 
 use crate::attach::libs::Library;
 use crate::attach::loader::{Admission, LoadOptions, Sampling};
-use crate::attach::{ProbeSet, Tracer};
+use crate::attach::{LinkerHook, ProbeSet, Tracer};
 use crate::clock::{self, Clock};
 use crate::metrics::{self, Published, Snapshot};
 use crate::record::ring::Consumer;
@@ -43,7 +44,6 @@ use jobs::{Context, Jobs, Outcome};
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const PUBLISH_EVERY: Duration = Duration::from_millis(500);
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
-const SCAN_EVERY: Duration = Duration::from_secs(1);
 /// How often `--max-db` and `--retention` are applied (and whenever a job ends).
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// The consumer wakes up early once this much of the ring is waiting.
@@ -203,17 +203,44 @@ impl Daemon {
         self.probes.extend(rows);
     }
 
-    /// Looks at the processes due a look for library files not probed yet.
+    /// Looks at the processes due a look (reported by the kernel since the last call, or due
+    /// by the clock) for library files not probed yet; hooks their dynamic linker first.
     fn scan(&mut self) {
-        let tracer = &self.tracer;
-        let found: Vec<(Option<u32>, Library)> = self
-            .discovery
-            .due()
-            .into_iter()
-            .flat_map(|pid| discover::libraries_of(pid, |l| tracer.is_attached(l)))
-            .collect();
+        let mut reported = self.consumer.take_execs();
+        reported.extend(self.consumer.take_loads());
+        let now = std::time::Instant::now();
+        let due = self.discovery.due(reported, now);
+        let mut found: Vec<(Option<u32>, Library)> = Vec::new();
+        for pid in due {
+            self.hook_linker(pid, now);
+            let tracer = &self.tracer;
+            found.extend(discover::libraries_of(pid, |l| tracer.is_attached(l)));
+        }
         if !found.is_empty() {
+            found.sort_by_key(|(_, l)| l.file_id);
+            found.dedup_by_key(|(_, l)| l.file_id);
             self.attach(found, "mapped or named by a running process");
+        }
+    }
+
+    /// Hooks the dynamic linker `pid` runs with, unless it was before; a process whose linker
+    /// cannot be hooked is polled while young instead.
+    fn hook_linker(&mut self, pid: u32, now: std::time::Instant) {
+        // A static program, or one gone: nothing it maps later to hear of.
+        let Some(ld) = crate::attach::linker::of_process(pid) else { return };
+        match self.tracer.hook_linker(&ld) {
+            Ok(LinkerHook::Added) => {
+                note(self.plan.quiet, format!("watching the libraries loaded through {} (process {pid})", ld.shown));
+            }
+            Ok(LinkerHook::Known) => {}
+            Ok(LinkerHook::Refused) => self.discovery.unhooked(pid, now),
+            Err(e) => {
+                say!(
+                    "memscope-bpf: warning: {}; its processes are looked at every second instead",
+                    crate::attach::with_causes(&e)
+                );
+                self.discovery.unhooked(pid, now);
+            }
         }
     }
 
@@ -232,12 +259,13 @@ impl Daemon {
         }
         let filters = if filters.is_empty() { String::new() } else { format!(" ({})", filters.join("; ")) };
         say!(
-            "memscope-bpf: live: daemon: {} probes on {files} library file(s); tracing every process that calls them{filters}; jobs go to {}",
+            "memscope-bpf: live: daemon: {} probes on {files} library file(s), {} dynamic linker(s) watched; tracing every process that calls them{filters}; jobs go to {}",
             self.probes.len(),
+            self.tracer.linkers_hooked(),
             jobs::describe_output(&plan.output),
         );
         if files == 0 {
-            note(plan.quiet, "no runtime library found yet: looking at new processes every second");
+            note(plan.quiet, "no runtime library found yet: looking at each program started and each library loaded");
         }
     }
 
@@ -247,7 +275,7 @@ impl Daemon {
         tokio::pin!(deadline);
         let mut tick = tokio::time::interval(DRAIN_EVERY);
         let (mut publish, mut commit) = (Every::new(PUBLISH_EVERY), Every::new(COMMIT_EVERY));
-        let (mut scan, mut sweep) = (Every::new(SCAN_EVERY), Every::new(SWEEP_EVERY));
+        let mut sweep = Every::new(SWEEP_EVERY);
         loop {
             tokio::select! {
                 stop = signals.next_or_hangup() => match stop {
@@ -260,17 +288,16 @@ impl Daemon {
                         guard.clear_ready();
                     }
                     self.drain();
+                    self.scan();
                 }
                 _ = tick.tick() => {
                     self.drain();
+                    self.scan();
                     if publish.due() {
                         self.publish();
                     }
                     if commit.due() {
                         self.commit();
-                    }
-                    if scan.due() {
-                        self.scan();
                     }
                     if sweep.due() || self.swept_at < self.ended {
                         sweep.ran();

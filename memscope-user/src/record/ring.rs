@@ -74,6 +74,12 @@ impl Consumer {
         std::mem::take(&mut self.decoder.execs)
     }
 
+    /// The processes whose dynamic linker loaded or unloaded objects since the last call, in
+    /// the order reported, repeats included (their mappings are to be read again).
+    pub fn take_loads(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.decoder.loads)
+    }
+
     /// Reads everything waiting, in ring order (per thread, that is call order).
     pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
         let Self { ring, stats, decoder } = self;
@@ -91,13 +97,22 @@ pub struct Decoder {
     stacks: ThreadStacks,
     /// Processes seen replacing their image, until the session takes them.
     execs: Vec<u32>,
+    /// Processes whose dynamic linker reported a change, until the daemon or session takes them.
+    loads: Vec<u32>,
     /// The kernel's sampling interval in bytes (0: every call recorded).
     sample_bytes: u64,
 }
 
 impl Decoder {
     pub fn new(clock: Clock) -> Self {
-        Self { clock, blobs: HashMap::default(), stacks: ThreadStacks::default(), execs: Vec::new(), sample_bytes: 0 }
+        Self {
+            clock,
+            blobs: HashMap::default(),
+            stacks: ThreadStacks::default(),
+            execs: Vec::new(),
+            loads: Vec::new(),
+            sample_bytes: 0,
+        }
     }
 
     /// The kernel samples allocations with this mean interval (`--sample-bytes`): a sampled
@@ -188,6 +203,10 @@ impl Decoder {
                     self.execs.push(tgid);
                     return;
                 }
+                Ok(Record::Loaded { tgid, .. }) => {
+                    self.loads.push(tgid);
+                    return;
+                }
                 Ok(record) => to_event(record, self.clock),
                 Err(_) => {
                     stats.undecodable += 1;
@@ -257,7 +276,7 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
             Event { wall_ns: clock.to_wall(mono_ns), pid: tgid, tid: tgid, kind: EventKind::Exit }
         }
         // The consumer keeps it for the session; nothing of the model changes.
-        Record::Exec { .. } => return None,
+        Record::Exec { .. } | Record::Loaded { .. } => return None,
     })
 }
 

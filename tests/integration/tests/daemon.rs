@@ -402,3 +402,35 @@ fn on_sighup_a_job_that_took_an_excluded_name_is_no_longer_traced_and_its_db_is_
 fn comm_now(pid: u32) -> String {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim().to_owned()).unwrap_or_default()
 }
+
+#[test]
+fn a_library_a_job_loads_long_after_its_start_is_probed_before_its_first_call() {
+    // Copies of the stand-in runtime: files no process has mapped and no environment names, so
+    // only the job's dlopen can make them known (the original driver stays, through rpath).
+    let env = env("daemon_dlopen");
+    let copy = env.scratch.join("copy");
+    std::fs::create_dir_all(&copy).unwrap();
+    let lib = copy.join("libascendcl.so");
+    std::fs::copy(&env.libascendcl, &lib).unwrap();
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0"];
+    let mut daemon = Tracer::spawn_with(&env, &args, &[("ASCEND_HOME_PATH", None)]);
+    daemon.wait_live(Duration::from_secs(60));
+
+    // The job runs a second with nothing of the runtime mapped, loads the copy, and calls into
+    // it 0.2 s later: sooner than a scan of /proc every second would find the file (the
+    // daemon's discovery before the linker hook, which lost this job's first calls ~80 % of the
+    // time), not so soon that a busy 2-CPU runner's attach could lag it.
+    let settle = ["--lib", &s(&lib), "--delay", "1", "--settle", "0.2"];
+    let mut job = Job::start_with(&env, "late", &real_python(), 0, 50, None, &settle);
+    let pid = job.wait_ready();
+    let ledger = read_ledger(&job.ledger);
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains(&format!("in {}", lib.display())), "the copy was never probed:\n{stderr}");
+    let folder = run_folders(&out).into_iter().find(|(p, _)| *p == pid).expect("the job's run folder").1;
+    // Every call, the first ones included.
+    assert_exact(&ledger, &read_run(&folder));
+}
