@@ -3,9 +3,11 @@
 //! cgroup allow list says otherwise, so a job started after the daemon is traced from its very
 //! first allocation, with no round trip to userspace in between.
 //!
-//! - Command names are checked where the kernel knows the process's own name: at `exec` (the new
-//!   image's name, before any thread renames itself) and, for processes already running when
-//!   the daemon starts, by userspace from `/proc/PID/comm`. The verdict is cached per process.
+//! - Command names (an allow list, `--comm`, and a deny list, `--exclude-comm`) are checked
+//!   where the kernel knows the process's own name: at `exec` (the new image's name, before any
+//!   thread renames itself) and, for processes already running when the daemon starts, by
+//!   userspace from `/proc/PID/comm`. The verdict is cached per process, and a denied process's
+//!   children inherit it at fork (they have its name until they exec).
 //! - Cgroups are checked at the first call: a rule is a cgroup v2 directory's id and its depth,
 //!   and a process is inside when its ancestor at that depth is that cgroup.
 

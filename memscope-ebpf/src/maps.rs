@@ -78,6 +78,14 @@ pub static DENIED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0)
 #[map]
 pub static DENY_COMM: HashMap<[u8; COMM_LEN], u32> = HashMap::with_max_entries(64, 0);
 
+/// Command names (`--comm`) a process must exec under to be traced, when
+/// [`ALLOW_COMM_RULES`] says there are any.
+#[map]
+pub static ALLOW_COMM: HashMap<[u8; COMM_LEN], u32> = HashMap::with_max_entries(64, 0);
+
+#[no_mangle]
+static ALLOW_COMM_RULES: Global<u32> = Global::new(0);
+
 /// `--cgroup` rules; the first [`CGROUP_RULES`] entries are in use (none: every cgroup).
 #[map]
 static ALLOW_CGROUPS: Array<CgroupRule> = Array::with_max_entries(MAX_CGROUP_RULES, 0);
@@ -131,19 +139,32 @@ fn in_allowed_cgroup() -> bool {
     false
 }
 
-/// At exec, in the daemon: a process whose new image has a denied name stops being traced.
+/// At exec, in the daemon: a process whose new image has a denied name, or a name outside the
+/// allowed ones, stops being traced.
 pub fn deny_by_comm(tgid: u32) {
     if !admit_any() {
         return;
     }
     let Ok(comm) = aya_ebpf::helpers::bpf_get_current_comm() else { return };
-    // SAFETY: the value is a plain u32 that is only read.
-    if unsafe { DENY_COMM.get(&comm) }.is_some() {
+    // SAFETY: the values are plain u32s that are only read.
+    let denied = unsafe { DENY_COMM.get(&comm) }.is_some()
+        || (ALLOW_COMM_RULES.load() != 0 && unsafe { ALLOW_COMM.get(&comm) }.is_none());
+    if denied {
         let _ = TRACED.remove(tgid);
         let _ = DENIED.insert(tgid, 1, 0);
     } else {
         // A name denied before the exec no longer applies.
         let _ = DENIED.remove(tgid);
+    }
+}
+
+/// At fork, in the daemon: the child of a denied process is denied too (it has its parent's
+/// name until it execs, when its own is judged). Without this it would be a process not seen
+/// yet, admitted at its first call. A new thread lands here too; its key is removed at its exit.
+pub fn inherit_denial(parent: u32, child: u32) {
+    // SAFETY: the value is a plain u32 that is only read.
+    if admit_any() && unsafe { DENIED.get(parent) }.is_some() {
+        let _ = DENIED.insert(child, 1, 0);
     }
 }
 

@@ -185,6 +185,21 @@ pub struct Admission {
     pub cgroups: Vec<CgroupRule>,
     /// `--exclude-comm`: names denied at exec.
     pub deny_comms: Vec<[u8; COMM_LEN]>,
+    /// `--comm`: the names a process must exec under (none: any name).
+    pub allow_comms: Vec<[u8; COMM_LEN]>,
+}
+
+impl Admission {
+    /// Whether a process of this name (as the kernel keeps it) is denied by name, as the
+    /// kernel judges it at exec.
+    pub fn denies_name(&self, comm: &[u8; COMM_LEN]) -> bool {
+        self.deny_comms.contains(comm) || (!self.allow_comms.is_empty() && !self.allow_comms.contains(comm))
+    }
+
+    /// Whether any rule is about names.
+    pub fn has_name_rules(&self) -> bool {
+        !self.deny_comms.is_empty() || !self.allow_comms.is_empty()
+    }
 }
 
 pub struct Tracer {
@@ -263,6 +278,7 @@ impl Tracer {
         let admission = opts.admission.clone();
         let admit_any = u32::from(admission.is_some());
         let cgroup_rules = admission.as_ref().map_or(0, |a| a.cgroups.len() as u32);
+        let allow_comm_rules = admission.as_ref().map_or(0, |a| a.allow_comms.len() as u32);
         if cgroup_rules > MAX_CGROUP_RULES {
             return Err(LoadError::TooManyCgroups(cgroup_rules));
         }
@@ -283,6 +299,7 @@ impl Tracer {
             .override_global("TARGET_TGID", &target, true)
             .override_global("ADMIT_ANY", &admit_any, true)
             .override_global("CGROUP_RULES", &cgroup_rules, true)
+            .override_global("ALLOW_COMM_RULES", &allow_comm_rules, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .load(EBPF_OBJECT)?;
@@ -771,6 +788,12 @@ fn write_admission(ebpf: &mut Ebpf, admission: &Admission) -> Result<(), LoadErr
         BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENY_COMM", source })?;
     for comm in &admission.deny_comms {
         comms.insert(comm, 1, 0).map_err(|source| LoadError::Map { name: "DENY_COMM", source })?;
+    }
+    let map = ebpf.map_mut("ALLOW_COMM").ok_or(LoadError::Missing("ALLOW_COMM"))?;
+    let mut comms: BpfHashMap<_, [u8; COMM_LEN], u32> =
+        BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "ALLOW_COMM", source })?;
+    for comm in &admission.allow_comms {
+        comms.insert(comm, 1, 0).map_err(|source| LoadError::Map { name: "ALLOW_COMM", source })?;
     }
     Ok(())
 }

@@ -48,8 +48,9 @@ const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
 /// are committed every second; a job is finished when its process exits. GET /metrics serves
 /// every running job's totals (labels pid, comm, device, pool), its largest owners' live bytes,
 /// and the degradation verdict of `analyze --analysis leaks` on its step boundaries, kept up to
-/// date as it runs (docs/metrics.md); GET /healthz says the daemon is up. SIGINT or SIGTERM finishes every job's DBs and stops; SIGHUP applies --exclude-comm
-/// again to the processes running then. Needs root.
+/// date as it runs (docs/metrics.md); GET /healthz says the daemon is up. SIGINT or SIGTERM
+/// finishes every job's DBs and stops; SIGHUP applies --comm and --exclude-comm again to the
+/// processes running then. Needs root.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -67,6 +68,12 @@ pub struct Args {
     /// process inside any of them is traced. Checked in the kernel at a process's first call.
     #[arg(long = "cgroup", value_name = "PATH")]
     pub cgroups: Vec<PathBuf>,
+
+    /// Trace only processes of this command name, as /proc/PID/comm shows it (cut to 15 bytes).
+    /// Repeatable. Judged as --exclude-comm is: at exec, at the start and on SIGHUP; a process
+    /// forked from one not traced is not traced either, until it execs.
+    #[arg(long = "comm", value_name = "NAME")]
+    pub comms: Vec<String>,
 
     /// Never trace processes of this command name, as /proc/PID/comm shows it (cut to 15
     /// bytes). Repeatable. Checked in the kernel when a process execs, and here at the start
@@ -157,8 +164,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.max_blocks == 0 {
         bail!("--max-blocks must be at least 1 (the default is {DEFAULT_MAX_BLOCKS})");
     }
-    let admission =
-        Admission { cgroups: rules::cgroup_rules(&args.cgroups)?, deny_comms: rules::comm_keys(&args.exclude_comms)? };
+    let (allow_comms, deny_comms) = rules::name_rules(&args.comms, &args.exclude_comms)?;
+    let admission = Admission { cgroups: rules::cgroup_rules(&args.cgroups)?, deny_comms, allow_comms };
     crate::attach::loader::check_object()?;
     preflight::check_daemon_caps()?;
     preflight::check_uprobes()?;

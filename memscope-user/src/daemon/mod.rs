@@ -144,11 +144,11 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     Ok(daemon.stop(reason, signals))
 }
 
-/// `--exclude-pid`, and the running processes `--exclude-comm` names (the kernel denies
+/// `--exclude-pid`, and the running processes the name rules deny (the kernel judges
 /// names at exec only). Returns how many were denied.
 fn deny(tracer: &mut Tracer, plan: &Plan) -> anyhow::Result<usize> {
     let mut pids = plan.exclude_pids.clone();
-    pids.extend(rules::running_denied(&plan.admission.deny_comms));
+    pids.extend(rules::running_denied(&plan.admission));
     pids.sort_unstable();
     pids.dedup();
     for pid in &pids {
@@ -251,7 +251,10 @@ impl Daemon {
         if !plan.admission.cgroups.is_empty() {
             filters.push(format!("inside {} cgroup(s) given", plan.admission.cgroups.len()));
         }
-        if !plan.admission.deny_comms.is_empty() || denied > 0 {
+        if !plan.admission.allow_comms.is_empty() {
+            filters.push(format!("{} name(s) allowed", plan.admission.allow_comms.len()));
+        }
+        if plan.admission.has_name_rules() || denied > 0 {
             filters.push(format!(
                 "{} name(s) excluded, {denied} running process(es) denied",
                 plan.admission.deny_comms.len()
@@ -308,10 +311,10 @@ impl Daemon {
         }
     }
 
-    /// SIGHUP: the running processes `--exclude-comm` names now (one that renamed itself since
-    /// its exec) are denied too, and their open jobs finished.
+    /// SIGHUP: the running processes whose name the name rules deny now (one that renamed
+    /// itself since its exec) are denied too, and their open jobs finished.
     fn reapply_names(&mut self) {
-        let pids = rules::running_denied(&self.plan.admission.deny_comms);
+        let pids = rules::running_denied(&self.plan.admission);
         for pid in &pids {
             if let Err(e) = self.tracer.deny_process(*pid) {
                 say!("memscope-bpf: warning: cannot exclude process {pid}: {e}");
@@ -320,7 +323,9 @@ impl Daemon {
             if self.jobs.pids().contains(pid) {
                 // What it did before is kept: its job is finished as if it had exited.
                 self.drain();
-                self.finish(*pid, "excluded by --exclude-comm (on SIGHUP)");
+                let comm = memscope_common::filter::comm_key(crate::metrics::comm_of(*pid).as_bytes());
+                let rule = if self.plan.admission.deny_comms.contains(&comm) { "--exclude-comm" } else { "--comm" };
+                self.finish(*pid, &format!("excluded by {rule} (on SIGHUP)"));
             }
         }
         note(

@@ -1,11 +1,14 @@
 //! The daemon's filters as the kernel checks them (`memscope_common::filter`): `--cgroup` paths
-//! turned into (id, depth) rules of the cgroup v2 tree, `--exclude-comm` names cut as the kernel
-//! cuts them, and the running processes those names deny (the kernel only sees names at exec).
+//! turned into (id, depth) rules of the cgroup v2 tree, `--comm` and `--exclude-comm` names cut
+//! as the kernel cuts them, and the running processes those names deny (the kernel only sees
+//! names at exec).
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 
 use memscope_common::filter::{comm_key, CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
+
+use crate::attach::loader::Admission;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuleError {
@@ -17,8 +20,12 @@ pub enum RuleError {
     BadCgroup { path: PathBuf, mount: PathBuf, reason: String },
     #[error("--cgroup given {0} times; the kernel checks at most {MAX_CGROUP_RULES}: give a common parent instead")]
     TooMany(usize),
-    #[error("--exclude-comm `{0}` is empty: give a command name as /proc/PID/comm shows it")]
-    EmptyComm(String),
+    #[error("{0} is given an empty name: give a command name as /proc/PID/comm shows it")]
+    EmptyComm(&'static str),
+    #[error("--comm and --exclude-comm both name `{0}`: a name is either traced or not")]
+    BothWays(String),
+    #[error("{flag} given {count} names; the kernel checks at most {MAX_COMM_RULES}")]
+    TooManyNames { flag: &'static str, count: usize },
 }
 
 /// Where the cgroup v2 hierarchy is mounted, from a `mountinfo` text.
@@ -67,26 +74,44 @@ pub fn cgroup_rules(paths: &[PathBuf]) -> Result<Vec<CgroupRule>, RuleError> {
     paths.iter().map(|p| cgroup_rule(p)).collect()
 }
 
-/// Every `--exclude-comm`, as the kernel compares it (15 bytes at most: longer names are cut,
-/// as the kernel cuts a process's own name).
-pub fn comm_keys(names: &[String]) -> Result<Vec<[u8; COMM_LEN]>, RuleError> {
+/// The most names each of `--comm` and `--exclude-comm` may give (the kernel maps' size).
+pub const MAX_COMM_RULES: usize = 64;
+
+/// The names of `flag` (`--comm` or `--exclude-comm`), as the kernel compares them (15 bytes at
+/// most: longer names are cut, as the kernel cuts a process's own name).
+pub fn comm_keys(flag: &'static str, names: &[String]) -> Result<Vec<[u8; COMM_LEN]>, RuleError> {
+    if names.len() > MAX_COMM_RULES {
+        return Err(RuleError::TooManyNames { flag, count: names.len() });
+    }
     names
         .iter()
-        .map(|n| if n.is_empty() { Err(RuleError::EmptyComm(n.clone())) } else { Ok(comm_key(n.as_bytes())) })
+        .map(|n| if n.is_empty() { Err(RuleError::EmptyComm(flag)) } else { Ok(comm_key(n.as_bytes())) })
         .collect()
 }
 
-/// The running processes whose `/proc/PID/comm` is one of `denied`: the kernel checks names
+/// Command names as the kernel keeps them.
+pub type Names = Vec<[u8; COMM_LEN]>;
+
+/// `--comm` and `--exclude-comm` (allowed, denied), checked against each other.
+pub fn name_rules(allow: &[String], deny: &[String]) -> Result<(Names, Names), RuleError> {
+    let (allowed, denied) = (comm_keys("--comm", allow)?, comm_keys("--exclude-comm", deny)?);
+    if let Some(i) = allowed.iter().position(|a| denied.contains(a)) {
+        return Err(RuleError::BothWays(allow[i].clone()));
+    }
+    Ok((allowed, denied))
+}
+
+/// The running processes whose `/proc/PID/comm` the name rules deny: the kernel checks names
 /// at exec, so processes started before the daemon are denied from here.
-pub fn running_denied(denied: &[[u8; COMM_LEN]]) -> Vec<u32> {
-    if denied.is_empty() {
+pub fn running_denied(admission: &Admission) -> Vec<u32> {
+    if !admission.has_name_rules() {
         return Vec::new();
     }
     crate::daemon::discover::all_pids()
         .into_iter()
         .filter(|pid| {
             let comm = crate::metrics::comm_of(*pid);
-            !comm.is_empty() && denied.contains(&comm_key(comm.as_bytes()))
+            !comm.is_empty() && admission.denies_name(&comm_key(comm.as_bytes()))
         })
         .collect()
 }
@@ -134,18 +159,34 @@ mod tests {
 
     #[test]
     fn names_are_cut_as_the_kernel_cuts_them() {
-        let keys = comm_keys(&["python3.8".into(), "a_very_long_command_name".into()]).unwrap();
+        let keys = comm_keys("--exclude-comm", &["python3.8".into(), "a_very_long_command_name".into()]).unwrap();
         assert_eq!(&keys[0][..10], b"python3.8\0");
         assert_eq!(&keys[1][..15], b"a_very_long_com");
         assert_eq!(keys[1][15], 0);
-        assert!(comm_keys(&[String::new()]).is_err());
+        let err = comm_keys("--comm", &[String::new()]).unwrap_err().to_string();
+        assert!(err.starts_with("--comm is given an empty name"), "{err}");
+        let many: Vec<String> = (0..=MAX_COMM_RULES).map(|i| format!("n{i}")).collect();
+        assert!(matches!(comm_keys("--comm", &many), Err(RuleError::TooManyNames { count: 65, .. })));
     }
 
     #[test]
-    fn running_processes_are_denied_by_their_name() {
+    fn a_name_both_allowed_and_denied_is_refused() {
+        let err = name_rules(&["a".into(), "python3".into()], &["python3".into()]).unwrap_err().to_string();
+        assert!(err.contains("`python3`"), "{err}");
+        assert!(name_rules(&["a".into()], &["b".into()]).is_ok());
+    }
+
+    #[test]
+    fn running_processes_are_judged_by_their_name() {
         let own = crate::metrics::comm_of(std::process::id());
-        let denied = running_denied(&comm_keys(&[own]).unwrap());
-        assert!(denied.contains(&std::process::id()), "{denied:?}");
-        assert!(running_denied(&[]).is_empty());
+        let key = |names: &[String]| comm_keys("--comm", names).unwrap();
+        let denying = Admission { deny_comms: key(std::slice::from_ref(&own)), ..Admission::default() };
+        assert!(running_denied(&denying).contains(&std::process::id()));
+        // Allowed by name: kept; another name allowed only: this process is denied.
+        let allowing = Admission { allow_comms: key(&[own]), ..Admission::default() };
+        assert!(!running_denied(&allowing).contains(&std::process::id()));
+        let others = Admission { allow_comms: key(&["no-such-name".into()]), ..Admission::default() };
+        assert!(running_denied(&others).contains(&std::process::id()));
+        assert!(running_denied(&Admission::default()).is_empty());
     }
 }

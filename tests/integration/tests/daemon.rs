@@ -434,3 +434,48 @@ fn a_library_a_job_loads_long_after_its_start_is_probed_before_its_first_call() 
     // Every call, the first ones included.
     assert_exact(&ledger, &read_run(&folder));
 }
+
+#[test]
+fn only_processes_of_an_allowed_name_are_traced_and_a_denied_processs_children_are_not() {
+    let env = env("daemon_names");
+    // A name both allowed and excluded is refused before anything is loaded.
+    let both = Command::new(&env.bin).args(["daemon", "--comm", "job", "--exclude-comm", "job"]).output().unwrap();
+    assert!(!both.status.success(), "{both:?}");
+    assert!(String::from_utf8_lossy(&both.stderr).contains("both name `job`"), "{both:?}");
+
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--comm", "allowed_job"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let python = real_python();
+    let allowed = env.scratch.join("allowed_job");
+    std::os::unix::fs::symlink(&python, &allowed).unwrap();
+    let mut jobs =
+        [Job::start(&env, "allowed", &allowed, 0, 100, None), Job::start(&env, "other", &python, 1, 100, None)];
+    let pids: Vec<u32> = jobs.iter_mut().map(Job::wait_ready).collect();
+    // A process under a name not allowed forks a worker, and both allocate: the worker has its
+    // parent's verdict, not a fresh admission at its first call.
+    let (parent_ledger, child_ledger) = (env.scratch.join("parent.jsonl"), env.scratch.join("child.jsonl"));
+    let forked = Command::new(&python)
+        .arg(env.workload.with_file_name("standin_fork.py"))
+        .args([&parent_ledger, &child_ledger])
+        .args(["--pairs", "200"])
+        .env("ASCEND_HOME_PATH", &env.ascend_home)
+        .status()
+        .unwrap();
+    assert!(forked.success());
+    let forked_pids: Vec<u32> = [&parent_ledger, &child_ledger].iter().map(|l| read_ledger(l)[0].tid).collect(); // main threads: tid = pid
+    assert_ne!(forked_pids[0], forked_pids[1]);
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let folders = run_folders(&out);
+    assert_eq!(
+        folders.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+        vec![pids[0]],
+        "only the allowed job is traced (not {}, nor the forked {forked_pids:?}):\n{stderr}",
+        pids[1]
+    );
+    assert_exact(&read_ledger(&jobs[0].ledger), &read_run(&folders[0].1));
+}
