@@ -8,8 +8,11 @@
 //!   thread renames itself) and, for processes already running when the daemon starts, by
 //!   userspace from `/proc/PID/comm`. The verdict is cached per process, and a denied process's
 //!   children inherit it at fork (they have its name until they exec).
-//! - Cgroups are checked at the first call: a rule is a cgroup v2 directory's id and its depth,
-//!   and a process is inside when its ancestor at that depth is that cgroup.
+//! - Cgroups (`--cgroup`, `--exclude-cgroup`) are checked at the first call: a rule is a cgroup
+//!   v2 directory's id and its depth, and a process is inside when its ancestor at that depth is
+//!   that cgroup.
+//! - Pids (`--pid`) are checked at the first call too; a process forked by an allowed one is
+//!   allowed, as a denied one's child is denied.
 
 /// Command names compared by the kernel: `TASK_COMM_LEN`, the name cut to 15 bytes and a NUL.
 pub const COMM_LEN: usize = 16;

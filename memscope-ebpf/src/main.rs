@@ -8,6 +8,7 @@
 //! - `probes::loader`: the dynamic linker's `_dl_debug_state`, which says a process loaded
 //!   objects, so userspace reads its mappings for library files to probe at once.
 //! - `maps`: the maps shared between them and userspace, and the ring-buffer output path.
+//! - `filter`: the daemon's rules, which processes the probes trace.
 #![no_std]
 #![no_main]
 // The BPF target has no fetching atomics in `core::sync::atomic` (its baseline CPU lacks them),
@@ -16,6 +17,7 @@
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
+mod filter;
 mod maps;
 mod probes;
 

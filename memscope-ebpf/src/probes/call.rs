@@ -39,7 +39,8 @@ use memscope_common::{
 
 use super::sample::{self, Values};
 use super::{nonzero_arg, python, stack};
-use crate::maps::{admits, reserve, submit, SPECS};
+use crate::filter::admits;
+use crate::maps::{reserve, submit, SPECS};
 
 /// A call in flight on one thread and layer.
 #[repr(C)]

@@ -15,7 +15,8 @@ use aya_ebpf::{
 };
 use memscope_common::record::{ExitRecord, RecordHeader, RecordKind};
 
-use crate::maps::{output, would_admit};
+use crate::filter::would_admit;
+use crate::maps::output;
 
 #[uprobe]
 pub fn objects_changed(_ctx: ProbeContext) -> u32 {

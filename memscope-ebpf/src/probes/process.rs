@@ -19,9 +19,8 @@ use aya_ebpf::{
 };
 use memscope_common::record::{ExitRecord, ForkRecord, RecordHeader, RecordKind};
 
-use crate::maps::{
-    admit_any, deny_by_comm, follow_forks, inherit_denial, is_traced, output, would_admit, DENIED, TRACED,
-};
+use crate::filter::{self, admit_any, deny_by_comm, would_admit};
+use crate::maps::{follow_forks, is_traced, output, TRACED};
 use crate::probes::call::THREADS;
 use crate::probes::python::PY_PROCS;
 
@@ -49,7 +48,7 @@ fn try_fork(ctx: &TracePointContext) -> Option<()> {
     if admit_any() {
         // SAFETY: offset from the format file, read through the tracepoint helper.
         let child: i32 = unsafe { ctx.read_at(FORK_CHILD_PID_OFFSET.load() as usize) }.ok()?;
-        inherit_denial((pid_tgid >> 32) as u32, child as u32);
+        filter::inherit((pid_tgid >> 32) as u32, child as u32);
     }
     if !follow_forks() {
         return None;
@@ -82,11 +81,7 @@ fn try_exit(ctx: &TracePointContext) -> Option<()> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
-    if admit_any() {
-        // Its pid may be reused by a process the rules admit; a thread's key is one a denied
-        // parent's fork left (`inherit_denial`).
-        let _ = DENIED.remove(tid);
-    }
+    filter::forget(tid);
     if !is_traced(tgid) {
         return None;
     }

@@ -23,7 +23,8 @@ use memscope_common::{
 };
 
 use super::nonzero_arg;
-use crate::maps::{admits, reserve, submit};
+use crate::filter::admits;
+use crate::maps::{reserve, submit};
 
 /// Per-site argument specs, written by userspace before the site is attached.
 #[map]

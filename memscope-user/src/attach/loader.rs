@@ -187,6 +187,10 @@ pub struct Admission {
     pub deny_comms: Vec<[u8; COMM_LEN]>,
     /// `--comm`: the names a process must exec under (none: any name).
     pub allow_comms: Vec<[u8; COMM_LEN]>,
+    /// `--exclude-cgroup`: a process inside one of these is never traced.
+    pub deny_cgroups: Vec<CgroupRule>,
+    /// `--pid`: only these processes and their children (none: any process).
+    pub allow_pids: Vec<u32>,
 }
 
 impl Admission {
@@ -277,10 +281,13 @@ impl Tracer {
         let follow = u32::from(opts.follow_forks);
         let admission = opts.admission.clone();
         let admit_any = u32::from(admission.is_some());
-        let cgroup_rules = admission.as_ref().map_or(0, |a| a.cgroups.len() as u32);
-        let allow_comm_rules = admission.as_ref().map_or(0, |a| a.allow_comms.len() as u32);
-        if cgroup_rules > MAX_CGROUP_RULES {
-            return Err(LoadError::TooManyCgroups(cgroup_rules));
+        let count = |f: fn(&Admission) -> usize| admission.as_ref().map_or(0, |a| f(a) as u32);
+        let cgroup_rules = count(|a| a.cgroups.len());
+        let deny_cgroup_rules = count(|a| a.deny_cgroups.len());
+        let allow_comm_rules = count(|a| a.allow_comms.len());
+        let allow_pid_rules = count(|a| a.allow_pids.len());
+        if cgroup_rules.max(deny_cgroup_rules) > MAX_CGROUP_RULES {
+            return Err(LoadError::TooManyCgroups(cgroup_rules.max(deny_cgroup_rules)));
         }
         let interval = opts.sampling.map_or(0, |s| s.interval);
         // Unsampled, the block map is never touched: one entry rather than the daemon's million.
@@ -300,6 +307,8 @@ impl Tracer {
             .override_global("ADMIT_ANY", &admit_any, true)
             .override_global("CGROUP_RULES", &cgroup_rules, true)
             .override_global("ALLOW_COMM_RULES", &allow_comm_rules, true)
+            .override_global("DENY_CGROUP_RULES", &deny_cgroup_rules, true)
+            .override_global("ALLOW_PID_RULES", &allow_pid_rules, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .load(EBPF_OBJECT)?;
@@ -777,23 +786,27 @@ impl Tracer {
 
 /// Writes the daemon's cgroup rules and denied names into their maps, before anything is attached.
 fn write_admission(ebpf: &mut Ebpf, admission: &Admission) -> Result<(), LoadError> {
-    let map = ebpf.map_mut("ALLOW_CGROUPS").ok_or(LoadError::Missing("ALLOW_CGROUPS"))?;
-    let mut rules: Array<_, CgroupRule> =
-        Array::try_from(map).map_err(|source| LoadError::Map { name: "ALLOW_CGROUPS", source })?;
-    for (i, rule) in admission.cgroups.iter().enumerate() {
-        rules.set(i as u32, rule, 0).map_err(|source| LoadError::Map { name: "ALLOW_CGROUPS", source })?;
+    for (name, list) in [("ALLOW_CGROUPS", &admission.cgroups), ("DENY_CGROUPS", &admission.deny_cgroups)] {
+        let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
+        let mut rules: Array<_, CgroupRule> = Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
+        for (i, rule) in list.iter().enumerate() {
+            rules.set(i as u32, rule, 0).map_err(|source| LoadError::Map { name, source })?;
+        }
     }
-    let map = ebpf.map_mut("DENY_COMM").ok_or(LoadError::Missing("DENY_COMM"))?;
-    let mut comms: BpfHashMap<_, [u8; COMM_LEN], u32> =
-        BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENY_COMM", source })?;
-    for comm in &admission.deny_comms {
-        comms.insert(comm, 1, 0).map_err(|source| LoadError::Map { name: "DENY_COMM", source })?;
+    for (name, list) in [("DENY_COMM", &admission.deny_comms), ("ALLOW_COMM", &admission.allow_comms)] {
+        let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
+        let mut comms: BpfHashMap<_, [u8; COMM_LEN], u32> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name, source })?;
+        for comm in list {
+            comms.insert(comm, 1, 0).map_err(|source| LoadError::Map { name, source })?;
+        }
     }
-    let map = ebpf.map_mut("ALLOW_COMM").ok_or(LoadError::Missing("ALLOW_COMM"))?;
-    let mut comms: BpfHashMap<_, [u8; COMM_LEN], u32> =
-        BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "ALLOW_COMM", source })?;
-    for comm in &admission.allow_comms {
-        comms.insert(comm, 1, 0).map_err(|source| LoadError::Map { name: "ALLOW_COMM", source })?;
+    let name = "ALLOW_PIDS";
+    let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
+    let mut pids: BpfHashMap<_, u32, u32> =
+        BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name, source })?;
+    for pid in &admission.allow_pids {
+        pids.insert(pid, 1, 0).map_err(|source| LoadError::Map { name, source })?;
     }
     Ok(())
 }

@@ -37,6 +37,7 @@ const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
 ///
 /// Every process: sudo memscope-bpf daemon
 /// Filtered:      sudo memscope-bpf daemon --cgroup /kubepods.slice --exclude-comm python3.8
+/// One job tree:  sudo memscope-bpf daemon --pid 4242
 /// Bounded disk:  sudo memscope-bpf daemon --max-db 2GiB --retention 7d
 ///
 /// The probes go on the runtime, driver and framework libraries that processes map (looked
@@ -68,6 +69,16 @@ pub struct Args {
     /// process inside any of them is traced. Checked in the kernel at a process's first call.
     #[arg(long = "cgroup", value_name = "PATH")]
     pub cgroups: Vec<PathBuf>,
+
+    /// Never trace processes inside this cgroup (v2), given as --cgroup is. Repeatable, at most
+    /// 8; wins over --cgroup. Checked in the kernel at a process's first call.
+    #[arg(long = "exclude-cgroup", value_name = "PATH")]
+    pub exclude_cgroups: Vec<PathBuf>,
+
+    /// Trace only this running process and the processes it forks from now on (torchrun's
+    /// workers, a DataLoader's). Repeatable. The other rules still apply to them.
+    #[arg(long = "pid", value_name = "PID")]
+    pub pids: Vec<u32>,
 
     /// Trace only processes of this command name, as /proc/PID/comm shows it (cut to 15 bytes).
     /// Repeatable. Judged as --exclude-comm is: at exec, at the start and on SIGHUP; a process
@@ -165,7 +176,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("--max-blocks must be at least 1 (the default is {DEFAULT_MAX_BLOCKS})");
     }
     let (allow_comms, deny_comms) = rules::name_rules(&args.comms, &args.exclude_comms)?;
-    let admission = Admission { cgroups: rules::cgroup_rules(&args.cgroups)?, deny_comms, allow_comms };
+    let admission = Admission {
+        cgroups: rules::cgroup_rules("--cgroup", &args.cgroups)?,
+        deny_cgroups: rules::cgroup_rules("--exclude-cgroup", &args.exclude_cgroups)?,
+        deny_comms,
+        allow_comms,
+        allow_pids: rules::pid_rules(&args.pids, &args.exclude_pids)?,
+    };
     crate::attach::loader::check_object()?;
     preflight::check_daemon_caps()?;
     preflight::check_uprobes()?;

@@ -248,8 +248,15 @@ impl Daemon {
         let plan = &self.plan;
         let files = self.probes.iter().map(|p| p.library.as_str()).collect::<std::collections::BTreeSet<_>>().len();
         let mut filters = Vec::new();
-        if !plan.admission.cgroups.is_empty() {
-            filters.push(format!("inside {} cgroup(s) given", plan.admission.cgroups.len()));
+        let admission = &plan.admission;
+        if !admission.allow_pids.is_empty() {
+            filters.push(format!("{} process(es) given and their children", admission.allow_pids.len()));
+        }
+        if !admission.cgroups.is_empty() {
+            filters.push(format!("inside {} cgroup(s) given", admission.cgroups.len()));
+        }
+        if !admission.deny_cgroups.is_empty() {
+            filters.push(format!("outside {} cgroup(s) excluded", admission.deny_cgroups.len()));
         }
         if !plan.admission.allow_comms.is_empty() {
             filters.push(format!("{} name(s) allowed", plan.admission.allow_comms.len()));

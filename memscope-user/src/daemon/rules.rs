@@ -18,8 +18,12 @@ pub enum RuleError {
         "--cgroup {path}: {reason} (give a folder of the cgroup v2 tree, as /kubepods.slice or {mount}/kubepods.slice)"
     )]
     BadCgroup { path: PathBuf, mount: PathBuf, reason: String },
-    #[error("--cgroup given {0} times; the kernel checks at most {MAX_CGROUP_RULES}: give a common parent instead")]
-    TooMany(usize),
+    #[error("{flag} given {count} times; the kernel checks at most {MAX_CGROUP_RULES}: give a common parent instead")]
+    TooMany { flag: &'static str, count: usize },
+    #[error("--pid {0}: no such process (give a running process's id, as `pgrep -f train.py` finds it)")]
+    NoProcess(u32),
+    #[error("--pid and --exclude-pid both name {0}: a process is either traced or not")]
+    PidBothWays(u32),
     #[error("{0} is given an empty name: give a command name as /proc/PID/comm shows it")]
     EmptyComm(&'static str),
     #[error("--comm and --exclude-comm both name `{0}`: a name is either traced or not")]
@@ -66,12 +70,25 @@ fn cgroup_rule_under(mount: &Path, path: &Path) -> Result<CgroupRule, RuleError>
     Ok(CgroupRule { id: meta.ino(), level, _pad: 0 })
 }
 
-/// Every `--cgroup`, checked.
-pub fn cgroup_rules(paths: &[PathBuf]) -> Result<Vec<CgroupRule>, RuleError> {
+/// Every `--cgroup` (or `--exclude-cgroup`: `flag`), checked.
+pub fn cgroup_rules(flag: &'static str, paths: &[PathBuf]) -> Result<Vec<CgroupRule>, RuleError> {
     if paths.len() > MAX_CGROUP_RULES as usize {
-        return Err(RuleError::TooMany(paths.len()));
+        return Err(RuleError::TooMany { flag, count: paths.len() });
     }
     paths.iter().map(|p| cgroup_rule(p)).collect()
+}
+
+/// `--pid`: each a running process, none also excluded.
+pub fn pid_rules(pids: &[u32], excluded: &[u32]) -> Result<Vec<u32>, RuleError> {
+    for pid in pids {
+        if excluded.contains(pid) {
+            return Err(RuleError::PidBothWays(*pid));
+        }
+        if *pid == 0 || !Path::new(&format!("/proc/{pid}")).exists() {
+            return Err(RuleError::NoProcess(*pid));
+        }
+    }
+    Ok(pids.to_vec())
 }
 
 /// The most names each of `--comm` and `--exclude-comm` may give (the kernel maps' size).
@@ -154,7 +171,8 @@ mod tests {
             assert!(err.contains(given) && err.contains(says) && err.contains("give a folder"), "{err}");
         }
         let many: Vec<PathBuf> = (0..=MAX_CGROUP_RULES).map(|i| PathBuf::from(format!("/{i}"))).collect();
-        assert!(matches!(cgroup_rules(&many), Err(RuleError::TooMany(9))));
+        let err = cgroup_rules("--exclude-cgroup", &many).unwrap_err().to_string();
+        assert!(err.starts_with("--exclude-cgroup given 9 times"), "{err}");
     }
 
     #[test]
@@ -167,6 +185,15 @@ mod tests {
         assert!(err.starts_with("--comm is given an empty name"), "{err}");
         let many: Vec<String> = (0..=MAX_COMM_RULES).map(|i| format!("n{i}")).collect();
         assert!(matches!(comm_keys("--comm", &many), Err(RuleError::TooManyNames { count: 65, .. })));
+    }
+
+    #[test]
+    fn a_pid_must_run_and_not_be_excluded_too() {
+        let own = std::process::id();
+        assert_eq!(pid_rules(&[own], &[]).unwrap(), vec![own]);
+        assert!(pid_rules(&[own], &[own]).unwrap_err().to_string().contains("both name"));
+        let err = pid_rules(&[u32::MAX - 1], &[]).unwrap_err().to_string();
+        assert!(err.contains("no such process"), "{err}");
     }
 
     #[test]

@@ -46,6 +46,17 @@ impl Drop for Cgroup {
     }
 }
 
+/// A command that moves itself into `cgroup` (if given) and then execs its arguments, so the
+/// program's first call is made inside.
+fn in_cgroup(cgroup: Option<&Path>) -> Command {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(r#"if [ -n "$1" ]; then echo $$ > "$1/cgroup.procs" || exit 9; fi; shift; exec "$@""#)
+        .arg("sh")
+        .arg(cgroup.map(Path::as_os_str).unwrap_or_default());
+    cmd
+}
+
 /// One stand-in job holding its blocks, and its ledger.
 struct Job {
     process: Killed,
@@ -71,12 +82,8 @@ impl Job {
     ) -> Self {
         let (ledger, ready) = (env.scratch.join(format!("{name}.jsonl")), env.scratch.join(format!("{name}.ready")));
         let hold = env.workload.with_file_name("standin_hold.py");
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c")
-            .arg(r#"if [ -n "$1" ]; then echo $$ > "$1/cgroup.procs" || exit 9; fi; shift; exec "$@""#)
-            .arg("sh")
-            .arg(cgroup.map(Path::as_os_str).unwrap_or_default())
-            .arg(python)
+        let mut cmd = in_cgroup(cgroup);
+        cmd.arg(python)
             .arg(&hold)
             .args(["--ledger", &ledger.display().to_string(), "--ready-file", &ready.display().to_string()])
             .args(["--device", &device.to_string(), "--blocks", &blocks.to_string(), "--size", "5000", "--hold", "300"])
@@ -478,4 +485,90 @@ fn only_processes_of_an_allowed_name_are_traced_and_a_denied_processs_children_a
         pids[1]
     );
     assert_exact(&read_ledger(&jobs[0].ledger), &read_run(&folders[0].1));
+}
+
+/// `standin_fork.py` waiting for its go file (its library loaded, no call made): a parent that
+/// forks a worker once told, both making allocation pairs.
+struct Forking {
+    process: Killed,
+    pid: u32,
+    go: PathBuf,
+    ledgers: [PathBuf; 2],
+}
+
+impl Forking {
+    fn start(env: &TestEnv, name: &str, cgroup: Option<&Path>) -> Self {
+        let file = |what: &str| env.scratch.join(format!("{name}.{what}"));
+        let (ready, go, ledgers) = (file("ready"), file("go"), [file("parent.jsonl"), file("child.jsonl")]);
+        let mut child = in_cgroup(cgroup)
+            .arg(real_python())
+            .arg(env.workload.with_file_name("standin_fork.py"))
+            .args(&ledgers)
+            .args([
+                "--pairs",
+                "200",
+                "--ready-file",
+                &ready.display().to_string(),
+                "--go-file",
+                &go.display().to_string(),
+            ])
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start standin_fork.py");
+        let pid = wait_for_file(&ready, &mut child, Duration::from_secs(60)).trim().parse().unwrap();
+        Self { process: Killed(child), pid, go, ledgers }
+    }
+
+    /// Lets it fork and allocate; waits for both to finish. The child's pid, from its ledger.
+    fn run(&mut self) -> u32 {
+        std::fs::write(&self.go, "").unwrap();
+        assert!(self.process.0.wait().unwrap().success(), "standin_fork.py failed");
+        read_ledger(&self.ledgers[1])[0].tid // its main thread: tid = pid
+    }
+}
+
+#[test]
+fn a_given_pid_and_the_workers_it_forks_are_traced_and_an_excluded_cgroup_is_not() {
+    let env = env("daemon_pids");
+    let cgroup = match Cgroup::make() {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("SKIPPED: no cgroup v2 folder can be made here ({why})");
+            return;
+        }
+    };
+    // Both have their pids before the daemon starts, and make no call until it is live.
+    let mut given = Forking::start(&env, "given", None);
+    let mut excluded = Forking::start(&env, "excluded", Some(&cgroup.dir));
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let (a, b) = (given.pid.to_string(), excluded.pid.to_string());
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--pid", &a, "--pid", &b];
+    let args = [&args[..], &["--exclude-cgroup", &cgroup.inside]].concat();
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    // Not given.
+    let mut other = Job::start(&env, "other", &real_python(), 2, 100, None);
+    let other = other.wait_ready();
+    let given_child = given.run();
+    let excluded_child = excluded.run();
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+
+    let folders = run_folders(&out);
+    let mut want = vec![given.pid, given_child];
+    want.sort();
+    assert_eq!(
+        folders.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+        want,
+        "only the given process and its worker (not {other}, nor the excluded cgroup's {} and {excluded_child}):\n{stderr}",
+        excluded.pid
+    );
+    for (pid, ledger) in [(given.pid, &given.ledgers[0]), (given_child, &given.ledgers[1])] {
+        let folder = &folders.iter().find(|(p, _)| *p == pid).unwrap().1;
+        assert_exact(&read_ledger(ledger), &read_run(folder));
+    }
 }
