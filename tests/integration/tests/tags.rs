@@ -432,3 +432,37 @@ fn online_decomposition_equals_the_offline_one() {
     assert!(offline.status.success(), "{}", String::from_utf8_lossy(&offline.stderr));
     assert_eq!(table(&copy), online);
 }
+
+/// The daemon: a tagged job started before it waits for its markers to be attached (the
+/// semaphores), then every tensor carries the owner its scenario gave it; killing the daemon
+/// outright lowers the semaphores of every process mapping the markers again.
+#[test]
+fn the_daemon_attributes_a_job_started_before_it_and_a_kill_lowers_the_semaphores() {
+    let env = env("tags_daemon");
+    let t = tags();
+    let watcher = SemaphoreWatcher::start(&env, &t);
+    watcher.wait_all(0, Duration::from_secs(10));
+    let ready = env.scratch.join("ready");
+    let (mut cmd, ledger, _) = workload(&env, &t, "serve", &["--ready-file"]);
+    let mut job = cmd.arg(&ready).stdin(Stdio::null()).spawn().unwrap();
+    wait_for_file(&ready, &mut job, Duration::from_secs(30));
+    let out = env.scratch.join("out");
+    let out_s = out.display().to_string();
+    // Every call recorded: sampling would leave tensors out of the owner check.
+    let args = ["daemon", "--output", &out_s, "--listen", "127.0.0.1:0", "--sample-bytes", "0"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    assert_eq!(wait_child(&mut job, Duration::from_secs(60)), 0, "the job saw its markers attached and ran");
+    watcher.wait_all(1, Duration::from_secs(10));
+    // Its job is finished when it exits; then the daemon is killed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !daemon.stderr().contains("process exited") {
+        assert!(Instant::now() < deadline, "the job's end was not seen:\n{}", daemon.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    daemon.signal(libc::SIGKILL);
+    let (_, stderr) = daemon.finish(Duration::from_secs(10));
+    watcher.wait_all(0, Duration::from_secs(10));
+    assert!(stderr.contains("markers: 11 USDT sites"), "the markers were attached:\n{stderr}");
+    assert_owners(&read_lines(&ledger), &read_output(&out));
+}
