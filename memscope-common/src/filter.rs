@@ -20,6 +20,17 @@ pub const COMM_LEN: usize = 16;
 /// Cgroup allow rules the kernel checks, at most.
 pub const MAX_CGROUP_RULES: u32 = 8;
 
+/// Indexes of the kernel's `RULE_COUNTS` array: how many rules of each list are in use (0: the
+/// list is not checked). A map, not constants, so that SIGHUP can change them.
+pub mod count {
+    pub const ALLOW_CGROUPS: u32 = 0;
+    pub const DENY_CGROUPS: u32 = 1;
+    pub const ALLOW_COMMS: u32 = 2;
+    pub const ALLOW_PIDS: u32 = 3;
+    /// Entries of the array.
+    pub const LEN: u32 = 4;
+}
+
 /// One `--cgroup` rule: processes whose cgroup at `level` (the root is 0) has id `id` (the
 /// directory's inode number in cgroup v2).
 #[repr(C)]

@@ -10,7 +10,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap},
     Global,
 };
-use memscope_common::filter::{CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
+use memscope_common::filter::{count, CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
 
 use crate::maps::{is_traced, TRACED};
 
@@ -34,35 +34,33 @@ pub static DENIED: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0)
 #[map]
 static DENY_COMM: HashMap<[u8; COMM_LEN], u32> = HashMap::with_max_entries(64, 0);
 
-/// Command names (`--comm`) a process must exec under to be traced, when
-/// [`ALLOW_COMM_RULES`] says there are any.
+/// Command names (`--comm`) a process must exec under to be traced, when [`RULE_COUNTS`] says
+/// there are any.
 #[map]
 static ALLOW_COMM: HashMap<[u8; COMM_LEN], u32> = HashMap::with_max_entries(64, 0);
 
-#[no_mangle]
-static ALLOW_COMM_RULES: Global<u32> = Global::new(0);
-
-/// `--pid`: the processes (and their children) that may be traced, when [`ALLOW_PID_RULES`]
-/// says there are any. LRU, as [`DENIED`]: children and threads add keys.
+/// `--pid`: the processes (and their children) that may be traced, when [`RULE_COUNTS`] says
+/// there are any. LRU, as [`DENIED`]: children and threads add keys.
 #[map]
 static ALLOW_PIDS: LruHashMap<u32, u32> = LruHashMap::with_max_entries(16384, 0);
 
-#[no_mangle]
-static ALLOW_PID_RULES: Global<u32> = Global::new(0);
-
-/// `--cgroup` rules; the first [`CGROUP_RULES`] entries are in use (none: every cgroup).
+/// `--cgroup` rules; the first `RULE_COUNTS[ALLOW_CGROUPS]` entries are in use (none: every
+/// cgroup).
 #[map]
 static ALLOW_CGROUPS: Array<CgroupRule> = Array::with_max_entries(MAX_CGROUP_RULES, 0);
 
-#[no_mangle]
-static CGROUP_RULES: Global<u32> = Global::new(0);
-
-/// `--exclude-cgroup` rules; the first [`DENY_CGROUP_RULES`] entries are in use.
+/// `--exclude-cgroup` rules, as [`ALLOW_CGROUPS`].
 #[map]
 static DENY_CGROUPS: Array<CgroupRule> = Array::with_max_entries(MAX_CGROUP_RULES, 0);
 
-#[no_mangle]
-static DENY_CGROUP_RULES: Global<u32> = Global::new(0);
+/// How many rules of each list are in use (`memscope_common::filter::count`), written by
+/// userspace at the start and on SIGHUP.
+#[map]
+static RULE_COUNTS: Array<u32> = Array::with_max_entries(count::LEN, 0);
+
+fn rules(list: u32) -> u32 {
+    RULE_COUNTS.get(list).copied().unwrap_or(0)
+}
 
 /// [`is_traced`], and in the daemon the admission of a process seen for the first time: the
 /// probes that make rows call this, the lifecycle tracepoints only [`is_traced`].
@@ -94,10 +92,10 @@ pub fn would_admit(tgid: u32) -> bool {
 /// The rules checked at the first call: pids and cgroups (names were judged at exec).
 fn passes_rules(tgid: u32) -> bool {
     // SAFETY: the value is a plain u32 that is only read.
-    let pid_ok = ALLOW_PID_RULES.load() == 0 || unsafe { ALLOW_PIDS.get(tgid) }.is_some();
-    let deny = DENY_CGROUP_RULES.load();
+    let pid_ok = rules(count::ALLOW_PIDS) == 0 || unsafe { ALLOW_PIDS.get(tgid) }.is_some();
+    let deny = rules(count::DENY_CGROUPS);
     pid_ok
-        && in_cgroups(&ALLOW_CGROUPS, CGROUP_RULES.load(), true)
+        && in_cgroups(&ALLOW_CGROUPS, rules(count::ALLOW_CGROUPS), true)
         && !(deny > 0 && in_cgroups(&DENY_CGROUPS, deny, false))
 }
 
@@ -130,7 +128,7 @@ pub fn deny_by_comm(tgid: u32) {
     let Ok(comm) = aya_ebpf::helpers::bpf_get_current_comm() else { return };
     // SAFETY: the values are plain u32s that are only read.
     let denied = unsafe { DENY_COMM.get(&comm) }.is_some()
-        || (ALLOW_COMM_RULES.load() != 0 && unsafe { ALLOW_COMM.get(&comm) }.is_none());
+        || (rules(count::ALLOW_COMMS) != 0 && unsafe { ALLOW_COMM.get(&comm) }.is_none());
     if denied {
         let _ = TRACED.remove(tgid);
         let _ = DENIED.insert(tgid, 1, 0);
@@ -152,7 +150,7 @@ pub fn inherit(parent: u32, child: u32) {
     if unsafe { DENIED.get(parent) }.is_some() {
         let _ = DENIED.insert(child, 1, 0);
     }
-    if ALLOW_PID_RULES.load() != 0 && unsafe { ALLOW_PIDS.get(parent) }.is_some() {
+    if rules(count::ALLOW_PIDS) != 0 && unsafe { ALLOW_PIDS.get(parent) }.is_some() {
         let _ = ALLOW_PIDS.insert(child, 1, 0);
     }
 }

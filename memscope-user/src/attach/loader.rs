@@ -23,7 +23,7 @@ use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
-use memscope_common::filter::{CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
+use memscope_common::filter::{count, CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
 use memscope_common::python::PyProcess;
 use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::ProbeSpec;
@@ -191,15 +191,11 @@ pub struct Admission {
     pub deny_cgroups: Vec<CgroupRule>,
     /// `--pid`: only these processes and their children (none: any process).
     pub allow_pids: Vec<u32>,
+    /// `--exclude-pid`: never these (denied by userspace, not checked by the kernel).
+    pub deny_pids: Vec<u32>,
 }
 
 impl Admission {
-    /// Whether a process of this name (as the kernel keeps it) is denied by name, as the
-    /// kernel judges it at exec.
-    pub fn denies_name(&self, comm: &[u8; COMM_LEN]) -> bool {
-        self.deny_comms.contains(comm) || (!self.allow_comms.is_empty() && !self.allow_comms.contains(comm))
-    }
-
     /// Whether any rule is about names.
     pub fn has_name_rules(&self) -> bool {
         !self.deny_comms.is_empty() || !self.allow_comms.is_empty()
@@ -281,14 +277,7 @@ impl Tracer {
         let follow = u32::from(opts.follow_forks);
         let admission = opts.admission.clone();
         let admit_any = u32::from(admission.is_some());
-        let count = |f: fn(&Admission) -> usize| admission.as_ref().map_or(0, |a| f(a) as u32);
-        let cgroup_rules = count(|a| a.cgroups.len());
-        let deny_cgroup_rules = count(|a| a.deny_cgroups.len());
-        let allow_comm_rules = count(|a| a.allow_comms.len());
-        let allow_pid_rules = count(|a| a.allow_pids.len());
-        if cgroup_rules.max(deny_cgroup_rules) > MAX_CGROUP_RULES {
-            return Err(LoadError::TooManyCgroups(cgroup_rules.max(deny_cgroup_rules)));
-        }
+
         let interval = opts.sampling.map_or(0, |s| s.interval);
         // Unsampled, the block map is never touched: one entry rather than the daemon's million.
         let max_blocks = opts.sampling.map_or(1, |s| s.max_blocks.max(1));
@@ -305,10 +294,6 @@ impl Tracer {
             .override_global("AYA_LOG_LEVEL", &BpfLogLevel::kernel_value(opts.bpf_log), true)
             .override_global("TARGET_TGID", &target, true)
             .override_global("ADMIT_ANY", &admit_any, true)
-            .override_global("CGROUP_RULES", &cgroup_rules, true)
-            .override_global("ALLOW_COMM_RULES", &allow_comm_rules, true)
-            .override_global("DENY_CGROUP_RULES", &deny_cgroup_rules, true)
-            .override_global("ALLOW_PID_RULES", &allow_pid_rules, true)
             .override_global("FORK_CHILD_PID_OFFSET", &child_pid_offset, true)
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .load(EBPF_OBJECT)?;
@@ -324,7 +309,7 @@ impl Tracer {
         }
 
         if let Some(admission) = &admission {
-            write_admission(&mut ebpf, admission)?;
+            write_rules(&mut ebpf, admission, &admission.allow_pids)?;
         }
         if interval > 0 {
             let map = ebpf.map_mut("GAPS").ok_or(LoadError::Missing("GAPS"))?;
@@ -591,6 +576,25 @@ impl Tracer {
         true
     }
 
+    /// Replaces the daemon's rules (SIGHUP). `allowed_pids`: the running processes `--pid`
+    /// allows, with their descendants. What the kernel has already judged stays judged: the
+    /// caller re-judges the running processes ([`Self::deny_process`], [`Self::undeny_process`]).
+    pub fn set_rules(&mut self, admission: &Admission, allowed_pids: &[u32]) -> Result<(), LoadError> {
+        write_rules(&mut self.ebpf, admission, allowed_pids)
+    }
+
+    /// Lets the rules judge `pid` afresh at its next call (new rules no longer deny it).
+    pub fn undeny_process(&mut self, pid: u32) -> Result<(), LoadError> {
+        let map = self.ebpf.map_mut("DENIED").ok_or(LoadError::Missing("DENIED"))?;
+        let mut denied: BpfHashMap<_, u32, u32> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENIED", source })?;
+        // Not denied is the usual case (the kernel's delete of a missing key is an error).
+        if matches!(denied.get(&pid, 0), Err(MapError::KeyNotFound)) {
+            return Ok(());
+        }
+        denied.remove(&pid).map_err(|source| LoadError::Map { name: "DENIED", source })
+    }
+
     /// Hooks a dynamic linker file's `_dl_debug_state` (`attach::linker`): from now on each
     /// change to the loaded objects of a process running it that the probes would trace sends a
     /// `Loaded` record. A file is tried once: later calls say what came of it.
@@ -785,7 +789,14 @@ impl Tracer {
 }
 
 /// Writes the daemon's cgroup rules and denied names into their maps, before anything is attached.
-fn write_admission(ebpf: &mut Ebpf, admission: &Admission) -> Result<(), LoadError> {
+/// Writes the daemon's rules into the kernel's maps, replacing what they held:
+/// `allowed_pids` are the processes `--pid` allows (those given and, on SIGHUP, the running
+/// processes below them). A rule the kernel cannot hold is refused before anything is written.
+fn write_rules(ebpf: &mut Ebpf, admission: &Admission, allowed_pids: &[u32]) -> Result<(), LoadError> {
+    let most = admission.cgroups.len().max(admission.deny_cgroups.len()) as u32;
+    if most > MAX_CGROUP_RULES {
+        return Err(LoadError::TooManyCgroups(most));
+    }
     for (name, list) in [("ALLOW_CGROUPS", &admission.cgroups), ("DENY_CGROUPS", &admission.deny_cgroups)] {
         let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
         let mut rules: Array<_, CgroupRule> = Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
@@ -794,19 +805,40 @@ fn write_admission(ebpf: &mut Ebpf, admission: &Admission) -> Result<(), LoadErr
         }
     }
     for (name, list) in [("DENY_COMM", &admission.deny_comms), ("ALLOW_COMM", &admission.allow_comms)] {
-        let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
-        let mut comms: BpfHashMap<_, [u8; COMM_LEN], u32> =
-            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-        for comm in list {
-            comms.insert(comm, 1, 0).map_err(|source| LoadError::Map { name, source })?;
-        }
+        replace_keys(ebpf, name, list)?;
     }
-    let name = "ALLOW_PIDS";
+    replace_keys(ebpf, "ALLOW_PIDS", allowed_pids)?;
+    // The counts last: a list is checked only once its entries are in place.
+    let name = "RULE_COUNTS";
     let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
-    let mut pids: BpfHashMap<_, u32, u32> =
-        BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-    for pid in &admission.allow_pids {
-        pids.insert(pid, 1, 0).map_err(|source| LoadError::Map { name, source })?;
+    let mut counts: Array<_, u32> = Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
+    for (at, n) in [
+        (count::ALLOW_CGROUPS, admission.cgroups.len()),
+        (count::DENY_CGROUPS, admission.deny_cgroups.len()),
+        (count::ALLOW_COMMS, admission.allow_comms.len()),
+        (count::ALLOW_PIDS, admission.allow_pids.len()),
+    ] {
+        counts.set(at, n as u32, 0).map_err(|source| LoadError::Map { name, source })?;
+    }
+    Ok(())
+}
+
+/// Makes a set-like hash map (`key -> 1`) hold exactly `keys`: the new ones added first, then
+/// the others removed, so that a key in both is never missing meanwhile.
+fn replace_keys<K: aya::Pod + Eq + std::hash::Hash>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    keys: &[K],
+) -> Result<(), LoadError> {
+    let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
+    let mut set: BpfHashMap<_, K, u32> = BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name, source })?;
+    for key in keys {
+        set.insert(key, 1, 0).map_err(|source| LoadError::Map { name, source })?;
+    }
+    let wanted: HashSet<&K> = keys.iter().collect();
+    let stale: Vec<K> = set.keys().filter_map(Result::ok).filter(|k| !wanted.contains(k)).collect();
+    for key in stale {
+        let _ = set.remove(&key);
     }
     Ok(())
 }

@@ -14,9 +14,10 @@ use memscope_core::analysis::live;
 use super::parse_duration;
 use super::trace::{user_libraries, DEFAULT_RING_MB};
 use crate::attach::libs;
-use crate::attach::loader::{Admission, Sampling};
+use crate::attach::loader::Sampling;
 use crate::attach::ProbeSet;
-use crate::daemon::{self, rules, Plan, Stopped};
+use crate::daemon::filters::Filters;
+use crate::daemon::{self, Plan, Stopped};
 use crate::preflight;
 use crate::say::say;
 use crate::store::Format;
@@ -50,8 +51,8 @@ const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
 /// every running job's totals (labels pid, comm, device, pool), its largest owners' live bytes,
 /// and the degradation verdict of `analyze --analysis leaks` on its step boundaries, kept up to
 /// date as it runs (docs/metrics.md); GET /healthz says the daemon is up. SIGINT or SIGTERM
-/// finishes every job's DBs and stops; SIGHUP applies --comm and --exclude-comm again to the
-/// processes running then. Needs root.
+/// finishes every job's DBs and stops; SIGHUP reads --filters again and applies every filter
+/// to the processes running then. Needs root.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -64,37 +65,15 @@ pub struct Args {
     #[arg(long, value_name = "ADDR:PORT", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
-    /// Trace only processes inside this cgroup (v2), given as /proc/PID/cgroup shows it
-    /// (/kubepods.slice) or as a folder under the cgroup2 mount. Repeatable, at most 8: a
-    /// process inside any of them is traced. Checked in the kernel at a process's first call.
-    #[arg(long = "cgroup", value_name = "PATH")]
-    pub cgroups: Vec<PathBuf>,
+    #[command(flatten)]
+    pub filters: Filters,
 
-    /// Never trace processes inside this cgroup (v2), given as --cgroup is. Repeatable, at most
-    /// 8; wins over --cgroup. Checked in the kernel at a process's first call.
-    #[arg(long = "exclude-cgroup", value_name = "PATH")]
-    pub exclude_cgroups: Vec<PathBuf>,
-
-    /// Trace only this running process and the processes it forks from now on (torchrun's
-    /// workers, a DataLoader's). Repeatable. The other rules still apply to them.
-    #[arg(long = "pid", value_name = "PID")]
-    pub pids: Vec<u32>,
-
-    /// Trace only processes of this command name, as /proc/PID/comm shows it (cut to 15 bytes).
-    /// Repeatable. Judged as --exclude-comm is: at exec, at the start and on SIGHUP; a process
-    /// forked from one not traced is not traced either, until it execs.
-    #[arg(long = "comm", value_name = "NAME")]
-    pub comms: Vec<String>,
-
-    /// Never trace processes of this command name, as /proc/PID/comm shows it (cut to 15
-    /// bytes). Repeatable. Checked in the kernel when a process execs, and here at the start
-    /// (and on SIGHUP) for the processes already running.
-    #[arg(long = "exclude-comm", value_name = "NAME")]
-    pub exclude_comms: Vec<String>,
-
-    /// Never trace this process (until it execs another program). Repeatable.
-    #[arg(long = "exclude-pid", value_name = "PID")]
-    pub exclude_pids: Vec<u32>,
+    /// Also read filter flags from this file, one per line as on the command line
+    /// (`--exclude-comm python3.8`; blank lines and # comments are skipped), added to those
+    /// given here. Read again on SIGHUP: the rules change at once for the processes running and
+    /// those to come, and a file with an error leaves the rules as they were.
+    #[arg(long = "filters", value_name = "FILE")]
+    pub filters_file: Option<PathBuf>,
 
     /// Keep the run folders under OUTPUT within this much disk (e.g. 2GiB): the oldest
     /// finished jobs' folders are removed first. A running job's folder is never removed (a
@@ -175,14 +154,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.max_blocks == 0 {
         bail!("--max-blocks must be at least 1 (the default is {DEFAULT_MAX_BLOCKS})");
     }
-    let (allow_comms, deny_comms) = rules::name_rules(&args.comms, &args.exclude_comms)?;
-    let admission = Admission {
-        cgroups: rules::cgroup_rules("--cgroup", &args.cgroups)?,
-        deny_cgroups: rules::cgroup_rules("--exclude-cgroup", &args.exclude_cgroups)?,
-        deny_comms,
-        allow_comms,
-        allow_pids: rules::pid_rules(&args.pids, &args.exclude_pids)?,
-    };
+    let mut filters = args.filters.clone();
+    if let Some(path) = &args.filters_file {
+        filters.extend(daemon::filters::read_file(path)?);
+    }
+    let admission = filters.admission()?;
     crate::attach::loader::check_object()?;
     preflight::check_daemon_caps()?;
     preflight::check_uprobes()?;
@@ -202,7 +178,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         quiet: args.quiet,
         listen: args.listen,
         admission,
-        exclude_pids: args.exclude_pids,
+        filters: args.filters,
+        filters_file: args.filters_file,
         limits: daemon::retention::Limits { max_bytes: args.max_db, retention: args.retention },
         sampling: (args.sample_bytes > 0).then_some(Sampling {
             interval: args.sample_bytes,

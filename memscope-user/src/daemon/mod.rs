@@ -13,7 +13,9 @@
 //! and stop; SIGHUP applies the name filters again to the processes running then.
 
 pub mod discover;
+pub mod filters;
 pub mod jobs;
+pub mod judge;
 pub mod retention;
 pub mod rules;
 
@@ -39,6 +41,7 @@ use crate::store::{Format, ProbeRow};
 use crate::summary::SkippedLibrary;
 
 use discover::Discovery;
+use filters::Filters;
 use jobs::{Context, Jobs, Outcome};
 
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
@@ -59,9 +62,11 @@ pub struct Plan {
     pub ring_bytes: u32,
     pub quiet: bool,
     pub listen: SocketAddr,
+    /// The rules in force (the command line's and the filter file's).
     pub admission: Admission,
-    /// `--exclude-pid`.
-    pub exclude_pids: Vec<u32>,
+    /// The command line's filter flags, and `--filters`: read again on SIGHUP.
+    pub filters: Filters,
+    pub filters_file: Option<PathBuf>,
     /// `--max-db`, `--retention`.
     pub limits: retention::Limits,
     /// `--sample-bytes`, `--max-blocks` (`None`: every call recorded).
@@ -100,7 +105,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     };
     // No target (pid 0 is never a process's tgid): the kernel admits processes by the rules.
     let mut tracer = Tracer::load(&opts, 0, None).context("cannot load the eBPF programs")?;
-    let denied = deny(&mut tracer, &plan)?;
+    let denied = judge_running(&mut tracer, &plan.admission)?.len();
     let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
     consumer.set_sample_bytes(plan.sampling.map_or(0, |s| s.interval));
     // SAFETY: the ring's descriptor belongs to `consumer`; `Daemon` declares `ring_fd` first, so
@@ -144,17 +149,30 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     Ok(daemon.stop(reason, signals))
 }
 
-/// `--exclude-pid`, and the running processes the name rules deny (the kernel judges
-/// names at exec only). Returns how many were denied.
-fn deny(tracer: &mut Tracer, plan: &Plan) -> anyhow::Result<usize> {
-    let mut pids = plan.exclude_pids.clone();
-    pids.extend(rules::running_denied(&plan.admission));
-    pids.sort_unstable();
-    pids.dedup();
-    for pid in &pids {
-        tracer.deny_process(*pid).with_context(|| format!("cannot exclude process {pid}"))?;
+/// Applies the rules to the processes running now (the kernel judges a process once, at its
+/// first call or exec): writes the processes `--pid` allows into the kernel, denies the ones
+/// the rules deny and lets the others be judged afresh. Returns the denied, with the flag that
+/// denies each.
+fn judge_running(tracer: &mut Tracer, admission: &Admission) -> anyhow::Result<Vec<(u32, &'static str)>> {
+    let own = std::process::id();
+    let pids: Vec<u32> = discover::all_pids().into_iter().filter(|p| *p != own).collect();
+    let tree = if admission.allow_pids.is_empty() { Default::default() } else { judge::allowed_tree(admission, &pids) };
+    let mut allowed: Vec<u32> = tree.iter().copied().chain(admission.allow_pids.iter().copied()).collect();
+    allowed.sort_unstable();
+    allowed.dedup();
+    tracer.set_rules(admission, &allowed).context("cannot write the filter rules into the kernel")?;
+    let mount = rules::cgroup2_mount_now();
+    let mut denied = Vec::new();
+    for pid in pids {
+        match judge::denied_by(pid, admission, mount.as_deref(), &tree) {
+            Some(flag) => {
+                tracer.deny_process(pid).with_context(|| format!("cannot exclude process {pid}"))?;
+                denied.push((pid, flag));
+            }
+            None => tracer.undeny_process(pid).with_context(|| format!("cannot judge process {pid} again"))?,
+        }
     }
-    Ok(pids.len())
+    Ok(denied)
 }
 
 /// A running daemon.
@@ -261,7 +279,7 @@ impl Daemon {
         if !plan.admission.allow_comms.is_empty() {
             filters.push(format!("{} name(s) allowed", plan.admission.allow_comms.len()));
         }
-        if plan.admission.has_name_rules() || denied > 0 {
+        if admission.has_name_rules() || denied > 0 {
             filters.push(format!(
                 "{} name(s) excluded, {denied} running process(es) denied",
                 plan.admission.deny_comms.len()
@@ -290,7 +308,7 @@ impl Daemon {
             tokio::select! {
                 stop = signals.next_or_hangup() => match stop {
                     Some(reason) => return reason.to_owned(),
-                    None => self.reapply_names(),
+                    None => self.reload(),
                 },
                 reason = &mut deadline => return reason,
                 guard = self.ring_fd.readable() => {
@@ -318,27 +336,39 @@ impl Daemon {
         }
     }
 
-    /// SIGHUP: the running processes whose name the name rules deny now (one that renamed
-    /// itself since its exec) are denied too, and their open jobs finished.
-    fn reapply_names(&mut self) {
-        let pids = rules::running_denied(&self.plan.admission);
-        for pid in &pids {
-            if let Err(e) = self.tracer.deny_process(*pid) {
-                say!("memscope-bpf: warning: cannot exclude process {pid}: {e}");
-                continue;
+    /// SIGHUP: the filter file is read again (a file with an error leaves the rules as they
+    /// were), and the rules applied again to the processes running now: one that renamed itself
+    /// since its exec, or that new rules deny, is denied and its open job finished; one that
+    /// new rules no longer deny is judged afresh at its next call.
+    fn reload(&mut self) {
+        match self.read_filters() {
+            Ok(admission) => self.plan.admission = admission,
+            Err(e) => say!("memscope-bpf: warning: SIGHUP: {e:#}; the rules stay as they were"),
+        }
+        let denied = match judge_running(&mut self.tracer, &self.plan.admission) {
+            Ok(denied) => denied,
+            Err(e) => {
+                say!("memscope-bpf: warning: SIGHUP: {e:#}");
+                return;
             }
+        };
+        for (pid, flag) in &denied {
             if self.jobs.pids().contains(pid) {
                 // What it did before is kept: its job is finished as if it had exited.
                 self.drain();
-                let comm = memscope_common::filter::comm_key(crate::metrics::comm_of(*pid).as_bytes());
-                let rule = if self.plan.admission.deny_comms.contains(&comm) { "--exclude-comm" } else { "--comm" };
-                self.finish(*pid, &format!("excluded by {rule} (on SIGHUP)"));
+                self.finish(*pid, &format!("excluded by {flag} (on SIGHUP)"));
             }
         }
-        note(
-            self.plan.quiet,
-            format!("SIGHUP: name filters applied again ({} running process(es) denied)", pids.len()),
-        );
+        note(self.plan.quiet, format!("SIGHUP: filters applied again ({} running process(es) denied)", denied.len()));
+    }
+
+    /// The command line's filter flags and the filter file's, checked.
+    fn read_filters(&self) -> anyhow::Result<Admission> {
+        let mut filters = self.plan.filters.clone();
+        if let Some(path) = &self.plan.filters_file {
+            filters.extend(filters::read_file(path)?);
+        }
+        Ok(filters.admission()?)
     }
 
     /// Hands every record waiting in the ring to its job; finishes the jobs whose process ended.

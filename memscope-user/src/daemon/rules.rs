@@ -8,8 +8,6 @@ use std::path::{Component, Path, PathBuf};
 
 use memscope_common::filter::{comm_key, CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
 
-use crate::attach::loader::Admission;
-
 #[derive(Debug, thiserror::Error)]
 pub enum RuleError {
     #[error("--cgroup needs the cgroup v2 (unified) hierarchy, and /proc/self/mountinfo has no cgroup2 mount: mount it (`mount -t cgroup2 none /sys/fs/cgroup`) or trace without --cgroup")]
@@ -40,6 +38,11 @@ fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
         let fstype = right.split_ascii_whitespace().next()?;
         (fstype == "cgroup2").then(|| left.split_ascii_whitespace().nth(4).map(PathBuf::from))?
     })
+}
+
+/// Where the cgroup v2 hierarchy is mounted here, if it is.
+pub fn cgroup2_mount_now() -> Option<PathBuf> {
+    cgroup2_mount(&std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default())
 }
 
 /// A `--cgroup` rule: `path` is a folder under the cgroup v2 mount, given either inside the
@@ -118,21 +121,6 @@ pub fn name_rules(allow: &[String], deny: &[String]) -> Result<(Names, Names), R
     Ok((allowed, denied))
 }
 
-/// The running processes whose `/proc/PID/comm` the name rules deny: the kernel checks names
-/// at exec, so processes started before the daemon are denied from here.
-pub fn running_denied(admission: &Admission) -> Vec<u32> {
-    if !admission.has_name_rules() {
-        return Vec::new();
-    }
-    crate::daemon::discover::all_pids()
-        .into_iter()
-        .filter(|pid| {
-            let comm = crate::metrics::comm_of(*pid);
-            !comm.is_empty() && admission.denies_name(&comm_key(comm.as_bytes()))
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,19 +189,5 @@ mod tests {
         let err = name_rules(&["a".into(), "python3".into()], &["python3".into()]).unwrap_err().to_string();
         assert!(err.contains("`python3`"), "{err}");
         assert!(name_rules(&["a".into()], &["b".into()]).is_ok());
-    }
-
-    #[test]
-    fn running_processes_are_judged_by_their_name() {
-        let own = crate::metrics::comm_of(std::process::id());
-        let key = |names: &[String]| comm_keys("--comm", names).unwrap();
-        let denying = Admission { deny_comms: key(std::slice::from_ref(&own)), ..Admission::default() };
-        assert!(running_denied(&denying).contains(&std::process::id()));
-        // Allowed by name: kept; another name allowed only: this process is denied.
-        let allowing = Admission { allow_comms: key(&[own]), ..Admission::default() };
-        assert!(!running_denied(&allowing).contains(&std::process::id()));
-        let others = Admission { allow_comms: key(&["no-such-name".into()]), ..Admission::default() };
-        assert!(running_denied(&others).contains(&std::process::id()));
-        assert!(running_denied(&Admission::default()).is_empty());
     }
 }

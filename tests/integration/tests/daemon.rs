@@ -498,10 +498,15 @@ struct Forking {
 
 impl Forking {
     fn start(env: &TestEnv, name: &str, cgroup: Option<&Path>) -> Self {
+        Self::start_as(env, name, &real_python(), cgroup)
+    }
+
+    /// As [`Self::start`], with `python` (a link to it takes the link's name).
+    fn start_as(env: &TestEnv, name: &str, python: &Path, cgroup: Option<&Path>) -> Self {
         let file = |what: &str| env.scratch.join(format!("{name}.{what}"));
         let (ready, go, ledgers) = (file("ready"), file("go"), [file("parent.jsonl"), file("child.jsonl")]);
         let mut child = in_cgroup(cgroup)
-            .arg(real_python())
+            .arg(python)
             .arg(env.workload.with_file_name("standin_fork.py"))
             .args(&ledgers)
             .args([
@@ -571,4 +576,57 @@ fn a_given_pid_and_the_workers_it_forks_are_traced_and_an_excluded_cgroup_is_not
         let folder = &folders.iter().find(|(p, _)| *p == pid).unwrap().1;
         assert_exact(&read_ledger(ledger), &read_run(folder));
     }
+}
+
+#[test]
+fn on_sighup_the_filter_file_is_read_again_and_applies_to_the_running_processes() {
+    let env = env("daemon_reload");
+    let filters = env.scratch.join("filters");
+    std::fs::write(&filters, "# first rules\n--exclude-comm job_a\n").unwrap();
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--filters", &s(&filters)];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let link = |name: &str| {
+        let path = env.scratch.join(name);
+        std::os::unix::fs::symlink(real_python(), &path).unwrap();
+        path
+    };
+    let (job_a, job_b) = (link("job_a"), link("job_b"));
+    // a: excluded by the first rules, waiting to allocate; b: traced, allocated, holding.
+    let mut a = Forking::start_as(&env, "a", &job_a, None);
+    let mut b = Job::start(&env, "b", &job_b, 1, 100, None);
+    let b_pid = b.wait_ready();
+    let hup = |daemon: &mut Tracer, count: usize| {
+        daemon.signal(libc::SIGHUP);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while daemon.stderr().matches("SIGHUP: filters applied again").count() < count {
+            assert!(Instant::now() < deadline, "SIGHUP not handled:\n{}", daemon.stderr());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // The second rules exclude b instead: b's job ends at once, a is traced from its next call.
+    std::fs::write(&filters, "--exclude-comm job_b\n").unwrap();
+    hup(&mut daemon, 1);
+    let a_child = a.run();
+    // A file with an error leaves the rules as they were.
+    std::fs::write(&filters, "--exclude-comm job_b\n--exclude-comm\n").unwrap();
+    hup(&mut daemon, 2);
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("line 2") && stderr.contains("the rules stay as they were"), "{stderr}");
+
+    let folders = run_folders(&out);
+    let mut want = vec![a.pid, a_child, b_pid];
+    want.sort();
+    assert_eq!(folders.iter().map(|(p, _)| *p).collect::<Vec<_>>(), want, "{stderr}");
+    let folder = |pid: u32| &folders.iter().find(|(p, _)| *p == pid).unwrap().1;
+    for (pid, ledger) in [(a.pid, &a.ledgers[0]), (a_child, &a.ledgers[1]), (b_pid, &b.ledger)] {
+        assert_exact(&read_ledger(ledger), &read_run(folder(pid)));
+    }
+    let b_run = read_run(folder(b_pid));
+    let reason = meta(b_run.db("device_1"), "stop_reason");
+    assert_eq!(reason.as_deref(), Some("excluded by --exclude-comm (on SIGHUP)"));
 }
