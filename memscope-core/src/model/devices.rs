@@ -23,6 +23,9 @@ pub struct DeviceStats {
     /// blocks alike; their rows go to `ms_untracked_frees`, not to Insight's table.
     pub untracked_frees: u64,
     pub failures: u64,
+    /// Of [`Self::failures`], those out of memory (by the API's status, or a caching allocator
+    /// that gave up).
+    pub out_of_memory: u64,
     /// The last `allocation_id` given on this device's file. One counter for every kind of block
     /// in the file (device, pool, host), since Insight groups a file's rows by this id alone.
     next_allocation_id: u64,

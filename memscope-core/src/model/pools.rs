@@ -165,7 +165,9 @@ impl Tracker {
             }
             (None, None) => {
                 // The allocator gave up (after freeing its cache and retrying): out of memory.
-                self.stats(device).failures += 1;
+                let stats = self.stats(device);
+                stats.failures += 1;
+                stats.out_of_memory += 1;
                 let (status, out_of_memory, ptr, driver) = (0, true, None, None);
                 if !self.is_paused(site.pid) {
                     out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver });

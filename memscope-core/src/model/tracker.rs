@@ -244,7 +244,9 @@ impl Tracker {
     /// memory), never a block.
     pub(super) fn fail(&mut self, site: Site, call: &Call, failure: Failure, out: &mut Vec<Output>) {
         let Failure { device, size, ptr, driver } = failure;
-        self.stats(device).failures += 1;
+        let stats = self.stats(device);
+        stats.failures += 1;
+        stats.out_of_memory += u64::from(call.out_of_memory);
         if self.is_paused(site.pid) {
             return;
         }

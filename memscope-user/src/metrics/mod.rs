@@ -210,7 +210,7 @@ const fn counter<S>(name: &'static str, help: &'static str, value: fn(&S) -> u64
     Family { name, help, bytes: false, counter: true, value }
 }
 
-const DEVICE_FAMILIES: [Family<DeviceStats>; 7] = [
+const DEVICE_FAMILIES: [Family<DeviceStats>; 8] = [
     gauge("memscope_live", "Bytes the runtime and driver have handed out and not taken back", true, |s| s.used),
     gauge("memscope_peak", "The most bytes live at once since the trace started", true, |s| s.peak),
     gauge("memscope_live_blocks", "Blocks handed out and not taken back", false, |s| s.live_blocks),
@@ -218,6 +218,7 @@ const DEVICE_FAMILIES: [Family<DeviceStats>; 7] = [
     counter("memscope_frees", "Frees of blocks the trace saw allocated", |s| s.frees),
     counter("memscope_untracked_frees", "Frees of blocks allocated before the trace", |s| s.untracked_frees),
     counter("memscope_failed_allocations", "Allocations that failed (out of memory among them)", |s| s.failures),
+    counter("memscope_out_of_memory", "Allocations that failed for want of memory", |s| s.out_of_memory),
 ];
 
 const POOL_FAMILIES: [Family<PoolStats>; 5] = [
@@ -308,6 +309,7 @@ mod tests {
     fn a_scrape_reads_the_latest_snapshot_in_prometheus_names() {
         let mut device = DeviceStats::default();
         (device.used, device.peak, device.live_blocks, device.mallocs, device.failures) = (4096, 8192, 1, 3, 1);
+        device.out_of_memory = 1;
         let pool = PoolStats { used: 512, total: 2 << 20, peak_used: 1024, peak_total: 2 << 20, live_blocks: 2 };
         let job = JobTotals {
             pid: 4242,
@@ -326,6 +328,8 @@ mod tests {
             sample(&text, r#"memscope_failed_allocations_total{pid="4242",comm="python3",device="1"}"#),
             Some(1)
         );
+        let oom = r#"memscope_out_of_memory_total{pid="4242",comm="python3",device="1"}"#;
+        assert_eq!(sample(&text, oom), Some(1));
         let reserved = r#"memscope_pool_reserved_bytes{pid="4242",comm="python3",device="1",pool="caching"}"#;
         assert_eq!(sample(&text, reserved), Some(2 << 20));
         assert_eq!(sample(&text, "memscope_calls_recorded_total"), Some(10));

@@ -630,3 +630,35 @@ fn on_sighup_the_filter_file_is_read_again_and_applies_to_the_running_processes(
     let reason = meta(b_run.db("device_1"), "stop_reason");
     assert_eq!(reason.as_deref(), Some("excluded by --exclude-comm (on SIGHUP)"));
 }
+
+#[test]
+fn an_out_of_memory_failure_raises_the_jobs_counters() {
+    let env = env("daemon_oom_counter");
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let oom = ["--oom-size", "1099511627776"];
+    let mut job = Job::start_with(&env, "oom", &real_python(), 0, 10, None, &oom);
+    let pid = job.wait_ready();
+    let failed = read_ledger(&job.ledger).iter().filter(|e| e.rc != 0).count();
+    assert_eq!(failed, 1, "the job's one failure, by its own ledger");
+    let metrics = metrics_address(&daemon.stderr());
+    let series = |name: &str| format!(r#"{name}{{pid="{pid}",comm="python3"#);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = get(metrics, "/metrics").unwrap();
+        let value = |name: &str| {
+            body.lines()
+                .find(|l| l.starts_with(&series(name)))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<usize>().ok())
+        };
+        let got = (value("memscope_out_of_memory_total"), value("memscope_failed_allocations_total"));
+        if got == (Some(failed), Some(failed)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{got:?}, the ledger failed {failed}:\n{body}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
