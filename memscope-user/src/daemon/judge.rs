@@ -13,7 +13,8 @@ use memscope_common::filter::{comm_key, CgroupRule};
 
 use crate::attach::loader::Admission;
 
-/// Why the rules deny a running process: the flag that does.
+/// Why the rules deny a running process: the flag that does. `mount` is the cgroup v2 mount
+/// (`None`: the cgroup rules are left to the kernel); `allowed_tree` is [`allowed_tree`]'s.
 pub fn denied_by(
     pid: u32,
     admission: &Admission,
@@ -51,7 +52,7 @@ pub fn denied_by(
 }
 
 /// The running processes that `--pid` allows: those given, and every process below one of
-/// them in the process tree (`None`: `--pid` not given, every process).
+/// them in the process tree (empty when `--pid` is not given: the caller checks that first).
 pub fn allowed_tree(admission: &Admission, pids: &[u32]) -> HashSet<u32> {
     let given: HashSet<u32> = admission.allow_pids.iter().copied().collect();
     pids.iter().copied().filter(|pid| lineage(*pid).iter().any(|p| given.contains(p))).collect()
