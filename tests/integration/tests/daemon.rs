@@ -103,6 +103,16 @@ impl Job {
     }
 }
 
+/// A daemon writing run folders to `out`, with the stand-in runtime's folder in its environment
+/// (probed at the start) and `extra` flags; returned once its probes are live.
+fn live_daemon(env: &TestEnv, out: &Path, extra: &[&str]) -> Tracer {
+    let mut args = vec!["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let mut daemon = Tracer::spawn(env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    daemon
+}
+
 /// The real interpreter behind `python3` (not a launcher script), so that a link to it execs
 /// Python under the link's name.
 fn real_python() -> PathBuf {
@@ -257,10 +267,7 @@ fn device_db(run: &Path, device: u32) -> PathBuf {
 fn a_killed_daemon_leaves_its_jobs_running_without_probes_and_dbs_that_open_with_the_ooms_rows() {
     let env = env("daemon_killed");
     let out = env.scratch.join("out");
-    let s = |p: &Path| p.display().to_string();
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0"];
-    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
-    daemon.wait_live(Duration::from_secs(60));
+    let daemon = live_daemon(&env, &out, &[]);
     assert!(bpf_program_names().iter().any(|n| n == "call_exit"), "the daemon's probes are not loaded");
     let oom_size = 1u64 << 40;
     let mut job = Job::start_with(&env, "oom", &real_python(), 0, 100, None, &["--oom-size", &oom_size.to_string()]);
@@ -338,10 +345,7 @@ fn the_daemon_keeps_its_folders_within_max_db_and_retention_and_never_touches_ot
     let newest = seed_folder(&out, "memscope_14_20260101000000_ascend", 8 * mib, minutes(10));
     // Not a run folder's name: never removed, never counted.
     let other = seed_folder(&out, "keep_me", 4 * mib, minutes(600));
-    let s = |p: &Path| p.display().to_string();
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--max-db", "17MiB", "--retention", "1h"];
-    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
-    daemon.wait_live(Duration::from_secs(60));
+    let daemon = live_daemon(&env, &out, &["--max-db", "17MiB", "--retention", "1h"]);
     // At the start: the expired folder goes by age, then the oldest by size (24 MiB > 17 MiB).
     assert!(!expired.exists() && !oldest.exists(), "{}", daemon.stderr());
     assert!(older.exists() && newest.exists() && other.exists());
@@ -371,10 +375,7 @@ fn the_daemon_keeps_its_folders_within_max_db_and_retention_and_never_touches_ot
 fn on_sighup_a_job_that_took_an_excluded_name_is_no_longer_traced_and_its_db_is_finished() {
     let env = env("daemon_sighup");
     let out = env.scratch.join("out");
-    let s = |p: &Path| p.display().to_string();
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--exclude-comm", "renamed_job"];
-    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
-    daemon.wait_live(Duration::from_secs(60));
+    let daemon = live_daemon(&env, &out, &["--exclude-comm", "renamed_job"]);
     let mut job = Job::start_with(&env, "renamed", &real_python(), 0, 100, None, &["--rename", "renamed_job"]);
     let pid = job.wait_ready();
     let metrics = metrics_address(&daemon.stderr());
@@ -451,10 +452,7 @@ fn only_processes_of_an_allowed_name_are_traced_and_a_denied_processs_children_a
     assert!(String::from_utf8_lossy(&both.stderr).contains("both name `job`"), "{both:?}");
 
     let out = env.scratch.join("out");
-    let s = |p: &Path| p.display().to_string();
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--comm", "allowed_job"];
-    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
-    daemon.wait_live(Duration::from_secs(60));
+    let daemon = live_daemon(&env, &out, &["--comm", "allowed_job"]);
     let python = real_python();
     let allowed = env.scratch.join("allowed_job");
     std::os::unix::fs::symlink(&python, &allowed).unwrap();
@@ -548,12 +546,8 @@ fn a_given_pid_and_the_workers_it_forks_are_traced_and_an_excluded_cgroup_is_not
     let mut given = Forking::start(&env, "given", None);
     let mut excluded = Forking::start(&env, "excluded", Some(&cgroup.dir));
     let out = env.scratch.join("out");
-    let s = |p: &Path| p.display().to_string();
     let (a, b) = (given.pid.to_string(), excluded.pid.to_string());
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--pid", &a, "--pid", &b];
-    let args = [&args[..], &["--exclude-cgroup", &cgroup.inside]].concat();
-    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
-    daemon.wait_live(Duration::from_secs(60));
+    let daemon = live_daemon(&env, &out, &["--pid", &a, "--pid", &b, "--exclude-cgroup", &cgroup.inside]);
     // Not given.
     let mut other = Job::start(&env, "other", &real_python(), 2, 100, None);
     let other = other.wait_ready();
@@ -585,9 +579,7 @@ fn on_sighup_the_filter_file_is_read_again_and_applies_to_the_running_processes(
     std::fs::write(&filters, "# first rules\n--exclude-comm job_a\n").unwrap();
     let out = env.scratch.join("out");
     let s = |p: &Path| p.display().to_string();
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--filters", &s(&filters)];
-    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
-    daemon.wait_live(Duration::from_secs(60));
+    let mut daemon = live_daemon(&env, &out, &["--filters", &s(&filters)]);
     let link = |name: &str| {
         let path = env.scratch.join(name);
         std::os::unix::fs::symlink(real_python(), &path).unwrap();
@@ -635,10 +627,7 @@ fn on_sighup_the_filter_file_is_read_again_and_applies_to_the_running_processes(
 fn an_out_of_memory_failure_raises_the_jobs_counters() {
     let env = env("daemon_oom_counter");
     let out = env.scratch.join("out");
-    let s = |p: &Path| p.display().to_string();
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0"];
-    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
-    daemon.wait_live(Duration::from_secs(60));
+    let daemon = live_daemon(&env, &out, &[]);
     let oom = ["--oom-size", "1099511627776"];
     let mut job = Job::start_with(&env, "oom", &real_python(), 0, 10, None, &oom);
     let pid = job.wait_ready();
