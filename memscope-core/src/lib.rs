@@ -6,6 +6,8 @@
 //!
 //! Module map (arrows point down only):
 //! ```text
+//! export    written DBs in other tools' formats (PyTorch's memory_viz snapshot)
+//!    └─ analysis  (its DB reader)
 //! analysis  offline analyses of written DBs
 //!    └─ store    per-device SQLite/CSV in msMemScope's layout
 //!         └─ model    events, live blocks per device (no I/O)
@@ -17,6 +19,7 @@
 
 pub mod analysis;
 pub mod apis;
+pub mod export;
 pub mod model;
 pub mod raw;
 pub mod sampling;

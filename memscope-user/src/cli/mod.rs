@@ -5,6 +5,7 @@ pub mod analyze;
 mod bench_consumer;
 pub mod compare;
 pub mod daemon;
+pub mod export;
 mod inputs;
 pub mod probes;
 pub mod trace;
@@ -30,6 +31,7 @@ enum Command {
     Compare(compare::Args),
     Advise(advise::Args),
     Daemon(daemon::Args),
+    Export(export::Args),
     /// Replays synthetic ring records through the consumer (for `cargo xtask bench`).
     #[command(hide = true)]
     BenchConsumer(bench_consumer::Args),
@@ -44,6 +46,7 @@ impl Cli {
             Command::Compare(args) => compare::run(args),
             Command::Advise(args) => advise::run(args),
             Command::Daemon(args) => daemon::run(args),
+            Command::Export(args) => export::run(args),
             Command::BenchConsumer(args) => bench_consumer::run(&args),
         }
     }

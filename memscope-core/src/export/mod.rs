@@ -1,0 +1,5 @@
+//! A trace DB in the formats other tools open, so habits from CUDA work on Ascend traces:
+//! [`memory_viz`], the snapshot PyTorch's `torch.cuda.memory._snapshot()` returns, which
+//! PyTorch's memory_viz page and `torch/cuda/_memory_viz.py` read.
+
+pub mod memory_viz;

@@ -1,0 +1,160 @@
+//! `memscope-bpf export`: a trace in another tool's format. Unprivileged: it reads one device's
+//! DB and writes one file, never touching the DB.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _};
+
+use super::inputs;
+use crate::analysis::db::DumpDb;
+use memscope_core::export::memory_viz;
+
+/// Write one device's trace in a format another tool opens.
+///
+///   memscope-bpf export --format memory-viz msout/memscope_4242_20260101120000_ascend --device 0
+///   memscope-bpf export --format memory-viz .../device_0/dump/memscope_dump_*.db -o snapshot.pickle
+///
+/// memory-viz: the snapshot PyTorch's torch.cuda.memory._snapshot() returns (segments with
+/// their blocks at the end of the trace, and every allocator event of the trace in
+/// device_traces), pickled: drop it on PyTorch's memory_viz page, or read it with
+/// torch/cuda/_memory_viz.py (segsum, trace, segment_plot, trace_plot). The segments are
+/// torch_npu's caching-pool segments as the trace saw them taken, its blocks inside them where
+/// the allocator placed them.
+#[derive(Debug, clap::Args)]
+#[command(verbatim_doc_comment)]
+pub struct Args {
+    /// A trace DB (memscope_dump_*.db), or a trace's output folder (with --device when it holds
+    /// more than one device's DB).
+    #[arg(value_name = "DB|DIR")]
+    pub input: PathBuf,
+
+    /// The format to write.
+    #[arg(long, value_enum)]
+    pub format: Format,
+
+    /// Where to write (default: snapshot_<device>.pickle in the current folder). An existing
+    /// file is replaced only once the new one is complete.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+
+    /// The device whose DB to export: 0, 1, ... (needed when the input holds several).
+    #[arg(long, value_name = "D")]
+    pub device: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// PyTorch's memory snapshot (pickle), for memory_viz.
+    MemoryViz,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let want = args.device.as_deref().map(inputs::normalise_device);
+    let files = inputs::files(std::slice::from_ref(&args.input))?;
+    let (mut candidates, mut found) = (Vec::new(), Vec::new());
+    for file in files {
+        let device = inputs::device_of_file(&file)?;
+        found.push(device.clone());
+        if want.is_none_or(|w| inputs::is_device(&device, w)) {
+            candidates.push((file, device));
+        }
+    }
+    let (file, device) = match (candidates.len(), want) {
+        (1, _) => candidates.remove(0),
+        (0, Some(w)) => bail!(inputs::no_such_device(w, found)),
+        (0, None) => bail!("{} holds no trace DB", args.input.display()),
+        (_, _) => bail!(
+            "{} holds the DBs of devices {}: pick one with --device",
+            args.input.display(),
+            candidates.iter().map(|(_, d)| d.as_str()).collect::<Vec<_>>().join(", ")
+        ),
+    };
+    let Ok(index) = device.parse::<u32>() else {
+        bail!("device {device} is not an NPU (memory_viz shows device memory): pick an NPU's DB with --device");
+    };
+    let output = args.output.unwrap_or_else(|| PathBuf::from(format!("snapshot_{index}.pickle")));
+    let db = DumpDb::open_read(&file.path)?;
+    let summary = write_atomically(&output, |out| Ok(memory_viz::export(&db, index, out)?))?;
+    eprintln!(
+        "memscope-bpf: wrote {} ({} events; {} segments; {} blocks live at the end, {} bytes requested)",
+        output.display(),
+        summary.entries,
+        summary.segments,
+        summary.live_blocks,
+        summary.live_requested
+    );
+    if summary.outside > 0 {
+        eprintln!(
+            "memscope-bpf: note: {} live blocks lie in segments taken before the trace started: they are in the \
+             trace, not in the segments",
+            summary.outside
+        );
+    }
+    Ok(())
+}
+
+/// Writes `output` through a temporary file beside it, renamed over it only when complete.
+fn write_atomically<T>(
+    output: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = output.file_name().with_context(|| format!("{} is not a file name", output.display()))?;
+    let partial = dir.join(format!(".{}.partial", name.to_string_lossy()));
+    let file = std::fs::File::create(&partial).with_context(|| format!("cannot write {}", partial.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    let result = write(&mut out).and_then(|r| {
+        out.flush().with_context(|| format!("cannot write {}", partial.display()))?;
+        Ok(r)
+    });
+    match result {
+        Ok(r) => {
+            std::fs::rename(&partial, output).with_context(|| format!("cannot write {}", output.display()))?;
+            Ok(r)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use crate::analysis::testdb::{dir, TestDb};
+    use crate::cli::Cli;
+
+    fn run(args: &[&str]) -> anyhow::Result<()> {
+        let mut argv = vec!["memscope-bpf", "export", "--format", "memory-viz"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().run()
+    }
+
+    #[test]
+    fn a_folder_of_several_devices_needs_device_and_host_memory_is_refused() {
+        let run_dir = dir("cli-export");
+        for device in ["device_0", "device_1", "device_cpu"] {
+            let mut db = TestDb::create(&run_dir.join(device).join("dump").join("memscope_dump_1.db"));
+            db.malloc("PTA", 10, 0x1000, 64, None);
+        }
+        let folder = run_dir.to_str().unwrap();
+        let err = format!("{:#}", run(&[folder]).unwrap_err());
+        assert!(err.contains("devices 0, 1, cpu") && err.contains("--device"), "{err}");
+        let err = format!("{:#}", run(&[folder, "--device", "cpu"]).unwrap_err());
+        assert!(err.contains("not an NPU"), "{err}");
+        let err = format!("{:#}", run(&[folder, "--device", "7"]).unwrap_err());
+        assert!(err.contains("no DB of device 7") && err.contains("found: 0, 1, cpu"), "{err}");
+        // And one that works writes the whole file under its name, nothing beside it.
+        let out = run_dir.join("snap.pickle");
+        run(&[folder, "--device", "npu:1", "-o", out.to_str().unwrap()]).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap()[..2], [0x80, 3]);
+        let partial = std::fs::read_dir(&run_dir)
+            .unwrap()
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().ends_with(".partial"));
+        assert!(!partial);
+    }
+}
