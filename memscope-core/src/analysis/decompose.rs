@@ -195,6 +195,30 @@ pub fn analyse(db: &DumpDb, wanted: &[TimeSpec]) -> Result<Report, AnalysisError
     Ok(replay.finish(wanted))
 }
 
+/// Every change of live bytes per owner, in time order: the steps the trees are built from,
+/// for exports that draw the decomposition over time (`export --format perfetto`). The bytes of
+/// an owner at an instant are the sum of its changes at or before it, as [`analyse`]'s trees at
+/// that instant have them.
+#[derive(Clone, Debug, Default)]
+pub struct Timeline {
+    /// (family, owner path) by owner index.
+    pub owners: Vec<(Family, String)>,
+    /// (Timestamp(ns), owner index, bytes opened (> 0) or closed (< 0)), in time order.
+    pub changes: Vec<(i64, u32, i64)>,
+}
+
+/// The decomposition's changes over a DB (see [`Timeline`]).
+pub fn timeline(db: &DumpDb) -> Result<Timeline, AnalysisError> {
+    let mut replay = Replay::default();
+    db.for_each_row(|fed| match fed {
+        Fed::Row(row) => replay.apply(row),
+        Fed::Restart => replay = Replay::default(),
+    })?;
+    let m = replay.metrics;
+    let owners = (0..m.slots.len() as u32).map(|i| (m.slots.get(i).0, m.slots.get(i).1.to_owned())).collect();
+    Ok(Timeline { owners, changes: m.steps.iter().map(|s| (s.ts, s.slot, s.delta)).collect() })
+}
+
 attr_fields! {
     /// The Attr keys decompose reads. Non-string values read as absent, exactly as Insight's getter
     /// treats them, so both tools see the same blocks.

@@ -1,5 +1,5 @@
-//! `memscope-bpf export`: a trace in another tool's format. Unprivileged: it reads one device's
-//! DB and writes one file, never touching the DB.
+//! `memscope-bpf export`: a trace in another tool's format. Unprivileged: it reads the DBs and
+//! writes one file, never touching the DBs.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -7,25 +7,30 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context as _};
 
 use super::inputs;
-use crate::analysis::db::DumpDb;
-use memscope_core::export::memory_viz;
+use crate::analysis::db::{DbFile, DumpDb};
+use memscope_core::export::{memory_viz, perfetto};
 
-/// Write one device's trace in a format another tool opens.
+/// Write a trace in a format another tool opens.
 ///
 ///   memscope-bpf export --format memory-viz msout/memscope_4242_20260101120000_ascend --device 0
 ///   memscope-bpf export --format memory-viz .../device_0/dump/memscope_dump_*.db -o snapshot.pickle
+///   memscope-bpf export --format perfetto msout/memscope_4242_20260101120000_ascend -o trace.json
 ///
 /// memory-viz: the snapshot PyTorch's torch.cuda.memory._snapshot() returns (segments with
 /// their blocks at the end of the trace, and every allocator event of the trace in
 /// device_traces), pickled: drop it on PyTorch's memory_viz page, or read it with
 /// torch/cuda/_memory_viz.py (segsum, trace, segment_plot, trace_plot). The segments are
 /// torch_npu's caching-pool segments as the trace saw them taken, its blocks inside them where
-/// the allocator placed them.
+/// the allocator placed them. One device.
+///
+/// perfetto: a Chrome JSON trace for Perfetto's UI (or chrome://tracing): per device, a counter
+/// track per owner (live bytes, as analyze --analysis decompose has them at any instant) and per
+/// layer, the caching pools' reserved bytes, and instants for steps, marks and OOMs. Every
+/// device of the input unless --device names one.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// A trace DB (memscope_dump_*.db), or a trace's output folder (with --device when it holds
-    /// more than one device's DB).
+    /// A trace DB (memscope_dump_*.db), or a trace's output folder.
     #[arg(value_name = "DB|DIR")]
     pub input: PathBuf,
 
@@ -33,12 +38,13 @@ pub struct Args {
     #[arg(long, value_enum)]
     pub format: Format,
 
-    /// Where to write (default: snapshot_<device>.pickle in the current folder). An existing
-    /// file is replaced only once the new one is complete.
+    /// Where to write (default: snapshot_<device>.pickle, or trace.json, in the current
+    /// folder). An existing file is replaced only once the new one is complete.
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
 
-    /// The device whose DB to export: 0, 1, ... (needed when the input holds several).
+    /// The device whose DB to export: 0, 1, ... (memory-viz: needed when the input holds
+    /// several).
     #[arg(long, value_name = "D")]
     pub device: Option<String>,
 }
@@ -47,6 +53,8 @@ pub struct Args {
 pub enum Format {
     /// PyTorch's memory snapshot (pickle), for memory_viz.
     MemoryViz,
+    /// Chrome JSON trace, for Perfetto.
+    Perfetto,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -60,20 +68,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             candidates.push((file, device));
         }
     }
-    let (file, device) = match (candidates.len(), want) {
-        (1, _) => candidates.remove(0),
+    match (candidates.len(), want) {
         (0, Some(w)) => bail!(inputs::no_such_device(w, found)),
         (0, None) => bail!("{} holds no trace DB", args.input.display()),
-        (_, _) => bail!(
+        _ => {}
+    }
+    match args.format {
+        Format::MemoryViz => memory_viz_file(&args, candidates),
+        Format::Perfetto => perfetto_file(&args, &candidates),
+    }
+}
+
+fn memory_viz_file(args: &Args, mut candidates: Vec<(DbFile, String)>) -> anyhow::Result<()> {
+    if candidates.len() > 1 {
+        bail!(
             "{} holds the DBs of devices {}: pick one with --device",
             args.input.display(),
             candidates.iter().map(|(_, d)| d.as_str()).collect::<Vec<_>>().join(", ")
-        ),
-    };
+        );
+    }
+    let (file, device) = candidates.remove(0);
     let Ok(index) = device.parse::<u32>() else {
         bail!("device {device} is not an NPU (memory_viz shows device memory): pick an NPU's DB with --device");
     };
-    let output = args.output.unwrap_or_else(|| PathBuf::from(format!("snapshot_{index}.pickle")));
+    let output = args.output.clone().unwrap_or_else(|| PathBuf::from(format!("snapshot_{index}.pickle")));
     let db = DumpDb::open_read(&file.path)?;
     let summary = write_atomically(&output, |out| Ok(memory_viz::export(&db, index, out)?))?;
     eprintln!(
@@ -91,6 +109,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             summary.outside
         );
     }
+    Ok(())
+}
+
+fn perfetto_file(args: &Args, candidates: &[(DbFile, String)]) -> anyhow::Result<()> {
+    let output = args.output.clone().unwrap_or_else(|| PathBuf::from("trace.json"));
+    let dbs = candidates.iter().map(|(f, _)| DumpDb::open_read(&f.path)).collect::<Result<Vec<_>, _>>()?;
+    let devices: Vec<perfetto::Device<'_>> = dbs
+        .iter()
+        .zip(candidates)
+        .enumerate()
+        .map(|(i, (db, (_, device)))| perfetto::Device {
+            db,
+            name: if device.parse::<u32>().is_ok() { format!("NPU {device}") } else { format!("device {device}") },
+            pid: i as u32 + 1,
+        })
+        .collect();
+    let summary = write_atomically(&output, |out| Ok(perfetto::export(&devices, out)?))?;
+    eprintln!(
+        "memscope-bpf: wrote {} ({} devices, {} counter tracks, {} counter values, {} instants)",
+        output.display(),
+        devices.len(),
+        summary.tracks,
+        summary.counters,
+        summary.instants
+    );
     Ok(())
 }
 

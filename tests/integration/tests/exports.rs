@@ -135,3 +135,122 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
         assert!(PAGE_OPCODES.contains(&op.as_str().unwrap()), "opcode {op} is not one the memory_viz page reads");
     }
 }
+
+/// An event's `Timestamp(ns)`: its `ts` (µs after the origin) plus the origin.
+fn ts_ns(e: &serde_json::Value, origin: i64) -> i64 {
+    origin + (e["ts"].as_f64().unwrap() * 1000.0).round() as i64
+}
+
+/// The latest value at or before `at_ns` of each counter track: name -> value.
+fn counters_at(events: &[serde_json::Value], origin: i64, at_ns: i64) -> HashMap<String, i64> {
+    let mut latest: HashMap<String, (i64, i64)> = HashMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "C") {
+        let ts = ts_ns(e, origin);
+        let value = e["args"].as_object().unwrap().values().next().unwrap().as_i64().unwrap();
+        let name = e["name"].as_str().unwrap().to_owned();
+        if ts <= at_ns && latest.get(&name).is_none_or(|(t, _)| *t <= ts) {
+            latest.insert(name, (ts, value));
+        }
+    }
+    latest.into_iter().map(|(k, (_, v))| (k, v)).collect()
+}
+
+#[test]
+fn a_perfetto_export_s_owner_tracks_equal_the_decomposition_and_its_instants_the_db_s_steps() {
+    let env = env("export_perfetto");
+    // The tagged serving scenario: owners under PTA@vllm and CANN, eight steps.
+    let out = env.scratch.join("out");
+    let ledger = env.scratch.join("tags.jsonl");
+    let s = |p: &Path| p.display().to_string();
+    let (markers, torch) = (var("MEMSCOPE_MARKERS"), var("MEMSCOPE_TORCH_WITH_DEBUG"));
+    let workload = var("MEMSCOPE_TAGS_WORKLOAD");
+    let args = [
+        "trace",
+        "--output",
+        &s(&out),
+        "--lib",
+        &s(&torch),
+        "--",
+        "python3",
+        &s(&workload),
+        "--scenario",
+        "serve",
+        "--torch-lib",
+        &s(&torch),
+        "--ledger",
+        &s(&ledger),
+    ];
+    let vars: Vec<(&str, &Path)> = vec![("PYTHONPATH", &markers), ("ASCEND_HOME_PATH", &env.ascend_home)];
+    let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    let output = read_output(&out);
+    let db = output.db("device_0").to_owned();
+
+    let json = env.scratch.join("trace.json");
+    let export = Command::new(&env.bin)
+        .args(["export", "--format", "perfetto", "--device", "0", "-o"])
+        .arg(&json)
+        .arg(&db)
+        .output()
+        .unwrap();
+    assert!(export.status.success(), "{}", String::from_utf8_lossy(&export.stderr));
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).expect("the trace parses");
+    let events = trace["traceEvents"].as_array().unwrap();
+    let origin: i64 = trace["otherData"]["memscope_origin_ns"].as_str().unwrap().parse().unwrap();
+    assert!(events.iter().any(|e| e["ph"] == "M" && e["name"] == "process_name" && e["args"]["name"] == "NPU 0"));
+
+    // The instants are the DB's step rows, at their times.
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let steps: Vec<(String, i64)> = conn
+        .prepare("SELECT Name, \"Timestamp(ns)\" FROM memscope_dump WHERE Event = 'SYSTEM' AND \"Event Type\" = 'STEP' ORDER BY 2")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert!(steps.len() >= 2, "{steps:?}");
+    let instants: Vec<(String, i64)> = events
+        .iter()
+        .filter(|e| e["ph"] == "i" && e["cat"] == "step")
+        .map(|e| (e["name"].as_str().unwrap().to_owned(), ts_ns(e, origin)))
+        .collect();
+    let want: Vec<(String, i64)> = steps.iter().map(|(n, t)| (format!("step {n}"), *t)).collect();
+    assert_eq!(instants, want);
+
+    // At each step and between steps, every node of analyze's trees is the sum of the tracks
+    // at and below its path.
+    let mut instants: Vec<i64> = steps.iter().map(|(_, t)| *t).collect();
+    instants.extend(steps.windows(2).map(|w| (w[0].1 + w[1].1) / 2));
+    for at in instants {
+        let analyze = Command::new(&env.bin)
+            .args(["analyze", "--analysis", "decompose", "--json", "--no-write", "--at"])
+            .arg(at.to_string())
+            .arg(&db)
+            .output()
+            .unwrap();
+        assert!(analyze.status.success(), "{}", String::from_utf8_lossy(&analyze.stderr));
+        let reports: serde_json::Value = serde_json::from_slice(&analyze.stdout).unwrap();
+        let tracks = counters_at(events, origin, at);
+        let mut checked = 0;
+        for report in reports.as_array().unwrap().iter().filter(|r| r["point"] == "at") {
+            for node in report["nodes"].as_array().unwrap() {
+                let path = node["path"].as_str().unwrap();
+                let family = report["family"].as_str().unwrap();
+                let sum: i64 = if path.is_empty() {
+                    tracks.get(&format!("{family} allocated")).copied().unwrap_or(0)
+                } else {
+                    // Owner tracks are named by their path; the layer and pool tracks by a word.
+                    tracks
+                        .iter()
+                        .filter(|(name, _)| !name.ends_with(" allocated") && !name.ends_with(" reserved"))
+                        .filter(|(name, _)| *name == path || name.starts_with(&format!("{path}@")))
+                        .map(|(_, v)| v)
+                        .sum()
+                };
+                assert_eq!(Some(sum), node["bytes"].as_i64(), "{family} {path:?} at {at}; tracks {tracks:?}");
+                checked += 1;
+            }
+        }
+        assert!(checked > 3, "analyze gave trees at {at}: {reports}");
+    }
+}
