@@ -24,6 +24,7 @@ mod recorder;
 mod replay;
 mod say;
 mod session;
+mod status;
 mod stop;
 mod summary;
 

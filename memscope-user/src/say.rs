@@ -8,11 +8,14 @@
 use std::fmt;
 use std::io::Write as _;
 
-/// Writes `args` to stderr as they are, ignoring write errors.
+/// Writes `args` to stderr as they are, ignoring write errors; above `trace`'s status area
+/// when one is drawn.
 pub fn text(args: fmt::Arguments<'_>) {
-    let mut err = std::io::stderr().lock();
-    let _ = err.write_fmt(args);
-    let _ = err.flush();
+    crate::status::suspended(|| {
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_fmt(args);
+        let _ = err.flush();
+    });
 }
 
 /// `eprintln!` that ignores write errors.

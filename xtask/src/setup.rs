@@ -38,6 +38,8 @@ const APT_PACKAGES: &[&str] = &[
     // The real consumer of `--listen`'s metrics: the tests scrape the tracer with Prometheus and
     // query it, and check the exposition with its `promtool`.
     "prometheus",
+    // `trace`'s status area is checked on a real terminal, inside tmux.
+    "tmux",
 ];
 /// The Rust target of that check.
 pub const ARM64_TARGET: &str = "aarch64-unknown-linux-gnu";

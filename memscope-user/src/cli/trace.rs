@@ -94,9 +94,17 @@ pub struct Args {
     #[arg(long)]
     pub no_follow: bool,
 
-    /// Print only errors and the final summary.
+    /// Print only errors and the final summary (no live status).
     #[arg(short, long)]
     pub quiet: bool,
+
+    /// The live status as one JSON object per second on stdout (elapsed_s, calls, calls_per_s,
+    /// lost, devices [{device, live_bytes, peak_bytes, out_of_memory}], owners [{device, owner,
+    /// bytes}] largest first, step, last_oom [device, seconds ago]), for programs. Without it the
+    /// status is an area redrawn in place when stderr is a terminal, and a plain line every
+    /// 10 s otherwise.
+    #[arg(long)]
+    pub json: bool,
 
     /// Analyses to run on the trace when it stops, by msMemScope's names (decompose,
     /// inefficient, leaks, oom), comma-separated: exactly what `memscope-bpf analyze RUN_DIR
@@ -262,6 +270,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         follow: !args.no_follow,
         wait_for_start: args.wait_for_start,
         listen: args.listen,
+        status: crate::status::Mode::choose(args.quiet, args.json),
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

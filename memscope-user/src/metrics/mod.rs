@@ -155,7 +155,7 @@ pub async fn serve(addr: std::net::SocketAddr, quiet: bool) -> Result<Published,
 
 /// The `device` label: the runtime's id, `cpu` for host memory, `unknown` where the trace never
 /// learnt it (as the DB folders are named).
-fn device_label(device: DeviceKey) -> String {
+pub(crate) fn device_label(device: DeviceKey) -> String {
     match device {
         DeviceKey::Npu(n) => n.to_string(),
         DeviceKey::Cpu => "cpu".to_owned(),

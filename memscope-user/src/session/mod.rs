@@ -44,6 +44,7 @@ use crate::stacks::spec::{StackOptions, Unwind};
 use crate::stop::{Detaching, Every, Signals};
 use crate::store::{Format, Meta, RunLayout, Store, Writer};
 use crate::summary::{SkippedLibrary, Summary};
+use memscope_core::analysis::live;
 
 use attaching::{
     announce, attach_all, describe_libraries, describe_marker_libraries, probe_rows, rescan, skipped_meta, usdt_rows,
@@ -56,6 +57,8 @@ const DRAIN_EVERY: Duration = Duration::from_millis(20);
 const PUBLISH_EVERY: Duration = Duration::from_millis(500);
 const COMMIT_EVERY: Duration = Duration::from_secs(1);
 const RESCAN_EVERY: Duration = Duration::from_millis(250);
+/// Owners the live status names.
+const STATUS_OWNERS: usize = 5;
 /// The consumer wakes up early once this much is waiting.
 const WAKEUP_FRACTION: u64 = 4;
 
@@ -95,6 +98,8 @@ pub struct Plan {
     pub bpf_log: Option<BpfLogLevel>,
     /// `--listen`: where Prometheus scrapes the trace's totals.
     pub listen: Option<SocketAddr>,
+    /// The live status: a terminal's area, plain lines, JSON lines (`--json`) or none.
+    pub status: crate::status::Mode,
 }
 
 /// The traced processes other than the target that are still running: the kernel's traced set
@@ -163,6 +168,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         stacks,
         bpf_log,
         listen,
+        status,
     } = plan;
     let pid = target.pid();
     // Before anything is attached: a port in use fails the trace at once.
@@ -227,6 +233,13 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
 
     let tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
     let python = stacks.call.python.map(|_| BTreeSet::new());
+    let status = crate::status::Status::new(status);
+    let mut recorder = Recorder::new(tracker, store);
+    if status.shown() {
+        // The status's owners and step: the daemon's live view, without its periodic steps.
+        let options = live::Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: u64::MAX };
+        recorder.live = Some(live::LiveView::new(options));
+    }
     let mut live = Live {
         pid,
         probe_set,
@@ -234,12 +247,13 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         tracer,
         ring_fd,
         consumer,
-        recorder: Recorder::new(tracker, store),
+        recorder,
         skipped,
         python,
         bpf_log,
         metrics,
         comm: String::new(),
+        status,
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
@@ -336,6 +350,7 @@ struct Live {
     metrics: Option<Published>,
     /// The target's command name, for the metrics' `comm` label (the last one read).
     comm: String,
+    status: crate::status::Status,
 }
 
 impl Live {
@@ -395,6 +410,36 @@ impl Live {
         }
     }
 
+    /// The live status, renewed from the tracker and the live view.
+    fn renew_status(&mut self) {
+        let tracker = &self.recorder.tracker;
+        let devices = tracker
+            .devices()
+            .map(|(key, s)| crate::status::DeviceFacts {
+                device: metrics::device_label(key),
+                live_bytes: s.used,
+                peak_bytes: s.peak,
+                out_of_memory: s.out_of_memory,
+            })
+            .collect();
+        let view = self.recorder.live.as_ref();
+        let mut owners: Vec<crate::status::OwnerFacts> = view
+            .map(|v| v.owners(STATUS_OWNERS))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|o| o.bytes > 0)
+            .map(|o| crate::status::OwnerFacts {
+                device: metrics::device_label(o.device),
+                owner: o.owner,
+                bytes: o.bytes,
+            })
+            .collect();
+        owners.sort_by_key(|o| std::cmp::Reverse(o.bytes));
+        let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
+        let step = view.and_then(|v| v.step()).map(|(n, _)| n);
+        self.status.renew(&crate::status::Facts { calls: self.recorder.calls, lost, devices, owners, step });
+    }
+
     /// The traced processes other than the target still running ([`still_traced`]).
     fn still_traced(&self) -> Vec<u32> {
         still_traced(&self.tracer, &self.recorder.children, self.pid)
@@ -421,6 +466,7 @@ impl Live {
         let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
         let (mut commit, mut rescan) = (Every::new(COMMIT_EVERY), Every::new(RESCAN_EVERY));
         let mut publish = Every::new(PUBLISH_EVERY);
+        let mut status = Every::new(crate::status::RENEW_EVERY);
 
         loop {
             tokio::select! {
@@ -445,6 +491,9 @@ impl Live {
                     self.drain();
                     if publish.due() {
                         self.publish_metrics();
+                    }
+                    if status.due() && self.status.shown() {
+                        self.renew_status();
                     }
                     if ending.check_due() {
                         if let Some(reason) = ending.check(&self.still_traced()) {
@@ -501,6 +550,7 @@ impl Live {
         started: Instant,
         run_dir: PathBuf,
     ) -> anyhow::Result<Finished> {
+        self.status.finish();
         note(self.quiet, format!("stopping ({stop_reason})…"));
         // Everything the target did before we stopped is in the ring already.
         self.drain();

@@ -1,0 +1,143 @@
+//! Privileged tests of `trace`'s live status: the JSON lines a program reads (`--json`), and the
+//! status area a person sees on a real terminal (tmux), against the stand-in job's own ledger.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use memscope_integration::*;
+
+/// Device bytes the stand-in driver hands out for a ledger: each aclrtMalloc's size + 32,
+/// rounded up to 32 (standin_ascendcl.c's header).
+fn ledger_live_bytes(ledger: &Path) -> u64 {
+    read_ledger(ledger)
+        .iter()
+        .filter(|e| e.api == "aclrtMalloc" && e.rc == 0)
+        .filter_map(|e| e.size)
+        .map(|n| (n + 32).div_ceil(32) * 32)
+        .sum()
+}
+
+/// `standin_hold.py` under `trace` with `extra` flags: its blocks, then a hold.
+fn hold_command(env: &TestEnv, extra: &[&str], hold: &str) -> (Vec<String>, std::path::PathBuf) {
+    let ledger = env.scratch.join("hold.jsonl");
+    let s = |p: &Path| p.display().to_string();
+    let mut args: Vec<String> = vec![s(&env.bin), "trace".into(), "--output".into(), s(&env.scratch.join("out"))];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args.extend(["--".into(), "python3".into(), s(&env.workload.with_file_name("standin_hold.py"))]);
+    args.extend(["--ledger".into(), s(&ledger), "--blocks".into(), "300".into(), "--size".into(), "5000".into()]);
+    args.extend(["--hold".into(), hold.into(), "--ready-file".into(), s(&ledger.with_extension("ready"))]);
+    (args, ledger)
+}
+
+#[test]
+fn json_status_lines_say_the_ledgers_live_bytes_every_second() {
+    let env = env("status_json");
+    let (args, ledger) = hold_command(&env, &["--json"], "3");
+    let out = Command::new(&args[0])
+        .args(&args[1..])
+        .env("ASCEND_HOME_PATH", &env.ascend_home)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(lines.len() >= 2, "a line a second over a 3 s hold: {lines:?}");
+    let elapsed: Vec<f64> = lines.iter().map(|l| l["elapsed_s"].as_f64().unwrap()).collect();
+    assert!(elapsed.windows(2).all(|w| w[1] > w[0] + 0.5), "{elapsed:?}");
+    // During the hold every block is live: the last line has the ledger's bytes and calls.
+    let last = lines.last().unwrap();
+    let device = &last["devices"].as_array().unwrap().iter().find(|d| d["device"] == "0").unwrap();
+    let want = ledger_live_bytes(&ledger);
+    assert_eq!(device["live_bytes"].as_u64(), Some(want), "{last}");
+    assert_eq!(device["peak_bytes"].as_u64(), Some(want), "{last}");
+    let owners: u64 = last["owners"].as_array().unwrap().iter().map(|o| o["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(owners, want, "the owners add up to the device's live bytes: {last}");
+    assert!(last["calls"].as_u64().unwrap() >= 301, "{last}");
+    assert_eq!(last["lost"].as_u64(), Some(0));
+}
+
+/// The screen of tmux session `name`, blank lines left out.
+fn screen(name: &str) -> String {
+    let out = Command::new("tmux").args(["capture-pane", "-p", "-t", name]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).collect::<Vec<_>>().join("\n")
+}
+
+struct Tmux(String);
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux").args(["kill-session", "-t", &self.0]).status();
+    }
+}
+
+#[test]
+fn on_a_terminal_the_status_area_is_redrawn_in_place_and_cleared_for_the_summary() {
+    let env = env("status_terminal");
+    if Command::new("tmux").arg("-V").output().is_err() {
+        eprintln!("SKIPPED: no tmux (`cargo xtask setup` installs it)");
+        return;
+    }
+    let (args, ledger) = hold_command(&env, &[], "4");
+    let done = env.scratch.join("done");
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "ASCEND_HOME_PATH='{}' {}; touch '{}'; sleep 60",
+        env.ascend_home.display(),
+        quoted.join(" "),
+        done.display()
+    );
+    let name = format!("memscope-status-{}", std::process::id());
+    let session = Tmux(name.clone());
+    let started =
+        Command::new("tmux").args(["new-session", "-d", "-s", &name, "-x", "150", "-y", "40", &script]).status();
+    assert!(started.unwrap().success());
+    // While the job holds its blocks: the area, with the ledger's bytes.
+    let want = format!("device 0: {} live", human(ledger_live_bytes_when_written(&ledger)));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = screen(&session.0);
+        if now.contains(&want) && now.contains("tracing for 0:0") && now.contains("owners: CANN@APP") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no status area saying {want:?}:\n{now}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // After the stop: the summary, and no trace of the area.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done.exists() {
+        assert!(Instant::now() < deadline, "the trace did not end:\n{}", screen(&session.0));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let end = screen(&session.0);
+    assert!(end.contains("live at end") && !end.contains("tracing for"), "{end}");
+    assert_eq!(end.matches("memscope-bpf: live:").count(), 1, "the lines before the area are kept once:\n{end}");
+}
+
+/// The ledger's live bytes, once the job has written its ledger (its ready file comes after).
+fn ledger_live_bytes_when_written(ledger: &Path) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ledger.with_extension("ready").exists() {
+        assert!(Instant::now() < deadline, "the job wrote no ledger");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ledger_live_bytes(ledger)
+}
+
+/// Bytes as the status writes them (binary units, one decimal): an independent spelling.
+fn human(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB"];
+    let (mut value, mut unit) = (bytes as f64, 0);
+    while value >= 1024.0 && unit < units.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", units[unit])
+    }
+}
