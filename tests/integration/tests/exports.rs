@@ -46,6 +46,19 @@ const PAGE_OPCODES: &[&str] = &[
     "BINFLOAT",
 ];
 
+/// Runs `python3 WORKLOAD --torch-lib TORCH ARGS` (the stand-in torch_npu with its allocator's
+/// symbols) launched under `trace --output OUT`, with `vars`, to its end.
+fn traced(env: &TestEnv, out: &Path, workload: &Path, args: &[&str], vars: &[(&str, &Path)]) {
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
+    let s = |p: &Path| p.display().to_string();
+    let mut all = vec!["trace".to_owned(), "--output".into(), s(out), "--lib".into(), s(&torch), "--".into()];
+    all.extend(["python3".into(), s(workload), "--torch-lib".into(), s(&torch)]);
+    all.extend(args.iter().map(|a| a.to_string()));
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    let (code, stderr) = Tracer::spawn(env, &all, vars).finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+}
+
 /// The blocks live at the end by the allocator's ledger: address -> (request, size).
 fn live_blocks(ledger: &Path) -> HashMap<u64, (u64, u64)> {
     let mut live = HashMap::new();
@@ -75,32 +88,12 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
 
     // A job that ends holding about half its tensors: the trace's stop writes shadow frees for
     // them, which the export must not take for frees.
-    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let (ledger, ready, out) = (env.scratch.join("pool.jsonl"), env.scratch.join("ready"), env.scratch.join("out"));
     let s = |p: &Path| p.display().to_string();
-    let args = [
-        "trace",
-        "--output",
-        &s(&out),
-        "--lib",
-        &s(&torch),
-        "--",
-        "python3",
-        &s(&env.workload.with_file_name("standin_pool_hold.py")),
-        "--torch-lib",
-        &s(&torch),
-        "--ready-file",
-        &s(&ready),
-        "--count",
-        "3000",
-        "--max",
-        "4194304",
-        "--hold",
-        "0.2",
-    ];
+    let pool = env.workload.with_file_name("standin_pool_hold.py");
+    let args = ["--ready-file", &s(&ready), "--count", "3000", "--max", "4194304", "--hold", "0.2"];
     let vars: Vec<(&str, &Path)> = vec![("ASCEND_HOME_PATH", &env.ascend_home), ("STANDIN_TORCH_LEDGER", &ledger)];
-    let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(120));
-    assert_eq!(code, Some(0), "{stderr}");
+    traced(&env, &out, &pool, &args, &vars);
     let live = live_blocks(&ledger);
     assert!(live.len() > 1000, "{} blocks live at the end", live.len());
 
@@ -162,27 +155,11 @@ fn a_perfetto_export_s_owner_tracks_equal_the_decomposition_and_its_instants_the
     let out = env.scratch.join("out");
     let ledger = env.scratch.join("tags.jsonl");
     let s = |p: &Path| p.display().to_string();
-    let (markers, torch) = (var("MEMSCOPE_MARKERS"), var("MEMSCOPE_TORCH_WITH_DEBUG"));
+    let markers = var("MEMSCOPE_MARKERS");
     let workload = var("MEMSCOPE_TAGS_WORKLOAD");
-    let args = [
-        "trace",
-        "--output",
-        &s(&out),
-        "--lib",
-        &s(&torch),
-        "--",
-        "python3",
-        &s(&workload),
-        "--scenario",
-        "serve",
-        "--torch-lib",
-        &s(&torch),
-        "--ledger",
-        &s(&ledger),
-    ];
+    let args = ["--scenario", "serve", "--ledger", &s(&ledger)];
     let vars: Vec<(&str, &Path)> = vec![("PYTHONPATH", &markers), ("ASCEND_HOME_PATH", &env.ascend_home)];
-    let (code, stderr) = Tracer::spawn(&env, &args, &vars).finish(Duration::from_secs(120));
-    assert_eq!(code, Some(0), "{stderr}");
+    traced(&env, &out, &workload, &args, &vars);
     let output = read_output(&out);
     let db = output.db("device_0").to_owned();
 
