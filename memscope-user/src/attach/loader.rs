@@ -13,6 +13,9 @@
 //!   entry probes another, and a module's marker sites one more (`uprobe_multi`: detaching
 //!   waits for the kernel once per link instead of once per probe); elsewhere each probe is an
 //!   aya perf-event link and each marker site a perf event of our own.
+//!
+//! The daemon's rules in the kernel's maps are in [`admission`], the dynamic linker's hook in
+//! [`linker_hook`].
 
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU32;
@@ -23,7 +26,7 @@ use aya::maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray};
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfError, EbpfLoader};
-use memscope_common::filter::{count, CgroupRule, COMM_LEN, MAX_CGROUP_RULES};
+use memscope_common::filter::MAX_CGROUP_RULES;
 use memscope_common::python::PyProcess;
 use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::ProbeSpec;
@@ -42,6 +45,11 @@ use crate::record::bpf_log::{BpfLog, BpfLogLevel};
 
 /// Entries of the `TRACED` map (memscope-ebpf/src/maps.rs).
 const TRACED_CAPACITY: usize = 8192;
+
+mod admission;
+mod linker_hook;
+
+pub use admission::Admission;
 
 /// The compiled eBPF object, built by build.rs with aya-build (empty when built with its stub switch).
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memscope"));
@@ -178,30 +186,6 @@ fn kernel_spec(mut spec: ProbeSpec, sampling: Option<Sampling>) -> ProbeSpec {
     spec
 }
 
-/// What the kernel checks before it traces a process it has not seen (the daemon).
-#[derive(Clone, Debug, Default)]
-pub struct Admission {
-    /// `--cgroup`: a process must be inside one of these (none: anywhere).
-    pub cgroups: Vec<CgroupRule>,
-    /// `--exclude-comm`: names denied at exec.
-    pub deny_comms: Vec<[u8; COMM_LEN]>,
-    /// `--comm`: the names a process must exec under (none: any name).
-    pub allow_comms: Vec<[u8; COMM_LEN]>,
-    /// `--exclude-cgroup`: a process inside one of these is never traced.
-    pub deny_cgroups: Vec<CgroupRule>,
-    /// `--pid`: only these processes and their children (none: any process).
-    pub allow_pids: Vec<u32>,
-    /// `--exclude-pid`: never these (denied by userspace, not checked by the kernel).
-    pub deny_pids: Vec<u32>,
-}
-
-impl Admission {
-    /// Whether any rule is about names.
-    pub fn has_name_rules(&self) -> bool {
-        !self.deny_comms.is_empty() || !self.allow_comms.is_empty()
-    }
-}
-
 pub struct Tracer {
     ebpf: Ebpf,
     attached_files: HashSet<(u64, u64)>,
@@ -309,7 +293,7 @@ impl Tracer {
         }
 
         if let Some(admission) = &admission {
-            write_rules(&mut ebpf, admission, &admission.allow_pids)?;
+            admission::write_rules(&mut ebpf, admission, &admission.allow_pids)?;
         }
         if interval > 0 {
             let map = ebpf.map_mut("GAPS").ok_or(LoadError::Missing("GAPS"))?;
@@ -393,22 +377,6 @@ impl Tracer {
         let mut traced: BpfHashMap<_, u32, u32> =
             BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
         traced.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "TRACED", source })
-    }
-
-    /// The daemon: never traces process `pid` (`--exclude-pid`, or a running process whose name
-    /// a rule denies), until it execs a new image; one traced already stops being traced.
-    pub fn deny_process(&mut self, pid: u32) -> Result<(), LoadError> {
-        {
-            let map = self.ebpf.map_mut("TRACED").ok_or(LoadError::Missing("TRACED"))?;
-            let mut traced: BpfHashMap<_, u32, u32> =
-                BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "TRACED", source })?;
-            // Not traced yet is the usual case.
-            let _ = traced.remove(&pid);
-        }
-        let map = self.ebpf.map_mut("DENIED").ok_or(LoadError::Missing("DENIED"))?;
-        let mut denied: BpfHashMap<_, u32, u32> =
-            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENIED", source })?;
-        denied.insert(pid, 1, 0).map_err(|source| LoadError::Map { name: "DENIED", source })
     }
 
     /// The kernel's exact counters of sampled blocks (`--sample-bytes`), by process, device
@@ -576,71 +544,6 @@ impl Tracer {
         true
     }
 
-    /// Replaces the daemon's rules (SIGHUP). `allowed_pids`: the running processes `--pid`
-    /// allows, with their descendants. What the kernel has already judged stays judged: the
-    /// caller re-judges the running processes ([`Self::deny_process`], [`Self::undeny_process`]).
-    pub fn set_rules(&mut self, admission: &Admission, allowed_pids: &[u32]) -> Result<(), LoadError> {
-        write_rules(&mut self.ebpf, admission, allowed_pids)
-    }
-
-    /// Lets the rules judge `pid` afresh at its next call (new rules no longer deny it).
-    pub fn undeny_process(&mut self, pid: u32) -> Result<(), LoadError> {
-        let map = self.ebpf.map_mut("DENIED").ok_or(LoadError::Missing("DENIED"))?;
-        let mut denied: BpfHashMap<_, u32, u32> =
-            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "DENIED", source })?;
-        // Not denied is the usual case (the kernel's delete of a missing key is an error).
-        if matches!(denied.get(&pid, 0), Err(MapError::KeyNotFound)) {
-            return Ok(());
-        }
-        denied.remove(&pid).map_err(|source| LoadError::Map { name: "DENIED", source })
-    }
-
-    /// Hooks a dynamic linker file's `_dl_debug_state` (`attach::linker`): from now on each
-    /// change to the loaded objects of a process running it that the probes would trace sends a
-    /// `Loaded` record. A file is tried once: later calls say what came of it.
-    pub fn hook_linker(&mut self, ld: &Library) -> Result<LinkerHook, AttachError> {
-        if let Some(hooked) = self.linker_files.get(&ld.file_id) {
-            return Ok(if *hooked { LinkerHook::Known } else { LinkerHook::Refused });
-        }
-        self.linker_files.insert(ld.file_id, false);
-        self.attach_linker_hook(ld)?;
-        self.linker_files.insert(ld.file_id, true);
-        Ok(LinkerHook::Added)
-    }
-
-    fn attach_linker_hook(&mut self, ld: &Library) -> Result<(), AttachError> {
-        let symbol = super::linker::HOOK_SYMBOL;
-        let offset = super::linker::hook_offset(&ld.path)?
-            .ok_or_else(|| AttachError::NoLinkerHook { library: ld.shown.clone() })?;
-        if let Ok(multi) = &self.multi {
-            if let Ok(link) =
-                uprobe_multi::attach(multi.linker.as_fd(), &ld.path, &[offset], &[0], None, false, self.scope_pid)
-            {
-                self.multi_links.push(link);
-                return Ok(());
-            }
-        }
-        let prog: &mut UProbe = self
-            .ebpf
-            .program_mut("objects_changed")
-            .expect("loaded in Tracer::load")
-            .try_into()
-            .expect("a uprobe program");
-        let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: None };
-        prog.attach(point, &ld.path, self.scope).map_err(|source| AttachError::Probe {
-            kind: "linker probe",
-            symbol: symbol.to_owned(),
-            library: ld.shown.clone(),
-            source: Box::new(source),
-        })?;
-        Ok(())
-    }
-
-    /// How many dynamic linker files are hooked.
-    pub fn linkers_hooked(&self) -> usize {
-        self.linker_files.values().filter(|h| **h).count()
-    }
-
     /// Attaches the markers' USDT sites in one library (none if it carries none of ours).
     /// Sites already attached are skipped; the notes of ours that cannot be used are returned
     /// as warnings. On an error none of this library's sites stays attached.
@@ -789,60 +692,6 @@ impl Tracer {
 }
 
 /// Writes the daemon's cgroup rules and denied names into their maps, before anything is attached.
-/// Writes the daemon's rules into the kernel's maps, replacing what they held:
-/// `allowed_pids` are the processes `--pid` allows (those given and, on SIGHUP, the running
-/// processes below them). A rule the kernel cannot hold is refused before anything is written.
-fn write_rules(ebpf: &mut Ebpf, admission: &Admission, allowed_pids: &[u32]) -> Result<(), LoadError> {
-    let most = admission.cgroups.len().max(admission.deny_cgroups.len()) as u32;
-    if most > MAX_CGROUP_RULES {
-        return Err(LoadError::TooManyCgroups(most));
-    }
-    for (name, list) in [("ALLOW_CGROUPS", &admission.cgroups), ("DENY_CGROUPS", &admission.deny_cgroups)] {
-        let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
-        let mut rules: Array<_, CgroupRule> = Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-        for (i, rule) in list.iter().enumerate() {
-            rules.set(i as u32, rule, 0).map_err(|source| LoadError::Map { name, source })?;
-        }
-    }
-    for (name, list) in [("DENY_COMM", &admission.deny_comms), ("ALLOW_COMM", &admission.allow_comms)] {
-        replace_keys(ebpf, name, list)?;
-    }
-    replace_keys(ebpf, "ALLOW_PIDS", allowed_pids)?;
-    // The counts last: a list is checked only once its entries are in place.
-    let name = "RULE_COUNTS";
-    let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
-    let mut counts: Array<_, u32> = Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-    for (at, n) in [
-        (count::ALLOW_CGROUPS, admission.cgroups.len()),
-        (count::DENY_CGROUPS, admission.deny_cgroups.len()),
-        (count::ALLOW_COMMS, admission.allow_comms.len()),
-        (count::ALLOW_PIDS, admission.allow_pids.len()),
-    ] {
-        counts.set(at, n as u32, 0).map_err(|source| LoadError::Map { name, source })?;
-    }
-    Ok(())
-}
-
-/// Makes a set-like hash map (`key -> 1`) hold exactly `keys`: the new ones added first, then
-/// the others removed, so that a key in both is never missing meanwhile.
-fn replace_keys<K: aya::Pod + Eq + std::hash::Hash>(
-    ebpf: &mut Ebpf,
-    name: &'static str,
-    keys: &[K],
-) -> Result<(), LoadError> {
-    let map = ebpf.map_mut(name).ok_or(LoadError::Missing(name))?;
-    let mut set: BpfHashMap<_, K, u32> = BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-    for key in keys {
-        set.insert(key, 1, 0).map_err(|source| LoadError::Map { name, source })?;
-    }
-    let wanted: HashSet<&K> = keys.iter().collect();
-    let stale: Vec<K> = set.keys().filter_map(Result::ok).filter(|k| !wanted.contains(k)).collect();
-    for key in stale {
-        let _ = set.remove(&key);
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
