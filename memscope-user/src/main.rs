@@ -19,6 +19,7 @@ mod launch;
 mod metrics;
 mod preflight;
 mod procs;
+mod progress;
 mod record;
 mod recorder;
 mod replay;

@@ -212,6 +212,18 @@ pub struct DumpDb {
     path: PathBuf,
     conn: Connection,
     table: &'static str,
+    /// Told how each pass over the rows goes ([`DumpDb::with_progress`]).
+    progress: Option<std::sync::Arc<dyn Progress>>,
+}
+
+/// Told how a pass over a DB's rows goes, so that a long one can show its progress (the CLI
+/// draws a bar): `start` with the table's highest rowid, `at` with the rowid of the last row
+/// handed over (rows come in storage order, rowid order, but for the few put back in time
+/// order), `finish` when the pass ends.
+pub trait Progress: Send + Sync {
+    fn start(&self, last_rowid: u64);
+    fn at(&self, rowid: u64);
+    fn finish(&self);
 }
 
 impl DumpDb {
@@ -283,7 +295,7 @@ impl DumpDb {
         if write && conn.is_readonly(DatabaseName::Main).unwrap_or(true) {
             return Err(AnalysisError::ReadOnly { path: path.to_owned() });
         }
-        Ok(Self { path: path.to_owned(), conn, table })
+        Ok(Self { path: path.to_owned(), conn, table, progress: None })
     }
 
     /// Opens `path` for reading only: what every analysis and verb that writes nothing uses.
@@ -308,7 +320,13 @@ impl DumpDb {
     /// A time-ordered reader of the rows `select` names (see [`TimeOrder`]), for analyses that
     /// tune it or count rows first.
     pub fn rows(&self, select: Selection<'_>) -> Result<TimeOrder<'_>, AnalysisError> {
-        TimeOrder::new(&self.conn, &self.path, self.table, select)
+        Ok(TimeOrder::new(&self.conn, &self.path, self.table, select)?.with_progress(self.progress.clone()))
+    }
+
+    /// Every pass over the rows from now on tells `progress` how it goes.
+    pub fn with_progress(mut self, progress: std::sync::Arc<dyn Progress>) -> Self {
+        self.progress = Some(progress);
+        self
     }
 
     fn read_err(&self) -> impl Fn(rusqlite::Error) -> AnalysisError + '_ {
@@ -342,7 +360,7 @@ impl DumpDb {
     pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
         let events = [Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()];
         let select = Selection { events: &events, name: false, thread: false };
-        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
+        self.rows(select)?.for_each_row(f)
     }
 
     /// Calls `f` for every row whose `Event` is one of `events`, in time order (as
@@ -350,7 +368,7 @@ impl DumpDb {
     pub fn for_each_named_row(&self, events: &[&str], f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
         self.require_columns(&["Name", "Thread Id"])?;
         let select = Selection { events, name: true, thread: true };
-        TimeOrder::new(&self.conn, &self.path, self.table, select)?.for_each_row(f)
+        self.rows(select)?.for_each_row(f)
     }
 
     /// Which of `wanted`, columns beyond those every analysis reads, the dump table lacks.
@@ -567,5 +585,41 @@ mod tests {
         assert_eq!(seen, want.map(|(ts, p)| (ts, p.to_owned())));
         assert_eq!(how, ReadOrder::Storage);
         assert_eq!(dump.devices().unwrap(), vec!["0".to_owned()]);
+    }
+
+    /// What a pass told its progress observer.
+    #[derive(Default)]
+    struct Told(std::sync::Mutex<Vec<(&'static str, u64)>>);
+
+    impl Progress for Told {
+        fn start(&self, last_rowid: u64) {
+            self.0.lock().unwrap().push(("start", last_rowid));
+        }
+        fn at(&self, rowid: u64) {
+            self.0.lock().unwrap().push(("at", rowid));
+        }
+        fn finish(&self) {
+            self.0.lock().unwrap().push(("finish", 0));
+        }
+    }
+
+    #[test]
+    fn a_pass_tells_its_progress_from_the_last_rowid_to_the_end() {
+        let d = crate::analysis::testdb::dir("progress");
+        let mut db = crate::analysis::testdb::TestDb::create(&d.join("p.db"));
+        for i in 0..7u64 {
+            db.malloc("HAL", 100 + i as i64, 0x1000 + i * 64, 64, None);
+        }
+        let told = std::sync::Arc::new(Told::default());
+        let dump = DumpDb::open_read(&db.path).unwrap().with_progress(told.clone());
+        let mut rows = 0;
+        dump.for_each_row(|fed| rows += u64::from(matches!(fed, Fed::Row(_)))).unwrap();
+        assert_eq!(rows, 7);
+        let told = told.0.lock().unwrap().clone();
+        assert_eq!(told.first(), Some(&("start", 7)), "{told:?}");
+        assert_eq!(told.last(), Some(&("finish", 0)), "{told:?}");
+        let at: Vec<u64> = told.iter().filter(|(k, _)| *k == "at").map(|(_, r)| *r).collect();
+        assert_eq!(at.last(), Some(&7), "the last row's rowid is the end: {told:?}");
+        assert!(at.windows(2).all(|w| w[0] <= w[1]), "{told:?}");
     }
 }

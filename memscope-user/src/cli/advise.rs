@@ -61,7 +61,7 @@ pub struct Args {
 pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
     let mut out = Vec::new();
     for file in inputs::files(db_paths)? {
-        let db = DumpDb::open_read(&file.path)?;
+        let db = crate::progress::watched(DumpDb::open_read(&file.path)?, crate::progress::label("advise", &file.path));
         let device = inputs::device_of(&file, &db)?;
         let options = AdviseOptions { device };
         let report = Advise::analyse(&db, &options)?;
@@ -85,7 +85,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut found = Vec::new();
     for file in &files {
         // Opened for writing first: a read-only file fails here, not after the analysis.
-        let db = DumpDb::open(&file.path, !args.no_write)?;
+        let db = crate::progress::watched(
+            DumpDb::open(&file.path, !args.no_write)?,
+            crate::progress::label("advise", &file.path),
+        );
         let device = inputs::device_of(file, &db)?;
         found.push(device.clone());
         if want.is_some_and(|w| !inputs::is_device(&device, w)) {

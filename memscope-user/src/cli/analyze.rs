@@ -327,7 +327,8 @@ fn analyse(args: &Args) -> anyhow::Result<()> {
                 continue;
             }
         }
-        let dump = DumpDb::open(&file.path, write)?;
+        let dump =
+            crate::progress::watched(DumpDb::open(&file.path, write)?, crate::progress::label("analyze", &file.path));
         let device = inputs::device_of(file, &dump)?;
         if let Some(want) = want_device {
             if !inputs::is_device(&device, want) {

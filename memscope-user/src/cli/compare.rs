@@ -123,7 +123,7 @@ fn point(p: &StepPoint, timeline: &Timeline) -> Point {
 }
 
 fn side(path: &Path, marker: Option<&str>) -> anyhow::Result<Side> {
-    let dump = DumpDb::open_read(path)?;
+    let dump = crate::progress::watched(DumpDb::open_read(path)?, crate::progress::label("compare", path));
     let db = StepDb::new(&dump)?;
     let timeline = Timeline::replay(&db, marker, &mut ())?;
     let summary = timeline.summary();
@@ -416,7 +416,7 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
 
 /// One side of a call comparison: the DB's calls at `level`, or why it has none.
 fn calls_side(path: &Path, level: Level) -> anyhow::Result<Calls> {
-    let db = DumpDb::open_read(path)?;
+    let db = crate::progress::watched(DumpDb::open_read(path)?, crate::progress::label("compare", path));
     Ok(calls::read(&db, level)?)
 }
 

@@ -92,7 +92,7 @@ fn memory_viz_file(args: &Args, mut candidates: Vec<(DbFile, String)>) -> anyhow
         bail!("device {device} is not an NPU (memory_viz shows device memory): pick an NPU's DB with --device");
     };
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from(format!("snapshot_{index}.pickle")));
-    let db = DumpDb::open_read(&file.path)?;
+    let db = crate::progress::watched(DumpDb::open_read(&file.path)?, crate::progress::label("export", &file.path));
     let summary = write_atomically(&output, |out| Ok(memory_viz::export(&db, index, out)?))?;
     eprintln!(
         "memscope-bpf: wrote {} ({} events; {} segments; {} blocks live at the end, {} bytes requested)",
@@ -114,7 +114,12 @@ fn memory_viz_file(args: &Args, mut candidates: Vec<(DbFile, String)>) -> anyhow
 
 fn perfetto_file(args: &Args, candidates: &[(DbFile, String)]) -> anyhow::Result<()> {
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("trace.json"));
-    let dbs = candidates.iter().map(|(f, _)| DumpDb::open_read(&f.path)).collect::<Result<Vec<_>, _>>()?;
+    let dbs = candidates
+        .iter()
+        .map(|(f, _)| {
+            Ok(crate::progress::watched(DumpDb::open_read(&f.path)?, crate::progress::label("export", &f.path)))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let devices: Vec<perfetto::Device<'_>> = dbs
         .iter()
         .zip(candidates)

@@ -1,5 +1,6 @@
 //! Privileged tests of `trace`'s live status: the JSON lines a program reads (`--json`), and the
-//! status area a person sees on a real terminal (tmux), against the stand-in job's own ledger.
+//! status area a person sees on a real terminal (tmux), against the stand-in job's own ledger;
+//! and the progress bar of a long offline pass (`analyze` on a big DB) on that terminal.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -140,4 +141,43 @@ fn human(bytes: u64) -> String {
     } else {
         format!("{value:.1} {}", units[unit])
     }
+}
+
+#[test]
+fn a_long_analysis_shows_its_progress_on_a_terminal_and_clears_it_for_the_report() {
+    let env = env("status_progress");
+    if Command::new("tmux").arg("-V").output().is_err() {
+        eprintln!("SKIPPED: no tmux (`cargo xtask setup` installs it)");
+        return;
+    }
+    // Six million rows in msMemScope's layout, written by Python's sqlite3: a few seconds of
+    // analysis, so a pass runs past the second after which its bar shows.
+    let db = env.scratch.join("big.db");
+    let made =
+        Command::new("python3").arg(env.workload.with_file_name("big_db.py")).arg(&db).arg("3000000").status().unwrap();
+    assert!(made.success());
+    let done = env.scratch.join("done");
+    let script = format!(
+        "'{}' analyze '{}' --analysis decompose --no-write; touch '{}'; sleep 60",
+        env.bin.display(),
+        db.display(),
+        done.display()
+    );
+    let name = format!("memscope-progress-{}", std::process::id());
+    let session = Tmux(name.clone());
+    let started =
+        Command::new("tmux").args(["new-session", "-d", "-s", &name, "-x", "150", "-y", "40", &script]).status();
+    assert!(started.unwrap().success());
+    let mut seen = None;
+    while !done.exists() {
+        let now = screen(&session.0);
+        if let Some(line) = now.lines().find(|l| l.starts_with("analyze big.db [")) {
+            seen = Some(line.to_owned());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let line = seen.expect("no progress bar while the analysis ran");
+    assert!(line.contains("% ") && line.contains(" rows/s, ") && line.ends_with(" left"), "{line}");
+    let end = screen(&session.0);
+    assert!(end.contains("blocks allocated: HAL 3000000") && !end.contains("analyze big.db ["), "{end}");
 }

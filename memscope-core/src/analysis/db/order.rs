@@ -174,6 +174,8 @@ struct Plan {
 pub struct TimeOrder<'p> {
     path: &'p Path,
     plan: Plan,
+    /// Told how the pass goes, with the table's highest rowid.
+    progress: Option<(std::sync::Arc<dyn super::Progress>, u64)>,
 }
 
 impl<'p> TimeOrder<'p> {
@@ -213,7 +215,18 @@ impl<'p> TimeOrder<'p> {
             max_held: MAX_HELD,
             tail: TAIL,
         };
-        Ok(Self { path, plan })
+        Ok(Self { path, plan, progress: None })
+    }
+
+    /// Tells `progress` how the pass goes (see [`super::Progress`]).
+    pub(crate) fn with_progress(mut self, progress: Option<std::sync::Arc<dyn super::Progress>>) -> Self {
+        self.progress = progress.map(|p| {
+            let conn = super::open_read_only(self.path).ok();
+            let sql = format!("SELECT max(rowid) FROM {}", self.plan.table);
+            let last = conn.and_then(|c| c.query_row(&sql, [], |r| r.get::<_, Option<i64>>(0)).ok().flatten());
+            (p, last.unwrap_or(0).max(0) as u64)
+        });
+        self
     }
 
     /// Lowers the thresholds, for tests to reach every path on small files.
@@ -259,10 +272,25 @@ impl<'p> TimeOrder<'p> {
                 .name("memscope-read".into())
                 .spawn_scoped(scope, read)
                 .map_err(|source| AnalysisError::Io { path: self.path.to_owned(), source })?;
+            if let Some((p, last)) = &self.progress {
+                p.start(*last);
+            }
+            let mut rowid = 0;
             for mut batch in full_rx {
-                batch.replay(&mut on_count, &mut f);
+                batch.replay(&mut on_count, &mut |fed: Fed<'_>| {
+                    if let Fed::Row(row) = &fed {
+                        rowid = row.rowid;
+                    }
+                    f(fed)
+                });
+                if let Some((p, _)) = &self.progress {
+                    p.at(rowid.max(0) as u64);
+                }
                 batch.clear();
                 let _ = empty_tx.send(batch);
+            }
+            if let Some((p, _)) = &self.progress {
+                p.finish();
             }
             match reading.join() {
                 Ok(how) => how,
