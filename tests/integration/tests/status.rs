@@ -69,6 +69,25 @@ fn screen(name: &str) -> String {
 
 struct Tmux(String);
 
+impl Tmux {
+    /// Runs `command` (shell text) on a 150x40 terminal of a tmux session of its own; the
+    /// returned path exists once the command has ended. `None` (said why) without tmux.
+    fn start(env: &TestEnv, what: &str, command: &str) -> Option<(Self, std::path::PathBuf)> {
+        if Command::new("tmux").arg("-V").output().is_err() {
+            eprintln!("SKIPPED: no tmux (`cargo xtask setup` installs it)");
+            return None;
+        }
+        let done = env.scratch.join("done");
+        let script = format!("{command}; touch '{}'; sleep 60", done.display());
+        let session = Self(format!("memscope-{what}-{}", std::process::id()));
+        let started = Command::new("tmux")
+            .args(["new-session", "-d", "-s", &session.0, "-x", "150", "-y", "40", &script])
+            .status();
+        assert!(started.unwrap().success());
+        Some((session, done))
+    }
+}
+
 impl Drop for Tmux {
     fn drop(&mut self) {
         let _ = Command::new("tmux").args(["kill-session", "-t", &self.0]).status();
@@ -78,24 +97,10 @@ impl Drop for Tmux {
 #[test]
 fn on_a_terminal_the_status_area_is_redrawn_in_place_and_cleared_for_the_summary() {
     let env = env("status_terminal");
-    if Command::new("tmux").arg("-V").output().is_err() {
-        eprintln!("SKIPPED: no tmux (`cargo xtask setup` installs it)");
-        return;
-    }
     let (args, ledger) = hold_command(&env, &[], "4");
-    let done = env.scratch.join("done");
     let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
-    let script = format!(
-        "ASCEND_HOME_PATH='{}' {}; touch '{}'; sleep 60",
-        env.ascend_home.display(),
-        quoted.join(" "),
-        done.display()
-    );
-    let name = format!("memscope-status-{}", std::process::id());
-    let session = Tmux(name.clone());
-    let started =
-        Command::new("tmux").args(["new-session", "-d", "-s", &name, "-x", "150", "-y", "40", &script]).status();
-    assert!(started.unwrap().success());
+    let command = format!("ASCEND_HOME_PATH='{}' {}", env.ascend_home.display(), quoted.join(" "));
+    let Some((session, done)) = Tmux::start(&env, "status", &command) else { return };
     // While the job holds its blocks: the area, with the ledger's bytes.
     let want = format!("device 0: {} live", human(ledger_live_bytes_when_written(&ledger)));
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -146,28 +151,14 @@ fn human(bytes: u64) -> String {
 #[test]
 fn a_long_analysis_shows_its_progress_on_a_terminal_and_clears_it_for_the_report() {
     let env = env("status_progress");
-    if Command::new("tmux").arg("-V").output().is_err() {
-        eprintln!("SKIPPED: no tmux (`cargo xtask setup` installs it)");
-        return;
-    }
     // Six million rows in msMemScope's layout, written by Python's sqlite3: a few seconds of
     // analysis, so a pass runs past the second after which its bar shows.
     let db = env.scratch.join("big.db");
     let made =
         Command::new("python3").arg(env.workload.with_file_name("big_db.py")).arg(&db).arg("3000000").status().unwrap();
     assert!(made.success());
-    let done = env.scratch.join("done");
-    let script = format!(
-        "'{}' analyze '{}' --analysis decompose --no-write; touch '{}'; sleep 60",
-        env.bin.display(),
-        db.display(),
-        done.display()
-    );
-    let name = format!("memscope-progress-{}", std::process::id());
-    let session = Tmux(name.clone());
-    let started =
-        Command::new("tmux").args(["new-session", "-d", "-s", &name, "-x", "150", "-y", "40", &script]).status();
-    assert!(started.unwrap().success());
+    let command = format!("'{}' analyze '{}' --analysis decompose --no-write", env.bin.display(), db.display());
+    let Some((session, done)) = Tmux::start(&env, "progress", &command) else { return };
     let mut seen = None;
     while !done.exists() {
         let now = screen(&session.0);
