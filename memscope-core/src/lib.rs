@@ -6,8 +6,9 @@
 //!
 //! Module map (arrows point down only):
 //! ```text
-//! export    written DBs in other tools' formats (PyTorch's memory_viz snapshot)
-//!    └─ analysis  (its DB reader)
+//! report    a trace (or two) as the self-contained HTML page `report` writes
+//! export    written DBs in other tools' formats (PyTorch's memory_viz snapshot, Perfetto)
+//!    └─ analysis  (their DB reader, the decomposition, steps and instants)
 //! analysis  offline analyses of written DBs
 //!    └─ store    per-device SQLite/CSV in msMemScope's layout
 //!         └─ model    events, live blocks per device (no I/O)
@@ -22,6 +23,7 @@ pub mod apis;
 pub mod export;
 pub mod model;
 pub mod raw;
+pub mod report;
 pub mod sampling;
 pub mod stacks;
 pub mod store;

@@ -3,8 +3,8 @@
 torch/cuda/_memory_viz.py by path (it needs only the standard library) and runs segsum, trace,
 segment_plot and trace_plot on the snapshot, then prints, as JSON, what PyTorch's `memory()`
 flamegraph lines say is allocated (the requested bytes of active blocks) and how many active
-blocks there are, and the pickle opcodes the file uses (the memory_viz page's own unpickler
-knows only some).
+blocks there are, the pickle opcodes the file uses (the memory_viz page's own unpickler
+knows only some), and each allocation's frames as PyTorch's `_frames_fmt` prints them.
 
 Usage: memory_viz_check.py MEMORY_VIZ_PY SNAPSHOT DEVICE
 """
@@ -38,6 +38,9 @@ def main():
         "pages": [len(p) for p in pages],
         "protocol": raw[1],
         "opcodes": sorted({op.name for op, _, _ in pickletools.genops(raw)}),
+        # Per allocation of the trace, the frames PyTorch's own formatting prints for it.
+        "alloc_frames": [viz._frames_fmt(e["frames"]) for e in data["device_traces"][device] if e["action"] == "alloc"],
+        "block_frames": sum(1 for s in data["segments"] for b in s["blocks"] if b["frames"]),
     }))
 
 

@@ -179,7 +179,7 @@ def wait_for_tracer(job):
     time.sleep(0.1)
 
 
-def serve(job, requests):
+def serve(job, requests, linger=0.0):
     wait_for_tracer(job)
     device = 0
     job.acl.aclrtSetDevice(device)
@@ -201,6 +201,7 @@ def serve(job, requests):
             acts = [job.tensor(device, n, "PTA@vllm@activation") for n in (200 << 10, 900 << 10)]
             if r == requests // 2:
                 job.point("serving")
+                time.sleep(linger)
             for p in acts:
                 job.free(p)
         memscope.step()
@@ -215,6 +216,8 @@ def main():
     ap.add_argument("--torch-lib", required=True)
     ap.add_argument("--ledger", required=True)
     ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--linger", type=float, default=0.0,
+                    help="serve: stay this long at the `serving` point (a wide plateau on a timeline)")
     ap.add_argument("--ready-file", help="write the pid here once started")
     ap.add_argument("--pre-attach", action="store_true",
                     help="open a span before waiting for the tracer (attach-mode behaviour)")
@@ -235,7 +238,7 @@ def main():
         for t in threads:
             t.join()
     else:
-        run_guarded(job, serve, job, args.requests)
+        run_guarded(job, serve, job, args.requests, args.linger)
     job.dump(args.ledger)
     if job.errors:
         print("\n".join(job.errors), file=sys.stderr)

@@ -3,6 +3,8 @@
 //! 10 s). The DB is a trace of the allocation loop itself (every malloc and free a row), so its
 //! shape is what `trace` writes, not a synthetic table.
 //!
+//! The report's figures on the same DB follow ([`crate::bench_report`]).
+//!
 //! With `--baseline-bin` an older binary runs the same commands on the same DB in the same run,
 //! alternating with this one round by round, so a refactor is compared with what it replaced
 //! under the same machine noise (issue 11: "no slower than today").
@@ -78,6 +80,7 @@ pub fn run(built: &Built, out: &Path, plan: &Plan<'_>) -> anyhow::Result<String>
         }
         md.push('\n');
     }
+    md.push_str(&crate::bench_report::run(&built.binary, &db, rows, out)?);
     Ok(md)
 }
 

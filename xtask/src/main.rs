@@ -13,6 +13,7 @@ mod bench_consumer;
 mod bench_daemon;
 mod bench_loss;
 mod bench_markers;
+mod bench_report;
 mod bench_stacks;
 mod bench_stop;
 mod build;

@@ -5,7 +5,7 @@
 //! bookworm-security), bpf-linker 0.13 built against it, and nightly Rust with rust-src for
 //! `-Z build-std=core`. Plus gcc for the stand-in libraries, bpftrace as the benchmark's peer and
 //! Python's development headers for the markers package's C extension, pip to fetch the real
-//! torch_npu wheel a test reads, and Prometheus to scrape `--listen`'s metrics in the tests.
+//! torch_npu wheel a test reads, Prometheus to scrape `--listen`'s metrics in the tests, and Chromium to open `report`'s pages.
 
 use std::process::Command;
 use std::time::Instant;
@@ -40,6 +40,8 @@ const APT_PACKAGES: &[&str] = &[
     "prometheus",
     // `trace`'s status area is checked on a real terminal, inside tmux.
     "tmux",
+    // `report`'s page is opened in headless Chromium by the tests and the benchmark.
+    "chromium",
 ];
 /// The Rust target of that check.
 pub const ARM64_TARGET: &str = "aarch64-unknown-linux-gnu";

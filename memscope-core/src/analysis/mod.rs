@@ -22,6 +22,8 @@
 //!   meanwhile (the evidence for MULTI_STREAM_MEMORY_REUSE).
 //! - [`atb_workspace`]: ATB operations' workspaces and intermediate tensors against the device's
 //!   peak (the advisor's evidence for ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE).
+//! - [`instants`]: steps, marks, OOMs and the pools' reserved bytes over time (what the
+//!   exports and the report draw on a timeline).
 //! - [`calls`], [`opdiff`], [`calldiff`]: a trace's operator or kernel sequence with each call's
 //!   memory delta, Myers' shortest edit script between two of them, and the report of
 //!   `compare --level`.
@@ -40,6 +42,7 @@ pub mod fragmentation;
 pub mod gc_held;
 pub mod incidents;
 pub mod inefficient;
+pub mod instants;
 pub mod leaks;
 pub mod live;
 pub mod oom;

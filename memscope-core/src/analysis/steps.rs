@@ -86,17 +86,18 @@ impl<'a> StepDb<'a> {
         let mut rows = stmt.query([rowid]).map_err(self.read_err())?;
         let Some(row) = rows.next().map_err(self.read_err())? else { return Ok(RowDetails::default()) };
         let get = |i| row.get_ref(i).map_err(self.read_err());
-        let attr = AttrFields::parse(text(get(2)?)).unwrap_or_default();
+        let attr = DetailFields::parse(text(get(2)?)).unwrap_or_default();
         Ok(RowDetails {
             python_stack: clean_stack(text(get(0)?)),
             c_stack: clean_stack(text(get(1)?)),
             allocation_id: attr.allocation_id.map(Cow::into_owned),
+            inefficient: attr.inefficient_type.map(Cow::into_owned),
         })
     }
 }
 
 /// msMemScope wraps stacks in quotes and writes `NA` where it had none.
-fn clean_stack(s: &str) -> String {
+pub(crate) fn clean_stack(s: &str) -> String {
     let s = s.trim().trim_matches('"').trim();
     if s == "NA" || s == "N/A" {
         String::new()
@@ -110,6 +111,8 @@ pub struct RowDetails {
     pub python_stack: String,
     pub c_stack: String,
     pub allocation_id: Option<String>,
+    /// Attr `inefficient_type`: msMemScope's inefficiency types, when analysed and flagged.
+    pub inefficient: Option<String>,
 }
 
 attr_fields! {
@@ -117,6 +120,11 @@ attr_fields! {
     struct AttrFields { addr, size, weight, owner, unmatched, shadow, segment, pool, allocation_id, freed_by }
 }
 block_attr!(AttrFields);
+
+attr_fields! {
+    /// What a reported block's MALLOC row adds (read for a few rows only, off the replay's path).
+    struct DetailFields { allocation_id, inefficient_type }
+}
 
 // ---------------------------------------------------------------- boundaries
 

@@ -10,8 +10,9 @@
 //! as `free_requested` then `free_completed`); an `OOM_TRIGGER` is an `oom`. The shadow frees a
 //! trace writes at its stop for blocks still alive are not frees: those blocks are live in the
 //! final segments. Blocks inside segments taken before the trace started have no segment to
-//! sit in: they are in the trace, and counted in [`Summary::outside`]. Frames are empty (call
-//! stacks are not carried over yet).
+//! sit in: they are in the trace, and counted in [`Summary::outside`]. Each entry's, block's and
+//! segment's `frames` are its row's call stacks when the trace recorded them (`trace --call-stack
+//! c,python`; [`super::frames`]), else empty.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -37,13 +38,7 @@ crate::analysis::attr::attr_fields! {
     struct Fields { size, req_size, segment, vmm, shadow, pool }
 }
 
-/// One frame of a call stack (always empty for now).
-#[derive(Clone, Debug, Serialize)]
-struct Frame {
-    filename: String,
-    line: u64,
-    name: String,
-}
+use super::frames::{Frame, Stacks};
 
 /// An entry of `device_traces[device]`.
 #[derive(Clone, Debug, Serialize)]
@@ -58,6 +53,9 @@ pub struct TraceEntry {
     pub stream: u64,
     pub time_us: i64,
     frames: Vec<Frame>,
+    /// The row it comes from, whose stack becomes `frames`.
+    #[serde(skip)]
+    row: i64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -67,6 +65,9 @@ struct Block {
     requested_size: u64,
     state: &'static str,
     frames: Vec<Frame>,
+    /// The MALLOC row of an allocated block (0 for a free piece).
+    #[serde(skip)]
+    row: i64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -83,6 +84,8 @@ struct Segment {
     is_expandable: bool,
     frames: Vec<Frame>,
     blocks: Vec<Block>,
+    #[serde(skip)]
+    row: i64,
 }
 
 #[derive(Serialize)]
@@ -102,6 +105,8 @@ pub struct Summary {
     pub live_requested: u64,
     /// Live blocks outside every known segment (their segment predates the trace).
     pub outside: usize,
+    /// Entries with frames (their rows have call stacks: `trace --call-stack`).
+    pub with_frames: usize,
 }
 
 /// A pool block live now, by (process, address).
@@ -109,6 +114,7 @@ pub struct Summary {
 struct LiveBlock {
     size: u64,
     requested: u64,
+    row: i64,
 }
 
 /// A segment live now, by (process, address).
@@ -116,6 +122,7 @@ struct LiveBlock {
 struct LiveSegment {
     size: u64,
     expandable: bool,
+    row: i64,
 }
 
 /// What a pending shadow free took away.
@@ -139,10 +146,11 @@ struct Replay {
 }
 
 impl Replay {
-    fn entry(&mut self, action: &'static str, addr: u64, size: u64, ts_ns: i64) {
+    fn entry(&mut self, action: &'static str, addr: u64, size: u64, (ts_ns, row): (i64, i64)) {
         let frames = Vec::new();
         let time_us = ts_ns / 1000;
-        self.trace.push(TraceEntry { action, addr: Some(addr), device_free: None, size, stream: 0, time_us, frames });
+        let entry = TraceEntry { action, addr: Some(addr), device_free: None, size, stream: 0, time_us, frames, row };
+        self.trace.push(entry);
     }
 
     /// A new block or segment at an address whose shadow free is pending: that free was real,
@@ -151,7 +159,7 @@ impl Replay {
         self.shadows.remove(&key);
     }
 
-    fn row(&mut self, event: &str, event_type: &str, pid: i64, ts: i64, ptr: u64, f: &Fields<'_>) {
+    fn row(&mut self, event: &str, event_type: &str, pid: i64, (ts, row): (i64, i64), ptr: u64, f: &Fields<'_>) {
         let num = |v: &Option<std::borrow::Cow<'_, str>>| v.as_deref().and_then(|s| s.parse::<u64>().ok());
         let shadow = f.shadow.as_deref() == Some("true");
         let is = |e: Event| event == e.as_str();
@@ -161,12 +169,12 @@ impl Replay {
             if is(Event::Malloc) && segment {
                 let size = num(&f.size).unwrap_or(0);
                 self.confirm((pid, ptr, true));
-                self.segments.insert((pid, ptr), LiveSegment { size, expandable });
-                self.entry(if expandable { "segment_map" } else { "segment_alloc" }, ptr, size, ts);
+                self.segments.insert((pid, ptr), LiveSegment { size, expandable, row });
+                self.entry(if expandable { "segment_map" } else { "segment_alloc" }, ptr, size, (ts, row));
             } else if is(Event::Free) {
                 if let Some(seg) = self.segments.remove(&(pid, ptr)) {
                     let at = self.trace.len();
-                    self.entry(if seg.expandable { "segment_unmap" } else { "segment_free" }, ptr, seg.size, ts);
+                    self.entry(if seg.expandable { "segment_unmap" } else { "segment_free" }, ptr, seg.size, (ts, row));
                     if shadow {
                         self.shadows.insert((pid, ptr, true), (at, Freed::Segment(seg)));
                     }
@@ -177,13 +185,13 @@ impl Replay {
                 let size = num(&f.size).unwrap_or(0);
                 let requested = num(&f.req_size).unwrap_or(size);
                 self.confirm((pid, ptr, false));
-                self.blocks.insert((pid, ptr), LiveBlock { size, requested });
-                self.entry("alloc", ptr, size, ts);
+                self.blocks.insert((pid, ptr), LiveBlock { size, requested, row });
+                self.entry("alloc", ptr, size, (ts, row));
             } else if is(Event::Free) {
                 if let Some(block) = self.blocks.remove(&(pid, ptr)) {
                     let at = self.trace.len();
-                    self.entry("free_requested", ptr, block.size, ts);
-                    self.entry("free_completed", ptr, block.size, ts);
+                    self.entry("free_requested", ptr, block.size, (ts, row));
+                    self.entry("free_completed", ptr, block.size, (ts, row));
                     if shadow {
                         self.shadows.insert((pid, ptr, false), (at, Freed::Block(block)));
                     }
@@ -200,6 +208,7 @@ impl Replay {
                 stream: 0,
                 time_us,
                 frames: Vec::new(),
+                row,
             };
             self.trace.push(entry);
         }
@@ -245,7 +254,7 @@ fn replay(db: &DumpDb) -> Result<Replay, ExportError> {
         Fed::Row(row) => {
             let Some(ptr) = parse_ptr(row.ptr).or(Some(0)) else { return };
             let Some(fields) = Fields::parse(row.attr) else { return };
-            replay.row(row.event, row.event_type, row.pid, row.ts, ptr, &fields);
+            replay.row(row.event, row.event_type, row.pid, (row.ts, row.rowid), ptr, &fields);
         }
     })?;
     replay.settle();
@@ -288,6 +297,7 @@ fn segments(replay: &Replay, device: u32, summary: &mut Summary) -> Vec<Segment>
                     requested_size: 0,
                     state: "inactive",
                     frames: vec![],
+                    row: 0,
                 });
             }
             blocks.push(Block {
@@ -296,13 +306,15 @@ fn segments(replay: &Replay, device: u32, summary: &mut Summary) -> Vec<Segment>
                 requested_size: block.requested.min(block.size),
                 state: "active_allocated",
                 frames: Vec::new(),
+                row: block.row,
             });
             (at, allocated, requested) =
                 (addr + block.size, allocated + block.size, requested + block.requested.min(block.size));
             inside += 1;
         }
         if at < end {
-            blocks.push(Block { address: at, size: end - at, requested_size: 0, state: "inactive", frames: vec![] });
+            let (size, state) = (end - at, "inactive");
+            blocks.push(Block { address: at, size, requested_size: 0, state, frames: vec![], row: 0 });
         }
         out.push(Segment {
             device,
@@ -317,6 +329,7 @@ fn segments(replay: &Replay, device: u32, summary: &mut Summary) -> Vec<Segment>
             is_expandable: seg.expandable,
             frames: Vec::new(),
             blocks,
+            row: seg.row,
         });
     }
     summary.outside = replay.blocks.len() - inside;
@@ -332,10 +345,20 @@ pub fn export(db: &DumpDb, device: u32, out: &mut impl Write) -> Result<Summary,
         live_requested: replay.blocks.values().map(|b| b.requested.min(b.size)).sum(),
         ..Summary::default()
     };
-    let segments = segments(&replay, device, &mut summary);
+    let mut segments = segments(&replay, device, &mut summary);
     summary.segments = segments.len();
+    let mut trace = replay.trace;
+    let stacks = Stacks::read(db)?;
+    if !stacks.is_empty() {
+        trace.iter_mut().for_each(|e| e.frames = stacks.of(e.row));
+        for s in &mut segments {
+            s.frames = stacks.of(s.row);
+            s.blocks.iter_mut().filter(|b| b.row != 0).for_each(|b| b.frames = stacks.of(b.row));
+        }
+        summary.with_frames = trace.iter().filter(|e| !e.frames.is_empty()).count();
+    }
     let mut device_traces: Vec<Vec<TraceEntry>> = (0..device).map(|_| Vec::new()).collect();
-    device_traces.push(replay.trace);
+    device_traces.push(trace);
     let snapshot = Snapshot { segments, device_traces, allocator_settings: BTreeMap::new() };
     serde_pickle::to_writer(out, &snapshot, serde_pickle::SerOptions::new())?;
     Ok(summary)

@@ -16,11 +16,10 @@ use std::io::Write;
 
 use serde_json::{json, Value};
 
-use crate::analysis::attr::attr_fields;
-use crate::analysis::db::{DumpDb, Fed, Selection};
+use crate::analysis::db::DumpDb;
 use crate::analysis::decompose::{self, Family};
+use crate::analysis::instants::{self, Kind};
 use crate::analysis::AnalysisError;
-use crate::vocab::{Event, EventType};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PerfettoError {
@@ -28,10 +27,6 @@ pub enum PerfettoError {
     Db(#[from] AnalysisError),
     #[error("cannot write the trace")]
     Write(#[from] std::io::Error),
-}
-
-attr_fields! {
-    struct Fields { total, pool, req_size }
 }
 
 /// One device's DB and the process id its tracks get (devices in order, from 1).
@@ -107,51 +102,22 @@ fn owner_counters(device: &Device<'_>, events: &mut Vec<Value>, tracks: &mut usi
 /// The caching pools' reserved bytes (Attr `total` of the `PTA` rows), summed over processes
 /// and pools, and the instants: steps, marks, OOMs.
 fn pools_and_instants(device: &Device<'_>, events: &mut Vec<Value>) -> Result<(usize, usize), AnalysisError> {
-    let selected = [
-        Event::Malloc.as_str(),
-        Event::Free.as_str(),
-        Event::System.as_str(),
-        Event::Mstx.as_str(),
-        Event::OomDetail.as_str(),
-    ];
-    let mut reserved: BTreeMap<(i64, String), i64> = BTreeMap::new();
-    let (mut counters, mut instants) = (0, 0);
-    let mut out = Vec::new();
-    device.db.rows(Selection { events: &selected, name: true, thread: false })?.for_each_row(|fed| match fed {
-        Fed::Restart => {
-            out.clear();
-            reserved.clear();
-            (counters, instants) = (0, 0);
-        }
-        Fed::Row(row) => {
-            let instant = |name: String, cat: &str| {
-                json!({"ph": "i", "s": "p", "name": name, "cat": cat, "pid": device.pid, "tid": 0, "ts": us(row.ts)})
-            };
-            if row.event_type == EventType::Pta.as_str() {
-                let Some(f) = Fields::parse(row.attr) else { return };
-                let Some(total) = f.total.as_deref().and_then(|t| t.parse::<i64>().ok()) else { return };
-                let pool = f.pool.as_deref().unwrap_or("caching").to_owned();
-                let key = (row.pid, pool);
-                if reserved.get(&key) != Some(&total) {
-                    reserved.insert(key, total);
-                    out.push(counter("PTA reserved", device.pid, row.ts, "reserved", reserved.values().sum()));
-                    counters += 1;
-                }
-            } else if row.event == Event::System.as_str() && row.event_type == EventType::Step.as_str() {
-                out.push(instant(format!("step {}", row.name), "step"));
-                instants += 1;
-            } else if row.event == Event::Mstx.as_str() && row.event_type == EventType::Mark.as_str() {
-                out.push(instant(row.name.trim_matches('"').to_owned(), "mark"));
-                instants += 1;
-            } else if row.event_type == EventType::OomTrigger.as_str() {
-                let req = Fields::parse(row.attr).and_then(|f| f.req_size.map(|r| r.into_owned())).unwrap_or_default();
-                out.push(instant(format!("OOM: {req} bytes requested"), "oom"));
-                instants += 1;
-            }
-        }
-    })?;
-    events.extend(out);
-    Ok((counters, instants))
+    let read = instants::read(device.db)?;
+    let mut reserved: BTreeMap<(i64, &str), i64> = BTreeMap::new();
+    for r in &read.reserved {
+        reserved.insert((r.pid, &r.pool), r.total);
+        events.push(counter("PTA reserved", device.pid, r.ts, "reserved", reserved.values().sum()));
+    }
+    for i in &read.instants {
+        let (name, cat) = match i.kind {
+            Kind::Step => (format!("step {}", i.name), "step"),
+            Kind::Mark => (i.name.clone(), "mark"),
+            Kind::Oom => (format!("OOM: {} bytes requested", i.name), "oom"),
+        };
+        events
+            .push(json!({"ph": "i", "s": "p", "name": name, "cat": cat, "pid": device.pid, "tid": 0, "ts": us(i.ts)}));
+    }
+    Ok((read.reserved.len(), read.instants.len()))
 }
 
 /// Writes the devices' DBs to `out` as one Chrome JSON trace.

@@ -1,12 +1,11 @@
 //! `memscope-bpf export`: a trace in another tool's format. Unprivileged: it reads the DBs and
 //! writes one file, never touching the DBs.
 
-use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 
-use super::inputs;
+use super::inputs::{self, write_atomically};
 use crate::analysis::db::{DbFile, DumpDb};
 use memscope_core::export::{memory_viz, perfetto};
 
@@ -21,7 +20,8 @@ use memscope_core::export::{memory_viz, perfetto};
 /// device_traces), pickled: drop it on PyTorch's memory_viz page, or read it with
 /// torch/cuda/_memory_viz.py (segsum, trace, segment_plot, trace_plot). The segments are
 /// torch_npu's caching-pool segments as the trace saw them taken, its blocks inside them where
-/// the allocator placed them. One device.
+/// the allocator placed them, each event and block with its call stack as frames when the trace
+/// recorded stacks (trace --call-stack c,python). One device.
 ///
 /// perfetto: a Chrome JSON trace for Perfetto's UI (or chrome://tracing): per device, a counter
 /// track per owner (live bytes, as analyze --analysis decompose has them at any instant) and per
@@ -102,6 +102,9 @@ fn memory_viz_file(args: &Args, mut candidates: Vec<(DbFile, String)>) -> anyhow
         summary.live_blocks,
         summary.live_requested
     );
+    if summary.with_frames > 0 {
+        eprintln!("memscope-bpf: {} events carry their call stacks as frames", summary.with_frames);
+    }
     if summary.outside > 0 {
         eprintln!(
             "memscope-bpf: note: {} live blocks lie in segments taken before the trace started: they are in the \
@@ -140,32 +143,6 @@ fn perfetto_file(args: &Args, candidates: &[(DbFile, String)]) -> anyhow::Result
         summary.instants
     );
     Ok(())
-}
-
-/// Writes `output` through a temporary file beside it, renamed over it only when complete.
-fn write_atomically<T>(
-    output: &Path,
-    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> anyhow::Result<T>,
-) -> anyhow::Result<T> {
-    let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = output.file_name().with_context(|| format!("{} is not a file name", output.display()))?;
-    let partial = dir.join(format!(".{}.partial", name.to_string_lossy()));
-    let file = std::fs::File::create(&partial).with_context(|| format!("cannot write {}", partial.display()))?;
-    let mut out = std::io::BufWriter::new(file);
-    let result = write(&mut out).and_then(|r| {
-        out.flush().with_context(|| format!("cannot write {}", partial.display()))?;
-        Ok(r)
-    });
-    match result {
-        Ok(r) => {
-            std::fs::rename(&partial, output).with_context(|| format!("cannot write {}", output.display()))?;
-            Ok(r)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_file(&partial);
-            Err(e)
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,13 @@
-//! The DB arguments of the offline verbs (`analyze`, `advise`, `compare`): which DB files they
-//! name, which device each holds, and `--device` as a user may write it. One place, so the verbs
-//! accept the same inputs and say the same thing when a device is not among them.
+//! The DB arguments of the offline verbs (`analyze`, `advise`, `compare`, `export`, `report`):
+//! which DB files they name, which device each holds, and `--device` as a user may write it. One
+//! place, so the verbs accept the same inputs and say the same thing when a device is not among
+//! them; and how the verbs that write a file write it (whole, or not at all).
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
 
 use crate::analysis::db::{self, DbFile, DumpDb};
 
@@ -60,4 +64,30 @@ pub fn no_such_device(want: &str, mut found: Vec<String>) -> anyhow::Error {
         "no DB of device {want} among the inputs (devices found: {}); pick one of those with --device",
         if found.is_empty() { "none".to_owned() } else { found.join(", ") }
     )
+}
+
+/// Writes `output` through a temporary file beside it, renamed over it only when complete.
+pub fn write_atomically<T>(
+    output: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = output.file_name().with_context(|| format!("{} is not a file name", output.display()))?;
+    let partial = dir.join(format!(".{}.partial", name.to_string_lossy()));
+    let file = std::fs::File::create(&partial).with_context(|| format!("cannot write {}", partial.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    let result = write(&mut out).and_then(|r| {
+        out.flush().with_context(|| format!("cannot write {}", partial.display()))?;
+        Ok(r)
+    });
+    match result {
+        Ok(r) => {
+            std::fs::rename(&partial, output).with_context(|| format!("cannot write {}", output.display()))?;
+            Ok(r)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            Err(e)
+        }
+    }
 }

@@ -8,6 +8,7 @@ pub mod daemon;
 pub mod export;
 mod inputs;
 pub mod probes;
+pub mod report;
 pub mod trace;
 
 use std::time::Duration;
@@ -32,6 +33,7 @@ enum Command {
     Advise(advise::Args),
     Daemon(daemon::Args),
     Export(export::Args),
+    Report(report::Args),
     /// Replays synthetic ring records through the consumer (for `cargo xtask bench`).
     #[command(hide = true)]
     BenchConsumer(bench_consumer::Args),
@@ -47,6 +49,7 @@ impl Cli {
             Command::Advise(args) => advise::run(args),
             Command::Daemon(args) => daemon::run(args),
             Command::Export(args) => export::run(args),
+            Command::Report(args) => report::run(args),
             Command::BenchConsumer(args) => bench_consumer::run(&args),
         }
     }

@@ -7,11 +7,12 @@
 //!
 //! By role: [`environment`] (paths, variables, skips), [`ledgers`] (the workloads' own ground
 //! truth), [`readers`] (the DBs, CSVs and text the tracer wrote, read back), [`runner`] (starting
-//! memscope-bpf and the workloads), [`scrape`] (HTTP, Prometheus and PromQL), [`kernel`] (the BPF programs loaded) and [`assertions`]
+//! memscope-bpf and the workloads), [`scrape`] (HTTP, Prometheus and PromQL), [`browser`] (pages in headless Chromium), [`kernel`] (the BPF programs loaded) and [`assertions`]
 //! (the comparisons). Everything is
 //! re-exported here, so a test needs only `use memscope_integration::*`.
 
 pub mod assertions;
+pub mod browser;
 pub mod environment;
 pub mod kernel;
 pub mod ledgers;
@@ -20,6 +21,7 @@ pub mod runner;
 pub mod scrape;
 
 pub use assertions::*;
+pub use browser::*;
 pub use environment::*;
 pub use kernel::*;
 pub use ledgers::*;

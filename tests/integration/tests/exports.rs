@@ -47,12 +47,17 @@ const PAGE_OPCODES: &[&str] = &[
 ];
 
 /// Runs `python3 WORKLOAD --torch-lib TORCH ARGS` (the stand-in torch_npu with its allocator's
-/// symbols) launched under `trace --output OUT`, with `vars`, to its end.
-fn traced(env: &TestEnv, out: &Path, workload: &Path, args: &[&str], vars: &[(&str, &Path)]) {
+/// symbols) launched under `trace --output OUT TRACER_ARGS`, with `vars`, to its end. The
+/// interpreter itself is launched, not pyenv's `python3` shim (an exec more before Python runs).
+fn traced(env: &TestEnv, (out, tracer): (&Path, &[&str]), workload: &Path, args: &[&str], vars: &[(&str, &Path)]) {
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let s = |p: &Path| p.display().to_string();
-    let mut all = vec!["trace".to_owned(), "--output".into(), s(out), "--lib".into(), s(&torch), "--".into()];
-    all.extend(["python3".into(), s(workload), "--torch-lib".into(), s(&torch)]);
+    let mut all = vec!["trace".to_owned(), "--output".into(), s(out), "--lib".into(), s(&torch)];
+    all.extend(tracer.iter().map(|a| a.to_string()));
+    all.push("--".into());
+    let python = Command::new("python3").args(["-c", "import sys; print(sys.executable)"]).output().unwrap();
+    let python = String::from_utf8_lossy(&python.stdout).trim().to_owned();
+    all.extend([python, s(workload), "--torch-lib".into(), s(&torch)]);
     all.extend(args.iter().map(|a| a.to_string()));
     let all: Vec<&str> = all.iter().map(String::as_str).collect();
     let (code, stderr) = Tracer::spawn(env, &all, vars).finish(Duration::from_secs(120));
@@ -91,9 +96,10 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
     let (ledger, ready, out) = (env.scratch.join("pool.jsonl"), env.scratch.join("ready"), env.scratch.join("out"));
     let s = |p: &Path| p.display().to_string();
     let pool = env.workload.with_file_name("standin_pool_hold.py");
-    let args = ["--ready-file", &s(&ready), "--count", "3000", "--max", "4194304", "--hold", "0.2"];
+    // --delay: the tracer finds the interpreter of a launched command at its first rescan.
+    let args = ["--ready-file", &s(&ready), "--count", "3000", "--max", "4194304", "--hold", "0.2", "--delay", "1"];
     let vars: Vec<(&str, &Path)> = vec![("ASCEND_HOME_PATH", &env.ascend_home), ("STANDIN_TORCH_LEDGER", &ledger)];
-    traced(&env, &out, &pool, &args, &vars);
+    traced(&env, (&out, &["--call-stack", "python"]), &pool, &args, &vars);
     let live = live_blocks(&ledger);
     assert!(live.len() > 1000, "{} blocks live at the end", live.len());
 
@@ -127,6 +133,21 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
     for op in said["opcodes"].as_array().unwrap() {
         assert!(PAGE_OPCODES.contains(&op.as_str().unwrap()), "opcode {op} is not one the memory_viz page reads");
     }
+    // Each allocation carries the Python frame that made it, as PyTorch's own formatting prints
+    // it: the workload's file, the line of its allocating call (read from its source), `main`.
+    let source = std::fs::read_to_string(&pool).unwrap();
+    let line =
+        1 + source.lines().position(|l| l.contains("= torch.standin_tensor_alloc(")).expect("the allocating call");
+    let want = format!("standin_pool_hold.py:{line}:main");
+    let allocs = said["alloc_frames"].as_array().unwrap();
+    let with = allocs.iter().filter(|f| f.as_array().unwrap().iter().any(|x| x.as_str() == Some(&want))).count();
+    assert!(
+        with * 10 >= allocs.len() * 9,
+        "{with} of {} allocations have the frame {want}: {:?}",
+        allocs.len(),
+        &allocs[..3]
+    );
+    assert!(said["block_frames"].as_u64().unwrap() as usize >= live.len() * 9 / 10, "{said}");
 }
 
 /// An event's `Timestamp(ns)`: its `ts` (µs after the origin) plus the origin.
@@ -159,7 +180,7 @@ fn a_perfetto_export_s_owner_tracks_equal_the_decomposition_and_its_instants_the
     let workload = var("MEMSCOPE_TAGS_WORKLOAD");
     let args = ["--scenario", "serve", "--ledger", &s(&ledger)];
     let vars: Vec<(&str, &Path)> = vec![("PYTHONPATH", &markers), ("ASCEND_HOME_PATH", &env.ascend_home)];
-    traced(&env, &out, &workload, &args, &vars);
+    traced(&env, (&out, &[]), &workload, &args, &vars);
     let output = read_output(&out);
     let db = output.db("device_0").to_owned();
 
