@@ -1,5 +1,6 @@
-//! `trace`'s live status while it runs: elapsed time, calls and their rate, lost records, live
-//! and peak bytes per device, the largest owners, the current step and the last OOM.
+//! The live status of `trace` and `daemon` while they run: elapsed time, calls and their rate,
+//! lost records, live and peak bytes per device (per job, for the daemon), the largest owners,
+//! the current step and the last OOM.
 //!
 //! Three forms, one content: on a terminal a status area redrawn in place about once a second
 //! (indicatif, which clears it for any other line the trace prints: [`crate::say`] goes through
@@ -64,6 +65,9 @@ impl Mode {
 /// One device's bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DeviceFacts {
+    /// The daemon's job, `PID (COMM)`; `None` for `trace`'s one target.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
     pub device: String,
     pub live_bytes: u64,
     pub peak_bytes: u64,
@@ -73,6 +77,8 @@ pub struct DeviceFacts {
 /// One owner's live bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct OwnerFacts {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
     pub device: String,
     pub owner: String,
     pub bytes: i64,
@@ -87,6 +93,9 @@ pub struct Facts {
     /// The largest owners first.
     pub owners: Vec<OwnerFacts>,
     pub step: Option<u64>,
+    /// The daemon's running jobs; `None` for `trace`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub jobs: Option<usize>,
 }
 
 /// A status line for programs (`--json`).
@@ -176,22 +185,32 @@ impl Status {
     /// The status as lines for a person.
     fn text(&self, facts: &Facts, rate: f64, now: Instant) -> String {
         let elapsed = now.duration_since(self.started).as_secs();
+        let jobs = facts.jobs.map(|n| format!(" · {n} job(s)")).unwrap_or_default();
         let mut lines = vec![format!(
-            "tracing for {}:{:02} · {} calls ({rate:.0}/s) · {} lost",
+            "tracing for {}:{:02}{jobs} · {} calls ({rate:.0}/s) · {} lost",
             elapsed / 60,
             elapsed % 60,
             facts.calls,
             facts.lost
         )];
+        let job = |j: &Option<String>| j.as_ref().map(|j| format!("job {j} ")).unwrap_or_default();
         for d in &facts.devices {
-            lines.push(format!("device {}: {} live, peak {}", d.device, human(d.live_bytes), human(d.peak_bytes)));
+            let (live, peak) = (human(d.live_bytes), human(d.peak_bytes));
+            lines.push(format!("{}device {}: {live} live, peak {peak}", job(&d.job), d.device));
         }
         if !facts.owners.is_empty() {
             let top: Vec<String> = facts
                 .owners
                 .iter()
                 .take(TOP_OWNERS)
-                .map(|o| format!("{} {}", o.owner, human(o.bytes.max(0) as u64)))
+                .map(|o| {
+                    format!(
+                        "{}{} {}",
+                        o.job.as_ref().map(|j| format!("{j}: ")).unwrap_or_default(),
+                        o.owner,
+                        human(o.bytes.max(0) as u64)
+                    )
+                })
                 .collect();
             lines.push(format!("owners: {}", top.join(", ")));
         }
@@ -231,13 +250,20 @@ mod tests {
             calls: 1200,
             lost: 0,
             devices: vec![DeviceFacts {
+                job: None,
                 device: "0".into(),
                 live_bytes: 3 << 20,
                 peak_bytes: 5 << 20,
                 out_of_memory: 1,
             }],
-            owners: vec![OwnerFacts { device: "0".into(), owner: "PTA@vllm@kv_cache".into(), bytes: 2 << 20 }],
+            owners: vec![OwnerFacts {
+                job: None,
+                device: "0".into(),
+                owner: "PTA@vllm@kv_cache".into(),
+                bytes: 2 << 20,
+            }],
             step: Some(14),
+            jobs: None,
         }
     }
 
@@ -256,6 +282,25 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want:?} missing from {text}");
         }
+    }
+
+    #[test]
+    fn the_daemons_jobs_label_their_devices_and_owners() {
+        let mut f = facts();
+        f.jobs = Some(2);
+        f.devices[0].job = Some("42 (python3, step 3)".into());
+        f.owners[0].job = Some("42".into());
+        let text = Status::new(Mode::Off).text(&f, 5.0, Instant::now());
+        for want in ["· 2 job(s) ·", "job 42 (python3, step 3) device 0: 3.0 MiB live", "42: PTA@vllm@kv_cache 2.0 MiB"]
+        {
+            assert!(text.contains(want), "{want:?} missing from {text}");
+        }
+        let json = serde_json::to_value(&f).unwrap();
+        assert_eq!(json["devices"][0]["job"], "42 (python3, step 3)");
+        assert!(
+            serde_json::to_value(facts()).unwrap()["devices"][0].get("job").is_none(),
+            "trace's lines are unchanged"
+        );
     }
 
     #[test]

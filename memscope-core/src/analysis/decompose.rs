@@ -16,7 +16,8 @@ use std::str::FromStr;
 
 use super::attr::attr_fields;
 use super::blocks::{block_attr, BlockHooks, BlockKey, BlockReplay, Bounds, OwnerSlots};
-use super::db::{DumpDb, DumpRow, Fed};
+use super::db::{DumpDb, DumpRow, Fed, Selection};
+use super::pass::Consumer as _;
 use super::AnalysisError;
 use crate::vocab::Event;
 
@@ -209,14 +210,39 @@ pub struct Timeline {
 
 /// The decomposition's changes over a DB (see [`Timeline`]).
 pub fn timeline(db: &DumpDb) -> Result<Timeline, AnalysisError> {
-    let mut replay = Replay::default();
+    let mut replay = TimelineReplay::default();
     db.for_each_row(|fed| match fed {
-        Fed::Row(row) => replay.apply(row),
-        Fed::Restart => replay = Replay::default(),
+        Fed::Row(row) => replay.row(row),
+        Fed::Restart => replay.restart(),
     })?;
-    let m = replay.metrics;
-    let owners = (0..m.slots.len() as u32).map(|i| (m.slots.get(i).0, m.slots.get(i).1.to_owned())).collect();
-    Ok(Timeline { owners, changes: m.steps.iter().map(|s| (s.ts, s.slot, s.delta)).collect() })
+    Ok(replay.finish())
+}
+
+/// The replay behind [`timeline`], for a pass other replays share ([`super::pass`]).
+#[derive(Default)]
+pub struct TimelineReplay(Replay);
+
+impl TimelineReplay {
+    pub fn finish(self) -> Timeline {
+        let m = self.0.metrics;
+        let owners = (0..m.slots.len() as u32).map(|i| (m.slots.get(i).0, m.slots.get(i).1.to_owned())).collect();
+        Timeline { owners, changes: m.steps.iter().map(|s| (s.ts, s.slot, s.delta)).collect() }
+    }
+}
+
+impl super::pass::Consumer for TimelineReplay {
+    fn selection(&self) -> Selection<'static> {
+        const EVENTS: [&str; 3] = [Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()];
+        Selection { events: &EVENTS, name: false, thread: false }
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        self.0.apply(row);
+    }
+
+    fn restart(&mut self) {
+        self.0 = Replay::default();
+    }
 }
 
 attr_fields! {

@@ -2,7 +2,8 @@
 //! returns — `segments` (the pool's segments live at the end, each tiled exactly by its blocks,
 //! live or free) and `device_traces` (every allocator event in time order) — pickled as PyTorch
 //! pickles it, so PyTorch's memory_viz page and `_memory_viz.py` (`segsum`, `trace`,
-//! `segment_plot`, `trace_plot`) open an Ascend trace as they open a CUDA one.
+//! `segment_plot`, `trace_plot`) open an Ascend trace as they open a CUDA one. The pickle is
+//! protocol 4, as PyTorch's own snapshots are.
 //!
 //! What maps to what: torch_npu's segments are the `HAL` MALLOC rows its allocator made inside
 //! its own call (Attr `segment`; expandable-segment pages, `vmm`, are `segment_map`s merged with
@@ -336,6 +337,37 @@ fn segments(replay: &Replay, device: u32, summary: &mut Summary) -> Vec<Segment>
     out
 }
 
+/// serde-pickle writes protocol 3 (`PROTO 3` first). Every opcode of protocol 3 is one of
+/// protocol 4's, whose framing is optional (PEP 3154: an unpickler reads unframed opcodes as
+/// they come), so the same stream under `PROTO 4` is a protocol-4 pickle: the version
+/// `torch.cuda.memory._dump_snapshot` writes. This writer changes that one byte.
+struct Protocol4<'a, W: Write> {
+    out: &'a mut W,
+    at: u64,
+}
+
+impl<W: Write> Write for Protocol4<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = if self.at < 2 && self.at + buf.len() as u64 >= 2 {
+            let i = (1 - self.at) as usize;
+            let mut head = buf[..=i].to_vec();
+            if head[i] == 3 && (i == 0 || head[0] == 0x80) {
+                head[i] = 4;
+            }
+            self.out.write_all(&head)?;
+            head.len()
+        } else {
+            self.out.write(buf)?
+        };
+        self.at += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
 /// Writes `db` (the DB of one device, `device`) to `out` as a memory_viz snapshot.
 pub fn export(db: &DumpDb, device: u32, out: &mut impl Write) -> Result<Summary, ExportError> {
     let replay = replay(db)?;
@@ -360,7 +392,7 @@ pub fn export(db: &DumpDb, device: u32, out: &mut impl Write) -> Result<Summary,
     let mut device_traces: Vec<Vec<TraceEntry>> = (0..device).map(|_| Vec::new()).collect();
     device_traces.push(trace);
     let snapshot = Snapshot { segments, device_traces, allocator_settings: BTreeMap::new() };
-    serde_pickle::to_writer(out, &snapshot, serde_pickle::SerOptions::new())?;
+    serde_pickle::to_writer(&mut Protocol4 { out, at: 0 }, &snapshot, serde_pickle::SerOptions::new())?;
     Ok(summary)
 }
 
@@ -472,6 +504,6 @@ mod tests {
         for key in ["segments", "device_traces", "total_size", "active_allocated", "segment_alloc", "time_us"] {
             assert!(text.contains(key), "{key} missing from {text}");
         }
-        assert_eq!(bytes[..2], [0x80, 3], "protocol 3, within the memory_viz page's 2 to 4");
+        assert_eq!(bytes[..2], [0x80, 4], "protocol 4, as PyTorch writes its snapshots");
     }
 }

@@ -104,9 +104,12 @@ fn owner_counters(device: &Device<'_>, events: &mut Vec<Value>, tracks: &mut usi
 fn pools_and_instants(device: &Device<'_>, events: &mut Vec<Value>) -> Result<(usize, usize), AnalysisError> {
     let read = instants::read(device.db)?;
     let mut reserved: BTreeMap<(i64, &str), i64> = BTreeMap::new();
+    let mut counters = 0;
     for r in &read.reserved {
-        reserved.insert((r.pid, &r.pool), r.total);
-        events.push(counter("PTA reserved", device.pid, r.ts, "reserved", reserved.values().sum()));
+        if reserved.insert((r.pid, &r.pool), r.total) != Some(r.total) {
+            events.push(counter("PTA reserved", device.pid, r.ts, "reserved", reserved.values().sum()));
+            counters += 1;
+        }
     }
     for i in &read.instants {
         let (name, cat) = match i.kind {
@@ -117,7 +120,7 @@ fn pools_and_instants(device: &Device<'_>, events: &mut Vec<Value>) -> Result<(u
         events
             .push(json!({"ph": "i", "s": "p", "name": name, "cat": cat, "pid": device.pid, "tid": 0, "ts": us(i.ts)}));
     }
-    Ok((read.reserved.len(), read.instants.len()))
+    Ok((counters, read.instants.len()))
 }
 
 /// Writes the devices' DBs to `out` as one Chrome JSON trace.

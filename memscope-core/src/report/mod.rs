@@ -16,9 +16,11 @@ pub mod html;
 use serde::Serialize;
 
 use crate::analysis::db::DumpDb;
+use crate::analysis::db::{DumpRow, Selection};
 use crate::analysis::decompose::{self, Family};
 use crate::analysis::instants::{self, Instant};
-use crate::analysis::steps::{StepDb, StepError, StepPoint, Timeline};
+use crate::analysis::pass::{self, Consumer};
+use crate::analysis::steps::{self, BlockSink as _, StepDb, StepPoint, Timeline};
 use crate::analysis::AnalysisError;
 
 /// How much of a trace the page gets.
@@ -40,7 +42,7 @@ impl Default for Options {
     }
 }
 
-/// A pool's reserved bytes over time (summed over the processes of the device).
+/// A pool's reserved (or allocated) bytes over time, summed over the processes of the device.
 #[derive(Clone, Debug, Serialize)]
 pub struct Reserved {
     pub name: String,
@@ -78,14 +80,6 @@ pub struct DeviceReport {
     pub findings: Vec<findings::Finding>,
     /// What was summarised, in words.
     pub summarised: Vec<String>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReportError {
-    #[error(transparent)]
-    Db(#[from] AnalysisError),
-    #[error(transparent)]
-    Steps(#[from] StepError),
 }
 
 /// The earliest `Timestamp(ns)` of a DB: the run's origin is the earliest of its devices'.
@@ -127,13 +121,39 @@ fn step_end(p: &StepPoint, steps: &Timeline, owners: &mut Vec<(&'static str, Str
     StepEnd { step: p.step.unwrap_or(0), t: p.ts - origin, totals: p.totals, owners }
 }
 
+/// The step replay with the table's sink, for the shared pass.
+struct StepReplay {
+    timeline: Timeline,
+    top: blocks::TopBlocks,
+}
+
+impl Consumer for StepReplay {
+    fn selection(&self) -> Selection<'static> {
+        steps::SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        self.timeline.apply(&row, &mut self.top);
+    }
+
+    fn restart(&mut self) {
+        self.timeline = Timeline::new(None);
+        self.top.restart();
+    }
+}
+
 /// Everything the page shows of one device's DB.
-pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Result<DeviceReport, ReportError> {
+pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Result<DeviceReport, AnalysisError> {
     let mut notes = Vec::new();
-    let timeline = decompose::timeline(db)?;
     let step_db = StepDb::new(db)?;
-    let mut top = blocks::TopBlocks::new(options.top_blocks);
-    let steps = Timeline::replay(&step_db, None, &mut top)?;
+    // One pass feeds the three replays: reading the rows is most of the cost.
+    let mut changes = decompose::TimelineReplay::default();
+    let mut step_replay = StepReplay { timeline: Timeline::new(None), top: blocks::TopBlocks::new(options.top_blocks) };
+    let mut instant_reader = instants::Reader::default();
+    pass::run(db, &mut [&mut changes, &mut step_replay, &mut instant_reader])?;
+    let timeline = changes.finish();
+    let StepReplay { timeline: mut steps, mut top } = step_replay;
+    steps.finish(&mut top);
     let end_ns = steps.end_point().map_or(origin, |p| p.ts);
     let start_ns = steps.start_ns().unwrap_or(origin);
     let bounds = (start_ns.min(end_ns), end_ns);
@@ -152,7 +172,7 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
         timeline.owners.iter().map(|(f, p)| (f.as_str(), p.clone())).collect();
     drop(timeline);
 
-    let read = instants::read(db)?;
+    let read = instant_reader.finish();
     let reserved = reserved_lines(&read.reserved, origin, bounds, options.buckets, &mut notes);
     let mut marks: Vec<Instant> = Vec::new();
     for kind in [instants::Kind::Step, instants::Kind::Mark, instants::Kind::Oom] {
@@ -203,7 +223,8 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
     })
 }
 
-/// Per pool, its reserved bytes summed over processes, thinned like the curves.
+/// Per pool, its reserved and its allocated bytes (as torch_npu counts them) summed over
+/// processes, thinned like the curves.
 fn reserved_lines(
     changes: &[instants::Reserved],
     origin: i64,
@@ -214,26 +235,31 @@ fn reserved_lines(
     let mut pools: Vec<&str> = changes.iter().map(|r| r.pool.as_str()).collect();
     pools.sort_unstable();
     pools.dedup();
-    pools
-        .into_iter()
-        .map(|pool| {
+    let mut out = Vec::new();
+    for pool in pools {
+        for (what, value) in
+            [("reserved", (|r: &instants::Reserved| Some(r.total)) as fn(&_) -> _), ("allocated", |r| r.used)]
+        {
             let mut per_pid: std::collections::BTreeMap<i64, i64> = Default::default();
-            let points: Vec<(i64, i64)> = changes
-                .iter()
-                .filter(|r| r.pool == pool)
-                .map(|r| {
-                    per_pid.insert(r.pid, r.total);
-                    (r.ts, per_pid.values().sum())
-                })
-                .collect();
+            let mut points: Vec<(i64, i64)> = Vec::new();
+            for r in changes.iter().filter(|r| r.pool == pool) {
+                let Some(v) = value(r) else { continue };
+                if per_pid.insert(r.pid, v) != Some(v) {
+                    points.push((r.ts, per_pid.values().sum()));
+                }
+            }
+            if points.is_empty() {
+                continue;
+            }
             let thinned = curves::thin(&points, origin, bounds, buckets);
-            let name = format!("PTA {pool} reserved");
+            let name = format!("PTA {pool} {what}");
             if thinned.len() < points.len() {
                 notes.push(format!("{name}: {} changes drawn as {}", points.len(), thinned.len()));
             }
-            Reserved { name, points: thinned, changes: points.len() }
-        })
-        .collect()
+            out.push(Reserved { name, points: thinned, changes: points.len() });
+        }
+    }
+    out
 }
 
 /// One trace: its devices.

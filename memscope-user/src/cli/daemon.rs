@@ -53,6 +53,12 @@ const DEFAULT_MAX_BLOCKS: u32 = 1 << 20;
 /// date as it runs (docs/metrics.md); GET /healthz says the daemon is up. SIGINT or SIGTERM
 /// finishes every job's DBs and stops; SIGHUP reads --filters again and applies every filter
 /// to the processes running then. Needs root.
+///
+/// It always runs in the foreground (systemd or a terminal keeps it). On a terminal a status
+/// area, redrawn every second, shows the calls and their rate, lost records, and per running
+/// job its live and peak bytes per device, step and largest owners (as `trace` shows its
+/// target); --json prints it as JSON lines instead; off a terminal only the jobs' starts and
+/// ends are printed, for the journal.
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -142,9 +148,15 @@ pub struct Args {
     #[arg(long, value_name = "TIME", default_value = "1m", value_parser = parse_duration)]
     pub step_window: Duration,
 
-    /// Print only errors and the final line (not each job's start and end).
+    /// Print only errors and the final line (not each job's start and end, nor the status).
     #[arg(short, long)]
     pub quiet: bool,
+
+    /// Print the live status as one JSON object per second on stdout (the running jobs' live
+    /// and peak bytes per device, their largest owners, calls and lost records), for programs;
+    /// without it the status is shown only on a terminal.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -193,6 +205,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             trend_every_ns: TREND_EVERY.as_nanos() as u64,
         },
         owner_labels: args.owner_labels,
+        status: match crate::status::Mode::choose(args.quiet, args.json) {
+            // A journal wants events, not a status line every 10 s: Prometheus has the totals.
+            crate::status::Mode::Lines => crate::status::Mode::Off,
+            mode => mode,
+        },
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

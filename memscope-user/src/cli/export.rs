@@ -175,7 +175,7 @@ mod tests {
         // And one that works writes the whole file under its name, nothing beside it.
         let out = run_dir.join("snap.pickle");
         run(&[folder, "--device", "npu:1", "-o", out.to_str().unwrap()]).unwrap();
-        assert_eq!(std::fs::read(&out).unwrap()[..2], [0x80, 3]);
+        assert_eq!(std::fs::read(&out).unwrap()[..2], [0x80, 4]);
         let partial = std::fs::read_dir(&run_dir)
             .unwrap()
             .filter_map(Result::ok)

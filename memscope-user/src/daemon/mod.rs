@@ -9,7 +9,7 @@
 //! process's job, commits every job's rows every second (a daemon killed outright leaves DBs
 //! that open), looks for library files not probed yet in the processes the kernel says just
 //! started or loaded objects ([`discover`]), renews the metrics every
-//! 0.5 s, and finishes a job when its process exits. SIGINT and SIGTERM finish every open job
+//! 0.5 s (and the status on a terminal every second: [`status`]), and finishes a job when its process exits. SIGINT and SIGTERM finish every open job
 //! and stop; SIGHUP applies the name filters again to the processes running then.
 
 pub mod discover;
@@ -18,6 +18,7 @@ pub mod jobs;
 pub mod judge;
 pub mod retention;
 pub mod rules;
+mod status;
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -75,6 +76,8 @@ pub struct Plan {
     pub live: memscope_core::analysis::live::Options,
     /// `--owner-labels`.
     pub owner_labels: usize,
+    /// The live status: a terminal's area, JSON lines (`--json`) or none.
+    pub status: crate::status::Mode,
 }
 
 /// What the daemon did, once it stopped (its probes still being detached).
@@ -123,6 +126,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         live: plan.live.clone(),
         owner_labels: plan.owner_labels,
     };
+    let plan_status = plan.status;
     let mut daemon = Daemon {
         ring_fd,
         consumer,
@@ -138,6 +142,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         ended_calls: 0,
         over_cap: false,
         swept_at: 0,
+        status: crate::status::Status::new(plan_status),
+        status_every: Every::new(crate::status::RENEW_EVERY),
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
@@ -196,6 +202,8 @@ struct Daemon {
     over_cap: bool,
     /// [`Self::ended`] at the last sweep: a job that ended since is swept for at once.
     swept_at: u64,
+    status: crate::status::Status,
+    status_every: Every,
 }
 
 impl Daemon {
@@ -421,6 +429,9 @@ impl Daemon {
                 Err(e) => say!("memscope-bpf: warning: cannot read the kernel's counters: {e}"),
             }
         }
+        if self.status.shown() && self.status_every.due() {
+            self.status.renew(&status::facts(&jobs, calls, lost));
+        }
         self.metrics.publish(Snapshot { jobs, calls, lost, maps: self.tracer.map_memory() });
     }
 
@@ -458,6 +469,7 @@ impl Daemon {
 
     /// Drains what is left, finishes every open job and starts detaching the probes.
     fn stop(mut self, reason: String, signals: Signals) -> Stopped {
+        self.status.finish();
         note(self.plan.quiet, format!("stopping ({reason})…"));
         self.drain();
         let stop_reason = format!("daemon stopped: {reason}");

@@ -416,6 +416,7 @@ impl Live {
         let devices = tracker
             .devices()
             .map(|(key, s)| crate::status::DeviceFacts {
+                job: None,
                 device: metrics::device_label(key),
                 live_bytes: s.used,
                 peak_bytes: s.peak,
@@ -429,6 +430,7 @@ impl Live {
             .into_iter()
             .filter(|o| o.bytes > 0)
             .map(|o| crate::status::OwnerFacts {
+                job: None,
                 device: metrics::device_label(o.device),
                 owner: o.owner,
                 bytes: o.bytes,
@@ -437,7 +439,8 @@ impl Live {
         owners.sort_by_key(|o| std::cmp::Reverse(o.bytes));
         let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
         let step = view.and_then(|v| v.step()).map(|(n, _)| n);
-        self.status.renew(&crate::status::Facts { calls: self.recorder.calls, lost, devices, owners, step });
+        let facts = crate::status::Facts { calls: self.recorder.calls, lost, devices, owners, step, jobs: None };
+        self.status.renew(&facts);
     }
 
     /// The traced processes other than the target still running ([`still_traced`]).

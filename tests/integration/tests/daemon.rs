@@ -651,3 +651,57 @@ fn an_out_of_memory_failure_raises_the_jobs_counters() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// `daemon --json`: a status line a second on stdout, with each running job's live and peak
+/// bytes per device as its own ledger has them.
+#[test]
+fn the_daemons_json_status_has_each_running_jobs_ledger_bytes() {
+    let env = env("daemon_status");
+    let out = env.scratch.join("out");
+    let mut daemon = live_daemon(&env, &out, &["--json"]);
+    let stdout = daemon.child.stdout.take().unwrap();
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = std::sync::Arc::clone(&lines);
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    let python = real_python();
+    let (mut a, mut b) = (Job::start(&env, "a", &python, 0, 40, None), Job::start(&env, "b", &python, 1, 70, None));
+    let (pa, pb) = (a.wait_ready(), b.wait_ready());
+    let want =
+        [(pa, "0", ledger_live_bytes(&read_ledger(&a.ledger))), (pb, "1", ledger_live_bytes(&read_ledger(&b.ledger)))];
+    let seen = |line: &serde_json::Value| {
+        want.iter().all(|(pid, device, bytes)| {
+            line["devices"].as_array().into_iter().flatten().any(|d| {
+                d["job"].as_str().is_some_and(|j| j.starts_with(&format!("{pid} (")))
+                    && d["device"] == *device
+                    && d["live_bytes"].as_u64() == Some(*bytes)
+                    && d["peak_bytes"].as_u64() == Some(*bytes)
+            })
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let line = loop {
+        let parsed: Vec<serde_json::Value> = lines
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        if let Some(line) = parsed.iter().rev().find(|l| seen(l)) {
+            break line.clone();
+        }
+        assert!(Instant::now() < deadline, "no status line with the ledgers' bytes {want:?}: {:?}", parsed.last());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(line["jobs"].as_u64(), Some(2), "{line}");
+    assert_eq!(line["lost"].as_u64(), Some(0), "{line}");
+    assert!(line["calls"].as_u64().unwrap() >= 110, "{line}");
+    drop((a, b));
+    daemon.signal(libc::SIGINT);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+}

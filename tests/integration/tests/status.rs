@@ -172,3 +172,66 @@ fn a_long_analysis_shows_its_progress_on_a_terminal_and_clears_it_for_the_report
     let end = screen(&session.0);
     assert!(end.contains("blocks allocated: HAL 3000000") && !end.contains("analyze big.db ["), "{end}");
 }
+
+/// `daemon` on a terminal: the same status area, a line per running job's device with its
+/// ledger's bytes, cleared when the daemon stops.
+#[test]
+fn on_a_terminal_the_daemon_shows_each_running_jobs_bytes_and_clears_them_when_it_stops() {
+    let env = env("status_daemon");
+    let out = env.scratch.join("out");
+    let command = format!(
+        "ASCEND_HOME_PATH='{}' '{}' daemon --output '{}' --listen 127.0.0.1:0 --duration 12",
+        env.ascend_home.display(),
+        env.bin.display(),
+        out.display()
+    );
+    let Some((session, done)) = Tmux::start(&env, "daemon", &command) else { return };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !screen(&session.0).contains("memscope-bpf: live: daemon") {
+        assert!(Instant::now() < deadline, "the daemon never went live:\n{}", screen(&session.0));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ledger = env.scratch.join("job.jsonl");
+    let s = |p: &Path| p.display().to_string();
+    let ready = ledger.with_extension("ready");
+    let job = Command::new("python3")
+        .arg(env.workload.with_file_name("standin_hold.py"))
+        .args([
+            "--ledger",
+            &s(&ledger),
+            "--blocks",
+            "200",
+            "--size",
+            "7000",
+            "--hold",
+            "30",
+            "--ready-file",
+            &s(&ready),
+        ])
+        .env("ASCEND_HOME_PATH", &env.ascend_home)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let job = Killed(job);
+    let want = format!("device 0: {} live", human(ledger_live_bytes_when_written(&ledger)));
+    let pid = std::fs::read_to_string(&ready).unwrap().trim().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = screen(&session.0);
+        let line = now.lines().find(|l| l.trim_start().starts_with(&format!("job {pid} (")));
+        if line.is_some_and(|l| l.contains(&want)) && now.contains("· 1 job(s) ·") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no status line for job {pid} saying {want:?}:\n{now}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(job);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done.exists() {
+        assert!(Instant::now() < deadline, "the daemon did not stop:\n{}", screen(&session.0));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let end = screen(&session.0);
+    assert!(end.contains("daemon stopped") && !end.contains("tracing for"), "{end}");
+}

@@ -85,7 +85,7 @@ function groups(c) {
 function lines(d) {
   const out = [];
   for (const c of d.curves) if (c.family !== state.family) out.push({ name: c.family + " allocated", pts: c.t.map((t, i) => [t, c.total[i]]), dash: [] });
-  for (const r of d.reserved) out.push({ name: r.name, pts: r.points, dash: [6, 3] });
+  for (const r of d.reserved) out.push({ name: r.name, pts: r.points, dash: r.name.endsWith("reserved") ? [6, 3] : [2, 2] });
   return out;
 }
 
@@ -180,7 +180,7 @@ function legend(c, gr, other) {
   const owner = (o) => dev().owners[o][1];
   gr.top.forEach((o, k) => ul.append(el("li", { "data-owner": owner(o) }, el("span", { class: "swatch", style: "background:" + PALETTE[k] }), owner(o))));
   if (gr.other) ul.append(el("li", {}, el("span", { class: "swatch", style: "background:" + OTHER }), "other owners"));
-  other.forEach((l, k) => ul.append(el("li", {}, el("span", { class: "swatch", style: "background:" + LINE_COLORS[k % LINE_COLORS.length] }), l.name + (l.dash.length ? " (dashed)" : ""))));
+  other.forEach((l, k) => ul.append(el("li", {}, el("span", { class: "swatch", style: "background:" + LINE_COLORS[k % LINE_COLORS.length] }), l.name + (l.dash.length ? (l.dash[0] > 2 ? " (dashed)" : " (dotted)") : ""))));
 }
 
 // The kept instant at or before t (the state then), else the first.
@@ -230,7 +230,7 @@ function timelineEvents() {
 // ------------------------------------------------------------------ owner tree
 
 function buildTree(c, i) {
-  const root = { name: c.family, path: "", bytes: 0, kids: new Map() };
+  const root = { name: c.family + " (all)", path: "", bytes: 0, kids: new Map() };
   for (const [o, b] of c.owners[i]) {
     root.bytes += b;
     let node = root, path = [];
@@ -263,7 +263,7 @@ function tree() {
       node.name + " " + bytes(node.bytes));
     const e = el("div", { class: "node", "data-path": node.path, "data-bytes": String(node.bytes), style: "flex:" + node.bytes + " 1 0" }, label);
     body.append(el("tr", { "data-path": node.path, "data-bytes": String(node.bytes) },
-      el("td", { style: "padding-left:" + (6 + depth * 16) + "px" }, node.path === "" ? c.family + " (all)" : node.name),
+      el("td", { style: "padding-left:" + (6 + depth * 16) + "px" }, node.name),
       el("td", { class: "num", title: node.bytes + " bytes" }, bytes(node.bytes)),
       el("td", { class: "num" }, (100 * node.bytes / total).toFixed(1) + "%")));
     if (kids.length) { const k = el("div", { class: "kids" }); kids.forEach((n) => k.append(draw(n, depth + 1))); e.append(k); }
