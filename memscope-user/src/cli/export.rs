@@ -59,20 +59,7 @@ pub enum Format {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let want = args.device.as_deref().map(inputs::normalise_device);
-    let files = inputs::files(std::slice::from_ref(&args.input))?;
-    let (mut candidates, mut found) = (Vec::new(), Vec::new());
-    for file in files {
-        let device = inputs::device_of_file(&file)?;
-        found.push(device.clone());
-        if want.is_none_or(|w| inputs::is_device(&device, w)) {
-            candidates.push((file, device));
-        }
-    }
-    match (candidates.len(), want) {
-        (0, Some(w)) => bail!(inputs::no_such_device(w, found)),
-        (0, None) => bail!("{} holds no trace DB", args.input.display()),
-        _ => {}
-    }
+    let candidates = inputs::device_files(&args.input, want)?;
     match args.format {
         Format::MemoryViz => memory_viz_file(&args, candidates),
         Format::Perfetto => perfetto_file(&args, &candidates),

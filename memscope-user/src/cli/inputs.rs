@@ -45,6 +45,25 @@ pub fn device_of_file(file: &DbFile) -> anyhow::Result<String> {
     }
 }
 
+/// The DBs of one input (a file or a folder) with the device each holds, only `want`'s when
+/// given: an error names the devices there are when none is `want`, or says the input holds no
+/// DB.
+pub fn device_files(input: &Path, want: Option<&str>) -> anyhow::Result<Vec<(DbFile, String)>> {
+    let (mut picked, mut found) = (Vec::new(), Vec::new());
+    for file in files(&[input.to_owned()])? {
+        let device = device_of_file(&file)?;
+        found.push(device.clone());
+        if want.is_none_or(|w| is_device(&device, w)) {
+            picked.push((file, device));
+        }
+    }
+    match (picked.len(), want) {
+        (0, Some(w)) => Err(no_such_device(w, found)),
+        (0, None) => Err(anyhow::anyhow!("{} holds no trace DB", input.display())),
+        _ => Ok(picked),
+    }
+}
+
 /// `--device` as written (`0`, `device_0`, `npu:0`, `cpu`) -> the id DB folders use.
 pub fn normalise_device(device: &str) -> &str {
     let d = device.trim();

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::bail;
 
 use super::inputs::{self, write_atomically};
-use crate::analysis::db::{self, DbFile, DumpDb};
+use crate::analysis::db::{self, DumpDb};
 use memscope_core::report::{self, compare, html, DeviceReport, Options, Page, Run};
 
 /// Write a trace as one HTML page: memory over time by owner, the owner tree at the peak and at
@@ -63,20 +63,7 @@ pub struct Args {
 
 /// One input's DBs, device by device (in device order), as one run of the page.
 fn run_of(input: &Path, want: Option<&str>, options: &Options) -> anyhow::Result<Run> {
-    let mut files: Vec<(DbFile, String)> = Vec::new();
-    let mut found = Vec::new();
-    for file in inputs::files(&[input.to_owned()])? {
-        let device = inputs::device_of_file(&file)?;
-        found.push(device.clone());
-        if want.is_none_or(|w| inputs::is_device(&device, w)) {
-            files.push((file, device));
-        }
-    }
-    match (files.len(), want) {
-        (0, Some(w)) => bail!(inputs::no_such_device(w, found)),
-        (0, None) => bail!("{} holds no trace DB", input.display()),
-        _ => {}
-    }
+    let mut files = inputs::device_files(input, want)?;
     files.sort_by_key(|(_, d)| db::device_order(Some(d)));
     let dbs = files
         .iter()
