@@ -105,6 +105,9 @@ fn the_report_shows_the_ledgers_owners_and_peak_and_a_click_shows_that_instants_
         "origin=DATA.runs[0].origin_ns",
         "start=DATA.runs[0].devices[0].start",
         "end=DATA.runs[0].devices[0].end",
+        // The blocks table filtered as a user types, then sorted by size ascending.
+        "filtered=(() => { const f = document.getElementById('block-filter'); f.value = 'kv_cache'; f.dispatchEvent(new Event('input')); return [...document.querySelectorAll('#blocks tbody tr')].map(r => [r.children[1].textContent, r.children[2].textContent]); })()",
+        "sorted=(() => { const h = document.querySelector('#blocks th[data-key=size]'); h.click(); return [...document.querySelectorAll('#blocks tbody tr')].map(r => +r.dataset.size); })()",
     ];
     let seen = visit(
         &chromium,
@@ -124,6 +127,14 @@ fn the_report_shows_the_ledgers_owners_and_peak_and_a_click_shows_that_instants_
     let mut legend: Vec<&str> = dom["legend"].as_array().unwrap().iter().map(|o| o.as_str().unwrap()).collect();
     legend.sort_unstable();
     assert_eq!(legend, owners, "every owner the scenario gave is in the legend");
+    // Typing `kv_cache` leaves the kv cache's blocks: the PTA tensors the scenario made for it
+    // and the pool segments (HAL) taken for them.
+    let kv_tensors = events.iter().filter(|e| e.0 && e.3 == "PTA@vllm@kv_cache").count();
+    let filtered = dom["filtered"].as_array().unwrap();
+    assert!(filtered.iter().all(|r| r[0].as_str().unwrap().contains("kv_cache")), "{filtered:?}");
+    assert_eq!(filtered.iter().filter(|r| r[1] == "PTA").count(), kv_tensors, "{filtered:?}");
+    let sorted: Vec<u64> = dom["sorted"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert!(sorted.len() == filtered.len() && sorted.windows(2).all(|w| w[0] <= w[1]), "{sorted:?}");
 
     // A click in the middle of the `serving` plateau.
     let origin: i64 = dom["origin"].as_str().unwrap().parse().unwrap();
@@ -175,16 +186,23 @@ fn two_runs_compared_show_what_grew_by_the_leaky_runs_ledger() {
     let leaky = [&["--variant", "leaky"][..], &steps[..]].concat();
     let (a, _) = trace_standin_run(&env, "standin_leaky.py", "clean.jsonl", "out-clean", &clean, &[]);
     let (b, ledger) = trace_standin_run(&env, "standin_leaky.py", "leaky.jsonl", "out-leaky", &leaky, &[]);
+    // B's leak analysis, stored in its DB: the page shows it with B's run.
+    let analyzed =
+        Command::new(&env.bin).args(["analyze", "--analysis", "leaks"]).arg(b.db("device_0")).output().unwrap();
+    assert!(analyzed.status.success(), "{}", String::from_utf8_lossy(&analyzed.stderr));
     let page = report(&env, &[a.db("device_0"), b.db("device_0")], "compare.html");
 
     // What the leaky run kept of kv_cache by the end of its last step: the allocator's sizes of
     // the tensors the workload leaked on purpose.
     let pool = read_pool_ledger(&pool_ledger_path(&ledger));
-    let leaked: u64 = std::fs::read_to_string(&ledger)
+    let leaked_tensors: Vec<serde_json::Value> = std::fs::read_to_string(&ledger)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter(|v| v["kind"] == "tensor" && v["leak"] == true && v["owner"] == "PTA@kv_cache")
+        .collect();
+    let leaked: u64 = leaked_tensors
+        .iter()
         .map(|v| {
             let ptr = v["ptr"].as_u64().unwrap();
             pool.iter().rev().find(|e| e.ev == "block_malloc" && e.ptr == ptr).and_then(|e| e.size).unwrap()
@@ -196,6 +214,8 @@ fn two_runs_compared_show_what_grew_by_the_leaky_runs_ledger() {
         "grew=Object.fromEntries([...document.querySelectorAll('#grew tr[data-owner]')].map(r => [r.dataset.owner, +r.dataset.diff]))",
         "summary=document.getElementById('compare-summary').textContent",
         "runs=document.querySelectorAll('#run-picker [data-pick]').length",
+        "b=(document.querySelectorAll('#run-picker [data-pick]')[1].click(), document.querySelector('#run-picker .on').dataset.pick)",
+        "leaks=[...document.querySelectorAll('table[data-table=ms_leaks] tbody tr')].map(r => r.textContent)",
     ];
     let shot = env.scratch.join("compare.png");
     let seen = visit(
@@ -208,6 +228,19 @@ fn two_runs_compared_show_what_grew_by_the_leaky_runs_ledger() {
     assert_eq!(dom["runs"], 2, "{dom}");
     assert_eq!(dom["grew"]["PTA@kv_cache"].as_u64(), Some(leaked), "kv_cache grew by the leaked blocks: {dom}");
     assert!(dom["summary"].as_str().unwrap().contains("end of step 6"), "{dom}");
+    // B's leak candidates in the page: every tensor the workload leaked on purpose that then
+    // lived through a whole step (msMemScope's rule; the one born in the last step did not).
+    assert!(dom["b"].as_str().unwrap().starts_with("B: "), "{dom}");
+    let rows: Vec<&str> = dom["leaks"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    let candidates: Vec<&serde_json::Value> = leaked_tensors.iter().filter(|v| v["step"].as_u64() < Some(6)).collect();
+    assert_eq!(candidates.len(), 4, "{candidates:?}");
+    for v in candidates {
+        let ptr = format!("0x{:016x}", v["ptr"].as_u64().unwrap());
+        assert!(
+            rows.iter().any(|r| r.contains(&ptr) && r.contains("candidate")),
+            "leak {ptr} not in the page: {rows:?}"
+        );
+    }
     // Same seed, same steps: nothing else the workload names changed.
     for owner in ["PTA@weight", "PTA@optimizer_state", "PTA@carry", "PTA@activation"] {
         assert!(dom["grew"].get(owner).is_none(), "{owner} did not change: {dom}");

@@ -137,20 +137,30 @@ pub fn assert_segments(pool: &[PoolEntry], out: &Output) {
     }
 }
 /// A pool's reserved bytes are device memory, so they never exceed the device's live driver
-/// bytes at the same moment.
+/// bytes at the same moment. A pool row's time and its `total` are not read at the same instant
+/// of its call: another thread's segment taken in between can be in the total while its driver
+/// row comes later (seen once in a fresh-clone run, by 1.9 MiB on a FREE, with two threads), so
+/// the driver bytes are the most over the call's span, taken as [`CLOCK_TOLERANCE_NS`] from the
+/// row.
 pub fn assert_pta_within_hal(out: &Output) {
     for (folder, (_, rows)) in &out.files {
-        let mut hal_used = 0u64;
         let mut ordered: Vec<&DbRow> = rows.iter().collect();
         ordered.sort_by_key(|r| (r.ts, r.id));
-        for r in ordered {
+        // The driver's live bytes after each HAL row, in time order.
+        let mut hal: Vec<(u64, u64)> = Vec::new();
+        for r in &ordered {
             if r.event_type == "HAL" && (r.event == "MALLOC" || r.event == "FREE") {
-                hal_used = r.attr_u64("used").unwrap_or(hal_used);
+                let before = hal.last().map_or(0, |h| h.1);
+                hal.push((r.ts, r.attr_u64("used").unwrap_or(before)));
             }
-            if r.event_type == "PTA" && !r.is_shadow() {
-                let total = r.attr_u64("total").unwrap();
-                assert!(total <= hal_used, "{folder}: PTA total {total} > HAL bytes {hal_used} at {r:?}");
-            }
+        }
+        for r in ordered.iter().filter(|r| r.event_type == "PTA" && !r.is_shadow()) {
+            let total = r.attr_u64("total").unwrap();
+            let at = hal.partition_point(|h| h.0 <= r.ts);
+            let now = at.checked_sub(1).map_or(0, |i| hal[i].1);
+            let span = hal[at..].iter().take_while(|h| h.0 <= r.ts + CLOCK_TOLERANCE_NS).map(|h| h.1).max();
+            let most = span.map_or(now, |s| s.max(now));
+            assert!(total <= most, "{folder}: PTA total {total} > HAL bytes {most} (over the call's span) at {r:?}");
         }
     }
 }
