@@ -35,10 +35,11 @@ struct Extremes {
     high: (i64, i64),
 }
 
-/// Calls `f(ts, totals)` once per distinct timestamp, after all its changes, and `owner(i,
-/// bytes)` for each change as it is applied.
-fn replay(timeline: &Timeline, mut owner: impl FnMut(u32, i64), mut f: impl FnMut(i64, &[i64; 3])) {
+/// Calls `f(ts, totals, bytes)` once per distinct timestamp, after all its changes: the live
+/// bytes per family and per owner then.
+fn replay(timeline: &Timeline, mut f: impl FnMut(i64, &[i64; 3], &[i64])) {
     let mut totals = [0i64; 3];
+    let mut bytes = vec![0i64; timeline.owners.len()];
     let mut i = 0;
     let changes = &timeline.changes;
     while i < changes.len() {
@@ -46,10 +47,10 @@ fn replay(timeline: &Timeline, mut owner: impl FnMut(u32, i64), mut f: impl FnMu
         while i < changes.len() && changes[i].0 == ts {
             let (_, slot, delta) = changes[i];
             totals[timeline.owners[slot as usize].0 as usize] += delta;
-            owner(slot, delta);
+            bytes[slot as usize] += delta;
             i += 1;
         }
-        f(ts, &totals);
+        f(ts, &totals, &bytes);
     }
 }
 
@@ -61,22 +62,18 @@ pub fn curves(timeline: &Timeline, origin: i64, (start, end): (i64, i64), bucket
     let bucket = |ts: i64| (((ts - start).max(0) as i128 * buckets as i128 / span) as usize).min(buckets - 1);
     let mut count = [0usize; 3];
     let mut extremes: [Vec<Option<Extremes>>; 3] = std::array::from_fn(|_| vec![None; buckets]);
-    replay(
-        timeline,
-        |_, _| {},
-        |ts, totals| {
-            for f in 0..3 {
-                count[f] += 1;
-                let e = extremes[f][bucket(ts)].get_or_insert(Extremes { low: (totals[f], ts), high: (totals[f], ts) });
-                if totals[f] < e.low.0 {
-                    e.low = (totals[f], ts);
-                }
-                if totals[f] > e.high.0 {
-                    e.high = (totals[f], ts);
-                }
+    replay(timeline, |ts, totals, _| {
+        for f in 0..3 {
+            count[f] += 1;
+            let e = extremes[f][bucket(ts)].get_or_insert(Extremes { low: (totals[f], ts), high: (totals[f], ts) });
+            if totals[f] < e.low.0 {
+                e.low = (totals[f], ts);
             }
-        },
-    );
+            if totals[f] > e.high.0 {
+                e.high = (totals[f], ts);
+            }
+        }
+    });
     let families: Vec<Family> =
         Family::ALL.into_iter().filter(|f| timeline.owners.iter().any(|(of, _)| of == f)).collect();
     // The instants each family keeps, in time order.
@@ -102,37 +99,30 @@ pub fn curves(timeline: &Timeline, origin: i64, (start, end): (i64, i64), bucket
             peak_t: 0,
         })
         .collect();
-    let mut bytes = vec![0i64; timeline.owners.len()];
     let mut next = vec![0usize; families.len()];
-    let bytes_cell = std::cell::RefCell::new(&mut bytes);
-    replay(
-        timeline,
-        |slot, delta| bytes_cell.borrow_mut()[slot as usize] += delta,
-        |ts, totals| {
-            let bytes = bytes_cell.borrow();
-            for (k, &f) in families.iter().enumerate() {
-                let keep = if all(f) {
-                    true
-                } else if kept[k].get(next[k]) == Some(&ts) {
-                    next[k] += 1;
-                    true
-                } else {
-                    false
-                };
-                if keep {
-                    let c = &mut out[k];
-                    c.t.push(ts - origin);
-                    c.total.push(totals[f as usize]);
-                    c.owners.push(
-                        (0..bytes.len())
-                            .filter(|&i| timeline.owners[i].0 == f && bytes[i] != 0)
-                            .map(|i| (i as u32, bytes[i]))
-                            .collect(),
-                    );
-                }
+    replay(timeline, |ts, totals, bytes| {
+        for (k, &f) in families.iter().enumerate() {
+            let keep = if all(f) {
+                true
+            } else if kept[k].get(next[k]) == Some(&ts) {
+                next[k] += 1;
+                true
+            } else {
+                false
+            };
+            if keep {
+                let c = &mut out[k];
+                c.t.push(ts - origin);
+                c.total.push(totals[f as usize]);
+                c.owners.push(
+                    (0..bytes.len())
+                        .filter(|&i| timeline.owners[i].0 == f && bytes[i] != 0)
+                        .map(|i| (i as u32, bytes[i]))
+                        .collect(),
+                );
             }
-        },
-    );
+        }
+    });
     for c in &mut out {
         if let Some((i, _)) = c.total.iter().enumerate().fold(None, |best: Option<(usize, i64)>, (i, &v)| match best {
             Some((_, b)) if b >= v => best,
