@@ -3,7 +3,8 @@
 //! out-of-memory, tensors on the stand-in torch_npu caching allocator) under `memscope-bpf
 //! trace`, which prints the summary and the DB paths. Then a stand-in vLLM-like serving job tagged
 //! with the markers package (`import memscope`), and `analyze --decompose` on its trace: who owned
-//! the memory at the peak and at the end.
+//! the memory at the peak and at the end. Last, `report` writes the training trace as one HTML
+//! page to open in a browser.
 
 use crate::util::{privileged, root, run as sh};
 use crate::{build, setup};
@@ -62,6 +63,21 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         "4",
         &serve_out,
     ]))?;
+    let train = newest_run(&root.join(&opts.output))?;
+    let page = root.join(&opts.output).join("report.html");
+    sh(std::process::Command::new(&built.binary).current_dir(&root).arg("report").arg(&train).arg("-o").arg(&page))?;
     eprintln!("xtask demo: open the .db files above in MindStudio Insight, or query them with sqlite3");
+    eprintln!("xtask demo: open {} in a browser: the training job's memory over time, owners, blocks", page.display());
     Ok(())
+}
+
+/// The run folder `trace` made last under `output` (earlier demos' stay beside it).
+fn newest_run(output: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
+    let mut runs: Vec<(std::time::SystemTime, std::path::PathBuf)> = std::fs::read_dir(output)?
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("memscope_"))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    runs.sort();
+    runs.pop().map(|(_, p)| p).ok_or_else(|| anyhow::anyhow!("no run folder under {}", output.display()))
 }

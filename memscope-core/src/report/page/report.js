@@ -95,7 +95,7 @@ function valueAt(pts, t) {
   return v;
 }
 
-const LINE_COLORS = ["#222", "#7b1fa2", "#00897b", "#5d4037"];
+const LINE_COLORS = ["#222", "#7b1fa2", "#00897b", "#5d4037", "#c2185b", "#1565c0", "#ef6c00", "#558b2f"];
 
 function drawTimeline() {
   const cv = $("timeline"), d = dev(), c = curve();
