@@ -218,6 +218,15 @@ function timelineEvents() {
     tip.textContent = secs(c.t[i]) + "\n" + c.family + " " + bytes(c.total[i]);
   });
   cv.addEventListener("mouseleave", () => { tip.hidden = true; });
+  // From the family's first change to its last, with a margin: a trace often starts and ends
+  // with seconds of nothing (the tracer waiting, the job loading).
+  $("zoom-fit").addEventListener("click", () => {
+    const c = curve(), d = dev();
+    if (!c || c.t.length < 2) return;
+    const a = c.t[0], b = c.t[c.t.length - 1], pad = Math.max((b - a) * 0.02, 1);
+    state.view = [Math.max(d.start, a - pad), Math.min(d.end, b + pad)];
+    drawTimeline();
+  });
   $("zoom-out").addEventListener("click", () => {
     if (!state.view) return;
     const d = dev(), [a, b] = state.view, m = (a + b) / 2, half = (b - a);
