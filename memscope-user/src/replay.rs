@@ -236,7 +236,7 @@ pub fn peak_rss_kib() -> u64 {
 }
 
 fn store(output: &Path, pid: u32, start_wall: u64) -> anyhow::Result<Writer> {
-    let layout = RunLayout::create(output, pid, (start_wall / 1_000_000_000) as i64)?;
+    let layout = RunLayout::create(output, pid, (start_wall / 1_000_000_000) as i64, "ascend")?;
     let meta: Meta = vec![("tool".into(), "memscope-bpf bench-consumer".into())];
     Ok(Writer::start(Store::new(layout, Format::Db, start_wall, meta)))
 }

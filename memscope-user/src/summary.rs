@@ -26,7 +26,7 @@ pub struct DeviceLine {
     pub file: Option<PathBuf>,
 }
 
-/// One framework pool (torch_npu's caching or workspace allocator) on one device: allocated
+/// One framework pool (PyTorch's or torch_npu's caching allocator, torch_npu's workspace one) on one device: allocated
 /// (`used`) and reserved (`total`) bytes, as the PTA rows carry them.
 #[derive(Clone, Debug)]
 pub struct PoolLine {
@@ -153,7 +153,7 @@ impl fmt::Display for Summary {
                 let pool = if shared { format!("{} (pid {})", p.pool, p.pid) } else { p.pool.to_owned() };
                 writeln!(
                     f,
-                    "              torch_npu {:<9} peak allocated {:>10} / reserved {:>10}; at end {} / {} in {} blocks",
+                    "              {:<9} pool peak allocated {:>10} / reserved {:>10}; at end {} / {} in {} blocks",
                     pool,
                     human(p.peak_used),
                     human(p.peak_total),

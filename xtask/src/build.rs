@@ -12,6 +12,10 @@
 //! - `atb/libatb.so`: the stand-in Ascend Transformer Boost (a graph runner whose workspace the
 //!   caller takes from the stand-in torch_npu), with its DWARF kept so the tracer reads the
 //!   workspace fields' offsets from it.
+//! - `cuda/lib/`: the NVIDIA stand-ins (`tests/standin/cuda/`): `libcuda.so.1` (the driver),
+//!   `libcudart.so.12` (the runtime, calling the driver through function pointers) and
+//!   `libc10_cuda.so` (a caching allocator with PyTorch's USDT probes and internal names, kept in
+//!   `.symtab` only), each findable from the next through DT_NEEDED and RUNPATH.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,6 +33,8 @@ pub struct Built {
     pub torch: TorchBuild,
     /// The stand-in `libatb.so`.
     pub atb: PathBuf,
+    /// The folder of the NVIDIA stand-ins (`libc10_cuda.so` and what it needs).
+    pub cuda: PathBuf,
     /// The markers package (`markers/`) installed into a folder for PYTHONPATH.
     pub markers: PathBuf,
 }
@@ -79,6 +85,7 @@ pub fn standins() -> anyhow::Result<Built> {
     )?;
     let torch = torch_npu(&root, &standin, &lib64)?;
     let atb = atb(&root, &standin)?;
+    let cuda = cuda(&root, &standin)?;
     let alloc_bench = standin.join("bin/alloc_bench");
     std::fs::create_dir_all(alloc_bench.parent().expect("has a parent"))?;
     sh(Command::new("gcc")
@@ -101,6 +108,7 @@ pub fn standins() -> anyhow::Result<Built> {
         alloc_bench,
         torch,
         atb,
+        cuda,
         markers: PathBuf::new(),
     })
 }
@@ -223,6 +231,40 @@ fn atb(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
         .arg(&out)
         .arg(root.join("tests/standin/atb/standin_atb.cpp")))?;
     Ok(out)
+}
+
+/// The NVIDIA stand-ins in one folder, each linked to the one below it by its real soname, with
+/// the unversioned names beside them for the linker.
+fn cuda(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
+    let sources = root.join("tests/standin/cuda");
+    let lib = standin.join("cuda/lib");
+    std::fs::create_dir_all(&lib)?;
+    let link = |versioned: &str, plain: &str| -> anyhow::Result<()> {
+        let at = lib.join(plain);
+        let _ = std::fs::remove_file(&at);
+        std::os::unix::fs::symlink(versioned, &at)?;
+        Ok(())
+    };
+    compile_library(&sources.join("standin_cuda.c"), &lib.join("libcuda.so.1"), "libcuda.so.1", &[])?;
+    link("libcuda.so.1", "libcuda.so")?;
+    let cudart = lib.join("libcudart.so.12");
+    compile_library(&sources.join("standin_cudart.c"), &cudart, "libcudart.so.12", &[(&lib, "cuda"), (&lib, "dl")])?;
+    link("libcudart.so.12", "libcudart.so")?;
+    // Hidden internals, not stripped: local functions of `.symtab`, as in the PyPI wheel.
+    sh(Command::new("g++")
+        .args(["-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fno-omit-frame-pointer", "-fno-ipa-icf"])
+        .args(["-Wall", "-Wextra", "-Werror", "-Wl,-soname,libc10_cuda.so"])
+        .arg("-I")
+        .arg(&sources)
+        .arg("-o")
+        .arg(lib.join("libc10_cuda.so"))
+        .arg(sources.join("standin_c10_cuda.cpp"))
+        .arg("-L")
+        .arg(&lib)
+        .args(["-lcudart", "-lcuda"])
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-lpthread"))?;
+    Ok(lib)
 }
 
 /// Installs the markers package into target/markers (its C extension is built on the way), as

@@ -114,6 +114,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         .env("MEMSCOPE_TORCH_DEBUG_STORE", &built.torch.debug_store)
         .env("MEMSCOPE_KERNEL_HOOK", &built.torch.kernel_hook)
         .env("MEMSCOPE_ATB_LIB", &built.atb)
+        .env("MEMSCOPE_CUDA_LIB", &built.cuda)
         .env("MEMSCOPE_SCRATCH", &scratch)
         .args(["test", "-p", "memscope-integration", "--"])
         // One at a time: the attach tests time their steps, and 2 cores are shared.

@@ -8,6 +8,11 @@
 //! own give-up. They are one incident: the runtime refusals of a thread are held until that
 //! thread's next pool row says what became of them (the allocator gave up, or recovered and
 //! handed out the block), or until another row shows they came from outside the allocator.
+//!
+//! PyTorch's CUDA allocator writes no give-up of its own (its `pytorch:malloc` probe fires only
+//! on success), but its refusals say they were taking one of its segments (`segment` on the
+//! OOM_TRIGGER row): refusals of that kind that the allocator did not recover from are its
+//! give-up, the last one standing for the incident and the others its attempts.
 
 use foldhash::{HashMap, HashMapExt};
 use serde::Serialize;
@@ -32,9 +37,9 @@ const MAX_CAPTURED: usize = 10_000;
 pub enum Level {
     /// torch_npu's allocator gave up (after its own retries).
     Allocator,
-    /// The ACL runtime returned ACL_ERROR_RT_MEMORY_ALLOCATION.
+    /// The runtime returned ACL_ERROR_RT_MEMORY_ALLOCATION (cudaErrorMemoryAllocation).
     Runtime,
-    /// The driver returned DRV_ERROR_OUT_OF_MEMORY.
+    /// The driver returned DRV_ERROR_OUT_OF_MEMORY (CUDA_ERROR_OUT_OF_MEMORY).
     Driver,
 }
 
@@ -43,7 +48,7 @@ impl Level {
         let f = func.filter(|f| !f.is_empty()).unwrap_or(name);
         if Tracker::is_allocator(name, func) {
             Self::Allocator
-        } else if f.starts_with("hal") {
+        } else if f.starts_with("hal") || f.starts_with("cuMem") {
             Self::Driver
         } else {
             Self::Runtime
@@ -172,6 +177,9 @@ pub struct Incident {
     stage: Stage,
     #[serde(skip)]
     sample: Sample,
+    /// A refusal of a segment the caching pool was taking (`segment: caching` on its row).
+    #[serde(skip)]
+    in_pool: bool,
 }
 
 /// Follows OOM_TRIGGER rows through a replay.
@@ -210,7 +218,11 @@ impl Tracker {
     }
 
     fn settle(&mut self, key: (i64, i64), verdict: Option<Verdict>) {
-        for i in self.pending.remove(&key).unwrap_or_default() {
+        let pending = self.pending.remove(&key).unwrap_or_default();
+        if verdict.is_none() && !pending.is_empty() && pending.iter().all(|&i| self.all[i].in_pool) {
+            return self.gave_up(&pending);
+        }
+        for i in pending {
             let inc = &mut self.all[i];
             inc.stage = Stage::Final;
             match verdict {
@@ -221,6 +233,23 @@ impl Tracker {
                 None => classify(inc),
             }
         }
+    }
+
+    /// The caching pool's refusals it did not recover from, as its give-up: the last one, with
+    /// the others as its attempts.
+    fn gave_up(&mut self, pending: &[usize]) {
+        let (&last, earlier) = pending.split_last().expect("called with refusals");
+        let mut attempts = Vec::new();
+        for &i in earlier {
+            let a = &mut self.all[i];
+            a.stage = Stage::Absorbed;
+            attempts.push(Attempt { ts_ns: a.ts_ns, func: a.func.clone(), req_size: a.req_size });
+        }
+        let inc = &mut self.all[last];
+        inc.level = Level::Allocator;
+        inc.attempts = attempts;
+        inc.stage = Stage::Final;
+        classify(inc);
     }
 
     /// A HAL row on a thread: freeing cached segments and taking new ones is what the allocator
@@ -323,6 +352,7 @@ pub(crate) fn capture(tracker: &mut Tracker, pools: &Pools, row: &DumpRow<'_>, a
         online_live: 0,
         stage: Stage::Pending,
         sample: pools.sample(row.ts, Reason::Oom),
+        in_pool: attr.segment.as_deref() == Some("caching"),
     };
     let key = (row.pid, row.tid);
     let index = tracker.all.len();
@@ -418,7 +448,7 @@ fn explain(inc: &Incident) -> String {
                 None => "no free piece was big enough (the trace has no segment rows to say how big they were)".into(),
             };
             format!(
-                "fragmentation: {} reserved but unused, {piece} → try PYTORCH_NPU_ALLOC_CONF=expandable_segments:True \
+                "fragmentation: {} reserved but unused, {piece} → try expandable_segments:True in PYTORCH_NPU_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF on CUDA) \
                  (or max_split_size_mb, so that big cached blocks are not split for small ones)",
                 b(s.unused)
             )

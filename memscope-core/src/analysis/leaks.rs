@@ -357,8 +357,10 @@ fn blocks_text(out: &mut String, leaks: &[Leak]) {
     for ((family, owner), blocks) in groups {
         let bytes: i64 = blocks.iter().map(|l| l.size).sum();
         let live = blocks.iter().filter(|l| l.free_ts.is_none()).count();
-        // Owners name their family (`PTA@...`, `CANN@...` for HAL); say it when they do not.
-        let owner = if owner.starts_with(family) || family == Family::Hal.as_str() && owner.starts_with("CANN") {
+        // Owners name their family (`PTA@...`, `CANN@...` or `CUDA@...` for HAL); say it when
+        // they do not.
+        let device_owner = owner.starts_with("CANN") || owner.starts_with("CUDA");
+        let owner = if owner.starts_with(family) || family == Family::Hal.as_str() && device_owner {
             owner.to_owned()
         } else {
             format!("{owner} ({family})")

@@ -330,6 +330,25 @@ mod tests {
         assert!(text.contains("no failed allocation") && text.contains("1 runtime refusal(s) the allocator recovered"));
     }
 
+    /// PyTorch's CUDA allocator writes no give-up row: its refusals inside `alloc_block` that it
+    /// does not recover from (the thread's next pool row is a free, not the block) are its
+    /// give-up, one incident with the earlier refusal as an attempt.
+    #[test]
+    fn segment_refusals_the_pool_did_not_recover_from_are_its_give_up() {
+        let mut fx = Fx::new("oom-cuda");
+        fx.segment(1, 0x1000_0000, 20 * M, false);
+        fx.block(1, 0x1000_0000, 12 * M, "PTA@weight");
+        fx.pool_refusal(1, "cudaMalloc", 2048 * M);
+        fx.pool_refusal(1, "cudaMalloc", 2048 * M); // the retry after emptying the cache
+        fx.free(1, 0x1000_0000, 12 * M); // the program goes on without the block
+                                         // A refusal outside the pool still stands alone, with the driver's name.
+        fx.oom(1, "cuMemAlloc_v2", 64 * M);
+        let all = incidents(&fx.stop(), 10);
+        let got: Vec<(Level, Verdict, usize)> = all.iter().map(|i| (i.level, i.verdict, i.attempts.len())).collect();
+        assert_eq!(got, [(Level::Allocator, Verdict::Full, 1), (Level::Driver, Verdict::DeviceFull, 0)]);
+        assert!(all[0].explanation.starts_with("genuinely full"), "{}", all[0].explanation);
+    }
+
     #[test]
     fn refusals_outside_the_allocator_stand_alone() {
         let mut fx = Fx::new("oom-runtime");

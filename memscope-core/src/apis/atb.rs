@@ -24,7 +24,7 @@
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
 use super::op::Op;
-use super::{named, no_status, spec, Api, ApiDef, Family, Layout, Tracking};
+use super::{named, no_status, spec, Api, ApiDef, Attach, Family, Layout, Tracking};
 
 /// `atb::RunnerVariantPack`: the members read, in field order.
 pub static RUNNER_VARIANT_PACK: Layout = Layout {
@@ -80,6 +80,7 @@ pub(super) static TABLE: [ApiDef; 1] = [ApiDef {
     out_of_memory: no_status,
     layout: Some(&RUNNER_VARIANT_PACK),
     tracking: Tracking::NONE,
+    attach: Attach::Symbol,
 }];
 
 #[cfg(test)]

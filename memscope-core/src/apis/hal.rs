@@ -138,7 +138,7 @@ const fn row(
     // A driver call inside a runtime call is the runtime call's fact (the driver's device,
     // flag, module and size are the truth); on its own it is a fact of its own.
     let tracking = Tracking { folds_into_outer: true, ..Tracking::NONE };
-    ApiDef { api, name: symbol, symbol, family: Family::Hal, spec, decode, out_of_memory: oom, layout: None, tracking }
+    ApiDef { tracking, out_of_memory: oom, ..ApiDef::plain(api, symbol, Family::Hal, spec, decode) }
 }
 
 /// `halMemCreate(*handle, size, prop, flag)`'s reads: `*handle` at return, then `prop`'s

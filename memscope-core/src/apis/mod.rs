@@ -6,13 +6,18 @@
 //! works on [`Op`]s, so adding an API is a row here plus a stand-in function and a ledger test.
 //! One file per family: [`acl`] (runtime), [`hal`] (driver), [`torch_npu`], [`mstx`], [`c10`]
 //! (PyTorch's CPU allocator), [`python_gc`] (CPython's garbage collector), [`atb`] (Ascend
-//! Transformer Boost operations and their workspaces). [`markers`] is the USDT side: the probes
-//! of our markers package.
+//! Transformer Boost operations and their workspaces); the NVIDIA backend's [`cuda`] (cudart),
+//! [`cuda_driver`] (libcuda, with its virtual-memory calls) and [`c10_cuda`] (PyTorch's CUDA
+//! caching allocator: its USDT probes and internals). [`markers`] is the USDT side of our own
+//! markers package.
 
 mod acl;
 mod acl_access;
 pub mod atb;
 mod c10;
+pub mod c10_cuda;
+pub mod cuda;
+mod cuda_driver;
 pub mod hal;
 pub mod markers;
 mod mstx;
@@ -86,6 +91,33 @@ pub enum Api {
     AclrtKernelArgsAppend = 52,
     AclrtLaunchKernelWithConfig = 53,
     AtbRunnerExecute = 60,
+    CudaSetDevice = 61,
+    CudaGetDevice = 62,
+    CudaMalloc = 63,
+    CudaFree = 64,
+    CudaMallocAsync = 65,
+    CudaFreeAsync = 66,
+    CudaMallocHost = 67,
+    CudaHostAlloc = 68,
+    CudaFreeHost = 69,
+    CudaMallocManaged = 70,
+    CuMemAlloc = 71,
+    CuMemFree = 72,
+    CuMemAllocAsync = 73,
+    CuMemFreeAsync = 74,
+    CuMemAllocManaged = 75,
+    CuMemAllocHost = 76,
+    CuMemFreeHost = 77,
+    CuMemCreate = 78,
+    CuMemRelease = 79,
+    CuMemMap = 80,
+    CuMemUnmap = 81,
+    CuMemAddressReserve = 82,
+    CuMemAddressFree = 83,
+    PytorchMalloc = 84,
+    PytorchFree = 85,
+    CudaAllocBlock = 86,
+    CudaMapBlock = 87,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.
@@ -106,12 +138,31 @@ pub enum Family {
     PythonGc,
     /// Ascend Transformer Boost's operators (`atb::Runner::Execute`): `libatb.so`.
     Atb,
+    /// The CUDA runtime: `libcudart.so` (pip wheels keep it under `nvidia/cuda_runtime/lib` or
+    /// `nvidia/cu13/lib`, reached through the framework's RPATH).
+    CudaRuntime,
+    /// The CUDA driver: `libcuda.so`, including the virtual-memory (`cuMem*`) calls of
+    /// expandable segments and NCCL.
+    CudaDriver,
+    /// PyTorch's CUDA caching allocator: `libc10_cuda.so` (its `pytorch:malloc/free` USDT probes
+    /// and, where `.symtab` is kept, its internals).
+    CudaCaching,
 }
 
 impl Family {
     /// Outer layer first: the order libraries are attached in.
-    pub const ALL: [Family; 7] =
-        [Family::PythonGc, Family::Atb, Family::TorchNpu, Family::C10, Family::Mstx, Family::AclRuntime, Family::Hal];
+    pub const ALL: [Family; 10] = [
+        Family::PythonGc,
+        Family::Atb,
+        Family::TorchNpu,
+        Family::CudaCaching,
+        Family::C10,
+        Family::Mstx,
+        Family::AclRuntime,
+        Family::CudaRuntime,
+        Family::Hal,
+        Family::CudaDriver,
+    ];
 
     /// Library file names (without version suffixes) that carry this family's symbols.
     pub fn library_names(self) -> &'static [&'static str] {
@@ -122,6 +173,9 @@ impl Family {
             Self::Mstx => &["libms_tools_ext.so"],
             Self::C10 => &["libc10.so"],
             Self::Atb => &["libatb.so"],
+            Self::CudaRuntime => &["libcudart.so"],
+            Self::CudaDriver => &["libcuda.so"],
+            Self::CudaCaching => &["libc10_cuda.so"],
             Self::PythonGc => &[
                 "libpython3.8.so",
                 "libpython3.9.so",
@@ -145,7 +199,14 @@ impl Family {
         match self {
             Self::AclRuntime => Some("Impl"),
             Self::Hal => Some("Inner"),
-            Self::TorchNpu | Self::Mstx | Self::C10 | Self::PythonGc | Self::Atb => None,
+            Self::TorchNpu
+            | Self::Mstx
+            | Self::C10
+            | Self::PythonGc
+            | Self::Atb
+            | Self::CudaRuntime
+            | Self::CudaDriver
+            | Self::CudaCaching => None,
         }
     }
 
@@ -159,8 +220,95 @@ impl Family {
             Self::C10 => "PyTorch CPU allocator (c10)",
             Self::PythonGc => "Python garbage collector",
             Self::Atb => "Ascend Transformer Boost operators (ATB)",
+            Self::CudaRuntime => "CUDA runtime (cudart)",
+            Self::CudaDriver => "CUDA driver (libcuda)",
+            Self::CudaCaching => "PyTorch CUDA caching allocator (c10_cuda)",
         }
     }
+
+    /// The accelerator backend this family belongs to; `None` for the ones both share (PyTorch's
+    /// CPU allocator, Python's collector).
+    pub fn backend(self) -> Option<Backend> {
+        match self {
+            Self::AclRuntime | Self::Hal | Self::TorchNpu | Self::Mstx | Self::Atb => Some(Backend::Ascend),
+            Self::CudaRuntime | Self::CudaDriver | Self::CudaCaching => Some(Backend::Cuda),
+            Self::C10 | Self::PythonGc => None,
+        }
+    }
+}
+
+/// Which accelerator stack a trace's probes came from: the run folder and the summary say it,
+/// and the advice names that stack's allocator settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Backend {
+    /// Huawei Ascend: CANN (ACL, HAL), torch_npu, ATB.
+    Ascend,
+    /// NVIDIA: cudart, libcuda, PyTorch's CUDA caching allocator.
+    Cuda,
+}
+
+impl Backend {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ascend => "ascend",
+            Self::Cuda => "cuda",
+        }
+    }
+
+    /// The environment variable that configures this stack's PyTorch caching allocator.
+    pub const fn alloc_conf(self) -> &'static str {
+        match self {
+            Self::Ascend => "PYTORCH_NPU_ALLOC_CONF",
+            Self::Cuda => "PYTORCH_CUDA_ALLOC_CONF",
+        }
+    }
+
+    /// The Python module of this stack's device memory calls (`set_per_process_memory_fraction`).
+    pub const fn python_module(self) -> &'static str {
+        match self {
+            Self::Ascend => "torch_npu.npu",
+            Self::Cuda => "torch.cuda",
+        }
+    }
+
+    /// The backends the traced APIs belong to, in order.
+    pub fn of(apis: impl IntoIterator<Item = Api>) -> Vec<Backend> {
+        let set: std::collections::BTreeSet<Backend> = apis.into_iter().filter_map(|a| a.family().backend()).collect();
+        set.into_iter().collect()
+    }
+
+    /// A run folder's suffix (`memscope_<pid>_<time>_<suffix>`): `cuda` when only NVIDIA's
+    /// stack was traced, else msMemScope's `ascend` (which its tools look for).
+    pub fn folder_suffix(backends: &[Backend]) -> &'static str {
+        if backends == [Backend::Cuda] {
+            Backend::Cuda.as_str()
+        } else {
+            Backend::Ascend.as_str()
+        }
+    }
+
+    /// `ms_meta.backend`: the backends joined with `+`, or `none` (only the CPU allocator or
+    /// the markers were traced).
+    pub fn meta(backends: &[Backend]) -> String {
+        match backends {
+            [] => "none".to_owned(),
+            _ => backends.iter().map(|b| b.as_str()).collect::<Vec<_>>().join("+"),
+        }
+    }
+}
+
+/// How a row's probe is found in a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attach {
+    /// The function whose name is the row's `symbol`.
+    Symbol,
+    /// The first function whose mangled name starts with the row's `symbol` (which ends with
+    /// the name's closing `E`): C++ internals whose parameter lists drift between versions, and
+    /// whose arguments the row does not read. Split-off parts (`.cold`, `.isra`) never match.
+    SymbolPrefix,
+    /// A USDT probe, `symbol` being `provider:name`: its hits are calls of this API made at the
+    /// site, with the note's arguments as the call's (`apis::usdt_call`).
+    Usdt,
 }
 
 /// A struct whose field offsets a spec needs, found in the library's DWARF at attach time.
@@ -211,6 +359,7 @@ pub struct ApiDef {
     /// members, at offsets filled in from DWARF when attaching.
     pub layout: Option<&'static Layout>,
     pub tracking: Tracking,
+    pub attach: Attach,
 }
 
 impl ApiDef {
@@ -233,6 +382,7 @@ impl ApiDef {
             out_of_memory: no_status,
             layout: None,
             tracking: Tracking::NONE,
+            attach: Attach::Symbol,
         }
     }
 }
@@ -292,7 +442,7 @@ pub const fn sampled_free(mut spec: ProbeSpec, class: u8, ptr: [u8; 2]) -> Probe
 }
 
 /// The catalogue's families' tables, in spec-id order.
-const TABLES: [&[ApiDef]; 8] = [
+const TABLES: [&[ApiDef]; 11] = [
     &acl::TABLE,
     &hal::TABLE,
     &torch_npu::TABLE,
@@ -301,6 +451,9 @@ const TABLES: [&[ApiDef]; 8] = [
     &acl_access::TABLE,
     &python_gc::TABLE,
     &atb::TABLE,
+    &cuda::TABLE,
+    &cuda_driver::TABLE,
+    &c10_cuda::TABLE,
 ];
 
 /// The table by spec id, built by the compiler: every record and row looks its API up, several
@@ -359,6 +512,11 @@ impl Api {
         BY_ID[self as usize].expect("every Api variant has a table row (checked by a unit test)")
     }
 
+    /// The API of a public name (as `ms_probes.api` and the DB write it).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Api::all().find(|d| d.name == name).map(|d| d.api)
+    }
+
     pub fn from_spec_id(id: u32) -> Option<Self> {
         BY_ID.get(usize::try_from(id).ok()?).copied().flatten().map(|def| def.api)
     }
@@ -386,10 +544,61 @@ impl Api {
         self.family().impl_suffix().map(|suffix| format!("{}{suffix}", self.def().symbol))
     }
 
-    /// The symbols that may stand for this API in a library.
+    /// The symbols that may stand for this API in a library (none for a USDT probe; a
+    /// prefix row's is [`Api::symbol_prefix`]).
     pub fn symbols(self) -> impl Iterator<Item = String> {
-        std::iter::once(self.def().symbol.to_owned()).chain(self.impl_symbol())
+        let exact = self.def().attach == Attach::Symbol;
+        exact.then(|| self.def().symbol.to_owned()).into_iter().chain(exact.then(|| self.impl_symbol()).flatten())
     }
+
+    /// The name prefix a [`Attach::SymbolPrefix`] row's function is found by.
+    pub fn symbol_prefix(self) -> Option<&'static str> {
+        (self.def().attach == Attach::SymbolPrefix).then_some(self.def().symbol)
+    }
+
+    /// What this API's probe is looked up by in a file's symbols: its exact names, or its
+    /// prefix (the key a prefix match is stored under).
+    pub fn lookup_names(self) -> impl Iterator<Item = String> {
+        self.symbols().chain(self.symbol_prefix().map(str::to_owned))
+    }
+
+    /// `(provider, name)` of a USDT row.
+    pub fn usdt_probe(self) -> Option<(&'static str, &'static str)> {
+        (self.def().attach == Attach::Usdt).then(|| self.def().symbol.split_once(':')).flatten()
+    }
+}
+
+/// USDT probe ids at or above this are API rows (`API_PROBE_BASE + spec id`); below are the
+/// markers package's ([`markers::MarkerProbe`]).
+pub const API_PROBE_BASE: u32 = 0x1_0000;
+
+/// The API row of a USDT probe note, if one is traced.
+pub fn usdt_api(provider: &str, name: &str) -> Option<Api> {
+    Api::all().find(|d| d.api.usdt_probe() == Some((provider, name))).map(|d| d.api)
+}
+
+/// A USDT hit of an API row as the call it stands for: made and returned at the site, with the
+/// note's arguments as its arguments and nothing read through pointers. `None` for a marker's
+/// probe id.
+pub fn usdt_call(raw: &crate::raw::RawUsdt) -> Option<RawCall> {
+    let api = Api::from_spec_id(raw.probe.checked_sub(API_PROBE_BASE)?)?;
+    (api.def().attach == Attach::Usdt).then(|| RawCall {
+        spec_id: api.spec_id(),
+        tgid: raw.tgid,
+        tid: raw.tid,
+        entry_mono_ns: raw.mono_ns,
+        return_mono_ns: raw.mono_ns,
+        args: raw.args,
+        ret: 0,
+        fields: [None; MAX_FIELDS],
+        outer_spec: None,
+        cfg_device: None,
+        cfg_module: None,
+        thread_device: None,
+        text: None,
+        blob: None,
+        points: 0,
+    })
 }
 
 /// A call of `api` as its probe would report it, each field's value in the slot where the spec
@@ -432,6 +641,8 @@ pub(crate) fn call_with(api: Api, args: [u64; 6], fields: [Option<u64>; MAX_FIEL
 
 #[cfg(test)]
 mod tests {
+    use memscope_common::spec::layer;
+
     use super::*;
 
     /// What the kernel reads for a rule's value (`memscope-ebpf/src/probes/sample.rs`).
@@ -555,9 +766,12 @@ mod tests {
         for def in Api::all() {
             let (t, api) = (def.tracking, def.api);
             let region = matches!(api, Api::MstxMemRegionsRegister | Api::MstxMemRegionsUnregister);
-            assert_eq!(t.folds_into_outer, def.family == Family::Hal || region, "{api:?}");
+            // The driver's virtual-memory calls are made by the pools themselves, not the runtime.
+            let cuda_driver = def.family == Family::CudaDriver && def.spec.outer_layer == layer::RUNTIME;
+            assert_eq!(t.folds_into_outer, def.family == Family::Hal || region || cuda_driver, "{api:?}");
             let segment = match api {
                 Api::WorkspaceMalloc | Api::AllocateWorkspace => Some(Pool::Workspace),
+                Api::CudaAllocBlock | Api::CudaMapBlock => Some(Pool::Caching),
                 _ if def.family == Family::TorchNpu => Some(Pool::Caching),
                 _ => None,
             };

@@ -205,6 +205,11 @@ pub enum Op {
         stream: u64,
         record: bool,
     },
+    /// A call that changes nothing by itself: a framework allocator's internal step, traced so
+    /// that the device calls made inside it are known as its pool's segments (PyTorch's CUDA
+    /// `alloc_block`, `map_block`), or a call with nothing to do (`cudaFree(NULL)`, which
+    /// programs make to create the context).
+    Scope,
     /// A pass of Python's cyclic garbage collector over `generation` (0-2) ended; the frees it
     /// caused came before it, each naming it as their outer call.
     GcPass {

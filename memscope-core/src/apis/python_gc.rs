@@ -15,7 +15,7 @@
 use memscope_common::spec::{layer, ret_kind, ProbeSpec};
 
 use super::op::Op;
-use super::{no_status, spec, Api, ApiDef, Family, Tracking};
+use super::{no_status, spec, Api, ApiDef, Attach, Family, Tracking};
 
 const fn gc_spec() -> ProbeSpec {
     let mut s = spec(layer::GC, 0, &[]);
@@ -37,4 +37,5 @@ pub(super) static TABLE: [ApiDef; 1] = [ApiDef {
     layout: None,
     // The pool and CPU-allocator frees it causes run inside it.
     tracking: Tracking { collects_garbage: true, ..Tracking::NONE },
+    attach: Attach::Symbol,
 }];

@@ -26,7 +26,7 @@
 use memscope_common::spec::{layer, ret_kind, sample_class, FieldRead, ProbeSpec};
 
 use super::op::{Op, Pool};
-use super::{at, named, no_status, sampled_alloc, sampled_free, spec, Api, ApiDef, Family, Layout, Tracking};
+use super::{at, named, sampled_alloc, sampled_free, spec, Api, ApiDef, Family, Layout, Tracking};
 use crate::raw::RawCall;
 
 /// `c10_npu::NPUWorkspaceAllocator::DeviceWorkspaceAllocator`: one per device, so its `device`
@@ -79,17 +79,7 @@ const fn row(
     decode: fn(&RawCall) -> Op,
 ) -> ApiDef {
     let tracking = Tracking { segment_pool: Some(Pool::Caching), ..Tracking::NONE };
-    ApiDef {
-        api,
-        name,
-        symbol,
-        family: Family::TorchNpu,
-        spec,
-        decode,
-        out_of_memory: no_status,
-        layout: None,
-        tracking,
-    }
+    ApiDef { name, tracking, ..ApiDef::plain(api, symbol, Family::TorchNpu, spec, decode) }
 }
 
 fn non_zero(v: u64) -> Option<u64> {

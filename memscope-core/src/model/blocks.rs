@@ -18,7 +18,7 @@ use super::owners::OwnerBase;
 use super::reuse::{free_row, Key, Slot};
 use super::tags::BlockLabels;
 use super::tracker::{Failure, Tracker};
-use crate::apis::Api;
+use crate::apis::{Api, Backend, Family};
 
 /// A live device or host block. Kept small (48 bytes): a job can hold a million of them, and the
 /// tracer's memory is mostly these.
@@ -103,8 +103,12 @@ impl Tracker {
 
     pub(super) fn add_block(&mut self, site: Site, block: NewBlock, out: &mut Vec<Output>) {
         let NewBlock { device, space, ptr, sizes: (size, req_size), origin } = block;
+        let family = site.api.family();
         let base = match (space, origin) {
             (Space::Host | Space::Cpu, _) => OwnerBase::Host,
+            (Space::Device, _) if family.backend() == Some(Backend::Cuda) => {
+                OwnerBase::Cuda { driver: family == Family::CudaDriver }
+            }
             (Space::Device, Origin::Direct { module, driver, .. }) => {
                 OwnerBase::Hal(driver.and_then(|d| d.module).or(module))
             }

@@ -99,6 +99,8 @@ pub enum Output {
         size: Option<u64>,
         ptr: Option<u64>,
         driver: Option<DriverInfo>,
+        /// The pool whose segment the call was taking (made inside its allocator's step).
+        segment: Option<Pool>,
     },
     Vmm {
         site: Site,

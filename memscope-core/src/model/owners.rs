@@ -17,17 +17,25 @@ use crate::apis::hal;
 pub enum OwnerBase {
     /// Device memory: `CANN@<module>` when the driver's module is known.
     Hal(Option<u16>),
+    /// Device memory from the CUDA runtime (`false`) or straight from the driver (`true`: NCCL's
+    /// cuMem buffers, mapped pages).
+    Cuda {
+        driver: bool,
+    },
     Host,
     Pool(Pool),
 }
 
 impl OwnerBase {
     /// msMemScope's label: `CANN@<module>`, `CANN@UNKNOWN` for device memory whose module was not
-    /// seen (a mapping, a runtime call whose driver call was not traced), `HOST`, or the pool's.
+    /// seen (a mapping, a runtime call whose driver call was not traced), `HOST`, or the pool's;
+    /// on NVIDIA `CUDA@RUNTIME` or `CUDA@DRIVER`, which Insight hangs under its HAL root alike.
     pub fn label(self) -> Owner {
         match self {
             Self::Hal(Some(m)) => hal::owner(m).into(),
             Self::Hal(None) => "CANN@UNKNOWN".into(),
+            Self::Cuda { driver: false } => "CUDA@RUNTIME".into(),
+            Self::Cuda { driver: true } => "CUDA@DRIVER".into(),
             Self::Host => "HOST".into(),
             Self::Pool(pool) => pool.owner().into(),
         }

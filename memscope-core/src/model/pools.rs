@@ -170,7 +170,8 @@ impl Tracker {
                 stats.out_of_memory += 1;
                 let (status, out_of_memory, ptr, driver) = (0, true, None, None);
                 if !self.is_paused(site.pid) {
-                    out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver });
+                    let segment = None;
+                    out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver, segment });
                     self.oom_snapshot(site, device, true, out);
                 }
             }

@@ -235,6 +235,8 @@ impl Tracker {
             }
             // Its frees came first and carry `site.gc`; the pass itself is not a row.
             Op::GcPass { .. } => {}
+            // What it means is in the calls made inside it, which name it as their outer call.
+            Op::Scope => {}
             // The kernel keeps the thread's device; nothing is stored for these calls.
             Op::SetDevice { .. } | Op::GetDevice { .. } => {}
         }
@@ -258,6 +260,7 @@ impl Tracker {
             size,
             ptr,
             driver,
+            segment: call.outer.and_then(|outer| outer.tracking().segment_pool),
         });
         if call.out_of_memory {
             self.oom_snapshot(site, device, false, out);

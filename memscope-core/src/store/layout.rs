@@ -56,17 +56,24 @@ pub fn ensure_writable(dir: &Path) -> Result<(), StoreError> {
 }
 
 impl RunLayout {
-    /// Creates the run folder under `output`. A second run in the same second gets a suffix
-    /// rather than mixing its files into the first one's.
-    pub fn create(output: &Path, pid: u32, wall_secs: i64) -> Result<Self, StoreError> {
-        Self::create_for(output, pid, wall_secs, Owner::from_env())
+    /// Creates the run folder under `output`, `memscope_<pid>_<time>_<backend>` (see
+    /// `apis::Backend::folder_suffix`). A second run in the same second gets a suffix rather
+    /// than mixing its files into the first one's.
+    pub fn create(output: &Path, pid: u32, wall_secs: i64, backend: &str) -> Result<Self, StoreError> {
+        Self::create_for(output, pid, wall_secs, backend, Owner::from_env())
     }
 
     /// As [`Self::create`], with the files handed to `owner`.
-    pub fn create_for(output: &Path, pid: u32, wall_secs: i64, owner: Owner) -> Result<Self, StoreError> {
+    pub fn create_for(
+        output: &Path,
+        pid: u32,
+        wall_secs: i64,
+        backend: &str,
+        owner: Owner,
+    ) -> Result<Self, StoreError> {
         ensure_writable(output)?;
         let stamp = local_stamp(wall_secs);
-        let base = format!("memscope_{pid}_{stamp}_ascend");
+        let base = format!("memscope_{pid}_{stamp}_{backend}");
         let mut root = output.join(&base);
         let mut n = 1;
         loop {
@@ -140,7 +147,7 @@ mod tests {
     #[test]
     fn names_match_what_insight_accepts() {
         let tmp = std::env::temp_dir().join(format!("memscope-layout-{}", std::process::id()));
-        let layout = RunLayout::create(&tmp, 42, 1_700_000_000).unwrap();
+        let layout = RunLayout::create(&tmp, 42, 1_700_000_000, "ascend").unwrap();
         let file = layout.dump_file(DeviceKey::Npu(1), "db");
         let name = file.file_name().unwrap().to_str().unwrap();
         // Insight: ^(memscope|leaks)_dump_\d+\.db$
@@ -155,7 +162,7 @@ mod tests {
             !name.starts_with("memscope_dump_") && !name.starts_with("leaks_dump_"),
             "Insight must not pick it: {name}"
         );
-        let again = RunLayout::create(&tmp, 42, 1_700_000_000).unwrap();
+        let again = RunLayout::create(&tmp, 42, 1_700_000_000, "ascend").unwrap();
         assert_ne!(again.root(), layout.root(), "a second run must not reuse the folder");
         fs::remove_dir_all(&tmp).unwrap();
     }

@@ -391,7 +391,7 @@ mod tests {
     fn rows_after_the_stop_began_complete_the_db() {
         let out = std::env::temp_dir().join(format!("memscope-store-stop-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
-        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
+        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, "ascend", layout::Owner::default()).unwrap();
         let mut store = Store::new(layout, Format::Db, 5, vec![]);
         let rows = live_block_rows(true);
         store.write(rows.get(0)).unwrap();
@@ -423,7 +423,7 @@ mod tests {
     fn untracked_frees_and_unknown_devices_stay_out_of_the_files_insight_opens() {
         let out = std::env::temp_dir().join(format!("memscope-store-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
-        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, layout::Owner::default()).unwrap();
+        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, "ascend", layout::Owner::default()).unwrap();
         let mut store = Store::new(layout.clone(), Format::Db, 5, vec![]);
         store.write_batch(&free(DeviceKey::Npu(0), None), &StackTable::default()).unwrap();
         store.write_batch(&free(DeviceKey::Npu(0), Some(8)), &StackTable::default()).unwrap();

@@ -43,9 +43,38 @@ impl SymbolSource {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FoundSymbol {
+    /// The function's own name (the same as the key, unless found by a prefix).
+    pub name: String,
     pub vaddr: u64,
     pub file_offset: u64,
     pub source: SymbolSource,
+}
+
+/// The functions a lookup keeps: names, and name prefixes (a match is kept under its prefix).
+#[derive(Debug, Default)]
+pub struct Wanted {
+    pub names: HashSet<String>,
+    pub prefixes: Vec<String>,
+}
+
+impl From<HashSet<String>> for Wanted {
+    fn from(names: HashSet<String>) -> Self {
+        Self { names, prefixes: Vec::new() }
+    }
+}
+
+impl Wanted {
+    /// The key `name` is kept under, if it is wanted. A prefix never matches a split-off part
+    /// of a function (`name.cold`, `name.isra.0`): a probe there would not be at its entry.
+    fn key<'w>(&'w self, name: &'w str) -> Option<&'w str> {
+        if self.names.contains(name) {
+            return Some(name);
+        }
+        if name.contains('.') {
+            return None;
+        }
+        self.prefixes.iter().find(|p| name.starts_with(p.as_str())).map(String::as_str)
+    }
 }
 
 /// The wanted symbols that a file defines.
@@ -57,7 +86,7 @@ pub struct ElfSymbols {
 impl ElfSymbols {
     /// Reads `path` and keeps the functions named in `wanted`.
     #[cfg(test)]
-    pub fn load(path: &std::path::Path, wanted: &HashSet<String>) -> Result<Self, ElfError> {
+    pub fn load(path: &std::path::Path, wanted: &Wanted) -> Result<Self, ElfError> {
         let data = super::file::map_library(path)?;
         Self::parse(&data, wanted).map_err(|source| ElfError::Parse { path: path.to_owned(), source })
     }
@@ -65,7 +94,7 @@ impl ElfSymbols {
     /// As [`ElfSymbols::parse`], then adds the wanted functions of `debug`'s `.symtab` that the
     /// library itself does not define. Their addresses are the library's, so file offsets are
     /// computed with the library's segments (a debug-only file has no loadable bytes).
-    pub fn parse_with_debug(data: &[u8], debug: &[u8], wanted: &HashSet<String>) -> Result<Self, object::Error> {
+    pub fn parse_with_debug(data: &[u8], debug: &[u8], wanted: &Wanted) -> Result<Self, object::Error> {
         let mut symbols = Self::parse(data, wanted)?;
         let segments = segments(&object::File::parse(data)?);
         let debug = object::File::parse(debug)?;
@@ -73,7 +102,7 @@ impl ElfSymbols {
         Ok(symbols)
     }
 
-    pub fn parse(data: &[u8], wanted: &HashSet<String>) -> Result<Self, object::Error> {
+    pub fn parse(data: &[u8], wanted: &Wanted) -> Result<Self, object::Error> {
         let file = object::File::parse(data)?;
         let segments = segments(&file);
         let mut symbols = HashMap::new();
@@ -101,7 +130,7 @@ fn collect<'data: 'file, 'file>(
     into: &mut HashMap<String, FoundSymbol>,
     table: impl Iterator<Item = object::Symbol<'data, 'file>>,
     segments: &[(u64, u64, u64)],
-    wanted: &HashSet<String>,
+    wanted: &Wanted,
     source: SymbolSource,
 ) {
     let to_offset = |vaddr: u64| {
@@ -115,11 +144,13 @@ fn collect<'data: 'file, 'file>(
             continue;
         }
         let Ok(name) = sym.name() else { continue };
-        if !wanted.contains(name) || into.contains_key(name) {
+        let Some(key) = wanted.key(name) else { continue };
+        if into.contains_key(key) {
             continue;
         }
         if let Some(file_offset) = to_offset(sym.address()) {
-            into.insert(name.to_owned(), FoundSymbol { vaddr: sym.address(), file_offset, source });
+            let found = FoundSymbol { name: name.to_owned(), vaddr: sym.address(), file_offset, source };
+            into.insert(key.to_owned(), found);
         }
     }
 }
@@ -134,7 +165,7 @@ mod tests {
         // `malloc` is only imported from libc.
         let exe = std::env::current_exe().unwrap();
         let wanted: HashSet<String> = ["main", "malloc"].into_iter().map(String::from).collect();
-        let syms = ElfSymbols::load(&exe, &wanted).unwrap();
+        let syms = ElfSymbols::load(&exe, &wanted.into()).unwrap();
         let main = syms.get("main").expect("main is defined");
         assert!(main.file_offset > 0);
         assert!(syms.get("malloc").is_none(), "imports are not attach points");
@@ -148,9 +179,22 @@ mod tests {
         assert_eq!(&data[main.file_offset as usize..][..16], &seg_bytes[at..][..16]);
     }
 
+    /// Prefixes find a function whatever its parameters, never its split-off parts, and an
+    /// exact name is kept under itself.
+    #[test]
+    fn a_prefix_finds_the_first_whole_function_that_starts_with_it() {
+        let names: HashSet<String> = ["_ZN1a1fEv".to_owned()].into();
+        let wanted = Wanted { names, prefixes: vec!["_ZN1a5blockE".to_owned()] };
+        assert_eq!(wanted.key("_ZN1a1fEv"), Some("_ZN1a1fEv"));
+        assert_eq!(wanted.key("_ZN1a5blockERNS_6ParamsEb"), Some("_ZN1a5blockE"));
+        assert_eq!(wanted.key("_ZN1a5blockERNS_6ParamsEb.cold"), None);
+        assert_eq!(wanted.key("_ZZN1a5blockEvENKUlvE_clEv"), None, "a lambda inside it is not it");
+        assert_eq!(wanted.key("_ZN1a6blocksEv"), None);
+    }
+
     #[test]
     fn garbage_is_a_parse_error_not_a_panic() {
-        let wanted = HashSet::new();
+        let wanted = Wanted::default();
         assert!(ElfSymbols::parse(b"\x7fELF garbage", &wanted).is_err());
         assert!(ElfSymbols::parse(b"", &wanted).is_err());
     }

@@ -410,7 +410,8 @@ mod tests {
         // Time for the truncation to run (it would, at once, without the lease).
         std::thread::sleep(std::time::Duration::from_millis(300));
         let wanted: std::collections::HashSet<String> = ["main".to_owned()].into();
-        let symbols = crate::attach::elf::ElfSymbols::parse(&data, &wanted).expect("the parse sees the whole file");
+        let symbols =
+            crate::attach::elf::ElfSymbols::parse(&data, &wanted.into()).expect("the parse sees the whole file");
         assert!(symbols.get("main").is_some());
         // Every byte, last page included, is still the file's (a fault here would be a SIGBUS).
         assert!(*data == original[..], "the bytes changed under the parser");
@@ -503,7 +504,7 @@ mod tests {
             std::fs::OpenOptions::new().write(true).truncate(true).open(&lib2).unwrap();
             assert!(*data == original[..]);
             let wanted: std::collections::HashSet<String> = ["main".to_owned()].into();
-            assert!(crate::attach::elf::ElfSymbols::parse(&data, &wanted).unwrap().get("main").is_some());
+            assert!(crate::attach::elf::ElfSymbols::parse(&data, &wanted.into()).unwrap().get("main").is_some());
             let err = map(&big2, MAX_LIBRARY_BYTES).err().expect("too large to copy");
             assert!(matches!(err, FileError::NoLease { size, .. } if size == MAX_COPY_BYTES + 1), "{err}");
         })

@@ -50,8 +50,13 @@ pub struct Library {
 /// Whether a file name is one of the traced families' libraries (`libascendcl.so`,
 /// `libascendcl.so.1`, ...).
 pub fn is_known_name(name: &OsStr) -> bool {
+    Family::ALL.into_iter().any(|f| is_family_file(name, f))
+}
+
+/// Whether a file name is one of `family`'s libraries (versioned or not).
+pub fn is_family_file(name: &OsStr, family: Family) -> bool {
     let name = name.as_bytes();
-    Family::ALL.iter().flat_map(|f| f.library_names()).any(|known| {
+    family.library_names().iter().any(|known| {
         let known = known.as_bytes();
         name == known || (name.starts_with(known) && name.get(known.len()) == Some(&b'.'))
     })
@@ -66,9 +71,13 @@ pub fn is_markers_module(path: &Path) -> bool {
     in_package && name.starts_with(b"_native") && name.ends_with(b".so")
 }
 
-/// Every symbol name worth looking up: each API's public name and its `...Impl`.
-pub fn wanted_symbols() -> std::collections::HashSet<String> {
-    Api::all().flat_map(|d| d.api.symbols()).collect()
+/// Every symbol worth looking up: each API's public name and its `...Impl`, and the name
+/// prefixes of internals found whatever their parameters.
+pub fn wanted_symbols() -> super::elf::Wanted {
+    super::elf::Wanted {
+        names: Api::all().flat_map(|d| d.api.symbols()).collect(),
+        prefixes: Api::all().filter_map(|d| d.api.symbol_prefix()).map(str::to_owned).collect(),
+    }
 }
 
 /// A candidate, if it is a regular file (devices and FIFOs a target names are never opened).
@@ -298,7 +307,8 @@ mod tests {
 
     #[test]
     fn wanted_symbols_cover_public_and_impl_names() {
-        let w = wanted_symbols();
+        let w = wanted_symbols().names;
         assert!(w.contains("aclrtMalloc") && w.contains("aclrtMallocImpl") && w.contains("aclrtUnmapMemImpl"));
+        assert!(w.contains("cuMemAlloc_v2") && !w.contains("pytorch:malloc"), "USDT rows are no symbols");
     }
 }

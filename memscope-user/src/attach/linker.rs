@@ -61,7 +61,7 @@ pub fn of_process(pid: u32) -> Option<Library> {
 pub fn hook_offset(path: &Path) -> Result<Option<u64>, super::elf::ElfError> {
     let data = super::file::map_library(path)?;
     let wanted: HashSet<String> = std::iter::once(HOOK_SYMBOL.to_owned()).collect();
-    let symbols = ElfSymbols::parse(&data, &wanted)
+    let symbols = ElfSymbols::parse(&data, &wanted.into())
         .map_err(|source| super::elf::ElfError::Parse { path: path.to_owned(), source })?;
     Ok(symbols.get(HOOK_SYMBOL).map(|s| s.file_offset))
 }

@@ -581,7 +581,7 @@ impl Tracer {
                 .expect("loaded in Tracer::load")
                 .try_into()
                 .expect("a uprobe program");
-            let probe_name = format!("{}:{}", crate::apis::markers::PROVIDER, site.def.name);
+            let probe_name = site.name.clone();
             let usdt_err = |source| AttachError::Usdt {
                 probe: probe_name.clone(),
                 library: lib.shown.clone(),
@@ -648,7 +648,7 @@ impl Tracer {
                 .iter()
                 .map(|site| AttachedUsdt {
                     library: lib.shown.clone(),
-                    probe: format!("{}:{}", crate::apis::markers::PROVIDER, site.def.name),
+                    probe: site.name.clone(),
                     file_offset: site.file_offset,
                     semaphore_offset: site.semaphore_offset,
                 })

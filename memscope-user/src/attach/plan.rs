@@ -13,7 +13,7 @@
 //!   its debug file's, else the open-source ATB's offsets (`apis::atb`); the note says which.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use memscope_common::spec::{FieldRead, ProbeSpec};
 
@@ -21,7 +21,7 @@ use super::debug::{self, DebugFile, Found};
 use super::dwarf;
 use super::elf::{ElfError, ElfSymbols, SymbolSource};
 use super::file;
-use super::libs::{wanted_symbols, Library};
+use super::libs::{self, wanted_symbols, Library};
 use super::loader::{AttachedProbe, ProbeSet};
 use crate::apis::{Api, Family};
 
@@ -63,7 +63,7 @@ fn hex(bytes: &[u8]) -> String {
 fn probe(lib: &Library, symbols: &ElfSymbols, api: Api, symbol: &str) -> Option<AttachedProbe> {
     symbols.get(symbol).map(|found| AttachedProbe {
         library: lib.shown.clone(),
-        symbol: symbol.to_owned(),
+        symbol: found.name.clone(),
         api,
         file_offset: found.file_offset,
         source: found.source,
@@ -90,7 +90,7 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
     let parse_err = |source| ElfError::Parse { path: lib.path.clone(), source };
     let own = ElfSymbols::parse(&data, &wanted).map_err(parse_err)?;
     let own_families: HashSet<Family> =
-        Api::all().filter(|d| d.api.symbols().any(|s| own.get(&s).is_some())).map(|d| d.family).collect();
+        Api::all().filter(|d| d.api.lookup_names().any(|s| own.get(&s).is_some())).map(|d| d.family).collect();
 
     // Hidden symbols matter only for torch_npu: the runtime and driver export what we need.
     let reference = debug::debug_ref(&data);
@@ -113,9 +113,15 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
         Some(d) => ElfSymbols::parse_with_debug(&data, d, &wanted).map_err(parse_err)?,
         None => own,
     };
+    // PyTorch's CUDA allocator is planned by its file name too: its blocks come from USDT notes
+    // (attached with the markers), and the plan says whether its segments can be told apart.
+    let c10_cuda = Path::new(&lib.shown).file_name().is_some_and(|n| libs::is_family_file(n, Family::CudaCaching));
     let families: Vec<Family> = Family::ALL
         .into_iter()
-        .filter(|f| Api::all().any(|d| d.family == *f && d.api.symbols().any(|s| symbols.get(&s).is_some())))
+        .filter(|f| {
+            (*f == Family::CudaCaching && c10_cuda)
+                || Api::all().any(|d| d.family == *f && d.api.lookup_names().any(|s| symbols.get(&s).is_some()))
+        })
         .collect();
 
     let mut plan = LibraryPlan {
@@ -146,6 +152,17 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
                 }
                 plan.notes.push(LayerNote { family, text: "CPU tensor storage (HOST rows on the cpu output)".into() });
             }
+            Family::CudaRuntime | Family::CudaDriver => {
+                for def in Api::all().filter(|d| d.family == family) {
+                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
+                }
+                let text = match family {
+                    Family::CudaRuntime => "device, managed and pinned host memory; a driver call made inside a runtime call is part of its row",
+                    _ => "device and pinned host memory, and the virtual-memory calls (cuMem*) of expandable segments and NCCL; mapped pages count from map to unmap",
+                };
+                plan.notes.push(LayerNote { family, text: text.into() });
+            }
+            Family::CudaCaching => plan_c10_cuda(lib, &mut plan),
             Family::PythonGc => {
                 for def in Api::all().filter(|d| d.family == Family::PythonGc) {
                     plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
@@ -176,6 +193,36 @@ fn plan_forwarders(lib: &Library, set: ProbeSet, family: Family, plan: &mut Libr
             plan.probes.extend(probe(lib, &plan.symbols, def.api, &symbol));
         }
     }
+}
+
+/// PyTorch's CUDA caching allocator: the internal steps that take segments, where `.symtab` has
+/// them (blocks come from its USDT probes, which `attach::usdt` plans).
+fn plan_c10_cuda(lib: &Library, plan: &mut LibraryPlan) {
+    let steps = [Api::CudaAllocBlock, Api::CudaMapBlock];
+    let found: Vec<AttachedProbe> = steps
+        .into_iter()
+        .filter_map(|api| {
+            let prefix = api.symbol_prefix()?;
+            probe(lib, &plan.symbols, api, prefix)
+        })
+        .collect();
+    let text = if found.is_empty() {
+        "the internals (DeviceCachingAllocator::alloc_block/map_block) are not in this library's symbols: segments count as CUDA@RUNTIME device memory, not as the pool's".to_owned()
+    } else {
+        let names: Vec<&str> = found.iter().map(|p| p.api.name()).collect();
+        format!(
+            "segments: device memory taken inside {} ({}) is the caching pool's",
+            names.join(" and "),
+            found[0].source.as_str()
+        )
+    };
+    plan.probes.extend(found);
+    plan.notes.push(LayerNote {
+        family: Family::CudaCaching,
+        text: "tensor blocks from the pytorch:malloc/free USDT probes (semaphore-gated; listed with the marker sites)"
+            .into(),
+    });
+    plan.notes.push(LayerNote { family: Family::CudaCaching, text });
 }
 
 fn found_in(symbols: &ElfSymbols, api: Api) -> Option<SymbolSource> {

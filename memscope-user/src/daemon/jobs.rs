@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::Context as _;
 use memscope_core::analysis::live::{self, LiveView};
 
+use crate::apis::{Api, Backend};
 use crate::clock::{self, Clock};
 use crate::metrics::{self, JobTotals};
 use crate::model::{Event, EventKind, Tracker};
@@ -225,10 +226,21 @@ impl Jobs {
     }
 }
 
+/// The accelerator stacks of the node's attached probes (`ms_probes` rows: an API's name, or a
+/// USDT site's `provider:name`).
+fn probe_backends(probes: &[ProbeRow]) -> Vec<Backend> {
+    let api = |p: &ProbeRow| {
+        Api::from_name(&p.api).or_else(|| p.symbol.split_once(':').and_then(|(pr, n)| crate::apis::usdt_api(pr, n)))
+    };
+    Backend::of(probes.iter().filter_map(api))
+}
+
 /// Opens a job's run folder and store, as `trace` does for its target.
 fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
     let start_wall = clock::wall_ns();
-    let layout = RunLayout::create(&cx.output, pid, (start_wall / 1_000_000_000) as i64)
+    let backends = probe_backends(probes);
+    let suffix = Backend::folder_suffix(&backends);
+    let layout = RunLayout::create(&cx.output, pid, (start_wall / 1_000_000_000) as i64, suffix)
         .with_context(|| format!("cannot make a run folder for process {pid} in {}", cx.output.display()))?;
     let run_dir = layout.root().to_owned();
     let comm = metrics::comm_of(pid);
@@ -245,6 +257,7 @@ fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
         ("format".into(), format!("{:?}", cx.format).to_lowercase()),
         ("probe_links".into(), cx.probe_links.clone()),
         ("sample_bytes".into(), cx.sample_bytes.to_string()),
+        ("backend".into(), Backend::meta(&backends)),
     ];
     meta.extend(allocator_env(pid));
     let mut store = Writer::start(Store::new(layout, cx.format, start_wall, meta));
@@ -256,5 +269,5 @@ fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
 
 /// Where a job's folders go: shown once at the start.
 pub fn describe_output(output: &Path) -> String {
-    format!("{}/memscope_<pid>_<time>_ascend/", output.display())
+    format!("{}/memscope_<pid>_<time>_<ascend|cuda>/", output.display())
 }

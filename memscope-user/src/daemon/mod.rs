@@ -221,7 +221,7 @@ impl Daemon {
             note(quiet, format!("probed {} functions in {} ({found})", added.len(), describe_libraries(&added)));
         }
         if !markers.is_empty() {
-            note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(&markers)));
+            note(quiet, format!("USDT: {} sites in {}", markers.len(), describe_marker_libraries(&markers)));
         }
         if let Err(e) = self.jobs.add_probes(&rows) {
             say!("memscope-bpf: warning: the new probes are not listed in the open jobs' ms_probes: {e:#}");

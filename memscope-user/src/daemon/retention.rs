@@ -47,7 +47,7 @@ fn is_run_folder(name: &str) -> bool {
     let digits = |p: Option<&str>| p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
     digits(parts.next())
         && digits(parts.next())
-        && parts.next() == Some("ascend")
+        && matches!(parts.next(), Some("ascend" | "cuda"))
         && match parts.next() {
             None => true,
             n => digits(n) && parts.next().is_none(),
@@ -152,6 +152,7 @@ mod tests {
     fn only_run_folder_names_are_touched() {
         assert!(is_run_folder("memscope_4242_20261203114938_ascend"));
         assert!(is_run_folder("memscope_4242_20261203114938_ascend_2"));
+        assert!(is_run_folder("memscope_4242_20261203114938_cuda"));
         for name in
             ["memscope_4242_ascend", "memscope_x_1_ascend", "memscope_1_2_ascend_", "notes", "memscope_1_2_ascend_2_3"]
         {

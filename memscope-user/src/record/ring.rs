@@ -261,6 +261,10 @@ fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId)
 pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
     Some(match record {
         Record::Call(raw) => return call_event(&raw, clock, (NO_STACK, NO_STACK), 0),
+        // A USDT row's hit (PyTorch's `pytorch:malloc`) is a call like any other.
+        Record::Usdt(raw) if raw.probe >= crate::apis::API_PROBE_BASE => {
+            return call_event(&crate::apis::usdt_call(&raw)?, clock, (NO_STACK, NO_STACK), 0)
+        }
         Record::Usdt(raw) => Event {
             wall_ns: clock.to_wall(raw.mono_ns),
             pid: raw.tgid,

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeSet;
 
+use crate::apis::{self, Backend};
 use crate::attach::libs::{self, Library};
 use crate::attach::loader::AttachError;
 use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
@@ -41,6 +42,13 @@ pub(crate) fn usdt_rows(sites: &[AttachedUsdt], at: u64) -> Vec<ProbeRow> {
             attached_wall_ns: at,
         })
         .collect()
+}
+
+/// The accelerator stacks a trace's probes belong to (`apis::Backend`): the run folder and
+/// `ms_meta.backend` say it.
+pub(crate) fn backends(probes: &[AttachedProbe], sites: &[AttachedUsdt]) -> Vec<Backend> {
+    let usdt = sites.iter().filter_map(|s| s.probe.split_once(':')).filter_map(|(p, n)| apis::usdt_api(p, n));
+    Backend::of(probes.iter().map(|p| p.api).chain(usdt))
 }
 
 /// Attaches the marker sites of `libs`; a library whose notes cannot be used is reported and
@@ -214,11 +222,16 @@ pub(crate) fn announce(
     launch_mode: bool,
     quiet: bool,
 ) {
+    let backends = backends(probes, markers);
     say!(
-        "memscope-bpf: live: {} probes on {} ({}); tracing pid {pid}{}",
+        "memscope-bpf: live: {} probes on {} ({}){}; tracing pid {pid}{}",
         probes.len(),
         if libraries == 1 { "1 library".to_owned() } else { format!("{libraries} libraries") },
         describe_libraries(probes),
+        match backends.as_slice() {
+            [] => String::new(),
+            b => format!(", backend {}", Backend::meta(b)),
+        },
         match (follow, launch_mode) {
             (true, true) => " and its children".to_owned(),
             (true, false) => format!(" and the children it forks from now on (--no-follow traces pid {pid} alone)"),
@@ -226,6 +239,6 @@ pub(crate) fn announce(
         },
     );
     if !markers.is_empty() {
-        note(quiet, format!("markers: {} USDT sites in {}", markers.len(), describe_marker_libraries(markers)));
+        note(quiet, format!("USDT: {} sites in {}", markers.len(), describe_marker_libraries(markers)));
     }
 }

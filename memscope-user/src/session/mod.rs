@@ -28,6 +28,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
 
+use crate::apis::Backend;
 use crate::attach::libs::Library;
 use crate::attach::loader::LoadOptions;
 use crate::attach::{ProbeSet, Tracer};
@@ -189,7 +190,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     };
     let Attached { probes, markers, skipped } = attach_all(&mut tracer, &libraries, probe_set, quiet)?;
 
-    let layout = RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64)?;
+    let backends = attaching::backends(&probes, &markers);
+    let layout =
+        RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64, Backend::folder_suffix(&backends))?;
     let command = command.unwrap_or_else(|| command_line(pid));
     let mut meta: Meta = vec![
         ("tool".into(), "memscope-bpf".into()),
@@ -203,6 +206,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         ("ring_bytes".into(), ring_bytes.to_string()),
         ("format".into(), format!("{format:?}").to_lowercase()),
         ("probe_links".into(), tracer.link_kind()),
+        ("backend".into(), Backend::meta(&backends)),
     ];
     meta.extend(allocator_env(pid));
     if !skipped.is_empty() {
@@ -535,10 +539,7 @@ impl Live {
         }
         if !markers.is_empty() {
             let libraries = describe_marker_libraries(&markers);
-            note(
-                quiet,
-                format!("markers: {} USDT sites in {libraries} (loaded after the trace started)", markers.len()),
-            );
+            note(quiet, format!("USDT: {} sites in {libraries} (loaded after the trace started)", markers.len()));
             store.add_probes(usdt_rows(&markers, clock::wall_ns()))?;
         }
         Ok(())

@@ -5,13 +5,14 @@
 //! stand-ins and the release binary and sets `MEMSCOPE_PRIVILEGED_TIER=1` plus the paths below.
 //! Run any other way they fail with that instruction instead of passing silently.
 //!
-//! By role: [`environment`] (paths, variables, skips), [`ledgers`] (the workloads' own ground
+//! By role: [`binutils`] (a file's own tables, read with nm and readelf), [`environment`] (paths, variables, skips), [`ledgers`] (the workloads' own ground
 //! truth), [`readers`] (the DBs, CSVs and text the tracer wrote, read back), [`runner`] (starting
 //! memscope-bpf and the workloads), [`scrape`] (HTTP, Prometheus and PromQL), [`browser`] (pages in headless Chromium), [`kernel`] (the BPF programs loaded) and [`assertions`]
 //! (the comparisons). Everything is
 //! re-exported here, so a test needs only `use memscope_integration::*`.
 
 pub mod assertions;
+pub mod binutils;
 pub mod browser;
 pub mod environment;
 pub mod kernel;
@@ -21,6 +22,7 @@ pub mod runner;
 pub mod scrape;
 
 pub use assertions::*;
+pub use binutils::*;
 pub use browser::*;
 pub use environment::*;
 pub use kernel::*;

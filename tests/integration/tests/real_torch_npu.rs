@@ -4,7 +4,6 @@
 //! binutils (`nm -D`, `readelf`), not with the tracer's ELF code. Skips, saying why, when the
 //! wheel could not be fetched.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -35,40 +34,6 @@ fn real_library() -> Option<PathBuf> {
             None
         }
     }
-}
-
-fn tool(args: &[&str], file: &Path) -> String {
-    let out = Command::new(args[0]).args(&args[1..]).arg(file).output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Exported function addresses by name, as `nm -D` reads them.
-fn exported(file: &Path) -> HashMap<String, u64> {
-    tool(&["nm", "-D", "--defined-only"], file)
-        .lines()
-        .filter_map(|l| {
-            let mut w = l.split_whitespace();
-            let (addr, _kind, name) = (w.next()?, w.next()?, w.next()?);
-            Some((name.to_owned(), u64::from_str_radix(addr, 16).ok()?))
-        })
-        .collect()
-}
-
-/// A virtual address's file offset through the PT_LOAD headers as `readelf -lW` prints them
-/// (a uprobe is placed by file offset).
-fn file_offset(file: &Path, vaddr: u64) -> u64 {
-    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).unwrap();
-    for l in tool(&["readelf", "-lW"], file).lines() {
-        let w: Vec<&str> = l.split_whitespace().collect();
-        if w.first() == Some(&"LOAD") {
-            let (offset, start, memsz) = (hex(w[1]), hex(w[2]), hex(w[5]));
-            if (start..start + memsz).contains(&vaddr) {
-                return vaddr - start + offset;
-            }
-        }
-    }
-    panic!("{vaddr:#x} is in no PT_LOAD segment of {}", file.display());
 }
 
 #[test]

@@ -38,6 +38,7 @@ use super::pass::{self, Consumer};
 use super::render::{human_bytes, relative};
 use super::stream_reuse::{self, StreamReuse};
 use super::AnalysisError;
+use crate::apis::Backend;
 
 mod out;
 mod rules;
@@ -55,7 +56,9 @@ pub const GC_AT_EPOCH_END: &str = "gc_at_epoch_end";
 pub const MULTI_STREAM: &str = "MULTI_STREAM_MEMORY_REUSE";
 pub const MULTI_STREAM_REUSE_ID: &str = "multi_stream_memory_reuse";
 
-/// The allocator's configuration variable (torch_npu reads it once, at its first allocation).
+/// The allocator's configuration variable on Ascend (torch_npu reads it once, at its first
+/// allocation); a CUDA trace's is PyTorch's `PYTORCH_CUDA_ALLOC_CONF`, with the same keys
+/// (`Backend::alloc_conf`).
 pub const ALLOC_CONF: &str = "PYTORCH_NPU_ALLOC_CONF";
 
 /// ATB's choice of algorithm for laying out a graph operation's intermediate tensors inside its
@@ -172,6 +175,9 @@ pub struct Advice {
     pub device: String,
     /// The target's allocator settings at the start (ms_meta `env.*`; absent: unset).
     pub settings: BTreeMap<String, String>,
+    /// The variable that configures the traced stack's caching allocator
+    /// (`PYTORCH_NPU_ALLOC_CONF`, or `PYTORCH_CUDA_ALLOC_CONF` for a CUDA trace).
+    pub alloc_conf: &'static str,
     pub measured: Measured,
     pub recommendations: Vec<Recommendation>,
 }
@@ -194,6 +200,25 @@ pub fn read_settings(db: &DumpDb) -> Result<BTreeMap<String, String>, AnalysisEr
         .collect::<Result<Vec<_>, _>>()
         .map_err(read)?;
     Ok(rows.into_iter().filter_map(|(k, v)| k.strip_prefix("env.").map(|k| (k.to_owned(), v))).collect())
+}
+
+/// The accelerator stack a DB was traced on (ms_meta `backend`): CUDA when it says so, Ascend
+/// otherwise (msMemScope's DBs, and ours from before the key).
+pub fn read_backend(db: &DumpDb) -> Result<Backend, AnalysisError> {
+    let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
+    let conn = db.conn();
+    let has: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
+        .map_err(read)?;
+    if has == 0 {
+        return Ok(Backend::Ascend);
+    }
+    let value: Option<String> = conn
+        .query_row("SELECT value FROM ms_meta WHERE key = 'backend'", [], |r| r.get(0))
+        .map(Some)
+        .or_else(|e| if e == rusqlite::Error::QueryReturnedNoRows { Ok(None) } else { Err(e) })
+        .map_err(read)?;
+    Ok(if value.as_deref() == Some(Backend::Cuda.as_str()) { Backend::Cuda } else { Backend::Ascend })
 }
 
 /// Whether a flush happened at the pool's ceiling: the segment it freed room for would have taken
@@ -258,13 +283,15 @@ struct Facts<'a> {
     report: &'a Report,
     settings: &'a BTreeMap<String, String>,
     m: Measured,
-    /// PYTORCH_NPU_ALLOC_CONF at the start, as set and parsed.
+    /// Whose allocator: the variable and the Python module the advice names.
+    backend: Backend,
+    /// The allocator's configuration variable at the start, as set and parsed.
     current: Option<String>,
     conf: AllocConf,
 }
 
 impl Facts<'_> {
-    /// A recommendation of one PYTORCH_NPU_ALLOC_CONF `key:value` (dropping the keys `drop`).
+    /// A recommendation of one allocator-configuration `key:value` (dropping the keys `drop`).
     fn env_rec(
         &self,
         id: &'static str,
@@ -276,7 +303,7 @@ impl Facts<'_> {
     ) -> Recommendation {
         Recommendation {
             id,
-            variable: Some(ALLOC_CONF),
+            variable: Some(self.backend.alloc_conf()),
             setting: format!("{key}:{value}"),
             value: Some(self.conf.with(key, value, drop).to_string()),
             current: self.current.clone(),
@@ -302,6 +329,7 @@ const RULES: [fn(&Facts<'_>) -> Option<Recommendation>; 7] = [
 pub fn advise(
     report: &Report,
     settings: &BTreeMap<String, String>,
+    backend: Backend,
     gc: &GcHeld,
     streams: &StreamReuse,
     atb: &AtbWorkspace,
@@ -310,9 +338,9 @@ pub fn advise(
     m.gc = gc.clone();
     m.streams = streams.clone();
     m.atb = atb.clone();
-    let current = settings.get(ALLOC_CONF).cloned();
+    let current = settings.get(backend.alloc_conf()).cloned();
     let conf = AllocConf::parse(current.as_deref().unwrap_or(""));
-    let facts = Facts { report, settings, m, current, conf };
+    let facts = Facts { report, settings, m, backend, current, conf };
     let mut recs: Vec<Recommendation> = RULES.iter().filter_map(|rule| rule(&facts)).collect();
     // torch_npu refuses expandable segments together with either of the other two.
     let ids: Vec<&'static str> = recs.iter().map(|r| r.id).collect();
@@ -346,10 +374,12 @@ pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisEr
     pass::run(db, &mut consumers)?;
     let report = pool.finish();
     let settings = read_settings(db)?;
+    let backend = read_backend(db)?;
     let (gc, streams) = (gc.finish(), streams.finish());
     let atb = atb.map(atb_workspace::Replay::finish).unwrap_or_default();
-    let (measured, recommendations) = advise(&report, &settings, &gc, &streams, &atb);
-    let advice =
-        Advice { db: path.display().to_string(), device: device.to_owned(), settings, measured, recommendations };
+    let (measured, recommendations) = advise(&report, &settings, backend, &gc, &streams, &atb);
+    let alloc_conf = backend.alloc_conf();
+    let (db, device) = (path.display().to_string(), device.to_owned());
+    let advice = Advice { db, device, settings, alloc_conf, measured, recommendations };
     Ok((advice, report))
 }

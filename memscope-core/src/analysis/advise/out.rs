@@ -6,12 +6,13 @@ pub fn text(advice: &Advice, report: &Report) -> String {
     let mut out = String::new();
     let m = &advice.measured;
     let _ = writeln!(out, "device {}: {}", advice.device, advice.db);
-    let conf = advice.settings.get(ALLOC_CONF).map_or_else(|| "unset".to_owned(), |v| format!("`{v}`"));
+    let alloc_conf = advice.alloc_conf;
+    let conf = advice.settings.get(alloc_conf).map_or_else(|| "unset".to_owned(), |v| format!("`{v}`"));
     let others: Vec<String> =
-        advice.settings.iter().filter(|(k, _)| *k != ALLOC_CONF).map(|(k, v)| format!("{k}={v}")).collect();
+        advice.settings.iter().filter(|(k, _)| *k != alloc_conf).map(|(k, v)| format!("{k}={v}")).collect();
     let _ = writeln!(
         out,
-        "  settings at the start: {ALLOC_CONF} {conf}{}",
+        "  settings at the start: {alloc_conf} {conf}{}",
         if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) }
     );
     if m.atb.executions > 0 {

@@ -162,7 +162,7 @@ pub(super) fn per_process_memory_fraction(f: &Facts<'_>) -> Option<Recommendatio
         return Some(Recommendation {
             id: "per_process_memory_fraction",
             variable: None,
-            setting: format!("torch_npu.npu.{}", calls.join(", ")),
+            setting: format!("{}.{}", f.backend.python_module(), calls.join(", ")),
             value: None,
             current: None,
             why,

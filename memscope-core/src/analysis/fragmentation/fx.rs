@@ -80,6 +80,13 @@ impl Fx {
         self.row("OOM_DETAIL", "OOM_TRIGGER", name, pid, pid, None, attr);
     }
 
+    /// An OOM_TRIGGER row of a runtime refusal made while the caching pool was taking a
+    /// segment (PyTorch's CUDA allocator: `cudaMalloc` inside its `alloc_block`).
+    pub fn pool_refusal(&mut self, pid: i64, name: &str, req: u64) {
+        let attr = json!({"func": name, "req_size": req.to_string(), "status": "2", "segment": "caching"});
+        self.row("OOM_DETAIL", "OOM_TRIGGER", name, pid, pid, None, attr);
+    }
+
     pub fn step(&mut self, n: i64) {
         self.row("SYSTEM", "STEP", &n.to_string(), 1, 1, None, json!({}));
     }

@@ -250,7 +250,7 @@ pub(super) fn oom_block<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns
 
 /// A call that failed: out of memory, or any other error.
 pub(super) fn failed<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
-    let Output::Failed { site, device, status, out_of_memory, size, ptr, driver } = output else {
+    let Output::Failed { site, device, status, out_of_memory, size, ptr, driver, segment } = output else {
         unreachable!("called for a Failed")
     };
     let space_type = if *device == DeviceKey::Cpu { EventType::Host } else { EventType::Hal };
@@ -260,7 +260,7 @@ pub(super) fn failed<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a
             .with_opt(attr::req_size, *size)
             .with_opt(attr::flag, driver.and_then(|d| d.flag).map(Value::Addr))
             .with(attr::status, *status);
-        let attr = with_module(attr, driver.and_then(|d| d.module));
+        let attr = with_module(attr, driver.and_then(|d| d.module)).with_opt(attr::segment, segment.map(pool_name));
         (Columns::at(site, Event::OomDetail, EventType::OomTrigger, *device, None), attr)
     } else {
         let attr = attr

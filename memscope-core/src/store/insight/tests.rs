@@ -310,6 +310,7 @@ fn out_of_memory_is_an_oom_trigger_and_other_errors_are_api_errors() {
         size: Some(10),
         ptr: None,
         driver: None,
+        segment: None,
     });
     assert_eq!((oom.head.event.as_str(), oom.head.event_type.as_str()), ("OOM_DETAIL", "OOM_TRIGGER"));
     assert_eq!(oom.attr.get("req_size").as_deref(), Some("10"));
@@ -322,6 +323,7 @@ fn out_of_memory_is_an_oom_trigger_and_other_errors_are_api_errors() {
         size: None,
         ptr: Some(0x5),
         driver: None,
+        segment: None,
     });
     assert_eq!((err.head.event.as_str(), err.head.event_type.as_str()), ("API_ERROR", "HAL"));
 }
