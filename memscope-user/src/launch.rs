@@ -33,7 +33,8 @@ pub struct Launched {
     program: String,
 }
 
-fn resolve(program: &OsStr) -> Result<PathBuf, LaunchError> {
+/// The program a command names: a path as given, else the first executable of that name in PATH.
+pub(crate) fn resolve(program: &OsStr) -> Result<PathBuf, LaunchError> {
     let as_path = Path::new(program);
     if program.as_bytes().contains(&b'/') {
         return Ok(as_path.to_owned());

@@ -18,8 +18,10 @@ pub enum PreflightError {
     #[error("this kernel has no uprobe support ({0} is missing); memscope-bpf needs a kernel built with CONFIG_UPROBE_EVENTS=y")]
     NoUprobes(PathBuf),
     #[error(
-        "no Ascend runtime library found {where_}: looked for libascendcl.so, libacl_rt.so and libacl_rt_impl.so; \
-         pass --lib /path/to/libascendcl.so (or set ASCEND_HOME_PATH), or start tracing once the job has initialised ACL"
+        "no accelerator library found {where_}: looked for the Ascend runtime (libascendcl.so, libacl_rt.so, \
+         libacl_rt_impl.so) and NVIDIA's (libcudart.so, libcuda.so, libc10_cuda.so); pass --lib with the library \
+         (for a launched PyTorch job on NVIDIA: --lib .../site-packages/torch/lib/libc10_cuda.so), set \
+         ASCEND_HOME_PATH, or attach with --pid once the job has initialised its device"
     )]
     NoLibrary { where_: String },
     #[error("output folder {path} is not writable ({reason}); pass --output with a folder you can write to")]

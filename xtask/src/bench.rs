@@ -78,6 +78,9 @@ pub struct Options {
     /// Interleaved rounds of the daemon's wall-time comparison (0 skips the daemon's part).
     #[arg(long, default_value_t = 5)]
     pub daemon_rounds: usize,
+    /// Only the cost of a hit of a 1-byte-nop USDT site (PyTorch's) against a 5-byte-nop one.
+    #[arg(long)]
+    pub usdt_only: bool,
     /// Live blocks each of the daemon bench's 10 jobs holds.
     #[arg(long, default_value_t = 100_000)]
     pub daemon_blocks: u64,
@@ -270,6 +273,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         println!("{md}");
         return Ok(());
     }
+    if opts.usdt_only {
+        let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
+        let md = crate::bench_usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?;
+        std::fs::write(dir.join("results-usdt.md"), &md)?;
+        println!("{md}");
+        return Ok(());
+    }
     if opts.analysis_only {
         let md = crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
         std::fs::write(dir.join("results-analysis.md"), &md)?;
@@ -287,6 +297,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     let (mut md, have_bpftrace) = pair_rounds(opts, &built, &dir)?;
     md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
+    md.push_str(&crate::bench_usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?);
     md.push_str(&crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
     md.push_str(&crate::bench_stacks::consumer(&built, &dir, opts.consumer_pairs)?);
     md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);

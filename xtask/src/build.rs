@@ -6,6 +6,7 @@
 //! - `late/libacl_rt.so`: a second copy at another path and name, loaded late by a workload the
 //!   way HCCL dlopens libacl_rt.so, to test that the tracer picks up new libraries.
 //! - `bin/alloc_bench`: the benchmark's allocation loop, linked to the stand-in.
+//! - `bin/usdt_nop_bench`: the benchmark's USDT-site loop, linked to the stand-in libc10_cuda.so.
 //! - `bin/stack_chain`, `bin/stack_chain_nofp`: a call chain known by construction
 //!   (`tests/standin/stacks/`), its library `stacks/libstackchain.so` built with frame pointers and
 //!   `stacks_nofp/libstackchain.so` without, for the native-stack tests.
@@ -15,7 +16,8 @@
 //! - `cuda/lib/`: the NVIDIA stand-ins (`tests/standin/cuda/`): `libcuda.so.1` (the driver),
 //!   `libcudart.so.12` (the runtime, calling the driver through function pointers) and
 //!   `libc10_cuda.so` (a caching allocator with PyTorch's USDT probes and internal names, kept in
-//!   `.symtab` only), each findable from the next through DT_NEEDED and RUNPATH.
+//!   `.symtab` only), each findable from the next through DT_NEEDED and RUNPATH; and
+//!   `bin/static_cudart`, a program with the stand-in runtime compiled in (`cudart_static`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -35,6 +37,8 @@ pub struct Built {
     pub atb: PathBuf,
     /// The folder of the NVIDIA stand-ins (`libc10_cuda.so` and what it needs).
     pub cuda: PathBuf,
+    /// `bin/usdt_nop_bench`: hits of a 1-byte-nop and a 5-byte-nop USDT site, timed.
+    pub usdt_bench: PathBuf,
     /// The markers package (`markers/`) installed into a folder for PYTHONPATH.
     pub markers: PathBuf,
 }
@@ -100,6 +104,16 @@ pub fn standins() -> anyhow::Result<Built> {
         .arg(format!("-Wl,-rpath,{}", libascendcl.parent().expect("has a parent").display()))
         .arg("-lascendcl"))?;
     stack_chain(&root, &standin, &lib64)?;
+    let usdt_bench = standin.join("bin/usdt_nop_bench");
+    sh(Command::new("gcc")
+        .args(CFLAGS)
+        .arg("-o")
+        .arg(&usdt_bench)
+        .arg(root.join("tests/bench/usdt_nop_bench.c"))
+        .arg("-L")
+        .arg(&cuda)
+        .arg(format!("-Wl,-rpath,{}", cuda.display()))
+        .arg("-lc10_cuda"))?;
     Ok(Built {
         binary: root.join("target/release/memscope-bpf"),
         ascend_home,
@@ -109,6 +123,7 @@ pub fn standins() -> anyhow::Result<Built> {
         torch,
         atb,
         cuda,
+        usdt_bench,
         markers: PathBuf::new(),
     })
 }
@@ -248,7 +263,7 @@ fn cuda(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
     compile_library(&sources.join("standin_cuda.c"), &lib.join("libcuda.so.1"), "libcuda.so.1", &[])?;
     link("libcuda.so.1", "libcuda.so")?;
     let cudart = lib.join("libcudart.so.12");
-    compile_library(&sources.join("standin_cudart.c"), &cudart, "libcudart.so.12", &[(&lib, "cuda"), (&lib, "dl")])?;
+    compile_library(&sources.join("standin_cudart.c"), &cudart, "libcudart.so.12", &[(&lib, "cuda")])?;
     link("libcudart.so.12", "libcudart.so")?;
     // Hidden internals, not stripped: local functions of `.symtab`, as in the PyPI wheel.
     sh(Command::new("g++")
@@ -264,6 +279,24 @@ fn cuda(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
         .args(["-lcudart", "-lcuda"])
         .arg(format!("-Wl,-rpath,{}", lib.display()))
         .arg("-lpthread"))?;
+    // A program with the runtime compiled in (as `cudart_static`): its functions in `.symtab` only.
+    let program = standin.join("bin/static_cudart");
+    std::fs::create_dir_all(program.parent().expect("has a parent"))?;
+    sh(Command::new("gcc")
+        .args(CFLAGS)
+        .arg("-I")
+        .arg(&sources)
+        .arg("-o")
+        .arg(&program)
+        .arg(sources.join("static_cudart_main.c"))
+        .arg(sources.join("standin_cudart.c"))
+        .arg("-L")
+        .arg(&lib)
+        // The runtime reaches the driver through dlsym only, as the real one does: keep the
+        // DT_NEEDED entry the linker would drop as unused.
+        .args(["-Wl,--no-as-needed", "-lcuda", "-Wl,--as-needed"])
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .args(["-ldl", "-lpthread"]))?;
     Ok(lib)
 }
 

@@ -16,6 +16,7 @@ mod bench_markers;
 mod bench_report;
 mod bench_stacks;
 mod bench_stop;
+mod bench_usdt;
 mod build;
 mod demo;
 mod same_results;

@@ -4,6 +4,8 @@
 //! 1. `--lib PATH` (a file of any name, or a folder to scan);
 //! 2. what the process has mapped (`/proc/PID/maps`), opened through `/proc/PID/root` so a
 //!    containerised target's files resolve in its own mount namespace;
+//!    The process's executable too, when it links the CUDA runtime statically (`cudart_static`:
+//!    it defines `cudaMalloc` itself);
 //! 3. `$ASCEND_HOME_PATH/lib64` (and `runtime/lib64`) of the target's environment, so libraries
 //!    it will dlopen later are probed before their first call; in launch mode also the
 //!    `LD_LIBRARY_PATH` folders the program will search; `$ATB_HOME_PATH/lib` likewise, where
@@ -34,6 +36,8 @@ pub enum Origin {
     LibraryPath,
     /// Named in another traced library's `DT_NEEDED` (the runtime needs the driver).
     Dependency,
+    /// The launched program itself, which links the CUDA runtime statically.
+    Executable,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,9 +118,31 @@ pub fn from_user_path(path: &Path) -> Result<Vec<Library>, FileError> {
     }])
 }
 
-/// Known libraries mapped executable in a process.
+/// The symbol whose definition marks a statically linked CUDA runtime.
+const STATIC_RUNTIME_SYMBOL: &str = "cudaMalloc";
+
+/// `path` as a library, if it is an executable that links the CUDA runtime statically. Each
+/// file is looked into once per tracer: every traced process maps its executable, and most
+/// define no runtime function.
+pub fn static_runtime(path: PathBuf, shown: String, origin: Origin) -> Option<Library> {
+    static SEEN: std::sync::Mutex<Option<HashMap<(u64, u64), bool>>> = std::sync::Mutex::new(None);
+    let lib = library(path, shown, origin)?;
+    let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let defines = *seen.get_or_insert_with(HashMap::new).entry(lib.file_id).or_insert_with(|| {
+        let wanted: std::collections::HashSet<String> = [STATIC_RUNTIME_SYMBOL.to_owned()].into();
+        super::file::map_library(&lib.path)
+            .ok()
+            .and_then(|data| super::elf::ElfSymbols::parse(&data, &wanted.into()).ok())
+            .is_some_and(|symbols| symbols.get(STATIC_RUNTIME_SYMBOL).is_some())
+    });
+    defines.then_some(lib)
+}
+
+/// Known libraries mapped executable in a process, and its executable if it links the CUDA
+/// runtime statically.
 pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
     let mut found = Vec::new();
     for line in maps.lines() {
         // address perms offset dev inode path; the path may contain spaces.
@@ -127,10 +153,14 @@ pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
             continue;
         }
         let file = Path::new(path);
+        let through_root = PathBuf::from(format!("/proc/{pid}/root{path}"));
+        if exe.as_deref() == Some(file) && !file.file_name().is_some_and(is_known_name) {
+            found.extend(static_runtime(through_root, path.to_owned(), Origin::Mapped { pid }));
+            continue;
+        }
         if !file.file_name().is_some_and(is_known_name) && !is_markers_module(file) {
             continue;
         }
-        let through_root = PathBuf::from(format!("/proc/{pid}/root{path}"));
         if let Some(lib) = library(through_root, path.to_owned(), Origin::Mapped { pid }) {
             found.push(lib);
         }

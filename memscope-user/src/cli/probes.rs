@@ -47,6 +47,7 @@ fn origin(o: &Origin) -> String {
         Origin::AtbHome => "ATB_HOME_PATH".into(),
         Origin::LibraryPath => "LD_LIBRARY_PATH".into(),
         Origin::Dependency => "needed by a traced library".into(),
+        Origin::Executable => "the program, with the CUDA runtime linked in".into(),
     }
 }
 

@@ -167,11 +167,16 @@ pub struct Args {
     pub command: Vec<OsString>,
 }
 
-/// Libraries for a launched program: `--lib`, then the `ASCEND_HOME_PATH` and `LD_LIBRARY_PATH`
-/// folders of the environment it inherits from us.
-fn launch_libraries(user: &[Library]) -> Vec<Library> {
+/// Libraries for a launched program: `--lib`, the program itself when it links the CUDA runtime
+/// statically, then the `ASCEND_HOME_PATH` and `LD_LIBRARY_PATH` folders of the environment it
+/// inherits from us.
+fn launch_libraries(user: &[Library], program: &std::ffi::OsStr) -> Vec<Library> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let mut all = user.to_vec();
+    if let Ok(path) = launch::resolve(program) {
+        let shown = path.display().to_string();
+        all.extend(libs::static_runtime(path, shown, libs::Origin::Executable));
+    }
     all.extend(libs::from_env(&env, Path::new("/"), true));
     libs::with_dependencies(all)
 }
@@ -192,7 +197,7 @@ pub(crate) fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> 
     for path in paths {
         let libs = libs::from_user_path(path).context("--lib")?;
         if libs.is_empty() {
-            bail!("--lib {}: no Ascend runtime library in this folder (looked for libascendcl.so, libacl_rt.so, libacl_rt_impl.so)", path.display());
+            bail!("--lib {}: no traced library in this folder (looked for the Ascend runtime's libascendcl.so, libacl_rt.so, libacl_rt_impl.so, NVIDIA's libcudart.so, libcuda.so, libc10_cuda.so and the others `probes --lib` lists); give the library file itself", path.display());
         }
         found.extend(libs);
     }
@@ -236,7 +241,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         None => {
             preflight::check_output(&args.output)?;
-            let libraries = launch_libraries(&user);
+            let libraries = launch_libraries(&user, &args.command[0]);
             if libraries.is_empty() {
                 return Err(PreflightError::NoLibrary {
                     where_: "for the command (ASCEND_HOME_PATH, LD_LIBRARY_PATH and --lib)".into(),

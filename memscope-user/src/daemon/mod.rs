@@ -36,7 +36,7 @@ use crate::clock::{self, Clock};
 use crate::metrics::{self, Published, Snapshot};
 use crate::record::ring::Consumer;
 use crate::say::{note, say};
-use crate::session::attaching::{attach_found, describe_libraries, describe_marker_libraries, probe_rows, usdt_rows};
+use crate::session::attaching::{attach_found, describe_libraries, describe_usdt, probe_rows, usdt_rows};
 use crate::stop::{self, Detaching, Every, Signals};
 use crate::store::{Format, ProbeRow};
 use crate::summary::SkippedLibrary;
@@ -221,7 +221,7 @@ impl Daemon {
             note(quiet, format!("probed {} functions in {} ({found})", added.len(), describe_libraries(&added)));
         }
         if !markers.is_empty() {
-            note(quiet, format!("USDT: {} sites in {}", markers.len(), describe_marker_libraries(&markers)));
+            note(quiet, describe_usdt(&markers));
         }
         if let Err(e) = self.jobs.add_probes(&rows) {
             say!("memscope-bpf: warning: the new probes are not listed in the open jobs' ms_probes: {e:#}");

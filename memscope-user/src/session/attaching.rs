@@ -80,9 +80,15 @@ pub(crate) fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool)
     attached
 }
 
-pub(crate) fn describe_marker_libraries(sites: &[AttachedUsdt]) -> String {
-    let libs: BTreeSet<&str> = sites.iter().map(|p| p.library.as_str()).collect();
-    libs.into_iter().collect::<Vec<_>>().join(", ")
+/// `USDT: 11 sites in A; 4 sites in B`: the sites attached, per library (the markers' module,
+/// PyTorch's libc10_cuda.so).
+pub(crate) fn describe_usdt(sites: &[AttachedUsdt]) -> String {
+    let mut per_lib: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for site in sites {
+        *per_lib.entry(site.library.as_str()).or_default() += 1;
+    }
+    let parts: Vec<String> = per_lib.into_iter().map(|(lib, n)| format!("{n} sites in {lib}")).collect();
+    format!("USDT: {}", parts.join("; "))
 }
 
 pub(crate) fn describe_libraries(probes: &[AttachedProbe]) -> String {
@@ -239,6 +245,6 @@ pub(crate) fn announce(
         },
     );
     if !markers.is_empty() {
-        note(quiet, format!("USDT: {} sites in {}", markers.len(), describe_marker_libraries(markers)));
+        note(quiet, describe_usdt(markers));
     }
 }

@@ -48,8 +48,7 @@ use crate::summary::{SkippedLibrary, Summary};
 use memscope_core::analysis::live;
 
 use attaching::{
-    announce, attach_all, describe_libraries, describe_marker_libraries, probe_rows, rescan, skipped_meta, usdt_rows,
-    Attached,
+    announce, attach_all, describe_libraries, describe_usdt, probe_rows, rescan, skipped_meta, usdt_rows, Attached,
 };
 use facts::{allocator_env, command_line, device_lines, kernel_release, pool_lines, stack_meta};
 
@@ -194,21 +193,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let layout =
         RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64, Backend::folder_suffix(&backends))?;
     let command = command.unwrap_or_else(|| command_line(pid));
-    let mut meta: Meta = vec![
-        ("tool".into(), "memscope-bpf".into()),
-        ("tool_version".into(), env!("CARGO_PKG_VERSION").into()),
-        ("kernel".into(), kernel_release()),
-        ("mode".into(), if launch_mode { "launch" } else { "attach" }.into()),
-        ("target_pid".into(), pid.to_string()),
-        ("command".into(), command),
-        ("start_ns".into(), start_wall.to_string()),
-        ("clock".into(), format!("CLOCK_MONOTONIC + {} ns offset measured at start", clock.offset().as_nanos())),
-        ("ring_bytes".into(), ring_bytes.to_string()),
-        ("format".into(), format!("{format:?}").to_lowercase()),
-        ("probe_links".into(), tracer.link_kind()),
-        ("backend".into(), Backend::meta(&backends)),
-    ];
-    meta.extend(allocator_env(pid));
+    let facts = RunFacts { pid, launch_mode, command, start_wall, clock, ring_bytes, format };
+    let mut meta = run_meta(facts, tracer.link_kind(), &backends);
     if !skipped.is_empty() {
         meta.extend(skipped_meta(&skipped));
     }
@@ -263,6 +249,38 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let mut signals = Signals::new()?;
     let stop_reason = live.trace(&mut signals, duration, waiter).await?;
     live.finish(signals, stop_reason, started, run_dir)
+}
+
+/// What a trace's `ms_meta` says about the run itself.
+struct RunFacts {
+    pid: u32,
+    launch_mode: bool,
+    command: String,
+    start_wall: u64,
+    clock: Clock,
+    ring_bytes: u32,
+    format: Format,
+}
+
+/// `ms_meta`'s entries known at the start: the tool, the target, the clock, how events travel,
+/// the backend, and the target's allocator settings.
+fn run_meta(f: RunFacts, probe_links: String, backends: &[Backend]) -> Meta {
+    let mut meta: Meta = vec![
+        ("tool".into(), "memscope-bpf".into()),
+        ("tool_version".into(), env!("CARGO_PKG_VERSION").into()),
+        ("kernel".into(), kernel_release()),
+        ("mode".into(), if f.launch_mode { "launch" } else { "attach" }.into()),
+        ("target_pid".into(), f.pid.to_string()),
+        ("command".into(), f.command),
+        ("start_ns".into(), f.start_wall.to_string()),
+        ("clock".into(), format!("CLOCK_MONOTONIC + {} ns offset measured at start", f.clock.offset().as_nanos())),
+        ("ring_bytes".into(), f.ring_bytes.to_string()),
+        ("format".into(), format!("{:?}", f.format).to_lowercase()),
+        ("probe_links".into(), probe_links),
+        ("backend".into(), Backend::meta(backends)),
+    ];
+    meta.extend(allocator_env(f.pid));
+    meta
 }
 
 /// `ms_meta`'s record of the stacks asked for (`--call-stack`, `--unwind`).
@@ -538,8 +556,7 @@ impl Live {
             store.add_probes(probe_rows(&added, clock::wall_ns()))?;
         }
         if !markers.is_empty() {
-            let libraries = describe_marker_libraries(&markers);
-            note(quiet, format!("USDT: {} sites in {libraries} (loaded after the trace started)", markers.len()));
+            note(quiet, format!("{} (loaded after the trace started)", describe_usdt(&markers)));
             store.add_probes(usdt_rows(&markers, clock::wall_ns()))?;
         }
         Ok(())

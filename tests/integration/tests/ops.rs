@@ -89,7 +89,10 @@ fn traced_ops_run(env: &TestEnv, python: &Path, markers: &Path) -> (Ledger, Outp
     let (code, stderr) = tracer.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
     eprintln!("tracer:\n{stderr}");
-    assert!(stderr.contains("USDT: 11 sites"), "the operator probes were attached:\n{stderr}");
+    assert!(
+        stderr.lines().any(|l| l.contains("USDT:") && l.contains("11 sites in") && l.contains("memscope/_native")),
+        "the operator probes were attached:\n{stderr}"
+    );
 
     let text = std::fs::read_to_string(&ledger_path).unwrap();
     let ledger: Ledger = serde_json::from_str(&text).expect("the ledger is JSON");

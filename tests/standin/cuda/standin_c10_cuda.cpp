@@ -42,8 +42,11 @@
 #define SDT_SEMAPHORE(name) \
     __attribute__((used, section(".probes"), visibility("hidden"))) volatile unsigned short sdt_semaphore_##name = 0
 
-#define SDT_NOTE(provider, name, sem, args)                                                       \
-    "990: nop\n"                                                                                  \
+#define SDT_NOTE(provider, name, sem, args) SDT_NOTE_AT("nop", provider, name, sem, args)
+/* nopl 0x0(%rax,%rax,1), as our markers' sites: only for the bench's comparison. */
+#define SDT_NOP5 ".byte 0x0f, 0x1f, 0x44, 0x00, 0x00"
+#define SDT_NOTE_AT(nop, provider, name, sem, args)                                               \
+    "990: " nop "\n"                                                                              \
     ".pushsection .note.stapsdt, \"?\", \"note\"\n"                                               \
     ".balign 4\n"                                                                                 \
     ".4byte 992f-991f, 994f-993f, 3\n"                                                            \
@@ -82,6 +85,15 @@ static inline void probe_malloc(void *ptr, int8_t device, size_t size, int64_t s
 static inline void probe_free(void *ptr) {
     if (sdt_semaphore_pytorch_free) {
         __asm__ __volatile__(SDT_NOTE(pytorch, free, sdt_semaphore_pytorch_free, "-8@%[p]")
+                             :
+                             : [p] "nor"((int64_t)(uintptr_t)ptr));
+    }
+}
+
+/* The same probe on a 5-byte nop: `cargo xtask bench` times a hit of each kind. */
+static inline void probe_free_nop5(void *ptr) {
+    if (sdt_semaphore_pytorch_free) {
+        __asm__ __volatile__(SDT_NOTE_AT(SDT_NOP5, pytorch, free, sdt_semaphore_pytorch_free, "-8@%[p]")
                              :
                              : [p] "nor"((int64_t)(uintptr_t)ptr));
     }
@@ -384,6 +396,21 @@ STANDIN_EXPORT void standin_c10_cuda_set_expandable(int on) {
 /* Whether a tracer raised both semaphores (its probes are live). */
 STANDIN_EXPORT int standin_c10_cuda_probes_live(void) {
     return sdt_semaphore_pytorch_malloc > 0 && sdt_semaphore_pytorch_free > 0;
+}
+
+/* For the bench: `n` hits of the free probe's 1-byte-nop site (`nop5` 0) or of its 5-byte-nop
+ * twin, with a null pointer (a free of nothing: the tracer records it and changes nothing);
+ * returns the nanoseconds the loop took. */
+STANDIN_EXPORT unsigned long long standin_c10_cuda_probe_loop(unsigned long long n, int nop5) {
+    unsigned long long t0 = now_ns();
+    for (unsigned long long i = 0; i < n; i++) {
+        if (nop5) {
+            probe_free_nop5(nullptr);
+        } else {
+            probe_free(nullptr);
+        }
+    }
+    return now_ns() - t0;
 }
 
 /* torch.cuda.memory_allocated() / memory_reserved() of a device. */

@@ -2,9 +2,9 @@
  * STAND-IN libcudart.so.12 for memscope-bpf's tests. It is not NVIDIA's CUDA runtime.
  *
  * Exports the runtime's memory functions with the real signatures. Each one calls the stand-in
- * driver (libcuda.so.1) the way the real runtime does: through function pointers it looked up
- * once (the real one asks cuGetProcAddress), never through the PLT, so a tracer that hooks
- * calls instead of code would miss the nested driver calls. The device is the thread's
+ * driver (libcuda.so.1, loaded with dlopen as the real runtime loads it) through function
+ * pointers it looked up once (the real one asks cuGetProcAddress), never through the PLT, so a
+ * tracer that hooks calls instead of code would miss the nested driver calls. The device is the thread's
  * (cudaSetDevice makes the device's primary context current). `cudaFree(NULL)` does nothing but
  * return success, as programs use it to create the context.
  *
@@ -50,10 +50,11 @@ static void *entry(void *lib, const char *name) {
 }
 
 static void init(void) {
-    /* Already loaded (it is a DT_NEEDED of this library): only its entry points are wanted. */
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    /* As the real runtime does: the driver by its soname (found through this library's RUNPATH,
+     * or already loaded by the program), then its entry points. */
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW);
     if (lib == NULL) {
-        fprintf(stderr, "stand-in cudart: libcuda.so.1 is not loaded: %s\n", dlerror());
+        fprintf(stderr, "stand-in cudart: cannot load libcuda.so.1: %s\n", dlerror());
         abort();
     }
     driver.retain = entry(lib, "cuDevicePrimaryCtxRetain");
