@@ -14,7 +14,7 @@ use std::time::Instant;
 use anyhow::Context as _;
 use memscope_core::analysis::live::{self, LiveView};
 
-use crate::apis::{Api, Backend};
+use crate::apis::{Api, Backend, Family};
 use crate::clock::{self, Clock};
 use crate::metrics::{self, JobTotals};
 use crate::model::{Event, EventKind, Tracker};
@@ -88,9 +88,11 @@ impl Jobs {
         }
         let job = match self.jobs.entry(pid) {
             std::collections::btree_map::Entry::Occupied(job) => job.into_mut(),
-            // An exit of a process that never made a recorded call opens nothing.
-            std::collections::btree_map::Entry::Vacant(_) if exit => return None,
-            std::collections::btree_map::Entry::Vacant(slot) => match open(pid, cx, probes) {
+            // An exit of a process that never made a recorded call opens nothing, nor does a
+            // garbage-collector pass (no row of its own; a Python job's first event, long before
+            // it loads the accelerator libraries whose backend names its folder).
+            std::collections::btree_map::Entry::Vacant(_) if exit || is_gc_pass(&event) => return None,
+            std::collections::btree_map::Entry::Vacant(slot) => match open(pid, &event, cx, probes) {
                 Ok(job) => {
                     let job = slot.insert(job);
                     self.opened.push(pid);
@@ -226,9 +228,32 @@ impl Jobs {
     }
 }
 
-/// The accelerator stacks of the node's attached probes (`ms_probes` rows: an API's name, or a
-/// USDT site's `provider:name`).
-fn probe_backends(probes: &[ProbeRow]) -> Vec<Backend> {
+fn is_gc_pass(event: &Event) -> bool {
+    matches!(&event.kind, EventKind::Call(call) if matches!(call.op, crate::model::Op::GcPass { .. }))
+}
+
+/// The accelerator stacks of a job at its first event: that call's, else those of the
+/// libraries the process maps, else those of the node's attached probes (`ms_probes` rows: an
+/// API's name, or a USDT site's `provider:name`).
+fn job_backends(pid: u32, first: &Event, probes: &[ProbeRow]) -> Vec<Backend> {
+    if let EventKind::Call(call) = &first.kind {
+        if let Some(backend) = call.api.family().backend() {
+            return vec![backend];
+        }
+    }
+    let mapped = crate::attach::libs::from_maps(pid).unwrap_or_default();
+    let families = Family::ALL.into_iter().filter(|f| {
+        mapped
+            .iter()
+            .any(|l| Path::new(&l.shown).file_name().is_some_and(|n| crate::attach::libs::is_family_file(n, *f)))
+    });
+    let from_maps: Vec<Backend> = {
+        let set: std::collections::BTreeSet<Backend> = families.filter_map(Family::backend).collect();
+        set.into_iter().collect()
+    };
+    if !from_maps.is_empty() {
+        return from_maps;
+    }
     let api = |p: &ProbeRow| {
         Api::from_name(&p.api).or_else(|| p.symbol.split_once(':').and_then(|(pr, n)| crate::apis::usdt_api(pr, n)))
     };
@@ -236,9 +261,9 @@ fn probe_backends(probes: &[ProbeRow]) -> Vec<Backend> {
 }
 
 /// Opens a job's run folder and store, as `trace` does for its target.
-fn open(pid: u32, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
+fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::Result<Job> {
     let start_wall = clock::wall_ns();
-    let backends = probe_backends(probes);
+    let backends = job_backends(pid, first, probes);
     let suffix = Backend::folder_suffix(&backends);
     let layout = RunLayout::create(&cx.output, pid, (start_wall / 1_000_000_000) as i64, suffix)
         .with_context(|| format!("cannot make a run folder for process {pid} in {}", cx.output.display()))?;

@@ -333,3 +333,47 @@ fn a_program_with_the_runtime_linked_in_is_traced_from_its_own_symbols() {
     assert_eq!(rows.iter().filter(|r| r.event == "FREE").count(), frees, "{rows:#?}");
     assert_eq!(rows.iter().filter(|r| r.event == "MALLOC").count(), 3, "{rows:#?}");
 }
+
+/// The daemon, with no library known at its start, traces a CUDA job from its first call: it
+/// hears of the libraries as the job loads them, raises PyTorch's semaphores in time (the job
+/// waits for them), names the job's folder `_cuda`, and records every block the allocator's
+/// ledger has (USDT hits are never sampled).
+#[test]
+fn the_daemon_traces_a_cuda_job_it_never_saw_start() {
+    let env = env("cuda_daemon");
+    let lib = var("MEMSCOPE_CUDA_LIB");
+    let out = env.scratch.join("out");
+    let args = ["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0", "--comm", "python3"];
+    let mut daemon = Tracer::spawn_with(&env, &args, &[("ASCEND_HOME_PATH", None), ("LD_LIBRARY_PATH", None)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let (pool, ledger) = (env.scratch.join("c10.jsonl"), env.scratch.join("workload.jsonl"));
+    let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name("standin_cuda_train.py");
+    let status = Command::new("python3")
+        .arg(&workload)
+        .args(["--cuda-lib", lib.to_str().unwrap(), "--ledger", ledger.to_str().unwrap()])
+        .args(["--oom-bytes", "2147483648"])
+        .env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
+        .env("STANDIN_C10_CUDA_LEDGER", &pool)
+        .env("STANDIN_CUDA_DEVICE_MEM", "1G")
+        .env_remove("ASCEND_HOME_PATH")
+        .status()
+        .unwrap();
+    assert!(status.success(), "the workload failed");
+    let done = |text: &str| text.contains("process exited");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !done(&daemon.stderr()) {
+        assert!(std::time::Instant::now() < deadline, "the job never finished:\n{}", daemon.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{stderr}");
+    let line = std::fs::read_to_string(&ledger).unwrap();
+    assert!(line.starts_with(r#"{"kind": "probes", "live": true"#), "the semaphores rose before the job began: {line}");
+    let runs: Vec<PathBuf> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(runs.len(), 1, "{runs:?}\n{stderr}");
+    assert!(runs[0].to_string_lossy().ends_with("_cuda"), "{runs:?}");
+    let out = read_run(&runs[0]);
+    let check = PtaCheck { sizes: true, counters: true, caching: true, external: false, workspace: false, after_ns: 0 };
+    assert_pta(&read_pool_ledger(&pool), &out, check);
+}
