@@ -30,23 +30,23 @@ fn net(json: &serde_json::Value, case: &str) -> anyhow::Result<f64> {
     json["net_ns"][case].as_f64().with_context(|| format!("no `{case}` in the markers bench output"))
 }
 
-/// bpftrace attached by pid to the bench once it has imported the markers (bpftrace 0.17 cannot
-/// resolve USDT sites of a library a `-c` child has not loaded yet); stopped when it exits.
-fn bpftrace_attached(program: &str, python_path: &str, script: &str, args: &[&str]) -> anyhow::Result<f64> {
-    use std::io::{BufRead as _, BufReader};
-    let mut bench = Command::new("python3")
-        .env("PYTHONPATH", python_path)
-        .arg(script)
-        .args(args)
+/// Runs `bench` (which says "waiting" on stderr once it is ready to be traced, then waits for a
+/// tracer to raise its semaphores) under bpftrace attached by pid with `program`, and returns its
+/// stdout. bpftrace 0.17 cannot resolve USDT sites of a library a `-c` child has not loaded yet,
+/// so it attaches to the running process; it is stopped when the bench exits.
+pub(crate) fn bpftrace_by_pid(bench: &mut Command, program: &str) -> anyhow::Result<String> {
+    use std::io::{BufRead as _, BufReader, Read as _};
+    let mut bench = bench
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .context("cannot start the markers bench")?;
+        .context("cannot start the bench")?;
+    // Kept open until the bench exits: a closed pipe would kill it at its next message.
     let mut stderr = BufReader::new(bench.stderr.take().expect("piped"));
     let mut line = String::new();
     stderr.read_line(&mut line)?;
-    anyhow::ensure!(line.contains("waiting"), "the markers bench did not start: {line}");
+    anyhow::ensure!(line.contains("waiting"), "the bench did not start: {line}");
     let mut tracer = privileged("bpftrace")
         .args(["-p", &bench.id().to_string(), "-e", program])
         .stdin(Stdio::null())
@@ -58,8 +58,17 @@ fn bpftrace_attached(program: &str, python_path: &str, script: &str, args: &[&st
     // SAFETY: plain kill(2) on our child.
     unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
     let _ = tracer.wait();
-    anyhow::ensure!(out.status.success(), "the markers bench failed under bpftrace ({})", out.status);
-    net(&parse(&String::from_utf8_lossy(&out.stdout))?, TRACED_CASE)
+    let mut rest = String::new();
+    let _ = stderr.read_to_string(&mut rest);
+    anyhow::ensure!(out.status.success(), "the bench failed under bpftrace ({}): {rest}", out.status);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The markers bench under bpftrace on its USDT probes.
+fn bpftrace_attached(program: &str, python_path: &str, script: &str, args: &[&str]) -> anyhow::Result<f64> {
+    let stdout =
+        bpftrace_by_pid(Command::new("python3").env("PYTHONPATH", python_path).arg(script).args(args), program)?;
+    net(&parse(&stdout)?, TRACED_CASE)
 }
 
 /// Runs the markers bench and returns its section of results.md.

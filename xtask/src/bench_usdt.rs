@@ -5,9 +5,8 @@
 //! (`tests/bench/usdt_nop_bench.c`), traced by memscope-bpf and, as the peer, by bpftrace on the
 //! same probe, in the same run.
 
-use std::io::{BufRead as _, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use anyhow::Context as _;
 
@@ -25,41 +24,18 @@ fn parse(stdout: &str) -> anyhow::Result<(f64, f64)> {
     Ok((get("nop1_ns ")?, get("nop5_ns ")?))
 }
 
-/// bpftrace attached by pid once the bench waits (bpftrace resolves USDT sites of mapped
-/// libraries only), on every site of `pytorch:free` (counting hits) and `pytorch:malloc`.
+/// The bench under bpftrace on every site of `pytorch:free` (counting hits) and `pytorch:malloc`
+/// (the bench waits for both semaphores, as memscope-bpf raises both).
 fn bpftrace(built: &Built, hits: &str, rounds: &str) -> anyhow::Result<(f64, f64)> {
-    let mut bench = Command::new(&built.usdt_bench)
-        .args([hits, rounds, "--wait"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot start the USDT bench")?;
-    // Kept open until the bench exits: a closed pipe would kill it at its next message.
-    let mut stderr = BufReader::new(bench.stderr.take().expect("piped"));
-    let mut line = String::new();
-    stderr.read_line(&mut line)?;
-    anyhow::ensure!(line.contains("waiting"), "the USDT bench did not start: {line}");
-    let lib = built.cuda.join("libc10_cuda.so");
-    // Both probes, as memscope-bpf attaches them: the bench waits for both semaphores.
-    let l = lib.display();
+    let l = built.cuda.join("libc10_cuda.so");
+    let l = l.display();
     let program =
         format!("usdt:{l}:pytorch:free {{ @hits = count(); }} usdt:{l}:pytorch:malloc {{}} END {{ clear(@hits); }}");
-    let mut tracer = privileged("bpftrace")
-        .args(["-p", &bench.id().to_string(), "-e", &program])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("cannot start bpftrace")?;
-    let out = bench.wait_with_output()?;
-    // SAFETY: plain kill(2) on our child.
-    unsafe { libc::kill(tracer.id() as i32, libc::SIGINT) };
-    let _ = tracer.wait();
-    let mut rest = String::new();
-    let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
-    anyhow::ensure!(out.status.success(), "the USDT bench failed under bpftrace ({}): {rest}", out.status);
-    parse(&String::from_utf8_lossy(&out.stdout))
+    let stdout = super::bench_markers::bpftrace_by_pid(
+        Command::new(&built.usdt_bench).args([hits, rounds, "--wait"]),
+        &program,
+    )?;
+    parse(&stdout)
 }
 
 /// Runs the comparison and returns its section of results.md.

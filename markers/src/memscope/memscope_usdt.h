@@ -77,10 +77,12 @@
 
 /*
  * The site plus its note. `.ifndef _.stapsdt.base` lets every site in a translation unit
- * carry the base definition while the assembler keeps only the first one.
+ * carry the base definition while the assembler keeps only the first one. `_MSU_ASM_AT` takes
+ * the site's instruction (the tests' stand-in of PyTorch's allocator makes 1-byte-nop sites).
  */
-#define _MSU_ASM(provider, name, sem, argstr)                                                       \
-    "990: " _MSU_NOP "\n"                                                                           \
+#define _MSU_ASM(provider, name, sem, argstr) _MSU_ASM_AT(_MSU_NOP, provider, name, sem, argstr)
+#define _MSU_ASM_AT(nop, provider, name, sem, argstr)                                               \
+    "990: " nop "\n"                                                                                \
     ".pushsection .note.stapsdt, \"?\", \"note\"\n"                                                 \
     ".balign 4\n"                                                                                   \
     ".4byte 992f-991f, 994f-993f, 3\n"                                                              \

@@ -12,6 +12,7 @@
  * reads it; tests compare its DB with it.
  */
 #define _GNU_SOURCE
+#include "../common/standin_common.h"
 #include "hal_standin.h"
 
 #include <pthread.h>
@@ -47,37 +48,13 @@ static uint32_t device_count;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static FILE *ledger;
 
-static size_t parse_size(const char *text, size_t fallback) {
-    if (text == NULL || *text == '\0') {
-        return fallback;
-    }
-    char *end = NULL;
-    unsigned long long value = strtoull(text, &end, 10);
-    switch (end ? *end : '\0') {
-    case 'k': case 'K': value <<= 10; break;
-    case 'm': case 'M': value <<= 20; break;
-    case 'g': case 'G': value <<= 30; break;
-    default: break;
-    }
-    return (size_t)value;
-}
-
 static void init(void) {
-    capacity = parse_size(getenv("STANDIN_ACL_DEVICE_MEM"), (size_t)8 << 30);
-    device_count = (uint32_t)parse_size(getenv("STANDIN_ACL_DEVICE_COUNT"), 2);
+    capacity = standin_parse_size(getenv("STANDIN_ACL_DEVICE_MEM"), (size_t)8 << 30);
+    device_count = (uint32_t)standin_parse_size(getenv("STANDIN_ACL_DEVICE_COUNT"), 2);
     if (device_count < 1 || device_count > MAX_DEVICES) {
         device_count = 2;
     }
-    const char *path = getenv("STANDIN_HAL_LEDGER");
-    if (path != NULL && *path != '\0') {
-        ledger = fopen(path, "a");
-    }
-}
-
-static unsigned long long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+    ledger = standin_ledger("STANDIN_HAL_LEDGER");
 }
 
 static void record(const char *api, unsigned long long t0, unsigned long long size, unsigned long long flag,
@@ -89,7 +66,7 @@ static void record(const char *api, unsigned long long t0, unsigned long long si
     fprintf(ledger,
             "{\"api\": \"%s\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, \"size\": %llu, \"flag\": %llu, "
             "\"ptr\": %llu, \"rc\": %d, \"device\": %d}\n",
-            api, (long)syscall(SYS_gettid), t0, now_ns(), size, flag, (unsigned long long)(uintptr_t)ptr, rc, device);
+            api, (long)syscall(SYS_gettid), t0, standin_now_ns(), size, flag, (unsigned long long)(uintptr_t)ptr, rc, device);
     fflush(ledger);
     pthread_mutex_unlock(&lock);
 }
@@ -117,7 +94,7 @@ static void refund(uint32_t device, size_t size) {
 
 STANDIN_EXPORT drvError_t halMemAllocInner(void **pp, unsigned long long size, unsigned long long flag) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     uint32_t device = (uint32_t)(flag & MEM_DEVICE_MASK);
     unsigned long long type = (flag >> MEM_VIRT_BIT) & 0xf;
     int host = type == MEM_HOST_VAL;
@@ -150,7 +127,7 @@ STANDIN_EXPORT drvError_t halMemAllocInner(void **pp, unsigned long long size, u
 
 STANDIN_EXPORT drvError_t halMemFreeInner(void *pp) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     struct allocation *found = NULL;
     pthread_mutex_lock(&lock);
     for (struct allocation **at = &table[bucket_of((uintptr_t)pp)]; *at != NULL; at = &(*at)->next) {
@@ -176,7 +153,7 @@ STANDIN_EXPORT drvError_t halMemFreeInner(void *pp) {
 STANDIN_EXPORT drvError_t halMemCreateInner(drv_mem_handle_t **handle, size_t size, const struct drv_mem_prop *prop,
                                             uint64_t flag) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     drvError_t rc = DRV_ERROR_NONE;
     drv_mem_handle_t *h = NULL;
     if (handle == NULL || prop == NULL || size == 0 || prop->devid >= device_count) {
@@ -204,7 +181,7 @@ STANDIN_EXPORT drvError_t halMemCreateInner(drv_mem_handle_t **handle, size_t si
 }
 
 STANDIN_EXPORT drvError_t halMemReleaseInner(drv_mem_handle_t *handle) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     if (handle == NULL) {
         record("halMemRelease", t0, 0, 0, handle, DRV_ERROR_INVALID_HANDLE, -1);
         return DRV_ERROR_INVALID_HANDLE;

@@ -24,6 +24,8 @@
  * bytes is its block's size.
  */
 #include "cuda_standin.h"
+#include "../common/standin_common.h"
+#include "../../../markers/src/memscope/memscope_usdt.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -38,36 +40,13 @@
 #define INTERNAL __attribute__((noinline, noclone, visibility("hidden")))
 #define STANDIN_EXPORT extern "C" __attribute__((visibility("default"), noinline, used))
 
-/* ---- USDT sites as PyTorch's static_tracepoint.h makes them: a 1-byte nop, natural sizes ---- */
-#define SDT_SEMAPHORE(name) \
-    __attribute__((used, section(".probes"), visibility("hidden"))) volatile unsigned short sdt_semaphore_##name = 0
-
-#define SDT_NOTE(provider, name, sem, args) SDT_NOTE_AT("nop", provider, name, sem, args)
+/* ---- USDT sites as PyTorch's static_tracepoint.h makes them: a 1-byte nop, natural sizes.
+ * The note and semaphore come from our markers' header (the same SystemTap v3 format). ---- */
+#define SDT_SEMAPHORE(name) MEMSCOPE_USDT_SEMAPHORE(sdt_semaphore_##name)
+#define SDT_NOTE(provider, name, sem, args) _MSU_ASM_AT("nop", provider, name, sem, args)
 /* nopl 0x0(%rax,%rax,1), as our markers' sites: only for the bench's comparison. */
 #define SDT_NOP5 ".byte 0x0f, 0x1f, 0x44, 0x00, 0x00"
-#define SDT_NOTE_AT(nop, provider, name, sem, args)                                               \
-    "990: " nop "\n"                                                                              \
-    ".pushsection .note.stapsdt, \"?\", \"note\"\n"                                               \
-    ".balign 4\n"                                                                                 \
-    ".4byte 992f-991f, 994f-993f, 3\n"                                                            \
-    "991: .asciz \"stapsdt\"\n"                                                                   \
-    "992: .balign 4\n"                                                                            \
-    "993: .8byte 990b\n"                                                                          \
-    ".8byte _.stapsdt.base\n"                                                                     \
-    ".8byte " #sem "\n"                                                                           \
-    ".asciz \"" #provider "\"\n"                                                                  \
-    ".asciz \"" #name "\"\n"                                                                      \
-    ".asciz \"" args "\"\n"                                                                       \
-    "994: .balign 4\n"                                                                            \
-    ".popsection\n"                                                                               \
-    ".ifndef _.stapsdt.base\n"                                                                    \
-    ".pushsection .stapsdt.base, \"aG\", \"progbits\", .stapsdt.base, comdat\n"                   \
-    ".weak _.stapsdt.base\n"                                                                      \
-    ".hidden _.stapsdt.base\n"                                                                    \
-    "_.stapsdt.base: .space 1\n"                                                                  \
-    ".size _.stapsdt.base, 1\n"                                                                   \
-    ".popsection\n"                                                                               \
-    ".endif\n"
+#define SDT_NOTE_AT(nop, provider, name, sem, args) _MSU_ASM_AT(nop, provider, name, sem, args)
 
 SDT_SEMAPHORE(pytorch_malloc);
 SDT_SEMAPHORE(pytorch_free);
@@ -101,17 +80,8 @@ static inline void probe_free_nop5(void *ptr) {
 
 /* ---- the ledger ---- */
 static FILE *ledger_file() {
-    static FILE *file = [] {
-        const char *path = std::getenv("STANDIN_C10_CUDA_LEDGER");
-        return path != nullptr && *path != '\0' ? std::fopen(path, "a") : nullptr;
-    }();
+    static FILE *file = standin_ledger("STANDIN_C10_CUDA_LEDGER");
     return file;
-}
-
-static unsigned long long now_ns() {
-    timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
 }
 
 namespace c10 {
@@ -176,7 +146,7 @@ void DeviceCachingAllocator::note(const char *ev, unsigned long long t0, uintptr
     if (f == nullptr) {
         return;
     }
-    unsigned long long t = now_ns();
+    unsigned long long t = standin_now_ns();
     std::fprintf(f,
                  "{\"ev\":\"%s\",\"pool\":\"caching\",\"tid\":%ld,\"device\":%d,\"ptr\":%llu,\"size\":%zu,"
                  "\"allocated\":%llu,\"reserved\":%llu,\"t0\":%llu,\"t1\":%llu,\"t\":%llu}\n",
@@ -213,7 +183,7 @@ Block *DeviceCachingAllocator::malloc(size_t size, cudaStream_t stream) {
     if (block == nullptr) {
         size_t segment_size = small ? kPage : rounded < ((size_t)10 << 20) ? ((size_t)20 << 20) : round_up(rounded, kPage);
         AllocParams params{segment_size, small, nullptr};
-        unsigned long long t0 = now_ns();
+        unsigned long long t0 = standin_now_ns();
         if (!alloc_block(params, false)) {
             empty_cache();
             if (!alloc_block(params, true)) {
@@ -238,7 +208,7 @@ void DeviceCachingAllocator::free(Block *block) {
 bool DeviceCachingAllocator::alloc_block(AllocParams &params, bool is_retry) {
     (void)is_retry;
     Segment *segment = new Segment{0, params.size, 0, 0, params.small, {}};
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     bool ok;
     if (expandable) {
         ok = map_block(segment, params.size);
@@ -270,7 +240,7 @@ bool DeviceCachingAllocator::map_block(Segment *segment, size_t size) {
     prop.location.type = 1;
     prop.location.id = device_;
     for (size_t off = 0; off < size; off += kPage) {
-        unsigned long long t0 = now_ns();
+        unsigned long long t0 = standin_now_ns();
         CUmemGenericAllocationHandle handle = 0;
         if (cuMemCreate(&handle, kPage, &prop, 0) != CUDA_SUCCESS) {
             for (size_t i = 0; i < segment->pages.size(); i++) {
@@ -288,7 +258,7 @@ bool DeviceCachingAllocator::map_block(Segment *segment, size_t size) {
 }
 
 void DeviceCachingAllocator::release_block(Segment *segment) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     if (segment->pages.empty()) {
         cudaFree((void *)segment->base);
         reserved -= segment->size;
@@ -296,7 +266,7 @@ void DeviceCachingAllocator::release_block(Segment *segment) {
         return;
     }
     for (size_t i = 0; i < segment->pages.size(); i++) {
-        t0 = now_ns();
+        t0 = standin_now_ns();
         cuMemUnmap(segment->base + i * kPage, kPage);
         cuMemRelease(segment->pages[i]);
         reserved -= kPage;
@@ -348,7 +318,7 @@ static DeviceCachingAllocator *allocator(int device) {
 
 /* NativeCachingAllocator::allocate: on the device's allocator, with the thread on that device. */
 STANDIN_EXPORT void *standin_c10_cuda_allocate(size_t size, int device) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     std::lock_guard<std::mutex> guard(mutex);
     int current = -1;
     if (cudaGetDevice(&current) != cudaSuccess || current != device) {
@@ -366,7 +336,7 @@ STANDIN_EXPORT void *standin_c10_cuda_allocate(size_t size, int device) {
 
 /* local_raw_delete. */
 STANDIN_EXPORT void standin_c10_cuda_free(void *ptr) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     std::lock_guard<std::mutex> guard(mutex);
     probe_free(ptr);
     auto it = live.find((uintptr_t)ptr);
@@ -402,7 +372,7 @@ STANDIN_EXPORT int standin_c10_cuda_probes_live(void) {
  * twin, with a null pointer (a free of nothing: the tracer records it and changes nothing);
  * returns the nanoseconds the loop took. */
 STANDIN_EXPORT unsigned long long standin_c10_cuda_probe_loop(unsigned long long n, int nop5) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     for (unsigned long long i = 0; i < n; i++) {
         if (nop5) {
             probe_free_nop5(nullptr);
@@ -410,7 +380,7 @@ STANDIN_EXPORT unsigned long long standin_c10_cuda_probe_loop(unsigned long long
             probe_free(nullptr);
         }
     }
-    return now_ns() - t0;
+    return standin_now_ns() - t0;
 }
 
 /* torch.cuda.memory_allocated() / memory_reserved() of a device. */

@@ -13,6 +13,7 @@
  * The tracer never reads it; tests compare its DB with it.
  */
 #define _GNU_SOURCE
+#include "../common/standin_common.h"
 #include "cuda_standin.h"
 
 #include <pthread.h>
@@ -46,37 +47,13 @@ static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static FILE *ledger;
 static __thread int current = -1;
 
-static size_t parse_size(const char *text, size_t fallback) {
-    if (text == NULL || *text == '\0') {
-        return fallback;
-    }
-    char *end = NULL;
-    unsigned long long value = strtoull(text, &end, 10);
-    switch (end ? *end : '\0') {
-    case 'k': case 'K': value <<= 10; break;
-    case 'm': case 'M': value <<= 20; break;
-    case 'g': case 'G': value <<= 30; break;
-    default: break;
-    }
-    return (size_t)value;
-}
-
 static void init(void) {
-    capacity = parse_size(getenv("STANDIN_CUDA_DEVICE_MEM"), (size_t)8 << 30);
-    device_count = (int)parse_size(getenv("STANDIN_CUDA_DEVICE_COUNT"), 2);
+    capacity = standin_parse_size(getenv("STANDIN_CUDA_DEVICE_MEM"), (size_t)8 << 30);
+    device_count = (int)standin_parse_size(getenv("STANDIN_CUDA_DEVICE_COUNT"), 2);
     if (device_count < 1 || device_count > MAX_DEVICES) {
         device_count = 2;
     }
-    const char *path = getenv("STANDIN_CUDA_LEDGER");
-    if (path != NULL && *path != '\0') {
-        ledger = fopen(path, "a");
-    }
-}
-
-static unsigned long long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+    ledger = standin_ledger("STANDIN_CUDA_LEDGER");
 }
 
 static void note(const char *api, int device, size_t size, unsigned long long ptr, unsigned long long handle, int rc,
@@ -88,7 +65,7 @@ static void note(const char *api, int device, size_t size, unsigned long long pt
     fprintf(ledger,
             "{\"layer\":\"driver\",\"api\":\"%s\",\"tid\":%ld,\"device\":%d,\"size\":%zu,\"ptr\":%llu,"
             "\"handle\":%llu,\"rc\":%d,\"t0\":%llu,\"t1\":%llu}\n",
-            api, (long)syscall(SYS_gettid), device, size, ptr, handle, rc, t0, now_ns());
+            api, (long)syscall(SYS_gettid), device, size, ptr, handle, rc, t0, standin_now_ns());
     fflush(ledger);
     funlockfile(ledger);
 }
@@ -180,7 +157,7 @@ STANDIN_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
 }
 
 static CUresult alloc_device(const char *api, CUdeviceptr *dptr, size_t size, char kind) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     int device = kind == 'h' ? -1 : device_of_thread();
     unsigned long long ptr = (dptr == NULL || size == 0) ? 0 : take(size, device, kind);
     CUresult rc = (dptr == NULL || size == 0) ? CUDA_ERROR_INVALID_VALUE : ptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
@@ -192,7 +169,7 @@ static CUresult alloc_device(const char *api, CUdeviceptr *dptr, size_t size, ch
 }
 
 static CUresult free_device(const char *api, unsigned long long ptr, char kind) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     int device = -1;
     size_t size = 0;
     CUresult rc = give(ptr, kind, &device, &size) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
@@ -234,7 +211,7 @@ STANDIN_EXPORT CUresult cuMemFreeHost(void *p) {
 STANDIN_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                             unsigned long long flags) {
     (void)alignment, (void)addr, (void)flags;
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     unsigned long long va = (ptr == NULL || size == 0) ? 0 : take(size, device_of_thread(), 'r');
     CUresult rc = va ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
     if (rc == CUDA_SUCCESS) {
@@ -252,7 +229,7 @@ STANDIN_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 STANDIN_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                     unsigned long long flags) {
     (void)flags;
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     pthread_once(&init_once, init);
     int device = prop == NULL ? -1 : prop->location.id;
     int valid = handle != NULL && size != 0 && device >= 0 && device < device_count;
@@ -266,7 +243,7 @@ STANDIN_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t
 }
 
 STANDIN_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     int device = -1;
     size_t size = 0;
     CUresult rc = give(handle, 'p', &device, &size) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
@@ -277,7 +254,7 @@ STANDIN_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 STANDIN_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                                  unsigned long long flags) {
     (void)offset, (void)flags;
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     pthread_once(&init_once, init);
     pthread_mutex_lock(&lock);
     struct record *h = find(handle, 'p');
@@ -289,7 +266,7 @@ STANDIN_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CU
 }
 
 STANDIN_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     note("cuMemUnmap", device_of_thread(), size, ptr, 0, CUDA_SUCCESS, t0);
     return CUDA_SUCCESS;
 }

@@ -12,6 +12,7 @@
  * as one JSON line (api, tid, device, size, ptr, rc, entry/exit wall-clock ns).
  */
 #define _GNU_SOURCE
+#include "../common/standin_common.h"
 #include "cuda_standin.h"
 
 #include <dlfcn.h>
@@ -66,16 +67,7 @@ static void init(void) {
     driver.alloc_managed = entry(lib, "cuMemAllocManaged");
     driver.alloc_host = entry(lib, "cuMemAllocHost_v2");
     driver.free_host = entry(lib, "cuMemFreeHost");
-    const char *path = getenv("STANDIN_CUDART_LEDGER");
-    if (path != NULL && *path != '\0') {
-        ledger = fopen(path, "a");
-    }
-}
-
-static unsigned long long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (unsigned long long)ts.tv_sec * 1000000000ULL + (unsigned long long)ts.tv_nsec;
+    ledger = standin_ledger("STANDIN_CUDART_LEDGER");
 }
 
 static cudaError_t note(const char *api, size_t size, const void *ptr, cudaError_t rc, unsigned long long t0) {
@@ -84,7 +76,7 @@ static cudaError_t note(const char *api, size_t size, const void *ptr, cudaError
         fprintf(ledger,
                 "{\"layer\":\"runtime\",\"api\":\"%s\",\"tid\":%ld,\"device\":%d,\"size\":%zu,\"ptr\":%llu,"
                 "\"rc\":%d,\"t0\":%llu,\"t1\":%llu}\n",
-                api, (long)syscall(SYS_gettid), current, size, (unsigned long long)(uintptr_t)ptr, rc, t0, now_ns());
+                api, (long)syscall(SYS_gettid), current, size, (unsigned long long)(uintptr_t)ptr, rc, t0, standin_now_ns());
         fflush(ledger);
         funlockfile(ledger);
     }
@@ -99,7 +91,7 @@ static cudaError_t status(CUresult rc) {
 
 STANDIN_EXPORT cudaError_t cudaSetDevice(int device) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     CUcontext ctx = NULL;
     cudaError_t rc = status(driver.retain(&ctx, device));
     if (rc == cudaSuccess) {
@@ -110,7 +102,7 @@ STANDIN_EXPORT cudaError_t cudaSetDevice(int device) {
 }
 
 STANDIN_EXPORT cudaError_t cudaGetDevice(int *device) {
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     if (device == NULL) {
         return note("cudaGetDevice", 0, NULL, cudaErrorInvalidValue, t0);
     }
@@ -120,35 +112,35 @@ STANDIN_EXPORT cudaError_t cudaGetDevice(int *device) {
 
 STANDIN_EXPORT cudaError_t cudaMalloc(void **devPtr, size_t size) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = status(driver.alloc((CUdeviceptr *)devPtr, size));
     return note("cudaMalloc", size, rc == cudaSuccess ? *devPtr : NULL, rc, t0);
 }
 
 STANDIN_EXPORT cudaError_t cudaFree(void *devPtr) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = devPtr == NULL ? cudaSuccess : status(driver.free((CUdeviceptr)(uintptr_t)devPtr));
     return note("cudaFree", 0, devPtr, rc, t0);
 }
 
 STANDIN_EXPORT cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t stream) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = status(driver.alloc_async((CUdeviceptr *)devPtr, size, stream));
     return note("cudaMallocAsync", size, rc == cudaSuccess ? *devPtr : NULL, rc, t0);
 }
 
 STANDIN_EXPORT cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t stream) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = devPtr == NULL ? cudaSuccess : status(driver.free_async((CUdeviceptr)(uintptr_t)devPtr, stream));
     return note("cudaFreeAsync", 0, devPtr, rc, t0);
 }
 
 STANDIN_EXPORT cudaError_t cudaMallocHost(void **ptr, size_t size) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = status(driver.alloc_host(ptr, size));
     return note("cudaMallocHost", size, rc == cudaSuccess ? *ptr : NULL, rc, t0);
 }
@@ -156,21 +148,21 @@ STANDIN_EXPORT cudaError_t cudaMallocHost(void **ptr, size_t size) {
 STANDIN_EXPORT cudaError_t cudaHostAlloc(void **pHost, size_t size, unsigned int flags) {
     (void)flags;
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = status(driver.alloc_host(pHost, size));
     return note("cudaHostAlloc", size, rc == cudaSuccess ? *pHost : NULL, rc, t0);
 }
 
 STANDIN_EXPORT cudaError_t cudaFreeHost(void *ptr) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = ptr == NULL ? cudaSuccess : status(driver.free_host(ptr));
     return note("cudaFreeHost", 0, ptr, rc, t0);
 }
 
 STANDIN_EXPORT cudaError_t cudaMallocManaged(void **devPtr, size_t size, unsigned int flags) {
     pthread_once(&init_once, init);
-    unsigned long long t0 = now_ns();
+    unsigned long long t0 = standin_now_ns();
     cudaError_t rc = status(driver.alloc_managed((CUdeviceptr *)devPtr, size, flags));
     return note("cudaMallocManaged", size, rc == cudaSuccess ? *devPtr : NULL, rc, t0);
 }

@@ -182,15 +182,21 @@ pub struct Advice {
     pub recommendations: Vec<Recommendation>,
 }
 
+/// Whether the DB has our `ms_meta` table (msMemScope's DBs do not).
+fn has_meta(db: &DumpDb) -> Result<bool, AnalysisError> {
+    let has: i64 = db
+        .conn()
+        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
+        .map_err(|source| AnalysisError::Read { path: db.path().to_owned(), source })?;
+    Ok(has > 0)
+}
+
 /// The `env.*` keys of `ms_meta`, without the prefix; empty when the DB has no `ms_meta`
 /// (msMemScope's DBs), which the advice then says.
 pub fn read_settings(db: &DumpDb) -> Result<BTreeMap<String, String>, AnalysisError> {
     let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
     let conn = db.conn();
-    let has: i64 = conn
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
-        .map_err(read)?;
-    if has == 0 {
+    if !has_meta(db)? {
         return Ok(BTreeMap::new());
     }
     let mut stmt = conn.prepare("SELECT key, value FROM ms_meta WHERE key LIKE 'env.%'").map_err(read)?;
@@ -207,10 +213,7 @@ pub fn read_settings(db: &DumpDb) -> Result<BTreeMap<String, String>, AnalysisEr
 pub fn read_backend(db: &DumpDb) -> Result<Backend, AnalysisError> {
     let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
     let conn = db.conn();
-    let has: i64 = conn
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
-        .map_err(read)?;
-    if has == 0 {
+    if !has_meta(db)? {
         return Ok(Backend::Ascend);
     }
     let value: Option<String> = conn
