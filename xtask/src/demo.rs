@@ -3,8 +3,9 @@
 //! out-of-memory, tensors on the stand-in torch_npu caching allocator) under `memscope-bpf
 //! trace`, which prints the summary and the DB paths. Then a stand-in vLLM-like serving job tagged
 //! with the markers package (`import memscope`), and `analyze --decompose` on its trace: who owned
-//! the memory at the peak and at the end. Last, `report` writes the training trace as one HTML
-//! page to open in a browser.
+//! the memory at the peak and at the end. Then `report` writes the training trace as one HTML
+//! page to open in a browser. Last, the second backend: a job on the stand-in NVIDIA stack (a
+//! caching allocator with PyTorch's USDT probes over cudart and libcuda), traced the same way.
 
 use crate::util::{privileged, root, run as sh};
 use crate::{build, setup};
@@ -66,6 +67,23 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let train = newest_run(&root.join(&opts.output))?;
     let page = root.join(&opts.output).join("report.html");
     sh(std::process::Command::new(&built.binary).current_dir(&root).arg("report").arg(&train).arg("-o").arg(&page))?;
+    eprintln!("xtask demo: tracing a job on the stand-in NVIDIA stack (stand-in libc10_cuda.so, libcudart and libcuda, not PyTorch's or NVIDIA's)");
+    let cuda_out = format!("{}/cuda", opts.output);
+    let _ = std::fs::remove_dir_all(root.join(&cuda_out));
+    sh(privileged(built.binary.to_str().expect("utf-8 path"))
+        .current_dir(&root)
+        .env("PYTHONPATH", &built.markers)
+        .env("STANDIN_CUDA_DEVICE_MEM", "1G")
+        .args(["trace", "--output", &cuda_out, "--lib"])
+        .arg(built.cuda.join("libc10_cuda.so"))
+        .arg("--")
+        .arg("python3")
+        .arg(root.join("tests/workloads/standin_cuda_train.py"))
+        .arg("--cuda-lib")
+        .arg(&built.cuda)
+        .arg("--ledger")
+        .arg(root.join("target/demo-cuda-ledger.jsonl"))
+        .args(["--oom-bytes", "2147483648"]))?;
     eprintln!("xtask demo: open the .db files above in MindStudio Insight, or query them with sqlite3");
     eprintln!("xtask demo: open {} in a browser: the training job's memory over time, owners, blocks", page.display());
     Ok(())
