@@ -548,7 +548,7 @@ impl Api {
     /// prefix row's is [`Api::symbol_prefix`]).
     pub fn symbols(self) -> impl Iterator<Item = String> {
         let exact = self.def().attach == Attach::Symbol;
-        exact.then(|| self.def().symbol.to_owned()).into_iter().chain(exact.then(|| self.impl_symbol()).flatten())
+        exact.then(|| std::iter::once(self.def().symbol.to_owned()).chain(self.impl_symbol())).into_iter().flatten()
     }
 
     /// The name prefix a [`Attach::SymbolPrefix`] row's function is found by.

@@ -125,10 +125,11 @@ const STATIC_RUNTIME_SYMBOL: &str = "cudaMalloc";
 /// file is looked into once per tracer: every traced process maps its executable, and most
 /// define no runtime function.
 pub fn static_runtime(path: PathBuf, shown: String, origin: Origin) -> Option<Library> {
-    static SEEN: std::sync::Mutex<Option<HashMap<(u64, u64), bool>>> = std::sync::Mutex::new(None);
+    static SEEN: std::sync::Mutex<std::collections::BTreeMap<(u64, u64), bool>> =
+        std::sync::Mutex::new(std::collections::BTreeMap::new());
     let lib = library(path, shown, origin)?;
     let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let defines = *seen.get_or_insert_with(HashMap::new).entry(lib.file_id).or_insert_with(|| {
+    let defines = *seen.entry(lib.file_id).or_insert_with(|| {
         let wanted: std::collections::HashSet<String> = [STATIC_RUNTIME_SYMBOL.to_owned()].into();
         super::file::map_library(&lib.path)
             .ok()

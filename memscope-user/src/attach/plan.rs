@@ -137,41 +137,9 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
             Family::AclRuntime | Family::Hal => plan_forwarders(lib, set, family, &mut plan),
             Family::TorchNpu => plan_torch(lib, debug_data.as_deref().unwrap_or(&data), &mut plan),
             Family::Atb => plan_atb(lib, &data, debug_dirs, &mut plan),
-            Family::Mstx => {
-                for def in Api::all().filter(|d| d.family == Family::Mstx) {
-                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
-                }
-                plan.notes.push(LayerNote {
-                    family,
-                    text: "memory regions as the process reports them (torch_npu does only when it believes msMemScope is loaded); marks and ranges become MSTX rows and tag spans".into(),
-                });
-            }
-            Family::C10 => {
-                for def in Api::all().filter(|d| d.family == Family::C10) {
-                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
-                }
-                plan.notes.push(LayerNote { family, text: "CPU tensor storage (HOST rows on the cpu output)".into() });
-            }
-            Family::CudaRuntime | Family::CudaDriver => {
-                for def in Api::all().filter(|d| d.family == family) {
-                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
-                }
-                let text = match family {
-                    Family::CudaRuntime => "device, managed and pinned host memory; a driver call made inside a runtime call is part of its row",
-                    _ => "device and pinned host memory, and the virtual-memory calls (cuMem*) of expandable segments and NCCL; mapped pages count from map to unmap",
-                };
-                plan.notes.push(LayerNote { family, text: text.into() });
-            }
             Family::CudaCaching => plan_c10_cuda(lib, &mut plan),
-            Family::PythonGc => {
-                for def in Api::all().filter(|d| d.family == Family::PythonGc) {
-                    plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
-                }
-                plan.notes.push(LayerNote {
-                    family,
-                    text: "collection passes: tensor frees made by the cyclic collector are marked `freed_by: gc`"
-                        .into(),
-                });
+            Family::Mstx | Family::C10 | Family::CudaRuntime | Family::CudaDriver | Family::PythonGc => {
+                plan_every(lib, family, &mut plan);
             }
         }
     }
@@ -193,6 +161,29 @@ fn plan_forwarders(lib: &Library, set: ProbeSet, family: Family, plan: &mut Libr
             plan.probes.extend(probe(lib, &plan.symbols, def.api, &symbol));
         }
     }
+}
+
+/// A family whose every function found is probed as it is, with what its rows are.
+fn plan_every(lib: &Library, family: Family, plan: &mut LibraryPlan) {
+    for def in Api::all().filter(|d| d.family == family) {
+        plan.probes.extend(probe(lib, &plan.symbols, def.api, def.symbol));
+    }
+    let text = match family {
+        Family::Mstx => {
+            "memory regions as the process reports them (torch_npu does only when it believes msMemScope is \
+             loaded); marks and ranges become MSTX rows and tag spans"
+        }
+        Family::C10 => "CPU tensor storage (HOST rows on the cpu output)",
+        Family::CudaRuntime => {
+            "device, managed and pinned host memory; a driver call made inside a runtime call is part of its row"
+        }
+        Family::CudaDriver => {
+            "device and pinned host memory, and the virtual-memory calls (cuMem*) of expandable segments and \
+             NCCL; mapped pages count from map to unmap"
+        }
+        _ => "collection passes: tensor frees made by the cyclic collector are marked `freed_by: gc`",
+    };
+    plan.notes.push(LayerNote { family, text: text.to_owned() });
 }
 
 /// PyTorch's CUDA caching allocator: the internal steps that take segments, where `.symtab` has
