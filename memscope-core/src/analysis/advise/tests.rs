@@ -67,6 +67,29 @@ fn holes_that_force_growth_recommend_expandable_segments() {
     assert_eq!(r.evidence["forced_growths"], 2);
 }
 
+/// A CUDA trace (`ms_meta.backend`) is advised on PyTorch's variable, with the setting it ran
+/// with read from that variable (torch_npu's is not PyTorch's).
+#[test]
+fn a_cuda_trace_is_advised_on_pytorch_cuda_alloc_conf() {
+    let mut fx = Fx::new("advise-cuda");
+    fx.meta("backend", "cuda");
+    fx.meta("env.PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True");
+    fx.meta("env.PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4");
+    holes_rows(&mut fx);
+    let (a, _) = analyse(&open(&fx.stop()), "0").unwrap();
+    assert_eq!(a.alloc_conf, "PYTORCH_CUDA_ALLOC_CONF");
+    assert_eq!(ids(&a.recommendations), ["expandable_segments"]);
+    let r = &a.recommendations[0];
+    assert_eq!(
+        (r.variable, r.value.as_deref(), r.current.as_deref()),
+        (
+            Some("PYTORCH_CUDA_ALLOC_CONF"),
+            Some("roundup_power2_divisions:4,expandable_segments:True"),
+            Some("roundup_power2_divisions:4")
+        )
+    );
+}
+
 #[test]
 fn the_current_setting_is_respected() {
     // Already on: nothing to say.
