@@ -20,7 +20,7 @@ pub enum PreflightError {
     #[error(
         "no accelerator library found {where_}: looked for the Ascend runtime (libascendcl.so, libacl_rt.so, \
          libacl_rt_impl.so) and NVIDIA's (libcudart.so, libcuda.so, libc10_cuda.so); pass --lib with the library \
-         (for a launched PyTorch job on NVIDIA: --lib .../site-packages/torch/lib/libc10_cuda.so), set \
+         (a PyTorch job launched through a script or torchrun: --lib .../site-packages/torch/lib/libc10_cuda.so), set \
          ASCEND_HOME_PATH, or attach with --pid once the job has initialised its device"
     )]
     NoLibrary { where_: String },

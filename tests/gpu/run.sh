@@ -22,8 +22,6 @@ fail() { echo "FAIL  $*"; exit 1; }
 "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
     || fail "$python has no torch that sees a CUDA GPU"
 echo "PASS  a CUDA GPU and torch: $("$python" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))')"
-# A launched Python job has not imported torch yet: name its allocator library up front (its
-# cudart and libcuda follow from its DT_NEEDED entries).
 c10_cuda=$("$python" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("torch").origin), "lib", "libc10_cuda.so"))')
 [ -f "$c10_cuda" ] || fail "no $c10_cuda: this torch is not a CUDA build"
 
@@ -34,7 +32,7 @@ for conf in "" "expandable_segments:True"; do
     mkdir -p "$dir"
     echo "---- PYTORCH_CUDA_ALLOC_CONF=${conf} ($label)"
     if ! PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONPATH="$markers${PYTHONPATH:+:$PYTHONPATH}" timeout 120 \
-        "$bin" trace --output "$dir/trace" --lib "$c10_cuda" -- "$python" "$here/train.py" --ledger "$dir/ledger.json" \
+        "$bin" trace --output "$dir/trace" -- "$python" "$here/train.py" --ledger "$dir/ledger.json" \
         > "$dir/trace.log" 2>&1; then
         echo "FAIL  the traced training loop did not finish (see $dir/trace.log):"
         tail -5 "$dir/trace.log"

@@ -5,7 +5,8 @@
 //! 2. what the process has mapped (`/proc/PID/maps`), opened through `/proc/PID/root` so a
 //!    containerised target's files resolve in its own mount namespace;
 //!    The process's executable too, when it links the CUDA runtime statically (`cudart_static`:
-//!    it defines `cudaMalloc` itself);
+//!    it defines `cudaMalloc` itself). A launched program is not running yet: it is looked into
+//!    itself, and a Python interpreter is asked where its `torch`/`torch_npu` packages are;
 //! 3. `$ASCEND_HOME_PATH/lib64` (and `runtime/lib64`) of the target's environment, so libraries
 //!    it will dlopen later are probed before their first call; in launch mode also the
 //!    `LD_LIBRARY_PATH` folders the program will search; `$ATB_HOME_PATH/lib` likewise, where
@@ -38,6 +39,9 @@ pub enum Origin {
     Dependency,
     /// The launched program itself, which links the CUDA runtime statically.
     Executable,
+    /// The `lib` folder of a framework package (`torch`, `torch_npu`) the launched Python
+    /// interpreter would import.
+    PythonPackage,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -137,6 +141,52 @@ pub fn static_runtime(path: PathBuf, shown: String, origin: Origin) -> Option<Li
             .is_some_and(|symbols| symbols.get(STATIC_RUNTIME_SYMBOL).is_some())
     });
     defines.then_some(lib)
+}
+
+/// The framework packages whose libraries a Python job loads when it imports them.
+const PYTHON_PACKAGES: [&str; 2] = ["torch", "torch_npu"];
+
+/// How long the interpreter may take to say where its packages are.
+const PYTHON_ASK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether a launched program is a Python interpreter (`python`, `python3`, `python3.11`).
+pub fn is_python(program: &Path) -> bool {
+    program.file_name().is_some_and(|n| n.as_bytes().starts_with(b"python"))
+}
+
+/// Known libraries in the `lib` folders of the framework packages `python` would import, asked
+/// of the interpreter itself without importing them: a launched job has not imported torch when
+/// the probes go live, and its allocator's first calls are then seen too. Nothing when the
+/// interpreter has none of them, fails, or takes longer than [`PYTHON_ASK_TIMEOUT`].
+pub fn python_packages(python: &Path) -> Vec<Library> {
+    let names = PYTHON_PACKAGES.map(|n| format!("'{n}'")).join(", ");
+    let ask = format!(
+        "import importlib.util as u, os\nfor n in ({names},):\n    s = u.find_spec(n)\n    if s and s.origin: print(os.path.dirname(s.origin))"
+    );
+    let Ok(mut child) = std::process::Command::new(python)
+        .args(["-c", &ask])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+    else {
+        return Vec::new();
+    };
+    let deadline = std::time::Instant::now() + PYTHON_ASK_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(5)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Vec::new();
+            }
+        }
+    }
+    let mut text = String::new();
+    let _ = std::io::Read::read_to_string(&mut child.stdout.take().expect("piped"), &mut text);
+    text.lines().flat_map(|dir| in_dir(&Path::new(dir).join("lib"), &Origin::PythonPackage)).collect()
 }
 
 /// Known libraries mapped executable in a process, and its executable if it links the CUDA

@@ -48,6 +48,7 @@ fn origin(o: &Origin) -> String {
         Origin::LibraryPath => "LD_LIBRARY_PATH".into(),
         Origin::Dependency => "needed by a traced library".into(),
         Origin::Executable => "the program, with the CUDA runtime linked in".into(),
+        Origin::PythonPackage => "a framework package of the launched Python".into(),
     }
 }
 

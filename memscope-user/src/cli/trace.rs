@@ -168,12 +168,16 @@ pub struct Args {
 }
 
 /// Libraries for a launched program: `--lib`, the program itself when it links the CUDA runtime
-/// statically, then the `ASCEND_HOME_PATH` and `LD_LIBRARY_PATH` folders of the environment it
+/// statically, the libraries of the `torch`/`torch_npu` packages a Python interpreter would
+/// import, then the `ASCEND_HOME_PATH` and `LD_LIBRARY_PATH` folders of the environment it
 /// inherits from us.
 fn launch_libraries(user: &[Library], program: &std::ffi::OsStr) -> Vec<Library> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let mut all = user.to_vec();
     if let Ok(path) = launch::resolve(program) {
+        if libs::is_python(&path) {
+            all.extend(libs::python_packages(&path));
+        }
         let shown = path.display().to_string();
         all.extend(libs::static_runtime(path, shown, libs::Origin::Executable));
     }

@@ -92,3 +92,39 @@ fn probes_lists_pytorchs_usdt_probes_internals_and_cudart_as_the_file_has_them()
         assert!(listed(&text, "attach", api, api, "dynsym") && text.contains(&line), "want `{line}`:\n{text}");
     }
 }
+
+/// `trace -- python ...` with no `--lib` and no ASCEND_HOME_PATH: the launched interpreter is
+/// asked where its `torch` package is, so the wheel's libraries are probed before the job's first
+/// call. Ground truth is torch's own account of the tensor it made: its storage's address and
+/// size must be a `c10::alloc_cpu` block in the DB.
+#[test]
+fn a_launched_python_job_is_probed_through_its_torch_package_with_no_lib() {
+    let Some(lib_dir) = torch_lib() else { return };
+    let (python, _) = real_torch().expect("checked by torch_lib");
+    let env = env("real_torch_launch");
+    let out = env.scratch.join("out");
+    let script = "import torch\nx = torch.ones(1 << 20)\ns = x.untyped_storage()\nprint(s.data_ptr(), s.nbytes())";
+    let output = Command::new(&env.bin)
+        .args(["trace", "--output", out.to_str().unwrap(), "--"])
+        .arg(&python)
+        .args(["-c", script])
+        .env_remove("ASCEND_HOME_PATH")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let live = stderr.lines().find(|l| l.contains(": live:")).unwrap_or_else(|| panic!("{stderr}"));
+    for name in ["libc10.so", "libc10_cuda.so"] {
+        assert!(live.contains(&lib_dir.join(name).display().to_string()), "{name} probed from the start: {live}");
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut words = stdout.split_whitespace().map(|w| w.parse::<u64>().unwrap());
+    let (ptr, bytes) = (words.next().unwrap(), words.next().unwrap());
+    let rows = read_output(&out);
+    let block = rows
+        .rows()
+        .find(|r| r.event == "MALLOC" && r.name == "c10::alloc_cpu" && r.ptr_value() == Some(ptr))
+        .unwrap_or_else(|| panic!("no c10::alloc_cpu block at {ptr:#x}:\n{stderr}"));
+    assert_eq!(block.attr_u64("size"), Some(bytes), "{block:?}");
+}
