@@ -10,6 +10,7 @@
 //! export    written DBs in other tools' formats (PyTorch's memory_viz snapshot, Perfetto)
 //!    └─ analysis  (their DB reader, the decomposition, steps and instants)
 //! analysis  offline analyses of written DBs
+//! import    msMemScope's captures by content; its dump CSV into a DB (below analysis, above store)
 //!    └─ store    per-device SQLite/CSV in msMemScope's layout
 //!         └─ model    events, live blocks per device (no I/O)
 //!              └─ apis     what each traced API means (the catalogue) and what a call did (`Op`)
@@ -21,6 +22,7 @@
 pub mod analysis;
 pub mod apis;
 pub mod export;
+pub mod import;
 pub mod model;
 pub mod raw;
 pub mod report;

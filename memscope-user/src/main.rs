@@ -32,7 +32,7 @@ mod summary;
 use std::process::ExitCode;
 
 // The core crate's modules, at the paths the rest of the binary names them by.
-use memscope_core::{analysis, apis, model, stacks, store};
+use memscope_core::{analysis, apis, import, model, stacks, store};
 
 use clap::Parser;
 

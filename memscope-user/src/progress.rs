@@ -66,3 +66,30 @@ pub fn label(verb: &str, path: &std::path::Path) -> String {
         _ => format!("{verb} {name}"),
     }
 }
+
+/// A bar for a pass over a file's bytes (`import`, and the verbs importing a CSV), shown as
+/// [`watched`]'s: once it has run for a second, on a terminal only. Called with the bytes read
+/// and the file's size.
+pub fn bytes(label: String) -> impl FnMut(u64, u64) {
+    let started = Instant::now();
+    let mut bar: Option<ProgressBar> = None;
+    move |done, total| {
+        let bar = bar.get_or_insert_with(|| {
+            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden());
+            if let Ok(style) =
+                ProgressStyle::with_template("{msg} [{bar:30}] {percent:>3}% {bytes_per_sec}, {eta} left")
+            {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar.set_message(label.clone());
+            bar
+        });
+        if bar.is_hidden() && started.elapsed() >= SHOW_AFTER {
+            bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+        bar.set_position(done);
+        if done >= total {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -81,6 +81,12 @@ pub struct Options {
     /// Only the cost of a hit of a 1-byte-nop USDT site (PyTorch's) against a 5-byte-nop one.
     #[arg(long)]
     pub usdt_only: bool,
+    /// Only the reading of msMemScope's CSV (`import` against sqlite3's `.import`).
+    #[arg(long)]
+    pub import_only: bool,
+    /// Blocks (2 rows each) in the msMemScope CSV the import is timed on (0 skips it).
+    #[arg(long, default_value_t = 2_000_000)]
+    pub import_blocks: u64,
     /// Live blocks each of the daemon bench's 10 jobs holds.
     #[arg(long, default_value_t = 100_000)]
     pub daemon_blocks: u64,
@@ -240,11 +246,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let root = root();
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
+    if opts.import_only {
+        let md = crate::bench_import::run(&built.binary, &dir.join("out-import"), opts.import_blocks, opts.rounds)?;
+        return report(&dir.join("results-import.md"), &md);
+    }
     if opts.stop_only {
         let md = crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
-        std::fs::write(dir.join("results-stop.md"), &md)?;
-        println!("{md}");
-        return Ok(());
+        return report(&dir.join("results-stop.md"), &md);
     }
     if opts.daemon_only {
         let md = crate::bench_daemon::run(
@@ -269,22 +277,16 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         if opts.stacks_seconds > 0 {
             md.push_str(&crate::bench_stacks::sustained(&built, &dir, opts.stacks_seconds)?);
         }
-        std::fs::write(dir.join("results-stacks.md"), &md)?;
-        println!("{md}");
-        return Ok(());
+        return report(&dir.join("results-stacks.md"), &md);
     }
     if opts.usdt_only {
         let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
         let md = crate::bench_usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?;
-        std::fs::write(dir.join("results-usdt.md"), &md)?;
-        println!("{md}");
-        return Ok(());
+        return report(&dir.join("results-usdt.md"), &md);
     }
     if opts.analysis_only {
         let md = crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
-        std::fs::write(dir.join("results-analysis.md"), &md)?;
-        println!("{md}");
-        return Ok(());
+        return report(&dir.join("results-analysis.md"), &md);
     }
     if opts.consumer_only {
         let mut md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
@@ -307,6 +309,14 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     if opts.analysis_pairs > 0 {
         md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?);
     }
+    if opts.import_blocks > 0 {
+        md.push_str(&crate::bench_import::run(
+            &built.binary,
+            &dir.join("out-import"),
+            opts.import_blocks,
+            opts.rounds,
+        )?);
+    }
     if opts.stop_blocks > 0 {
         md.push_str(&crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
     }
@@ -320,6 +330,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         )?);
     }
     std::fs::write(dir.join("results.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+/// Writes a section's results into `path` and prints them.
+fn report(path: &Path, md: &str) -> anyhow::Result<()> {
+    std::fs::write(path, md)?;
     println!("{md}");
     Ok(())
 }

@@ -11,6 +11,7 @@ mod bench;
 mod bench_analysis;
 mod bench_consumer;
 mod bench_daemon;
+mod bench_import;
 mod bench_loss;
 mod bench_markers;
 mod bench_report;

@@ -30,16 +30,53 @@ const LEGACY_DUMP_TABLE: &str = "leaks_dump";
 const NEEDED_COLUMNS: [&str; 8] =
     ["ID", "Event", "Event Type", "Timestamp(ns)", "Process Id", "Device Id", "Ptr", "Attr"];
 
-/// A DB found for analysis, with the device its folder names (`device_<id>`), if any.
+/// A trace found for analysis, with the device its folder names (`device_<id>`), if any.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DbFile {
     pub path: PathBuf,
     pub device: Option<String>,
+    /// What `path` holds: a DB, or a dump CSV the verbs import first.
+    pub format: Format,
+    /// For a DB imported from a CSV, the CSV: what the user gave, and what reports name.
+    pub source: Option<PathBuf>,
 }
 
-/// Whether a file name is one Insight would open: `memscope_dump_*.db` (or the older `leaks_dump_*`).
-fn is_dump_name(name: &str) -> bool {
-    (name.starts_with("memscope_dump_") || name.starts_with("leaks_dump_")) && name.ends_with(".db")
+impl DbFile {
+    pub fn new(path: PathBuf, format: Format) -> Self {
+        Self { device: device_from_path(&path), path, format, source: None }
+    }
+
+    /// The file the user knows this trace by.
+    pub fn shown(&self) -> &Path {
+        self.source.as_deref().unwrap_or(&self.path)
+    }
+}
+
+/// The two forms a dump comes in: SQLite (ours, msMemScope's `--format db`), or msMemScope's CSV
+/// (its default, and ours with `--format csv`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Db,
+    Csv,
+}
+
+/// What a file in a dump folder is, by content: msMemScope and msLeaks named their files
+/// `memscope_dump_*`/`leaks_dump_*`, users rename them, and a folder also holds other CSVs
+/// (Python traces) and our own untracked frees, which are no trace of their own.
+fn dump_format(path: &Path) -> Option<Format> {
+    let name = path.file_name()?.to_str()?;
+    if name.starts_with('.') || name.starts_with(crate::store::schema::UNTRACKED_FREES_TABLE) {
+        return None;
+    }
+    match crate::import::sniff(path).ok()? {
+        crate::import::Kind::Sqlite => Some(Format::Db),
+        crate::import::Kind::DumpCsv => Some(Format::Csv),
+        // Named as a dump but not one: taken, so that opening it says what is wrong with it.
+        _ if name.starts_with("memscope_dump_") || name.starts_with("leaks_dump_") => {
+            Some(if name.ends_with(".csv") { Format::Csv } else { Format::Db })
+        }
+        _ => None,
+    }
 }
 
 /// The device a path's `device_<id>` folder names.
@@ -73,15 +110,22 @@ fn read_dir(dir: &Path) -> Result<Vec<PathBuf>, AnalysisError> {
     Ok(paths)
 }
 
-fn dump_files_in(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), AnalysisError> {
+/// The dumps in `dir`; of a CSV and a DB with the same name (a CSV imported beside itself) only
+/// the DB.
+fn dump_files_in(dir: &Path, out: &mut Vec<DbFile>) -> Result<(), AnalysisError> {
     if !dir.is_dir() {
         return Ok(());
     }
+    let mut found: Vec<DbFile> = Vec::new();
     for path in read_dir(dir)? {
-        if path.is_file() && path.file_name().and_then(|n| n.to_str()).is_some_and(is_dump_name) {
-            out.push(path);
+        if let Some(format) = path.is_file().then(|| dump_format(&path)).flatten() {
+            found.push(DbFile::new(path, format));
         }
     }
+    let dbs: Vec<PathBuf> =
+        found.iter().filter(|f| f.format == Format::Db).map(|f| f.path.with_extension("")).collect();
+    found.retain(|f| f.format == Format::Db || !dbs.contains(&f.path.with_extension("")));
+    out.extend(found);
     Ok(())
 }
 
@@ -92,8 +136,8 @@ fn device_dirs(run: &Path) -> Result<Vec<PathBuf>, AnalysisError> {
         .collect())
 }
 
-/// The DBs an input names: the file itself, or every `device_*/dump/memscope_dump_*.db` of a
-/// trace folder. A folder may be the trace's output folder, the folder holding several of them
+/// The traces an input names: the file itself, or every dump (DB or CSV, known by content) in
+/// the `device_*/dump/` folders of a trace folder. A folder may be the trace's output folder, the folder holding several of them
 /// (`memscopeDumpResults/`), or one device's (`device_0/` or its `dump/`): users point at
 /// whichever level they are looking at. Reports come per run folder, in device order.
 pub fn discover(input: &Path) -> Result<Vec<DbFile>, AnalysisError> {
@@ -102,7 +146,18 @@ pub fn discover(input: &Path) -> Result<Vec<DbFile>, AnalysisError> {
         _ => AnalysisError::Io { path: input.to_owned(), source },
     })?;
     if !meta.is_dir() {
-        return Ok(vec![DbFile { path: input.to_owned(), device: device_from_path(input) }]);
+        let kind =
+            crate::import::sniff(input).map_err(|source| AnalysisError::Io { path: input.to_owned(), source })?;
+        let format = match kind {
+            crate::import::Kind::DumpCsv => Format::Csv,
+            crate::import::Kind::OtherCsv(header) => {
+                let what = crate::import::describe_other_csv(&header);
+                return Err(AnalysisError::NotDumpCsv { path: input.to_owned(), what: what.to_owned() });
+            }
+            // Opening it says what is wrong with anything else.
+            _ => Format::Db,
+        };
+        return Ok(vec![DbFile::new(input.to_owned(), format)]);
     }
     let mut found = Vec::new();
     dump_files_in(input, &mut found)?; // a dump/ folder
@@ -118,8 +173,7 @@ pub fn discover(input: &Path) -> Result<Vec<DbFile>, AnalysisError> {
     if found.is_empty() {
         return Err(AnalysisError::NoDbInFolder { path: input.to_owned() });
     }
-    let mut files: Vec<DbFile> =
-        found.into_iter().map(|path| DbFile { device: device_from_path(&path), path }).collect();
+    let mut files = found;
     // Run folder (three levels up: <run>/device_<id>/dump/<file>), then device, then name.
     files.sort_by_cached_key(|f| {
         let run = f.path.ancestors().nth(3).map(Path::to_path_buf);
@@ -207,9 +261,35 @@ fn uri_path(path: &Path) -> String {
     out
 }
 
+/// Who wrote a DB: `trace` (or the daemon), msMemScope itself, or `import` from a CSV (msMemScope's,
+/// or `trace --format csv`'s: `ours`). msMemScope's lack what only our tracer records (the
+/// allocator settings, pool segments, stack ids), which the verbs say; a CSV of ours lacks only
+/// what `ms_meta` would have held (the settings among them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Trace,
+    MsMemScope,
+    Imported { csv: String, ours: bool },
+}
+
+impl Origin {
+    /// Whether msMemScope wrote the capture (its DB, or a DB imported from its CSV).
+    pub fn is_msmemscope(&self) -> bool {
+        matches!(self, Self::MsMemScope | Self::Imported { ours: false, .. })
+    }
+
+    /// Whether the allocator settings at the start are known: only a DB `trace` wrote has them.
+    pub fn has_settings(&self) -> bool {
+        matches!(self, Self::Trace)
+    }
+}
+
 /// An open trace DB.
 pub struct DumpDb {
+    /// The file as reports and errors name it (a CSV's, for a DB imported from one).
     path: PathBuf,
+    /// The file opened, where the reading thread opens it again.
+    file: PathBuf,
     conn: Connection,
     table: &'static str,
     /// Told how each pass over the rows goes ([`DumpDb::with_progress`]).
@@ -254,7 +334,7 @@ impl DumpDb {
         let why = if head.is_empty() {
             "the file is empty"
         } else if head.starts_with(b"ID,Event") {
-            "it is a CSV trace"
+            "it is a CSV trace; the verbs import one when given it, or `memscope-bpf import` makes a DB of it"
         } else if head != b"SQLite format 3\0" {
             "no SQLite header"
         } else {
@@ -295,7 +375,7 @@ impl DumpDb {
         if write && conn.is_readonly(DatabaseName::Main).unwrap_or(true) {
             return Err(AnalysisError::ReadOnly { path: path.to_owned() });
         }
-        Ok(Self { path: path.to_owned(), conn, table, progress: None })
+        Ok(Self { path: path.to_owned(), file: path.to_owned(), conn, table, progress: None })
     }
 
     /// Opens `path` for reading only: what every analysis and verb that writes nothing uses.
@@ -305,6 +385,38 @@ impl DumpDb {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Reports and errors name `shown` from now on (the CSV a temporary DB was imported from).
+    pub fn shown_as(mut self, shown: &Path) -> Self {
+        shown.clone_into(&mut self.path);
+        self
+    }
+
+    /// Where this DB came from, from its `ms_meta` (msMemScope writes none).
+    pub fn origin(&self) -> Result<Origin, AnalysisError> {
+        let read = self.read_err();
+        let has: i64 = self
+            .conn
+            .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
+            .map_err(&read)?;
+        if has == 0 {
+            return Ok(Origin::MsMemScope);
+        }
+        let get = |key: &str| -> Result<Option<String>, AnalysisError> {
+            self.conn
+                .query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get(0))
+                .map(Some)
+                .or_else(|e| if e == rusqlite::Error::QueryReturnedNoRows { Ok(None) } else { Err(e) })
+                .map_err(&read)
+        };
+        Ok(match get("imported_from")? {
+            None => Origin::Trace,
+            Some(csv) => {
+                let ours = get("source_format")?.as_deref() == Some("memscope-bpf-csv");
+                Origin::Imported { csv, ours }
+            }
+        })
     }
 
     /// The connection, for an analysis's own queries (settings, one row's details).
@@ -320,7 +432,7 @@ impl DumpDb {
     /// A time-ordered reader of the rows `select` names (see [`TimeOrder`]), for analyses that
     /// tune it or count rows first.
     pub fn rows(&self, select: Selection<'_>) -> Result<TimeOrder<'_>, AnalysisError> {
-        Ok(TimeOrder::new(&self.conn, &self.path, self.table, select)?.with_progress(self.progress.clone()))
+        Ok(TimeOrder::new(&self.conn, &self.file, self.table, select)?.with_progress(self.progress.clone()))
     }
 
     /// Every pass over the rows from now on tells `progress` how it goes.
@@ -557,10 +669,46 @@ mod tests {
         assert_eq!(discover(&run.join("device_2/dump")).unwrap()[0].device.as_deref(), Some("2"));
         // A file is taken as is.
         let file = run.join("device_cpu/dump/memscope_dump_20260101000000.db");
-        assert_eq!(discover(&file).unwrap(), vec![DbFile { path: file.clone(), device: Some("cpu".into()) }]);
+        assert_eq!(discover(&file).unwrap(), vec![DbFile::new(file.clone(), Format::Db)]);
+        assert_eq!(discover(&file).unwrap()[0].device.as_deref(), Some("cpu"));
         // A folder with nothing in it.
         let empty = dir("discover-empty");
         assert!(matches!(discover(&empty), Err(AnalysisError::NoDbInFolder { .. })));
+    }
+
+    #[test]
+    fn folders_are_read_by_content_not_by_name() {
+        let root = dir("content");
+        let header = crate::store::schema::csv_header() + "\n1,SYSTEM,ACL_INIT,N/A,1,1,1,N/A,N/A,\n";
+        let dump = root.join("msmemscope_7_20250101000000_ascend/device_3/dump");
+        fs::create_dir_all(&dump).unwrap();
+        fs::write(dump.join("renamed.csv"), &header).unwrap();
+        fs::write(
+            dump.join("python_trace_7_20250101000000.csv"),
+            "FuncInfo,StartTime(ns),EndTime(ns),Thread Id,Process Id\n",
+        )
+        .unwrap();
+        fs::write(dump.join("ms_untracked_frees_20250101000000.csv"), &header).unwrap();
+        fs::write(dump.join(".memscope_dump_1.db.partial"), "SQLite format 3\0").unwrap();
+        fs::write(dump.join("notes.txt"), "hello\n").unwrap();
+        // A CSV imported beside itself: the DB is read, not the CSV.
+        fs::write(dump.join("memscope_dump_1.csv"), &header).unwrap();
+        TestDb::create(&dump.join("memscope_dump_1.db"));
+        let found = discover(&root).unwrap();
+        let names: Vec<(String, Format)> =
+            found.iter().map(|f| (f.path.file_name().unwrap().to_string_lossy().into_owned(), f.format)).collect();
+        assert_eq!(names, [("memscope_dump_1.db".to_owned(), Format::Db), ("renamed.csv".to_owned(), Format::Csv)]);
+        assert!(found.iter().all(|f| f.device.as_deref() == Some("3")));
+        // msLeaks' older layout: <output>/dump/leaks_dump_<ts>.csv, no device folder.
+        let old = root.join("leaksDumpResults/dump");
+        fs::create_dir_all(&old).unwrap();
+        fs::write(old.join("leaks_dump_1746006014.csv"), &header).unwrap();
+        let found = discover(&root.join("leaksDumpResults")).unwrap();
+        assert_eq!(found, [DbFile::new(old.join("leaks_dump_1746006014.csv"), Format::Csv)]);
+        // A file given directly is taken by content too; another CSV says what it is.
+        let err = discover(&dump.join("python_trace_7_20250101000000.csv")).unwrap_err();
+        assert!(err.to_string().contains("Python trace"), "{err}");
+        assert_eq!(discover(&dump.join("renamed.csv")).unwrap()[0].format, Format::Csv);
     }
 
     #[test]

@@ -65,14 +65,16 @@ use thiserror::Error;
 /// a DB Insight made read-only), not a bug.
 #[derive(Debug, Error)]
 pub enum AnalysisError {
-    #[error("{path}: no such file or folder; give a memscope_dump_*.db file or a trace output folder (memscope_<pid>_<time>_ascend/)")]
+    #[error("{path}: no such file or folder; give a memscope_dump_*.db or .csv file or a trace output folder (memscope_<pid>_<time>_ascend/, msMemScope's msmemscope_<pid>_<time>_ascend/)")]
     NotFound { path: PathBuf },
-    #[error("{path}: no memscope_dump_*.db under this folder (looked for device_*/dump/memscope_dump_*.db in it and in its subfolders); give the trace output folder memscope_<pid>_<time>_ascend/ or a .db file (a CSV trace cannot be analysed: trace with --format db)")]
+    #[error("{path}: no trace under this folder (looked for dump DBs and CSVs in device_*/dump/ and dump/, in it and in its subfolders); give a trace output folder (memscope_<pid>_<time>_ascend/, msMemScope's msmemscope_<pid>_<time>_ascend/), the folder holding them, or a .db or .csv file")]
     NoDbInFolder { path: PathBuf },
     #[error("{path}: cannot read it (check that you may read it and its folder)")]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("{path}: not an SQLite database ({why}); give the memscope_dump_*.db file that `trace` wrote (a CSV trace cannot be analysed: trace with --format db)")]
+    #[error("{path}: not an SQLite database ({why}); give a memscope_dump_*.db or memscope_dump_*.csv file, or the trace's output folder")]
     NotSqlite { path: PathBuf, why: String },
+    #[error("{path}: {what}, not a trace dump; give the memscope_dump_*.csv (or .db) beside it, or the trace's output folder")]
+    NotDumpCsv { path: PathBuf, what: String },
     #[error("{path}: the trace did not finish, so its last rows are still in {wal}, and SQLite cannot read them in this read-only folder (it must create the -shm index beside them); copy the trace folder somewhere writable and analyse the copy")]
     WalInReadOnlyFolder { path: PathBuf, wal: PathBuf },
     #[error(

@@ -9,7 +9,6 @@ use anyhow::Context as _;
 use super::inputs;
 use crate::analysis::advise;
 use crate::analysis::contract::{self, Advise, AdviseOptions, Analysis as _};
-use crate::analysis::db::DumpDb;
 
 /// Recommend allocator settings for a traced job, each with the evidence that triggered it.
 ///
@@ -35,8 +34,9 @@ use crate::analysis::db::DumpDb;
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Trace DBs (memscope_dump_*.db), or folders: a trace's output folder, the folder holding
-    /// such folders, or one device_<id>/. One report per DB, in device order.
+    /// Traces: DBs (memscope_dump_*.db) or CSVs, or folders: a trace's output folder, the folder
+    /// holding such folders, or one device_<id>/. One report per DB, in device order.
+    /// msMemScope's own captures too: its CSV (read through a temporary DB) or DB, and its folders (msmemscope_<pid>_<time>_ascend/, memscopeDumpResults/, leaksDumpResults/).
     #[arg(value_name = "DB|DIR", required = true)]
     pub inputs: Vec<PathBuf>,
 
@@ -53,6 +53,11 @@ pub struct Args {
     /// Only print: open the DBs read-only and write no tables.
     #[arg(long)]
     pub no_write: bool,
+
+    /// Store the results also in msMemScope's own DBs (by default they are only printed for
+    /// those, so a capture is never changed unasked; ours always get them).
+    #[arg(long, conflicts_with = "no_write")]
+    pub write: bool,
 }
 
 /// The advice for the DBs of a finished trace, as text (for the end of `trace`); reads only.
@@ -61,7 +66,7 @@ pub struct Args {
 pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
     let mut out = Vec::new();
     for file in inputs::files(db_paths)? {
-        let db = crate::progress::watched(DumpDb::open_read(&file.path)?, crate::progress::label("advise", &file.path));
+        let (db, _) = inputs::open(&file, "advise", inputs::Store::Never)?;
         let device = inputs::device_of(&file, &db)?;
         let options = AdviseOptions { device };
         let report = Advise::analyse(&db, &options)?;
@@ -69,7 +74,7 @@ pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
         if file.device.as_deref() == Some("cpu") && !host_advice {
             continue;
         }
-        out.push(Advise::text(&report, &file.path, &options.device, &options));
+        out.push(Advise::text(&report, file.shown(), &options.device, &options));
     }
     Ok(out.join("\n"))
 }
@@ -85,16 +90,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut found = Vec::new();
     for file in &files {
         // Opened for writing first: a read-only file fails here, not after the analysis.
-        let db = crate::progress::watched(
-            DumpDb::open(&file.path, !args.no_write)?,
-            crate::progress::label("advise", &file.path),
-        );
+        let (db, write) = inputs::open(file, "advise", inputs::Store::from_flags(args.write, args.no_write))?;
         let device = inputs::device_of(file, &db)?;
         found.push(device.clone());
         if want.is_some_and(|w| !inputs::is_device(&device, w)) {
             continue;
         }
-        let store_at = (!args.no_write).then_some(run_wall_ns);
+        let store_at = write.then_some(run_wall_ns);
         let options = AdviseOptions { device };
         let done = contract::run::<Advise>(&db, &options.device, &options, args.json, store_at)?;
         if let Some(line) = done.stored {
@@ -211,7 +213,10 @@ mod tests {
     fn bad_inputs_fail_with_the_problem_and_the_fix() {
         let d = crate::analysis::testdb::dir("cli-advise-bad");
         let err = run(parse(&[d.join("none.db").to_str().unwrap()]).unwrap()).unwrap_err();
-        assert!(format!("{err:#}").contains("no such file or folder; give a memscope_dump_*.db file"), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("no such file or folder; give a memscope_dump_*.db or .csv file"),
+            "{err:#}"
+        );
         let junk = d.join("memscope_dump_1.db");
         std::fs::write(&junk, "not a database").unwrap();
         let err = run(parse(&[junk.to_str().unwrap()]).unwrap()).unwrap_err();
@@ -219,6 +224,6 @@ mod tests {
         assert_eq!(std::fs::read(&junk).unwrap(), b"not a database");
         let empty = crate::analysis::testdb::dir("cli-advise-empty");
         let err = run(parse(&[empty.to_str().unwrap()]).unwrap()).unwrap_err();
-        assert!(format!("{err:#}").contains("no memscope_dump_*.db under this folder"), "{err:#}");
+        assert!(format!("{err:#}").contains("no trace under this folder"), "{err:#}");
     }
 }

@@ -146,9 +146,10 @@ fn parse_analysis(text: &str) -> Result<Analysis, String> {
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// Trace DBs (memscope_dump_*.db), or folders: a trace's output folder
+    /// Traces: DBs (memscope_dump_*.db) or CSVs, or folders: a trace's output folder
     /// (memscope_<pid>_<time>_ascend/), the folder holding such folders, or one device_<id>/.
-    /// Every device_*/dump/memscope_dump_*.db found is analysed: one report per DB, in device order.
+    /// Every dump found in device_*/dump/ is analysed: one report per DB, in device order.
+    /// msMemScope's own captures too: its CSV (read through a temporary DB) or DB, and its folders (msmemscope_<pid>_<time>_ascend/, memscopeDumpResults/, leaksDumpResults/).
     #[arg(value_name = "DB", required = true)]
     pub inputs: Vec<PathBuf>,
 
@@ -189,6 +190,11 @@ pub struct Args {
     /// inefficient_type; for read-only copies).
     #[arg(long)]
     pub no_write: bool,
+
+    /// Store the results also in msMemScope's own DBs (by default they are only printed for
+    /// those, so a capture is never changed unasked; ours always get them).
+    #[arg(long, conflicts_with = "no_write")]
+    pub write: bool,
 
     #[command(flatten)]
     pub inefficient: inefficient::Options,
@@ -275,6 +281,7 @@ impl Args {
             depth: None,
             json: false,
             no_write: false,
+            write: false,
             inefficient: inefficient::Options::default(),
             leaks: crate::analysis::leaks::Options::default(),
         }
@@ -308,7 +315,7 @@ fn analyse(args: &Args) -> anyhow::Result<()> {
     let points = if args.at.is_empty() { vec![TimeSpec::Peak, TimeSpec::End] } else { args.at.clone() };
     let decompose = DecomposeOptions { points, depth: args.depth };
     let want_device = args.device.as_deref().map(inputs::normalise_device);
-    let write = !args.no_write;
+    let store = inputs::Store::from_flags(args.write, args.no_write);
 
     // Every input is resolved first, so a typo in the last one does not come after output.
     let files = inputs::files(&args.inputs)?;
@@ -327,8 +334,7 @@ fn analyse(args: &Args) -> anyhow::Result<()> {
                 continue;
             }
         }
-        let dump =
-            crate::progress::watched(DumpDb::open(&file.path, write)?, crate::progress::label("analyze", &file.path));
+        let (dump, write) = inputs::open(file, "analyze", store)?;
         let device = inputs::device_of(file, &dump)?;
         if let Some(want) = want_device {
             if !inputs::is_device(&device, want) {

@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
 use serde::Serialize;
@@ -19,7 +19,7 @@ use serde::Serialize;
 use super::inputs;
 use crate::analysis::calldiff;
 use crate::analysis::calls::{self, Calls, Level};
-use crate::analysis::db::{self, DbFile, DumpDb};
+use crate::analysis::db::{self, DbFile};
 use crate::analysis::decompose::Family;
 use crate::analysis::render::{human_bytes, signed_bytes as signed};
 use crate::analysis::steps::{StepDb, StepPoint, Timeline};
@@ -48,7 +48,8 @@ use crate::analysis::steps::{StepDb, StepPoint, Timeline};
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// The baseline: a trace DB (memscope_dump_*.db) or a trace output folder.
+    /// The baseline: a trace DB (memscope_dump_*.db) or CSV, or a trace output folder;
+    /// msMemScope's own captures too: its CSV (read through a temporary DB) or DB, and its folders (msmemscope_<pid>_<time>_ascend/, memscopeDumpResults/, leaksDumpResults/).
     #[arg(value_name = "A")]
     pub a: PathBuf,
 
@@ -122,15 +123,15 @@ fn point(p: &StepPoint, timeline: &Timeline) -> Point {
     Point { ts: p.ts, totals: p.totals, owners }
 }
 
-fn side(path: &Path, marker: Option<&str>) -> anyhow::Result<Side> {
-    let dump = crate::progress::watched(DumpDb::open_read(path)?, crate::progress::label("compare", path));
+fn side(file: &DbFile, marker: Option<&str>) -> anyhow::Result<Side> {
+    let (dump, _) = inputs::open(file, "compare", inputs::Store::Never)?;
     let db = StepDb::new(&dump)?;
     let timeline = Timeline::replay(&db, marker, &mut ())?;
     let summary = timeline.summary();
     let sources: Vec<String> = summary.sources.iter().map(|(s, n)| format!("{n} from {}", s.describe())).collect();
     let steps = timeline.points.iter().filter_map(|p| Some((p.step?, point(p, &timeline)))).collect();
     Ok(Side {
-        path: path.to_owned(),
+        path: dump.path().to_owned(),
         steps,
         end: timeline.end_point().map(|p| point(&p, &timeline)),
         families: summary.families,
@@ -354,12 +355,12 @@ fn text(d: &PairDiff) -> String {
 }
 
 /// One side's DBs by device, in device order: (device, DB).
-type ByDevice = BTreeMap<(u8, u64, String), (String, PathBuf)>;
+type ByDevice = BTreeMap<(u8, u64, String), (String, DbFile)>;
 
 /// Pairs the DBs of A and B by device; two single files are a pair whatever their devices.
-fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
-    let files_a = db::discover(&args.a).with_context(|| "A")?;
-    let files_b = db::discover(&args.b).with_context(|| "B")?;
+fn pairs(args: &Args) -> anyhow::Result<Vec<(String, DbFile, DbFile)>> {
+    let files_a = inputs::files(std::slice::from_ref(&args.a)).with_context(|| "A")?;
+    let files_b = inputs::files(std::slice::from_ref(&args.b)).with_context(|| "B")?;
     let want = args.device.as_deref().map(inputs::normalise_device);
     let by_device = |files: &[DbFile]| -> anyhow::Result<ByDevice> {
         let mut map = BTreeMap::new();
@@ -368,8 +369,9 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
             if want.is_some_and(|w| !device.split(',').any(|d| d == w)) {
                 continue;
             }
-            if map.insert(db::device_order(Some(&device)), (device.clone(), f.path.clone())).is_some() {
-                bail!("{} holds several traces of device {device}; give the trace output folders (memscope_<pid>_<time>_ascend/) or the DB files to compare", f.path.parent().map_or(f.path.display().to_string(), |p| p.display().to_string()));
+            if map.insert(db::device_order(Some(&device)), (device.clone(), f.clone())).is_some() {
+                let shown = f.shown();
+                bail!("{} holds several traces of device {device}; give the trace output folders (memscope_<pid>_<time>_ascend/) or the DB files to compare", shown.parent().map_or(shown.display().to_string(), |p| p.display().to_string()));
             }
         }
         Ok(map)
@@ -378,10 +380,10 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
         let device = inputs::device_of_file(&files_a[0])?;
         let other = inputs::device_of_file(&files_b[0])?;
         let label = if device == other { device } else { format!("{device} (A) vs {other} (B)") };
-        return Ok(vec![(label, files_a[0].path.clone(), files_b[0].path.clone())]);
+        return Ok(vec![(label, files_a[0].clone(), files_b[0].clone())]);
     }
     let (map_a, map_b) = (by_device(&files_a)?, by_device(&files_b)?);
-    let pairs: Vec<(String, PathBuf, PathBuf)> = map_a
+    let pairs: Vec<(String, DbFile, DbFile)> = map_a
         .iter()
         .filter_map(|(k, (d, pa))| map_b.get(k).map(|(_, pb)| (d.clone(), pa.clone(), pb.clone())))
         .collect();
@@ -415,8 +417,8 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, PathBuf, PathBuf)>> {
 }
 
 /// One side of a call comparison: the DB's calls at `level`, or why it has none.
-fn calls_side(path: &Path, level: Level) -> anyhow::Result<Calls> {
-    let db = crate::progress::watched(DumpDb::open_read(path)?, crate::progress::label("compare", path));
+fn calls_side(file: &DbFile, level: Level) -> anyhow::Result<Calls> {
+    let (db, _) = inputs::open(file, "compare", inputs::Store::Never)?;
     Ok(calls::read(&db, level)?)
 }
 
@@ -438,7 +440,7 @@ fn call_reports(args: &Args, level: Level) -> anyhow::Result<Vec<calldiff::CallD
     for (device, pa, pb) in pairs(args)? {
         let a = calls_side(&pa, level).context("trace A")?;
         let b = calls_side(&pb, level).context("trace B")?;
-        reports.push(calldiff::compare(&device, level, (&pa, &a), (&pb, &b), args.top));
+        reports.push(calldiff::compare(&device, level, (pa.shown(), &a), (pb.shown(), &b), args.top));
     }
     Ok(reports)
 }
@@ -467,6 +469,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use clap::Parser as _;
 
     use super::*;
@@ -596,7 +600,7 @@ mod tests {
             .into_iter()
             .map(|(d, pa, pb)| {
                 let (ca, cb) = (calls_side(&pa, level).unwrap(), calls_side(&pb, level).unwrap());
-                calldiff::compare(&d, level, (&pa, &ca), (&pb, &cb), args.top)
+                calldiff::compare(&d, level, (pa.shown(), &ca), (pb.shown(), &cb), args.top)
             })
             .collect()
     }

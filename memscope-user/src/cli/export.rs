@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::bail;
 
 use super::inputs::{self, write_atomically};
-use crate::analysis::db::{DbFile, DumpDb};
+use crate::analysis::db::DbFile;
 use memscope_core::export::{memory_viz, perfetto};
 
 /// Write a trace in a format another tool opens.
@@ -30,7 +30,8 @@ use memscope_core::export::{memory_viz, perfetto};
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// A trace DB (memscope_dump_*.db), or a trace's output folder.
+    /// A trace DB (memscope_dump_*.db) or CSV, or a trace's output folder;
+    /// msMemScope's own captures too: its CSV (read through a temporary DB) or DB, and its folders (msmemscope_<pid>_<time>_ascend/, memscopeDumpResults/, leaksDumpResults/).
     #[arg(value_name = "DB|DIR")]
     pub input: PathBuf,
 
@@ -79,7 +80,7 @@ fn memory_viz_file(args: &Args, mut candidates: Vec<(DbFile, String)>) -> anyhow
         bail!("device {device} is not an NPU (memory_viz shows device memory): pick an NPU's DB with --device");
     };
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from(format!("snapshot_{index}.pickle")));
-    let db = crate::progress::watched(DumpDb::open_read(&file.path)?, crate::progress::label("export", &file.path));
+    let (db, _) = inputs::open(&file, "export", inputs::Store::Never)?;
     let summary = write_atomically(&output, |out| Ok(memory_viz::export(&db, index, out)?))?;
     eprintln!(
         "memscope-bpf: wrote {} ({} events; {} segments; {} blocks live at the end, {} bytes requested)",
@@ -106,9 +107,7 @@ fn perfetto_file(args: &Args, candidates: &[(DbFile, String)]) -> anyhow::Result
     let output = args.output.clone().unwrap_or_else(|| PathBuf::from("trace.json"));
     let dbs = candidates
         .iter()
-        .map(|(f, _)| {
-            Ok(crate::progress::watched(DumpDb::open_read(&f.path)?, crate::progress::label("export", &f.path)))
-        })
+        .map(|(f, _)| Ok(inputs::open(f, "export", inputs::Store::Never)?.0))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let devices: Vec<perfetto::Device<'_>> = dbs
         .iter()

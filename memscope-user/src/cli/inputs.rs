@@ -1,18 +1,23 @@
-//! The DB arguments of the offline verbs (`analyze`, `advise`, `compare`, `export`, `report`):
-//! which DB files they name, which device each holds, and `--device` as a user may write it. One
-//! place, so the verbs accept the same inputs and say the same thing when a device is not among
-//! them; and how the verbs that write a file write it (whole, or not at all).
+//! The trace arguments of the offline verbs (`analyze`, `advise`, `compare`, `export`, `report`):
+//! which traces they name (our DBs, msMemScope's DBs and CSVs, by content), which device each
+//! holds, and `--device` as a user may write it. One place, so the verbs accept the same inputs
+//! and say the same thing when a device is not among them; how a trace is opened (a CSV through
+//! a temporary DB, msMemScope's DBs read-only unless `--write`, with what such a capture lacks
+//! said once); and how the verbs that write a file write it (whole, or not at all).
 
 use std::collections::HashSet;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use anyhow::Context as _;
 
-use crate::analysis::db::{self, DbFile, DumpDb};
+use crate::analysis::db::{self, DbFile, DumpDb, Format, Origin};
+use crate::say::say;
 
-/// The DBs the inputs name (files, trace folders, folders of traces), each once, in the order
-/// given. Every input is resolved before any is analysed, so a typo in the last one fails first.
+/// The traces the inputs name (files, trace folders, folders of traces), each once, in the order
+/// given; a CSV is imported into a temporary DB, whose path the entry then holds (`source` is the
+/// CSV). Every input is resolved before any is analysed, so a typo in the last one fails first.
 pub fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
     let mut files = Vec::new();
     let mut seen = HashSet::new();
@@ -24,7 +29,192 @@ pub fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
             }
         }
     }
-    Ok(files)
+    files.into_iter().map(imported).collect()
+}
+
+/// A CSV as imported: its canonical path, size and modification time (a CSV rewritten since is
+/// imported again).
+type CsvKey = (PathBuf, u64, Option<std::time::SystemTime>);
+
+/// The temporary DBs of this run's CSVs, so a CSV named twice (or opened for its device, then
+/// analysed) is imported once.
+struct Imports {
+    dir: Option<PathBuf>,
+    done: Vec<(CsvKey, PathBuf)>,
+}
+
+static IMPORTS: Mutex<Imports> = Mutex::new(Imports { dir: None, done: Vec::new() });
+
+/// The folder of this process's temporary DBs (`$TMPDIR/memscope-bpf-imports.<pid>`), made on
+/// first use; those of processes no longer running (killed before they could remove theirs) go.
+fn imports_dir(imports: &mut Imports) -> anyhow::Result<PathBuf> {
+    if let Some(dir) = &imports.dir {
+        return Ok(dir.clone());
+    }
+    let tmp = std::env::temp_dir();
+    if let Ok(entries) = std::fs::read_dir(&tmp) {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let pid =
+                name.to_str().and_then(|n| n.strip_prefix("memscope-bpf-imports.")).and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    let dir = tmp.join(format!("memscope-bpf-imports.{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| {
+        format!(
+            "cannot make a temporary folder {} for the CSVs' import (set TMPDIR to a writable place)",
+            dir.display()
+        )
+    })?;
+    imports.dir = Some(dir.clone());
+    Ok(dir)
+}
+
+/// Removes this run's temporary DBs (at the end of every verb).
+pub fn remove_imports() {
+    if let Ok(mut imports) = IMPORTS.lock() {
+        if let Some(dir) = imports.dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        imports.done.clear();
+    }
+}
+
+/// `file` itself, or for a CSV the temporary DB it was imported into (once per run).
+fn imported(file: DbFile) -> anyhow::Result<DbFile> {
+    if file.format != Format::Csv {
+        return Ok(file);
+    }
+    let meta = std::fs::metadata(&file.path).with_context(|| format!("cannot read {}", file.path.display()))?;
+    let canonical = std::fs::canonicalize(&file.path).unwrap_or_else(|_| file.path.clone());
+    let key = (canonical, meta.len(), meta.modified().ok());
+    let mut imports = IMPORTS.lock().map_err(|_| anyhow::anyhow!("the imports' registry was poisoned"))?;
+    let db_path = match imports.done.iter().find(|(k, _)| *k == key) {
+        Some((_, done)) => done.clone(),
+        None => {
+            let dir = imports_dir(&mut imports)?;
+            let stem = file.path.file_stem().map_or_else(|| "dump".into(), |s| s.to_string_lossy().into_owned());
+            let db_path = dir.join(format!("{}-{stem}.db", imports.done.len()));
+            let started = std::time::Instant::now();
+            let mut bar = crate::progress::bytes(crate::progress::label("import", &file.path));
+            let got = crate::import::import_csv(&file.path, &db_path, true, &mut bar)?;
+            say!(
+                "memscope-bpf: read {} ({} rows{}) through a temporary DB in {:.1} s; `memscope-bpf import` \
+                 on it keeps a DB beside it, for Insight and faster reruns",
+                file.path.display(),
+                got.rows,
+                if got.out_of_order > 0 { format!(", {} out of time order", got.out_of_order) } else { String::new() },
+                started.elapsed().as_secs_f64(),
+            );
+            imports.done.push((key, db_path.clone()));
+            db_path
+        }
+    };
+    Ok(DbFile { source: Some(file.path.clone()), path: db_path, format: Format::Db, device: file.device })
+}
+
+/// `--write`/`--no-write` of the verbs that store results in the DB they read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Store {
+    /// Into our DBs; not into msMemScope's (said once).
+    Default,
+    Never,
+    /// Also into msMemScope's DBs.
+    Always,
+}
+
+impl Store {
+    pub fn from_flags(write: bool, no_write: bool) -> Self {
+        match (write, no_write) {
+            (_, true) => Self::Never,
+            (true, false) => Self::Always,
+            (false, false) => Self::Default,
+        }
+    }
+}
+
+/// Opens `file` for `verb`, named as the user knows it, with its progress shown, saying once what
+/// an msMemScope capture lacks. Returns whether results may be written into it.
+pub fn open(file: &DbFile, verb: &str, store: Store) -> anyhow::Result<(DumpDb, bool)> {
+    let read = DumpDb::open_read(&file.path).map_err(|e| shown_error(e, file))?;
+    let origin = read.origin()?;
+    let write = match (&origin, store) {
+        (_, Store::Never) => false,
+        _ if file.source.is_some() => {
+            if store == Store::Always {
+                anyhow::bail!(
+                    "{}: results cannot be stored in a CSV; `memscope-bpf import {}` makes a DB of it, then run {verb} on that DB",
+                    file.shown().display(),
+                    file.shown().display()
+                );
+            }
+            false
+        }
+        (Origin::MsMemScope, Store::Default) => {
+            say!(
+                "memscope-bpf: note: {} is msMemScope's DB: the results are printed, not stored in it \
+                 (--write adds our ms_* tables to it, which Insight ignores)",
+                file.shown().display()
+            );
+            false
+        }
+        _ => true,
+    };
+    if origin.is_msmemscope() {
+        say_lacks(&read, file)?;
+    }
+    let db = if write { DumpDb::open(&file.path, true)? } else { read };
+    let db = crate::progress::watched(db, crate::progress::label(verb, file.shown()));
+    Ok((db.shown_as(file.shown()), write))
+}
+
+/// An error about a temporary DB, naming the CSV it came from instead.
+fn shown_error(e: crate::analysis::AnalysisError, file: &DbFile) -> anyhow::Error {
+    match &file.source {
+        Some(csv) => anyhow::Error::new(e).context(format!("reading the DB imported from {}", csv.display())),
+        None => e.into(),
+    }
+}
+
+/// Says, once per file and run, what msMemScope's data lacks that our traces hold, so results
+/// that rest on it are not mistaken for a finding.
+fn say_lacks(db: &DumpDb, file: &DbFile) -> anyhow::Result<()> {
+    static SAID: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    if let Ok(mut said) = SAID.lock() {
+        if said.contains(&file.shown().to_path_buf()) {
+            return Ok(());
+        }
+        said.push(file.shown().to_path_buf());
+    }
+    let sql = format!(
+        "SELECT count(*), coalesce(sum(Attr LIKE '%\"owner\":\"%@%'), 0) FROM \"{}\" WHERE Event = 'MALLOC'",
+        db.table()
+    );
+    let (blocks, owned): (i64, i64) = db
+        .conn()
+        .query_row(&sql, [], |r| Ok((r.get(0)?, r.get(1)?)))
+        .with_context(|| format!("cannot read {}", file.shown().display()))?;
+    let unowned = blocks - owned;
+    let owners = match unowned {
+        0 => String::new(),
+        n => format!(
+            "; {n} of its {blocks} block{} {} no owner below {} allocator (msMemScope names owners only under \
+             --analysis=decompose, and users' tags only where the job described them)",
+            if blocks == 1 { "" } else { "s" },
+            if n == 1 { "has" } else { "have" },
+            if n == 1 { "its" } else { "their" }
+        ),
+    };
+    say!(
+        "memscope-bpf: note: {} is msMemScope's capture, without what only memscope-bpf records: pool segments \
+         and pool names (the pool's reserved bytes are its rows' `total`), the allocator settings, symbolized \
+         stacks{owners}",
+        file.shown().display()
+    );
+    Ok(())
 }
 
 /// The device a DB holds: its `device_<id>` folder's, else the `Device Id`s of its rows in `db`
@@ -41,7 +231,7 @@ pub fn device_of(file: &DbFile, db: &DumpDb) -> anyhow::Result<String> {
 pub fn device_of_file(file: &DbFile) -> anyhow::Result<String> {
     match &file.device {
         Some(d) => Ok(d.clone()),
-        None => device_of(file, &DumpDb::open_read(&file.path)?),
+        None => device_of(file, &DumpDb::open_read(&file.path).map_err(|e| shown_error(e, file))?),
     }
 }
 
@@ -59,7 +249,7 @@ pub fn device_files(input: &Path, want: Option<&str>) -> anyhow::Result<Vec<(DbF
     }
     match (picked.len(), want) {
         (0, Some(w)) => Err(no_such_device(w, found)),
-        (0, None) => Err(anyhow::anyhow!("{} holds no trace DB", input.display())),
+        (0, None) => Err(anyhow::anyhow!("{} holds no trace", input.display())),
         _ => Ok(picked),
     }
 }

@@ -6,6 +6,7 @@ mod bench_consumer;
 pub mod compare;
 pub mod daemon;
 pub mod export;
+pub mod import;
 mod inputs;
 pub mod probes;
 pub mod report;
@@ -33,6 +34,7 @@ enum Command {
     Advise(advise::Args),
     Daemon(daemon::Args),
     Export(export::Args),
+    Import(import::Args),
     Report(report::Args),
     /// Replays synthetic ring records through the consumer (for `cargo xtask bench`).
     #[command(hide = true)]
@@ -41,6 +43,13 @@ enum Command {
 
 impl Cli {
     pub fn run(self) -> anyhow::Result<()> {
+        let result = self.run_verb();
+        // The temporary DBs of CSVs the verb read.
+        inputs::remove_imports();
+        result
+    }
+
+    fn run_verb(self) -> anyhow::Result<()> {
         match self.command {
             Command::Trace(args) => trace::run(args),
             Command::Probes(args) => probes::run(args),
@@ -49,6 +58,7 @@ impl Cli {
             Command::Advise(args) => advise::run(args),
             Command::Daemon(args) => daemon::run(args),
             Command::Export(args) => export::run(args),
+            Command::Import(args) => import::run(args),
             Command::Report(args) => report::run(args),
             Command::BenchConsumer(args) => bench_consumer::run(&args),
         }

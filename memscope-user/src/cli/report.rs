@@ -35,8 +35,8 @@ use memscope_core::report::{self, compare, html, DeviceReport, Options, Page, Ru
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
-    /// A trace DB (memscope_dump_*.db) or a trace's output folder; a second one to compare
-    /// with the first (A, then B).
+    /// A trace DB (memscope_dump_*.db) or CSV, or a trace's output folder; a second one to
+    /// compare with the first (A, then B). msMemScope's own captures too: its CSV (read through a temporary DB) or DB, and its folders (msmemscope_<pid>_<time>_ascend/, memscopeDumpResults/, leaksDumpResults/).
     #[arg(value_name = "DB|DIR", num_args = 1..=2, required = true)]
     pub inputs: Vec<PathBuf>,
 
@@ -67,9 +67,7 @@ fn run_of(input: &Path, want: Option<&str>, options: &Options) -> anyhow::Result
     files.sort_by_key(|(_, d)| db::device_order(Some(d)));
     let dbs = files
         .iter()
-        .map(|(f, _)| {
-            Ok(crate::progress::watched(DumpDb::open_read(&f.path)?, crate::progress::label("report", &f.path)))
-        })
+        .map(|(f, _)| Ok(inputs::open(f, "report", inputs::Store::Never)?.0))
         .collect::<anyhow::Result<Vec<DumpDb>>>()?;
     let mut origin = None;
     for db in &dbs {

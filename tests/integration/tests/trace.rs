@@ -241,6 +241,31 @@ fn csv_format_holds_the_same_calls() {
     assert!(out.files.values().all(|(p, _)| p.extension().unwrap() == "csv"));
     assert_exact(&ledger, &out);
     assert_driver_truth(&driver, &out, 0);
+    // The CSV trace analysed as it is: the HAL bytes live at the stop, per device, are those its
+    // own rows say (the shadow frees' sizes, read by the tests' CSV reader).
+    let analysed = std::process::Command::new(&env.bin)
+        .args(["analyze", "--at", "end", "--json"])
+        .arg(&out.run_dir)
+        .output()
+        .unwrap();
+    let notes = String::from_utf8_lossy(&analysed.stderr);
+    assert!(analysed.status.success(), "{notes}");
+    assert!(!notes.contains("msMemScope's capture"), "our own CSV is not taken for msMemScope's: {notes}");
+    let trees: serde_json::Value = serde_json::from_slice(&analysed.stdout).unwrap();
+    let mut checked = 0;
+    for (folder, (_, rows)) in &out.files {
+        let Some(device) = folder.strip_prefix("device_") else { continue };
+        let want: u64 = rows
+            .iter()
+            .filter(|r| r.event == "FREE" && r.event_type == "HAL" && r.is_shadow())
+            .map(|r| r.attr_u64("size").unwrap())
+            .sum();
+        let tree = trees.as_array().unwrap().iter().find(|t| t["device"] == device && t["family"] == "HAL");
+        let got = tree.map_or(0, |t| t["nodes"][0]["bytes"].as_u64().unwrap());
+        assert_eq!(got, want, "{folder}: HAL bytes live at the end");
+        checked += u64::from(want > 0);
+    }
+    assert!(checked > 0, "some device held HAL memory at the stop");
 }
 
 #[test]

@@ -175,6 +175,10 @@ pub struct Advice {
     pub device: String,
     /// The target's allocator settings at the start (ms_meta `env.*`; absent: unset).
     pub settings: BTreeMap<String, String>,
+    /// Whether the capture recorded the settings: only a DB `trace` wrote does (msMemScope's
+    /// captures and CSV traces do not), elsewhere no setting is known and the advice takes none
+    /// as set.
+    pub settings_known: bool,
     /// The variable that configures the traced stack's caching allocator
     /// (`PYTORCH_NPU_ALLOC_CONF`, or `PYTORCH_CUDA_ALLOC_CONF` for a CUDA trace).
     pub alloc_conf: &'static str,
@@ -377,12 +381,13 @@ pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisEr
     pass::run(db, &mut consumers)?;
     let report = pool.finish();
     let settings = read_settings(db)?;
+    let settings_known = db.origin()?.has_settings();
     let backend = read_backend(db)?;
     let (gc, streams) = (gc.finish(), streams.finish());
     let atb = atb.map(atb_workspace::Replay::finish).unwrap_or_default();
     let (measured, recommendations) = advise(&report, &settings, backend, &gc, &streams, &atb);
     let alloc_conf = backend.alloc_conf();
     let (db, device) = (path.display().to_string(), device.to_owned());
-    let advice = Advice { db, device, settings, alloc_conf, measured, recommendations };
+    let advice = Advice { db, device, settings, settings_known, alloc_conf, measured, recommendations };
     Ok((advice, report))
 }

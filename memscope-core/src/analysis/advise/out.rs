@@ -10,11 +10,19 @@ pub fn text(advice: &Advice, report: &Report) -> String {
     let conf = advice.settings.get(alloc_conf).map_or_else(|| "unset".to_owned(), |v| format!("`{v}`"));
     let others: Vec<String> =
         advice.settings.iter().filter(|(k, _)| *k != alloc_conf).map(|(k, v)| format!("{k}={v}")).collect();
-    let _ = writeln!(
-        out,
-        "  settings at the start: {alloc_conf} {conf}{}",
-        if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) }
-    );
+    if advice.settings_known {
+        let _ = writeln!(
+            out,
+            "  settings at the start: {alloc_conf} {conf}{}",
+            if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) }
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "  settings at the start: not in this capture (msMemScope's captures and CSV traces \
+             record no environment); the advice takes {alloc_conf} as unset"
+        );
+    }
     if m.atb.executions > 0 {
         let _ = writeln!(
             out,
