@@ -349,4 +349,32 @@ fn import_makes_dbs_insight_opens_and_the_verbs_prefer_them() {
     assert_eq!(digest(&db), before);
     ok(&dir, &["import", csv.to_str().unwrap(), "--force", "-o", dir.join("copy/one.db").to_str().unwrap()]);
     assert!(dir.join("copy/one.db").exists());
+    // A folder imported before: --force imports its CSVs again, hidden as they are by their DBs.
+    let (_, err) = ok(&dir, &["import", run.to_str().unwrap(), "--force"]);
+    assert_eq!(err.matches("imported ").count(), 2, "{err}");
+}
+
+#[test]
+fn an_early_capture_with_every_device_in_one_file_is_read_per_device() {
+    let dir = scratch("legacy");
+    let (first, second) = (corpus::training(STEPS, true), corpus::training(3, false));
+    let csv = dir.join("leaksDumpResults/dump/leaks_dump_1746006014.csv");
+    std::fs::create_dir_all(csv.parent().unwrap()).unwrap();
+    std::fs::write(&csv, corpus::legacy_csv(&[("0", &first), ("1", &second)])).unwrap();
+    let (out, err) = ok(&dir, &["analyze", "leaksDumpResults", "--at", "end", "--json"]);
+    assert!(err.contains("holds devices 0, 1 in one file") && err.contains("timestamps in µs"), "{err}");
+    let trees = json(&out);
+    assert_eq!(pta_owners(&trees, "end", "0"), first.end_by_owner);
+    assert_eq!(pta_owners(&trees, "end", "1"), second.end_by_owner);
+    // The µs became ns: the trace lasts as long as the ledger's.
+    let at = |kind: &str| first.events.iter().find(|e| e.kind == kind).unwrap().ts;
+    let span_us = (at("STOP_TRACE") - at("START_TRACE")) as f64 / 1e3;
+    let (text, _) = ok(&dir, &["analyze", "leaksDumpResults", "--device", "0"]);
+    let want = format!("trace: {span_us:.3} us long, from START_TRACE");
+    assert!(text.contains(&want), "want `{want}`: {text}");
+    // compare pairs the two devices of one file with those of another.
+    let (out, _) = ok(&dir, &["compare", csv.to_str().unwrap(), csv.to_str().unwrap(), "--level", "op", "--json"]);
+    let pairs = json(&out);
+    let devices: Vec<&str> = pairs.as_array().unwrap().iter().map(|d| d["device"].as_str().unwrap()).collect();
+    assert_eq!(devices, ["0", "1"]);
 }

@@ -37,7 +37,15 @@ pub struct Imported {
     /// Whether `memscope-bpf trace --format csv` wrote it (its SYSTEM rows say `tool`), not
     /// msMemScope.
     pub ours: bool,
+    /// Whether its timestamps were microseconds (msLeaks' early captures), multiplied into ns.
+    pub micros: bool,
 }
+
+/// A wall-clock timestamp below this is no nanosecond count (it would be before 1973) but one of
+/// microseconds since 1970 (msLeaks' early captures, `Timestamp(ns)` as the header says or not):
+/// 1746006014162153 is 2025-04-30 in µs. Monotonic clocks in ns since boot stay below 1e14 too
+/// (three years), so only the range [1e14, 1e17) is taken for µs.
+const MICROS: std::ops::Range<i64> = 100_000_000_000_000..100_000_000_000_000_000;
 
 /// Columns a dump CSV must have; the two call-stack columns are optional.
 const REQUIRED: usize = 10;
@@ -152,7 +160,13 @@ fn write(
                 }
                 return Err(ImportError::FieldCount { path: src.to_owned(), line, found: record.len(), want: width });
             }
-            let checked = checked(src, line, &record, map, &mut out)?;
+            let mut checked = checked(src, line, &record, map, &mut out)?;
+            if out.rows == 0 {
+                out.micros = MICROS.contains(&checked.1);
+            }
+            if out.micros {
+                checked.1 = checked.1.saturating_mul(1000);
+            }
             if checked.1 < latest {
                 out.out_of_order += 1;
             }
@@ -173,6 +187,10 @@ fn write(
     }
     let format = if out.ours { "memscope-bpf-csv" } else { "msmemscope-csv" };
     tx.execute("INSERT INTO ms_meta (key, value) VALUES ('source_format', ?1)", [format]).map_err(werr)?;
+    if out.micros {
+        tx.execute("INSERT INTO ms_meta (key, value) VALUES ('timestamps', 'us, multiplied into ns')", [])
+            .map_err(werr)?;
+    }
     tx.commit().map_err(werr)?;
     conn.close().map_err(|(_, e)| werr(e))?;
     progress(total, total);
@@ -350,6 +368,20 @@ mod tests {
         let got = import_csv(&csv, &db, true, &mut |_, _| {}).unwrap();
         assert_eq!((got.rows, got.ours), (1, false));
         assert_eq!(rows(&db).len(), 1);
+    }
+
+    #[test]
+    fn microsecond_timestamps_become_nanoseconds() {
+        let d = dir("micros");
+        let header = "ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id,Ptr,Attr\n";
+        let rows_us = "1,SYSTEM,acl init,N/A,1746006014162153,1,1,N/A,N/A,\n2,MALLOC,HAL,N/A,1746006014361575,1,1,0,20615843020800,\"{addr:20615843020800,size:16384,owner:,MID:7}\"\n";
+        let (got, db) = import(&d, &format!("{header}{rows_us}"));
+        assert!(got.unwrap().micros);
+        let ts: Vec<Value> = rows(&db).into_iter().map(|r| r[4].clone()).collect();
+        assert_eq!(ts, [Value::Integer(1_746_006_014_162_153_000), Value::Integer(1_746_006_014_361_575_000)]);
+        let (got, db) = import(&d, &format!("{header}1,SYSTEM,START_TRACE,N/A,1764753083996495030,1,1,N/A,N/A,\n"));
+        assert!(!got.unwrap().micros);
+        assert_eq!(rows(&db)[0][4], Value::Integer(1_764_753_083_996_495_030));
     }
 
     #[test]

@@ -14,9 +14,11 @@
 //! - [`csv`]: the dump CSV, through the `csv` crate (quoting, multi-line stacks), one clear
 //!   error with the line number for a malformed row.
 //! - [`attr`]: the Attr's two forms.
+//! - [`split`]: one DB per device of a file that holds several (msLeaks' early captures).
 
 pub mod attr;
 pub mod csv;
+pub mod split;
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -24,6 +26,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 pub use self::csv::{import_csv, Imported};
+pub use self::split::split_by_device;
 
 /// The first field of msMemScope's dump CSV header (`ID,Event,Event Type,...`).
 const DUMP_HEADER_START: &str = "ID,Event";

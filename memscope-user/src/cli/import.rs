@@ -52,7 +52,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut bar = crate::progress::bytes(crate::progress::label("import", &job.csv));
         let got = crate::import::import_csv(&job.csv, &job.db, args.force, &mut bar)?;
         say!(
-            "memscope-bpf: imported {} into {} ({} rows of device{} {}{}{}; {:.1} s)",
+            "memscope-bpf: imported {} into {} ({} rows of device{} {}{}{}{}; {:.1} s)",
             job.csv.display(),
             job.db.display(),
             got.rows,
@@ -68,6 +68,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 format!("; no {} column", got.missing_columns.join(", "))
             },
+            if got.micros { "; timestamps were µs (msLeaks'), now ns" } else { "" },
             started.elapsed().as_secs_f64()
         );
     }
@@ -85,7 +86,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 fn plan(args: &Args) -> anyhow::Result<Vec<Job>> {
     let mut jobs = Vec::new();
     for input in &args.inputs {
-        let csvs: Vec<DbFile> = db::discover(input)?.into_iter().filter(|f| f.format == Format::Csv).collect();
+        let found = db::discover(input)?;
+        // A CSV imported before is hidden by its DB; --force imports it again.
+        let again = found.iter().filter(|f| args.force && f.format == Format::Db).filter_map(|f| {
+            let csv = f.path.with_extension("csv");
+            let dump = crate::import::sniff(&csv).is_ok_and(|k| k == crate::import::Kind::DumpCsv);
+            dump.then(|| DbFile::new(csv, Format::Csv))
+        });
+        let csvs: Vec<DbFile> =
+            found.iter().filter(|f| f.format == Format::Csv).cloned().chain(again.collect::<Vec<_>>()).collect();
         if csvs.is_empty() {
             bail!("{}: no msMemScope dump CSV here to import (a folder whose CSVs were imported already holds their DBs, which the verbs read as they are)", input.display());
         }

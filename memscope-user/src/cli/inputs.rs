@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use anyhow::Context as _;
 
-use crate::analysis::db::{self, DbFile, DumpDb, Format, Origin};
+use crate::analysis::db::{self, DbFile, DumpDb, Origin};
 use crate::say::say;
 
 /// The traces the inputs name (files, trace folders, folders of traces), each once, in the order
@@ -29,91 +29,31 @@ pub fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
             }
         }
     }
-    files.into_iter().map(imported).collect()
+    let mut out = Vec::new();
+    for file in files {
+        out.extend(by_device(super::imports::imported(file)?)?);
+    }
+    Ok(out)
 }
 
-/// A CSV as imported: its canonical path, size and modification time (a CSV rewritten since is
-/// imported again).
-type CsvKey = (PathBuf, u64, Option<std::time::SystemTime>);
-
-/// The temporary DBs of this run's CSVs, so a CSV named twice (or opened for its device, then
-/// analysed) is imported once.
-struct Imports {
-    dir: Option<PathBuf>,
-    done: Vec<(CsvKey, PathBuf)>,
-}
-
-static IMPORTS: Mutex<Imports> = Mutex::new(Imports { dir: None, done: Vec::new() });
-
-/// The folder of this process's temporary DBs (`$TMPDIR/memscope-bpf-imports.<pid>`), made on
-/// first use; those of processes no longer running (killed before they could remove theirs) go.
-fn imports_dir(imports: &mut Imports) -> anyhow::Result<PathBuf> {
-    if let Some(dir) = &imports.dir {
-        return Ok(dir.clone());
+/// A trace of no `device_<id>` folder holds the devices its rows name: one (its device from now
+/// on), or several (msLeaks' early captures, all devices in one file), split into one per device.
+fn by_device(mut file: DbFile) -> anyhow::Result<Vec<DbFile>> {
+    if file.device.is_some() {
+        return Ok(vec![file]);
     }
-    let tmp = std::env::temp_dir();
-    if let Ok(entries) = std::fs::read_dir(&tmp) {
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let pid =
-                name.to_str().and_then(|n| n.strip_prefix("memscope-bpf-imports.")).and_then(|p| p.parse::<u32>().ok());
-            if pid.is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists()) {
-                let _ = std::fs::remove_dir_all(entry.path());
-            }
-        }
-    }
-    let dir = tmp.join(format!("memscope-bpf-imports.{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| {
-        format!(
-            "cannot make a temporary folder {} for the CSVs' import (set TMPDIR to a writable place)",
-            dir.display()
-        )
-    })?;
-    imports.dir = Some(dir.clone());
-    Ok(dir)
-}
-
-/// Removes this run's temporary DBs (at the end of every verb).
-pub fn remove_imports() {
-    if let Ok(mut imports) = IMPORTS.lock() {
-        if let Some(dir) = imports.dir.take() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-        imports.done.clear();
-    }
-}
-
-/// `file` itself, or for a CSV the temporary DB it was imported into (once per run).
-fn imported(file: DbFile) -> anyhow::Result<DbFile> {
-    if file.format != Format::Csv {
-        return Ok(file);
-    }
-    let meta = std::fs::metadata(&file.path).with_context(|| format!("cannot read {}", file.path.display()))?;
-    let canonical = std::fs::canonicalize(&file.path).unwrap_or_else(|_| file.path.clone());
-    let key = (canonical, meta.len(), meta.modified().ok());
-    let mut imports = IMPORTS.lock().map_err(|_| anyhow::anyhow!("the imports' registry was poisoned"))?;
-    let db_path = match imports.done.iter().find(|(k, _)| *k == key) {
-        Some((_, done)) => done.clone(),
-        None => {
-            let dir = imports_dir(&mut imports)?;
-            let stem = file.path.file_stem().map_or_else(|| "dump".into(), |s| s.to_string_lossy().into_owned());
-            let db_path = dir.join(format!("{}-{stem}.db", imports.done.len()));
-            let started = std::time::Instant::now();
-            let mut bar = crate::progress::bytes(crate::progress::label("import", &file.path));
-            let got = crate::import::import_csv(&file.path, &db_path, true, &mut bar)?;
-            say!(
-                "memscope-bpf: read {} ({} rows{}) through a temporary DB in {:.1} s; `memscope-bpf import` \
-                 on it keeps a DB beside it, for Insight and faster reruns",
-                file.path.display(),
-                got.rows,
-                if got.out_of_order > 0 { format!(", {} out of time order", got.out_of_order) } else { String::new() },
-                started.elapsed().as_secs_f64(),
-            );
-            imports.done.push((key, db_path.clone()));
-            db_path
-        }
+    let (devices, table) = {
+        let db = DumpDb::open_read(&file.path).map_err(|e| shown_error(e, &file))?;
+        (db.devices()?, db.table())
     };
-    Ok(DbFile { source: Some(file.path.clone()), path: db_path, format: Format::Db, device: file.device })
+    match devices.as_slice() {
+        [] => Ok(vec![file]),
+        [one] => {
+            file.device = Some(one.clone());
+            Ok(vec![file])
+        }
+        several => super::imports::split(&file, table, several),
+    }
 }
 
 /// `--write`/`--no-write` of the verbs that store results in the DB they read.

@@ -7,6 +7,7 @@ pub mod compare;
 pub mod daemon;
 pub mod export;
 pub mod import;
+mod imports;
 mod inputs;
 pub mod probes;
 pub mod report;
@@ -45,7 +46,7 @@ impl Cli {
     pub fn run(self) -> anyhow::Result<()> {
         let result = self.run_verb();
         // The temporary DBs of CSVs the verb read.
-        inputs::remove_imports();
+        imports::remove_imports();
         result
     }
 

@@ -418,3 +418,30 @@ pub fn layout(root: &Path, trace: &Trace, stamp: &str) -> PathBuf {
     std::fs::write(run.join("config.json"), "{\"analysis\":\"leaks\"}\n").unwrap();
     run
 }
+
+/// msLeaks' early CSV (`leaks_dump_<secs>.csv`): every device in one file, timestamps in µs
+/// (the header says ns), decimal pointers, no stack columns, `acl init` for the runtime's start.
+/// `traces` are (device, trace) pairs; their rows are written one device after the other.
+pub fn legacy_csv(traces: &[(&str, &Trace)]) -> String {
+    let mut out = String::from("ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id,Ptr,Attr\n");
+    let mut id = 0;
+    for (n, (device, trace)) in traces.iter().enumerate() {
+        for e in written_order(trace, "0", true) {
+            let system = e.event == "SYSTEM";
+            if system && n > 0 {
+                continue; // the process's rows of no device, once
+            }
+            id += 1;
+            let kind = if e.kind == "ACL_INIT" { "acl init" } else { e.kind };
+            let dev = if e.device == "N/A" { "N/A" } else { device };
+            let ptr = e.ptr.map_or_else(|| "N/A".to_owned(), |p| p.to_string());
+            let attr = if e.attr.is_empty() {
+                String::new()
+            } else {
+                format!("\"{{{}}}\"", e.attr.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(","))
+            };
+            let _ = writeln!(out, "{id},{},{kind},{},{},{PID},{PID},{dev},{ptr},{attr}", e.event, e.name, e.ts / 1000);
+        }
+    }
+    out
+}

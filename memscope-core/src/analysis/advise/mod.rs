@@ -385,7 +385,12 @@ pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisEr
     let backend = read_backend(db)?;
     let (gc, streams) = (gc.finish(), streams.finish());
     let atb = atb.map(atb_workspace::Replay::finish).unwrap_or_default();
-    let (measured, recommendations) = advise(&report, &settings, backend, &gc, &streams, &atb);
+    let (measured, mut recommendations) = advise(&report, &settings, backend, &gc, &streams, &atb);
+    // Host memory (`cpu`; msLeaks' early captures call it `host` and write it as HAL rows) has no
+    // device allocator to configure: only the collector's rule is about it.
+    if matches!(device, "cpu" | "host") {
+        recommendations.retain(|r| r.id == GC_AT_EPOCH_END);
+    }
     let alloc_conf = backend.alloc_conf();
     let (db, device) = (path.display().to_string(), device.to_owned());
     let advice = Advice { db, device, settings, settings_known, alloc_conf, measured, recommendations };
