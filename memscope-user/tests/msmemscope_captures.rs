@@ -173,6 +173,13 @@ fn every_offline_verb_reads_each_form_of_msmemscope_capture() {
     ] {
         every_verb(&dir, input.to_str().unwrap(), &trace, label);
     }
+    // A device with no calls on either side (host memory) is said and skipped, not fatal.
+    let run_s = run.to_str().unwrap();
+    let (out, err) = ok(&dir, &["compare", run_s, run_s, "--level", "kernel", "--json"]);
+    assert!(err.contains("device cpu: no kernel calls in either trace; not compared"), "{err}");
+    let pairs = json(&out);
+    assert_eq!(pairs.as_array().unwrap().len(), 1, "{pairs}");
+    assert_eq!(pairs[0]["summary"]["matched"].as_u64(), Some(trace.kernels.len() as u64));
     // One device's folder, as a user points at the level they are looking at.
     let (out, _) = ok(&dir, &["analyze", run.join("device_0").to_str().unwrap(), "--at", "end", "--json"]);
     assert_eq!(pta_owners(&json(&out), "end", "0"), trace.end_by_owner);

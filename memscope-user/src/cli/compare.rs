@@ -23,6 +23,8 @@ use crate::analysis::db::{self, DbFile};
 use crate::analysis::decompose::Family;
 use crate::analysis::render::{human_bytes, signed_bytes as signed};
 use crate::analysis::steps::{StepDb, StepPoint, Timeline};
+use crate::analysis::AnalysisError;
+use crate::say::say;
 
 /// Compare two traces: what grew from A to B, per step and per owner, or (--level) which ops or kernels differ.
 ///
@@ -436,13 +438,69 @@ fn step_reports(args: &Args) -> anyhow::Result<Vec<PairDiff>> {
 
 /// The call view (`--level`) of every device pair.
 fn call_reports(args: &Args, level: Level) -> anyhow::Result<Vec<calldiff::CallDiff>> {
-    let mut reports = Vec::new();
+    let mut sides = Vec::new();
     for (device, pa, pb) in pairs(args)? {
-        let a = calls_side(&pa, level).context("trace A")?;
-        let b = calls_side(&pb, level).context("trace B")?;
+        let (a, b) = (calls_or_none(&pa, level).context("trace A")?, calls_or_none(&pb, level).context("trace B")?);
+        sides.push(CallPair { device, pa, pb, a, b });
+    }
+    // A trace with no calls on any device was recorded without them: the error says how to.
+    if let Some(e) = none_anywhere(&mut sides, |p| &mut p.a) {
+        return Err(anyhow::Error::new(e).context("trace A"));
+    }
+    if let Some(e) = none_anywhere(&mut sides, |p| &mut p.b) {
+        return Err(anyhow::Error::new(e).context("trace B"));
+    }
+    let mut reports = Vec::new();
+    for CallPair { device, pa, pb, a, b } in sides {
+        // With calls on one side only a device differs; with none on either (host memory, a
+        // device of no kernels) it is said and skipped.
+        if a.is_err() && b.is_err() {
+            say!("memscope-bpf: device {device}: no {} calls in either trace; not compared", level_name(level));
+            continue;
+        }
+        let (a, b) = (a.unwrap_or_default(), b.unwrap_or_default());
         reports.push(calldiff::compare(&device, level, (pa.shown(), &a), (pb.shown(), &b), args.top));
     }
     Ok(reports)
+}
+
+/// A side's calls, or the error saying it has none.
+type CallsOrNone = Result<Calls, AnalysisError>;
+
+/// One device's two traces and their calls.
+struct CallPair {
+    device: String,
+    pa: DbFile,
+    pb: DbFile,
+    a: CallsOrNone,
+    b: CallsOrNone,
+}
+
+/// The first "no calls" error of `side` when it has no calls on any device.
+fn none_anywhere(pairs: &mut [CallPair], side: fn(&mut CallPair) -> &mut CallsOrNone) -> Option<AnalysisError> {
+    if !pairs.iter_mut().all(|p| side(p).is_err()) {
+        return None;
+    }
+    std::mem::replace(side(pairs.first_mut()?), Ok(Calls::default())).err()
+}
+
+/// One side's calls, or the error saying it has none (any other error is the caller's).
+fn calls_or_none(file: &DbFile, level: Level) -> anyhow::Result<CallsOrNone> {
+    match calls_side(file, level) {
+        Ok(calls) => Ok(Ok(calls)),
+        Err(e) => match e.downcast::<AnalysisError>() {
+            Ok(e @ (AnalysisError::NoOps { .. } | AnalysisError::NoKernels { .. })) => Ok(Err(e)),
+            Ok(e) => Err(e.into()),
+            Err(e) => Err(e),
+        },
+    }
+}
+
+fn level_name(level: Level) -> &'static str {
+    match level {
+        Level::Op => "operator",
+        Level::Kernel => "kernel",
+    }
 }
 
 /// Prints the reports as one JSON array, or their texts one after the other.
