@@ -134,7 +134,8 @@ fn every_verb(dir: &Path, input: &str, trace: &Trace, label: &str) {
     assert!(out.contains("not in this capture"), "{label}: advise says the settings are unknown: {out}");
     let html = dir.join(format!("{label}.html"));
     ok(dir, &["report", input, "-o", html.to_str().unwrap()]);
-    assert!(std::fs::read_to_string(&html).unwrap().contains("</html>"), "{label}: the report page");
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains("</html>") && page.contains("msMemScope's capture, without"), "{label}: the report page");
     let viz = dir.join(format!("{label}.pickle"));
     ok(dir, &["export", input, "--format", "memory-viz", "--device", "0", "-o", viz.to_str().unwrap()]);
     assert!(std::fs::metadata(&viz).unwrap().len() > 0);

@@ -429,6 +429,35 @@ impl DumpDb {
         self.table
     }
 
+    /// For msMemScope's capture ([`Origin::is_msmemscope`]), what its data lacks that our traces
+    /// hold, in words ("msMemScope's capture, without ..."), so that results resting on it are not
+    /// taken for a finding: the verbs say it, the report shows it. `None` for our traces.
+    pub fn capture_note(&self) -> Result<Option<String>, AnalysisError> {
+        if !self.origin()?.is_msmemscope() {
+            return Ok(None);
+        }
+        let sql = format!(
+            "SELECT count(*), coalesce(sum(Attr LIKE '%\"owner\":\"%@%'), 0) FROM \"{}\" WHERE Event = 'MALLOC'",
+            self.table
+        );
+        let (blocks, owned): (i64, i64) =
+            self.conn.query_row(&sql, [], |r| Ok((r.get(0)?, r.get(1)?))).map_err(self.read_err())?;
+        let owners = match blocks - owned {
+            0 => String::new(),
+            n => format!(
+                "; {n} of its {blocks} block{} {} no owner below {} allocator (msMemScope names owners only \
+                 under --analysis=decompose, and users' tags only where the job described them)",
+                if blocks == 1 { "" } else { "s" },
+                if n == 1 { "has" } else { "have" },
+                if n == 1 { "its" } else { "their" }
+            ),
+        };
+        Ok(Some(format!(
+            "msMemScope's capture, without what only memscope-bpf records: pool segments and pool names (the \
+             pool's reserved bytes are its rows' `total`), the allocator settings, symbolized stacks{owners}"
+        )))
+    }
+
     /// A time-ordered reader of the rows `select` names (see [`TimeOrder`]), for analyses that
     /// tune it or count rows first.
     pub fn rows(&self, select: Selection<'_>) -> Result<TimeOrder<'_>, AnalysisError> {

@@ -22,9 +22,13 @@ pub struct AttrError {
 }
 
 impl AttrError {
+    /// At `byte` of `text` (clamped into it, back to the start of its character).
     fn at(text: &str, byte: usize, why: impl Into<String>) -> Self {
-        let column = text.get(..byte).map_or(byte, |s| s.chars().count()) + 1;
-        Self { column, why: why.into() }
+        let mut end = byte.min(text.len());
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        Self { column: text[..end].chars().count() + 1, why: why.into() }
     }
 }
 
@@ -48,7 +52,8 @@ pub fn to_json(text: &str) -> Result<(String, Form), AttrError> {
     if inner.trim().is_empty() {
         return Ok((String::new(), Form::Empty));
     }
-    let offset = text.len() - text.trim_start().len() + (trimmed.len() - inner.len()) / 2;
+    // Columns count characters of the whole text: those before `inner` (a slice of it).
+    let offset = text[..inner.as_ptr() as usize - text.as_ptr() as usize].chars().count();
     let pairs = if looks_like_json(inner) {
         json_pairs(inner).map_err(|e| AttrError { column: e.column + offset, ..e })?
     } else {

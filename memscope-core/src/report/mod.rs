@@ -80,6 +80,8 @@ pub struct DeviceReport {
     pub findings: Vec<findings::Finding>,
     /// What was summarised, in words.
     pub summarised: Vec<String>,
+    /// For msMemScope's capture, what its data lacks ([`DumpDb::capture_note`]).
+    pub capture: Option<String>,
 }
 
 /// The earliest `Timestamp(ns)` of a DB: the run's origin is the earliest of its devices'.
@@ -220,6 +222,7 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
         blocks,
         findings,
         summarised: notes,
+        capture: db.capture_note()?,
     })
 }
 
@@ -334,6 +337,12 @@ mod tests {
         assert!(!r.findings.iter().find(|f| f.table == "ms_leaks").unwrap().present);
         assert_eq!(r.steps.iter().map(|s| s.step).collect::<Vec<_>>(), [1, 2]);
         assert_eq!((r.start, r.end), (0, 70));
+        assert_eq!(r.capture, None, "our own trace lacks nothing");
+        // msMemScope's DB (no ms_meta): the page says what its data lacks.
+        db.conn().execute_batch("DROP TABLE ms_meta").unwrap();
+        let r = device(&DumpDb::open_read(&db.path).unwrap(), "0", T0, &options).unwrap();
+        let note = r.capture.expect("msMemScope's capture is said");
+        assert!(note.contains("pool segments") && !note.contains("no owner"), "every block has an owner: {note}");
     }
 
     #[test]

@@ -103,9 +103,7 @@ pub fn open(file: &DbFile, verb: &str, store: Store) -> anyhow::Result<(DumpDb, 
         }
         _ => true,
     };
-    if origin.is_msmemscope() {
-        say_lacks(&read, file)?;
-    }
+    say_lacks(&read, file)?;
     let db = if write { DumpDb::open(&file.path, true)? } else { read };
     let db = crate::progress::watched(db, crate::progress::label(verb, file.shown()));
     Ok((db.shown_as(file.shown()), write))
@@ -119,8 +117,8 @@ fn shown_error(e: crate::analysis::AnalysisError, file: &DbFile) -> anyhow::Erro
     }
 }
 
-/// Says, once per file and run, what msMemScope's data lacks that our traces hold, so results
-/// that rest on it are not mistaken for a finding.
+/// Says, once per file and run, what msMemScope's data lacks that our traces hold
+/// ([`DumpDb::capture_note`]).
 fn say_lacks(db: &DumpDb, file: &DbFile) -> anyhow::Result<()> {
     static SAID: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
     if let Ok(mut said) = SAID.lock() {
@@ -129,31 +127,9 @@ fn say_lacks(db: &DumpDb, file: &DbFile) -> anyhow::Result<()> {
         }
         said.push(file.shown().to_path_buf());
     }
-    let sql = format!(
-        "SELECT count(*), coalesce(sum(Attr LIKE '%\"owner\":\"%@%'), 0) FROM \"{}\" WHERE Event = 'MALLOC'",
-        db.table()
-    );
-    let (blocks, owned): (i64, i64) = db
-        .conn()
-        .query_row(&sql, [], |r| Ok((r.get(0)?, r.get(1)?)))
-        .with_context(|| format!("cannot read {}", file.shown().display()))?;
-    let unowned = blocks - owned;
-    let owners = match unowned {
-        0 => String::new(),
-        n => format!(
-            "; {n} of its {blocks} block{} {} no owner below {} allocator (msMemScope names owners only under \
-             --analysis=decompose, and users' tags only where the job described them)",
-            if blocks == 1 { "" } else { "s" },
-            if n == 1 { "has" } else { "have" },
-            if n == 1 { "its" } else { "their" }
-        ),
-    };
-    say!(
-        "memscope-bpf: note: {} is msMemScope's capture, without what only memscope-bpf records: pool segments \
-         and pool names (the pool's reserved bytes are its rows' `total`), the allocator settings, symbolized \
-         stacks{owners}",
-        file.shown().display()
-    );
+    if let Some(note) = db.capture_note()? {
+        say!("memscope-bpf: note: {} is {note}", file.shown().display());
+    }
     Ok(())
 }
 

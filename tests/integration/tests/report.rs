@@ -108,6 +108,7 @@ fn the_report_shows_the_ledgers_owners_and_peak_and_a_click_shows_that_instants_
         // The blocks table filtered as a user types, then sorted by size ascending.
         "filtered=(() => { const f = document.getElementById('block-filter'); f.value = 'kv_cache'; f.dispatchEvent(new Event('input')); return [...document.querySelectorAll('#blocks tbody tr')].map(r => [r.children[1].textContent, r.children[2].textContent]); })()",
         "sorted=(() => { const h = document.querySelector('#blocks th[data-key=size]'); h.click(); return [...document.querySelectorAll('#blocks tbody tr')].map(r => +r.dataset.size); })()",
+        "capture=document.getElementById('capture-note') && document.getElementById('capture-note').textContent",
     ];
     let seen = visit(
         &chromium,
@@ -175,6 +176,18 @@ fn the_report_shows_the_ledgers_owners_and_peak_and_a_click_shows_that_instants_
     let truth = tree_after(&events, happened as usize);
     assert_eq!(nodes_of(&click["tree"]), truth, "the tree at the clicked instant ({} block events in)", happened);
     assert!(truth.contains_key("PTA@vllm@kv_cache") && !truth.contains_key("PTA@vllm@profile_run"), "{truth:?}");
+
+    // Our trace lacks nothing; the same rows as msMemScope's DB (no ms_meta) say what they lack.
+    assert_eq!(dom["capture"], serde_json::Value::Null, "{dom}");
+    let foreign = env.scratch.join("msmemscope/device_0/dump/memscope_dump_20260101000000.db");
+    std::fs::create_dir_all(foreign.parent().unwrap()).unwrap();
+    std::fs::copy(out.db("device_0"), &foreign).unwrap();
+    rusqlite::Connection::open(&foreign).unwrap().execute_batch("DROP TABLE ms_meta").unwrap();
+    let page = report(&env, &[&foreign], "msmemscope.html");
+    let evals = vec!["capture=document.getElementById('capture-note').textContent".to_owned()];
+    let seen = visit(&chromium, &page, &Visit { evals, ..Visit::default() });
+    let note = seen["dom"]["capture"].as_str().unwrap_or_default().to_owned();
+    assert!(note.starts_with("This trace is msMemScope's capture") && note.contains("pool segments"), "{note}");
 }
 
 #[test]

@@ -60,6 +60,7 @@ function pickers() {
 function overview() {
   const d = dev(), c = curve(), box = $("overview"); box.textContent = "";
   const card = (label, value, attrs) => box.append(el("div", Object.assign({ class: "card" }, attrs || {}), el("b", {}, value), el("span", {}, label)));
+  if (d.capture) box.append(el("p", { class: "note", id: "capture-note" }, "This trace is " + d.capture + "."));
   if (!c) { box.append(el("p", {}, "No memory blocks in this trace.")); return; }
   card(c.family + " peak at " + secs(c.peak_t), bytes(c.peak), { id: "peak-bytes", "data-bytes": String(c.peak), "data-t": String(c.peak_t), "data-family": c.family });
   card(c.family + " live at the end", bytes(c.total.length ? c.total[c.total.length - 1] : 0));
