@@ -179,8 +179,8 @@ fn the_report_shows_the_ledgers_owners_and_peak_and_a_click_shows_that_instants_
 
     // Our trace lacks nothing; the same rows as msMemScope's DB (no ms_meta) say what they lack.
     assert_eq!(dom["capture"], serde_json::Value::Null, "{dom}");
-    let foreign = env.scratch.join("msmemscope/device_0/dump/memscope_dump_20260101000000.db");
-    std::fs::create_dir_all(foreign.parent().unwrap()).unwrap();
+    // (Named so that the sweep of the tracer's own DBs, `insight.rs`, leaves this copy alone.)
+    let foreign = env.scratch.join("msmemscope_copy.db");
     std::fs::copy(out.db("device_0"), &foreign).unwrap();
     rusqlite::Connection::open(&foreign).unwrap().execute_batch("DROP TABLE ms_meta").unwrap();
     let page = report(&env, &[&foreign], "msmemscope.html");
