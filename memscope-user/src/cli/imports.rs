@@ -71,24 +71,41 @@ pub fn remove_imports() {
     }
 }
 
+/// What `make` makes of `path` (in the temporary folder, given a number no other file there has),
+/// once per run: later calls with the same file get the first result from `table`.
+fn once<T: Clone>(
+    path: &Path,
+    table: fn(&mut Imports) -> &mut Vec<(FileKey, T)>,
+    make: impl FnOnce(&Path, usize) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let key = key_of(path)?;
+    let mut imports = IMPORTS.lock().map_err(|_| anyhow::anyhow!("the imports' registry was poisoned"))?;
+    if let Some((_, done)) = table(&mut imports).iter().find(|(k, _)| *k == key) {
+        return Ok(done.clone());
+    }
+    let dir = imports_dir(&mut imports)?;
+    let number = imports.done.len() + imports.split.len();
+    let made = make(&dir, number)?;
+    table(&mut imports).push((key, made.clone()));
+    Ok(made)
+}
+
 /// `file` itself, or for a CSV the temporary DB it was imported into (once per run).
 pub(super) fn imported(file: DbFile) -> anyhow::Result<DbFile> {
     if file.format != Format::Csv {
         return Ok(file);
     }
-    let key = key_of(&file.path)?;
-    let mut imports = IMPORTS.lock().map_err(|_| anyhow::anyhow!("the imports' registry was poisoned"))?;
-    let db_path = match imports.done.iter().find(|(k, _)| *k == key) {
-        Some((_, done)) => done.clone(),
-        None => {
-            let dir = imports_dir(&mut imports)?;
-            let db_path = dir.join(format!("{}-{}.db", imports.done.len(), stem(&file.path)));
+    let db_path = once(
+        &file.path,
+        |i| &mut i.done,
+        |dir, n| {
+            let db_path = dir.join(format!("{n}-{}.db", stem(&file.path)));
             let started = std::time::Instant::now();
             let mut bar = crate::progress::bytes(crate::progress::label("import", &file.path));
             let got = crate::import::import_csv(&file.path, &db_path, true, &mut bar)?;
             say!(
                 "memscope-bpf: read {} ({} rows{}) through a temporary DB in {:.1} s; `memscope-bpf import` \
-                 on it keeps a DB beside it, for Insight and faster reruns",
+             on it keeps a DB beside it, for Insight and faster reruns",
                 file.path.display(),
                 got.rows,
                 match (got.out_of_order, got.micros) {
@@ -98,33 +115,29 @@ pub(super) fn imported(file: DbFile) -> anyhow::Result<DbFile> {
                 },
                 started.elapsed().as_secs_f64(),
             );
-            imports.done.push((key, db_path.clone()));
-            db_path
-        }
-    };
+            Ok(db_path)
+        },
+    )?;
     Ok(DbFile { source: Some(file.path.clone()), path: db_path, format: Format::Db, device: file.device })
 }
 
 /// `file` (a DB of no device folder that holds `devices`, several) as one temporary DB per device,
 /// each named as the user knows the file; said once.
 pub(super) fn split(file: &DbFile, table: &str, devices: &[String]) -> anyhow::Result<Vec<DbFile>> {
-    let key = key_of(&file.path)?;
-    let mut imports = IMPORTS.lock().map_err(|_| anyhow::anyhow!("the imports' registry was poisoned"))?;
-    let parts = match imports.split.iter().find(|(k, _)| *k == key) {
-        Some((_, parts)) => parts.clone(),
-        None => {
-            let dir = imports_dir(&mut imports)?;
-            let stem = format!("{}-{}", imports.split.len(), stem(file.shown()));
-            let parts = crate::import::split_by_device(&file.path, table, devices, &dir, &stem)?;
+    let parts = once(
+        &file.path,
+        |i| &mut i.split,
+        |dir, n| {
+            let stem = format!("{n}-{}", stem(file.shown()));
+            let parts = crate::import::split_by_device(&file.path, table, devices, dir, &stem)?;
             say!(
                 "memscope-bpf: {} holds devices {} in one file (as msLeaks wrote them): each is analysed on its own",
                 file.shown().display(),
                 devices.join(", ")
             );
-            imports.split.push((key, parts.clone()));
-            parts
-        }
-    };
+            Ok(parts)
+        },
+    )?;
     let source = Some(file.shown().to_owned());
     Ok(parts
         .into_iter()
