@@ -17,6 +17,21 @@
 //! New pages past the committed end skip the pager when no other process has the DB open
 //! ([`others_have_it_open`]), and skip the page cache too where the file system allows
 //! ([`direct`]): they are not read again while the trace runs.
+//!
+//! Two orderings keep such pages safe, since SQLite knows nothing of them until the commit:
+//! - **Durable before linked.** [`BulkTable::seal`] syncs the file's data before the commit that
+//!   links the pages in: otherwise the WAL (synced at the commit, or at a checkpoint) could reach
+//!   the disk while the pages it points at do not, and a power cut would leave interior pages
+//!   over garbage: a corrupt table, not only lost commits.
+//! - **No checkpoint cuts them off.** A checkpoint that folds the whole WAL truncates the file at
+//!   its committed end, which is below these pages until the commit. No process can open the DB
+//!   and start one while a transaction writes them: [`BulkTable::begin`] holds the WAL's
+//!   checkpointer lock for other processes until [`BulkTable::committed`] (a `PRAGMA
+//!   wal_checkpoint` elsewhere then answers busy, as it would next to any running checkpoint).
+//!
+//! [`BulkTable::open`] checks every property of the file the pages rely on (page size, no
+//! reserved bytes, payload fractions, schema format 4, no auto-vacuum, UTF-8, the table a plain
+//! rowid table with no index or trigger) and refuses otherwise: the caller then writes SQL.
 
 use std::fs::File;
 use std::path::Path;
@@ -25,7 +40,7 @@ use std::sync::Arc;
 use rusqlite::{Connection, OptionalExtension};
 
 use super::btree::{pending_page, BtreeError, Col, PageWriter, TableBuilder};
-use super::sqlite_raw::{another_process_locks, release_page_cache, Param, RawStatement};
+use super::sqlite_raw::{another_process_locks, release_page_cache, try_lock_byte, unlock_byte, Param, RawStatement};
 use direct::Run;
 
 mod direct;
@@ -41,8 +56,8 @@ pub enum BulkError {
     Shape { table: String, source: BtreeError },
     #[error("cannot append to table {0}: it does not exist or is not an ordinary rowid table")]
     NoTable(String),
-    #[error("cannot append pages to a file with {0} reserved bytes per page")]
-    Reserved(u8),
+    #[error("the page writer cannot append to this DB: {0}")]
+    Unsupported(String),
     #[error("cannot write a page of the DB")]
     Io(#[source] std::io::Error),
     #[error(
@@ -71,6 +86,10 @@ struct Pages<'s> {
     direct: bool,
     written_direct: &'s mut u64,
 }
+
+/// The byte of the `-shm` file a checkpointer locks (SQLite's unix VFS: the WAL locks start at
+/// byte 120; the checkpointer's is the second, `WAL_CKPT_LOCK`).
+const CKPT_BYTE: i64 = 121;
 
 impl PageWriter for Pages<'_> {
     type Error = BulkError;
@@ -102,8 +121,11 @@ pub struct BulkTable {
     /// its connection).
     write: RawStatement,
     files: Arc<Files>,
-    /// This transaction may write new pages past the pager ([`others_have_it_open`]).
+    /// This transaction may write new pages past the pager ([`others_have_it_open`]), and holds
+    /// the checkpointer lock against other processes until [`BulkTable::committed`].
     direct: bool,
+    /// `written_direct` when this transaction began: more at the seal means a sync is due.
+    direct_at_begin: u64,
     /// Those pages not in the file yet ([`direct`]): written by [`BulkTable::seal`] at the latest.
     run: Run,
     /// Pages written past the pager so far.
@@ -150,9 +172,14 @@ impl BulkTable {
             .optional()?;
         let root = root.filter(|&r| r > 1).ok_or_else(|| BulkError::NoTable(table.to_owned()))?;
         let page_size: usize = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
-        let reserved = read_page(conn, 1).map_err(no_dbpage)?[20];
-        if reserved != 0 {
-            return Err(BulkError::Reserved(reserved));
+        check_header(&read_page(conn, 1).map_err(no_dbpage)?, page_size).map_err(BulkError::Unsupported)?;
+        let attached: i64 = conn.query_row(
+            "SELECT count(*) FROM sqlite_master WHERE tbl_name = ?1 AND type IN ('index', 'trigger')",
+            [table],
+            |r| r.get(0),
+        )?;
+        if attached > 0 {
+            return Err(BulkError::Unsupported(format!("table {table} has an index or a trigger to keep up")));
         }
         let pending = pending_page(pending_byte, page_size);
         let builder = TableBuilder::new(page_size, root, page_count(conn)?, pending);
@@ -174,6 +201,7 @@ impl BulkTable {
             direct: false,
             run: Run::default(),
             written_direct: 0,
+            direct_at_begin: 0,
             stale: true,
             data_version: None,
             unsealed: 0,
@@ -214,8 +242,25 @@ impl BulkTable {
             self.stale = false;
         }
         self.builder.set_page_count(count);
-        self.direct = self.files.shm.as_ref().is_some_and(|shm| !others_have_it_open(shm));
+        self.direct =
+            self.files.shm.as_ref().is_some_and(|shm| !others_have_it_open(shm) && try_lock_byte(shm, CKPT_BYTE));
+        self.direct_at_begin = self.written_direct;
         Ok(())
+    }
+
+    /// Whether another process has the DB open now (see [`others_have_it_open`]); true when it
+    /// cannot tell (no `-shm` file: not a WAL DB).
+    pub fn shared(&self) -> bool {
+        self.files.shm.as_ref().is_none_or(others_have_it_open)
+    }
+
+    /// The transaction has committed (or rolled back): other processes may checkpoint again.
+    pub fn committed(&mut self) {
+        if std::mem::take(&mut self.direct) {
+            if let Some(shm) = &self.files.shm {
+                unlock_byte(shm, CKPT_BYTE);
+            }
+        }
     }
 
     /// Pages written straight into the file so far (the rest went through the pager).
@@ -252,8 +297,12 @@ impl BulkTable {
             written_direct: &mut self.written_direct,
         };
         let sealed = self.builder.seal(&mut pages)?;
-        // In the file before the commit that moves the end past them.
+        // In the file, and durable, before the commit that links them in (see the module doc).
         self.run.flush(self.files.direct.as_ref(), &self.files.db).map_err(BulkError::Io)?;
+        if self.written_direct > self.direct_at_begin {
+            self.files.db.sync_data().map_err(BulkError::Io)?;
+            self.direct_at_begin = self.written_direct;
+        }
         let mut page1 = read_page(conn, 1)?;
         let mut count = sealed.page_count.max(u32::from_be_bytes(page1[28..32].try_into().expect("4 bytes")));
         for pgno in sealed.unused {
@@ -280,6 +329,41 @@ impl BulkTable {
         release_page_cache(conn);
         self.stale |= changes_table;
     }
+}
+
+/// What the pages rely on in the file's header (<https://sqlite.org/fileformat2.html> 1.3): the
+/// size the builder packs for, no reserved bytes, the fixed payload fractions, schema format 4
+/// (records use the serial types 8 and 9 for 0 and 1), no auto-vacuum (its pointer-map pages
+/// would need keeping up), UTF-8 text, and versions this code knows.
+fn check_header(page1: &[u8], page_size: usize) -> Result<(), String> {
+    let be32 = |at: usize| u32::from_be_bytes(page1[at..at + 4].try_into().expect("4 bytes"));
+    let header_size = match u16::from_be_bytes([page1[16], page1[17]]) {
+        1 => 65_536,
+        n => usize::from(n),
+    };
+    let fail = |what: String| Err(what);
+    if page1.len() < 100 || header_size != page_size {
+        return fail(format!("its header's page size ({header_size}) is not the connection's ({page_size})"));
+    }
+    if !(1..=2).contains(&page1[18]) || !(1..=2).contains(&page1[19]) {
+        return fail(format!("file format versions {}/{} are newer than this writer", page1[18], page1[19]));
+    }
+    if page1[20] != 0 {
+        return fail(format!("{} bytes of each page are reserved (an extension's)", page1[20]));
+    }
+    if page1[21..24] != [64, 32, 32] {
+        return fail("its payload fractions are not SQLite's fixed 64/32/32".into());
+    }
+    if be32(44) != 4 {
+        return fail(format!("schema format {} (the pages are written in format 4)", be32(44)));
+    }
+    if be32(52) != 0 || be32(64) != 0 {
+        return fail("auto_vacuum is on (pointer-map pages would need keeping up)".into());
+    }
+    if be32(56) != 1 {
+        return fail(format!("text encoding {} is not UTF-8", be32(56)));
+    }
+    Ok(())
 }
 
 /// Whether a process other than this one has the DB open. Every connection holds a shared lock

@@ -19,6 +19,7 @@ pub mod batch;
 mod btree;
 mod bulk;
 pub mod csv;
+mod dump_rows;
 pub mod insight;
 pub mod layout;
 mod owner;
@@ -62,6 +63,27 @@ pub enum Format {
     Db,
     /// msMemScope's CSV layout, one `memscope_dump_<digits>.csv` per device.
     Csv,
+}
+
+/// How a DB's `memscope_dump` rows reach the file (`--writer`; docs/db-schema.md, "Writers").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DbWriter {
+    /// Whole B-tree pages, the fast writer; plain SQL wherever it cannot be used (said on stderr
+    /// and in `ms_meta.writer`).
+    #[default]
+    Pages,
+    /// Plain SQL inserts in the same transactions: slower, for when the page writer is in doubt.
+    Sql,
+}
+
+impl DbWriter {
+    /// Why this build cannot use the page writer at all, if it cannot: said once at the start
+    /// of a trace, where the DBs would otherwise say it one by one.
+    pub fn unavailable_here() -> Option<String> {
+        let conn = rusqlite::Connection::open_in_memory().ok()?;
+        let found = conn.query_row("SELECT count(*) FROM sqlite_dbpage", [], |r| r.get::<_, i64>(0));
+        found.is_err().then(|| bulk::BulkError::NoDbpage.to_string())
+    }
 }
 
 /// An attached probe, as recorded in `ms_probes`.
@@ -156,6 +178,8 @@ pub struct Store {
     stopping: bool,
     /// Where the stacks' symbolizer also looks for separate debug files (`--debug-dir`).
     pub debug_dirs: Vec<PathBuf>,
+    /// How DBs' rows are written (`--writer`).
+    pub db_writer: DbWriter,
 }
 
 /// Broadcast rows kept for replay into outputs created later.
@@ -184,6 +208,7 @@ impl Store {
             not_replayed: 0,
             stopping: false,
             debug_dirs: Vec::new(),
+            db_writer: DbWriter::default(),
         }
     }
 
@@ -201,7 +226,7 @@ impl Store {
                     // the same.
                     let path = self.layout.dump_file(device, "db");
                     self.layout.create_file(&path)?;
-                    Box::new(sqlite::DbSink::create(&path, device, &self.meta)?)
+                    Box::new(sqlite::DbSink::create(&path, device, &self.meta, self.db_writer)?)
                 }
                 Format::Csv => {
                     Box::new(csv::CsvSink::create(&self.layout.dump_file(device, "csv"), device, self.layout.owner())?)

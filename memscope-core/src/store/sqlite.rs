@@ -2,9 +2,17 @@
 //! transaction that `commit` closes and reopens.
 //!
 //! `memscope_dump`'s rows are appended as whole pages ([`super::bulk`]): through SQL, a row's
-//! VDBE program, binds and B-tree descent were most of the store thread's time. Everything else
-//! (our own tables, owner changes of rows already written) is SQL, queued and run between two of
-//! the page writer's transactions, as its rule requires. Those are rare next to the rows.
+//! VDBE program, binds and B-tree descent were most of the store thread's time. Plain SQL takes
+//! over wherever the pages cannot be used ([`super::dump_rows`]). Everything else (our own
+//! tables, owner changes of rows already written) is SQL, queued and run between two of the page
+//! writer's transactions, as its rule requires. Those are rare next to the rows.
+//!
+//! Durability: while tracing, every commit is synced (`synchronous=FULL`: the WAL, after the page
+//! writer's own sync of the pages it links in), about once a second, so a power cut loses at most
+//! the rows since the last commit and never corrupts the table (docs/db-schema.md, "What a crash
+//! or a power cut costs"). From the stop on, commits are not synced one by one
+//! (`synchronous=NORMAL`, which still syncs the WAL before a checkpoint writes it into the DB
+//! and the DB before the WAL is reused), and the finished file is synced whole at the end.
 //!
 //! WAL, not a rollback journal, although the WAL costs a second copy of every page (the
 //! checkpoint): with a rollback journal a reader (`analyze` on a live trace, Insight opening it)
@@ -22,15 +30,16 @@ use crate::vocab::{attr, Event, EventType};
 
 use super::batch::{write_device_id, RowText};
 use super::btree::Col;
-use super::bulk::{BulkError, BulkTable, Files};
+use super::bulk::{BulkError, Files};
+use super::dump_rows::DumpRows;
 use super::schema::{self, SCHEMA_VERSION};
 use super::sqlite_raw::tune_sqlite_once;
 use super::stacks::{FrameRow, StackRow, StackTable};
-use super::{Meta, ProbeRow, Sink, StoreError};
+use super::{DbWriter, Meta, ProbeRow, Sink, StoreError};
 
 pub struct DbSink {
     /// Declared before `conn`: its statement must be finalized before the connection closes.
-    dump: BulkTable,
+    dump: DumpRows,
     conn: Connection,
     path: PathBuf,
     /// The `Device Id` of every row.
@@ -38,8 +47,8 @@ pub struct DbSink {
     queued: Queued,
     /// Rows appended since the last commit.
     uncommitted: usize,
-    /// Declared after `conn`: closed only once SQLite's connection is ([`BulkTable::files`]).
-    _files: Arc<Files>,
+    /// Declared after `conn`: closed only once SQLite's connection is ([`DumpRows::files`]).
+    _files: Option<Arc<Files>>,
 }
 
 /// SQL waiting for the end of the page writer's transaction.
@@ -98,18 +107,18 @@ fn bulk_error(path: &Path) -> impl Fn(BulkError) -> StoreError + '_ {
 }
 
 impl DbSink {
-    /// A new DB at `path` for `device`'s rows.
-    pub fn create(path: &Path, device: DeviceKey, meta: &Meta) -> Result<Self, StoreError> {
+    /// A new DB at `path` for `device`'s rows, written by `writer` where it can be used.
+    pub fn create(path: &Path, device: DeviceKey, meta: &Meta, writer: DbWriter) -> Result<Self, StoreError> {
         tune_sqlite_once();
         let err = sqlite_error(path);
         let conn = Connection::open(path).map_err(&err)?;
         // WAL: committed rows survive a SIGKILL of the tracer and readers never block it.
-        // synchronous=NORMAL: a commit costs no fsync; only a power loss can drop the last ones.
+        // synchronous=FULL: each commit (about once a second) is durable (see the module doc).
         // A 32 MiB page cache: a busy second's rows spill into the WAL before their commit, which
         // writes each page once all the same.
         conn.pragma_update(None, "page_size", PAGE_SIZE).map_err(&err)?;
         conn.pragma_update(None, "journal_mode", "WAL").map_err(&err)?;
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(&err)?;
+        conn.pragma_update(None, "synchronous", "FULL").map_err(&err)?;
         conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT).map_err(&err)?;
         conn.pragma_update(None, "cache_size", -32768).map_err(&err)?;
         conn.execute_batch(&schema::create_dump_table()).map_err(&err)?;
@@ -117,7 +126,12 @@ impl DbSink {
         conn.execute_batch(schema::OWN_TABLES).map_err(&err)?;
         write_meta(&conn, &[("schema_version".into(), SCHEMA_VERSION.to_string())]).map_err(&err)?;
         write_meta(&conn, meta).map_err(&err)?;
-        let dump = BulkTable::open(&conn, path, schema::DUMP_TABLE).map_err(bulk_error(path))?;
+        let columns = schema::DUMP_COLUMNS.map(|(name, _)| name);
+        let dump = DumpRows::open(&conn, path, schema::DUMP_TABLE, &columns, writer).map_err(bulk_error(path))?;
+        let (used, why) = dump.writer();
+        let mut said = vec![("writer".to_owned(), used.to_owned())];
+        said.extend(why.map(|why| ("writer_why".to_owned(), why.to_owned())));
+        write_meta(&conn, &said).map_err(&err)?;
         let mut text = String::new();
         write_device_id(device, &mut text);
         let _files = dump.files();
@@ -128,7 +142,6 @@ impl DbSink {
     }
 
     fn begin(&mut self) -> Result<(), StoreError> {
-        self.conn.execute_batch("BEGIN IMMEDIATE").map_err(sqlite_error(&self.path))?;
         self.dump.begin(&self.conn).map_err(bulk_error(&self.path))
     }
 
@@ -136,7 +149,9 @@ impl DbSink {
     /// own. No transaction is open afterwards.
     fn end(&mut self) -> Result<(), StoreError> {
         self.dump.seal(&self.conn).map_err(bulk_error(&self.path))?;
-        self.conn.execute_batch("COMMIT").map_err(sqlite_error(&self.path))?;
+        let committed = self.conn.execute_batch("COMMIT");
+        self.dump.committed();
+        committed.map_err(sqlite_error(&self.path))?;
         self.uncommitted = 0;
         if self.queued.is_empty() {
             return Ok(());
@@ -248,20 +263,23 @@ impl Sink for DbSink {
     fn insert(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError> {
         let head = row.head;
         self.dump
-            .append(&[
-                Col::Int(id as i64),
-                Col::Text(head.event.as_str()),
-                Col::Text(head.event_type.as_str()),
-                Col::Text(row.name),
-                Col::Int(head.ts_ns as i64),
-                Col::Int(head.pid.into()),
-                Col::Int(head.tid.into()),
-                Col::Text(&self.device),
-                Col::Text(row.ptr),
-                Col::Text(row.attr),
-                Col::Text(row.py_text),
-                Col::Text(row.c_stack),
-            ])
+            .append(
+                &self.conn,
+                &[
+                    Col::Int(id as i64),
+                    Col::Text(head.event.as_str()),
+                    Col::Text(head.event_type.as_str()),
+                    Col::Text(row.name),
+                    Col::Int(head.ts_ns as i64),
+                    Col::Int(head.pid.into()),
+                    Col::Int(head.tid.into()),
+                    Col::Text(&self.device),
+                    Col::Text(row.ptr),
+                    Col::Text(row.attr),
+                    Col::Text(row.py_text),
+                    Col::Text(row.c_stack),
+                ],
+            )
             .map_err(bulk_error(&self.path))?;
         self.uncommitted += 1;
         if self.uncommitted >= COMMIT_ROWS {
@@ -308,13 +326,13 @@ impl Sink for DbSink {
         Ok(())
     }
 
-    /// The stop's rows and the fold are not synced as they go (at the stop of a million live
-    /// blocks: two fsyncs of the WAL and one of the DB, 0.6 s of disk); the DB is synced once
-    /// whole, at the end of [`Sink::finish`]. Until then only a power loss, not a SIGKILL, can
-    /// damage it. (The level can only change between transactions.)
+    /// The stop's commits are not synced one by one: a power cut during the stop may cost its
+    /// rows, never what was committed before it (NORMAL still orders the checkpoint's syncs),
+    /// and the DB is synced whole at the end of [`Sink::finish`]. (The level can only change
+    /// between transactions.)
     fn stopping(&mut self) -> Result<(), StoreError> {
         self.end()?;
-        self.conn.execute_batch("PRAGMA synchronous = OFF").map_err(sqlite_error(&self.path))?;
+        self.conn.execute_batch("PRAGMA synchronous = NORMAL").map_err(sqlite_error(&self.path))?;
         self.begin()
     }
 
@@ -330,6 +348,11 @@ impl Sink for DbSink {
 
     fn finish(mut self: Box<Self>, meta: &Meta, lost_per_cpu: &[u64]) -> Result<PathBuf, StoreError> {
         self.queued.meta.extend(meta.iter().cloned());
+        let shared = self.dump.shared_transactions();
+        if shared > 0 {
+            // Said where a reader of the DB looks: how often SQL stood in for the pages.
+            self.queued.meta.push(("writer_sql_transactions".into(), shared.to_string()));
+        }
         self.end()?;
         let err = sqlite_error(&self.path);
         {
@@ -341,9 +364,11 @@ impl Sink for DbSink {
             }
         }
         self.conn.execute_batch("COMMIT").map_err(&err)?;
-        self.conn.pragma_update(None, "synchronous", "OFF").map_err(&err)?;
         // Fold the WAL back into the main file and leave WAL mode, so the .db alone is the whole
-        // trace (Insight opens one file, and may copy it without its -wal).
+        // trace (Insight opens one file, and may copy it without its -wal). The checkpoint must
+        // sync the DB before it empties the WAL (NORMAL or above), or a power cut then could
+        // lose rows that were durable in the WAL.
+        self.conn.pragma_update(None, "synchronous", "NORMAL").map_err(&err)?;
         self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(&err)?;
         self.conn.pragma_update(None, "journal_mode", "DELETE").map_err(&err)?;
         let path = self.path.clone();
@@ -417,8 +442,9 @@ mod tests {
     #[test]
     fn schema_matches_insight_and_leaves_its_tables_alone() {
         let path = tmp("schema");
-        let mut sink =
-            Box::new(DbSink::create(&path, DeviceKey::Npu(0), &vec![("mode".into(), "attach".into())]).unwrap());
+        let mut sink = Box::new(
+            DbSink::create(&path, DeviceKey::Npu(0), &vec![("mode".into(), "attach".into())], DbWriter::Pages).unwrap(),
+        );
         insert(&mut sink, 1, &row(5));
         sink.finish(&vec![], &[0, 3]).unwrap();
         let conn = Connection::open(&path).unwrap();
@@ -460,7 +486,7 @@ mod tests {
     #[test]
     fn owner_update_finds_a_row_whose_rowid_is_not_its_id() {
         let path = tmp("owner-id");
-        let mut sink = Box::new(DbSink::create(&path, DeviceKey::Npu(0), &vec![]).unwrap());
+        let mut sink = Box::new(DbSink::create(&path, DeviceKey::Npu(0), &vec![], DbWriter::Pages).unwrap());
         // IDs 7 and 1 get rowids 1 and 2: the rowid lookup of ID 1 meets row 7 and must not
         // touch it, and ID 7 is only found by its ID.
         insert(&mut sink, 7, &row(7));
@@ -482,7 +508,7 @@ mod tests {
     #[test]
     fn owner_update_rewrites_only_that_rows_owner_even_while_batched() {
         let path = tmp("owner");
-        let mut sink = Box::new(DbSink::create(&path, DeviceKey::Npu(0), &vec![]).unwrap());
+        let mut sink = Box::new(DbSink::create(&path, DeviceKey::Npu(0), &vec![], DbWriter::Pages).unwrap());
         let mut tagged = row(1);
         tagged.attr = Attr::new().with("size", 8u64).with("owner", "PTA").with("used", 8u64);
         insert(&mut sink, 1, &tagged);
@@ -505,7 +531,7 @@ mod tests {
     #[test]
     fn batches_keep_every_row_in_order() {
         let path = tmp("batches");
-        let mut sink = Box::new(DbSink::create(&path, DeviceKey::Cpu, &vec![]).unwrap());
+        let mut sink = Box::new(DbSink::create(&path, DeviceKey::Cpu, &vec![], DbWriter::Pages).unwrap());
         let n = 70_000;
         for id in 1..=n {
             let mut r = row(id * 10);
@@ -535,7 +561,7 @@ mod tests {
     #[test]
     fn committed_rows_are_visible_before_finish() {
         let path = tmp("commit");
-        let mut sink = DbSink::create(&path, DeviceKey::Npu(0), &vec![]).unwrap();
+        let mut sink = DbSink::create(&path, DeviceKey::Npu(0), &vec![], DbWriter::Pages).unwrap();
         insert(&mut sink, 1, &row(1));
         sink.commit().unwrap();
         insert(&mut sink, 2, &row(2));

@@ -71,6 +71,31 @@ pub fn another_process_locks(file: &std::fs::File, at: i64) -> bool {
     rc != 0 || lock.l_type != libc::F_UNLCK as libc::c_short
 }
 
+/// Takes a write lock on byte `at` of `file` for this process, without waiting; false when
+/// another process holds one there. POSIX locks belong to the process, not the descriptor:
+/// SQLite's own connection in this process takes and drops the same byte freely (its unlock drops
+/// this lock too), so this only keeps *other* processes off the byte.
+pub fn try_lock_byte(file: &std::fs::File, at: i64) -> bool {
+    set_lock(file, at, libc::F_WRLCK)
+}
+
+/// Drops this process's lock on byte `at` of `file` (see [`try_lock_byte`]).
+pub fn unlock_byte(file: &std::fs::File, at: i64) {
+    set_lock(file, at, libc::F_UNLCK);
+}
+
+fn set_lock(file: &std::fs::File, at: i64, kind: libc::c_int) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a zeroed flock is valid; the fields that matter are set below.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = at;
+    lock.l_len = 1;
+    // SAFETY: a valid descriptor and a pointer to a live flock; F_SETLK never blocks.
+    unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLK, &lock) == 0 }
+}
+
 /// A value for one parameter.
 pub enum Param<'a> {
     Int(i64),

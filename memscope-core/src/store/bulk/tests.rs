@@ -452,3 +452,75 @@ fn rows_another_connection_rewrote_between_transactions_are_kept() {
     check(&conn, &want);
     check(&other, &want);
 }
+
+#[test]
+fn a_checkpoint_another_process_starts_mid_transaction_cuts_no_page() {
+    // Committed frames wait in the WAL; the writer, alone, begins and writes pages past the
+    // committed end; then another process (Python's SQLite, as a user's sqlite3 would) opens the
+    // DB and asks for a checkpoint that folds the whole WAL, which cuts the file at its committed
+    // end. The writer's lock must make it answer busy, and every row must read back.
+    let (path, conn) = db("checkpoint", 4096);
+    let mut bulk = BulkTable::open(&conn, &path, "t").unwrap();
+    let mut rng = Rng(33);
+    let mut want = Vec::new();
+    let mut add = |bulk: &mut BulkTable, want: &mut Vec<Row>, n: usize| {
+        for _ in 0..n {
+            let row = random_row(&mut rng, want.len() as i64 + 1);
+            append(bulk, &row);
+            want.push(row);
+        }
+    };
+    begin(&conn, &mut bulk);
+    add(&mut bulk, &mut want, 500);
+    commit(&conn, &mut bulk);
+    bulk.committed();
+    begin(&conn, &mut bulk);
+    // Several MiB: full runs of pages are in the file before the checkpoint starts.
+    add(&mut bulk, &mut want, 8_000);
+    assert!(bulk.written_direct() > 256, "pages went past the pager");
+    let script = "import sqlite3, sys\n\
+        c = sqlite3.connect(sys.argv[1])\n\
+        print(c.execute('PRAGMA wal_checkpoint(TRUNCATE)').fetchall()[0][0])\n";
+    let Ok(out) = std::process::Command::new("python3").args(["-c", script]).arg(&path).output() else {
+        eprintln!("skipped: no python3 to checkpoint the DB");
+        return;
+    };
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1", "the other process's checkpoint is refused (busy)");
+    add(&mut bulk, &mut want, 500);
+    commit(&conn, &mut bulk);
+    bulk.committed();
+    check(&conn, &want);
+    // Once committed, the same checkpoint runs and the rows stay whole.
+    let out = std::process::Command::new("python3").args(["-c", script]).arg(&path).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0", "checkpointed after the commit");
+    check(&Connection::open(&path).unwrap(), &want);
+}
+
+#[test]
+fn the_header_fields_the_pages_rely_on_are_each_checked() {
+    let mut page1 = vec![0u8; 4096];
+    page1[16..18].copy_from_slice(&4096u16.to_be_bytes());
+    page1[18] = 2;
+    page1[19] = 2;
+    page1[21..24].copy_from_slice(&[64, 32, 32]);
+    page1[44..48].copy_from_slice(&4u32.to_be_bytes());
+    page1[56..60].copy_from_slice(&1u32.to_be_bytes());
+    assert_eq!(check_header(&page1, 4096), Ok(()));
+    let broken: [(&str, fn(&mut Vec<u8>)); 7] = [
+        ("page size", |p| p[16..18].copy_from_slice(&1024u16.to_be_bytes())),
+        ("versions", |p| p[19] = 3),
+        ("reserved", |p| p[20] = 8),
+        ("payload fractions", |p| p[21] = 40),
+        ("schema format 1", |p| p[44..48].copy_from_slice(&1u32.to_be_bytes())),
+        ("auto_vacuum", |p| p[52..56].copy_from_slice(&3u32.to_be_bytes())),
+        ("not UTF-8", |p| p[56..60].copy_from_slice(&2u32.to_be_bytes())),
+    ];
+    for (what, spoil) in broken {
+        let mut p = page1.clone();
+        spoil(&mut p);
+        let err = check_header(&p, 4096).unwrap_err();
+        assert!(err.contains(what.split(' ').next().unwrap()), "{what}: {err}");
+    }
+    assert!(check_header(&page1, 65_536).is_err(), "another page size than the connection's");
+}

@@ -1,0 +1,187 @@
+//! The two writers against each other, and the page writer's fallbacks, read back by SQLite: the
+//! same row stream through the pages and through SQL must give the same table, row for row.
+
+use std::path::{Path, PathBuf};
+
+use rusqlite::Connection;
+
+use crate::model::DeviceKey;
+use crate::store::batch::{single, RowText};
+use crate::store::insight::Head;
+use crate::store::sqlite::DbSink;
+use crate::store::{Attr, DbWriter, Format, Row, Sink};
+use crate::vocab::{Event, EventType};
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memscope-writers-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("memscope_dump_20260101000000.db")
+}
+
+/// Lengths that cross every boundary the pages have: empty, one byte, short, around the most a
+/// 64 KiB leaf keeps in place (about 64 KiB less a few header bytes), and overflow chains of one
+/// to several pages.
+const LENGTHS: [usize; 14] =
+    [0, 1, 90, 4_000, 16_000, 65_400, 65_450, 65_500, 65_536, 65_600, 131_072, 200_000, 300, 7];
+
+fn text_of(len: usize, seed: usize) -> String {
+    // Multi-byte characters too: lengths are counted in bytes.
+    let alphabet = ['a', 'z', '0', '€', '中', '"', '{', ','];
+    let mut s = String::with_capacity(len);
+    let mut i = seed;
+    while s.len() + 4 <= len {
+        s.push(alphabet[i % alphabet.len()]);
+        i = i.wrapping_mul(31).wrapping_add(7);
+    }
+    while s.len() < len {
+        s.push('x');
+    }
+    s
+}
+
+/// The owner's, the Python stack's and the native stack's lengths of row `id`: [`LENGTHS`]
+/// mixed, then payloads a byte apart across the most a leaf cell keeps in place, and across the
+/// point where the part kept in place drops back to its minimum (one overflow page further on).
+fn lengths(id: usize) -> (usize, usize, usize) {
+    match id {
+        0..=140 => {
+            let len = LENGTHS[id % LENGTHS.len()];
+            (len / 4, len / 2, len)
+        }
+        141..=340 => (10, 0, 65_380 + (id - 141)),
+        _ => (10, 0, 130_912 + (id - 341)),
+    }
+}
+
+fn write(path: &Path, writer: DbWriter, rows: usize) -> Box<DbSink> {
+    let mut sink = Box::new(DbSink::create(path, DeviceKey::Npu(0), &vec![], writer).unwrap());
+    for id in 1..=rows {
+        let (owner, py, c) = lengths(id);
+        let head = Head {
+            event: Event::parse("MALLOC").unwrap(),
+            event_type: EventType::parse("HAL").unwrap(),
+            ts_ns: id as u64 * 1_000 + (id as u64 % 3) * (1 << 40),
+            pid: id as u32 % 2,
+            tid: u32::MAX - id as u32,
+            device: DeviceKey::Npu(0),
+            ptr: Some(0x7f00_0000_0000 + id as u64),
+            broadcast: false,
+            untracked: false,
+            shadow: false,
+        };
+        let attr = Attr::new().with("size", id as u64).with("owner", text_of(owner, id));
+        let row = Row { head, name: "aclrtMalloc".into(), attr };
+        let batch = single(&row, Format::Db);
+        let (py, c) = (text_of(py, id + 1), text_of(c, id + 2));
+        sink.insert(id as u64, RowText { py_text: &py, c_stack: &c, ..batch.get(0) }).unwrap();
+        if id % 37 == 0 {
+            sink.commit().unwrap();
+        }
+    }
+    sink
+}
+
+fn table(path: &Path) -> Vec<Vec<rusqlite::types::Value>> {
+    let conn = Connection::open(path).unwrap();
+    let ok: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+    assert_eq!(ok, "ok", "{}", path.display());
+    let mut stmt = conn.prepare("SELECT rowid, * FROM memscope_dump ORDER BY rowid").unwrap();
+    let n = stmt.column_count();
+    stmt.query_map([], |r| (0..n).map(|i| r.get(i)).collect()).unwrap().map(Result::unwrap).collect()
+}
+
+fn meta(path: &Path, key: &str) -> Option<String> {
+    let conn = Connection::open(path).unwrap();
+    conn.query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get(0)).ok()
+}
+
+#[test]
+fn the_same_rows_through_pages_and_through_sql_give_the_same_table() {
+    let (pages, sql) = (tmp("pages"), tmp("sql"));
+    write(&pages, DbWriter::Pages, 540).finish(&vec![], &[]).unwrap();
+    write(&sql, DbWriter::Sql, 540).finish(&vec![], &[]).unwrap();
+    let (a, b) = (table(&pages), table(&sql));
+    assert_eq!(a.len(), 540);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(x == y, "row {:?} differs", x[0]);
+    }
+    assert_eq!(meta(&pages, "writer").as_deref(), Some("pages"));
+    assert_eq!(meta(&sql, "writer").as_deref(), Some("sql"));
+    assert!(meta(&sql, "writer_why").unwrap().contains("--writer sql"));
+}
+
+#[test]
+fn a_db_the_pages_cannot_serve_is_written_through_sql() {
+    // auto_vacuum keeps pointer-map pages the page writer does not maintain: the file is there
+    // before the sink (as a user's or another tool's), so the writer must notice and use SQL.
+    let path = tmp("autovacuum");
+    let conn = Connection::open(&path).unwrap();
+    conn.execute_batch("PRAGMA page_size = 65536; PRAGMA auto_vacuum = FULL; CREATE TABLE other (v)").unwrap();
+    drop(conn);
+    write(&path, DbWriter::Pages, 120).finish(&vec![], &[]).unwrap();
+    assert_eq!(table(&path).len(), 120);
+    assert_eq!(meta(&path, "writer").as_deref(), Some("sql"));
+    assert!(meta(&path, "writer_why").unwrap().contains("auto_vacuum"), "{:?}", meta(&path, "writer_why"));
+}
+
+#[test]
+fn while_another_process_reads_the_live_db_rows_go_through_sql_and_all_read_back() {
+    // Python's SQLite holds the DB open from the first commit on: every later transaction is
+    // written through SQL; when it has gone, the pages take over again from the table SQL left.
+    let (path, alone) = (tmp("shared"), tmp("alone"));
+    let mut sink = write(&path, DbWriter::Pages, 40);
+    sink.commit().unwrap();
+    let script = "import sqlite3, sys\nc = sqlite3.connect(sys.argv[1])\n\
+        c.execute('SELECT count(*) FROM memscope_dump').fetchall()\nprint('open', flush=True)\nsys.stdin.read()\n";
+    let Ok(mut child) = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+    else {
+        eprintln!("skipped: no python3 to hold the DB open");
+        return;
+    };
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert_eq!(line.trim(), "open");
+    // The stream goes on where `write` left it (ids 41..): same rows as a sink written alone.
+    let more = |sink: &mut Box<DbSink>, from: usize| {
+        for id in from..from + 80 {
+            let len = LENGTHS[id % LENGTHS.len()];
+            let text = text_of(len, id);
+            let head = Head {
+                event: Event::parse("FREE").unwrap(),
+                event_type: EventType::parse("HAL").unwrap(),
+                ts_ns: id as u64,
+                pid: 1,
+                tid: 1,
+                device: DeviceKey::Npu(0),
+                ptr: Some(id as u64),
+                broadcast: false,
+                untracked: false,
+                shadow: false,
+            };
+            let row = Row { head, name: "aclrtFree".into(), attr: Attr::new().with("owner", text) };
+            sink.insert(id as u64, single(&row, Format::Db).get(0)).unwrap();
+            if id % 20 == 0 {
+                sink.commit().unwrap();
+            }
+        }
+    };
+    more(&mut sink, 41);
+    drop(child.stdin.take());
+    child.wait().unwrap();
+    more(&mut sink, 121);
+    sink.finish(&vec![], &[]).unwrap();
+    let mut reference = write(&alone, DbWriter::Sql, 40);
+    more(&mut reference, 41);
+    more(&mut reference, 121);
+    reference.finish(&vec![], &[]).unwrap();
+    assert!(table(&path) == table(&alone), "the same rows as a DB written alone");
+    let shared: u64 = meta(&path, "writer_sql_transactions").unwrap().parse().unwrap();
+    assert!(shared >= 4, "the transactions while Python had the DB open went through SQL ({shared})");
+    assert_eq!(meta(&path, "writer").as_deref(), Some("pages"));
+}
