@@ -48,7 +48,24 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     sh(&mut cargo(&["test"]))?;
     sh(&mut cargo(&["clippy", "-p", "memscope-core", "--all-targets", "--", "-D", "warnings"]))?;
     sh(&mut cargo(&["build", "-p", "memscope-user"]))?;
-    stub_refuses_to_trace(&target.join("debug/memscope-bpf"))
+    stub_refuses_to_trace(&target.join("debug/memscope-bpf"))?;
+    without_dbpage(root, &path)
+}
+
+/// The store's tests in a build without the workspace's `LIBSQLITE3_FLAGS` (`cargo install
+/// --git`, a packager's build): SQLite has no `sqlite_dbpage`, and every DB must still be written,
+/// through SQL. Its own target folder, since the flag changes libsqlite3-sys's build.
+fn without_dbpage(root: &Path, path: &OsString) -> anyhow::Result<()> {
+    eprintln!("xtask test: the store without sqlite_dbpage (LIBSQLITE3_FLAGS empty, as outside this workspace)");
+    sh(Command::new("cargo")
+        .current_dir(root)
+        .env("PATH", path)
+        .env("CARGO_TARGET_DIR", root.join("target/no-dbpage"))
+        .env("LIBSQLITE3_FLAGS", "")
+        .env("MEMSCOPE_EXPECT_NO_DBPAGE", "1")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .args(["test", "-p", "memscope-core", "--lib", "store::dump_rows", "--", "--test-threads=2"]))
 }
 
 /// The stub binary must refuse `trace` with the one sentence that names the switch, before it

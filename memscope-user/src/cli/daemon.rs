@@ -20,7 +20,7 @@ use crate::daemon::filters::Filters;
 use crate::daemon::{self, Plan, Stopped};
 use crate::preflight;
 use crate::say::say;
-use crate::store::Format;
+use crate::store::{DbWriter, Format};
 
 /// The port Prometheus's exporter list gives memscope-bpf's metrics.
 const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
@@ -106,6 +106,13 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Format::Db)]
     pub format: Format,
 
+    /// How the jobs' DB rows are written: pages (whole B-tree pages, the fast writer; plain SQL takes
+    /// over by itself where pages cannot be used, e.g. a build without SQLite's sqlite_dbpage or
+    /// while another process has the DB open) or sql (plain SQL inserts throughout). Both give
+    /// the same rows; `ms_meta.writer` says which ran.
+    #[arg(long, value_enum, value_name = "WRITER", default_value_t = DbWriter::Pages)]
+    pub writer: DbWriter,
+
     /// Where a library exports both aclrtX and aclrtXImpl: probe the Impl only (default) or both.
     #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
     pub probe_set: ProbeSet,
@@ -179,12 +186,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     libraries.extend(libs::from_env(&env, Path::new("/"), false));
     let libraries = libs::with_dependencies(libraries);
     preflight::check_output(&args.output)?;
+    super::trace::say_writer(args.format, args.writer, args.quiet);
 
     let plan = Plan {
         libraries,
         output: args.output,
         duration: args.duration,
         format: args.format,
+        writer: args.writer,
         probe_set: args.probe_set,
         ring_bytes: args.ring_mb * 1024 * 1024,
         quiet: args.quiet,

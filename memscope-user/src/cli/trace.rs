@@ -21,7 +21,7 @@ use crate::record::bpf_log::BpfLogLevel;
 use crate::say::say;
 use crate::session::{self, Plan, Target};
 use crate::stacks::spec::{CallStacks, StackOptions, Unwind, DEFAULT_WINDOW};
-use crate::store::Format;
+use crate::store::{DbWriter, Format};
 
 /// The default ring buffer, in MiB: as many call records as the 64 MiB ring held when every call
 /// record carried a 136-byte text field (64 MiB / 288 bytes in the ring: about 233k), in half the
@@ -72,6 +72,13 @@ pub struct Args {
     /// Output format: db (SQLite, what MindStudio Insight opens) or csv (msMemScope's CSV).
     #[arg(long, value_enum, default_value_t = Format::Db)]
     pub format: Format,
+
+    /// How the DB's rows are written: pages (whole B-tree pages, the fast writer; plain SQL takes
+    /// over by itself where pages cannot be used, e.g. a build without SQLite's sqlite_dbpage or
+    /// while another process has the DB open) or sql (plain SQL inserts throughout). Both give
+    /// the same rows; `ms_meta.writer` says which ran.
+    #[arg(long, value_enum, value_name = "WRITER", default_value_t = DbWriter::Pages)]
+    pub writer: DbWriter,
 
     /// Where a library exports both aclrtX and aclrtXImpl: probe the Impl only (default, one
     /// trap per call) or both (all: each call still recorded once).
@@ -208,6 +215,21 @@ pub(crate) fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> 
     Ok(found)
 }
 
+/// Says on stderr when a DB's rows will go through SQL rather than the page writer (asked for,
+/// or this build cannot write pages), before any row is written.
+pub(super) fn say_writer(format: Format, writer: DbWriter, quiet: bool) {
+    if format != Format::Db {
+        return;
+    }
+    match (writer, DbWriter::unavailable_here()) {
+        (DbWriter::Sql, _) => crate::say::note(quiet, "rows are written through SQL (--writer sql)"),
+        (DbWriter::Pages, Some(why)) => {
+            say!("memscope-bpf: warning: rows are written through SQL, a slower writer: {why}")
+        }
+        (DbWriter::Pages, None) => {}
+    }
+}
+
 fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
     CallStacks::parse(text).map_err(|e| e.to_string())
 }
@@ -227,6 +249,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
     super::probes::check_debug_dirs(&args.debug_dirs)?;
+    say_writer(format, args.writer, args.quiet);
     let user = user_libraries(&args.libs)?;
 
     let (target, libraries) = match args.pid {
@@ -273,6 +296,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         output: args.output,
         duration: args.duration,
         format: args.format,
+        writer: args.writer,
         probe_set: args.probe_set,
         ring_bytes: args.ring_mb * 1024 * 1024,
         quiet: args.quiet,

@@ -21,12 +21,13 @@ use crate::model::{Event, EventKind, Tracker};
 use crate::recorder::Recorder;
 use crate::session::facts::{allocator_env, command_line, kernel_release};
 use crate::stacks::NO_STACK;
-use crate::store::{Format, Meta, ProbeRow, RunLayout, Store, Writer};
+use crate::store::{DbWriter, Format, Meta, ProbeRow, RunLayout, Store, Writer};
 
 /// What every job's DB records about the daemon that wrote it.
 pub struct Context {
     pub output: PathBuf,
     pub format: Format,
+    pub writer: DbWriter,
     pub clock: Clock,
     pub ring_bytes: u32,
     pub probe_links: String,
@@ -285,7 +286,9 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
         ("backend".into(), Backend::meta(&backends)),
     ];
     meta.extend(allocator_env(pid));
-    let mut store = Writer::start(Store::new(layout, cx.format, start_wall, meta));
+    let mut store = Store::new(layout, cx.format, start_wall, meta);
+    store.db_writer = cx.writer;
+    let mut store = Writer::start(store);
     store.add_probes(probes.to_vec())?;
     let mut recorder = Recorder::new(Tracker::new(), store);
     recorder.live = Some(LiveView::new(cx.live.clone()));

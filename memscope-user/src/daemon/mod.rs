@@ -38,7 +38,7 @@ use crate::record::ring::Consumer;
 use crate::say::{note, say};
 use crate::session::attaching::{attach_found, describe_libraries, describe_usdt, probe_rows, usdt_rows};
 use crate::stop::{self, Detaching, Every, Signals};
-use crate::store::{Format, ProbeRow};
+use crate::store::{DbWriter, Format, ProbeRow};
 use crate::summary::SkippedLibrary;
 
 use discover::Discovery;
@@ -59,6 +59,8 @@ pub struct Plan {
     pub output: PathBuf,
     pub duration: Option<Duration>,
     pub format: Format,
+    /// `--writer`.
+    pub writer: DbWriter,
     pub probe_set: ProbeSet,
     pub ring_bytes: u32,
     pub quiet: bool,
@@ -119,6 +121,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     let cx = Context {
         output: plan.output.clone(),
         format: plan.format,
+        writer: plan.writer,
         clock,
         ring_bytes: plan.ring_bytes,
         probe_links: tracer.link_kind(),

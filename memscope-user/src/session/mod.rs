@@ -43,7 +43,7 @@ use crate::recorder::Recorder;
 use crate::say::note;
 use crate::stacks::spec::{StackOptions, Unwind};
 use crate::stop::{Detaching, Every, Signals};
-use crate::store::{Format, Meta, RunLayout, Store, Writer};
+use crate::store::{DbWriter, Format, Meta, RunLayout, Store, Writer};
 use crate::summary::{SkippedLibrary, Summary};
 use memscope_core::analysis::live;
 
@@ -85,6 +85,8 @@ pub struct Plan {
     pub output: PathBuf,
     pub duration: Option<Duration>,
     pub format: Format,
+    /// `--writer`.
+    pub writer: DbWriter,
     pub probe_set: ProbeSet,
     pub ring_bytes: u32,
     pub quiet: bool,
@@ -160,6 +162,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         output,
         duration,
         format,
+        writer,
         probe_set,
         ring_bytes,
         quiet,
@@ -202,6 +205,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     meta.extend(stacks_asked(&stacks));
     let mut store = Store::new(layout, format, start_wall, meta);
     store.debug_dirs = debug_dirs.clone();
+    store.db_writer = writer;
     let mut store = Writer::start(store);
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;

@@ -91,6 +91,15 @@ fn table(path: &Path) -> Vec<Vec<rusqlite::types::Value>> {
     stmt.query_map([], |r| (0..n).map(|i| r.get(i)).collect()).unwrap().map(Result::unwrap).collect()
 }
 
+/// What the page writer's DBs say they used: "sql" in a build without `sqlite_dbpage`.
+fn pages_or_fallback() -> &'static str {
+    if DbWriter::unavailable_here().is_some() {
+        "sql"
+    } else {
+        "pages"
+    }
+}
+
 fn meta(path: &Path, key: &str) -> Option<String> {
     let conn = Connection::open(path).unwrap();
     conn.query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get(0)).ok()
@@ -106,7 +115,7 @@ fn the_same_rows_through_pages_and_through_sql_give_the_same_table() {
     for (x, y) in a.iter().zip(&b) {
         assert!(x == y, "row {:?} differs", x[0]);
     }
-    assert_eq!(meta(&pages, "writer").as_deref(), Some("pages"));
+    assert_eq!(meta(&pages, "writer").as_deref(), Some(pages_or_fallback()));
     assert_eq!(meta(&sql, "writer").as_deref(), Some("sql"));
     assert!(meta(&sql, "writer_why").unwrap().contains("--writer sql"));
 }
@@ -122,7 +131,8 @@ fn a_db_the_pages_cannot_serve_is_written_through_sql() {
     write(&path, DbWriter::Pages, 120).finish(&vec![], &[]).unwrap();
     assert_eq!(table(&path).len(), 120);
     assert_eq!(meta(&path, "writer").as_deref(), Some("sql"));
-    assert!(meta(&path, "writer_why").unwrap().contains("auto_vacuum"), "{:?}", meta(&path, "writer_why"));
+    let why = meta(&path, "writer_why").unwrap();
+    assert!(why.contains("auto_vacuum") || pages_or_fallback() == "sql", "{why}");
 }
 
 #[test]
@@ -181,7 +191,29 @@ fn while_another_process_reads_the_live_db_rows_go_through_sql_and_all_read_back
     more(&mut reference, 121);
     reference.finish(&vec![], &[]).unwrap();
     assert!(table(&path) == table(&alone), "the same rows as a DB written alone");
-    let shared: u64 = meta(&path, "writer_sql_transactions").unwrap().parse().unwrap();
-    assert!(shared >= 4, "the transactions while Python had the DB open went through SQL ({shared})");
-    assert_eq!(meta(&path, "writer").as_deref(), Some("pages"));
+    if pages_or_fallback() == "pages" {
+        let shared: u64 = meta(&path, "writer_sql_transactions").unwrap().parse().unwrap();
+        assert!(shared >= 4, "the transactions while Python had the DB open went through SQL ({shared})");
+    }
+    assert_eq!(meta(&path, "writer").as_deref(), Some(pages_or_fallback()));
+}
+
+#[test]
+fn a_build_without_sqlite_dbpage_writes_every_row_through_sql_and_says_why() {
+    // `cargo xtask test` also builds this crate without the workspace's LIBSQLITE3_FLAGS, as
+    // `cargo install --git` or a packager would, and runs this test there with the variable set.
+    let expect_none = std::env::var_os("MEMSCOPE_EXPECT_NO_DBPAGE").is_some();
+    let missing = DbWriter::unavailable_here();
+    assert_eq!(missing.is_some(), expect_none, "this build's sqlite_dbpage: {missing:?}");
+    let path = tmp("no-dbpage");
+    write(&path, DbWriter::Pages, 140).finish(&vec![], &[]).unwrap();
+    assert_eq!(table(&path).len(), 140);
+    match missing {
+        Some(_) => {
+            assert_eq!(meta(&path, "writer").as_deref(), Some("sql"));
+            let why = meta(&path, "writer_why").unwrap();
+            assert!(why.contains("sqlite_dbpage") && why.contains("LIBSQLITE3_FLAGS"), "{why}");
+        }
+        None => assert_eq!(meta(&path, "writer").as_deref(), Some("pages")),
+    }
 }
