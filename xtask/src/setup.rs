@@ -42,6 +42,8 @@ const APT_PACKAGES: &[&str] = &[
     "tmux",
     // `report`'s page is opened in headless Chromium by the tests and the benchmark.
     "chromium",
+    // The power-cut test records the trace DB's writes and syncs with it (store/crash_tests.rs).
+    "strace",
 ];
 /// The Rust target of that check.
 pub const ARM64_TARGET: &str = "aarch64-unknown-linux-gnu";

@@ -18,6 +18,8 @@ pub mod attr;
 pub mod batch;
 mod btree;
 mod bulk;
+#[cfg(test)]
+mod crash_tests;
 pub mod csv;
 mod dump_rows;
 pub mod insight;

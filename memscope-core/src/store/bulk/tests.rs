@@ -507,7 +507,8 @@ fn the_header_fields_the_pages_rely_on_are_each_checked() {
     page1[44..48].copy_from_slice(&4u32.to_be_bytes());
     page1[56..60].copy_from_slice(&1u32.to_be_bytes());
     assert_eq!(check_header(&page1, 4096), Ok(()));
-    let broken: [(&str, fn(&mut Vec<u8>)); 7] = [
+    type Spoil = fn(&mut Vec<u8>);
+    let broken: [(&str, Spoil); 7] = [
         ("page size", |p| p[16..18].copy_from_slice(&1024u16.to_be_bytes())),
         ("versions", |p| p[19] = 3),
         ("reserved", |p| p[20] = 8),
