@@ -17,11 +17,13 @@
 //!                   └─ raw      ring-buffer bytes to checked, typed records
 //! vocab     the DB's Event, Event Type and Attr names (below store and analysis, beside all)
 //! sampling  the daemon's gap table and the error of sampled totals (beside all)
+//! files     opening what the user names as input: regular files only, never blocking (beside all)
 //! ```
 
 pub mod analysis;
 pub mod apis;
 pub mod export;
+pub mod files;
 pub mod import;
 pub mod model;
 pub mod raw;

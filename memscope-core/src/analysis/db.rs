@@ -145,6 +145,9 @@ pub fn discover(input: &Path) -> Result<Vec<DbFile>, AnalysisError> {
         std::io::ErrorKind::NotFound => AnalysisError::NotFound { path: input.to_owned() },
         _ => AnalysisError::Io { path: input.to_owned(), source },
     })?;
+    if !meta.is_dir() && !meta.is_file() {
+        return Err(AnalysisError::NotAFile { path: input.to_owned(), what: crate::files::what(meta.file_type()) });
+    }
     if !meta.is_dir() {
         let kind =
             crate::import::sniff(input).map_err(|source| AnalysisError::Io { path: input.to_owned(), source })?;

@@ -71,6 +71,8 @@ pub enum AnalysisError {
     NoDbInFolder { path: PathBuf },
     #[error("{path}: cannot read it (check that you may read it and its folder)")]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("{path} is {what}: give a memscope_dump_*.db or memscope_dump_*.csv file, or the trace's output folder")]
+    NotAFile { path: PathBuf, what: &'static str },
     #[error("{path}: not an SQLite database ({why}); give a memscope_dump_*.db or memscope_dump_*.csv file, or the trace's output folder")]
     NotSqlite { path: PathBuf, why: String },
     #[error("{path}: {what}, not a trace dump; give the memscope_dump_*.csv (or .db) beside it, or the trace's output folder")]

@@ -47,7 +47,7 @@ pub enum Kind {
 /// What `path` holds, from its first 4 KiB.
 pub fn sniff(path: &Path) -> std::io::Result<Kind> {
     let mut head = Vec::with_capacity(4096);
-    std::fs::File::open(path)?.take(4096).read_to_end(&mut head)?;
+    crate::files::open_regular(path)?.take(4096).read_to_end(&mut head)?;
     if head.starts_with(b"SQLite format 3\0") {
         return Ok(Kind::Sqlite);
     }

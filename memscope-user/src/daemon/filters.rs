@@ -89,8 +89,9 @@ impl Filters {
 
 /// The flags of a filter file.
 pub fn read_file(path: &Path) -> Result<Filters, FilterFileError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|source| FilterFileError::Read { path: path.to_owned(), source })?;
+    // A filter file is a few lines; 1 MiB is far past any real one.
+    let text = memscope_core::files::read_text(path, 1 << 20)
+        .map_err(|source| FilterFileError::Read { path: path.to_owned(), source })?;
     parse_text(&text).map_err(|(line, why)| FilterFileError::Line { path: path.to_owned(), line, why })
 }
 
