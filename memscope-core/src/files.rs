@@ -1,14 +1,21 @@
-//! Opening the files a user names as input: regular files only, never blocking.
+//! The files a user names: inputs opened as regular files only, never blocking; outputs never
+//! written through a symlink another user planted, nor through a guessable temporary name.
 //!
 //! A FIFO named as a DB (`mkfifo f.db; analyze f.db`) blocked every offline verb forever in its
 //! first read, and a device node would be read without end. Every input is therefore opened
 //! non-blocking and checked to be a regular file before a byte is read; anything else is one
 //! error that says what the path is.
+//!
+//! Outputs are written as root into folders other users can write (`/tmp`, a shared scratch
+//! folder): a temporary file there is created exclusively under a name nobody can plant in
+//! advance ([`create_temp_beside`]), and a symlink owned by someone else in a sticky folder is
+//! refused ([`refuse_planted_symlink`]), as the kernel's `fs.protected_symlinks` would.
 
 use std::fs::File;
 use std::io::{self, Read as _};
-use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
-use std::path::Path;
+use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a path that is not a regular file is, in words.
 pub fn what(kind: std::fs::FileType) -> &'static str {
@@ -55,6 +62,51 @@ pub fn read_text(path: &Path, limit: u64) -> io::Result<String> {
         ));
     }
     Ok(text)
+}
+
+/// Refuses `path` when it is a symlink in a sticky, world-writable folder that belongs neither
+/// to this process's user nor to the folder's owner: another user planted it, and following it
+/// would write where they chose (`/tmp/out.html -> /etc/passwd`).
+pub fn refuse_planted_symlink(path: &Path) -> io::Result<()> {
+    let Ok(link) = std::fs::symlink_metadata(path) else { return Ok(()) };
+    if !link.file_type().is_symlink() {
+        return Ok(());
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let folder = std::fs::metadata(parent)?;
+    let mode = folder.permissions().mode();
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if mode & 0o1000 != 0 && mode & 0o002 != 0 && link.uid() != me && link.uid() != folder.uid() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is a symlink that user {} made in the shared folder {}: not following it; name a path of your own",
+                path.display(),
+                link.uid(),
+                parent.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Creates a new, empty file beside `target` (same folder) under a name nobody can guess in
+/// advance, exclusively: never through a symlink, never over an existing file.
+pub fn create_temp_beside(target: &Path) -> io::Result<(PathBuf, File)> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let name = target.file_name().map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
+    let mut tries = 0;
+    loop {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let unique = format!("{}-{}-{nanos:08x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+        let temp = target.with_file_name(format!(".{name}.{unique}.partial"));
+        match std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(&temp) {
+            Ok(file) => return Ok((temp, file)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 16 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -84,3 +84,92 @@ fn a_fifo_given_as_input_is_one_error_for_every_verb() {
     assert!(fifo.metadata().unwrap().file_type().is_fifo(), "the FIFO is left as it was");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn outputs_that_are_not_regular_files_are_written_to_never_replaced() {
+    let dir = scratch("devices");
+    let db = a_db(&dir);
+    let db = db.to_str().unwrap();
+    // A FIFO with a reader: the page arrives through it, and the FIFO stays a FIFO.
+    let fifo = dir.join("page.fifo");
+    mkfifo(&fifo);
+    // A writer of the test's own keeps the reader from waiting forever should the verb never
+    // open the FIFO (as when it was replaced by a file): the reader's EOF comes when it closes.
+    let guard = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read(&fifo).unwrap())
+    };
+    let (code, err) = bpf(&dir, &["report", db, "-o", fifo.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    drop(guard);
+    let page = reader.join().unwrap();
+    assert!(String::from_utf8_lossy(&page).contains("<html"), "the page came through the FIFO");
+    assert!(fifo.metadata().unwrap().file_type().is_fifo());
+    // A character device of our own (the kernel's null device, made here, not /dev/null).
+    if is_root() {
+        let null = dir.join("null");
+        assert!(Command::new("mknod").arg(&null).args(["c", "1", "3"]).status().unwrap().success());
+        let (code, err) = bpf(&dir, &["export", "--format", "perfetto", db, "-o", null.to_str().unwrap()]);
+        assert_eq!(code, Some(0), "{err}");
+        assert!(null.metadata().unwrap().file_type().is_char_device(), "still a device, not a JSON file");
+    } else {
+        eprintln!("skipped the device node case: making one needs root");
+    }
+    let (code, err) = bpf(&dir, &["report", db, "-o", dir.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "a folder as output is an error: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_symlink_another_user_planted_in_a_shared_folder_is_not_followed() {
+    if !is_root() {
+        eprintln!("skipped: planting another user's symlink needs root (chown)");
+        return;
+    }
+    let dir = scratch("planted");
+    let db = a_db(&dir);
+    let db = db.to_str().unwrap();
+    let shared = dir.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o1777)).unwrap();
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    let plant = |name: &str| {
+        let link = shared.join(name);
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        // SAFETY: a NUL-terminated path; lchown changes the link itself.
+        let c = std::ffi::CString::new(link.as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(unsafe { libc::lchown(c.as_ptr(), 65534, 65534) }, 0);
+        link
+    };
+    // The output itself, and the temporary name the verbs used to write through.
+    let out = plant("out.html");
+    plant(".page.html.partial");
+    let (code, err) = bpf(&dir, &["report", db, "-o", out.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("symlink"), "{err}");
+    let (code, err) = bpf(&dir, &["report", db, "-o", shared.join("page.html").to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(std::fs::read_to_string(shared.join("page.html")).unwrap().contains("<html"));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious", "nothing written through a planted link");
+    // trace's --output: the same rule, before anything is traced.
+    let (code, err) = bpf(&dir, &["daemon", "--output", plant("runs").to_str().unwrap()]);
+    assert_ne!(code, Some(0));
+    assert!(err.contains("symlink"), "{err}");
+    // One's own symlink is followed: the file it names is written, the link stays.
+    let real = dir.join("real.html");
+    let mine = dir.join("mine.html");
+    std::os::unix::fs::symlink(&real, &mine).unwrap();
+    std::fs::write(&real, "old").unwrap();
+    let (code, err) = bpf(&dir, &["report", db, "-o", mine.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(std::fs::symlink_metadata(&mine).unwrap().file_type().is_symlink());
+    assert!(std::fs::read_to_string(&real).unwrap().contains("<html"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -84,13 +84,15 @@ pub fn import_csv(
     }
     let read = |source| ImportError::Read { path: src.to_owned(), source };
     let total = std::fs::metadata(src).map_err(read)?.len();
-    let file = std::fs::File::open(src).map_err(read)?;
+    let file = crate::files::open_regular(src).map_err(read)?;
     let mut reader = ::csv::ReaderBuilder::new().flexible(true).escape(Some(b'\\')).from_reader(file);
     let header = reader.headers().map_err(|e| csv_error(src, &e))?.clone();
     let map = column_map(src, &header)?;
 
-    let partial = partial_path(dst);
-    let _ = std::fs::remove_file(&partial);
+    // Created here, exclusively and under a name nobody can plant a symlink at beforehand;
+    // SQLite then opens the empty file as a new DB.
+    let (partial, _) = crate::files::create_temp_beside(dst)
+        .map_err(|source| ImportError::WriteIo { path: dst.to_owned(), source })?;
     let result = write(src, &partial, &mut reader, &map, header.len(), total, progress).and_then(|mut imported| {
         std::fs::rename(&partial, dst).map_err(|source| ImportError::WriteIo { path: dst.to_owned(), source })?;
         imported.missing_columns =
@@ -101,12 +103,6 @@ pub fn import_csv(
         let _ = std::fs::remove_file(&partial);
     }
     result
-}
-
-/// `.NAME.partial` beside `dst`.
-fn partial_path(dst: &Path) -> PathBuf {
-    let name = dst.file_name().map_or_else(|| "import.db".into(), |n| n.to_string_lossy().into_owned());
-    dst.with_file_name(format!(".{name}.partial"))
 }
 
 fn csv_error(path: &Path, e: &::csv::Error) -> ImportError {

@@ -48,9 +48,10 @@ pub fn local_stamp(wall_secs: i64) -> String {
 
 /// Checks that `dir` can hold output, creating it if needed (0700, for the `sudo` user).
 pub fn ensure_writable(dir: &Path) -> Result<(), StoreError> {
-    Owner::from_env().create_dir_all(dir).map_err(|source| StoreError::Io { path: dir.to_owned(), source })?;
-    let probe = dir.join(format!(".memscope-write-test-{}", std::process::id()));
-    fs::write(&probe, b"").map_err(|source| StoreError::Io { path: dir.to_owned(), source })?;
+    let io = |source| StoreError::Io { path: dir.to_owned(), source };
+    crate::files::refuse_planted_symlink(dir).map_err(io)?;
+    Owner::from_env().create_dir_all(dir).map_err(io)?;
+    let (probe, _) = crate::files::create_temp_beside(&dir.join(".memscope-write-test")).map_err(io)?;
     let _ = fs::remove_file(&probe);
     Ok(())
 }

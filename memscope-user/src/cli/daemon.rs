@@ -178,6 +178,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         filters.extend(daemon::filters::read_file(path)?);
     }
     let admission = filters.admission()?;
+    preflight::check_output(&args.output)?;
     crate::attach::loader::check_object()?;
     preflight::check_daemon_caps()?;
     preflight::check_uprobes()?;
@@ -185,7 +186,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
     libraries.extend(libs::from_env(&env, Path::new("/"), false));
     let libraries = libs::with_dependencies(libraries);
-    preflight::check_output(&args.output)?;
     super::trace::say_writer(args.format, args.writer, args.quiet);
 
     let plan = Plan {

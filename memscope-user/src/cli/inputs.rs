@@ -192,14 +192,36 @@ pub fn no_such_device(want: &str, mut found: Vec<String>) -> anyhow::Error {
 }
 
 /// Writes `output` through a temporary file beside it, renamed over it only when complete.
+///
+/// What is not a regular file is never replaced: a device or a FIFO (`-o /dev/stdout`, `-o
+/// /dev/null`) is written as a stream, a folder is an error, and a symlink is followed to the
+/// file it names, unless another user planted it in a shared folder
+/// ([`memscope_core::files::refuse_planted_symlink`]). The temporary is created exclusively under
+/// an unguessable name ([`memscope_core::files::create_temp_beside`]).
 pub fn write_atomically<T>(
     output: &Path,
     write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> anyhow::Result<T>,
 ) -> anyhow::Result<T> {
-    let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = output.file_name().with_context(|| format!("{} is not a file name", output.display()))?;
-    let partial = dir.join(format!(".{}.partial", name.to_string_lossy()));
-    let file = std::fs::File::create(&partial).with_context(|| format!("cannot write {}", partial.display()))?;
+    let cannot = || format!("cannot write {}", output.display());
+    memscope_core::files::refuse_planted_symlink(output).with_context(cannot)?;
+    let output = &match std::fs::symlink_metadata(output) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(output)
+            .with_context(|| format!("{} is a symlink to a file that does not exist", output.display()))?,
+        _ => output.to_owned(),
+    };
+    if let Ok(m) = std::fs::metadata(output) {
+        if m.is_dir() {
+            anyhow::bail!("{} is a folder: name the file to write (e.g. {}/out)", output.display(), output.display());
+        }
+        if !m.is_file() {
+            let file = std::fs::OpenOptions::new().write(true).open(output).with_context(cannot)?;
+            let mut out = std::io::BufWriter::new(file);
+            let r = write(&mut out)?;
+            out.flush().with_context(cannot)?;
+            return Ok(r);
+        }
+    }
+    let (partial, file) = memscope_core::files::create_temp_beside(output).with_context(cannot)?;
     let mut out = std::io::BufWriter::new(file);
     let result = write(&mut out).and_then(|r| {
         out.flush().with_context(|| format!("cannot write {}", partial.display()))?;
@@ -207,7 +229,7 @@ pub fn write_atomically<T>(
     });
     match result {
         Ok(r) => {
-            std::fs::rename(&partial, output).with_context(|| format!("cannot write {}", output.display()))?;
+            std::fs::rename(&partial, output).with_context(cannot)?;
             Ok(r)
         }
         Err(e) => {
