@@ -18,6 +18,7 @@
 //! vocab     the DB's Event, Event Type and Attr names (below store and analysis, beside all)
 //! sampling  the daemon's gap table and the error of sampled totals (beside all)
 //! files     opening what the user names as input: regular files only, never blocking (beside all)
+//! printable text the traced process controls, escaped for terminals and logs (beside all)
 //! ```
 
 pub mod analysis;
@@ -26,6 +27,7 @@ pub mod export;
 pub mod files;
 pub mod import;
 pub mod model;
+pub mod printable;
 pub mod raw;
 pub mod report;
 pub mod sampling;

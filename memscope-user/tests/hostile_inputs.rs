@@ -173,3 +173,36 @@ fn a_symlink_another_user_planted_in_a_shared_folder_is_not_followed() {
     assert!(std::fs::read_to_string(&real).unwrap().contains("<html"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn owner_names_the_job_chose_are_printed_escaped_whatever_their_length() {
+    // A 70,000-character owner (past Rust's 65,535 format width) and one carrying terminal
+    // escapes and a newline, as a job's own labels can: analyze prints both, escaped.
+    let dir = scratch("owners");
+    let db = a_db(&dir);
+    let long = format!("PTA@{}", "w".repeat(70_000));
+    let evil = "PTA@x\u{1b}]0;pwned\u{7}\u{1b}[2J\nmemscope-bpf: forged";
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    // Every tensor block gets one of the two, so whichever instant is shown has both.
+    let n = conn
+        .execute(
+            "UPDATE memscope_dump SET Attr = json_set(Attr, '$.owner', CASE WHEN ID % 2 = 0 THEN ?1 ELSE ?2 END) \
+             WHERE Event = 'MALLOC' AND \"Event Type\" = 'PTA'",
+            rusqlite::params![long, evil],
+        )
+        .unwrap();
+    assert!(n >= 2, "the corpus has PTA blocks");
+    drop(conn);
+    let out = Command::new(env!("CARGO_BIN_EXE_memscope-bpf"))
+        .args(["analyze", db.to_str().unwrap(), "--analysis", "decompose", "--no-write"])
+        .env("TMPDIR", dir.join("tmp"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stdout.contains('\u{1b}') && !stdout.contains('\u{7}'), "no raw escape reaches the terminal");
+    assert!(!stdout.lines().any(|l| l.starts_with("memscope-bpf: forged")), "no forged line");
+    assert!(stdout.contains("\\u{1b}]0;pwned"), "the label is shown, escaped: {stdout:.2000}");
+    assert!(stdout.contains(&"w".repeat(70_000)), "the long owner is printed whole");
+    let _ = std::fs::remove_dir_all(&dir);
+}

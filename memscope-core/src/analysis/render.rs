@@ -8,6 +8,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::decompose::{Family, Node, Point, PointKind, Report, Tree};
+use crate::printable::printable;
 
 /// `1.5 MiB`; bytes under 1 KiB as `512 B`. The exact count is printed beside it.
 pub fn human_bytes(bytes: i64) -> String {
@@ -125,6 +126,9 @@ fn label<'a>(tree: &Tree, node: &'a Node) -> &'a str {
     }
 }
 
+/// The widest the owner column grows (in characters, with its indent).
+const NAME_COLUMN_MAX: usize = 80;
+
 fn point_text(out: &mut String, report: &Report, point: &Point, depth: Option<usize>) {
     let when = match report.start_ns {
         Some(start) => format!("{} (ts {})", relative(point.ts_ns - start), point.ts_ns),
@@ -146,25 +150,26 @@ fn point_text(out: &mut String, report: &Report, point: &Point, depth: Option<us
         }
     };
     let hal = point.tree(Family::Hal).map(Tree::total).filter(|&b| b > 0);
-    // One name column for all trees of the instant, so their numbers line up.
+    // One name column for all trees of the instant, so their numbers line up; a name longer than
+    // the column's cap runs past it rather than widening every line.
     let width = point
         .trees
         .iter()
-        .flat_map(|tree| shown(tree, depth).map(move |n| 2 * n.depth + label(tree, n).chars().count()))
+        .flat_map(|tree| shown(tree, depth).map(move |n| 2 * n.depth + printable(label(tree, n)).chars().count()))
         .max()
         .unwrap_or(0)
-        .max(12);
+        .clamp(12, NAME_COLUMN_MAX);
     for tree in &point.trees {
         let total = tree.total();
         for node in shown(tree, depth) {
             let indent = "  ".repeat(2 + node.depth);
-            let name = label(tree, node);
-            let pad = width - 2 * node.depth;
+            let name = printable(label(tree, node));
+            let pad = " ".repeat((width - 2 * node.depth).saturating_sub(name.chars().count()));
             let pct =
                 if total > 0 { format!("{:5.1}%", node.bytes as f64 * 100.0 / total as f64) } else { "     -".into() };
             let _ = write!(
                 out,
-                "{indent}{name:<pad$}  {:>10}  {:>15} B  {pct}  {}",
+                "{indent}{name}{pad}  {:>10}  {:>15} B  {pct}  {}",
                 human_bytes(node.bytes),
                 node.bytes,
                 plural(node.blocks, "block", "blocks")
