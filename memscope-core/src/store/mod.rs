@@ -107,6 +107,8 @@ pub type Meta = Vec<(String, String)>;
 pub struct Written {
     pub device: DeviceKey,
     pub path: PathBuf,
+    /// What the user must know about the file (it could not be made one self-contained file).
+    pub note: Option<String>,
 }
 
 /// One device's output. Every row it gets has its device's `Device Id`, whatever the row's
@@ -369,7 +371,15 @@ impl Store {
                 open.sink.add_stacks(stacks)?;
             }
             let path = open.sink.finish(&meta, lost_per_cpu)?;
-            written.push(Written { device, path });
+            let note = sqlite::wal_path(&path).exists().then(|| {
+                format!(
+                    "{} is left in WAL mode with its -wal file beside it: another process was reading it at the \
+                     stop; keep the two together (`sqlite3 FILE 'PRAGMA journal_mode=DELETE'` folds them once \
+                     nothing reads it)",
+                    path.display()
+                )
+            });
+            written.push(Written { device, path, note });
         }
         // Whatever else was created in the run folder (by SQLite, by another writer) gets the
         // same modes and owner.

@@ -364,13 +364,7 @@ impl Sink for DbSink {
             }
         }
         self.conn.execute_batch("COMMIT").map_err(&err)?;
-        // Fold the WAL back into the main file and leave WAL mode, so the .db alone is the whole
-        // trace (Insight opens one file, and may copy it without its -wal). The checkpoint must
-        // sync the DB before it empties the WAL (NORMAL or above), or a power cut then could
-        // lose rows that were durable in the WAL.
-        self.conn.pragma_update(None, "synchronous", "NORMAL").map_err(&err)?;
-        self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(&err)?;
-        self.conn.pragma_update(None, "journal_mode", "DELETE").map_err(&err)?;
+        let folded = fold(&self.conn).map_err(&err)?;
         let path = self.path.clone();
         let Self { dump, conn, _files, .. } = *self;
         drop(dump);
@@ -378,8 +372,44 @@ impl Sink for DbSink {
         drop(_files);
         let io = |source| StoreError::Io { path: path.clone(), source };
         std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(io)?;
+        if !folded {
+            // The stop's commits live in the WAL, not synced one by one (see `stopping`).
+            std::fs::File::open(wal_path(&path)).and_then(|f| f.sync_all()).map_err(io)?;
+        }
         Ok(path)
     }
+}
+
+/// How long the fold waits for readers of the live DB to let go.
+const FOLD_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Folds the WAL back into the main file and leaves WAL mode, so the .db alone is the whole
+/// trace (Insight opens one file, and may copy it without its -wal). The checkpoint must sync the
+/// DB before it empties the WAL (NORMAL or above), or a power cut then could lose rows that were
+/// durable in the WAL.
+///
+/// Returns false when another process kept reading the DB for [`FOLD_WAIT`] (a user polling the
+/// live trace): the DB is then left whole in WAL mode, its `-wal` beside it, rather than the stop
+/// failing and the trace losing its end.
+fn fold(conn: &Connection) -> rusqlite::Result<bool> {
+    conn.busy_timeout(FOLD_WAIT)?;
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+    if busy != 0 {
+        return Ok(false);
+    }
+    match conn.pragma_update(None, "journal_mode", "DELETE") {
+        Ok(()) => Ok(true),
+        Err(rusqlite::Error::SqliteFailure(e, _)) if e.code == rusqlite::ErrorCode::DatabaseBusy => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The `-wal` file of the DB at `path`.
+pub fn wal_path(path: &Path) -> PathBuf {
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    PathBuf::from(wal)
 }
 
 #[cfg(test)]

@@ -213,6 +213,9 @@ impl Jobs {
         if written.is_empty() {
             let _ = std::fs::remove_dir(&run_dir);
         }
+        for note in written.iter().filter_map(|w| w.note.as_deref()) {
+            crate::say::say!("memscope-bpf: warning: job {pid}: {note}");
+        }
         Ok(Ended { comm, run_dir, calls })
     }
 

@@ -616,6 +616,9 @@ impl Live {
         for line in &mut devices {
             line.file = written.iter().find(|w| w.device == line.device).map(|w| w.path.clone());
         }
+        for note in written.iter().filter_map(|w| w.note.as_deref()) {
+            crate::say::say!("memscope-bpf: warning: {note}");
+        }
         let elapsed = started.elapsed();
         let summary = Summary {
             stop_reason,

@@ -217,3 +217,48 @@ fn a_build_without_sqlite_dbpage_writes_every_row_through_sql_and_says_why() {
         None => assert_eq!(meta(&path, "writer").as_deref(), Some("pages")),
     }
 }
+
+#[test]
+fn readers_polling_the_live_db_cannot_make_the_stop_fail() {
+    // Two loops of read-only readers (as `sqlite3 -readonly` polled by a user), each opening,
+    // querying and closing, across the stop: the stop must finish the DB with every row.
+    let path = tmp("readers");
+    let mut sink = write(&path, DbWriter::Pages, 300);
+    sink.commit().unwrap();
+    let script = "import sqlite3, sys, time\n\
+        end = time.time() + 30\n\
+        print('reading', flush=True)\n\
+        while time.time() < end:\n\
+        \x20   try:\n\
+        \x20       c = sqlite3.connect('file:' + sys.argv[1] + '?mode=ro', uri=True, timeout=0)\n\
+        \x20       c.execute('BEGIN'); c.execute('SELECT count(*), max(length(Attr)) FROM memscope_dump').fetchall()\n\
+        \x20       c.close()\n\
+        \x20   except sqlite3.Error:\n\
+        \x20       pass\n";
+    let mut readers = Vec::new();
+    for _ in 0..2 {
+        let Ok(mut child) = std::process::Command::new("python3")
+            .args(["-c", script])
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+        else {
+            eprintln!("skipped: no python3 to read the DB");
+            return;
+        };
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+        readers.push(child);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    sink.stopping().unwrap();
+    let finished = sink.finish(&vec![("stop".into(), "yes".into())], &[]);
+    for mut r in readers {
+        let _ = r.kill();
+        let _ = r.wait();
+    }
+    finished.unwrap();
+    // Whole either way: folded into one file, or in WAL mode with its -wal beside it.
+    assert_eq!(table(&path).len(), 300);
+    assert_eq!(meta(&path, "stop").as_deref(), Some("yes"));
+}
