@@ -499,11 +499,19 @@ impl Attr {
         s
     }
 
-    /// Appends msMemScope's CSV form, `{k:v,...}`. Values are written as-is; the CSV writer
-    /// quotes the whole field. (Taken from the JSON: CSV output is the rare case.)
+    /// Appends msMemScope's CSV form, `{k:v,...}`, values as-is (the CSV writer quotes the whole
+    /// field), when every value reads back as itself in that form; otherwise the JSON form, which
+    /// readers of the CSV (our `import` among them) also take. A value the job chose (an owner
+    /// label `x,weight:1000`, one with brackets or quotes) would else add a key or break the
+    /// row. (Taken from the JSON: CSV output is the rare case.)
     pub fn write_csv_form(&self, out: &mut String) {
+        let pairs = self.pairs_text();
+        if !pairs.iter().all(|(_, v)| bare_safe(v)) {
+            self.write_json(out);
+            return;
+        }
         out.push('{');
-        for (i, (k, v)) in self.pairs_text().iter().enumerate() {
+        for (i, (k, v)) in pairs.iter().enumerate() {
             if i > 0 {
                 out.push(',');
             }
@@ -520,6 +528,12 @@ impl Attr {
         self.write_csv_form(&mut s);
         s
     }
+}
+
+/// Whether `value` written bare in `{k:v,...}` reads back as itself: no separator, bracket or
+/// quote the bare form's readers split or strip at, no surrounding space, no line break.
+fn bare_safe(value: &str) -> bool {
+    value.trim() == value && !value.contains([',', '{', '}', '[', ']', '(', ')', '"', '\'', '\n', '\r'])
 }
 
 #[cfg(test)]
@@ -555,9 +569,16 @@ mod tests {
     }
 
     #[test]
-    fn csv_form_reads_escaped_values_back_raw() {
-        let a = Attr::new().with("owner", "a\"b\\c:d,\"x\":\"y").with("size", 2u64);
-        assert_eq!(a.to_csv_form(), "{owner:a\"b\\c:d,\"x\":\"y,size:2}");
+    fn csv_form_reads_back_as_the_same_attr_whatever_the_job_named_its_owner() {
+        // Read back by the import's own parser of msMemScope's CSV (import/attr.rs): the pairs
+        // must be the ones written, no key added, no value cut.
+        for owner in ["PTA@weight", "x,weight:1000", "a\"b\\c:d,\"x\":\"y", "l[0]}", " pad", "it's \"q\"", "aten::add", ""] {
+            let a = Attr::new().with("size", 1_048_576u64).with("owner", owner);
+            let (json, _) = crate::import::attr::to_json(&a.to_csv_form()).unwrap();
+            let read = |j: &str| serde_json::from_str::<std::collections::BTreeMap<String, String>>(j).unwrap();
+            assert_eq!(read(&json), read(&a.to_json()), "owner {owner:?} as {}", a.to_csv_form());
+        }
+        assert_eq!(Attr::new().with("owner", "PTA@kv").to_csv_form(), "{owner:PTA@kv}", "msMemScope's form when it can be");
         assert_eq!(Attr::new().to_csv_form(), "{}");
     }
 
