@@ -1,5 +1,11 @@
 //! The HTTP side of `--listen`: `GET /metrics` (Prometheus text format 0.0.4) and `GET /healthz`
 //! on hyper's HTTP/1 server, one task per connection on the session's own runtime.
+//!
+//! The listener must never cost the trace anything: unbounded, ~20,000 idle connections used up
+//! the tracer's file descriptors (no new job could be recorded) and its memory. So at most
+//! [`MAX_CONNECTIONS`] are served at once (one more is closed as soon as it is accepted), a
+//! request's header must arrive within [`HEADER_WAIT`], and a connection lives at most
+//! [`CONNECTION_LIFETIME`] (Prometheus opens a new one when its keep-alive one is gone).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -14,6 +20,14 @@ use hyper_util::rt::TokioIo;
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+/// Connections served at once: scrapers are a few; the rest is a client gone wrong.
+pub const MAX_CONNECTIONS: usize = 32;
+/// How long a client has to send a request's header.
+const HEADER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long any connection is kept, however busy.
+pub const CONNECTION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
@@ -40,6 +54,7 @@ impl Listener {
     /// Serves until the runtime ends (the trace's end).
     pub fn serve(self, registry: Registry) {
         let registry = Arc::new(registry);
+        let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         tokio::spawn(async move {
             loop {
                 // A failed accept (out of descriptors) is the client's loss, not the trace's; the
@@ -48,13 +63,19 @@ impl Listener {
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                     continue;
                 };
+                // Over the bound: closed at once (dropped), so it holds no descriptor.
+                let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { continue };
                 let registry = Arc::clone(&registry);
                 tokio::spawn(async move {
                     let service = service_fn(move |req| answer(req, Arc::clone(&registry)));
-                    // A client that hangs up mid-answer ends only its own connection.
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let connection = hyper::server::conn::http1::Builder::new()
+                        .timer(hyper_util::rt::TokioTimer::new())
+                        .header_read_timeout(HEADER_WAIT)
+                        .serve_connection(TokioIo::new(stream), service);
+                    // A client that hangs up mid-answer, or stays too long, ends only its own
+                    // connection.
+                    let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
+                    drop(slot);
                 });
             }
         });
@@ -81,4 +102,55 @@ async fn answer(req: Request<Incoming>, registry: Arc<Registry>) -> Result<Respo
         (&Method::GET, "/healthz") => text(StatusCode::OK, PLAIN, "ok\n".into()),
         (_, path) => text(StatusCode::NOT_FOUND, PLAIN, format!("no {path} here: GET /metrics or /healthz\n")),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read as _, Write as _};
+
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
+    }
+
+    /// A scrape from a plain blocking client (off the runtime's threads).
+    async fn healthz(addr: SocketAddr) -> String {
+        tokio::task::spawn_blocking(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+            let mut text = String::new();
+            s.read_to_string(&mut text).unwrap();
+            text
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_connections_are_bounded_and_timed_out_and_scrapes_come_back() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.addr;
+        listener.serve(Registry::default());
+        assert!(healthz(addr).await.ends_with("ok\n"));
+        let before = open_fds();
+        // 300 clients that connect and say nothing (the sweep used 20,000).
+        let idle: Vec<std::net::TcpStream> = (0..300).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        // The clients' ends are in this process too; the server holds at most its bound.
+        let server_side = open_fds() - before - idle.len();
+        assert!(server_side <= MAX_CONNECTIONS + 2, "{server_side} descriptors held for idle clients");
+        // Past the header wait the idle ones are closed, and a scrape is answered again.
+        tokio::time::sleep(HEADER_WAIT + std::time::Duration::from_secs(1)).await;
+        let closed = idle
+            .iter()
+            .filter(|s| {
+                s.set_nonblocking(true).unwrap();
+                matches!((&**s).read(&mut [0u8; 1]), Ok(0))
+            })
+            .count();
+        assert!(closed >= MAX_CONNECTIONS, "the server closed the idle connections it served ({closed})");
+        assert_eq!(open_fds() - before - idle.len(), 0, "and holds none now");
+        drop(idle);
+        assert!(healthz(addr).await.ends_with("ok\n"));
+    }
 }
