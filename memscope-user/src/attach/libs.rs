@@ -189,6 +189,23 @@ pub fn python_packages(python: &Path) -> Vec<Library> {
     text.lines().flat_map(|dir| in_dir(&Path::new(dir).join("lib"), &Origin::PythonPackage)).collect()
 }
 
+/// A path as `/proc/PID/maps` shows it, as the file system names it. The kernel writes a newline
+/// in a mapped path as `\012` (the one character it escapes there), so a runtime loaded from a
+/// folder with a newline in its name was looked for under the wrong name and never probed. A
+/// name that really holds the text `\012` keeps it: the unescaped form is taken only if it exists
+/// in the process's root.
+pub fn mapped_path(pid: u32, shown: &str) -> std::borrow::Cow<'_, str> {
+    if !shown.contains("\\012") {
+        return shown.into();
+    }
+    let real = shown.replace("\\012", "\n");
+    if Path::new(&format!("/proc/{pid}/root{real}")).exists() {
+        real.into()
+    } else {
+        shown.into()
+    }
+}
+
 /// Known libraries mapped executable in a process, and its executable if it links the CUDA
 /// runtime statically.
 pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
@@ -203,6 +220,7 @@ pub fn from_maps(pid: u32) -> std::io::Result<Vec<Library>> {
         if !perms.contains('x') || path.ends_with(" (deleted)") {
             continue;
         }
+        let path = &*mapped_path(pid, path);
         let file = Path::new(path);
         let through_root = PathBuf::from(format!("/proc/{pid}/root{path}"));
         if exe.as_deref() == Some(file) && !file.file_name().is_some_and(is_known_name) {
@@ -322,6 +340,37 @@ fn layer_rank(name: &OsStr) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runtime_mapped_from_a_folder_with_a_newline_in_its_name_is_found() {
+        // The file need only be a mapped, executable regular file with a known name: mapped here,
+        // by this test process, as the job would map the real runtime.
+        let dir = std::env::temp_dir().join(format!("memscope-nl-{}/with\nnewline", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let lib = dir.join("libacl_rt.so");
+        std::fs::write(&lib, vec![0u8; 4096]).unwrap();
+        let file = std::fs::File::open(&lib).unwrap();
+        use std::os::fd::AsRawFd as _;
+        // SAFETY: a fresh private read+exec mapping of a 4 KiB file, unmapped below.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_EXEC,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED);
+        let found = from_maps(std::process::id()).unwrap();
+        // SAFETY: the mapping made above.
+        unsafe { libc::munmap(at, 4096) };
+        let ours: Vec<&Library> = found.iter().filter(|l| l.shown.ends_with("newline/libacl_rt.so")).collect();
+        assert_eq!(ours.len(), 1, "{found:?}");
+        assert_eq!(ours[0].shown, lib.display().to_string(), "named as the file system names it");
+        let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+    }
 
     #[test]
     fn known_names_include_versioned_files_only() {

@@ -51,10 +51,10 @@ pub fn of_process(pid: u32) -> Option<Library> {
     let auxv = std::fs::read(format!("/proc/{pid}/auxv")).ok()?;
     let base = interpreter_base(&auxv)?;
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    let shown = mapped_at(&maps, base)?;
+    let shown = super::libs::mapped_path(pid, mapped_at(&maps, base)?);
     let path = PathBuf::from(format!("/proc/{pid}/root{shown}"));
     let meta = std::fs::metadata(&path).ok().filter(std::fs::Metadata::is_file)?;
-    Some(Library { path, shown: shown.to_owned(), file_id: (meta.dev(), meta.ino()), origin: Origin::Mapped { pid } })
+    Some(Library { path, shown: shown.into_owned(), file_id: (meta.dev(), meta.ino()), origin: Origin::Mapped { pid } })
 }
 
 /// The file offset of [`HOOK_SYMBOL`] in a linker file; `None` where it defines none.
