@@ -40,6 +40,9 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     match cli.run() {
         Ok(()) => ExitCode::SUCCESS,
+        Err(err) if err.downcast_ref::<cli::PassOn>().is_some() => {
+            ExitCode::from(err.downcast_ref::<cli::PassOn>().map_or(1, |p| p.0))
+        }
         Err(err) => {
             // One line: what failed, then why, each cause once.
             say::say!("memscope-bpf: error: {}", attach::with_causes(err.as_ref()));

@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use memscope_core::printable::printable;
 use serde::Serialize;
 
 use crate::summary::human;
@@ -193,7 +194,8 @@ impl Status {
             facts.calls,
             facts.lost
         )];
-        let job = |j: &Option<String>| j.as_ref().map(|j| format!("job {j} ")).unwrap_or_default();
+        // Jobs (`PID (COMM)`) and owners are the targets' text; the JSON keeps it exact.
+        let job = |j: &Option<String>| j.as_ref().map(|j| format!("job {} ", printable(j))).unwrap_or_default();
         for d in &facts.devices {
             let (live, peak) = (human(d.live_bytes), human(d.peak_bytes));
             lines.push(format!("{}device {}: {live} live, peak {peak}", job(&d.job), d.device));
@@ -206,8 +208,8 @@ impl Status {
                 .map(|o| {
                     format!(
                         "{}{} {}",
-                        o.job.as_ref().map(|j| format!("{j}: ")).unwrap_or_default(),
-                        o.owner,
+                        o.job.as_ref().map(|j| format!("{}: ", printable(j))).unwrap_or_default(),
+                        printable(&o.owner),
                         human(o.bytes.max(0) as u64)
                     )
                 })
@@ -301,6 +303,20 @@ mod tests {
             serde_json::to_value(facts()).unwrap()["devices"][0].get("job").is_none(),
             "trace's lines are unchanged"
         );
+    }
+
+    #[test]
+    fn the_targets_owners_and_names_are_escaped_on_the_terminal_and_exact_in_json() {
+        let mut f = facts();
+        f.owners[0].owner = "PTA@x\u{1b}[2J\nmemscope-bpf: forged".into();
+        f.owners[0].job = Some("42".into());
+        f.devices[0].job = Some("42 (py\u{1b}]0;t\u{7})".into());
+        let text = Status::new(Mode::Off).text(&f, 5.0, Instant::now());
+        assert!(!text.contains('\u{1b}') && !text.contains("\nmemscope-bpf: forged"), "{text}");
+        assert!(text.contains("42: PTA@x\\u{1b}[2J\\nmemscope-bpf: forged 2.0 MiB"), "{text}");
+        assert!(text.contains("job 42 (py\\u{1b}]0;t\\u{7}) device 0"), "{text}");
+        let json = serde_json::to_value(&f).unwrap();
+        assert_eq!(json["owners"][0]["owner"], f.owners[0].owner.as_str());
     }
 
     #[test]

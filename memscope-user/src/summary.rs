@@ -10,6 +10,8 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use memscope_core::printable::printable;
+
 use crate::model::DeviceKey;
 
 #[derive(Clone, Debug)]
@@ -60,6 +62,10 @@ pub struct Summary {
     pub pools: Vec<PoolLine>,
     /// Libraries found but not traced (at start or loaded later), in the order met.
     pub skipped_libraries: Vec<SkippedLibrary>,
+    /// The launched command's exit status, which `trace` exits with (launch mode).
+    pub target_status: Option<i32>,
+    /// The target was launched under the probes, not attached to.
+    pub launched: bool,
 }
 
 /// What loss does to the counts, as the summary and `ms_meta` `loss_effect` say it.
@@ -99,6 +105,18 @@ fn device_name(d: DeviceKey) -> String {
     }
 }
 
+/// What the frees of blocks the trace never saw allocated were, as far as it can tell: nothing a
+/// launched job allocated predates the trace, so there they are lost records or allocations made
+/// before their library was probed (a library loaded later is probed a moment after its load).
+fn untracked_cause(launched: bool, lost: u64) -> &'static str {
+    match (launched, lost > 0) {
+        (false, false) => "allocated before the trace",
+        (false, true) => "allocated before the trace or whose allocation record was lost",
+        (true, false) => "allocated before their library was probed (loaded while the job ran)",
+        (true, true) => "whose allocation record was lost, or made before their library was probed",
+    }
+}
+
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "memscope-bpf: stopped ({}) after {:.1} s", self.stop_reason, self.elapsed.as_secs_f64())?;
@@ -115,7 +133,7 @@ impl fmt::Display for Summary {
         }
         if !self.skipped_libraries.is_empty() {
             let n = self.skipped_libraries.len();
-            let names: Vec<&str> = self.skipped_libraries.iter().map(|s| s.library.as_str()).collect();
+            let names: Vec<_> = self.skipped_libraries.iter().map(|s| printable(&s.library)).collect();
             let what = if n == 1 { "library" } else { "libraries" };
             writeln!(f, "memscope-bpf: {n} {what} not traced (see the warnings): {}", names.join(", "))?;
         }
@@ -141,9 +159,10 @@ impl fmt::Display for Summary {
                 d.failures
             )?;
             if d.untracked_frees > 0 {
+                let why = untracked_cause(self.launched, self.lost);
                 writeln!(
                     f,
-                    "              {} of the frees were of blocks allocated before the trace (table ms_untracked_frees)",
+                    "              {} of the frees were of blocks {why} (table ms_untracked_frees)",
                     d.untracked_frees
                 )?;
             }
@@ -201,6 +220,8 @@ mod tests {
             }],
             pools: Vec::new(),
             skipped_libraries: Vec::new(),
+            target_status: None,
+            launched: false,
         }
     }
 
@@ -215,6 +236,16 @@ mod tests {
             loss_meta(37),
             [("counts_exact".to_owned(), "false".to_owned()), ("loss_effect".to_owned(), LOSS_EFFECT.to_owned())]
         );
+    }
+
+    #[test]
+    fn skipped_library_paths_are_escaped() {
+        let mut s = summary(0);
+        let library = "/tmp/lib\u{1b}[2J\nmemscope-bpf: forged.so".to_owned();
+        s.skipped_libraries.push(SkippedLibrary { library, reason: "not an ELF file".into() });
+        let text = s.to_string();
+        assert!(!text.contains('\u{1b}') && !text.contains("\nmemscope-bpf: forged"), "{text}");
+        assert!(text.contains("1 library not traced (see the warnings): /tmp/lib\\u{1b}[2J\\nmemscope-bpf: forged.so"));
     }
 
     #[test]
@@ -250,11 +281,18 @@ mod tests {
             devices: vec![line(DeviceKey::Npu(0), 3), line(DeviceKey::Npu(1), 0)],
             pools: vec![],
             skipped_libraries: vec![],
+            target_status: None,
+            launched: false,
         };
         let text = summary.to_string();
         let said: Vec<&str> = text.lines().filter(|l| l.contains("allocated before the trace")).collect();
         assert_eq!(said.len(), 1, "{text}");
         assert!(said[0].trim_start().starts_with("3 of the frees"), "{text}");
+        // Launched, nothing predates the trace; under loss the records may be what is missing.
+        let launched = Summary { launched: true, lost: 4, ..summary };
+        let text = launched.to_string();
+        assert!(!text.contains("allocated before the trace"), "{text}");
+        assert!(text.contains("3 of the frees were of blocks whose allocation record was lost"), "{text}");
     }
 
     #[test]

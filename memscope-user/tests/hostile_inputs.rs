@@ -2,7 +2,6 @@
 //! device nodes as inputs, device nodes and planted symlinks as outputs. Each must be one clear
 //! error or a correct write, never a hang, and never a file replaced that is not ours.
 
-#[allow(dead_code)]
 mod corpus;
 
 use std::os::unix::fs::FileTypeExt as _;
@@ -143,8 +142,8 @@ fn a_symlink_another_user_planted_in_a_shared_folder_is_not_followed() {
     let plant = |name: &str| {
         let link = shared.join(name);
         std::os::unix::fs::symlink(&victim, &link).unwrap();
-        // SAFETY: a NUL-terminated path; lchown changes the link itself.
         let c = std::ffi::CString::new(link.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path; lchown changes the link itself.
         assert_eq!(unsafe { libc::lchown(c.as_ptr(), 65534, 65534) }, 0);
         link
     };

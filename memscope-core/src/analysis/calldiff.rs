@@ -17,6 +17,7 @@ use serde::Serialize;
 use super::calls::{Calls, Level};
 use super::opdiff::{self, Edit};
 use super::render::signed_bytes;
+use crate::printable::printable;
 
 /// Matched rows with equal deltas kept on each side of a difference in the text.
 const CONTEXT: usize = 2;
@@ -223,7 +224,7 @@ fn row_text(out: &mut String, r: &Row) {
         position(r.b),
         delta(r.delta_a),
         delta(r.delta_b),
-        r.name
+        printable(&r.name)
     );
 }
 
@@ -291,7 +292,7 @@ pub fn text(d: &CallDiff, max_rows: usize) -> String {
                 delta(r.delta_a),
                 delta(r.delta_b),
                 signed_bytes(r.delta_b.unwrap_or(0) - r.delta_a.unwrap_or(0)),
-                r.name
+                printable(&r.name)
             );
         }
     }
@@ -389,5 +390,15 @@ mod tests {
         // The same sequences say so in one line.
         let same = text(&diff(&a, &a, 10), 0);
         assert!(same.contains("the sequences and their deltas are the same") && !same.contains("edit script"));
+    }
+
+    #[test]
+    fn op_names_reach_the_text_escaped_and_the_rows_exact() {
+        let evil = "op\u{1b}]0;pwned\u{7}\nmemscope-bpf: forged";
+        let d = diff(&[("mm", 0), (evil, 8)], &[("mm", 0), (evil, 16)], 10);
+        let t = text(&d, 0);
+        assert!(!t.contains('\u{1b}') && !t.contains("\nmemscope-bpf: forged"), "{t}");
+        assert!(t.contains("op\\u{1b}]0;pwned\\u{7}\\nmemscope-bpf: forged"), "{t}");
+        assert_eq!(d.rows[1].name, evil, "--json keeps the exact name");
     }
 }

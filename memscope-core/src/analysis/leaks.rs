@@ -30,6 +30,7 @@ use super::degradation::{self, FamilyTrend, Verdict};
 use super::render::{human_bytes, relative};
 use super::steps::{BlockEnd, BlockKind, BlockSink, Boundary, StepDb, StepError, StepPoint, StepSummary, Timeline};
 use super::AnalysisError;
+use crate::printable::printable;
 
 /// The analysis' knobs (`analyze` flags; `compare` shares `--step-marker`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, clap::Args)]
@@ -365,6 +366,7 @@ fn blocks_text(out: &mut String, leaks: &[Leak]) {
         } else {
             format!("{owner} ({family})")
         };
+        let owner = printable(&owner);
         let _ = writeln!(
             out,
             "    {owner}: {} block{}, {} ({bytes} B), {live} still live at the end",
@@ -379,10 +381,11 @@ fn blocks_text(out: &mut String, leaks: &[Leak]) {
                 .map_or(String::new(), |n| format!(", alive {n} more step{}", if n == 1 { "" } else { "s" }));
             let end = if l.free_ts.is_some() { "freed later" } else { "never freed" };
             let kind = if l.block == "block" { String::new() } else { format!(" [{}]", l.block) };
-            let id = l.allocation_id.as_deref().map_or(String::new(), |id| format!(", allocation_id {id}"));
+            let id =
+                l.allocation_id.as_deref().map_or(String::new(), |id| format!(", allocation_id {}", printable(id)));
             let _ = writeln!(out, "      {} {:>10}  {born}{alive}, {end}{kind}{id}", l.ptr, human_bytes(l.size));
             if let Some(frame) = l.python_stack.lines().next().filter(|f| !f.is_empty()) {
-                let _ = writeln!(out, "        at {frame}");
+                let _ = writeln!(out, "        at {}", printable(frame));
             }
         }
         if blocks.len() > BLOCKS_SHOWN {
@@ -541,7 +544,8 @@ fn degradation_text(out: &mut String, report: &LeakReport) {
                 .filter(|o| o.delta > 0)
                 .take(5)
                 .map(|o| {
-                    format!("{} +{} ({:.0}%)", o.owner, human_bytes(o.delta), o.delta as f64 * 100.0 / rise as f64)
+                    let owner = printable(&o.owner);
+                    format!("{owner} +{} ({:.0}%)", human_bytes(o.delta), o.delta as f64 * 100.0 / rise as f64)
                 })
                 .collect();
             if !grew.is_empty() {
@@ -665,6 +669,21 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("    CANN@HCCL: 1 block"), "{text}");
+    }
+
+    #[test]
+    fn owners_reach_the_text_escaped_and_the_json_exact() {
+        let evil = "CANN@x\u{1b}[2J\nmemscope-bpf: forged";
+        let mut db = TestDb::create(&dir("leaks-escaped").join("memscope_dump_1.db"));
+        db.malloc("HAL", 10, 0x1, MIB, Some(evil));
+        db.system("STOP_TRACE", 50);
+        db.free_marked("HAL", 51, 0x1, "shadow");
+        let path = db.path.clone();
+        let r = analyse_db(db, &Options::default());
+        let text = text(&r, &path, "0");
+        assert!(!text.contains('\u{1b}') && !text.contains("\nmemscope-bpf: forged"), "{text}");
+        assert!(text.contains("    CANN@x\\u{1b}[2J\\nmemscope-bpf: forged: 1 block"), "{text}");
+        assert!(json(&r, &path, "0").to_string().contains(&serde_json::to_string(evil).unwrap()));
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub use super::incidents::{
 };
 use super::render::{human_bytes, relative};
 use super::AnalysisError;
+use crate::printable::printable;
 
 // ---------------------------------------------------------------- reports
 
@@ -44,14 +45,14 @@ pub fn text(report: &fragmentation::Report, path: &Path, device: &str) -> String
         let when = report.start_ns.map_or_else(String::new, |t| format!("{} ", relative(inc.ts_ns - t)));
         let req = inc.req_size.map_or_else(|| "an unknown size".to_owned(), |r| format!("{} ({r} B)", b(r)));
         let _ = writeln!(out, "\n  OOM {} at {when}(ts {}, pid {}, tid {})", inc.number, inc.ts_ns, inc.pid, inc.tid);
-        let _ = write!(out, "    {} could not get {req}", inc.func);
+        let _ = write!(out, "    {} could not get {req}", printable(&inc.func));
         if let Some(first) = inc.attempts.first() {
             let asked = first.req_size.map_or_else(|| "memory".to_owned(), b);
             let _ = write!(
                 out,
                 "; before giving up it asked the runtime for {asked} {} time(s) ({})",
                 inc.attempts.len(),
-                first.func
+                printable(&first.func)
             );
         }
         out.push('\n');
@@ -75,9 +76,10 @@ pub fn text(report: &fragmentation::Report, path: &Path, device: &str) -> String
                 b(s.holes)
             );
         }
-        let _ = writeln!(out, "    verdict: {}", inc.explanation);
+        // The explanation names owners; it is stored and sent as JSON as it is.
+        let _ = writeln!(out, "    verdict: {}", printable(&inc.explanation));
         let owners: Vec<String> =
-            s.owners.iter().map(|o| format!("{} {} ({} blocks)", o.owner, b(o.bytes), o.blocks)).collect();
+            s.owners.iter().map(|o| format!("{} {} ({} blocks)", printable(&o.owner), b(o.bytes), o.blocks)).collect();
         if !owners.is_empty() {
             let _ = writeln!(out, "    owners: {}", owners.join(", "));
         }
@@ -89,7 +91,7 @@ pub fn text(report: &fragmentation::Report, path: &Path, device: &str) -> String
                 .iter()
                 .map(|x| {
                     let at = report.start_ns.map_or_else(|| format!("ts {}", x.ts_ns), |t| relative(x.ts_ns - t));
-                    format!("{} {} {} {at}", b(x.size), x.ptr, x.owner)
+                    format!("{} {} {} {at}", b(x.size), x.ptr, printable(&x.owner))
                 })
                 .collect();
             let _ = writeln!(out, "    {title}: {}", items.join("; "));
@@ -308,6 +310,28 @@ mod tests {
         assert!(all[0].explanation.contains("PTA@weight (16.0 MiB), PTA@act (4.0 MiB)"), "{}", all[0].explanation);
         assert!(all[1].explanation.contains("set_per_process_memory_fraction"), "{}", all[1].explanation);
         assert_eq!(all[1].attempts, []);
+    }
+
+    #[test]
+    fn owners_reach_the_text_escaped_and_the_json_and_table_exact() {
+        let evil = "PTA@x\u{1b}[2J\nmemscope-bpf: forged";
+        let mut fx = Fx::new("oom-escaped");
+        fx.segment(1, 0x1000_0000, 20 * M, false);
+        fx.block(1, 0x1000_0000, 20 * M, evil);
+        fx.oom(1, "aclrtMallocAlign32", 20 * M);
+        fx.oom(1, ALLOC, 8 * M);
+        let path = fx.stop();
+        let out = for_analyze(&path, "0", 5, true, 1).unwrap();
+        assert!(!out.text.contains('\u{1b}') && !out.text.contains("\nmemscope-bpf: forged"), "{}", out.text);
+        let shown = "PTA@x\\u{1b}[2J\\nmemscope-bpf: forged";
+        for line in ["    verdict: ", "    owners: ", "    largest live blocks: "] {
+            let line = out.text.lines().find(|l| l.starts_with(line)).unwrap();
+            assert!(line.contains(shown), "{line}");
+        }
+        assert!(out.json.to_string().contains(&serde_json::to_string(evil).unwrap()));
+        let conn = Connection::open(&path).unwrap();
+        let stored: String = conn.query_row("SELECT owner FROM ms_oom_blocks LIMIT 1", [], |r| r.get(0)).unwrap();
+        assert_eq!(stored, evil);
     }
 
     #[test]

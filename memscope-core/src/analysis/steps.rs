@@ -32,6 +32,7 @@ use super::attr::attr_fields;
 use super::blocks::{block_attr, BlockHooks, BlockKey, BlockReplay, Bounds, Family, OwnerSlots};
 use super::db::{text, DumpDb, DumpRow, Fed, ReadOrder, Selection};
 use super::AnalysisError;
+use crate::printable::printable;
 use crate::store::insight::GC;
 use crate::vocab::{attr, Event, EventType};
 
@@ -534,6 +535,7 @@ impl Timeline {
                 let seen = if marks.is_empty() {
                     "the trace has no MSTX marks or ranges".to_owned()
                 } else {
+                    let marks: Vec<_> = marks.iter().map(|m| printable(m)).collect();
                     format!("marks and ranges in this trace: {}", marks.join(", "))
                 };
                 return Err(StepError::NoSuchMarker { path: db.db.path().to_owned(), marker: marker.to_owned(), seen });
@@ -785,6 +787,19 @@ mod tests {
         let (t, _) = replay(db, Some("iter"));
         assert_eq!(steps(&t), [(0, 10, Source::Marker), (1, 20, Source::Marker)]);
         assert_eq!(t.summary().marks_seen, ["other"]);
+    }
+
+    #[test]
+    fn the_marks_a_missing_step_marker_lists_are_escaped() {
+        let mut db = TestDb::create(&dir("steps-marker-escaped").join("memscope_dump_1.db"));
+        mstx(&mut db, 10, "Mark", "x\u{1b}[2J\nmemscope-bpf: forged");
+        let path = db.path.clone();
+        drop(db);
+        let dump = DumpDb::open_read(&path).unwrap();
+        let replayed = Timeline::replay(&StepDb::new(&dump).unwrap(), Some("iter"), &mut Ends::default());
+        let msg = replayed.err().unwrap().to_string();
+        assert!(!msg.contains('\u{1b}') && !msg.contains('\n'), "{msg}");
+        assert!(msg.contains("marks and ranges in this trace: x\\u{1b}[2J\\nmemscope-bpf: forged;"), "{msg}");
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! The DB is written beside its final name and renamed over it only when complete, so an error
 //! (the line is named) or an interruption never leaves a half DB under that name.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use rusqlite::types::{ToSqlOutput, ValueRef};
 use rusqlite::Connection;
@@ -271,6 +271,8 @@ fn id_value(text: &str) -> ValueRef<'_> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use rusqlite::types::Value;
 
     use super::*;

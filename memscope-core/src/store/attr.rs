@@ -572,13 +572,19 @@ mod tests {
     fn csv_form_reads_back_as_the_same_attr_whatever_the_job_named_its_owner() {
         // Read back by the import's own parser of msMemScope's CSV (import/attr.rs): the pairs
         // must be the ones written, no key added, no value cut.
-        for owner in ["PTA@weight", "x,weight:1000", "a\"b\\c:d,\"x\":\"y", "l[0]}", " pad", "it's \"q\"", "aten::add", ""] {
+        for owner in
+            ["PTA@weight", "x,weight:1000", "a\"b\\c:d,\"x\":\"y", "l[0]}", " pad", "it's \"q\"", "aten::add", ""]
+        {
             let a = Attr::new().with("size", 1_048_576u64).with("owner", owner);
             let (json, _) = crate::import::attr::to_json(&a.to_csv_form()).unwrap();
             let read = |j: &str| serde_json::from_str::<std::collections::BTreeMap<String, String>>(j).unwrap();
             assert_eq!(read(&json), read(&a.to_json()), "owner {owner:?} as {}", a.to_csv_form());
         }
-        assert_eq!(Attr::new().with("owner", "PTA@kv").to_csv_form(), "{owner:PTA@kv}", "msMemScope's form when it can be");
+        assert_eq!(
+            Attr::new().with("owner", "PTA@kv").to_csv_form(),
+            "{owner:PTA@kv}",
+            "msMemScope's form when it can be"
+        );
         assert_eq!(Attr::new().to_csv_form(), "{}");
     }
 

@@ -14,6 +14,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
+use memscope_core::printable::printable;
 use serde::Serialize;
 
 use super::inputs;
@@ -332,7 +333,7 @@ fn text(d: &PairDiff) -> String {
             let _ = writeln!(
                 out,
                 "    {:<28} A {:>10}  B {:>10}  {:>11}{}",
-                g.owner,
+                printable(&g.owner),
                 human_bytes(g.a),
                 human_bytes(g.b),
                 signed(g.diff),
@@ -346,7 +347,7 @@ fn text(d: &PairDiff) -> String {
             let _ = writeln!(
                 out,
                 "    {:<28} A {:>10}  B {:>10}  {:>11}",
-                g.owner,
+                printable(&g.owner),
                 human_bytes(g.a),
                 human_bytes(g.b),
                 signed(g.diff)
@@ -614,6 +615,17 @@ mod tests {
         // The other way round, kv shrank.
         let back = diffs(&leaky, &clean, &["--device", "0"]);
         assert_eq!(back[0].shrank[0].owner, "PTA@kv_cache");
+    }
+
+    #[test]
+    fn owners_are_escaped_in_the_text() {
+        let clean = run_folder("cmp-escaped-clean", &["0"], false);
+        let leaky = run_folder("cmp-escaped-leaky", &["0"], true);
+        let mut d = diffs(&clean, &leaky, &[]).remove(0);
+        d.grew[0].owner = "PTA@x\u{1b}[2J\nmemscope-bpf: forged".into();
+        let text = text(&d);
+        assert!(!text.contains('\u{1b}') && !text.contains("\nmemscope-bpf: forged"), "{text}");
+        assert!(text.contains("    PTA@x\\u{1b}[2J\\nmemscope-bpf: forged A "), "{text}");
     }
 
     #[test]

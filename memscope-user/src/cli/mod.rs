@@ -66,6 +66,13 @@ impl Cli {
     }
 }
 
+/// A launched command's non-zero exit status, which `trace -- CMD` exits with once its trace is
+/// complete, as `time` and `strace` do: a script running a job under the tracer sees the job's
+/// failure. Not an error of the tracer's (nothing more is printed).
+#[derive(Debug, thiserror::Error)]
+#[error("the traced command exited with status {0}")]
+pub struct PassOn(pub u8);
+
 /// Parses `30`, `30s`, `500ms`, `5m`, `1h`, `7d`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();

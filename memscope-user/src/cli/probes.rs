@@ -8,6 +8,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
+use memscope_core::printable::printable;
 
 use crate::apis::{Api, Attach, Family};
 use crate::attach::libs::{self, Library, Origin};
@@ -79,7 +80,7 @@ fn describe_markers(lib: &Library, text: &mut String) -> bool {
         Ok(plan) => plan,
         Err(e) => {
             if libs::is_markers_module(&lib.path) {
-                let _ = writeln!(text, "  [markers (USDT)]\n    unreadable notes: {e}");
+                let _ = writeln!(text, "  [markers (USDT)]\n    unreadable notes: {}", printable(&e.to_string()));
             }
             return false;
         }
@@ -113,11 +114,13 @@ fn describe_markers(lib: &Library, text: &mut String) -> bool {
             let _ = writeln!(
                 text,
                 "    attach  {:<34} offset {:#x}, {semaphore}, args `{}`",
-                site.name, site.file_offset, site.args
+                site.name,
+                site.file_offset,
+                printable(&site.args)
             );
         }
         for why in skipped {
-            let _ = writeln!(text, "    skip    {why}");
+            let _ = writeln!(text, "    skip    {}", printable(why));
         }
         let _ = if semaphores {
             writeln!(text, "    => {seen}")
@@ -154,7 +157,7 @@ fn describe_native_stacks(pid: u32, text: &mut String) {
             }
             Err(e) => format!("not surveyed: {e}"),
         };
-        let _ = writeln!(text, "  {}: {verdict}", path.display());
+        let _ = writeln!(text, "  {}: {}", printable(&path.to_string_lossy()), printable(&verdict));
     }
     if without > 0 {
         let _ = writeln!(
@@ -178,7 +181,7 @@ fn describe_python(pid: u32, text: &mut String) {
         ),
         Err(e) => format!("no Python stacks: {e}"),
     };
-    let _ = writeln!(text, "python stacks (trace --call-stack python): {line}");
+    let _ = writeln!(text, "python stacks (trace --call-stack python): {}", printable(&line));
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -206,17 +209,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut text = String::new();
     let mut unreadable = 0;
     for lib in &found {
-        let _ = writeln!(text, "{} ({})", lib.shown, origin(&lib.origin));
+        // Paths, notes and debug links below are the libraries' (and the process's) own text.
+        let _ = writeln!(text, "{} ({})", printable(&lib.shown), origin(&lib.origin));
         let plan = match plan(lib, args.probe_set, &args.debug_dirs) {
             Ok(p) => p,
             Err(e) => {
-                let _ = writeln!(text, "  unreadable: {}", crate::attach::with_causes(&e));
+                let _ = writeln!(text, "  unreadable: {}", printable(&crate::attach::with_causes(&e)));
                 unreadable += 1;
                 continue;
             }
         };
         if plan.debug != DebugStatus::NotNeeded {
-            let _ = writeln!(text, "  debug file: {}", describe_debug(&plan.debug));
+            let _ = writeln!(text, "  debug file: {}", printable(&describe_debug(&plan.debug)));
         }
         let markers = describe_markers(lib, &mut text);
         if plan.families.is_empty() && !markers {
@@ -252,7 +256,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 }
             }
             for note in plan.notes.iter().filter(|n| n.family == *family) {
-                let _ = writeln!(text, "    => {}", note.text);
+                let _ = writeln!(text, "    => {}", printable(&note.text));
             }
         }
     }

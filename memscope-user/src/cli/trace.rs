@@ -327,5 +327,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     // Last: the DBs, the summary and the analyses did not wait for the probes to go.
     runtime.block_on(detaching.wait(quiet));
-    Ok(())
+    match summary.target_status {
+        Some(code) if code != 0 => Err(super::PassOn(u8::try_from(code).unwrap_or(1)).into()),
+        _ => Ok(()),
+    }
 }

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use memscope_core::analysis::live::{self, LiveView};
+use memscope_core::printable::printable;
 
 use crate::apis::{Api, Backend, Family};
 use crate::clock::{self, Clock};
@@ -195,7 +196,7 @@ impl Jobs {
         let Recorder { mut tracker, mut store, calls, markers, error, .. } = recorder;
         if let Some(e) = error {
             // The DB is left as its last commit had it; nothing more can be written to it.
-            return Err(e.context(format!("job {pid} ({comm}): its DB ends at the last commit")));
+            return Err(e.context(format!("job {pid} ({}): its DB ends at the last commit", printable(&comm))));
         }
         let stop_wall = clock::wall_ns();
         store.stopping()?;

@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use memscope_core::printable::printable;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
@@ -259,14 +260,15 @@ impl Daemon {
         let Some(ld) = crate::attach::linker::of_process(pid) else { return };
         match self.tracer.hook_linker(&ld) {
             Ok(LinkerHook::Added) => {
-                note(self.plan.quiet, format!("watching the libraries loaded through {} (process {pid})", ld.shown));
+                let ld = printable(&ld.shown);
+                note(self.plan.quiet, format!("watching the libraries loaded through {ld} (process {pid})"));
             }
             Ok(LinkerHook::Known) => {}
             Ok(LinkerHook::Refused) => self.discovery.unhooked(pid, now),
             Err(e) => {
                 say!(
                     "memscope-bpf: warning: {}; its processes are looked at every second instead",
-                    crate::attach::with_causes(&e)
+                    printable(&crate::attach::with_causes(&e))
                 );
                 self.discovery.unhooked(pid, now);
             }
@@ -388,7 +390,7 @@ impl Daemon {
         let Self { consumer, jobs, cx, probes, .. } = self;
         consumer.drain(|e| outcomes.extend(jobs.on_event(e, cx, probes)));
         for (pid, comm, dir) in self.jobs.take_opened() {
-            note(self.plan.quiet, format!("job {pid} ({comm}): traced, in {}", dir.display()));
+            note(self.plan.quiet, format!("job {pid} ({}): traced, in {}", printable(&comm), dir.display()));
         }
         for outcome in outcomes {
             match outcome {
@@ -412,7 +414,7 @@ impl Daemon {
                     self.plan.quiet,
                     format!(
                         "job {pid} ({}): {reason}; {} calls recorded in {}",
-                        ended.comm,
+                        printable(&ended.comm),
                         ended.calls,
                         ended.run_dir.display()
                     ),

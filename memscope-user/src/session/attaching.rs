@@ -5,6 +5,8 @@
 
 use std::collections::BTreeSet;
 
+use memscope_core::printable::printable;
+
 use crate::apis::{self, Backend};
 use crate::attach::libs::{self, Library};
 use crate::attach::loader::AttachError;
@@ -68,32 +70,33 @@ pub(crate) fn attach_markers(tracer: &mut Tracer, libs: &[Library], quiet: bool)
             Ok((sites, skipped)) => {
                 attached.extend(sites);
                 for why in skipped {
-                    note(quiet, format!("warning: marker site skipped: {why}"));
+                    note(quiet, format!("warning: marker site skipped: {}", printable(&why)));
                 }
             }
-            Err(e) => note(
-                quiet,
-                format!("warning: markers in {} are not traced: {}", lib.shown, crate::attach::with_causes(&e)),
-            ),
+            Err(e) => {
+                let why = crate::attach::with_causes(&e);
+                let lib = printable(&lib.shown);
+                note(quiet, format!("warning: markers in {lib} are not traced: {}", printable(&why)));
+            }
         }
     }
     attached
 }
 
 /// `USDT: 11 sites in A; 4 sites in B`: the sites attached, per library (the markers' module,
-/// PyTorch's libc10_cuda.so).
+/// PyTorch's libc10_cuda.so). Library paths are the targets' text: escaped, as in every note.
 pub(crate) fn describe_usdt(sites: &[AttachedUsdt]) -> String {
     let mut per_lib: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
     for site in sites {
         *per_lib.entry(site.library.as_str()).or_default() += 1;
     }
-    let parts: Vec<String> = per_lib.into_iter().map(|(lib, n)| format!("{n} sites in {lib}")).collect();
+    let parts: Vec<String> = per_lib.into_iter().map(|(lib, n)| format!("{n} sites in {}", printable(lib))).collect();
     format!("USDT: {}", parts.join("; "))
 }
 
 pub(crate) fn describe_libraries(probes: &[AttachedProbe]) -> String {
     let libs: BTreeSet<&str> = probes.iter().map(|p| p.library.as_str()).collect();
-    libs.into_iter().collect::<Vec<_>>().join(", ")
+    libs.into_iter().map(printable).collect::<Vec<_>>().join(", ")
 }
 
 /// Attaches newly mapped libraries of the traced processes; returns the new probes and marker
@@ -152,7 +155,7 @@ pub(crate) fn attach_found(
 /// Warns about a library that cannot be probed; the warning names the file and why.
 pub(crate) fn skip(quiet: bool, lib: &Library, e: &AttachError) -> SkippedLibrary {
     let reason = crate::attach::with_causes(e);
-    note(quiet, format!("warning: {} is not traced: {reason}", lib.shown));
+    note(quiet, format!("warning: {} is not traced: {}", printable(&lib.shown), printable(&reason)));
     SkippedLibrary { library: lib.shown.clone(), reason }
 }
 
@@ -170,9 +173,14 @@ pub(crate) fn skipped_meta(skipped: &[SkippedLibrary]) -> Meta {
 /// The error when no library could be probed at start: the ones without the API, and why each
 /// unusable one was refused.
 pub(crate) fn nothing_to_probe(libraries: &[Library], skipped: &[SkippedLibrary]) -> anyhow::Error {
-    let refused: Vec<String> = skipped.iter().map(|s| format!("{} ({})", s.library, s.reason)).collect();
-    let usable: Vec<&str> =
-        libraries.iter().map(|l| l.shown.as_str()).filter(|l| !skipped.iter().any(|s| s.library == *l)).collect();
+    let refused: Vec<String> =
+        skipped.iter().map(|s| format!("{} ({})", printable(&s.library), printable(&s.reason))).collect();
+    let usable: Vec<_> = libraries
+        .iter()
+        .map(|l| l.shown.as_str())
+        .filter(|l| !skipped.iter().any(|s| s.library == *l))
+        .map(printable)
+        .collect();
     let mut text = String::new();
     if !usable.is_empty() {
         text = format!("none of {} exports the ACL memory API (aclrtMalloc, aclrtFree, ...)", usable.join(", "));
@@ -246,5 +254,39 @@ pub(crate) fn announce(
     );
     if !markers.is_empty() {
         note(quiet, describe_usdt(markers));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attach::elf::SymbolSource;
+    use crate::attach::libs::Origin;
+
+    const EVIL: &str = "/tmp/lib\u{1b}]0;pwned\u{7}\nmemscope-bpf: forged.so";
+    const SHOWN: &str = "/tmp/lib\\u{1b}]0;pwned\\u{7}\\nmemscope-bpf: forged.so";
+
+    fn clean(text: &str) {
+        assert!(!text.contains('\u{1b}') && !text.contains('\n') && text.contains(SHOWN), "{text}");
+    }
+
+    #[test]
+    fn library_paths_are_escaped_in_the_notes_and_exact_in_the_rows() {
+        let api = apis::Api::all().next().unwrap().api;
+        let source = SymbolSource::Dynsym;
+        let probe = AttachedProbe { library: EVIL.into(), symbol: "f".into(), api, file_offset: 0, source };
+        let site = AttachedUsdt { library: EVIL.into(), probe: "p:n".into(), file_offset: 0, semaphore_offset: None };
+        clean(&describe_libraries(std::slice::from_ref(&probe)));
+        clean(&describe_usdt(std::slice::from_ref(&site)));
+        assert_eq!(probe_rows(&[probe], 0)[0].library, EVIL);
+        assert_eq!(usdt_rows(&[site], 0)[0].library, EVIL);
+    }
+
+    #[test]
+    fn the_error_naming_unusable_libraries_escapes_them() {
+        let lib = Library { path: EVIL.into(), shown: EVIL.into(), file_id: (1, 2), origin: Origin::UserPath };
+        clean(&nothing_to_probe(std::slice::from_ref(&lib), &[]).to_string());
+        let refused = SkippedLibrary { library: EVIL.into(), reason: format!("{EVIL}: not an ELF file") };
+        clean(&nothing_to_probe(&[lib], &[refused]).to_string());
     }
 }

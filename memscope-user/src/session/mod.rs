@@ -46,6 +46,7 @@ use crate::stop::{Detaching, Every, Signals};
 use crate::store::{DbWriter, Format, Meta, RunLayout, Store, Writer};
 use crate::summary::{SkippedLibrary, Summary};
 use memscope_core::analysis::live;
+use memscope_core::printable::printable;
 
 use attaching::{
     announce, attach_all, describe_libraries, describe_usdt, probe_rows, rescan, skipped_meta, usdt_rows, Attached,
@@ -114,11 +115,16 @@ fn still_traced(tracer: &Tracer, children: &BTreeSet<u32>, target: u32) -> Vec<u
 
 /// Resolves when the target process ends, with a description of how. The trace goes on while
 /// traced children run (see [`procs::Ending`]).
-async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::Result<i32>>>) -> String {
+/// Launch mode also gives the launched command's exit status (128 + the signal's number when a
+/// signal ended it), for the tracer to pass on.
+async fn target_exit(
+    target_pid: u32,
+    waiter: Option<oneshot::Receiver<std::io::Result<i32>>>,
+) -> (String, Option<i32>) {
     if let Some(rx) = waiter {
         return match rx.await {
-            Ok(Ok(code)) => format!("target exited with status {code}"),
-            _ => "target exited".to_owned(),
+            Ok(Ok(code)) => (format!("target exited with status {code}"), Some(code)),
+            _ => ("target exited".to_owned(), None),
         };
     }
     // SAFETY: plain syscall; returns a new fd or -1.
@@ -130,7 +136,7 @@ async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::
         if let Ok(async_fd) = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) } {
             // A pidfd becomes readable when the process exits.
             let _ = async_fd.readable().await;
-            return "target exited".to_owned();
+            return ("target exited".to_owned(), None);
         }
     }
     // No pidfd (kernel < 5.3): poll.
@@ -140,7 +146,7 @@ async fn target_exit(target_pid: u32, waiter: Option<oneshot::Receiver<std::io::
         if unsafe { libc::kill(target_pid as i32, 0) } != 0
             && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
         {
-            return "target exited".to_owned();
+            return ("target exited".to_owned(), None);
         }
     }
 }
@@ -248,6 +254,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         metrics,
         comm: String::new(),
         status,
+        target_status: None,
+        launched: launch_mode,
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
@@ -377,6 +385,10 @@ struct Live {
     /// The target's command name, for the metrics' `comm` label (the last one read).
     comm: String,
     status: crate::status::Status,
+    /// The launched command's exit status, once it has exited (launch mode).
+    target_status: Option<i32>,
+    /// The target was launched under the probes (nothing it allocated predates the trace).
+    launched: bool,
 }
 
 impl Live {
@@ -394,12 +406,12 @@ impl Live {
                     let process = memscope_common::python::PyProcess { runtime: py.runtime, offsets: py.walk };
                     self.tracer.set_python(pid, process).context("cannot register the Python interpreter")?;
                     self.consumer.set_python(pid, py.layout);
-                    note(
-                        self.quiet,
-                        format!("python: CPython 3.{} in process {pid} ({})", py.minor, py.path.display()),
-                    );
+                    let path = py.path.to_string_lossy();
+                    note(self.quiet, format!("python: CPython 3.{} in process {pid} ({})", py.minor, printable(&path)));
                 }
-                Err(e) => note(self.quiet, format!("python: process {pid}: no Python stacks: {e}")),
+                Err(e) => {
+                    note(self.quiet, format!("python: process {pid}: no Python stacks: {}", printable(&e.to_string())))
+                }
             }
             seen.insert(pid);
         }
@@ -501,7 +513,8 @@ impl Live {
             tokio::select! {
                 reason = signals.next() => return Ok(reason.to_owned()),
                 reason = &mut deadline => return Ok(reason),
-                reason = &mut exited, if !ending.target_gone() => {
+                (reason, status) = &mut exited, if !ending.target_gone() => {
+                    self.target_status = status;
                     // Its children are in the kernel's traced set already; drain so that their fork
                     // records reach the model and the rescan before the rest is traced alone.
                     self.drain();
@@ -630,6 +643,8 @@ impl Live {
             devices,
             pools,
             skipped_libraries: skipped,
+            target_status: self.target_status,
+            launched: self.launched,
         };
         Ok(Finished { summary, detaching })
     }

@@ -464,3 +464,23 @@ fn a_wal_db_without_its_shm_in_a_read_only_folder_is_read_or_the_fix_is_named() 
     mode(&pending, 0o755);
     std::fs::remove_dir_all(&base).unwrap();
 }
+
+#[test]
+fn a_launched_commands_exit_status_is_passed_on() {
+    // As `time` and `strace` do: a script that runs its job under the tracer must see the job
+    // fail. The trace itself is complete (its summary printed, its folder written).
+    let env = env("exit_status");
+    for (script, want) in [("exit 3", 3), ("kill -TERM $$", 128 + 15), ("exit 0", 0)] {
+        let out = env.scratch.join(format!("out-{want}"));
+        let output = Command::new(&env.bin)
+            .args(["trace", "--quiet", "--output", out.to_str().unwrap(), "--", "sh", "-c", script])
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(want), "`{script}`: {stderr}");
+        assert!(!stderr.contains("error"), "the job's status is no error of the tracer's: {stderr}");
+        assert!(stderr.contains(&format!("target exited with status {want}")), "{stderr}");
+    }
+}

@@ -1,15 +1,20 @@
 //! The advice as text, and as table `ms_advice`.
 
 use super::*;
+use crate::printable::printable;
 
 pub fn text(advice: &Advice, report: &Report) -> String {
     let mut out = String::new();
     let m = &advice.measured;
     let _ = writeln!(out, "device {}: {}", advice.device, advice.db);
     let alloc_conf = advice.alloc_conf;
-    let conf = advice.settings.get(alloc_conf).map_or_else(|| "unset".to_owned(), |v| format!("`{v}`"));
-    let others: Vec<String> =
-        advice.settings.iter().filter(|(k, _)| *k != alloc_conf).map(|(k, v)| format!("{k}={v}")).collect();
+    let conf = advice.settings.get(alloc_conf).map_or_else(|| "unset".to_owned(), |v| format!("`{}`", printable(v)));
+    let others: Vec<String> = advice
+        .settings
+        .iter()
+        .filter(|(k, _)| *k != alloc_conf)
+        .map(|(k, v)| format!("{}={}", printable(k), printable(v)))
+        .collect();
     if advice.settings_known {
         let _ = writeln!(
             out,
@@ -86,8 +91,9 @@ fn recommendations(out: &mut String, advice: &Advice) {
             (Some(var), Some(value)) => format!("{var}={value}"),
             _ => r.setting.clone(),
         };
-        let _ = writeln!(out, "  {}. {what}", i + 1);
-        let _ = writeln!(out, "     why: {}", r.why);
+        // Both carry the target's own settings (and `why` ATB's op names).
+        let _ = writeln!(out, "  {}. {}", i + 1, printable(&what));
+        let _ = writeln!(out, "     why: {}", printable(&r.why));
         if !r.conflicts_with.is_empty() {
             let _ =
                 writeln!(out, "     either this or {} (torch_npu refuses them together)", r.conflicts_with.join(", "));

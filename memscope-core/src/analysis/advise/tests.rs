@@ -360,3 +360,17 @@ fn settings_come_from_ms_meta_and_the_advice_is_stored() {
     assert!(read_settings(&open(&path)).unwrap().is_empty());
     store(&open(&path), &advice, &report, 9).unwrap();
 }
+
+/// The target's own setting reaches a terminal escaped; the advice's data keeps it exact.
+#[test]
+fn the_targets_settings_are_escaped_in_the_text_only() {
+    let conf = "roundup_power2_divisions:4\u{1b}[2J\nforged";
+    let (advice, report) = analyse(&open(&holes("advise-escape", Some(conf))), "0").unwrap();
+    let shown = text(&advice, &report);
+    assert!(!shown.contains('\u{1b}') && !shown.contains("\nforged"), "{shown}");
+    let escaped = "roundup_power2_divisions:4\\u{1b}[2J\\nforged";
+    assert!(shown.contains(&format!("PYTORCH_NPU_ALLOC_CONF `{escaped}`")), "{shown}");
+    assert!(shown.contains(&format!("1. PYTORCH_NPU_ALLOC_CONF={escaped},expandable_segments:True")), "{shown}");
+    let value = advice.recommendations[0].value.as_deref();
+    assert_eq!(value, Some(format!("{conf},expandable_segments:True").as_str()));
+}

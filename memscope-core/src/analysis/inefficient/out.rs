@@ -18,6 +18,7 @@ use super::{flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_IND
 use crate::analysis::db::DumpDb;
 use crate::analysis::render::human_bytes;
 use crate::analysis::AnalysisError;
+use crate::printable::printable;
 
 pub const INEFFICIENT_TABLE: &str = "ms_inefficient";
 /// Dropped and recreated on every run: it always holds the latest analysis only.
@@ -274,7 +275,7 @@ pub fn text(report: &Report, path: &Path, device: &str) -> String {
                 ptr_text(b.ptr),
                 human_bytes(b.size as i64),
                 report.event_type(b),
-                owner,
+                printable(owner),
                 flag_list(b.flags, u8::MAX),
                 facts.join(", ")
             );

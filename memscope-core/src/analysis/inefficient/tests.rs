@@ -574,3 +574,16 @@ fn thresholds_parse_or_say_what_is_wrong() {
     assert_eq!(parse_bytes("2G"), Ok(2 << 30));
     assert!(parse_bytes("1.5MiB").unwrap_err().contains("examples"));
 }
+
+#[test]
+fn owners_reach_the_text_escaped_and_the_json_exact() {
+    let path = super::scenario::small_trace("owner-escaped");
+    let hostile = r"UPDATE memscope_dump SET Attr = replace(Attr, 'PTA@test', 'PTA@x\u001b[2J\nforged')";
+    Connection::open(&path).unwrap().execute_batch(hostile).unwrap();
+    let r = run(&path, &Options::default());
+    let text = super::out::text(&r, &path, "0");
+    assert!(!text.contains('\u{1b}') && !text.contains("\nforged"), "{text}");
+    assert!(text.contains(r"PTA PTA@x\u{1b}[2J\nforged  early_allocation"), "{text}");
+    let json = super::out::json(&r, &path, "0").to_string();
+    assert!(json.contains(r#""PTA@x\u001b[2J\nforged""#), "{json}");
+}

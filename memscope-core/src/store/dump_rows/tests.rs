@@ -262,3 +262,59 @@ fn readers_polling_the_live_db_cannot_make_the_stop_fail() {
     assert_eq!(table(&path).len(), 300);
     assert_eq!(meta(&path, "stop").as_deref(), Some("yes"));
 }
+
+/// `cargo xtask bench --writers-only`: rows per second through each writer, in the same run, and
+/// what a commit costs now that it syncs (the pages, then the WAL). Not a test: figures for
+/// docs/benchmarks.md.
+#[test]
+#[ignore = "a benchmark, run by `cargo xtask bench --writers-only`"]
+fn bench_writers() {
+    let rows: u64 = std::env::var("MEMSCOPE_BENCH_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(2_000_000);
+    for writer in [DbWriter::Pages, DbWriter::Sql, DbWriter::Pages, DbWriter::Sql] {
+        let path = tmp(&format!("bench-{writer:?}"));
+        let started = std::time::Instant::now();
+        let mut sink = Box::new(DbSink::create(&path, DeviceKey::Npu(0), &vec![], writer).unwrap());
+        let mut commits = Vec::new();
+        for id in 1..=rows {
+            let head = Head {
+                event: Event::parse(if id % 2 == 0 { "FREE" } else { "MALLOC" }).unwrap(),
+                event_type: EventType::parse("PTA").unwrap(),
+                ts_ns: id * 700,
+                pid: 4242,
+                tid: 4242 + (id % 8) as u32,
+                device: DeviceKey::Npu(0),
+                ptr: Some(0x1240_0000_0000 + (id % 100_000) * 512),
+                broadcast: false,
+                untracked: false,
+                shadow: false,
+            };
+            let attr = Attr::new()
+                .with("allocation_id", id)
+                .with("addr", 0x1240_0000_0000 + (id % 100_000) * 512)
+                .with("size", 512 * (id % 4096))
+                .with("owner", "PTA@model@weight")
+                .with("total", 1u64 << 34)
+                .with("used", 1u64 << 33);
+            let row = Row { head, name: "aclrtMalloc".into(), attr };
+            sink.insert(id, single(&row, Format::Db).get(0)).unwrap();
+            if id % 50_000 == 0 {
+                let at = std::time::Instant::now();
+                sink.commit().unwrap();
+                commits.push(at.elapsed());
+            }
+        }
+        sink.finish(&vec![], &[]).unwrap();
+        let secs = started.elapsed().as_secs_f64();
+        commits.sort();
+        let median = commits[commits.len() / 2];
+        println!(
+            "writer {:<5} {rows} rows in {secs:.2} s = {:.0} rows/s; commit (sync of the pages and the WAL) median {:.1} ms, max {:.1} ms over {}",
+            format!("{writer:?}").to_lowercase(),
+            rows as f64 / secs,
+            median.as_secs_f64() * 1e3,
+            commits.last().unwrap().as_secs_f64() * 1e3,
+            commits.len()
+        );
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+}
