@@ -84,6 +84,12 @@ pub struct Options {
     /// Only the reading of msMemScope's CSV (`import` against sqlite3's `.import`).
     #[arg(long)]
     pub import_only: bool,
+    /// Only the trace DB's two writers (pages and SQL) and the cost of a synced commit.
+    #[arg(long)]
+    pub writers_only: bool,
+    /// Rows each writer writes in that bench.
+    #[arg(long, default_value_t = 2_000_000)]
+    pub writer_rows: u64,
     /// Blocks (2 rows each) in the msMemScope CSV the import is timed on (0 skips it).
     #[arg(long, default_value_t = 2_000_000)]
     pub import_blocks: u64,
@@ -238,6 +244,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         if !b.is_file() {
             bail!("--baseline-bin {}: no such file; give the path of an older memscope-bpf binary", b.display());
         }
+    }
+    if opts.writers_only {
+        // The core crate alone: no eBPF build, no stand-ins.
+        let dir = root().join("target/bench");
+        std::fs::create_dir_all(&dir)?;
+        let md = crate::bench_writers::run(&root(), opts.writer_rows)?;
+        return report(&dir.join("results-writers.md"), &md);
     }
     if !opts.no_setup {
         setup::run(&setup::Options { check: false })?;

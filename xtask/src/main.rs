@@ -18,6 +18,7 @@ mod bench_report;
 mod bench_stacks;
 mod bench_stop;
 mod bench_usdt;
+mod bench_writers;
 mod build;
 mod demo;
 mod same_results;
