@@ -66,17 +66,27 @@ pub struct Summary {
     pub target_status: Option<i32>,
     /// The target was launched under the probes, not attached to.
     pub launched: bool,
+    /// Libraries probed only after the job loaded them (their first calls may be missing).
+    pub late_libraries: Vec<String>,
 }
 
 /// What loss does to the counts, as the summary and `ms_meta` `loss_effect` say it.
 pub const LOSS_EFFECT: &str = "allocs, frees and failures are lower bounds (frees may outnumber allocs); peak and live bytes may be off either way";
 
-/// The `ms_meta` keys that say whether the counts are exact: `counts_exact`, and with loss,
-/// `loss_effect`.
-pub fn loss_meta(lost: u64) -> Vec<(String, String)> {
-    let mut meta = vec![("counts_exact".to_owned(), (lost == 0).to_string())];
+/// What probing a library only after the job loaded it does to the counts.
+pub const LATE_EFFECT: &str = "calls these libraries took between their load and their probes (a rescan every 250 ms, then the attach) are not recorded: allocs, frees and failures are lower bounds";
+
+/// The `ms_meta` keys that say whether the counts are exact: `counts_exact`, with loss
+/// `loss_effect`, and with libraries probed after the job loaded them `late_libraries` and
+/// `late_effect`: the trace cannot know what they did before their probes were live.
+pub fn loss_meta(lost: u64, late: &[String]) -> Vec<(String, String)> {
+    let mut meta = vec![("counts_exact".to_owned(), (lost == 0 && late.is_empty()).to_string())];
     if lost > 0 {
         meta.push(("loss_effect".to_owned(), LOSS_EFFECT.to_owned()));
+    }
+    if !late.is_empty() {
+        meta.push(("late_libraries".to_owned(), late.join(", ")));
+        meta.push(("late_effect".to_owned(), LATE_EFFECT.to_owned()));
     }
     meta
 }
@@ -130,6 +140,15 @@ impl fmt::Display for Summary {
         }
         if self.undecodable > 0 {
             writeln!(f, "memscope-bpf: {} records could not be decoded", self.undecodable)?;
+        }
+        if !self.late_libraries.is_empty() {
+            let names: Vec<_> = self.late_libraries.iter().map(|l| printable(l)).collect();
+            writeln!(
+                f,
+                "memscope-bpf: warning: probed after the job loaded them: {}; {LATE_EFFECT} (name them with --lib, \
+                 or set ASCEND_HOME_PATH, so they are probed from the start)",
+                names.join(", ")
+            )?;
         }
         if !self.skipped_libraries.is_empty() {
             let n = self.skipped_libraries.len();
@@ -222,6 +241,7 @@ mod tests {
             skipped_libraries: Vec::new(),
             target_status: None,
             launched: false,
+            late_libraries: vec![],
         }
     }
 
@@ -233,7 +253,7 @@ mod tests {
         assert!(text.contains("peak and live bytes may be off either way"), "{text}");
         assert!(text.contains("(>=400 allocs, >=420 frees, >=0 failed)"), "{text}");
         assert_eq!(
-            loss_meta(37),
+            loss_meta(37, &[]),
             [("counts_exact".to_owned(), "false".to_owned()), ("loss_effect".to_owned(), LOSS_EFFECT.to_owned())]
         );
     }
@@ -255,7 +275,15 @@ mod tests {
         assert!(!text.contains("warning"), "{text}");
         assert!(!text.contains(">="), "{text}");
         assert!(text.contains("(400 allocs, 420 frees, 0 failed)"), "{text}");
-        assert_eq!(loss_meta(0), [("counts_exact".to_owned(), "true".to_owned())]);
+        let late = loss_meta(0, &["libacl_rt.so".to_owned()]);
+        assert!(
+            late.contains(&("counts_exact".to_owned(), "false".to_owned())),
+            "a late library's first calls are unknown"
+        );
+        assert!(late.iter().any(|(k, v)| k == "late_libraries" && v == "libacl_rt.so"));
+        let text = Summary { late_libraries: vec!["libacl_rt.so".into()], ..summary(0) }.to_string();
+        assert!(text.contains("probed after the job loaded them: libacl_rt.so"), "{text}");
+        assert_eq!(loss_meta(0, &[]), [("counts_exact".to_owned(), "true".to_owned())]);
     }
 
     #[test]
@@ -283,6 +311,7 @@ mod tests {
             skipped_libraries: vec![],
             target_status: None,
             launched: false,
+            late_libraries: vec![],
         };
         let text = summary.to_string();
         let said: Vec<&str> = text.lines().filter(|l| l.contains("allocated before the trace")).collect();

@@ -256,6 +256,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         status,
         target_status: None,
         launched: launch_mode,
+        late_libraries: Vec::new(),
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
@@ -389,6 +390,8 @@ struct Live {
     target_status: Option<i32>,
     /// The target was launched under the probes (nothing it allocated predates the trace).
     launched: bool,
+    /// Libraries probed only after a traced process loaded them (`ms_meta.late_libraries`).
+    late_libraries: Vec<String>,
 }
 
 impl Live {
@@ -565,6 +568,11 @@ impl Live {
             store.set_meta(skipped_meta(&self.skipped))?;
         }
         if !added.is_empty() {
+            for probe in &added {
+                if !self.late_libraries.contains(&probe.library) {
+                    self.late_libraries.push(probe.library.clone());
+                }
+            }
             let libraries = describe_libraries(&added);
             note(
                 quiet,
@@ -621,7 +629,8 @@ impl Live {
             ("records_undecodable".into(), undecodable.to_string()),
         ];
         final_meta.extend(stack_meta(&stacks, bpf_log, self.quiet));
-        let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost)).collect();
+        let late = self.late_libraries.clone();
+        let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost, &late)).collect();
         let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
         if written.is_empty() {
             let _ = std::fs::remove_dir(&run_dir);
@@ -645,6 +654,7 @@ impl Live {
             skipped_libraries: skipped,
             target_status: self.target_status,
             launched: self.launched,
+            late_libraries: late,
         };
         Ok(Finished { summary, detaching })
     }

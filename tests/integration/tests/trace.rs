@@ -308,4 +308,9 @@ fn a_library_loaded_after_the_trace_started_is_picked_up() {
     }
     // And everything recorded is still exactly the ledger's calls.
     assert_attached(&ledger, &out, 0, settled, u64::MAX);
+    // What the library did before its probes is unknown, and the trace says so.
+    let db = out.db("device_0");
+    assert_eq!(meta(db, "counts_exact").as_deref(), Some("false"), "a late library's first calls are unknown");
+    assert!(meta(db, "late_libraries").is_some_and(|l| l.contains("libacl_rt.so")), "{:?}", meta(db, "late_libraries"));
+    assert!(stderr.contains("probed after the job loaded them:"), "{stderr}");
 }
