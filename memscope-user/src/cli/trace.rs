@@ -270,10 +270,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             preflight::check_output(&args.output)?;
             let libraries = launch_libraries(&user, &args.command[0]);
             if libraries.is_empty() {
-                return Err(PreflightError::NoLibrary {
-                    where_: "for the command (ASCEND_HOME_PATH, LD_LIBRARY_PATH and --lib)".into(),
-                }
-                .into());
+                // A program may load its runtime later, by a path no variable names (ctypes, a
+                // plugin): the trace starts all the same and probes what the job loads.
+                say!(
+                    "memscope-bpf: warning: no accelerator library is known before the launch (ASCEND_HOME_PATH, \
+                     LD_LIBRARY_PATH, --lib, the Python packages): probing the ones the job loads as it loads them \
+                     (their first calls may be missed; --lib probes one from the start)"
+                );
             }
             // Fork now, before any thread exists; the child waits for the probes.
             let launched = launch::spawn_held(&args.command)?;

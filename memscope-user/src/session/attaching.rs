@@ -220,7 +220,8 @@ pub(crate) fn attach_all(
         }
     }
     let markers = attach_markers(tracer, &usable, quiet);
-    if probes.is_empty() {
+    // None given (a launch that only watches what the job loads) is no error; none usable is.
+    if probes.is_empty() && !libraries.is_empty() {
         return Err(nothing_to_probe(libraries, &skipped));
     }
     Ok(Attached { probes, markers, skipped })
@@ -237,6 +238,10 @@ pub(crate) fn announce(
     quiet: bool,
 ) {
     let backends = backends(probes, markers);
+    if probes.is_empty() {
+        say!("memscope-bpf: live: no library probed yet, watching the ones the job loads; tracing pid {pid} and its children");
+        return;
+    }
     say!(
         "memscope-bpf: live: {} probes on {} ({}){}; tracing pid {pid}{}",
         probes.len(),

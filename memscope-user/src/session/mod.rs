@@ -257,6 +257,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         target_status: None,
         launched: launch_mode,
         late_libraries: Vec::new(),
+        probed_at_start: !probes.is_empty(),
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
@@ -392,6 +393,8 @@ struct Live {
     launched: bool,
     /// Libraries probed only after a traced process loaded them (`ms_meta.late_libraries`).
     late_libraries: Vec<String>,
+    /// Some library was probed before the job started (else the trace only watched its loads).
+    probed_at_start: bool,
 }
 
 impl Live {
@@ -630,6 +633,12 @@ impl Live {
         ];
         final_meta.extend(stack_meta(&stacks, bpf_log, self.quiet));
         let late = self.late_libraries.clone();
+        if !self.probed_at_start && late.is_empty() {
+            crate::say::say!(
+                "memscope-bpf: warning: the job loaded no accelerator library the tracer knows: nothing was probed \
+                 (name the runtime with --lib if it has another name)"
+            );
+        }
         let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost, &late)).collect();
         let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
         if written.is_empty() {

@@ -314,3 +314,41 @@ fn a_library_loaded_after_the_trace_started_is_picked_up() {
     assert!(meta(db, "late_libraries").is_some_and(|l| l.contains("libacl_rt.so")), "{:?}", meta(db, "late_libraries"));
     assert!(stderr.contains("probed after the job loaded them:"), "{stderr}");
 }
+
+#[test]
+fn a_job_that_loads_its_runtime_by_a_path_nothing_names_is_traced_from_the_load_on() {
+    // No ASCEND_HOME_PATH, no LD_LIBRARY_PATH, no --lib: the job dlopens the stand-in runtime by
+    // its full path (ctypes). The trace starts, probes the runtime once the job has loaded it,
+    // and records its calls from then on; it says it could not know the first ones.
+    let env = env("late_only");
+    let out = env.scratch.join("out");
+    let ledger = env.scratch.join("ledger.jsonl");
+    let runtime = env.ascend_home.join("lib64/libascendcl.so");
+    let (out_s, runtime_s) = (out.display().to_string(), runtime.display().to_string());
+    let mut args = vec!["trace", "--output", &out_s, "--"];
+    let workload = workload_args(
+        &env,
+        &ledger,
+        &["--lib", &runtime_s, "--steps", "30", "--step-sleep-ms", "40", "--set-device-every-step"],
+    );
+    args.extend(workload.iter().map(String::as_str));
+    let vars: [(&str, Option<&std::ffi::OsStr>); 2] = [("ASCEND_HOME_PATH", None), ("LD_LIBRARY_PATH", None)];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &vars).finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("no accelerator library is known before the launch"), "{stderr}");
+    assert!(stderr.contains("(loaded after the trace started)"), "{stderr}");
+    let ledger = read_ledger(&ledger);
+    let first = ledger.iter().map(|e| e.t0).min().expect("the workload made calls");
+    let settled = first + 1_000_000_000;
+    let out = read_output(&out);
+    let later = ledger.iter().filter(|e| e.t0 > settled && expect(e).is_some()).count();
+    assert!(later > 20, "too few calls after the load to judge: {later}");
+    assert_attached(&ledger, &out, 0, settled, u64::MAX);
+    let db = out.db("device_0");
+    assert_eq!(meta(db, "counts_exact").as_deref(), Some("false"));
+    assert!(
+        meta(db, "late_libraries").is_some_and(|l| l.contains("libascendcl.so")),
+        "{:?}",
+        meta(db, "late_libraries")
+    );
+}
