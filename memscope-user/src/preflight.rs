@@ -15,6 +15,8 @@ pub enum PreflightError {
     NotPrivileged,
     #[error("no process with pid {0}; check the pid (`ps -p {0}`), or launch the program under the tracer: `memscope-bpf trace -- <command>`")]
     NoSuchProcess(u32),
+    #[error("process {0} has exited (a zombie its parent has not reaped yet): there is nothing left to trace")]
+    Exited(u32),
     #[error("this kernel has no uprobe support ({0} is missing); memscope-bpf needs a kernel built with CONFIG_UPROBE_EVENTS=y")]
     NoUprobes(PathBuf),
     #[error(
@@ -121,6 +123,9 @@ pub fn check_pid(pid: u32) -> Result<(), PreflightError> {
     let tgid = status.lines().find_map(|l| l.strip_prefix("Tgid:")).map(str::trim);
     if pid == 0 || tgid != Some(&pid.to_string()) {
         return Err(PreflightError::NoSuchProcess(pid));
+    }
+    if crate::procs::liveness(pid) == crate::procs::Liveness::Exited {
+        return Err(PreflightError::Exited(pid));
     }
     Ok(())
 }

@@ -488,3 +488,19 @@ fn a_launched_commands_exit_status_is_passed_on() {
         assert!(stderr.contains(&format!("target exited with status {want}")), "{stderr}");
     }
 }
+
+#[test]
+fn a_target_that_has_exited_is_said_to_have_exited_not_to_lack_libraries() {
+    // A zombie: exited, not reaped by its parent (this test), with its /proc entry still there.
+    let env = env("err_zombie");
+    let mut child = Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let out = env.scratch.join("out");
+    let (code, stderr) = run(&env.bin, &["trace", "--pid", &pid.to_string(), "--output", out.to_str().unwrap()]);
+    let _ = child.wait();
+    assert_ne!(code, 0);
+    let line = one_error_line(&stderr);
+    assert!(line.contains(&format!("process {pid} has exited")), "{line}");
+    assert!(!line.contains("library"), "{line}");
+}
