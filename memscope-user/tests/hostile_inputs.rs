@@ -81,6 +81,12 @@ fn a_fifo_given_as_input_is_one_error_for_every_verb() {
     assert_ne!(code, Some(0), "{err}");
     assert!(err.contains("FIFO"), "{err}");
     assert!(fifo.metadata().unwrap().file_type().is_fifo(), "the FIFO is left as it was");
+    // A filter file is a few lines: a 2 MiB one (a wrong path, a value pasted whole) is refused.
+    let big = dir.join("filters");
+    std::fs::write(&big, format!("--comm {}\n", "x".repeat(2 << 20))).unwrap();
+    let (code, err) = bpf(&dir, &["daemon", "--filters", big.to_str().unwrap(), "--output", "out"]);
+    assert_ne!(code, Some(0), "{err}");
+    assert!(err.contains("over 1048576 bytes"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
