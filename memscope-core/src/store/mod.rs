@@ -25,6 +25,8 @@ mod dump_rows;
 pub mod insight;
 pub mod layout;
 mod owner;
+#[cfg(test)]
+mod python_peer;
 pub mod schema;
 pub mod sqlite;
 mod sqlite_raw;

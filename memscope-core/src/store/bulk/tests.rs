@@ -378,18 +378,8 @@ fn while_another_process_has_the_db_open_every_page_goes_through_the_pager() {
         while time.time() < end and sys.stdin.readable():\n\
         \x20   c.execute('PRAGMA wal_checkpoint(PASSIVE)').fetchall()\n\
         \x20   time.sleep(0.0005)\n";
-    let Ok(mut child) = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(&path)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-    else {
-        eprintln!("skipped: no python3 to hold the DB open");
-        return;
-    };
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
-    assert_eq!(line.trim(), "open");
+    let Some((mut child, line)) = crate::store::python_peer::spawn(script, &path) else { return };
+    assert_eq!(line, "open");
     let mut rng = Rng(9);
     let mut want = Vec::new();
     for round in 0..30 {

@@ -144,19 +144,8 @@ fn while_another_process_reads_the_live_db_rows_go_through_sql_and_all_read_back
     sink.commit().unwrap();
     let script = "import sqlite3, sys\nc = sqlite3.connect(sys.argv[1])\n\
         c.execute('SELECT count(*) FROM memscope_dump').fetchall()\nprint('open', flush=True)\nsys.stdin.read()\n";
-    let Ok(mut child) = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(&path)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-    else {
-        eprintln!("skipped: no python3 to hold the DB open");
-        return;
-    };
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
-    assert_eq!(line.trim(), "open");
+    let Some((mut child, line)) = crate::store::python_peer::spawn(script, &path) else { return };
+    assert_eq!(line, "open");
     // The stream goes on where `write` left it (ids 41..): same rows as a sink written alone.
     let more = |sink: &mut Box<DbSink>, from: usize| {
         for id in from..from + 80 {
@@ -237,17 +226,7 @@ fn readers_polling_the_live_db_cannot_make_the_stop_fail() {
         \x20       pass\n";
     let mut readers = Vec::new();
     for _ in 0..2 {
-        let Ok(mut child) = std::process::Command::new("python3")
-            .args(["-c", script])
-            .arg(&path)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-        else {
-            eprintln!("skipped: no python3 to read the DB");
-            return;
-        };
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+        let Some((child, _)) = crate::store::python_peer::spawn(script, &path) else { return };
         readers.push(child);
     }
     std::thread::sleep(std::time::Duration::from_millis(200));
