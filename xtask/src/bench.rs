@@ -239,18 +239,20 @@ fn pair_rounds(opts: &Options, built: &build::Built, dir: &Path) -> anyhow::Resu
     Ok((md, have_bpftrace))
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<()> {
-    if let Some(b) = &opts.baseline_bin {
-        if !b.is_file() {
-            bail!("--baseline-bin {}: no such file; give the path of an older memscope-bpf binary", b.display());
+/// `--baseline-bin` must name a file before minutes of building.
+fn check_baseline(opts: &Options) -> anyhow::Result<()> {
+    match &opts.baseline_bin {
+        Some(b) if !b.is_file() => {
+            bail!("--baseline-bin {}: no such file; give the path of an older memscope-bpf binary", b.display())
         }
+        _ => Ok(()),
     }
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    check_baseline(opts)?;
     if opts.writers_only {
-        // The core crate alone: no eBPF build, no stand-ins.
-        let dir = root().join("target/bench");
-        std::fs::create_dir_all(&dir)?;
-        let md = crate::bench_writers::run(&root(), opts.writer_rows)?;
-        return report(&dir.join("results-writers.md"), &md);
+        return crate::bench_writers::run(&root(), opts.writer_rows); // the core crate alone
     }
     if !opts.no_setup {
         setup::run(&setup::Options { check: false })?;
@@ -348,7 +350,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
 }
 
 /// Writes a section's results into `path` and prints them.
-fn report(path: &Path, md: &str) -> anyhow::Result<()> {
+pub fn report(path: &Path, md: &str) -> anyhow::Result<()> {
     std::fs::write(path, md)?;
     println!("{md}");
     Ok(())

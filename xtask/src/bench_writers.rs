@@ -8,7 +8,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context as _};
 
-pub fn run(root: &Path, rows: u64) -> anyhow::Result<String> {
+pub fn run(root: &Path, rows: u64) -> anyhow::Result<()> {
     let out = Command::new("cargo")
         .current_dir(root)
         .env("MEMSCOPE_BENCH_ROWS", rows.to_string())
@@ -33,5 +33,7 @@ pub fn run(root: &Path, rows: u64) -> anyhow::Result<String> {
         md.push('\n');
     }
     md.push_str("```\n");
-    Ok(md)
+    let dir = root.join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    crate::bench::report(&dir.join("results-writers.md"), &md)
 }

@@ -19,6 +19,10 @@ pub struct Options {
     /// Only privileged tests whose name contains this.
     #[arg(long)]
     pub filter: Option<String>,
+    /// Only the privileged tier (with --filter: a quick rerun of one privileged test while
+    /// working on it; the README's command runs every tier).
+    #[arg(long, conflicts_with = "unprivileged_only")]
+    pub privileged_only: bool,
 }
 
 /// Compiles the tracer for arm64 (no arm64 machine here to run it): its register reads, its
@@ -41,8 +45,19 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     let built = build::run()?;
     let root = root();
-    stable_tier::run(&root)?;
-    arm64_check(&root)?;
+    if !opts.privileged_only {
+        unprivileged(&root, &built)?;
+    }
+    if opts.unprivileged_only {
+        return Ok(());
+    }
+    privileged_tier(opts, &root, &built)
+}
+
+/// Everything that needs no root: the stable-only tier, the arm64 check, the markers' tests.
+fn unprivileged(root: &Path, built: &build::Built) -> anyhow::Result<()> {
+    stable_tier::run(root)?;
+    arm64_check(root)?;
     let real_torch = torch_env::python();
     if let Err(why) = &real_torch {
         eprintln!("xtask test: WARNING: the real PyTorch tests will skip: {why}");
@@ -51,7 +66,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     // With the torch venv's python when there is one, so the torch hooks are tested too; the
     // markers are built for the system python, so the venv gets its own copy.
     let unittests = |python: &Path, markers: &Path| {
-        sh(Command::new(python).current_dir(&root).env("PYTHONPATH", markers).args([
+        sh(Command::new(python).current_dir(root).env("PYTHONPATH", markers).args([
             "-m",
             "unittest",
             "discover",
@@ -69,9 +84,14 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .arg(root.join("markers")))?;
         unittests(python, &markers)?;
     }
-    if opts.unprivileged_only {
-        return Ok(());
-    }
+    Ok(())
+}
+
+/// The privileged tier: the tracer's root-only unit tests, tests/integration as root, and the
+/// sweep of every DB it wrote against Insight's rules.
+fn privileged_tier(opts: &Options, root: &Path, built: &build::Built) -> anyhow::Result<()> {
+    // Installed (once) by the unprivileged part; found again here.
+    let real_torch = torch_env::python();
     let real_torch_npu = wheel::torch_npu_library();
     if let Err(why) = &real_torch_npu {
         eprintln!("xtask test: WARNING: the real torch_npu library test will skip: {why}");
@@ -79,7 +99,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     eprintln!("xtask test: privileged tier (loads BPF, as root)");
     // Root-only unit tests of the tracer itself (perf uprobes with semaphores and cookies).
     // (Only those: the other ignored tests are benchmarks, run by hand.)
-    sh(privileged("cargo").current_dir(&root).args([
+    sh(privileged("cargo").current_dir(root).args([
         "test",
         "-p",
         "memscope-user",
@@ -101,7 +121,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .env("MEMSCOPE_MARKERS_TORCH", root.join("target/markers-torch")),
         Err(why) => cmd.env("MEMSCOPE_REAL_TORCH_MISSING", why),
     };
-    cmd.current_dir(&root)
+    cmd.current_dir(root)
         .env("MEMSCOPE_PRIVILEGED_TIER", "1")
         .env("MEMSCOPE_BIN", &built.binary)
         .env("MEMSCOPE_ASCEND_HOME", &built.ascend_home)
@@ -125,7 +145,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     sh(&mut cmd)?;
     eprintln!("xtask test: every DB the privileged tier wrote, against MindStudio Insight's import rules");
     sh(privileged("cargo")
-        .current_dir(&root)
+        .current_dir(root)
         .env("MEMSCOPE_SCRATCH", &scratch)
         .env("MEMSCOPE_SWEEP_SINCE", since.to_string())
         .args(["test", "-p", "memscope-integration", "--test", "insight", "--"])
