@@ -76,15 +76,21 @@ fn unprivileged(root: &Path, built: &build::Built) -> anyhow::Result<()> {
     };
     unittests(Path::new("python3"), &built.markers)?;
     if let Ok(python) = &real_torch {
-        let markers = root.join("target/markers-torch");
-        let _ = std::fs::remove_dir_all(&markers);
-        sh(Command::new(python)
-            .args(["-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps", "--target"])
-            .arg(&markers)
-            .arg(root.join("markers")))?;
-        unittests(python, &markers)?;
+        unittests(python, &markers_for_torch(root, python)?)?;
     }
     Ok(())
+}
+
+/// The markers package installed anew for the torch venv's python (the system python's build
+/// does not fit it); the real-PyTorch tests put it on their PYTHONPATH.
+fn markers_for_torch(root: &Path, python: &Path) -> anyhow::Result<std::path::PathBuf> {
+    let markers = root.join("target/markers-torch");
+    let _ = std::fs::remove_dir_all(&markers);
+    sh(Command::new(python)
+        .args(["-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps", "--target"])
+        .arg(&markers)
+        .arg(root.join("markers")))?;
+    Ok(markers)
 }
 
 /// The privileged tier: the tracer's root-only unit tests, tests/integration as root, and the
@@ -92,6 +98,9 @@ fn unprivileged(root: &Path, built: &build::Built) -> anyhow::Result<()> {
 fn privileged_tier(opts: &Options, root: &Path, built: &build::Built) -> anyhow::Result<()> {
     // Installed (once) by the unprivileged part; found again here.
     let real_torch = torch_env::python();
+    if let (Ok(python), true) = (&real_torch, opts.privileged_only) {
+        markers_for_torch(root, python)?;
+    }
     let real_torch_npu = wheel::torch_npu_library();
     if let Err(why) = &real_torch_npu {
         eprintln!("xtask test: WARNING: the real torch_npu library test will skip: {why}");

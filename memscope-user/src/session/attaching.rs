@@ -9,7 +9,7 @@ use memscope_core::printable::printable;
 
 use crate::apis::{self, Backend};
 use crate::attach::libs::{self, Library};
-use crate::attach::loader::AttachError;
+use crate::attach::loader::{AttachError, LinkerHook};
 use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
 use crate::say::{note, say};
 use crate::store::{Meta, ProbeRow};
@@ -225,6 +225,16 @@ pub(crate) fn attach_all(
         return Err(nothing_to_probe(libraries, &skipped));
     }
     Ok(Attached { probes, markers, skipped })
+}
+
+/// Hooks the dynamic linker process `pid` runs with, so that a library the job loads is probed
+/// as soon as the linker reports it (within a drain, ~20 ms) rather than at the next look at its
+/// maps (every 250 ms). Where it cannot be hooked (a static program, a linker without the
+/// symbol), the periodic look remains; each linker file is tried once.
+pub(crate) fn hook_linker(tracer: &mut Tracer, pid: u32) {
+    if let Some(ld) = crate::attach::linker::of_process(pid) {
+        let _: Result<LinkerHook, _> = tracer.hook_linker(&ld);
+    }
 }
 
 /// The "live" line: what is probed and which processes are traced.

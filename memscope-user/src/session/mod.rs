@@ -235,6 +235,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     .context("cannot poll the ring buffer")?;
 
     announce(&probes, &markers, libraries.len(), pid, follow, launch_mode, quiet);
+    attaching::hook_linker(&mut tracer, pid);
     let waiter = release(&mut target)?;
 
     let tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
@@ -264,6 +265,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         launched: launch_mode,
         late_libraries: Vec::new(),
         probed_at_start: !probes.is_empty(),
+        loads_reported: false,
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
@@ -401,6 +403,8 @@ struct Live {
     late_libraries: Vec<String>,
     /// Some library was probed before the job started (else the trace only watched its loads).
     probed_at_start: bool,
+    /// The dynamic linker reported a load since the last look at the maps: look now.
+    loads_reported: bool,
 }
 
 impl Live {
@@ -432,14 +436,17 @@ impl Live {
 
     /// Feeds every record waiting in the ring to the model and the store.
     fn drain(&mut self) {
-        let Self { consumer, recorder, bpf_log, python, .. } = self;
+        let Self { consumer, recorder, bpf_log, python, tracer, .. } = self;
         consumer.drain(|e| recorder.on_event(e));
-        // A process that replaced its image has its interpreter, if any, looked for again.
+        // A process that replaced its image has its interpreter, if any, looked for again, and
+        // the dynamic linker it now runs hooked.
         for pid in consumer.take_execs() {
             if let Some(seen) = python.as_mut() {
                 seen.remove(&pid);
             }
+            attaching::hook_linker(tracer, pid);
         }
+        self.loads_reported |= !consumer.take_loads().is_empty();
         if let Some((logger, _)) = bpf_log {
             logger.flush();
         }
@@ -540,6 +547,9 @@ impl Live {
                         guard.clear_ready();
                     }
                     self.drain();
+                    if std::mem::take(&mut self.loads_reported) {
+                        self.rescan()?;
+                    }
                 }
                 _ = drain_tick.tick() => {
                     self.drain();
@@ -557,7 +567,7 @@ impl Live {
                     if commit.due() {
                         self.recorder.store.commit()?;
                     }
-                    if rescan.due() {
+                    if rescan.due() || std::mem::take(&mut self.loads_reported) {
                         self.rescan()?;
                     }
                 }
@@ -577,7 +587,10 @@ impl Live {
             store.set_meta(skipped_meta(&self.skipped))?;
         }
         if !added.is_empty() {
-            for probe in &added {
+            // Python's collector only marks frees `freed_by: gc`: probed late, it makes no count
+            // inexact (and a launched interpreter's is always found after its exec).
+            let counted = added.iter().filter(|p| p.api.family() != crate::apis::Family::PythonGc);
+            for probe in counted {
                 if !self.late_libraries.contains(&probe.library) {
                     self.late_libraries.push(probe.library.clone());
                 }
