@@ -237,6 +237,17 @@ pub(crate) fn hook_linker(tracer: &mut Tracer, pid: u32) {
     }
 }
 
+/// The error of an attach that failed because process `pid` went away meanwhile says that, not
+/// that its libraries were unusable.
+pub(crate) fn unless_exited(e: anyhow::Error, pid: u32) -> anyhow::Error {
+    if crate::procs::liveness(pid) == crate::procs::Liveness::Exited {
+        return anyhow::anyhow!(
+            "process {pid} exited while its probes were being attached: there is nothing left to trace"
+        );
+    }
+    e
+}
+
 /// The "live" line: what is probed and which processes are traced.
 pub(crate) fn announce(
     probes: &[AttachedProbe],

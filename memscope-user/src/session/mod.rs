@@ -196,13 +196,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         }
         None => None,
     };
-    let Attached { probes, markers, skipped } = match attach_all(&mut tracer, &libraries, probe_set, quiet) {
-        // Every library failing because the process went away is that, not the libraries' fault.
-        Err(_) if crate::procs::liveness(pid) == crate::procs::Liveness::Exited => {
-            anyhow::bail!("process {pid} exited while its probes were being attached: there is nothing left to trace")
-        }
-        other => other?,
-    };
+    let Attached { probes, markers, skipped } =
+        attach_all(&mut tracer, &libraries, probe_set, quiet).map_err(|e| attaching::unless_exited(e, pid))?;
 
     let backends = attaching::backends(&probes, &markers);
     let layout =
