@@ -20,7 +20,8 @@ pub fn run(root: &Path, rows: u64) -> anyhow::Result<()> {
     if !out.status.success() {
         bail!("the writers' bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     }
-    let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("writer ")).collect();
+    // The first figure shares its line with libtest's `test ... ` prefix.
+    let lines: Vec<&str> = stdout.lines().filter_map(|l| l.find("writer ").map(|at| &l[at..])).collect();
     if lines.len() < 4 {
         bail!("the writers' bench printed no figures:\n{stdout}");
     }
