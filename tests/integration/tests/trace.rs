@@ -365,3 +365,35 @@ fn a_job_that_loads_its_runtime_by_a_path_nothing_names_is_traced_from_the_load_
         meta(db, "late_libraries")
     );
 }
+
+#[test]
+fn a_runtime_loaded_from_a_folder_with_a_newline_in_its_name_is_traced() {
+    // /proc/PID/maps shows the newline as `\012`; the runtime must be found all the same (the
+    // sweep saw 0 of 50 calls recorded, and no warning).
+    let env = env("newline_path");
+    let dir = env.scratch.join("with\nnewline");
+    std::fs::create_dir_all(&dir).unwrap();
+    let late = dir.join("libacl_rt.so");
+    std::fs::copy(&env.late_lib, &late).unwrap();
+    let (out, ledger_path) = (env.scratch.join("out"), env.scratch.join("ledger.jsonl"));
+    let late_s = late.display().to_string();
+    let workload = ["--steps", "30", "--step-sleep-ms", "40", "--late-lib", &late_s, "--late-lib-step", "3"];
+    let (code, stderr) = launch(&env, &out, &ledger_path, &[], &workload).finish(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stderr.contains("with\\nnewline/libacl_rt.so (loaded after the trace started)"),
+        "named, escaped:\n{stderr}"
+    );
+    let ledger = read_ledger(&ledger_path);
+    let first_late = ledger.iter().filter(|e| e.lib.is_some()).map(|e| e.t0).min().expect("the late library was used");
+    let settled = first_late + 1_000_000_000;
+    let out = read_output(&out);
+    let rows = out.call_rows();
+    let late_calls: Vec<&Entry> =
+        ledger.iter().filter(|e| e.lib.is_some() && e.t0 > settled && expect(e).is_some()).collect();
+    assert!(late_calls.len() > 20, "too few late calls to judge: {}", late_calls.len());
+    for e in late_calls {
+        let x = expect(e).unwrap();
+        assert!(rows.iter().any(|r| mismatch(e, &x, r, false, false).is_none()), "late call not recorded: {e:?}");
+    }
+}
