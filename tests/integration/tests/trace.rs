@@ -290,22 +290,8 @@ fn a_library_loaded_after_the_trace_started_is_picked_up() {
     let out = read_output(&out);
     // Calls through the late copy, from a rescan period (250 ms) plus margin after it was loaded.
     let settled = first_late + 1_000_000_000;
-    let late_calls: Vec<&Entry> =
-        ledger.iter().filter(|e| e.lib.is_some() && e.t0 > settled && expect(e).is_some()).collect();
-    assert!(late_calls.len() > 20, "too few late calls to judge: {}", late_calls.len());
     let rows = out.call_rows();
-    for e in late_calls {
-        let x = expect(e).unwrap();
-        let same_ptr: Vec<String> = rows
-            .iter()
-            .filter(|r| r.ptr_value() == e.ptr && r.tid == e.tid)
-            .map(|r| format!("{r:?}: {:?}", mismatch(e, &x, r, false, false)))
-            .collect();
-        assert!(
-            rows.iter().any(|r| mismatch(e, &x, r, false, false).is_none()),
-            "late-library call not recorded: {e:?}\n{same_ptr:#?}"
-        );
-    }
+    assert_late_calls_recorded(&ledger, &rows, settled);
     // And everything recorded is still exactly the ledger's calls.
     assert_attached(&ledger, &out, 0, settled, u64::MAX);
     // The dynamic linker's report gets the library probed within a drain or two of its load,
@@ -388,12 +374,24 @@ fn a_runtime_loaded_from_a_folder_with_a_newline_in_its_name_is_traced() {
     let first_late = ledger.iter().filter(|e| e.lib.is_some()).map(|e| e.t0).min().expect("the late library was used");
     let settled = first_late + 1_000_000_000;
     let out = read_output(&out);
-    let rows = out.call_rows();
+    assert_late_calls_recorded(&ledger, &out.call_rows(), settled);
+}
+
+/// Every call the workload made through its late library after `settled` is one of `rows`.
+fn assert_late_calls_recorded(ledger: &[Entry], rows: &[&DbRow], settled: u64) {
     let late_calls: Vec<&Entry> =
         ledger.iter().filter(|e| e.lib.is_some() && e.t0 > settled && expect(e).is_some()).collect();
     assert!(late_calls.len() > 20, "too few late calls to judge: {}", late_calls.len());
     for e in late_calls {
         let x = expect(e).unwrap();
-        assert!(rows.iter().any(|r| mismatch(e, &x, r, false, false).is_none()), "late call not recorded: {e:?}");
+        let same_ptr: Vec<String> = rows
+            .iter()
+            .filter(|r| r.ptr_value() == e.ptr && r.tid == e.tid)
+            .map(|r| format!("{r:?}: {:?}", mismatch(e, &x, r, false, false)))
+            .collect();
+        assert!(
+            rows.iter().any(|r| mismatch(e, &x, r, false, false).is_none()),
+            "late-library call not recorded: {e:?}\n{same_ptr:#?}"
+        );
     }
 }
