@@ -116,6 +116,7 @@ fn the_same_rows_through_pages_and_through_sql_give_the_same_table() {
         assert!(x == y, "row {:?} differs", x[0]);
     }
     assert_eq!(meta(&pages, "writer").as_deref(), Some(pages_or_fallback()));
+    assert_eq!(meta(&pages, "writer_sql_transactions"), None, "alone, every transaction went through the pages");
     assert_eq!(meta(&sql, "writer").as_deref(), Some("sql"));
     assert!(meta(&sql, "writer_why").unwrap().contains("--writer sql"));
 }
