@@ -91,8 +91,10 @@ pub fn refuse_planted_symlink(path: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Creates a new, empty file beside `target` (same folder) under a name nobody can guess in
-/// advance, exclusively: never through a symlink, never over an existing file.
+/// Creates a new, empty file beside `target` (same folder), exclusively (`O_EXCL|O_NOFOLLOW`):
+/// never through a symlink, never over an existing file, which is what makes it safe. The name
+/// (pid, a counter, the clock's nanoseconds) only makes a planted clash unlikely; a clash is
+/// retried under another name.
 pub fn create_temp_beside(target: &Path) -> io::Result<(PathBuf, File)> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let name = target.file_name().map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());

@@ -197,7 +197,7 @@ pub fn no_such_device(want: &str, mut found: Vec<String>) -> anyhow::Error {
 /// /dev/null`) is written as a stream, a folder is an error, and a symlink is followed to the
 /// file it names, unless another user planted it in a shared folder
 /// ([`memscope_core::files::refuse_planted_symlink`]). The temporary is created exclusively under
-/// an unguessable name ([`memscope_core::files::create_temp_beside`]).
+/// a fresh name ([`memscope_core::files::create_temp_beside`]).
 pub fn write_atomically<T>(
     output: &Path,
     write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> anyhow::Result<T>,
