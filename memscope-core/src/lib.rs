@@ -1,11 +1,14 @@
 //! memscope-bpf's core, everything that needs neither aya nor the eBPF toolchain: what each traced
 //! API means, the events and the tracker that turns them into live blocks per device, the DB
 //! vocabulary and the store that writes msMemScope's layout, and the offline analyses that read it
-//! back. `memscope-user` (the `memscope-bpf` binary) adds attaching, draining the ring buffer, the
-//! trace session and the CLI on top.
+//! back. `memscope-user` (the `memscope-bpf` binary) adds attaching, mapping the ring buffer, the
+//! trace session, the daemon and the CLI on top; each ring sample's bytes enter here once
+//! ([`ingest`]) and flow down.
 //!
 //! Module map (arrows point down only):
 //! ```text
+//! ingest    ring bytes to events (decoder, thread stacks, clock), events to rows (recorder),
+//!           and the online view fed the same facts (live)
 //! report    a trace (or two) as the self-contained HTML page `report` writes
 //! export    written DBs in other tools' formats (PyTorch's memory_viz snapshot, Perfetto)
 //!    └─ analysis  (their DB reader, the decomposition, steps and instants)
@@ -26,6 +29,7 @@ pub mod apis;
 pub mod export;
 pub mod files;
 pub mod import;
+pub mod ingest;
 pub mod model;
 pub mod printable;
 pub mod raw;

@@ -1,40 +1,32 @@
 //! `memscope-bpf`: where accelerator memory goes in AI jobs, traced with eBPF uprobes from outside
 //! the process.
 //!
-//! Module map (arrows point down only; `analysis`, `store`, `model` and `apis` are memscope-core's):
+//! Module map (arrows point down only; every event enters `memscope_core::ingest` once, from
+//! `capture::ring`, and flows down through the core):
 //! ```text
-//! cli (one module per verb) ─┬─ attach   find libraries and symbols, load and attach BPF
-//!                            ├─ session  the trace loop tying them together
-//!                            ├─ replay   the consumer on synthetic records (`bench-consumer`)
-//!                            ├─ recorder events through the model into rows (both of the above)
-//!                            ├─ record   drain the ring buffer into events
-//!                            └─ memscope-core: analysis → store → model → apis → raw
+//! cli (one module per verb) ─┬─ session   one trace: a target attached or launched, to its summary
+//!                            ├─ daemon    every job on the node, each in its own run folder
+//!                            ├─ capture   what both share: probes attached as libraries appear,
+//!                            │            the ring drained into the core, the loop, the stop
+//!                            ├─ metrics   the totals served for Prometheus (`--listen`, daemon)
+//!                            ├─ attach    find libraries and symbols, load and attach BPF
+//!                            ├─ terminal  lines, the live status and progress for the person watching
+//!                            └─ memscope-core: ingest → analysis → store → model → apis → raw
 //! ```
 
 mod attach;
+mod capture;
 mod cli;
-mod clock;
 mod daemon;
-mod launch;
 mod metrics;
-mod preflight;
-mod procs;
-mod progress;
-mod record;
-mod recorder;
-mod replay;
-mod say;
 mod session;
-mod status;
-mod stop;
-mod summary;
+mod terminal;
 
 use std::process::ExitCode;
 
-// The core crate's modules, at the paths the rest of the binary names them by.
-use memscope_core::{analysis, apis, import, model, stacks, store};
-
 use clap::Parser;
+
+use terminal::say::say;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
@@ -45,7 +37,7 @@ fn main() -> ExitCode {
         }
         Err(err) => {
             // One line: what failed, then why, each cause once.
-            say::say!("memscope-bpf: error: {}", attach::with_causes(err.as_ref()));
+            say!("memscope-bpf: error: {}", attach::with_causes(err.as_ref()));
             ExitCode::from(1)
         }
     }

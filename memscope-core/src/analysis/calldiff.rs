@@ -16,8 +16,8 @@ use serde::Serialize;
 
 use super::calls::{Calls, Level};
 use super::opdiff::{self, Edit};
-use super::render::signed_bytes;
 use crate::printable::printable;
+use crate::units::signed_bytes;
 
 /// Matched rows with equal deltas kept on each side of a difference in the text.
 const CONTEXT: usize = 2;

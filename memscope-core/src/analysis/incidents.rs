@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::db::DumpRow;
 use super::pool::{parse_number, Fields, Live, PoolKind, Pools, Reason, Sample};
-use super::render::human_bytes;
+use crate::units::human_bytes;
 use crate::vocab::EventType;
 
 /// The owner recorded for blocks whose MALLOC named none (as `ms_decompose` names them).

@@ -27,10 +27,11 @@ use serde::Serialize;
 use super::db::DumpDb;
 use super::decompose::Family;
 use super::degradation::{self, FamilyTrend, Verdict};
-use super::render::{human_bytes, relative};
+use super::render::relative;
 use super::steps::{BlockEnd, BlockKind, BlockSink, Boundary, StepDb, StepError, StepPoint, StepSummary, Timeline};
 use super::AnalysisError;
 use crate::printable::printable;
+use crate::units::human_bytes;
 
 /// The analysis' knobs (`analyze` flags; `compare` shares `--step-marker`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, clap::Args)]
@@ -447,7 +448,7 @@ pub fn text(report: &LeakReport, path: &Path, device: &str) -> String {
             out,
             " ({} of them pool segments, {})",
             segments.len(),
-            human_bytes(segments.iter().map(|l| l.size).sum())
+            human_bytes(segments.iter().map(|l| l.size).sum::<i64>())
         );
     }
     out.push('\n');

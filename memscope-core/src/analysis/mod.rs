@@ -44,7 +44,6 @@ pub mod incidents;
 pub mod inefficient;
 pub mod instants;
 pub mod leaks;
-pub mod live;
 pub mod oom;
 pub mod opdiff;
 pub mod pass;
@@ -54,11 +53,11 @@ pub mod steps;
 pub mod stream_reuse;
 
 /// The inefficient analysis's output, at the path it had before `inefficient/` was a folder.
-pub use inefficient::out as inefficient_out;
-
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
+
+pub use inefficient::out as inefficient_out;
 
 /// What can go wrong with an input DB. Every message names the file and says what to do, since
 /// the user's usual mistake is pointing at the wrong file (a CSV trace, a folder one level off,

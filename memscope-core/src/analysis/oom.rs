@@ -15,12 +15,14 @@ use std::path::Path;
 
 use super::db::DumpDb;
 use super::fragmentation;
+use super::render::relative;
+use super::AnalysisError;
+use crate::printable::printable;
+use crate::units::human_bytes;
+
 pub use super::incidents::{
     Attempt, BlockInfo, Incident, Level, OwnerBytes, State, Verdict, DEFAULT_TOP_K, UNKNOWN_OWNER,
 };
-use super::render::{human_bytes, relative};
-use super::AnalysisError;
-use crate::printable::printable;
 
 // ---------------------------------------------------------------- reports
 

@@ -9,30 +9,7 @@ use serde::Serialize;
 
 use super::decompose::{Family, Node, Point, PointKind, Report, Tree};
 use crate::printable::printable;
-
-/// `1.5 MiB`; bytes under 1 KiB as `512 B`. The exact count is printed beside it.
-pub fn human_bytes(bytes: i64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if bytes.unsigned_abs() < 1024 {
-        return format!("{bytes} B");
-    }
-    let mut value = bytes as f64 / 1024.0;
-    let mut unit = 0;
-    while value.abs() >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.1} {}", UNITS[unit])
-}
-
-/// A change in bytes: `+1.5 MiB`, `-512 B`, `0 B`.
-pub fn signed_bytes(bytes: i64) -> String {
-    if bytes > 0 {
-        format!("+{}", human_bytes(bytes))
-    } else {
-        human_bytes(bytes)
-    }
-}
+use crate::units::human_bytes;
 
 /// A time after the trace start, in the largest unit that keeps it readable.
 pub fn relative(ns: i64) -> String {

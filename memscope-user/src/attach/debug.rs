@@ -53,6 +53,20 @@ fn hex(bytes: &[u8]) -> String {
 
 const SYSTEM_DEBUG: &str = "/usr/lib/debug";
 
+/// The stacks' debug finder ([`memscope_core::stacks::capture::DebugFinder`]): a stripped file's
+/// debug file, found as the probes' is (also under `debug_dirs`); `None` for a file that keeps
+/// its own symbols.
+pub fn finder(debug_dirs: Vec<PathBuf>) -> memscope_core::stacks::capture::DebugFinder {
+    Box::new(move |path| {
+        let data = std::fs::read(path).ok()?;
+        let reference = debug_ref(&data);
+        if reference.has_symtab {
+            return None;
+        }
+        find(path, &reference, &debug_dirs).map(|d| d.path)
+    })
+}
+
 /// The debug file for a library, if one that matches is found.
 pub fn find(library: &Path, r: &DebugRef, extra_dirs: &[PathBuf]) -> Option<DebugFile> {
     let system = PathBuf::from(SYSTEM_DEBUG);

@@ -21,8 +21,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use memscope_core::apis::{Api, Family};
+
 use super::file::{check_regular, FileError};
-use crate::apis::{Api, Family};
 
 /// Where a library was found (shown to the user and stored with the probes).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -16,6 +16,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use memscope_common::spec::{FieldRead, ProbeSpec};
+use memscope_core::apis::{Api, Family};
 
 use super::debug::{self, DebugFile, Found};
 use super::dwarf;
@@ -23,7 +24,6 @@ use super::elf::{ElfError, ElfSymbols, SymbolSource};
 use super::file;
 use super::libs::{self, wanted_symbols, Library};
 use super::loader::{AttachedProbe, ProbeSet};
-use crate::apis::{Api, Family};
 
 /// The debug file situation of a library.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -226,7 +226,7 @@ fn plan_torch(lib: &Library, dwarf_data: &[u8], plan: &mut LibraryPlan) {
     let mut attach: Vec<Api> = Vec::new();
     let mut specs = Vec::new();
     let layout = if has(Api::DeviceCachingAllocatorMalloc) && has(Api::DeviceCachingAllocatorFree) {
-        let l = &crate::apis::torch_npu::BLOCK;
+        let l = &memscope_core::apis::torch_npu::BLOCK;
         dwarf::member_offsets(dwarf_data, Some(l.namespace), l.name, l.members)
     } else {
         None
@@ -264,7 +264,7 @@ fn plan_torch(lib: &Library, dwarf_data: &[u8], plan: &mut LibraryPlan) {
     };
     let workspace = if has(Api::WorkspaceMalloc) && has(Api::WorkspaceFree) {
         attach.extend([Api::WorkspaceMalloc, Api::WorkspaceFree]);
-        let l = &crate::apis::torch_npu::WORKSPACE_ALLOCATOR;
+        let l = &memscope_core::apis::torch_npu::WORKSPACE_ALLOCATOR;
         match dwarf::member_offsets(dwarf_data, Some(l.namespace), l.name, l.members) {
             Some(offsets) => {
                 let mut spec = Api::WorkspaceMalloc.def().spec;
@@ -296,7 +296,7 @@ fn plan_torch(lib: &Library, dwarf_data: &[u8], plan: &mut LibraryPlan) {
 
 /// Where the offsets of `RunnerVariantPack`'s workspace members came from.
 fn atb_layout(lib: &Library, data: &[u8], debug_dirs: &[PathBuf]) -> (Vec<u64>, String) {
-    let l = &crate::apis::atb::RUNNER_VARIANT_PACK;
+    let l = &memscope_core::apis::atb::RUNNER_VARIANT_PACK;
     let offsets = |d: &[u8]| dwarf::member_offsets(d, Some(l.namespace), l.name, l.members);
     if let Some(found) = offsets(data) {
         return (found, "from the library's DWARF".to_owned());
@@ -309,7 +309,7 @@ fn atb_layout(lib: &Library, data: &[u8], debug_dirs: &[PathBuf]) -> (Vec<u64>, 
     }
     let why =
         "no DWARF describes atb::RunnerVariantPack (none in the library or a debug file): the open-source ATB's layout assumed";
-    (crate::apis::atb::FALLBACK_OFFSETS.to_vec(), why.to_owned())
+    (memscope_core::apis::atb::FALLBACK_OFFSETS.to_vec(), why.to_owned())
 }
 
 fn plan_atb(lib: &Library, data: &[u8], debug_dirs: &[PathBuf], plan: &mut LibraryPlan) {

@@ -9,10 +9,10 @@
 //! instead of the tracer guessing where its arguments are.
 
 use memscope_common::usdt::UsdtSpec;
+use memscope_core::apis::{self, markers};
 
 use super::usdt_args::{build_spec, parse_args, Arch};
 use super::usdt_notes::{read_notes, UsdtNoteError};
-use crate::apis::{self, markers};
 
 /// One call site to attach.
 #[derive(Clone, Debug)]

@@ -5,10 +5,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
+use memscope_core::analysis::advise;
+use memscope_core::analysis::contract::{self, Advise, AdviseOptions, Analysis as _};
 
 use super::inputs;
-use crate::analysis::advise;
-use crate::analysis::contract::{self, Advise, AdviseOptions, Analysis as _};
 
 /// Recommend allocator settings for a traced job, each with the evidence that triggered it.
 ///
@@ -100,7 +100,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let options = AdviseOptions { device };
         let done = contract::run::<Advise>(&db, &options.device, &options, args.json, store_at)?;
         if let Some(line) = done.stored {
-            crate::say::say!("memscope-bpf: {line}");
+            crate::terminal::say::say!("memscope-bpf: {line}");
         }
         texts.extend(done.text);
         json.extend(done.json);
@@ -128,8 +128,8 @@ mod tests {
     use clap::Parser as _;
 
     use super::*;
-    use crate::analysis::fragmentation::fx::Fx;
     use crate::cli::{Cli, Command};
+    use memscope_core::analysis::fragmentation::fx::Fx;
 
     fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
         let mut full = vec!["memscope-bpf", "advise"];
@@ -211,7 +211,7 @@ mod tests {
 
     #[test]
     fn bad_inputs_fail_with_the_problem_and_the_fix() {
-        let d = crate::analysis::testdb::dir("cli-advise-bad");
+        let d = memscope_core::analysis::testdb::dir("cli-advise-bad");
         let err = run(parse(&[d.join("none.db").to_str().unwrap()]).unwrap()).unwrap_err();
         assert!(
             format!("{err:#}").contains("no such file or folder; give a memscope_dump_*.db or .csv file"),
@@ -222,7 +222,7 @@ mod tests {
         let err = run(parse(&[junk.to_str().unwrap()]).unwrap()).unwrap_err();
         assert!(format!("{err:#}").contains("not an SQLite database"), "{err:#}");
         assert_eq!(std::fs::read(&junk).unwrap(), b"not a database");
-        let empty = crate::analysis::testdb::dir("cli-advise-empty");
+        let empty = memscope_core::analysis::testdb::dir("cli-advise-empty");
         let err = run(parse(&[empty.to_str().unwrap()]).unwrap()).unwrap_err();
         assert!(format!("{err:#}").contains("no trace under this folder"), "{err:#}");
     }

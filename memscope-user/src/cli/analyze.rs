@@ -2,19 +2,19 @@
 //! Unprivileged: it only reads the DBs and adds its own result tables to them.
 //!
 //! This module turns arguments into a list of DBs and instants, runs the analyses in
-//! `crate::analysis`, and prints; every input problem is reported before or instead of any
+//! `memscope_core::analysis`, and prints; every input problem is reported before or instead of any
 //! write, so a mistake costs one line and never a damaged DB.
 
 use std::io::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
+use memscope_core::analysis::contract::{self, Analysis as _, Decompose, DecomposeOptions, Inefficient, Leaks, Oom};
+use memscope_core::analysis::db::DumpDb;
+use memscope_core::analysis::decompose::TimeSpec;
+use memscope_core::analysis::inefficient;
 
 use super::inputs;
-use crate::analysis::contract::{self, Analysis as _, Decompose, DecomposeOptions, Inefficient, Leaks, Oom};
-use crate::analysis::db::DumpDb;
-use crate::analysis::decompose::TimeSpec;
-use crate::analysis::inefficient;
 
 /// An analysis, by msMemScope's `--analysis` name.
 #[derive(Clone, Copy, Debug, Eq)]
@@ -77,8 +77,8 @@ const ANALYSES: [Entry; 4] = [
         name: Oom::NAME,
         parse: |arg| {
             Some(match arg {
-                Some(k) => crate::analysis::oom::parse_top_k(k).map(Analysis::Oom),
-                None => Ok(Analysis::Oom(crate::analysis::oom::DEFAULT_TOP_K)),
+                Some(k) => memscope_core::analysis::oom::parse_top_k(k).map(Analysis::Oom),
+                None => Ok(Analysis::Oom(memscope_core::analysis::oom::DEFAULT_TOP_K)),
             })
         },
         run: |a, db, cx| {
@@ -200,7 +200,7 @@ pub struct Args {
     pub inefficient: inefficient::Options,
 
     #[command(flatten)]
-    pub leaks: crate::analysis::leaks::Options,
+    pub leaks: memscope_core::analysis::leaks::Options,
 }
 
 /// Writes to stdout; once the reader has gone (`| head`) the analyses still run and write their
@@ -245,7 +245,7 @@ where
 {
     let done = contract::run::<A>(db, cx.device, options, cx.args.json, cx.write.then_some(cx.run_wall_ns))?;
     if let Some(line) = &done.stored {
-        crate::say::say!("memscope-bpf: {line}");
+        crate::terminal::say::say!("memscope-bpf: {line}");
     }
     Ok(done)
 }
@@ -283,7 +283,7 @@ impl Args {
             no_write: false,
             write: false,
             inefficient: inefficient::Options::default(),
-            leaks: crate::analysis::leaks::Options::default(),
+            leaks: memscope_core::analysis::leaks::Options::default(),
         }
     }
 }
@@ -377,10 +377,10 @@ mod tests {
     use rusqlite::Connection;
 
     use super::*;
-    use crate::analysis::inefficient::scenario::{small_trace, A, B};
-    use crate::analysis::steps::testrows::noisy_run;
-    use crate::analysis::testdb::{dir, TestDb};
     use crate::cli::{Cli, Command};
+    use memscope_core::analysis::inefficient::scenario::{small_trace, A, B};
+    use memscope_core::analysis::steps::testrows::noisy_run;
+    use memscope_core::analysis::testdb::{dir, TestDb};
 
     fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
         let mut full = vec!["memscope-bpf", "analyze"];
@@ -511,7 +511,7 @@ mod tests {
         let metas: i64 =
             conn.query_row("SELECT count(*) FROM ms_meta WHERE key = 'decompose_at'", [], |r| r.get(0)).unwrap();
         assert_eq!(metas, 1);
-        for t in crate::store::schema::INSIGHT_OWNED_TABLES {
+        for t in memscope_core::store::schema::INSIGHT_OWNED_TABLES {
             let n: i64 =
                 conn.query_row("SELECT count(*) FROM sqlite_master WHERE name = ?1", [t], |r| r.get(0)).unwrap();
             assert_eq!(n, 0, "{t} is Insight's");

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::replay::{self, Options};
+use crate::capture::replay::{self, Options};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -14,18 +14,18 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
+use memscope_core::analysis::calldiff;
+use memscope_core::analysis::calls::{self, Calls, Level};
+use memscope_core::analysis::db::{self, DbFile};
+use memscope_core::analysis::decompose::Family;
+use memscope_core::analysis::steps::{StepDb, StepPoint, Timeline};
+use memscope_core::analysis::AnalysisError;
 use memscope_core::printable::printable;
+use memscope_core::units::{human_bytes, signed_bytes as signed};
 use serde::Serialize;
 
 use super::inputs;
-use crate::analysis::calldiff;
-use crate::analysis::calls::{self, Calls, Level};
-use crate::analysis::db::{self, DbFile};
-use crate::analysis::decompose::Family;
-use crate::analysis::render::{human_bytes, signed_bytes as signed};
-use crate::analysis::steps::{StepDb, StepPoint, Timeline};
-use crate::analysis::AnalysisError;
-use crate::say::say;
+use crate::terminal::say::say;
 
 /// Compare two traces: what grew from A to B, per step and per owner, or (--level) which ops or kernels differ.
 ///
@@ -533,8 +533,8 @@ mod tests {
     use clap::Parser as _;
 
     use super::*;
-    use crate::analysis::steps::testrows::step;
-    use crate::analysis::testdb::{dir, TestDb};
+    use memscope_core::analysis::steps::testrows::step;
+    use memscope_core::analysis::testdb::{dir, TestDb};
 
     const MIB: u64 = 1 << 20;
 
@@ -677,7 +677,7 @@ mod tests {
 
     #[test]
     fn the_call_view_finds_the_one_inserted_op_and_its_allocation() {
-        use crate::analysis::calldiff::Kind;
+        use memscope_core::analysis::calldiff::Kind;
         const X: u64 = 3 * MIB;
         let base: Vec<(&str, u64)> = (0..30)
             .flat_map(|_| [("aten.mm.default", 4 * MIB), ("aten.add.Tensor", 0), ("aten.relu.default", MIB)])

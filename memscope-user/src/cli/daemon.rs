@@ -9,18 +9,19 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use memscope_core::analysis::live;
+use memscope_core::ingest::live;
 
+use super::capture::CaptureArgs;
 use super::parse_duration;
-use super::trace::{user_libraries, DEFAULT_RING_MB};
+use super::trace::user_libraries;
 use crate::attach::libs;
 use crate::attach::loader::Sampling;
 use crate::attach::ProbeSet;
 use crate::daemon::filters::Filters;
 use crate::daemon::{self, Plan, Stopped};
-use crate::preflight;
-use crate::say::say;
-use crate::store::{DbWriter, Format};
+use crate::session::preflight;
+use crate::terminal::say::say;
+use crate::terminal::status::Mode;
 
 /// The port Prometheus's exporter list gives memscope-bpf's metrics.
 const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
@@ -66,6 +67,9 @@ pub struct Args {
     #[arg(short, long, value_name = "DIR", default_value = "/var/lib/memscope")]
     pub output: PathBuf,
 
+    #[command(flatten)]
+    pub capture: CaptureArgs,
+
     /// Serve the metrics on this address: `GET /metrics` and `GET /healthz`. Use a loopback
     /// address unless the network is trusted; port 0 picks a free one (printed at the start).
     #[arg(long, value_name = "ADDR:PORT", default_value = DEFAULT_LISTEN)]
@@ -97,29 +101,6 @@ pub struct Args {
     /// each process's), are probed without it.
     #[arg(long = "lib", value_name = "PATH")]
     pub libs: Vec<PathBuf>,
-
-    /// Stop after this long (e.g. 30s, 10m, 24h). Default: until SIGINT or SIGTERM.
-    #[arg(short, long, value_name = "TIME", value_parser = parse_duration)]
-    pub duration: Option<Duration>,
-
-    /// The jobs' output format: db (SQLite, what MindStudio Insight opens) or csv.
-    #[arg(long, value_enum, default_value_t = Format::Db)]
-    pub format: Format,
-
-    /// How the jobs' DB rows are written: pages (whole B-tree pages, the fast writer; plain SQL takes
-    /// over by itself where pages cannot be used, e.g. a build without SQLite's sqlite_dbpage or
-    /// while another process has the DB open) or sql (plain SQL inserts throughout). Both give
-    /// the same rows; `ms_meta.writer` says which ran.
-    #[arg(long, value_enum, value_name = "WRITER", default_value_t = DbWriter::Pages)]
-    pub writer: DbWriter,
-
-    /// Where a library exports both aclrtX and aclrtXImpl: probe the Impl only (default) or both.
-    #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
-    pub probe_set: ProbeSet,
-
-    /// Ring buffer size in MiB, a power of two, shared by every job (see `trace --help`).
-    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_RING_MB)]
-    pub ring_mb: u32,
 
     /// Record pool and CPU-tensor blocks by Poisson sampling with this mean interval (0: record
     /// every call). A block of the interval or more is always recorded at its size; a smaller
@@ -154,22 +135,10 @@ pub struct Args {
     /// judge its growth too; its first marked step replaces them (0: none).
     #[arg(long, value_name = "TIME", default_value = "1m", value_parser = parse_duration)]
     pub step_window: Duration,
-
-    /// Print only errors and the final line (not each job's start and end, nor the status).
-    #[arg(short, long)]
-    pub quiet: bool,
-
-    /// Print the live status as one JSON object per second on stdout (the running jobs' live
-    /// and peak bytes per device, their largest owners, calls and lost records), for programs;
-    /// without it the status is shown only on a terminal.
-    #[arg(long)]
-    pub json: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if !args.ring_mb.is_power_of_two() || args.ring_mb > 1024 {
-        bail!("--ring-mb {} must be a power of two between 1 and 1024", args.ring_mb);
-    }
+    args.capture.check()?;
     if args.max_blocks == 0 {
         bail!("--max-blocks must be at least 1 (the default is {DEFAULT_MAX_BLOCKS})");
     }
@@ -186,17 +155,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
     libraries.extend(libs::from_env(&env, Path::new("/"), false));
     let libraries = libs::with_dependencies(libraries);
-    super::trace::say_writer(args.format, args.writer, args.quiet);
+    args.capture.say_writer();
 
+    let status = match Mode::choose(args.capture.quiet, args.capture.json) {
+        // A journal wants events, not a status line every 10 s: Prometheus has the totals.
+        Mode::Lines => Mode::Off,
+        mode => mode,
+    };
     let plan = Plan {
         libraries,
-        output: args.output,
-        duration: args.duration,
-        format: args.format,
-        writer: args.writer,
-        probe_set: args.probe_set,
-        ring_bytes: args.ring_mb * 1024 * 1024,
-        quiet: args.quiet,
+        capture: args.capture.plan(args.output, status),
         listen: args.listen,
         admission,
         filters: args.filters,
@@ -205,7 +173,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         sampling: (args.sample_bytes > 0).then_some(Sampling {
             interval: args.sample_bytes,
             max_blocks: args.max_blocks,
-            frees_at_entry: args.probe_set == ProbeSet::Default,
+            frees_at_entry: args.capture.probe_set == ProbeSet::Default,
         }),
         live: live::Options {
             warmup_steps: args.warmup_steps,
@@ -214,11 +182,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             trend_every_ns: TREND_EVERY.as_nanos() as u64,
         },
         owner_labels: args.owner_labels,
-        status: match crate::status::Mode::choose(args.quiet, args.json) {
-            // A journal wants events, not a status line every 10 s: Prometheus has the totals.
-            crate::status::Mode::Lines => crate::status::Mode::Off,
-            mode => mode,
-        },
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;
@@ -226,7 +189,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     say!(
         "memscope-bpf: daemon stopped ({reason}): {jobs} job(s) finished, {calls} calls recorded, {lost} records lost"
     );
-    runtime.block_on(detaching.wait(args.quiet));
+    runtime.block_on(detaching.wait(args.capture.quiet));
     Ok(())
 }
 

@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 
 use anyhow::bail;
+use memscope_core::analysis::db::DbFile;
+use memscope_core::export::{memory_viz, perfetto};
 
 use super::inputs::{self, write_atomically};
-use crate::analysis::db::DbFile;
-use memscope_core::export::{memory_viz, perfetto};
 
 /// Write a trace in a format another tool opens.
 ///
@@ -135,8 +135,8 @@ fn perfetto_file(args: &Args, candidates: &[(DbFile, String)]) -> anyhow::Result
 mod tests {
     use clap::Parser as _;
 
-    use crate::analysis::testdb::{dir, TestDb};
     use crate::cli::Cli;
+    use memscope_core::analysis::testdb::{dir, TestDb};
 
     fn run(args: &[&str]) -> anyhow::Result<()> {
         let mut argv = vec!["memscope-bpf", "export", "--format", "memory-viz"];

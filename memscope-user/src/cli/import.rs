@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
+use memscope_core::analysis::db::{self, DbFile, Format};
 
-use crate::analysis::db::{self, DbFile, Format};
-use crate::say::say;
+use crate::terminal::say::say;
 
 /// Import msMemScope's dump CSVs into DBs, once: for Insight, and for faster reruns of the other verbs.
 ///
@@ -49,8 +49,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             std::fs::create_dir_all(dir).with_context(|| format!("cannot make {}", dir.display()))?;
         }
         let started = std::time::Instant::now();
-        let mut bar = crate::progress::bytes(crate::progress::label("import", &job.csv));
-        let got = crate::import::import_csv(&job.csv, &job.db, args.force, &mut bar)?;
+        let mut bar = crate::terminal::progress::bytes(crate::terminal::progress::label("import", &job.csv));
+        let got = memscope_core::import::import_csv(&job.csv, &job.db, args.force, &mut bar)?;
         say!(
             "memscope-bpf: imported {} into {} ({} rows of device{} {}{}{}{}; {:.1} s)",
             job.csv.display(),
@@ -90,7 +90,7 @@ fn plan(args: &Args) -> anyhow::Result<Vec<Job>> {
         // A CSV imported before is hidden by its DB; --force imports it again.
         let again = found.iter().filter(|f| args.force && f.format == Format::Db).filter_map(|f| {
             let csv = f.path.with_extension("csv");
-            let dump = crate::import::sniff(&csv).is_ok_and(|k| k == crate::import::Kind::DumpCsv);
+            let dump = memscope_core::import::sniff(&csv).is_ok_and(|k| k == memscope_core::import::Kind::DumpCsv);
             dump.then(|| DbFile::new(csv, Format::Csv))
         });
         let csvs: Vec<DbFile> =

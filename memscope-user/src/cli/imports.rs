@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::Context as _;
+use memscope_core::analysis::db::{DbFile, Format};
 
-use crate::analysis::db::{DbFile, Format};
-use crate::say::say;
+use crate::terminal::say::say;
 
 /// A file as imported or split: its canonical path, size and modification time (a file rewritten
 /// since is read again).
@@ -101,8 +101,8 @@ pub(super) fn imported(file: DbFile) -> anyhow::Result<DbFile> {
         |dir, n| {
             let db_path = dir.join(format!("{n}-{}.db", stem(&file.path)));
             let started = std::time::Instant::now();
-            let mut bar = crate::progress::bytes(crate::progress::label("import", &file.path));
-            let got = crate::import::import_csv(&file.path, &db_path, true, &mut bar)?;
+            let mut bar = crate::terminal::progress::bytes(crate::terminal::progress::label("import", &file.path));
+            let got = memscope_core::import::import_csv(&file.path, &db_path, true, &mut bar)?;
             say!(
                 "memscope-bpf: read {} ({} rows{}) through a temporary DB in {:.1} s; `memscope-bpf import` \
              on it keeps a DB beside it, for Insight and faster reruns",
@@ -129,7 +129,7 @@ pub(super) fn split(file: &DbFile, table: &str, devices: &[String]) -> anyhow::R
         |i| &mut i.split,
         |dir, n| {
             let stem = format!("{n}-{}", stem(file.shown()));
-            let parts = crate::import::split_by_device(&file.path, table, devices, dir, &stem)?;
+            let parts = memscope_core::import::split_by_device(&file.path, table, devices, dir, &stem)?;
             say!(
                 "memscope-bpf: {} holds devices {} in one file (as msLeaks wrote them): each is analysed on its own",
                 file.shown().display(),

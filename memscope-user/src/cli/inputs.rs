@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::Context as _;
+use memscope_core::analysis::db::{self, DbFile, DumpDb, Origin};
 
-use crate::analysis::db::{self, DbFile, DumpDb, Origin};
-use crate::say::say;
+use crate::terminal::say::say;
 
 /// The traces the inputs name (files, trace folders, folders of traces), each once, in the order
 /// given; a CSV is imported into a temporary DB, whose path the entry then holds (`source` is the
@@ -105,12 +105,12 @@ pub fn open(file: &DbFile, verb: &str, store: Store) -> anyhow::Result<(DumpDb, 
     };
     say_lacks(&read, file)?;
     let db = if write { DumpDb::open(&file.path, true)? } else { read };
-    let db = crate::progress::watched(db, crate::progress::label(verb, file.shown()));
+    let db = crate::terminal::progress::watched(db, crate::terminal::progress::label(verb, file.shown()));
     Ok((db.shown_as(file.shown()), write))
 }
 
 /// An error about a temporary DB, naming the CSV it came from instead.
-fn shown_error(e: crate::analysis::AnalysisError, file: &DbFile) -> anyhow::Error {
+fn shown_error(e: memscope_core::analysis::AnalysisError, file: &DbFile) -> anyhow::Error {
     match &file.source {
         Some(csv) => anyhow::Error::new(e).context(format!("reading the DB imported from {}", csv.display())),
         None => e.into(),

@@ -3,6 +3,7 @@
 pub mod advise;
 pub mod analyze;
 mod bench_consumer;
+mod capture;
 pub mod compare;
 pub mod daemon;
 pub mod export;

@@ -8,14 +8,14 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
+use memscope_core::apis::{Api, Attach, Family};
 use memscope_core::printable::printable;
+use memscope_core::stacks::{frame_pointers, python, unwind};
 
-use crate::apis::{Api, Attach, Family};
 use crate::attach::libs::{self, Library, Origin};
 use crate::attach::plan::{describe_debug, plan, DebugStatus};
 use crate::attach::ProbeSet;
-use crate::preflight::{self, PreflightError};
-use crate::stacks::{frame_pointers, python, unwind};
+use crate::session::preflight::{self, PreflightError};
 
 /// List the traced API symbols found in a process's libraries or in given files, per layer:
 /// where each one is (dynsym, symtab, debug file), which would be attached, which are missing and
@@ -91,7 +91,7 @@ fn describe_markers(lib: &Library, text: &mut String) -> bool {
     let semaphores = crate::attach::perf_uprobe::ref_ctr_supported();
     for (provider, title, seen) in [
         (
-            crate::apis::markers::PROVIDER,
+            memscope_core::apis::markers::PROVIDER,
             "markers",
             "tag spans, address tags, steps, marks and ranges; semaphores raised by the kernel while traced",
         ),

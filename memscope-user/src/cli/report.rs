@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::bail;
+use memscope_core::analysis::db::{self, DumpDb};
+use memscope_core::report::{self, compare, html, DeviceReport, Options, Page, Run};
 
 use super::inputs::{self, write_atomically};
-use crate::analysis::db::{self, DumpDb};
-use memscope_core::report::{self, compare, html, DeviceReport, Options, Page, Run};
 
 /// Write a trace as one HTML page: memory over time by owner, the owner tree at the peak and at
 /// any instant clicked, the blocks, the analyses' findings; two traces: what grew.
@@ -130,8 +130,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 mod tests {
     use clap::Parser as _;
 
-    use crate::analysis::testdb::{dir, TestDb};
     use crate::cli::Cli;
+    use memscope_core::analysis::testdb::{dir, TestDb};
 
     fn run(args: &[&str]) -> anyhow::Result<()> {
         let mut argv = vec!["memscope-bpf", "report"];

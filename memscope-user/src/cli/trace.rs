@@ -8,29 +8,19 @@
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::{bail, Context as _};
+use memscope_core::stacks::spec::{CallStacks, StackOptions, Unwind, DEFAULT_WINDOW};
+use memscope_core::store::Format;
 
-use super::parse_duration;
+use super::capture::CaptureArgs;
 use crate::attach::libs::{self, Library};
-use crate::attach::ProbeSet;
-use crate::launch;
-use crate::preflight::{self, PreflightError};
-use crate::record::bpf_log::BpfLogLevel;
-use crate::say::say;
+use crate::attach::loader::bpf_log::BpfLogLevel;
+use crate::session::launch;
+use crate::session::preflight::{self, PreflightError};
 use crate::session::{self, Plan, Target};
-use crate::stacks::spec::{CallStacks, StackOptions, Unwind, DEFAULT_WINDOW};
-use crate::store::{DbWriter, Format};
-
-/// The default ring buffer, in MiB: as many call records as the 64 MiB ring held when every call
-/// record carried a 136-byte text field (64 MiB / 288 bytes in the ring: about 233k), in half the
-/// memory. Each sample takes the record and the kernel's 8-byte header.
-pub(crate) const DEFAULT_RING_MB: u32 = 32;
-const _: () = assert!(
-    DEFAULT_RING_MB as usize * (1 << 20) / (std::mem::size_of::<memscope_common::record::CallRecord>() + 8)
-        >= 64 * (1 << 20) / (280 + 8)
-);
+use crate::terminal::say::say;
+use crate::terminal::status::Mode;
 
 /// Record accelerator memory events of a running job or of a program launched under the tracer.
 ///
@@ -53,9 +43,8 @@ pub struct Args {
     #[arg(short, long, value_name = "DIR", default_value = "memscopeDumpResults")]
     pub output: PathBuf,
 
-    /// Stop after this long (e.g. 30, 30s, 5m). Default: until Ctrl-C, SIGTERM, SIGHUP or target exit.
-    #[arg(short, long, value_name = "TIME", value_parser = parse_duration)]
-    pub duration: Option<Duration>,
+    #[command(flatten)]
+    pub capture: CaptureArgs,
 
     /// Also probe this library: a file of any name (e.g. a copy of libascendcl.so) or a folder.
     /// Repeatable. By default libraries come from the target's maps and ASCEND_HOME_PATH. A file
@@ -69,28 +58,6 @@ pub struct Args {
     #[arg(long = "debug-dir", value_name = "DIR")]
     pub debug_dirs: Vec<PathBuf>,
 
-    /// Output format: db (SQLite, what MindStudio Insight opens) or csv (msMemScope's CSV).
-    #[arg(long, value_enum, default_value_t = Format::Db)]
-    pub format: Format,
-
-    /// How the DB's rows are written: pages (whole B-tree pages, the fast writer; plain SQL takes
-    /// over by itself where pages cannot be used, e.g. a build without SQLite's sqlite_dbpage or
-    /// while another process has the DB open) or sql (plain SQL inserts throughout). Both give
-    /// the same rows; `ms_meta.writer` says which ran.
-    #[arg(long, value_enum, value_name = "WRITER", default_value_t = DbWriter::Pages)]
-    pub writer: DbWriter,
-
-    /// Where a library exports both aclrtX and aclrtXImpl: probe the Impl only (default, one
-    /// trap per call) or both (all: each call still recorded once).
-    #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
-    pub probe_set: ProbeSet,
-
-    /// Ring buffer size in MiB, a power of two. Larger rides out longer bursts without losses:
-    /// 32 MiB holds about 233k calls waiting (144 bytes each; calls with a text argument take
-    /// 280), and is that much of the tracer's RSS (see docs/benchmarks.md).
-    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_RING_MB)]
-    pub ring_mb: u32,
-
     /// Trace only the target process, not the children it forks. By default every process the
     /// target forks (after the attach, with --pid) is traced too, and the trace goes on until
     /// the last of them exits; in attach mode that puts the probes on the libraries for every
@@ -100,18 +67,6 @@ pub struct Args {
     /// install, prefer --no-follow unless the target forks workers after the attach.
     #[arg(long)]
     pub no_follow: bool,
-
-    /// Print only errors and the final summary (no live status).
-    #[arg(short, long)]
-    pub quiet: bool,
-
-    /// The live status as one JSON object per second on stdout (elapsed_s, calls, calls_per_s,
-    /// lost, devices [{device, live_bytes, peak_bytes, out_of_memory}], owners [{device, owner,
-    /// bytes}] largest first, step, last_oom [device, seconds ago]), for programs. Without it the
-    /// status is an area redrawn in place when stderr is a terminal, and a plain line every
-    /// 10 s otherwise.
-    #[arg(long)]
-    pub json: bool,
 
     /// Analyses to run on the trace when it stops, by msMemScope's names (decompose,
     /// inefficient, leaks, oom), comma-separated: exactly what `memscope-bpf analyze RUN_DIR
@@ -215,21 +170,6 @@ pub(crate) fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> 
     Ok(found)
 }
 
-/// Says on stderr when a DB's rows will go through SQL rather than the page writer (asked for,
-/// or this build cannot write pages), before any row is written.
-pub(super) fn say_writer(format: Format, writer: DbWriter, quiet: bool) {
-    if format != Format::Db {
-        return;
-    }
-    match (writer, DbWriter::unavailable_here()) {
-        (DbWriter::Sql, _) => crate::say::note(quiet, "rows are written through SQL (--writer sql)"),
-        (DbWriter::Pages, Some(why)) => {
-            say!("memscope-bpf: warning: rows are written through SQL, a slower writer: {why}")
-        }
-        (DbWriter::Pages, None) => {}
-    }
-}
-
 fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
     CallStacks::parse(text).map_err(|e| e.to_string())
 }
@@ -237,19 +177,17 @@ fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Checked before tracing: a typo must not cost a whole run.
     let analyses = args.analysis.as_deref().map(super::analyze::parse_list).transpose()?;
-    let format = args.format;
+    let format = args.capture.format;
     let target_given = args.pid.is_some() || !args.command.is_empty();
     if !target_given {
         bail!("nothing to trace: give --pid PID to attach to a running job, or `-- COMMAND` to launch one");
     }
-    if !args.ring_mb.is_power_of_two() || args.ring_mb > 1024 {
-        bail!("--ring-mb {} must be a power of two between 1 and 1024", args.ring_mb);
-    }
+    args.capture.check()?;
     crate::attach::loader::check_object()?;
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
     super::probes::check_debug_dirs(&args.debug_dirs)?;
-    say_writer(format, args.writer, args.quiet);
+    args.capture.say_writer();
     let user = user_libraries(&args.libs)?;
 
     let (target, libraries) = match args.pid {
@@ -296,23 +234,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         target,
         libraries,
         debug_dirs: args.debug_dirs,
-        output: args.output,
-        duration: args.duration,
-        format: args.format,
-        writer: args.writer,
-        probe_set: args.probe_set,
-        ring_bytes: args.ring_mb * 1024 * 1024,
-        quiet: args.quiet,
+        capture: args.capture.plan(args.output, Mode::choose(args.capture.quiet, args.capture.json)),
         follow: !args.no_follow,
         wait_for_start: args.wait_for_start,
         listen: args.listen,
-        status: crate::status::Mode::choose(args.quiet, args.json),
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;
-    let quiet = args.quiet;
+    let quiet = args.capture.quiet;
     let session::Finished { summary, detaching } = runtime.block_on(session::run(plan))?;
-    crate::say::text(format_args!("{summary}"));
+    crate::terminal::say::text(format_args!("{summary}"));
     if let Some(analyses) = analyses {
         if summary.run_dir.is_dir() {
             super::analyze::after_trace(&summary.run_dir, analyses)

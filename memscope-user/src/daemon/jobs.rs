@@ -12,17 +12,17 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context as _;
-use memscope_core::analysis::live::{self, LiveView};
+use memscope_core::apis::{Api, Backend, Family};
+use memscope_core::ingest::clock::{self, Clock};
+use memscope_core::ingest::live::{self, LiveView};
+use memscope_core::ingest::recorder::{Recorder, WriteFailed};
+use memscope_core::model::{Event, EventKind, Tracker};
 use memscope_core::printable::printable;
+use memscope_core::stacks::NO_STACK;
+use memscope_core::store::{DbWriter, Format, Meta, ProbeRow, RunLayout, Store, Writer};
 
-use crate::apis::{Api, Backend, Family};
-use crate::clock::{self, Clock};
 use crate::metrics::{self, JobTotals};
-use crate::model::{Event, EventKind, Tracker};
-use crate::recorder::Recorder;
 use crate::session::facts::{allocator_env, command_line, kernel_release};
-use crate::stacks::NO_STACK;
-use crate::store::{DbWriter, Format, Meta, ProbeRow, RunLayout, Store, Writer};
 
 /// What every job's DB records about the daemon that wrote it.
 pub struct Context {
@@ -114,7 +114,7 @@ impl Jobs {
             // The OOM's forensics (trigger, recent and largest blocks, pool state) are on disk
             // at once, not at the next commit: the process may be about to die of it.
             if let Err(e) = job.recorder.store.commit() {
-                job.recorder.error.get_or_insert(anyhow::Error::new(e).context("cannot commit the OOM's rows"));
+                job.recorder.error.get_or_insert(WriteFailed { what: "cannot commit the OOM's rows", source: e });
             }
         }
         if exit {
@@ -196,7 +196,8 @@ impl Jobs {
         let Recorder { mut tracker, mut store, calls, markers, error, .. } = recorder;
         if let Some(e) = error {
             // The DB is left as its last commit had it; nothing more can be written to it.
-            return Err(e.context(format!("job {pid} ({}): its DB ends at the last commit", printable(&comm))));
+            return Err(anyhow::Error::new(e)
+                .context(format!("job {pid} ({}): its DB ends at the last commit", printable(&comm))));
         }
         let stop_wall = clock::wall_ns();
         store.stopping()?;
@@ -215,7 +216,7 @@ impl Jobs {
             let _ = std::fs::remove_dir(&run_dir);
         }
         for note in written.iter().filter_map(|w| w.note.as_deref()) {
-            crate::say::say!("memscope-bpf: warning: job {pid}: {note}");
+            crate::terminal::say::say!("memscope-bpf: warning: job {pid}: {note}");
         }
         Ok(Ended { comm, run_dir, calls })
     }
@@ -226,7 +227,8 @@ impl Jobs {
         self.jobs
             .iter()
             .filter(|(pid, job)| {
-                job.last_event.elapsed() > quiet_for && crate::procs::liveness(**pid) == crate::procs::Liveness::Exited
+                job.last_event.elapsed() > quiet_for
+                    && crate::capture::procs::liveness(**pid) == crate::capture::procs::Liveness::Exited
             })
             .map(|(pid, _)| *pid)
             .collect()
@@ -234,7 +236,7 @@ impl Jobs {
 }
 
 fn is_gc_pass(event: &Event) -> bool {
-    matches!(&event.kind, EventKind::Call(call) if matches!(call.op, crate::model::Op::GcPass { .. }))
+    matches!(&event.kind, EventKind::Call(call) if matches!(call.op, memscope_core::model::Op::GcPass { .. }))
 }
 
 /// The accelerator stacks of a job at its first event: that call's, else those of the
@@ -260,7 +262,8 @@ fn job_backends(pid: u32, first: &Event, probes: &[ProbeRow]) -> Vec<Backend> {
         return from_maps;
     }
     let api = |p: &ProbeRow| {
-        Api::from_name(&p.api).or_else(|| p.symbol.split_once(':').and_then(|(pr, n)| crate::apis::usdt_api(pr, n)))
+        Api::from_name(&p.api)
+            .or_else(|| p.symbol.split_once(':').and_then(|(pr, n)| memscope_core::apis::usdt_api(pr, n)))
     };
     Backend::of(probes.iter().filter_map(api))
 }
@@ -294,7 +297,7 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     store.db_writer = cx.writer;
     let mut store = Writer::start(store);
     store.add_probes(probes.to_vec())?;
-    let mut recorder = Recorder::new(Tracker::new(), store);
+    let mut recorder = Recorder::new(Tracker::new(), store, crate::capture::procs::is_running_process);
     recorder.live = Some(LiveView::new(cx.live.clone()));
     Ok(Job { comm, recorder, run_dir, last_event: Instant::now(), dirty: true })
 }

@@ -5,12 +5,14 @@
 //! The probes go on library files, for every process ([`discover`]); the kernel admits a
 //! process at its first probed call unless the filters deny it ([`rules`],
 //! `memscope_common::filter`), so there is no per-process attach and no window between a job's
-//! start and its tracing. One ring carries every job's records; the loop hands each to its
+//! start and its tracing. One ring carries every job's records. The loop is a trace's
+//! ([`crate::capture::event_loop`]); at its points the daemon hands each record to its
 //! process's job, commits every job's rows every second (a daemon killed outright leaves DBs
 //! that open), looks for library files not probed yet in the processes the kernel says just
-//! started or loaded objects ([`discover`]), renews the metrics every
-//! 0.5 s (and the status on a terminal every second: [`status`]), and finishes a job when its process exits. SIGINT and SIGTERM finish every open job
-//! and stop; SIGHUP applies the name filters again to the processes running then.
+//! started or loaded objects ([`discover`]), renews the metrics every 0.5 s (and the status on
+//! a terminal every second: [`status`]), and finishes a job when its process exits. SIGINT and
+//! SIGTERM finish every open job and stop; SIGHUP applies the name filters again to the
+//! processes running then.
 
 pub mod discover;
 pub mod filters;
@@ -21,50 +23,37 @@ pub mod rules;
 mod status;
 
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use memscope_core::ingest::clock::{self, Clock};
 use memscope_core::printable::printable;
-use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
+use memscope_core::store::ProbeRow;
 
 use crate::attach::libs::Library;
 use crate::attach::loader::{Admission, LoadOptions, Sampling};
-use crate::attach::{LinkerHook, ProbeSet, Tracer};
-use crate::clock::{self, Clock};
+use crate::attach::{LinkerHook, Tracer};
+use crate::capture::attaching::{
+    attach_found, describe_libraries, describe_usdt, probe_rows, usdt_rows, SkippedLibrary,
+};
+use crate::capture::ring::Consumer;
+use crate::capture::stop::{Detaching, Every, Signals};
+use crate::capture::{self, event_loop};
 use crate::metrics::{self, Published, Snapshot};
-use crate::record::ring::Consumer;
-use crate::say::{note, say};
-use crate::session::attaching::{attach_found, describe_libraries, describe_usdt, probe_rows, usdt_rows};
-use crate::stop::{self, Detaching, Every, Signals};
-use crate::store::{DbWriter, Format, ProbeRow};
-use crate::summary::SkippedLibrary;
-
+use crate::terminal::say::{note, say};
 use discover::Discovery;
 use filters::Filters;
 use jobs::{Context, Jobs, Outcome};
 
-const DRAIN_EVERY: Duration = Duration::from_millis(20);
-const PUBLISH_EVERY: Duration = Duration::from_millis(500);
-const COMMIT_EVERY: Duration = Duration::from_secs(1);
 /// How often `--max-db` and `--retention` are applied (and whenever a job ends).
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
-/// The consumer wakes up early once this much of the ring is waiting.
-const WAKEUP_FRACTION: u64 = 4;
 
 pub struct Plan {
     /// `--lib` and the runtime folders of the daemon's own environment: probed at the start.
     pub libraries: Vec<Library>,
-    pub output: PathBuf,
-    pub duration: Option<Duration>,
-    pub format: Format,
-    /// `--writer`.
-    pub writer: DbWriter,
-    pub probe_set: ProbeSet,
-    pub ring_bytes: u32,
-    pub quiet: bool,
+    /// Output, format, writer, probes, ring, duration, status: what a trace is told too.
+    pub capture: capture::Plan,
     pub listen: SocketAddr,
     /// The rules in force (the command line's and the filter file's).
     pub admission: Admission,
@@ -76,11 +65,9 @@ pub struct Plan {
     /// `--sample-bytes`, `--max-blocks` (`None`: every call recorded).
     pub sampling: Option<Sampling>,
     /// `--warmup-steps`, `--step-marker`, `--step-window`.
-    pub live: memscope_core::analysis::live::Options,
+    pub live: memscope_core::ingest::live::Options,
     /// `--owner-labels`.
     pub owner_labels: usize,
-    /// The live status: a terminal's area, JSON lines (`--json`) or none.
-    pub status: crate::status::Mode,
 }
 
 /// What the daemon did, once it stopped (its probes still being detached).
@@ -95,11 +82,11 @@ pub struct Stopped {
 /// Runs the daemon until a stop signal or `--duration`.
 pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     // Before anything is attached: a port in use fails the daemon at once.
-    let metrics = metrics::serve(plan.listen, plan.quiet).await?;
+    let metrics = metrics::serve(plan.listen, plan.capture.quiet).await?;
     let clock = Clock::calibrate();
     let opts = LoadOptions {
-        ring_bytes: plan.ring_bytes,
-        wakeup_bytes: u64::from(plan.ring_bytes) / WAKEUP_FRACTION,
+        ring_bytes: plan.capture.ring_bytes,
+        wakeup_bytes: u64::from(plan.capture.ring_bytes) / event_loop::WAKEUP_FRACTION,
         follow_forks: false,
         debug_dirs: Vec::new(),
         stack_depth: 0,
@@ -112,27 +99,21 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     // No target (pid 0 is never a process's tgid): the kernel admits processes by the rules.
     let mut tracer = Tracer::load(&opts, 0, None).context("cannot load the eBPF programs")?;
     let denied = judge_running(&mut tracer, &plan.admission)?.len();
-    let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    let mut consumer = Consumer::new(tracer.take_ring()?, clock)?;
     consumer.set_sample_bytes(plan.sampling.map_or(0, |s| s.interval));
-    // SAFETY: the ring's descriptor belongs to `consumer`; `Daemon` declares `ring_fd` first, so
-    // it is dropped first, and `stop` drops it before anything else.
-    let ring_fd = unsafe { AsyncFd::register_with_interest(consumer.ring().as_raw_fd(), Interest::READABLE) }
-        .map_err(|e| e.into_parts().1)
-        .context("cannot poll the ring buffer")?;
     let cx = Context {
-        output: plan.output.clone(),
-        format: plan.format,
-        writer: plan.writer,
+        output: plan.capture.output.clone(),
+        format: plan.capture.format,
+        writer: plan.capture.writer,
         clock,
-        ring_bytes: plan.ring_bytes,
+        ring_bytes: plan.capture.ring_bytes,
         probe_links: tracer.link_kind(),
         sample_bytes: plan.sampling.map_or(0, |s| s.interval),
         live: plan.live.clone(),
         owner_labels: plan.owner_labels,
     };
-    let plan_status = plan.status;
+    let plan_status = plan.capture.status;
     let mut daemon = Daemon {
-        ring_fd,
         consumer,
         tracer,
         metrics,
@@ -146,8 +127,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         ended_calls: 0,
         over_cap: false,
         swept_at: 0,
-        status: crate::status::Status::new(plan_status),
-        status_every: Every::new(crate::status::RENEW_EVERY),
+        status: crate::terminal::status::Status::new(plan_status),
+        status_every: Every::new(crate::terminal::status::RENEW_EVERY),
+        sweep_every: Every::new(SWEEP_EVERY),
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
@@ -155,7 +137,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     daemon.sweep();
     daemon.announce(denied);
     let mut signals = Signals::new()?;
-    let reason = daemon.watch(&mut signals).await;
+    let duration = daemon.plan.capture.duration;
+    let reason = event_loop::run(&mut daemon, &mut signals, duration, std::future::pending()).await?;
     Ok(daemon.stop(reason, signals))
 }
 
@@ -187,8 +170,6 @@ fn judge_running(tracer: &mut Tracer, admission: &Admission) -> anyhow::Result<V
 
 /// A running daemon.
 struct Daemon {
-    /// Declared before `consumer`, whose descriptor it polls, so that it is dropped first.
-    ring_fd: AsyncFd<std::os::fd::RawFd>,
     consumer: Consumer,
     tracer: Tracer,
     metrics: Published,
@@ -206,15 +187,17 @@ struct Daemon {
     over_cap: bool,
     /// [`Self::ended`] at the last sweep: a job that ended since is swept for at once.
     swept_at: u64,
-    status: crate::status::Status,
+    status: crate::terminal::status::Status,
     status_every: Every,
+    sweep_every: Every,
 }
 
 impl Daemon {
     /// Probes library files not probed yet; new probes go into every open job's `ms_probes`.
     fn attach(&mut self, libs: Vec<(Option<u32>, Library)>, found: &str) {
-        let quiet = self.plan.quiet;
-        let (added, markers) = attach_found(&mut self.tracer, libs, self.plan.probe_set, quiet, &mut self.skipped);
+        let quiet = self.plan.capture.quiet;
+        let (added, markers) =
+            attach_found(&mut self.tracer, libs, self.plan.capture.probe_set, quiet, &mut self.skipped);
         let now = clock::wall_ns();
         let mut rows = probe_rows(&added, now);
         rows.extend(usdt_rows(&markers, now));
@@ -261,7 +244,7 @@ impl Daemon {
         match self.tracer.hook_linker(&ld) {
             Ok(LinkerHook::Added) => {
                 let ld = printable(&ld.shown);
-                note(self.plan.quiet, format!("watching the libraries loaded through {ld} (process {pid})"));
+                note(self.plan.capture.quiet, format!("watching the libraries loaded through {ld} (process {pid})"));
             }
             Ok(LinkerHook::Known) => {}
             Ok(LinkerHook::Refused) => self.discovery.unhooked(pid, now),
@@ -303,49 +286,13 @@ impl Daemon {
             "memscope-bpf: live: daemon: {} probes on {files} library file(s), {} dynamic linker(s) watched; tracing every process that calls them{filters}; jobs go to {}",
             self.probes.len(),
             self.tracer.linkers_hooked(),
-            jobs::describe_output(&plan.output),
+            jobs::describe_output(&plan.capture.output),
         );
         if files == 0 {
-            note(plan.quiet, "no runtime library found yet: looking at each program started and each library loaded");
-        }
-    }
-
-    /// The loop, until a stop signal or `--duration`; returns why it stopped.
-    async fn watch(&mut self, signals: &mut Signals) -> String {
-        let deadline = stop::deadline(self.plan.duration);
-        tokio::pin!(deadline);
-        let mut tick = tokio::time::interval(DRAIN_EVERY);
-        let (mut publish, mut commit) = (Every::new(PUBLISH_EVERY), Every::new(COMMIT_EVERY));
-        let mut sweep = Every::new(SWEEP_EVERY);
-        loop {
-            tokio::select! {
-                stop = signals.next_or_hangup() => match stop {
-                    Some(reason) => return reason.to_owned(),
-                    None => self.reload(),
-                },
-                reason = &mut deadline => return reason,
-                guard = self.ring_fd.readable() => {
-                    if let Ok(mut guard) = guard {
-                        guard.clear_ready();
-                    }
-                    self.drain();
-                    self.scan();
-                }
-                _ = tick.tick() => {
-                    self.drain();
-                    self.scan();
-                    if publish.due() {
-                        self.publish();
-                    }
-                    if commit.due() {
-                        self.commit();
-                    }
-                    if sweep.due() || self.swept_at < self.ended {
-                        sweep.ran();
-                        self.sweep();
-                    }
-                }
-            }
+            note(
+                plan.capture.quiet,
+                "no runtime library found yet: looking at each program started and each library loaded",
+            );
         }
     }
 
@@ -372,7 +319,10 @@ impl Daemon {
                 self.finish(*pid, &format!("excluded by {flag} (on SIGHUP)"));
             }
         }
-        note(self.plan.quiet, format!("SIGHUP: filters applied again ({} running process(es) denied)", denied.len()));
+        note(
+            self.plan.capture.quiet,
+            format!("SIGHUP: filters applied again ({} running process(es) denied)", denied.len()),
+        );
     }
 
     /// The command line's filter flags and the filter file's, checked.
@@ -390,7 +340,7 @@ impl Daemon {
         let Self { consumer, jobs, cx, probes, .. } = self;
         consumer.drain(|e| outcomes.extend(jobs.on_event(e, cx, probes)));
         for (pid, comm, dir) in self.jobs.take_opened() {
-            note(self.plan.quiet, format!("job {pid} ({}): traced, in {}", printable(&comm), dir.display()));
+            note(self.plan.capture.quiet, format!("job {pid} ({}): traced, in {}", printable(&comm), dir.display()));
         }
         for outcome in outcomes {
             match outcome {
@@ -411,7 +361,7 @@ impl Daemon {
                 self.ended += 1;
                 self.ended_calls += ended.calls;
                 note(
-                    self.plan.quiet,
+                    self.plan.capture.quiet,
                     format!(
                         "job {pid} ({}): {reason}; {} calls recorded in {}",
                         printable(&ended.comm),
@@ -442,7 +392,7 @@ impl Daemon {
 
     /// Commits every job's rows; finishes the jobs whose process is gone without an exit record
     /// (one lost in a full ring).
-    fn commit(&mut self) {
+    fn commit_all(&mut self) {
         for (pid, e) in self.jobs.commit() {
             say!("memscope-bpf: warning: job {pid}: cannot commit its rows: {e:#}");
         }
@@ -459,9 +409,9 @@ impl Daemon {
             return;
         }
         let running = self.jobs.run_dirs();
-        let swept = retention::sweep(&self.plan.output, &running, limits, std::time::SystemTime::now());
+        let swept = retention::sweep(&self.plan.capture.output, &running, limits, std::time::SystemTime::now());
         for (path, why) in &swept.removed {
-            note(self.plan.quiet, format!("removed {} ({why})", path.display()));
+            note(self.plan.capture.quiet, format!("removed {} ({why})", path.display()));
         }
         if swept.over_cap && !self.over_cap {
             say!(
@@ -475,15 +425,69 @@ impl Daemon {
     /// Drains what is left, finishes every open job and starts detaching the probes.
     fn stop(mut self, reason: String, signals: Signals) -> Stopped {
         self.status.finish();
-        note(self.plan.quiet, format!("stopping ({reason})…"));
+        note(self.plan.capture.quiet, format!("stopping ({reason})…"));
         self.drain();
         let stop_reason = format!("daemon stopped: {reason}");
         for pid in self.jobs.pids() {
             self.finish(pid, &stop_reason);
         }
         let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
-        let Self { ring_fd, tracer, ended, ended_calls, .. } = self;
-        drop(ring_fd);
+        let Self { tracer, ended, ended_calls, .. } = self;
         Stopped { reason, jobs: ended, calls: ended_calls, lost, detaching: Detaching::start(tracer, signals) }
+    }
+}
+
+/// The daemon in the one loop: every job on the node, libraries looked for in the processes the
+/// kernel reports (and on a schedule), SIGHUP a reload of the filters, and the run folders swept
+/// every [`SWEEP_EVERY`] and whenever a job ends.
+impl event_loop::Capturing for Daemon {
+    fn consumer(&self) -> &Consumer {
+        &self.consumer
+    }
+
+    fn drain(&mut self) {
+        Daemon::drain(self);
+    }
+
+    fn woken(&mut self) -> anyhow::Result<()> {
+        self.scan();
+        Ok(())
+    }
+
+    fn publish(&mut self) {
+        Daemon::publish(self);
+    }
+
+    /// A job's failed commit ends that job, not the daemon.
+    fn commit(&mut self) -> anyhow::Result<()> {
+        self.commit_all();
+        Ok(())
+    }
+
+    fn tick(&mut self) -> anyhow::Result<Option<String>> {
+        self.scan();
+        if self.sweep_every.due() || self.swept_at < self.ended {
+            self.sweep_every.ran();
+            self.sweep();
+        }
+        Ok(None)
+    }
+
+    fn hangup(&mut self) -> Option<String> {
+        self.reload();
+        None
+    }
+
+    fn awaits_target(&self) -> bool {
+        false
+    }
+
+    fn target_exited(&mut self, _: event_loop::TargetExit) -> Option<String> {
+        None
+    }
+
+    /// A write error ends its job only (see [`Jobs::on_event`]).
+    fn check(&mut self) -> anyhow::Result<()> {
+        Ok(())
     }
 }

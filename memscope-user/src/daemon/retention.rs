@@ -125,7 +125,7 @@ fn remove(path: &Path) -> bool {
     match std::fs::remove_dir_all(path) {
         Ok(()) => true,
         Err(e) => {
-            crate::say::say!("memscope-bpf: warning: cannot remove {}: {e}", path.display());
+            crate::terminal::say::say!("memscope-bpf: warning: cannot remove {}: {e}", path.display());
             false
         }
     }

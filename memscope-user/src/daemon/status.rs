@@ -1,10 +1,10 @@
-//! The daemon's live status (`crate::status`, as `trace` shows it) from the totals it publishes
+//! The daemon's live status (`crate::terminal::status`, as `trace` shows it) from the totals it publishes
 //! for Prometheus: each running job's devices (live and peak bytes, out-of-memory failures, the
 //! kernel's exact counts when sampling) and its largest owners, labelled `PID (COMM)`, with its
 //! current step when it marks steps.
 
 use crate::metrics::{self, JobTotals};
-use crate::status::{DeviceFacts, Facts, OwnerFacts};
+use crate::terminal::status::{DeviceFacts, Facts, OwnerFacts};
 
 /// The status of `jobs` (the running ones) with the daemon's `calls` and `lost` so far.
 pub fn facts(jobs: &[JobTotals], calls: u64, lost: u64) -> Facts {
@@ -24,16 +24,14 @@ pub fn facts(jobs: &[JobTotals], calls: u64, lost: u64) -> Facts {
                 out_of_memory: stats.out_of_memory,
             });
         }
-        owners.extend(
-            job.owners.iter().filter(|o| o.bytes > 0 && o.owner != memscope_core::analysis::live::OTHER).map(|o| {
-                OwnerFacts {
-                    job: Some(job.pid.to_string()),
-                    device: metrics::device_label(o.device),
-                    owner: o.owner.clone(),
-                    bytes: o.bytes,
-                }
-            }),
-        );
+        owners.extend(job.owners.iter().filter(|o| o.bytes > 0 && o.owner != memscope_core::ingest::live::OTHER).map(
+            |o| OwnerFacts {
+                job: Some(job.pid.to_string()),
+                device: metrics::device_label(o.device),
+                owner: o.owner.clone(),
+                bytes: o.bytes,
+            },
+        ));
     }
     owners.sort_by_key(|o| std::cmp::Reverse(o.bytes));
     Facts { calls, lost, devices, owners, step: None, jobs: Some(jobs.len()) }
@@ -42,7 +40,7 @@ pub fn facts(jobs: &[JobTotals], calls: u64, lost: u64) -> Facts {
 #[cfg(test)]
 mod tests {
     use memscope_core::analysis::decompose::Family;
-    use memscope_core::analysis::live::{OwnerLive, StepSource, OTHER};
+    use memscope_core::ingest::live::{OwnerLive, StepSource, OTHER};
     use memscope_core::model::{DeviceKey, DeviceStats};
 
     use super::*;

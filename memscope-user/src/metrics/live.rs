@@ -1,4 +1,4 @@
-//! The series of each job's live view (`memscope_core::analysis::live`): live bytes by owner
+//! The series of each job's live view (`memscope_core::ingest::live`): live bytes by owner
 //! (the largest `--owner-labels` owners, the rest as `owner="other"`, so the cardinality stays
 //! bounded however many tags a job uses), its last step, and the degradation verdict of each
 //! device's families, the same test `analyze --analysis leaks` runs on the job's DB.

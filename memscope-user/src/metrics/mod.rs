@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::sample_class;
-use memscope_core::analysis::live::{LiveView, OwnerLive, SeriesTrend, StepSource};
+use memscope_core::ingest::live::{LiveView, OwnerLive, SeriesTrend, StepSource};
 use memscope_core::model::{DeviceKey, DeviceStats, Pool, PoolStats, Tracker};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -147,7 +147,7 @@ impl Published {
 /// Binds `addr` and serves the latest published totals there until the runtime ends.
 pub async fn serve(addr: std::net::SocketAddr, quiet: bool) -> Result<Published, http::ListenError> {
     let listener = http::bind(addr).await?;
-    crate::say::note(quiet, format!("metrics: http://{}/metrics", listener.addr));
+    crate::terminal::say::note(quiet, format!("metrics: http://{}/metrics", listener.addr));
     let published = Published::default();
     listener.serve(published.registry());
     Ok(published)
@@ -394,8 +394,8 @@ mod tests {
     /// A job's live view after 8 steps that each kept 1 MiB more under `PTA@kv_cache`, beside a
     /// constant `PTA@weight`.
     fn leaking_view() -> LiveView {
-        use memscope_core::analysis::live::Options;
         use memscope_core::apis::Api;
+        use memscope_core::ingest::live::Options;
         use memscope_core::model::Site;
         let mut view = LiveView::new(Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: 0 });
         let site = Site { api: Api::DeviceCachingAllocatorMalloc, wall_ns: 1, pid: 1, tid: 1, gc: false, weight: None };

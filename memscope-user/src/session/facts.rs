@@ -2,12 +2,13 @@
 //! line, the allocators' environment) and at the end (stack counts), and the summary's lines
 //! of the devices and caching pools.
 
+use memscope_core::model::Tracker;
+use memscope_core::stacks::capture::CaptureStats;
+use memscope_core::store::Meta;
+
 use crate::attach::libs;
-use crate::model::Tracker;
-use crate::say::note;
-use crate::stacks::capture::CaptureStats;
-use crate::store::Meta;
-use crate::summary::{DeviceLine, PoolLine};
+use crate::session::summary::{DeviceLine, PoolLine};
+use crate::terminal::say::note;
 
 /// Environment variables that set the allocators' behaviour, stored as `env.<NAME>` in
 /// `ms_meta` so the advisor can say what the job ran with (and what to change).

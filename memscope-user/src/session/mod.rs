@@ -8,11 +8,15 @@
 //! `stop`), and meanwhile writes shadow frees for live blocks and closes every file: the DBs are
 //! complete before the detaching is.
 //!
-//! [`attaching`]: the libraries probed at the start and as they are mapped; [`facts`]: what
-//! the trace records about itself in `ms_meta` and the summary.
+//! The loop itself is the daemon's too ([`crate::capture::event_loop`]); this module brings what
+//! a trace does at each of its points. [`facts`]: what the trace records about itself in
+//! `ms_meta`; [`summary`]: what it prints at the end; [`launch`] and [`preflight`]: the target
+//! started under the probes, and what is checked before anything is loaded.
 
-pub(crate) mod attaching;
-pub(crate) mod facts;
+pub mod facts;
+pub mod launch;
+pub mod preflight;
+pub mod summary;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -21,47 +25,43 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use aya_log::EbpfLogger;
-
 use anyhow::Context as _;
+use aya_log::EbpfLogger;
+use memscope_core::apis::Backend;
+use memscope_core::ingest::clock::{self, Clock};
+use memscope_core::ingest::live;
+use memscope_core::ingest::recorder::Recorder;
+use memscope_core::model::Tracker;
+use memscope_core::printable::printable;
+use memscope_core::stacks::spec::{StackOptions, Unwind};
+use memscope_core::store::{Format, Meta, RunLayout, Store, Writer};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
 
-use crate::apis::Backend;
 use crate::attach::libs::Library;
+use crate::attach::loader::bpf_log::{BpfLog, BpfLogCounts, BpfLogLevel};
 use crate::attach::loader::LoadOptions;
 use crate::attach::{ProbeSet, Tracer};
-use crate::clock::{self, Clock};
-use crate::launch::{self, Launched};
-use crate::metrics::{self, JobTotals, Published, Snapshot};
-use crate::model::Tracker;
-use crate::procs;
-use crate::record::bpf_log::{BpfLog, BpfLogCounts, BpfLogLevel};
-use crate::record::ring::Consumer;
-use crate::recorder::Recorder;
-use crate::say::note;
-use crate::stacks::spec::{StackOptions, Unwind};
-use crate::stop::{Detaching, Every, Signals};
-use crate::store::{DbWriter, Format, Meta, RunLayout, Store, Writer};
-use crate::summary::{SkippedLibrary, Summary};
-use memscope_core::analysis::live;
-use memscope_core::printable::printable;
-
-use attaching::{
-    announce, attach_all, describe_libraries, describe_usdt, probe_rows, rescan, skipped_meta, usdt_rows, Attached,
+use crate::capture::attaching::{
+    self, announce, attach_all, describe_libraries, describe_usdt, probe_rows, rescan, skipped_meta, usdt_rows,
+    Attached, SkippedLibrary,
 };
+use crate::capture::event_loop;
+use crate::capture::procs;
+use crate::capture::ring::Consumer;
+use crate::capture::stop::{Detaching, Every, Signals, HANGUP};
+use crate::capture::{self};
+use crate::metrics::{self, JobTotals, Published, Snapshot};
+use crate::terminal::say::note;
 use facts::{allocator_env, command_line, device_lines, kernel_release, pool_lines, stack_meta};
+use launch::Launched;
+use summary::Summary;
 
-const DRAIN_EVERY: Duration = Duration::from_millis(20);
-/// How often `--listen`'s totals are renewed (Prometheus scrapes every 15 s by default).
-const PUBLISH_EVERY: Duration = Duration::from_millis(500);
-const COMMIT_EVERY: Duration = Duration::from_secs(1);
+/// How often the traced processes' maps are read again without a load reported.
 const RESCAN_EVERY: Duration = Duration::from_millis(250);
 /// Owners the live status names.
 const STATUS_OWNERS: usize = 5;
-/// The consumer wakes up early once this much is waiting.
-const WAKEUP_FRACTION: u64 = 4;
 
 pub enum Target {
     Pid(u32),
@@ -83,14 +83,8 @@ pub struct Plan {
     pub target: Target,
     pub libraries: Vec<Library>,
     pub debug_dirs: Vec<PathBuf>,
-    pub output: PathBuf,
-    pub duration: Option<Duration>,
-    pub format: Format,
-    /// `--writer`.
-    pub writer: DbWriter,
-    pub probe_set: ProbeSet,
-    pub ring_bytes: u32,
-    pub quiet: bool,
+    /// Output, format, writer, probes, ring, duration, status: what the daemon is told too.
+    pub capture: capture::Plan,
     /// Trace the processes the target forks too, and stop when the last traced process exits.
     pub follow: bool,
     /// Report nothing until the program starts collection (markers `start()`).
@@ -101,8 +95,6 @@ pub struct Plan {
     pub bpf_log: Option<BpfLogLevel>,
     /// `--listen`: where Prometheus scrapes the trace's totals.
     pub listen: Option<SocketAddr>,
-    /// The live status: a terminal's area, plain lines, JSON lines (`--json`) or none.
-    pub status: crate::status::Mode,
 }
 
 /// The traced processes other than the target that are still running: the kernel's traced set
@@ -160,25 +152,9 @@ pub struct Finished {
 /// One trace: loads and attaches the probes, opens the store and the ring, lets the target go,
 /// runs the loop ([`Live::trace`]) and finishes the DBs ([`Live::finish`]).
 pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
-    let Plan {
-        command,
-        mut target,
-        libraries,
-        debug_dirs,
-        output,
-        duration,
-        format,
-        writer,
-        probe_set,
-        ring_bytes,
-        quiet,
-        follow,
-        wait_for_start,
-        stacks,
-        bpf_log,
-        listen,
-        status,
-    } = plan;
+    let Plan { command, mut target, libraries, debug_dirs, capture, follow, wait_for_start, stacks, bpf_log, listen } =
+        plan;
+    let capture::Plan { output, duration, format, writer, probe_set, ring_bytes, quiet, status } = capture;
     let pid = target.pid();
     // Before anything is attached: a port in use fails the trace at once.
     let metrics = serve_metrics(listen, quiet).await?;
@@ -217,17 +193,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;
 
-    let mut consumer = Consumer::new(tracer.take_ring()?, clock).context("cannot map the ring buffer")?;
+    let mut consumer = Consumer::new(tracer.take_ring()?, clock)?;
     consumer.set_stack_depth(stacks.call.native_depth());
     consumer.set_debug_dirs(debug_dirs.clone());
-    // SAFETY: the ring's descriptor belongs to `consumer`, which outlives `ring_fd`: both go into
-    // `Live`, where `ring_fd` is declared first and so dropped first (and `finish` drops it
-    // before `consumer`).
-    let ring_fd = unsafe {
-        AsyncFd::register_with_interest(std::os::fd::AsRawFd::as_raw_fd(consumer.ring()), Interest::READABLE)
-    }
-    .map_err(|e| e.into_parts().1)
-    .context("cannot poll the ring buffer")?;
 
     announce(&probes, &markers, libraries.len(), pid, follow, launch_mode, quiet);
     attaching::hook_linker(&mut tracer, pid);
@@ -235,8 +203,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
 
     let tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
     let python = stacks.call.python.map(|_| BTreeSet::new());
-    let status = crate::status::Status::new(status);
-    let mut recorder = Recorder::new(tracker, store);
+    let status = crate::terminal::status::Status::new(status);
+    let mut recorder = Recorder::new(tracker, store, procs::is_running_process);
     if status.shown() {
         // The status's owners and step: the daemon's live view, without its periodic steps.
         let options = live::Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: u64::MAX };
@@ -247,7 +215,6 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         probe_set,
         quiet,
         tracer,
-        ring_fd,
         consumer,
         recorder,
         skipped,
@@ -261,10 +228,13 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         late_libraries: Vec::new(),
         probed_at_start: !probes.is_empty(),
         loads_reported: false,
+        ending: procs::Ending::default(),
+        rescan_every: Every::new(RESCAN_EVERY),
+        status_every: Every::new(crate::terminal::status::RENEW_EVERY),
     };
     live.find_pythons()?;
     let mut signals = Signals::new()?;
-    let stop_reason = live.trace(&mut signals, duration, waiter).await?;
+    let stop_reason = event_loop::run(&mut live, &mut signals, duration, target_exit(pid, waiter)).await?;
     live.finish(signals, stop_reason, started, run_dir)
 }
 
@@ -337,7 +307,7 @@ fn load(
 ) -> anyhow::Result<Tracer> {
     let opts = LoadOptions {
         ring_bytes,
-        wakeup_bytes: u64::from(ring_bytes) / WAKEUP_FRACTION,
+        wakeup_bytes: u64::from(ring_bytes) / event_loop::WAKEUP_FRACTION,
         follow_forks: follow,
         debug_dirs,
         stack_depth: stacks.kernel_depth(),
@@ -376,8 +346,6 @@ struct Live {
     probe_set: ProbeSet,
     quiet: bool,
     tracer: Tracer,
-    /// Declared before `consumer`, whose descriptor it polls, so that it is dropped first.
-    ring_fd: AsyncFd<std::os::fd::RawFd>,
     consumer: Consumer,
     recorder: Recorder,
     skipped: Vec<SkippedLibrary>,
@@ -389,7 +357,7 @@ struct Live {
     metrics: Option<Published>,
     /// The target's command name, for the metrics' `comm` label (the last one read).
     comm: String,
-    status: crate::status::Status,
+    status: crate::terminal::status::Status,
     /// The launched command's exit status, once it has exited (launch mode).
     target_status: Option<i32>,
     /// The target was launched under the probes (nothing it allocated predates the trace).
@@ -400,6 +368,10 @@ struct Live {
     probed_at_start: bool,
     /// The dynamic linker reported a load since the last look at the maps: look now.
     loads_reported: bool,
+    /// Whether the target has exited, and when the children still traced are looked at.
+    ending: procs::Ending,
+    rescan_every: Every,
+    status_every: Every,
 }
 
 impl Live {
@@ -411,7 +383,7 @@ impl Live {
             if seen.contains(&pid) {
                 continue;
             }
-            match crate::stacks::python::find(pid) {
+            match memscope_core::stacks::python::find(pid) {
                 Ok(None) => continue,
                 Ok(Some(py)) => {
                     let process = memscope_common::python::PyProcess { runtime: py.runtime, offsets: py.walk };
@@ -467,7 +439,7 @@ impl Live {
         let tracker = &self.recorder.tracker;
         let devices = tracker
             .devices()
-            .map(|(key, s)| crate::status::DeviceFacts {
+            .map(|(key, s)| crate::terminal::status::DeviceFacts {
                 job: None,
                 device: metrics::device_label(key),
                 live_bytes: s.used,
@@ -476,12 +448,12 @@ impl Live {
             })
             .collect();
         let view = self.recorder.live.as_ref();
-        let mut owners: Vec<crate::status::OwnerFacts> = view
+        let mut owners: Vec<crate::terminal::status::OwnerFacts> = view
             .map(|v| v.owners(STATUS_OWNERS))
             .unwrap_or_default()
             .into_iter()
             .filter(|o| o.bytes > 0)
-            .map(|o| crate::status::OwnerFacts {
+            .map(|o| crate::terminal::status::OwnerFacts {
                 job: None,
                 device: metrics::device_label(o.device),
                 owner: o.owner,
@@ -491,84 +463,14 @@ impl Live {
         owners.sort_by_key(|o| std::cmp::Reverse(o.bytes));
         let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
         let step = view.and_then(|v| v.step()).map(|(n, _)| n);
-        let facts = crate::status::Facts { calls: self.recorder.calls, lost, devices, owners, step, jobs: None };
+        let facts =
+            crate::terminal::status::Facts { calls: self.recorder.calls, lost, devices, owners, step, jobs: None };
         self.status.renew(&facts);
     }
 
     /// The traced processes other than the target still running ([`still_traced`]).
     fn still_traced(&self) -> Vec<u32> {
         still_traced(&self.tracer, &self.recorder.children, self.pid)
-    }
-
-    /// The first write error, which ends the trace.
-    fn write_error(&mut self) -> anyhow::Result<()> {
-        self.recorder.error.take().map_or(Ok(()), Err)
-    }
-
-    /// The loop: drains the ring until a signal, the deadline or the end of the last traced
-    /// process; returns why it stopped.
-    async fn trace(
-        &mut self,
-        signals: &mut Signals,
-        duration: Option<Duration>,
-        waiter: Option<oneshot::Receiver<std::io::Result<i32>>>,
-    ) -> anyhow::Result<String> {
-        let deadline = crate::stop::deadline(duration);
-        tokio::pin!(deadline);
-        let exited = target_exit(self.pid, waiter);
-        tokio::pin!(exited);
-        let mut ending = procs::Ending::default();
-        let mut drain_tick = tokio::time::interval(DRAIN_EVERY);
-        let (mut commit, mut rescan) = (Every::new(COMMIT_EVERY), Every::new(RESCAN_EVERY));
-        let mut publish = Every::new(PUBLISH_EVERY);
-        let mut status = Every::new(crate::status::RENEW_EVERY);
-
-        loop {
-            tokio::select! {
-                reason = signals.next() => return Ok(reason.to_owned()),
-                reason = &mut deadline => return Ok(reason),
-                (reason, status) = &mut exited, if !ending.target_gone() => {
-                    self.target_status = status;
-                    // Its children are in the kernel's traced set already; drain so that their fork
-                    // records reach the model and the rescan before the rest is traced alone.
-                    self.drain();
-                    match ending.target_exited(reason, &self.still_traced()) {
-                        Ok(reason) => return Ok(reason),
-                        Err(waiting) => note(self.quiet, waiting),
-                    }
-                }
-                guard = self.ring_fd.readable() => {
-                    if let Ok(mut guard) = guard {
-                        guard.clear_ready();
-                    }
-                    self.drain();
-                    if std::mem::take(&mut self.loads_reported) {
-                        self.rescan()?;
-                    }
-                }
-                _ = drain_tick.tick() => {
-                    self.drain();
-                    if publish.due() {
-                        self.publish_metrics();
-                    }
-                    if status.due() && self.status.shown() {
-                        self.renew_status();
-                    }
-                    if ending.check_due() {
-                        if let Some(reason) = ending.check(&self.still_traced()) {
-                            return Ok(reason);
-                        }
-                    }
-                    if commit.due() {
-                        self.recorder.store.commit()?;
-                    }
-                    if rescan.due() || std::mem::take(&mut self.loads_reported) {
-                        self.rescan()?;
-                    }
-                }
-            }
-            self.write_error()?;
-        }
     }
 
     /// Probes the libraries the traced processes mapped since the last look.
@@ -584,7 +486,7 @@ impl Live {
         if !added.is_empty() {
             // Python's collector only marks frees `freed_by: gc`: probed late, it makes no count
             // inexact (and a launched interpreter's is always found after its exec).
-            let counted = added.iter().filter(|p| p.api.family() != crate::apis::Family::PythonGc);
+            let counted = added.iter().filter(|p| p.api.family() != memscope_core::apis::Family::PythonGc);
             for probe in counted {
                 if !self.late_libraries.contains(&probe.library) {
                     self.late_libraries.push(probe.library.clone());
@@ -617,13 +519,12 @@ impl Live {
         note(self.quiet, format!("stopping ({stop_reason})…"));
         // Everything the target did before we stopped is in the ring already.
         self.drain();
-        self.write_error()?;
+        event_loop::Capturing::check(&mut self)?;
         let stop_wall = clock::wall_ns();
         let lost_per_cpu = self.tracer.lost_per_cpu().unwrap_or_default();
         let lost: u64 = lost_per_cpu.iter().sum();
         let bpf_log = self.bpf_log.as_ref().map(|(_, counts)| counts.get());
-        let Self { tracer, ring_fd, consumer, recorder, skipped, .. } = self;
-        drop(ring_fd);
+        let Self { tracer, consumer, recorder, skipped, .. } = self;
         // From here on nothing is read from the probes: they detach while the DBs are finished.
         let detaching = Detaching::start(tracer, signals);
 
@@ -633,7 +534,7 @@ impl Live {
         let pools = pool_lines(&tracker);
         store.stopping()?;
         tracker.finish(stop_wall, |output| {
-            store.write_output(&output, (crate::stacks::NO_STACK, crate::stacks::NO_STACK))
+            store.write_output(&output, (memscope_core::stacks::NO_STACK, memscope_core::stacks::NO_STACK))
         })?;
         let undecodable = consumer.stats.undecodable;
         let stacks = consumer.stack_stats();
@@ -648,12 +549,12 @@ impl Live {
         final_meta.extend(stack_meta(&stacks, bpf_log, self.quiet));
         let late = self.late_libraries.clone();
         if !self.probed_at_start && late.is_empty() {
-            crate::say::say!(
+            crate::terminal::say::say!(
                 "memscope-bpf: warning: the job loaded no accelerator library the tracer knows: nothing was probed \
                  (name the runtime with --lib if it has another name)"
             );
         }
-        let final_meta: Meta = final_meta.into_iter().chain(crate::summary::loss_meta(lost, &late)).collect();
+        let final_meta: Meta = final_meta.into_iter().chain(crate::session::summary::loss_meta(lost, &late)).collect();
         let written = store.finish(stop_wall, final_meta, lost_per_cpu)?;
         if written.is_empty() {
             let _ = std::fs::remove_dir(&run_dir);
@@ -662,7 +563,7 @@ impl Live {
             line.file = written.iter().find(|w| w.device == line.device).map(|w| w.path.clone());
         }
         for note in written.iter().filter_map(|w| w.note.as_deref()) {
-            crate::say::say!("memscope-bpf: warning: {note}");
+            crate::terminal::say::say!("memscope-bpf: warning: {note}");
         }
         let elapsed = started.elapsed();
         let summary = Summary {
@@ -680,5 +581,75 @@ impl Live {
             late_libraries: late,
         };
         Ok(Finished { summary, detaching })
+    }
+}
+
+/// A trace in the one loop: one target and the children it forks, each loaded library probed
+/// as the dynamic linker reports it (and every [`RESCAN_EVERY`] besides), stopped by SIGHUP and
+/// by the end of the last traced process.
+impl event_loop::Capturing for Live {
+    fn consumer(&self) -> &Consumer {
+        &self.consumer
+    }
+
+    fn drain(&mut self) {
+        Live::drain(self);
+    }
+
+    fn woken(&mut self) -> anyhow::Result<()> {
+        if std::mem::take(&mut self.loads_reported) {
+            self.rescan()?;
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self) {
+        self.publish_metrics();
+    }
+
+    fn commit(&mut self) -> anyhow::Result<()> {
+        Ok(self.recorder.store.commit()?)
+    }
+
+    fn tick(&mut self) -> anyhow::Result<Option<String>> {
+        if self.status_every.due() && self.status.shown() {
+            self.renew_status();
+        }
+        if self.ending.check_due() {
+            if let Some(reason) = self.ending.check(&self.still_traced()) {
+                return Ok(Some(reason));
+            }
+        }
+        if self.rescan_every.due() || std::mem::take(&mut self.loads_reported) {
+            self.rescan()?;
+        }
+        Ok(None)
+    }
+
+    fn hangup(&mut self) -> Option<String> {
+        Some(HANGUP.to_owned())
+    }
+
+    fn awaits_target(&self) -> bool {
+        !self.ending.target_gone()
+    }
+
+    fn target_exited(&mut self, (reason, status): event_loop::TargetExit) -> Option<String> {
+        self.target_status = status;
+        // Its children are in the kernel's traced set already; drain so that their fork
+        // records reach the model and the rescan before the rest is traced alone.
+        Live::drain(self);
+        match self.ending.target_exited(reason, &self.still_traced()) {
+            Ok(reason) => Some(reason),
+            Err(waiting) => {
+                note(self.quiet, waiting);
+                None
+            }
+        }
+    }
+
+    /// The first write error, which ends the trace.
+    fn check(&mut self) -> anyhow::Result<()> {
+        self.recorder.error.take().map_or(Ok(()), |e| Err(e.into()))
     }
 }

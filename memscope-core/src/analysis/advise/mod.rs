@@ -35,10 +35,11 @@ use super::fragmentation::{self, ProcessPeak, Report, LARGE_SEGMENT, MIB};
 use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
 use super::pass::{self, Consumer};
-use super::render::{human_bytes, relative};
+use super::render::relative;
 use super::stream_reuse::{self, StreamReuse};
 use super::AnalysisError;
 use crate::apis::Backend;
+use crate::units::human_bytes;
 
 mod out;
 mod rules;

@@ -16,9 +16,9 @@ use serde_json::{json, Value};
 
 use super::{flag_list, human_ns, Block, End, Options, Report, FLAG_NAMES, OP_INDEX_FLAGS};
 use crate::analysis::db::DumpDb;
-use crate::analysis::render::human_bytes;
 use crate::analysis::AnalysisError;
 use crate::printable::printable;
+use crate::units::human_bytes;
 
 pub const INEFFICIENT_TABLE: &str = "ms_inefficient";
 /// Dropped and recreated on every run: it always holds the latest analysis only.

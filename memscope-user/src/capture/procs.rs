@@ -62,6 +62,12 @@ pub fn liveness(pid: u32) -> Liveness {
     }
 }
 
+/// Whether `pid` is a process (not a thread) that has not exited: what the recorder asks of
+/// each pid a fork record names.
+pub fn is_running_process(pid: u32) -> bool {
+    liveness(pid) == Liveness::Running
+}
+
 /// The running processes among `ids` (tgids and thread ids mixed), `except` left out, in order.
 pub fn running(ids: impl IntoIterator<Item = u32>, except: u32) -> Vec<u32> {
     let ids: BTreeSet<u32> = ids.into_iter().filter(|id| *id != except).collect();

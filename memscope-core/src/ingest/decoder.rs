@@ -1,21 +1,19 @@
-//! Draining the ring buffer into events.
-//!
-//! The BPF side wakes us only when a lot is waiting (see `maps::output`), so the consumer also
-//! drains on a short timer; both paths call [`Consumer::drain`].
-
-use aya::maps::MapData;
+//! Ring records to events, one record at a time: each record's bytes decoded ([`super::super::raw`]),
+//! a call joined to the buffer its entry copied and to its thread's stacks ([`super::thread_stacks`]),
+//! its times made wall-clock ([`super::clock`]) and its API's meaning applied
+//! ([`crate::apis`]). The ring's consumer in the binary feeds each sample here; so does the
+//! consumer benchmark, with records that did not come from a ring.
 
 use std::collections::HashMap;
 
 use memscope_common::record::RecordKind;
 
-use super::decode::{self, RawBlob, RawCall, Record};
-use super::ring_map::{RingMap, RingMapError};
-use super::stacks::ThreadStacks;
+use super::clock::Clock;
+use super::thread_stacks::ThreadStacks;
 use crate::apis::Api;
-use crate::clock::Clock;
 use crate::model::{Call, Event, EventKind};
-use crate::stacks::capture::CaptureStats;
+use crate::raw::{self as decode, RawBlob, RawCall, Record};
+use crate::stacks::capture::{CaptureStats, DebugFinder};
 use crate::stacks::{StackId, NO_STACK};
 
 /// Counts of what the consumer saw.
@@ -25,66 +23,6 @@ pub struct ConsumerStats {
     pub undecodable: u64,
     /// Calls whose cookie names no API of this build.
     pub unknown_api: u64,
-}
-
-pub struct Consumer {
-    ring: RingMap,
-    pub stats: ConsumerStats,
-    decoder: Decoder,
-}
-
-impl Consumer {
-    /// Maps the ring buffer map (`EVENTS`) for reading.
-    pub fn new(ring: MapData, clock: Clock) -> Result<Self, RingMapError> {
-        Ok(Self { ring: RingMap::new(ring)?, stats: ConsumerStats::default(), decoder: Decoder::new(clock) })
-    }
-
-    /// The ring, for polling its descriptor.
-    pub fn ring(&self) -> &RingMap {
-        &self.ring
-    }
-
-    /// What the stack capture saw (`--call-stack c`).
-    pub fn stack_stats(&self) -> CaptureStats {
-        self.decoder.stack_stats()
-    }
-
-    pub fn set_stack_depth(&mut self, depth: u32) {
-        self.decoder.set_stack_depth(depth);
-    }
-
-    /// The kernel samples with this interval (`--sample-bytes`; 0: not at all).
-    pub fn set_sample_bytes(&mut self, bytes: u64) {
-        self.decoder.set_sample_bytes(bytes);
-    }
-
-    /// Where stripped libraries' debug files are looked for (`--debug-dir`), for their stacks.
-    pub fn set_debug_dirs(&mut self, dirs: Vec<std::path::PathBuf>) {
-        self.decoder.set_debug_dirs(dirs);
-    }
-
-    /// A process's interpreter, found by the session.
-    pub fn set_python(&mut self, pid: u32, layout: &'static crate::stacks::python::Layout) {
-        self.decoder.set_python(pid, layout);
-    }
-
-    /// The traced processes that replaced their image since the last call (their interpreter
-    /// must be looked for again).
-    pub fn take_execs(&mut self) -> Vec<u32> {
-        std::mem::take(&mut self.decoder.execs)
-    }
-
-    /// The processes whose dynamic linker loaded or unloaded objects since the last call, in
-    /// the order reported, repeats included (their mappings are to be read again).
-    pub fn take_loads(&mut self) -> Vec<u32> {
-        std::mem::take(&mut self.decoder.loads)
-    }
-
-    /// Reads everything waiting, in ring order (per thread, that is call order).
-    pub fn drain(&mut self, mut sink: impl FnMut(Event)) {
-        let Self { ring, stats, decoder } = self;
-        ring.drain(|record| decoder.feed(record, stats, &mut sink));
-    }
 }
 
 /// Ring records to events, one record at a time: what the consumer does with each sample, also
@@ -134,8 +72,21 @@ impl Decoder {
         self.stacks.set_python(pid, layout);
     }
 
-    pub fn set_debug_dirs(&mut self, dirs: Vec<std::path::PathBuf>) {
-        self.stacks.set_debug_dirs(dirs);
+    /// How a stripped file's debug file is found, for its stacks' symbols.
+    pub fn set_debug_finder(&mut self, finder: DebugFinder) {
+        self.stacks.set_debug_finder(finder);
+    }
+
+    /// The traced processes that replaced their image since the last call (their interpreter
+    /// must be looked for again).
+    pub fn take_execs(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.execs)
+    }
+
+    /// The processes whose dynamic linker loaded or unloaded objects since the last call, in
+    /// the order reported, repeats included (their mappings are to be read again).
+    pub fn take_loads(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.loads)
     }
 
     /// Decodes one record; the event it makes, if any, goes to `sink`.

@@ -10,9 +10,11 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use memscope_core::model::DeviceKey;
 use memscope_core::printable::printable;
+use memscope_core::units::human_bytes;
 
-use crate::model::DeviceKey;
+use crate::capture::attaching::SkippedLibrary;
 
 #[derive(Clone, Debug)]
 pub struct DeviceLine {
@@ -41,13 +43,6 @@ pub struct PoolLine {
     pub used: u64,
     pub total: u64,
     pub live_blocks: u64,
-}
-
-/// A library that could not be probed, and why (it was warned about when found).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SkippedLibrary {
-    pub library: String,
-    pub reason: String,
 }
 
 #[derive(Clone, Debug)]
@@ -89,22 +84,6 @@ pub fn loss_meta(lost: u64, late: &[String]) -> Vec<(String, String)> {
         meta.push(("late_effect".to_owned(), LATE_EFFECT.to_owned()));
     }
     meta
-}
-
-/// Bytes in binary units with one decimal.
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
 }
 
 fn device_name(d: DeviceKey) -> String {
@@ -170,8 +149,8 @@ impl fmt::Display for Summary {
                 f,
                 "  {:<11} peak {:>10}  live at end {:>10} in {} blocks  ({at_least}{} allocs, {at_least}{} frees, {at_least}{} failed)",
                 device_name(d.device),
-                human(d.peak),
-                human(d.live_bytes),
+                human_bytes(d.peak),
+                human_bytes(d.live_bytes),
                 d.live_blocks,
                 d.mallocs,
                 d.frees,
@@ -193,10 +172,10 @@ impl fmt::Display for Summary {
                     f,
                     "              {:<9} pool peak allocated {:>10} / reserved {:>10}; at end {} / {} in {} blocks",
                     pool,
-                    human(p.peak_used),
-                    human(p.peak_total),
-                    human(p.used),
-                    human(p.total),
+                    human_bytes(p.peak_used),
+                    human_bytes(p.peak_total),
+                    human_bytes(p.used),
+                    human_bytes(p.total),
                     p.live_blocks
                 )?;
             }
@@ -322,13 +301,5 @@ mod tests {
         let text = launched.to_string();
         assert!(!text.contains("allocated before the trace"), "{text}");
         assert!(text.contains("3 of the frees were of blocks whose allocation record was lost"), "{text}");
-    }
-
-    #[test]
-    fn human_units() {
-        assert_eq!(human(0), "0 B");
-        assert_eq!(human(1023), "1023 B");
-        assert_eq!(human(1536), "1.5 KiB");
-        assert_eq!(human(3 << 30), "3.0 GiB");
     }
 }

@@ -3,19 +3,19 @@
 //! the current step and the last OOM.
 //!
 //! Three forms, one content: on a terminal a status area redrawn in place about once a second
-//! (indicatif, which clears it for any other line the trace prints: [`crate::say`] goes through
-//! [`suspended`]); on a pipe or file a plain line every [`LINE_EVERY`]; with `--json` one JSON
+//! (indicatif, which clears it for any other line the trace prints: [`super::say`] holds it
+//! and writes above it); on a pipe or file a plain line every [`LINE_EVERY`]; with `--json` one JSON
 //! object per second on stdout, for programs. Nothing with `--quiet`.
 
 use std::io::Write as _;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memscope_core::printable::printable;
+use memscope_core::units::human_bytes;
 use serde::Serialize;
 
-use crate::summary::human;
+use super::say::{say, AREA};
 
 /// How often a plain status line is written when stderr is not a terminal.
 pub const LINE_EVERY: Duration = Duration::from_secs(10);
@@ -23,18 +23,6 @@ pub const LINE_EVERY: Duration = Duration::from_secs(10);
 pub const RENEW_EVERY: Duration = Duration::from_secs(1);
 /// Owners shown on a terminal.
 const TOP_OWNERS: usize = 5;
-
-/// The status area while one is drawn: other stderr lines are printed above it.
-static AREA: Mutex<Option<ProgressBar>> = Mutex::new(None);
-
-/// Runs `write` (a line for stderr) with the status area, if any, cleared meanwhile.
-pub fn suspended(write: impl FnOnce()) {
-    let area = AREA.lock().ok().and_then(|a| a.clone());
-    match area {
-        Some(bar) => bar.suspend(write),
-        None => write(),
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -163,7 +151,7 @@ impl Status {
                 if self.last_line.is_none_or(|t| now.duration_since(t) >= LINE_EVERY) {
                     self.last_line = Some(now);
                     let text = self.text(facts, rate, now).replace("\n  ", "; ");
-                    crate::say::say!("memscope-bpf: status: {text}");
+                    say!("memscope-bpf: status: {text}");
                 }
             }
             Mode::Json => {
@@ -197,7 +185,7 @@ impl Status {
         // Jobs (`PID (COMM)`) and owners are the targets' text; the JSON keeps it exact.
         let job = |j: &Option<String>| j.as_ref().map(|j| format!("job {} ", printable(j))).unwrap_or_default();
         for d in &facts.devices {
-            let (live, peak) = (human(d.live_bytes), human(d.peak_bytes));
+            let (live, peak) = (human_bytes(d.live_bytes), human_bytes(d.peak_bytes));
             lines.push(format!("{}device {}: {live} live, peak {peak}", job(&d.job), d.device));
         }
         if !facts.owners.is_empty() {
@@ -210,7 +198,7 @@ impl Status {
                         "{}{} {}",
                         o.job.as_ref().map(|j| format!("{}: ", printable(j))).unwrap_or_default(),
                         printable(&o.owner),
-                        human(o.bytes.max(0) as u64)
+                        human_bytes(o.bytes.max(0))
                     )
                 })
                 .collect();

@@ -31,6 +31,7 @@ use memscope_common::python::PyProcess;
 use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::ProbeSpec;
 use memscope_common::usdt::{UsdtSpec, MAX_USDT_SPECS};
+use memscope_core::apis::Api;
 use thiserror::Error;
 
 use super::elf::{ElfError, SymbolSource};
@@ -40,13 +41,13 @@ use super::plan::plan;
 use super::uprobe_multi::{self, MultiPrograms};
 use super::usdt::{self, UsdtSite};
 use super::usdt_notes::UsdtNoteError;
-use crate::apis::Api;
-use crate::record::bpf_log::{BpfLog, BpfLogLevel};
+use crate::attach::loader::bpf_log::{BpfLog, BpfLogLevel};
 
 /// Entries of the `TRACED` map (memscope-ebpf/src/maps.rs).
 const TRACED_CAPACITY: usize = 8192;
 
 mod admission;
+pub mod bpf_log;
 mod linker_hook;
 
 pub use admission::Admission;
@@ -671,7 +672,7 @@ impl Tracer {
         Ok(index)
     }
 
-    /// The ring buffer map, handed to the consumer once (which maps it: `record::ring_map`).
+    /// The ring buffer map, handed to the consumer once (which maps it: `capture::ring_map`).
     pub fn take_ring(&mut self) -> Result<MapData, LoadError> {
         // Measured while it is still among the maps: the consumer owns it from here on.
         self.ring_memory = super::kmem::map_memory(&self.ebpf).into_iter().find(|(name, _)| name == "EVENTS");

@@ -5,15 +5,21 @@
 
 use std::collections::BTreeSet;
 
+use memscope_core::apis::{self, Backend};
 use memscope_core::printable::printable;
+use memscope_core::store::{Meta, ProbeRow};
 
-use crate::apis::{self, Backend};
 use crate::attach::libs::{self, Library};
 use crate::attach::loader::{AttachError, LinkerHook};
 use crate::attach::{AttachedProbe, AttachedUsdt, ProbeSet, Tracer};
-use crate::say::{note, say};
-use crate::store::{Meta, ProbeRow};
-use crate::summary::SkippedLibrary;
+use crate::terminal::say::{note, say};
+
+/// A library that could not be probed, and why (it was warned about when found).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SkippedLibrary {
+    pub library: String,
+    pub reason: String,
+}
 
 pub(crate) fn probe_rows(probes: &[AttachedProbe], at: u64) -> Vec<ProbeRow> {
     probes
@@ -240,7 +246,7 @@ pub(crate) fn hook_linker(tracer: &mut Tracer, pid: u32) {
 /// The error of an attach that failed because process `pid` went away meanwhile says that, not
 /// that its libraries were unusable.
 pub(crate) fn unless_exited(e: anyhow::Error, pid: u32) -> anyhow::Error {
-    if crate::procs::liveness(pid) == crate::procs::Liveness::Exited {
+    if crate::capture::procs::liveness(pid) == crate::capture::procs::Liveness::Exited {
         return anyhow::anyhow!(
             "process {pid} exited while its probes were being attached: there is nothing left to trace"
         );

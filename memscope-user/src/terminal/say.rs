@@ -7,11 +7,27 @@
 
 use std::fmt;
 use std::io::Write as _;
+use std::sync::Mutex;
+
+use indicatif::ProgressBar;
+
+/// The live status area while one is drawn ([`super::status`]): every other stderr line is
+/// written above it, so it is kept here, where those lines are written.
+pub(crate) static AREA: Mutex<Option<ProgressBar>> = Mutex::new(None);
+
+/// Runs `write` (a line for stderr) with the status area, if any, cleared meanwhile.
+fn suspended(write: impl FnOnce()) {
+    let area = AREA.lock().ok().and_then(|a| a.clone());
+    match area {
+        Some(bar) => bar.suspend(write),
+        None => write(),
+    }
+}
 
 /// Writes `args` to stderr as they are, ignoring write errors; above `trace`'s status area
 /// when one is drawn.
 pub fn text(args: fmt::Arguments<'_>) {
-    crate::status::suspended(|| {
+    suspended(|| {
         let mut err = std::io::stderr().lock();
         let _ = err.write_fmt(args);
         let _ = err.flush();
@@ -21,7 +37,7 @@ pub fn text(args: fmt::Arguments<'_>) {
 /// `eprintln!` that ignores write errors.
 macro_rules! say {
     ($($arg:tt)*) => {
-        $crate::say::text(format_args!("{}\n", format_args!($($arg)*)))
+        $crate::terminal::say::text(format_args!("{}\n", format_args!($($arg)*)))
     };
 }
 

@@ -1,13 +1,13 @@
 //! A job's memory as it runs, for the daemon's metrics: live bytes by device, family and owner,
 //! and the live bytes at each step boundary, judged by the same degradation test as
-//! `analyze --analysis leaks` ([`super::degradation::trend`]).
+//! `analyze --analysis leaks` ([`crate::analysis::degradation::trend`]).
 //!
 //! It is fed the facts the model hands the store ([`Output`]), one by one, so it agrees with the
 //! job's DB rows (owners, retags, sampling weights) without reading the DB back, and costs one
-//! hash operation per block. The offline [`super::steps::Timeline`] replays rows instead and
+//! hash operation per block. The offline [`crate::analysis::steps::Timeline`] replays rows instead and
 //! keeps every boundary; a daemon runs for months, so here the boundaries are thinned evenly
 //! (every other one kept, each time [`MAX_POINTS`] is reached), which is what the offline test
-//! does to a long series too ([`super::degradation`]).
+//! does to a long series too ([`crate::analysis::degradation`]).
 //!
 //! Boundaries are the ones the offline analysis finds: `memscope.step()`, mstx `step start`
 //! ranges, or `--step-marker` marks. A job that never marks a step gets one boundary per time
@@ -19,9 +19,9 @@ use std::collections::{BTreeMap, HashMap};
 use foldhash::fast::RandomState;
 use serde::Serialize;
 
-use super::blocks::{Family, UNKNOWN_OWNER};
-use super::degradation::{self, Trend};
-use super::steps::STEP_RANGE;
+use crate::analysis::blocks::{Family, UNKNOWN_OWNER};
+use crate::analysis::degradation::{self, Trend};
+use crate::analysis::steps::STEP_RANGE;
 use crate::model::event::{DeviceKey, Space};
 use crate::model::output::{block_weight, MstxKind, Output, Owner};
 

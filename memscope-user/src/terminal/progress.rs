@@ -8,8 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
-
-use crate::analysis::db::{DumpDb, Progress};
+use memscope_core::analysis::db::{DumpDb, Progress};
 
 /// A pass shows its bar once it has run this long.
 const SHOW_AFTER: Duration = Duration::from_secs(1);

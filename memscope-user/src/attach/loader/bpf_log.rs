@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::say::say;
+use crate::terminal::say::say;
 
 /// How much the probes tell (`--bpf-log LEVEL`): each level includes those above it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]

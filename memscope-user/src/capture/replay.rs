@@ -23,14 +23,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use memscope_common::record::{CallRecord, RecordHeader, RecordKind, StackRecord, NO_MODULE, STACK_HEADER_LEN};
+use memscope_core::apis::Api;
+use memscope_core::ingest::clock::{self, Clock};
+use memscope_core::ingest::decoder::{ConsumerStats, Decoder};
+use memscope_core::ingest::recorder::Recorder;
+use memscope_core::model::Tracker;
+use memscope_core::raw::as_bytes;
+use memscope_core::store::{Format, Meta, RunLayout, Store, Writer};
 
-use crate::apis::Api;
-use crate::clock::{self, Clock};
-use crate::model::Tracker;
-use crate::record::decode::as_bytes;
-use crate::record::ring::{ConsumerStats, Decoder};
-use crate::recorder::Recorder;
-use crate::store::{Format, Meta, RunLayout, Store, Writer};
+use super::procs::is_running_process;
 
 /// The process id written in the replayed records (and in the run folder's name).
 pub const PID: u32 = 4242;
@@ -248,7 +249,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
     // Stacks are normalized against the records' process: with stacks, that is this one.
     let (pid, code) =
         if opts.stacks == 0 { (PID, Vec::new()) } else { (std::process::id(), libc_code_addresses(64)?.0) };
-    let mut recorder = Recorder::new(Tracker::new(), store(&opts.output, pid, start_wall)?);
+    let mut recorder = Recorder::new(Tracker::new(), store(&opts.output, pid, start_wall)?, is_running_process);
     let mut decoder = Decoder::new(clock);
     let mut stats = ConsumerStats::default();
     let mut generator = Generator {
@@ -277,14 +278,15 @@ pub fn run(opts: &Options) -> anyhow::Result<Report> {
             start = end;
         }
         if let Some(e) = recorder.error.take() {
-            return Err(e);
+            return Err(e.into());
         }
     }
     let Recorder { mut tracker, mut store, .. } = recorder;
     let stop_wall = clock::wall_ns();
     store.stopping()?;
-    tracker
-        .finish(stop_wall, |output| store.write_output(&output, (crate::stacks::NO_STACK, crate::stacks::NO_STACK)))?;
+    tracker.finish(stop_wall, |output| {
+        store.write_output(&output, (memscope_core::stacks::NO_STACK, memscope_core::stacks::NO_STACK))
+    })?;
     let written = store.finish(stop_wall, Vec::new(), Vec::new()).context("cannot finish the DB")?;
     Ok(Report {
         records: stats.records,

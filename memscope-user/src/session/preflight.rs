@@ -124,17 +124,17 @@ pub fn check_pid(pid: u32) -> Result<(), PreflightError> {
     if pid == 0 || tgid != Some(&pid.to_string()) {
         return Err(PreflightError::NoSuchProcess(pid));
     }
-    if crate::procs::liveness(pid) == crate::procs::Liveness::Exited {
+    if crate::capture::procs::liveness(pid) == crate::capture::procs::Liveness::Exited {
         return Err(PreflightError::Exited(pid));
     }
     Ok(())
 }
 
 pub fn check_output(dir: &Path) -> Result<(), PreflightError> {
-    crate::store::layout::ensure_writable(dir).map_err(|e| PreflightError::OutputNotWritable {
+    memscope_core::store::layout::ensure_writable(dir).map_err(|e| PreflightError::OutputNotWritable {
         path: dir.to_owned(),
         reason: match e {
-            crate::store::StoreError::Io { source, .. } => source.to_string(),
+            memscope_core::store::StoreError::Io { source, .. } => source.to_string(),
             other => other.to_string(),
         },
     })

@@ -4,12 +4,28 @@
 
 use std::collections::BTreeSet;
 
-use memscope_core::analysis::live::LiveView;
+use thiserror::Error;
 
+use super::live::LiveView;
 use crate::model::{Event, EventKind, Output, Tracker};
-use crate::procs;
 use crate::stacks::{StackId, NO_STACK};
-use crate::store::{Retag, Writer};
+use crate::store::{Retag, StoreError, Writer};
+
+/// A write that failed: the trace, or the daemon's job, stops on the first.
+#[derive(Debug, Error)]
+#[error("{what}")]
+pub struct WriteFailed {
+    /// What was being written ("cannot write the trace", "cannot commit the OOM's rows").
+    pub what: &'static str,
+    #[source]
+    pub source: StoreError,
+}
+
+impl WriteFailed {
+    pub fn trace(source: StoreError) -> Self {
+        Self { what: "cannot write the trace", source }
+    }
+}
 
 pub struct Recorder {
     pub tracker: Tracker,
@@ -20,13 +36,16 @@ pub struct Recorder {
     /// Processes forked by the traced ones and still running.
     pub children: BTreeSet<u32>,
     /// The first write error; the trace stops on it.
-    pub error: Option<anyhow::Error>,
+    pub error: Option<WriteFailed>,
     /// The daemon's live view of the job (owners, steps), fed the same facts as the store.
     pub live: Option<LiveView>,
+    /// Whether a pid that a fork record names is a process (not a thread) still running: the
+    /// binary's look at `/proc`, so that only processes are kept as children to rescan.
+    is_running_process: fn(u32) -> bool,
 }
 
 impl Recorder {
-    pub fn new(tracker: Tracker, store: Writer) -> Self {
+    pub fn new(tracker: Tracker, store: Writer, is_running_process: fn(u32) -> bool) -> Self {
         Self {
             tracker,
             store,
@@ -36,6 +55,7 @@ impl Recorder {
             children: BTreeSet::new(),
             error: None,
             live: None,
+            is_running_process,
         }
     }
 
@@ -43,7 +63,7 @@ impl Recorder {
         match &event.kind {
             EventKind::Call(_) => self.calls += 1,
             // The fork tracepoint also sees new threads; only processes have maps to rescan.
-            EventKind::Fork { child } if procs::liveness(*child) == procs::Liveness::Running => {
+            EventKind::Fork { child } if (self.is_running_process)(*child) => {
                 self.children.insert(*child);
             }
             EventKind::Fork { .. } => {}
@@ -54,14 +74,14 @@ impl Recorder {
             EventKind::PyStack { .. } => {
                 let EventKind::PyStack { id, text } = event.kind else { unreachable!("matched above") };
                 if let Err(e) = self.store.add_py_stack(id, text) {
-                    self.error.get_or_insert(anyhow::Error::new(e).context("cannot write the trace"));
+                    self.error.get_or_insert(WriteFailed::trace(e));
                 }
                 return;
             }
             EventKind::Stack(_) => {
                 let EventKind::Stack(stack) = event.kind else { unreachable!("matched above") };
                 if let Err(e) = self.store.add_stack(stack) {
-                    self.error.get_or_insert(anyhow::Error::new(e).context("cannot write the trace"));
+                    self.error.get_or_insert(WriteFailed::trace(e));
                 }
                 return;
             }
@@ -93,7 +113,7 @@ impl Recorder {
                 output => self.store.write_output(output, stacks),
             };
             if let Err(e) = written {
-                self.error = Some(anyhow::Error::new(e).context("cannot write the trace"));
+                self.error = Some(WriteFailed::trace(e));
                 break;
             }
         }

@@ -18,7 +18,10 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::oneshot;
 
 use crate::attach::Tracer;
-use crate::say::say;
+use crate::terminal::say::say;
+
+/// SIGHUP, as the summary and `ms_meta`'s `stop_reason` name it when it ends a trace.
+pub const HANGUP: &str = "hung up (SIGHUP)";
 
 /// The signals that end a trace. Held from the start of the loop to the end of the detach
 /// wait, so a signal that arrives while the DBs are being finished is not lost.
@@ -39,19 +42,14 @@ impl Signals {
         })
     }
 
-    /// The next stop signal, as the summary and `ms_meta`'s `stop_reason` name it.
+    /// The next of the three signals, SIGHUP included, as the summary and `ms_meta`'s
+    /// `stop_reason` name it.
     pub async fn next(&mut self) -> &'static str {
-        tokio::select! {
-            _ = self.int.recv() => "interrupted (SIGINT)",
-            _ = self.term.recv() => "terminated (SIGTERM)",
-            _ = self.hup.recv() => "hung up (SIGHUP)",
-        }
+        self.next_or_hangup().await.unwrap_or(HANGUP)
     }
-}
 
-impl Signals {
-    /// The daemon's: the next stop signal, or `None` for SIGHUP, which asks a daemon to apply
-    /// its configuration again rather than to stop.
+    /// The next stop signal, or `None` for SIGHUP, which asks a daemon to apply its
+    /// configuration again rather than to stop (a trace stops on it: [`HANGUP`]).
     pub async fn next_or_hangup(&mut self) -> Option<&'static str> {
         tokio::select! {
             _ = self.int.recv() => Some("interrupted (SIGINT)"),

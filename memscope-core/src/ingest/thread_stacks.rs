@@ -3,14 +3,17 @@
 //! returns), and new stacks normalized while their process lives
 //! ([`crate::stacks::capture`]); with `--unwind dwarf`, the stack windows unwound first
 //! ([`crate::stacks::unwind`]), straight from the ring's bytes.
+//!
+//! Finding a stripped file's debug file is the binary's (it knows `--debug-dir` and reads ELF
+//! notes the way its attach code does): it hands a [`DebugFinder`] in.
 
 use std::collections::HashMap;
 
 use memscope_common::python::{PY_AT_DEPTH, PY_NO_THREAD, PY_READ_FAILED, PY_THREADS_BOUND};
 use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED, WINDOW_FAILED};
 
-use super::decode::{RawCall, RawPyStack, RawStack, StackWindowView};
-use crate::stacks::capture::{Capture, CaptureStats, RawStack as Captured};
+use crate::raw::{RawCall, RawPyStack, RawStack, StackWindowView};
+use crate::stacks::capture::{Capture, CaptureStats, DebugFinder, RawStack as Captured};
 use crate::stacks::python::Resolver;
 use crate::stacks::unwind::{Unwinder, Window};
 use crate::stacks::{Stack, StackId, NO_STACK};
@@ -133,17 +136,9 @@ impl ThreadStacks {
         }
     }
 
-    /// Stripped files are symbolized from their debug files, found as the attach code finds
-    /// them (`.gnu_debuglink` or build id, also under `debug_dirs`).
-    pub fn set_debug_dirs(&mut self, debug_dirs: Vec<std::path::PathBuf>) {
-        self.capture.set_debug_finder(Box::new(move |path| {
-            let data = std::fs::read(path).ok()?;
-            let reference = crate::attach::debug::debug_ref(&data);
-            if reference.has_symtab {
-                return None;
-            }
-            crate::attach::debug::find(path, &reference, &debug_dirs).map(|d| d.path)
-        }));
+    /// Stripped files are symbolized from the debug files `finder` finds.
+    pub fn set_debug_finder(&mut self, finder: DebugFinder) {
+        self.capture.set_debug_finder(finder);
     }
 
     /// A process exited or replaced its image: its stacks are all normalized (its records came
