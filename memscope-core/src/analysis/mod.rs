@@ -24,6 +24,8 @@
 //!   peak (the advisor's evidence for ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE).
 //! - [`instants`]: steps, marks, OOMs and the pools' reserved bytes over time (what the
 //!   exports and the report draw on a timeline).
+//! - [`compare`]: two runs owner by owner at the instants both reached, and where what grew is
+//!   judged (`compare` and `report A B` alike).
 //! - [`calls`], [`opdiff`], [`calldiff`]: a trace's operator or kernel sequence with each call's
 //!   memory delta, Myers' shortest edit script between two of them, and the report of
 //!   `compare --level`.
@@ -34,6 +36,7 @@ pub mod attr;
 pub mod blocks;
 pub mod calldiff;
 pub mod calls;
+pub mod compare;
 pub mod contract;
 pub mod db;
 pub mod decompose;

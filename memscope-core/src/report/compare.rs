@@ -2,20 +2,11 @@
 //! (family, owner path) at the traces' ends and at the last step both reached; the page draws
 //! both runs' per-step curves from their own [`super::StepEnd`]s and lists these differences.
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 
 use super::{DeviceReport, StepEnd};
-
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct OwnerDiff {
-    pub family: String,
-    pub owner: String,
-    pub a: i64,
-    pub b: i64,
-    pub diff: i64,
-}
+use crate::analysis::blocks::Family;
+use crate::analysis::compare::{self, At, OwnerDiff, Point, Side};
 
 /// One device of both runs.
 #[derive(Clone, Debug, Serialize)]
@@ -33,62 +24,57 @@ pub struct Pair {
     pub totals_b: [i64; 3],
 }
 
-/// Owner bytes at a step end, by (family, owner).
-fn by_owner(d: &DeviceReport, end: &StepEnd) -> BTreeMap<(String, String), i64> {
-    end.owners
+/// A step end of the page's as the comparison's point, owners by name.
+fn point(d: &DeviceReport, end: &StepEnd) -> Point {
+    let owners = end
+        .owners
         .iter()
-        .map(|&(i, bytes)| {
-            let (f, o) = &d.owners[i as usize];
-            ((f.to_string(), o.clone()), bytes)
+        .filter_map(|&(i, bytes)| {
+            let (family, owner) = &d.owners[i as usize];
+            let family = Family::ALL.into_iter().find(|f| f.as_str() == *family)?;
+            Some(((family, owner.clone()), bytes))
         })
-        .collect()
+        .collect();
+    Point { ts: end.t, totals: end.totals, owners }
 }
 
-/// The end of the trace as a step end: each curve's last instant.
-fn trace_end(d: &DeviceReport) -> StepEnd {
+/// The end of the trace as a point: each curve's last instant.
+fn trace_end(d: &DeviceReport) -> Point {
     let mut end = StepEnd { step: 0, t: d.end, totals: [0; 3], owners: Vec::new() };
     for c in &d.curves {
         let f = ["HAL", "PTA", "HOST"].iter().position(|f| *f == c.family).unwrap_or(0);
         end.totals[f] = c.total.last().copied().unwrap_or(0);
         end.owners.extend(c.owners.last().cloned().unwrap_or_default());
     }
-    end
+    point(d, &end)
+}
+
+/// The page's instants of one device as the comparison's side.
+fn side(d: &DeviceReport) -> Side {
+    Side { steps: d.steps.iter().map(|s| (s.step, point(d, s))).collect(), end: Some(trace_end(d)) }
 }
 
 /// Pairs the devices of A and B by name (two runs of one device each: those two, whatever
-/// their names) and compares each pair.
+/// their names) and compares each pair where [`compare::judged_at`] says.
 pub fn pairs(a: &[DeviceReport], b: &[DeviceReport]) -> Vec<Pair> {
     let mut out = Vec::new();
     let single = a.len() == 1 && b.len() == 1;
     for (ia, da) in a.iter().enumerate() {
         let Some(ib) = b.iter().position(|db| single || db.device == da.device) else { continue };
-        let db = &b[ib];
-        let common = da.steps.iter().rev().find_map(|s| db.steps.iter().find(|t| t.step == s.step).map(|t| (s, t)));
-        let (ea, eb) = match common {
-            Some((sa, sb)) => (sa.clone(), sb.clone()),
-            None => (trace_end(da), trace_end(db)),
-        };
-        let (oa, ob) = (by_owner(da, &ea), by_owner(db, &eb));
-        let mut keys: Vec<&(String, String)> = oa.keys().chain(ob.keys()).collect();
-        keys.sort();
-        keys.dedup();
-        let mut owners: Vec<OwnerDiff> = keys
-            .into_iter()
-            .map(|k| {
-                let (va, vb) = (oa.get(k).copied().unwrap_or(0), ob.get(k).copied().unwrap_or(0));
-                OwnerDiff { family: k.0.clone(), owner: k.1.clone(), a: va, b: vb, diff: vb - va }
-            })
-            .filter(|d| d.diff != 0)
-            .collect();
-        owners.sort_by_key(|d| (std::cmp::Reverse(d.diff), d.owner.clone()));
+        let (sa, sb) = (side(da), side(&b[ib]));
+        let Some(at) = compare::judged_at(&sa, &sb) else { continue };
+        let (Some(pa), Some(pb)) = (sa.at(at), sb.at(at)) else { continue };
         out.push(Pair {
             device: da.device.clone(),
             a: ia,
             b: ib,
-            step: common.map(|(s, _)| s.step),
-            owners,
-            totals_a: ea.totals,
-            totals_b: eb.totals,
+            step: match at {
+                At::Step(step) => Some(step),
+                At::End => None,
+            },
+            owners: compare::changed(compare::owner_diffs(pa, pb)),
+            totals_a: pa.totals,
+            totals_b: pb.totals,
         });
     }
     out

@@ -9,16 +9,17 @@
 //! did not, and which allocated differently. Devices are paired by their `device_<id>` folder;
 //! two DB files are compared as given.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
+use memscope_core::analysis::blocks::Family;
 use memscope_core::analysis::calldiff;
 use memscope_core::analysis::calls::{self, Calls, Level};
+use memscope_core::analysis::compare::{self, At, OwnerDiff, Point};
 use memscope_core::analysis::db::{self, DbFile};
-use memscope_core::analysis::decompose::Family;
-use memscope_core::analysis::steps::{StepDb, StepPoint, Timeline};
+use memscope_core::analysis::steps::{StepDb, Timeline};
 use memscope_core::analysis::AnalysisError;
 use memscope_core::printable::printable;
 use memscope_core::units::{human_bytes, signed_bytes as signed};
@@ -97,46 +98,23 @@ pub struct Args {
     pub json: bool,
 }
 
-/// One trace's side of a pair: its step ends and its end, with owners by name.
-struct Side {
+/// One trace of a pair: its instants ([`compare::Side`]) and what the text says of it.
+struct Run {
     path: PathBuf,
-    /// Step ends by step number.
-    steps: BTreeMap<u64, Point>,
-    end: Option<Point>,
+    side: compare::Side,
     families: Vec<Family>,
     sources: String,
 }
 
-/// Live bytes at one instant by family and by (family, owner).
-struct Point {
-    ts: i64,
-    totals: [i64; 3],
-    owners: BTreeMap<(Family, String), i64>,
-}
-
-fn point(p: &StepPoint, timeline: &Timeline) -> Point {
-    let owners = p
-        .owners
-        .iter()
-        .map(|o| {
-            let (family, owner) = timeline.owner(o.slot);
-            ((family, owner.to_owned()), o.bytes)
-        })
-        .collect();
-    Point { ts: p.ts, totals: p.totals, owners }
-}
-
-fn side(file: &DbFile, marker: Option<&str>) -> anyhow::Result<Side> {
+fn run_of(file: &DbFile, marker: Option<&str>) -> anyhow::Result<Run> {
     let (dump, _) = inputs::open(file, "compare", inputs::Store::Never)?;
     let db = StepDb::new(&dump)?;
     let timeline = Timeline::replay(&db, marker, &mut ())?;
     let summary = timeline.summary();
     let sources: Vec<String> = summary.sources.iter().map(|(s, n)| format!("{n} from {}", s.describe())).collect();
-    let steps = timeline.points.iter().filter_map(|p| Some((p.step?, point(p, &timeline)))).collect();
-    Ok(Side {
+    Ok(Run {
         path: dump.path().to_owned(),
-        steps,
-        end: timeline.end_point().map(|p| point(&p, &timeline)),
+        side: compare::Side::of(&timeline),
         families: summary.families,
         sources: if sources.is_empty() { "no steps".into() } else { sources.join(", ") },
     })
@@ -145,15 +123,6 @@ fn side(file: &DbFile, marker: Option<&str>) -> anyhow::Result<Side> {
 #[derive(Debug, Serialize)]
 struct FamilyDiff {
     family: &'static str,
-    a: i64,
-    b: i64,
-    diff: i64,
-}
-
-#[derive(Debug, Serialize)]
-struct OwnerDiff {
-    family: &'static str,
-    owner: String,
     a: i64,
     b: i64,
     diff: i64,
@@ -202,7 +171,7 @@ struct PairDiff {
     only_in_b: Vec<u64>,
 }
 
-fn diff_points(step: serde_json::Value, a: &Point, b: &Point, families: &[Family]) -> StepDiff {
+fn diff_at(step: serde_json::Value, a: &Point, b: &Point, families: &[Family]) -> StepDiff {
     let fams = families
         .iter()
         .map(|&f| {
@@ -210,50 +179,37 @@ fn diff_points(step: serde_json::Value, a: &Point, b: &Point, families: &[Family
             FamilyDiff { family: f.as_str(), a: x, b: y, diff: y - x }
         })
         .collect();
-    let keys: BTreeSet<&(Family, String)> = a.owners.keys().chain(b.owners.keys()).collect();
-    let owners = keys
-        .into_iter()
-        .map(|k| {
-            let (x, y) = (a.owners.get(k).copied().unwrap_or(0), b.owners.get(k).copied().unwrap_or(0));
-            OwnerDiff { family: k.0.as_str(), owner: k.1.clone(), a: x, b: y, diff: y - x }
-        })
-        .collect();
-    StepDiff { step, ts_a: a.ts, ts_b: b.ts, families: fams, owners }
+    StepDiff { step, ts_a: a.ts, ts_b: b.ts, families: fams, owners: compare::owner_diffs(a, b) }
 }
 
-fn compare(device: &str, a: &Side, b: &Side, top: usize) -> PairDiff {
+fn compare(device: &str, a: &Run, b: &Run, top: usize) -> PairDiff {
     let mut families: Vec<Family> = a.families.iter().chain(&b.families).copied().collect();
     families.sort();
     families.dedup();
-    let common: Vec<u64> = a.steps.keys().filter(|s| b.steps.contains_key(s)).copied().collect();
+    let common = compare::common_steps(&a.side, &b.side);
     let mut steps: Vec<StepDiff> =
-        common.iter().map(|s| diff_points((*s).into(), &a.steps[s], &b.steps[s], &families)).collect();
-    if let (Some(ea), Some(eb)) = (&a.end, &b.end) {
-        steps.push(diff_points("end".into(), ea, eb, &families));
+        common.iter().map(|s| diff_at((*s).into(), &a.side.steps[s], &b.side.steps[s], &families)).collect();
+    if let (Some(ea), Some(eb)) = (&a.side.end, &b.side.end) {
+        steps.push(diff_at("end".into(), ea, eb, &families));
     }
-    // What grew is judged where both traces are comparable: the last step they share (the end
-    // of a trace includes its teardown), else their ends.
-    let at_index = if common.is_empty() { steps.len().checked_sub(1) } else { Some(common.len() - 1) };
-    let mut grew = Vec::new();
-    let mut shrank = Vec::new();
+    let at_index = compare::judged_at(&a.side, &b.side).map(|at| match at {
+        At::Step(_) => common.len() - 1,
+        At::End => steps.len() - 1,
+    });
+    let (mut grew, mut shrank) = (Vec::new(), Vec::new());
     if let Some(i) = at_index {
-        let (first_a, first_b) = match common.first() {
-            Some(s) => (Some(&a.steps[s]), Some(&b.steps[s])),
-            None => (None, None),
-        };
+        let first = common.first().map(|s| (&a.side.steps[s], &b.side.steps[s]));
         for o in &steps[i].owners {
-            let family = Family::ALL.into_iter().find(|f| f.as_str() == o.family).expect("a known family");
-            let key = (family, o.owner.clone());
-            let growth =
-                |first: Option<&Point>, now: i64| now - first.and_then(|p| p.owners.get(&key)).copied().unwrap_or(0);
+            let key = (o.family, o.owner.clone());
+            let growth = |first: &Point, now: i64| now - first.owners.get(&key).copied().unwrap_or(0);
             let g = Growth {
-                family: o.family,
+                family: o.family.as_str(),
                 owner: o.owner.clone(),
                 a: o.a,
                 b: o.b,
                 diff: o.diff,
-                growth_a: if first_a.is_some() { growth(first_a, o.a) } else { 0 },
-                growth_b: if first_b.is_some() { growth(first_b, o.b) } else { 0 },
+                growth_a: first.map_or(0, |(fa, _)| growth(fa, o.a)),
+                growth_b: first.map_or(0, |(_, fb)| growth(fb, o.b)),
             };
             match o.diff {
                 d if d > 0 => grew.push(g),
@@ -266,8 +222,11 @@ fn compare(device: &str, a: &Side, b: &Side, top: usize) -> PairDiff {
     shrank.sort_by(|x, y| x.diff.cmp(&y.diff).then_with(|| x.owner.cmp(&y.owner)));
     grew.truncate(top);
     shrank.truncate(top);
-    let side_json =
-        |s: &Side| SideJson { db: s.path.display().to_string(), steps: s.steps.len(), step_sources: s.sources.clone() };
+    let side_json = |r: &Run| SideJson {
+        db: r.path.display().to_string(),
+        steps: r.side.steps.len(),
+        step_sources: r.sources.clone(),
+    };
     PairDiff {
         device: device.to_owned(),
         a: side_json(a),
@@ -276,8 +235,8 @@ fn compare(device: &str, a: &Side, b: &Side, top: usize) -> PairDiff {
         steps,
         grew,
         shrank,
-        only_in_a: a.steps.keys().filter(|s| !b.steps.contains_key(s)).copied().collect(),
-        only_in_b: b.steps.keys().filter(|s| !a.steps.contains_key(s)).copied().collect(),
+        only_in_a: a.side.steps.keys().filter(|s| !b.side.steps.contains_key(s)).copied().collect(),
+        only_in_b: b.side.steps.keys().filter(|s| !a.side.steps.contains_key(s)).copied().collect(),
     }
 }
 
@@ -430,8 +389,8 @@ fn step_reports(args: &Args) -> anyhow::Result<Vec<PairDiff>> {
     let marker = args.step_marker.as_deref();
     let mut reports = Vec::new();
     for (device, pa, pb) in pairs(args)? {
-        let a = side(&pa, marker).context("A")?;
-        let b = side(&pb, marker).context("B")?;
+        let a = run_of(&pa, marker).context("A")?;
+        let b = run_of(&pb, marker).context("B")?;
         reports.push(compare(&device, &a, &b, args.top));
     }
     Ok(reports)
@@ -581,7 +540,7 @@ mod tests {
         pairs(&args)
             .unwrap()
             .into_iter()
-            .map(|(d, pa, pb)| compare(&d, &side(&pa, None).unwrap(), &side(&pb, None).unwrap(), args.top))
+            .map(|(d, pa, pb)| compare(&d, &run_of(&pa, None).unwrap(), &run_of(&pb, None).unwrap(), args.top))
             .collect()
     }
 
