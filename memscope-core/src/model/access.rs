@@ -6,10 +6,8 @@
 
 use std::collections::HashSet;
 
-use super::blocks::Live;
-use super::event::{Call, DeviceKey, Op, Pool, Space};
+use super::event::{Call, DeviceKey, Op, Pool};
 use super::output::{AccessKind, Output, Site};
-use super::pools::PoolBlock;
 use super::tracker::Tracker;
 use crate::vocab::EventType;
 
@@ -49,7 +47,7 @@ pub(super) struct Launch<'a> {
 
 impl Tracker {
     pub(super) fn block_at(&self, pid: u32, addr: u64) -> Option<Hit> {
-        if let Some((&(_, start), b)) = self.pool_block_at(pid, addr) {
+        if let Some((&(_, start), b)) = self.pools.at(pid, addr) {
             if b.hidden {
                 return None;
             }
@@ -62,7 +60,7 @@ impl Tracker {
                 pool,
             });
         }
-        let (&(_, space, start), b) = self.device_block_at(pid, addr)?;
+        let (&(_, space, start), b) = self.blocks.at(pid, addr)?;
         if b.hidden {
             return None;
         }
@@ -73,28 +71,6 @@ impl Tracker {
             allocation_id: b.allocation_id,
             pool: None,
         })
-    }
-
-    /// The live pool block whose range holds `addr`.
-    pub(super) fn pool_block_at(&self, pid: u32, addr: u64) -> Option<(&(u32, u64), &PoolBlock)> {
-        self.pool_blocks
-            .range((pid, 0)..=(pid, addr))
-            .next_back()
-            .filter(|(&(_, start), b)| addr < start.saturating_add(b.size))
-    }
-
-    /// The live device or host block whose range holds `addr` (of the spaces, the one that
-    /// starts nearest below it).
-    pub(super) fn device_block_at(&self, pid: u32, addr: u64) -> Option<(&(u32, Space, u64), &Live)> {
-        [Space::Device, Space::Host, Space::Cpu]
-            .into_iter()
-            .filter_map(|space| {
-                self.blocks
-                    .range((pid, space, 0)..=(pid, space, addr))
-                    .next_back()
-                    .filter(|(&(_, _, start), b)| addr < start.saturating_add(b.size))
-            })
-            .max_by_key(|(&(_, _, start), _)| start)
     }
 
     /// A call that uses memory: a copy, a set, a kernel launch, or one of the calls that name a
@@ -156,7 +132,7 @@ impl Tracker {
         if self.is_paused(site.pid) {
             return;
         }
-        let device = self.thread_device(site, call);
+        let device = self.devices.thread_device(site, call);
         let name = self.kernel_names.get(&(site.pid, function)).cloned();
         out.push(Output::KernelLaunch { site, device, name, function, stream, args_size });
         if call.status != 0 {
@@ -182,6 +158,7 @@ mod tests {
     use super::super::testing::*;
     use super::*;
     use crate::apis::Api;
+    use crate::model::Space;
 
     #[test]
     fn a_handle_launch_uses_the_parameters_appended_to_its_handle() {

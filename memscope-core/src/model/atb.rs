@@ -21,7 +21,7 @@ impl Tracker {
         let device = workspace
             .filter(|p| *p != 0)
             .and_then(|p| self.block_at(site.pid, p))
-            .map_or_else(|| self.thread_device(site, call), |hit| hit.device);
+            .map_or_else(|| self.devices.thread_device(site, call), |hit| hit.device);
         let launch = |site, start, status| Output::AtbLaunch {
             site,
             device,

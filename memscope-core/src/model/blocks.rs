@@ -1,208 +1,98 @@
 //! The live-block table: device and host blocks from their allocation to their free (runtime,
-//! driver and CPU-allocator calls, and mappings, which `vmm` adds here), with each block's owner.
+//! driver and CPU-allocator calls, and mappings), found by their start or by any address inside.
 //!
-//! - A block counts from its successful allocation to its successful free; a failed call is an
-//!   [`Output::Failed`], never a block (so it is no leak).
-//! - An address handed out again while still live: the stale block is retired, and its FREE row
-//!   waits for a free still on its way from another thread (see `reuse`).
-//! - A free of an address never seen allocated is counted apart (`untracked_frees`), without
-//!   size or id.
-//! - Owners: the allocator's label (the driver module, host) and the thread's open tag spans at
-//!   the allocation; an address tag later replaces one level (see `marks`).
+//! The table is ordered, not hashed, so that the block holding an address inside it is found
+//! without a scan and without a second index (a B-tree also has no resize that briefly doubles a
+//! million-entry table). It holds blocks only; what a block counts on its device is `devices`',
+//! and the rules of allocation and free (owners, reuse, failures) are the tracker's
+//! (`route_blocks`), so that this table stays one thing a million entries can afford.
 
 use std::collections::btree_map::Entry;
+use std::collections::BTreeMap;
 
-use super::event::{Call, DeviceKey, DriverInfo, Op, Space};
-use super::output::{Origin, Output, Site};
-use super::owners::OwnerBase;
-use super::reuse::{free_row, Key, Slot};
-use super::tags::BlockLabels;
-use super::tracker::{Failure, Tracker};
-use crate::apis::{Api, Backend, Family};
+use super::event::Space;
+use super::keys::{Key, Live};
 
-/// A live device or host block. Kept small (48 bytes): a job can hold a million of them, and the
-/// tracer's memory is mostly these.
-#[derive(Clone, Debug)]
-pub(super) struct Live {
-    pub(super) device: DeviceKey,
-    pub(super) size: u64,
-    pub(super) allocation_id: u64,
-    pub(super) api: Api,
-    pub(super) base: OwnerBase,
-    pub(super) labels: BlockLabels,
-    pub(super) hidden: bool,
-    pub(super) born_ns: u64,
+/// Live device and host blocks by (pid, space, start).
+#[derive(Debug, Default)]
+pub(super) struct Blocks {
+    live: BTreeMap<Key, Live>,
 }
 
-const _: () = assert!(std::mem::size_of::<Live>() <= 48, "a live block's state grew: see Live");
-
-/// Where memory of `space` is counted: host memory on the host, device memory on `device`.
-fn space_device(space: Space, device: DeviceKey) -> DeviceKey {
-    match space {
-        Space::Host | Space::Cpu => DeviceKey::Cpu,
-        Space::Device => device,
-    }
-}
-
-/// A block a call allocated (or a mapping made).
-pub(super) struct NewBlock {
-    pub(super) device: DeviceKey,
-    pub(super) space: Space,
-    pub(super) ptr: u64,
-    /// (bytes taken, bytes requested).
-    pub(super) sizes: (u64, u64),
-    pub(super) origin: Origin,
-}
-
-/// A block a call freed (or a mapping removed).
-pub(super) struct BlockFree {
-    pub(super) space: Space,
-    pub(super) ptr: u64,
-    /// Where a free of a block never seen allocated is counted.
-    pub(super) fallback: DeviceKey,
-    /// Made up by the tracker (the block's free was missed), not a call's.
-    pub(super) shadow: bool,
-    pub(super) driver: Option<DriverInfo>,
-}
-
-impl Tracker {
-    /// A malloc-style call (`Op::Malloc`).
-    pub(super) fn apply_malloc(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
-        let Op::Malloc { space, size, ptr, policy, device, module, driver } = call.op else { return };
-        let device = space_device(space, device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu));
-        match ptr {
-            Some(ptr) if call.status == 0 => {
-                let taken = driver.map_or(size, |d| d.size);
-                let origin = Origin::Direct { policy, module, driver };
-                self.add_block(site, NewBlock { device, space, ptr, sizes: (taken, size), origin }, out);
-                self.add_segment(site.pid, ptr, device, size, call.outer, out);
-            }
-            _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver }, out),
-        }
+impl Blocks {
+    pub(super) fn get(&self, key: &Key) -> Option<&Live> {
+        self.live.get(key)
     }
 
-    /// A free-style call (`Op::Free`).
-    pub(super) fn apply_free(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
-        let Op::Free { space, ptr, driver } = call.op else { return };
-        let fallback = space_device(space, self.thread_device(site, call));
-        let key = (site.pid, space, ptr);
-        let late = self.is_late_free(key, call);
-        if call.status != 0 {
-            let device = if late { self.late_free_device(key) } else { self.blocks.get(&key).map(|b| b.device) };
-            let device = device.unwrap_or(fallback);
-            self.fail(site, call, Failure { device, size: None, ptr: Some(ptr), driver }, out);
-        } else if late {
-            // The block now at the address (and its segment) is not this free's.
-            self.late_free(site, key, (fallback, driver), out);
-        } else {
-            self.settle_displaced(Slot::Block(key), out);
-            self.remove_block(site, BlockFree { space, ptr, fallback, shadow: false, driver }, out);
-            self.remove_segment(site.pid, ptr);
-        }
+    /// For a retag: the block's labels change, never its size or device.
+    pub(super) fn get_mut(&mut self, key: &Key) -> Option<&mut Live> {
+        self.live.get_mut(key)
     }
 
-    pub(super) fn add_block(&mut self, site: Site, block: NewBlock, out: &mut Vec<Output>) {
-        let NewBlock { device, space, ptr, sizes: (size, req_size), origin } = block;
-        let family = site.api.family();
-        let base = match (space, origin) {
-            (Space::Host | Space::Cpu, _) => OwnerBase::Host,
-            (Space::Device, _) if family.backend() == Some(Backend::Cuda) => {
-                OwnerBase::Cuda { driver: family == Family::CudaDriver }
-            }
-            (Space::Device, Origin::Direct { module, driver, .. }) => {
-                OwnerBase::Hal(driver.and_then(|d| d.module).or(module))
-            }
-            // Mapped pages belong to the module that created their physical memory.
-            (Space::Device, Origin::Mapped { handle, .. }) => OwnerBase::Hal(self.physical_module(site.pid, handle)),
-        };
-        let labels = self.tags.block_labels(site.pid, site.tid);
-        let hidden = self.is_paused(site.pid);
-        let owner = (!hidden).then(|| self.owners.get(base, &labels));
-        let key = (site.pid, space, ptr);
-        // One search of the table for a new block, the common case.
-        let slot = match self.blocks.entry(key) {
-            Entry::Vacant(slot) => slot,
+    /// Every live block, in key order.
+    pub(super) fn table(&self) -> &BTreeMap<Key, Live> {
+        &self.live
+    }
+
+    /// Puts the block `make` returns at `key`. `make` gets the block the table still held there
+    /// (whose address the runtime handed out again), taken out, so that it can be retired before
+    /// the new block counts. One search of the table when the place is free, the common case.
+    pub(super) fn insert_with<R>(&mut self, key: Key, make: impl FnOnce(Option<Live>) -> (Live, R)) -> R {
+        let (slot, stale) = match self.live.entry(key) {
+            Entry::Vacant(slot) => (slot, None),
             Entry::Occupied(stale) => {
-                // The runtime handed out an address we still consider live: retire the stale
-                // block first so the totals stay true to what the runtime says is allocated.
                 let stale = stale.remove();
-                self.displace(site, key, stale, out);
-                match self.blocks.entry(key) {
-                    Entry::Vacant(slot) => slot,
+                match self.live.entry(key) {
+                    Entry::Vacant(slot) => (slot, Some(stale)),
                     Entry::Occupied(_) => unreachable!("removed above"),
                 }
             }
         };
-        let stats = self.devices.entry(device).or_default();
-        let allocation_id = stats.take_allocation_id();
-        stats.used += size;
-        stats.peak = stats.peak.max(stats.used);
-        stats.live_blocks += 1;
-        stats.mallocs += 1;
-        let used = stats.used;
-        let born_ns = site.wall_ns;
-        slot.insert(Live { device, size, allocation_id, api: site.api, base, labels, hidden, born_ns });
-        if let Some(owner) = owner {
-            let (owner, segment) = (Some(owner), None);
-            out.push(Output::Malloc {
-                site,
-                device,
-                space,
-                ptr,
-                size,
-                req_size,
-                allocation_id,
-                used,
-                origin,
-                owner,
-                segment,
-            });
-        }
+        let (block, made) = make(stale);
+        slot.insert(block);
+        made
     }
 
-    pub(super) fn remove_block(&mut self, site: Site, free: BlockFree, out: &mut Vec<Output>) {
-        let BlockFree { space, ptr, fallback, shadow, driver } = free;
-        let key = (site.pid, space, ptr);
-        let Some(block) = self.blocks.remove(&key) else {
-            return self.untracked_free(site, key, fallback, driver, out);
-        };
-        let stats = self.stats(block.device);
-        stats.used -= block.size;
-        stats.live_blocks -= 1;
-        stats.frees += 1;
-        let used = stats.used;
-        if !block.hidden {
-            out.push(free_row(site, key, &block, used, shadow, driver));
-        }
+    pub(super) fn remove(&mut self, key: &Key) -> Option<Live> {
+        self.live.remove(key)
     }
 
-    /// A free of an address the trace never saw allocated: counted on `fallback`, no size or id.
-    pub(super) fn untracked_free(
-        &mut self,
-        site: Site,
-        (_, space, ptr): Key,
-        fallback: DeviceKey,
-        driver: Option<DriverInfo>,
-        out: &mut Vec<Output>,
-    ) {
-        let stats = self.stats(fallback);
-        stats.frees += 1;
-        stats.untracked_frees += 1;
-        let used = stats.used;
-        if self.is_paused(site.pid) {
-            return;
-        }
-        let (size, allocation_id, shadow) = (None, None, false);
-        out.push(Output::Free { site, device: fallback, space, ptr, size, allocation_id, used, shadow, driver });
+    /// A free called (entered at `entry_ns`; 0: unknown) before the live block at `key` was
+    /// handed out: the free is of the block that was there before (`reuse`).
+    pub(super) fn is_late_free(&self, key: &Key, entry_ns: u64) -> bool {
+        entry_ns != 0 && self.live.get(key).is_some_and(|live| live.born_ns > entry_ns)
+    }
+
+    /// The live block whose range holds `addr` (of the spaces, the one that starts nearest
+    /// below it).
+    pub(super) fn at(&self, pid: u32, addr: u64) -> Option<(&Key, &Live)> {
+        [Space::Device, Space::Host, Space::Cpu]
+            .into_iter()
+            .filter_map(|space| {
+                self.live
+                    .range((pid, space, 0)..=(pid, space, addr))
+                    .next_back()
+                    .filter(|(&(_, _, start), b)| addr < start.saturating_add(b.size))
+            })
+            .max_by_key(|(&(_, _, start), _)| start)
+    }
+
+    /// The key of the block an address tag at `addr` names: the block starting there (the common
+    /// case: a tensor's storage is its block), else the one whose range holds it.
+    pub(super) fn holding(&self, pid: u32, addr: u64) -> Option<Key> {
+        [Space::Device, Space::Cpu, Space::Host]
+            .into_iter()
+            .map(|space| (pid, space, addr))
+            .find(|key| self.live.contains_key(key))
+            .or_else(|| self.at(pid, addr).map(|(k, _)| *k))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
-    use super::*;
     use crate::apis::Api;
-    use crate::model::Pool;
+    use crate::model::*;
 
     #[test]
     fn malloc_then_free_pairs_with_size_and_id() {

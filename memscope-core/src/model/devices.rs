@@ -7,9 +7,11 @@
 //!   a malloc config's device, a physical handle's property, a pool block's device) until it
 //!   calls one of them again.
 
+use std::collections::BTreeMap;
+
 use super::event::{Call, DeviceKey, Op, Space};
+use super::keys::Map;
 use super::output::Site;
-use super::tracker::Tracker;
 
 /// Per-device totals.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -32,24 +34,96 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
-    /// The next `allocation_id` of this device's file, for a block of any kind.
-    pub(super) fn take_allocation_id(&mut self) -> u64 {
+    fn take_allocation_id(&mut self) -> u64 {
         self.next_allocation_id += 1;
         self.next_allocation_id
     }
 }
 
-impl Tracker {
+/// Every device's totals and id counter, and the devices threads named. Totals change only
+/// through the steps of a block's life below, so `used` and `live_blocks` are always the sum of
+/// the device's live blocks.
+#[derive(Debug, Default)]
+pub(super) struct Devices {
+    stats: BTreeMap<DeviceKey, DeviceStats>,
+    /// The device each thread last named itself (a driver flag, a malloc config's device, ...),
+    /// by (pid, tid): used for its calls while the kernel does not know the thread's device (it
+    /// chose it before an attach).
+    learnt: Map<(u32, u32), u32>,
+}
+
+impl Devices {
+    /// Per-device totals, in device order.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (DeviceKey, &DeviceStats)> {
+        self.stats.iter().map(|(k, v)| (*k, v))
+    }
+
+    fn stats(&mut self, device: DeviceKey) -> &mut DeviceStats {
+        self.stats.entry(device).or_default()
+    }
+
+    /// The device's total in use (0 for a device never seen).
+    pub(super) fn used(&self, device: DeviceKey) -> u64 {
+        self.stats.get(&device).map_or(0, |s| s.used)
+    }
+
+    /// The next `allocation_id` of `device`'s file, for a block of any kind.
+    pub(super) fn next_allocation_id(&mut self, device: DeviceKey) -> u64 {
+        self.stats(device).take_allocation_id()
+    }
+
+    /// Counts a new device or host block of `size` bytes: its `allocation_id` and the device's
+    /// `used` after it.
+    pub(super) fn add_block(&mut self, device: DeviceKey, size: u64) -> (u64, u64) {
+        // One search of the table: this is every allocation's path.
+        let stats = self.stats(device);
+        let allocation_id = stats.take_allocation_id();
+        stats.used += size;
+        stats.peak = stats.peak.max(stats.used);
+        stats.live_blocks += 1;
+        stats.mallocs += 1;
+        (allocation_id, stats.used)
+    }
+
+    /// Counts the free (or retirement) of a block of `size` bytes: the device's `used` after it.
+    pub(super) fn remove_block(&mut self, device: DeviceKey, size: u64) -> u64 {
+        let stats = self.stats(device);
+        stats.used -= size;
+        stats.live_blocks -= 1;
+        stats.frees += 1;
+        stats.used
+    }
+
+    /// Counts a free of a block never seen allocated: the device's `used`, unchanged.
+    pub(super) fn untracked_free(&mut self, device: DeviceKey) -> u64 {
+        let stats = self.stats(device);
+        stats.frees += 1;
+        stats.untracked_frees += 1;
+        stats.used
+    }
+
+    /// Counts a pool's free of a block never seen (the device's own frees count device blocks).
+    pub(super) fn untracked_pool_free(&mut self, device: DeviceKey) {
+        self.stats(device).untracked_frees += 1;
+    }
+
+    /// Counts a failed call.
+    pub(super) fn fail(&mut self, device: DeviceKey, out_of_memory: bool) {
+        let stats = self.stats(device);
+        stats.failures += 1;
+        stats.out_of_memory += u64::from(out_of_memory);
+    }
+
     /// The device of the calling thread: the kernel's (from its set/get-device calls), else the
     /// one it last named itself.
     pub(super) fn thread_device(&self, site: Site, call: &Call) -> DeviceKey {
         call.thread_device
-            .or_else(|| self.learnt_devices.get(&(site.pid, site.tid)).copied())
+            .or_else(|| self.learnt.get(&(site.pid, site.tid)).copied())
             .map_or(DeviceKey::Unknown, DeviceKey::Npu)
     }
 
     /// Notes the device a successful call names for the thread it ran on.
-    pub(super) fn learn_device(&mut self, site: Site, call: &Call) {
+    pub(super) fn learn(&mut self, site: Site, call: &Call) {
         if call.status != 0 || call.thread_device.is_some() {
             return;
         }
@@ -60,17 +134,13 @@ impl Tracker {
             _ => None,
         };
         if let Some(device) = named {
-            self.learnt_devices.insert((site.pid, site.tid), device);
+            self.learnt.insert((site.pid, site.tid), device);
         }
     }
 
-    pub(super) fn stats(&mut self, device: DeviceKey) -> &mut DeviceStats {
-        self.devices.entry(device).or_default()
-    }
-
-    /// The next `allocation_id` of `device`'s file, for a block of any kind.
-    pub(super) fn next_allocation_id(&mut self, device: DeviceKey) -> u64 {
-        self.stats(device).take_allocation_id()
+    /// An exited process's threads name no device any more.
+    pub(super) fn forget_process(&mut self, pid: u32) {
+        self.learnt.retain(|(p, _), _| *p != pid);
     }
 }
 

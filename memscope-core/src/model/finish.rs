@@ -33,11 +33,11 @@ impl Tracker {
     fn shadow_free_blocks<E>(&self, at: u64, emit: &mut impl FnMut(Output) -> Result<(), E>) -> Result<(), E> {
         // A device's blocks come one after another: its `used` is looked up once.
         let mut device: Option<(DeviceKey, u64)> = None;
-        for (&(pid, space, ptr), block) in in_order(&self.blocks, |b| (b.device, b.allocation_id)) {
+        for (&(pid, space, ptr), block) in in_order(self.blocks.table(), |b| (b.device, b.allocation_id)) {
             let remaining = match &mut device {
                 Some((key, used)) if *key == block.device => used,
                 _ => {
-                    let used = self.devices.get(&block.device).map_or(0, |s| s.used);
+                    let used = self.devices.used(block.device);
                     &mut device.insert((block.device, used)).1
                 }
             };
@@ -63,8 +63,8 @@ impl Tracker {
     fn shadow_free_pool_blocks<E>(&self, at: u64, emit: &mut impl FnMut(Output) -> Result<(), E>) -> Result<(), E> {
         // (used, total) per (device, pool, process): processes interleave within a pool.
         let mut pools: BTreeMap<(DeviceKey, Pool, u32), (u64, u64)> =
-            self.pools.iter().map(|(k, v)| (*k, (v.used, v.total))).collect();
-        for (&(pid, ptr), block) in in_order(&self.pool_blocks, |b| (b.device, b.pool, b.allocation_id)) {
+            self.pools.stats().map(|(k, v)| (k, (v.used, v.total))).collect();
+        for (&(pid, ptr), block) in in_order(self.pools.table(), |b| (b.device, b.pool, b.allocation_id)) {
             let (remaining, total) = pools.entry((block.device, block.pool, pid)).or_default();
             *remaining -= block.size;
             if block.hidden {

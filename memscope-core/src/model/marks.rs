@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::event::{level, Event, Marker, Space};
+use super::event::{level, Event, Marker};
 use super::output::{AccessKind, MstxKind, Output};
 use super::tags::{self, BlockLabels, Labels};
 use super::tracker::Tracker;
@@ -125,13 +125,8 @@ impl Tracker {
     fn retag(&mut self, pid: u32, addr: u64, level: u8, label: &str, out: &mut Vec<Output>) {
         let Some(slot) = tags::tag_level(level) else { return };
 
-        let pool_key = if self.pool_blocks.contains_key(&(pid, addr)) {
-            Some((pid, addr))
-        } else {
-            self.pool_block_at(pid, addr).map(|(k, _)| *k)
-        };
-        if let Some(key) = pool_key {
-            let block = self.pool_blocks.get_mut(&key).expect("found above");
+        if let Some(key) = self.pools.holding(pid, addr) {
+            let block = self.pools.block_mut(&key).expect("found above");
             let Some(labels) = relabelled(&block.labels, slot, label) else { return };
             block.labels = Some(labels);
             if !block.hidden {
@@ -141,13 +136,7 @@ impl Tracker {
             return;
         }
 
-        let exact =
-            [Space::Device, Space::Cpu, Space::Host].into_iter().find(|s| self.blocks.contains_key(&(pid, *s, addr)));
-        let key = match exact {
-            Some(space) => Some((pid, space, addr)),
-            None => self.device_block_at(pid, addr).map(|(k, _)| *k),
-        };
-        let Some(key) = key else { return };
+        let Some(key) = self.blocks.holding(pid, addr) else { return };
         let block = self.blocks.get_mut(&key).expect("found above");
         let Some(labels) = relabelled(&block.labels, slot, label) else { return };
         block.labels = Some(labels);
@@ -173,7 +162,7 @@ fn relabelled(labels: &BlockLabels, slot: usize, label: &str) -> Option<Arc<Labe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Call, DeviceKey, EventKind, Op, Pool};
+    use crate::model::{Call, DeviceKey, EventKind, Op, Pool, Space};
 
     fn at(tid: u32, wall_ns: u64, kind: EventKind) -> Event {
         Event { wall_ns, pid: 100, tid, kind }
@@ -290,7 +279,7 @@ mod tests {
             owners(&out),
             ["PTA@vllm", "PTA@vllm", "HOST@vllm", "retag:PTA@vllm@kv_cache", "retag:HOST@vllm@weight", "PTA@vllm"]
         );
-        let labels = |ptr| t.pool_blocks[&(100, ptr)].labels.clone().expect("labelled");
+        let labels = |ptr| t.pools.table()[&(100, ptr)].labels.clone().expect("labelled");
         assert!(Arc::ptr_eq(&labels(0x2000), &labels(0x3000)), "one copy for the blocks of one span");
         assert!(!Arc::ptr_eq(&labels(0x1000), &labels(0x2000)), "the retagged block has its own");
         // The other blocks kept their owner: tagging them with the same label again re-owns them.

@@ -4,12 +4,14 @@
 //!
 //! - [`event`]: what happened, as typed events ([`Event`], [`Op`]).
 //! - [`output`]: the facts the store writes ([`Output`]).
-//! - [`tracker`]: what is alive where, updated one event at a time; it hands each event to the
-//!   part that owns its kind of memory: `blocks` (device and host blocks; `reuse`: an address
-//!   handed out again before its free was seen), `vmm` (reservations,
-//!   physical handles, mappings), `pools` (framework pools), `devices` (per-device totals, the
-//!   device a thread is on), `owners` (owner paths, made once per allocator and spans); `finish`
-//!   writes the stop's shadow frees.
+//! - [`tracker`]: what is alive where, updated one event at a time. Its state is split by owner,
+//!   each a type that keeps its own invariants and never names the tracker: `blocks` (device and
+//!   host blocks), `devices` (per-device totals and ids, the device a thread is on), `pools`
+//!   (framework pools), `vmm` (reservations, physical handles), `reuse` (blocks whose address was
+//!   handed out again before their free was seen), `owners` (owner paths, made once per allocator
+//!   and spans); `keys` holds the small types they share. The rules that need several parts are
+//!   the tracker's: `route_blocks`, `route_vmm`, `route_pools`; `finish` writes the stop's
+//!   shadow frees.
 //! - [`tags`]: tag spans per thread and owner paths; `marks`: what markers do to the state.
 //! - `access`: uses of blocks; `atb`: ATB operations; `oom`: what was alive at an OOM.
 
@@ -19,12 +21,16 @@ mod blocks;
 mod devices;
 pub mod event;
 mod finish;
+mod keys;
 mod marks;
 mod oom;
 pub mod output;
 mod owners;
 mod pools;
 mod reuse;
+mod route_blocks;
+mod route_pools;
+mod route_vmm;
 pub mod tags;
 #[cfg(test)]
 mod testing;

@@ -26,7 +26,8 @@ struct Listed {
 impl Tracker {
     pub(super) fn oom_snapshot(&self, site: Site, device: DeviceKey, pool: bool, out: &mut Vec<Output>) {
         let mut live: Vec<Listed> = if pool {
-            self.pool_blocks
+            self.pools
+                .table()
                 .iter()
                 .filter(|((pid, _), b)| *pid == site.pid && b.device == device && !b.hidden)
                 .map(|((_, ptr), b)| Listed {
@@ -40,6 +41,7 @@ impl Tracker {
                 .collect()
         } else {
             self.blocks
+                .table()
                 .iter()
                 .filter(|((pid, _, _), b)| *pid == site.pid && b.device == device && !b.hidden)
                 .map(|((_, space, ptr), b)| Listed {

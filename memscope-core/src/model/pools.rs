@@ -1,22 +1,23 @@
 //! Framework pools (torch_npu's caching and workspace allocators, PTA): their blocks, their
-//! segments and their totals, per device and process.
+//! segments and their totals, per device and process, with what a later call needs to place a
+//! block (a handle's pending block, an mstx domain's pool, the open workspace).
 //!
 //! - A pool block counts in its pool's `used` from the allocator handing it out to taking it
-//!   back; an external block known first by its handle becomes a block at `GetBlockPtr`.
+//!   back, so a pool's `used` and `live_blocks` change only with its table of blocks here.
 //! - The pool's `total` (reserved) is the device memory its allocator took: runtime allocations
 //!   and mappings made inside a traced allocator call are the pool's segments, until freed or
 //!   unmapped. When the pool reports its reserved bytes through mstx, that report wins. Segments
 //!   taken before an attach are unknown, so `total` starts low then.
 //! - Each process has its own allocator, so its counters are its own even on a shared device.
-//! - Pools that report through mstx (domains `ptaCaching`, `msleaks`, `ptaWorkspace`) have their
-//!   regions as blocks, merged into the allocator call they were reported from when traced.
+//!
+//! The rules of a pool call (ids, owners, reuse, untracked frees) are the tracker's
+//! (`route_pools`).
 
-use super::event::{Call, DeviceKey, Op, Pool};
+use std::collections::BTreeMap;
+
+use super::event::{DeviceKey, Pool};
+use super::keys::{Map, PoolBlock};
 use super::output::{Output, Site};
-use super::owners::OwnerBase;
-use super::reuse::Slot;
-use super::tags::BlockLabels;
-use super::tracker::Tracker;
 use crate::apis::Api;
 
 /// A framework pool's totals on one device.
@@ -29,200 +30,180 @@ pub struct PoolStats {
     pub live_blocks: u64,
 }
 
-#[derive(Clone, Debug)]
-pub(super) struct PoolBlock {
-    pub(super) device: DeviceKey,
-    pub(super) pool: Pool,
-    pub(super) size: u64,
-    pub(super) allocation_id: u64,
-    pub(super) api: Api,
-    pub(super) labels: BlockLabels,
-    /// Born while collection was off: never reported.
-    pub(super) hidden: bool,
-    pub(super) born_ns: u64,
-    /// Streams it is marked on (`recordStream`, until `eraseStream`).
-    pub(super) streams: Vec<u64>,
-}
-
 /// An external block known by its handle, waiting for `GetBlockPtr`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct PendingHandle {
-    device: DeviceKey,
-    pool: Pool,
-    req: Option<u64>,
-    size: Option<u64>,
-    api: Api,
+    pub(super) device: DeviceKey,
+    pub(super) pool: Pool,
+    pub(super) req: Option<u64>,
+    pub(super) size: Option<u64>,
+    pub(super) api: Api,
 }
 
 /// Device memory a pool's allocator took (a runtime block or a mapping made inside its call).
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Segment {
+struct Segment {
     device: DeviceKey,
     pool: Pool,
     size: u64,
 }
 
-/// A block a framework pool handed out; its facts come from different sources (the call, a
-/// handle resolved later, an mstx report).
-struct NewPoolBlock {
-    device: DeviceKey,
-    pool: Pool,
-    ptr: u64,
-    size: u64,
-    req_size: Option<u64>,
+/// Every pool's totals and live blocks, and the state of its calls in flight.
+#[derive(Debug, Default)]
+pub(super) struct Pools {
+    /// Per (device, pool, process): each process has its own allocator, so its counters are its
+    /// own even when processes share a device.
+    stats: BTreeMap<(DeviceKey, Pool, u32), PoolStats>,
+    /// Live pool blocks by (pid, start), ordered so that the block holding an address is found
+    /// without a scan.
+    blocks: BTreeMap<(u32, u64), PoolBlock>,
+    handles: Map<(u32, u64), PendingHandle>,
+    /// External block handles whose address is known.
+    handle_ptrs: Map<(u32, u64), u64>,
+    segments: Map<(u32, u64), Segment>,
+    domains: Map<(u32, u64), Pool>,
+    /// The open workspace use per device, when workspace frees are not probed.
+    workspace_open: Map<(u32, DeviceKey), u64>,
 }
 
-/// A block a framework pool took back (or the tracker retired).
-struct PoolBlockFree {
-    ptr: u64,
-    pool: Pool,
-    /// Where a free of a block never seen is counted.
-    fallback: DeviceKey,
-    /// Made up by the tracker (the block was handed out again), not a call's.
-    shadow: bool,
-    /// Inferred from the next workspace use (no free of it is probed).
-    implied: bool,
-    /// When the freeing call was entered (0: not a call of this block's): a free entered before
-    /// the live block at its address was handed out is the block's before it (`reuse`).
-    entry_ns: u64,
-}
+impl Pools {
+    /// Per-device, per-pool totals.
+    pub(super) fn stats(&self) -> impl Iterator<Item = ((DeviceKey, Pool, u32), &PoolStats)> {
+        self.stats.iter().map(|(k, v)| (*k, v))
+    }
 
-impl Tracker {
-    /// One call of a framework allocator, or an mstx report of a pool.
-    pub(super) fn apply_pool(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
-        match call.op {
-            Op::PoolMalloc { .. } => self.pool_malloc(site, call, out),
-            Op::PoolFree { pool, ptr, handle, device, .. } => {
-                let by_handle = handle.and_then(|h| {
-                    self.handles.remove(&(site.pid, h));
-                    self.handle_ptrs.remove(&(site.pid, h))
-                });
-                if let Some(ptr) = ptr.or(by_handle) {
-                    // A block allocated before an attach is unknown; its own device field (when
-                    // the source reads it) still places its free, also on a thread whose device
-                    // the trace never learnt.
-                    let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
-                    self.remove_pool_block(
-                        site,
-                        PoolBlockFree {
-                            ptr,
-                            pool,
-                            fallback: device,
-                            shadow: false,
-                            implied: false,
-                            entry_ns: call.entry_wall_ns,
-                        },
-                        out,
-                    );
-                }
-            }
-            Op::PoolHandle { handle, ptr, size } => {
-                if let Some(pending) = self.handles.get_mut(&(site.pid, handle)) {
-                    pending.size = size.or(pending.size);
-                }
-                if let (Some(ptr), Some(pending)) = (ptr, self.handles.remove(&(site.pid, handle))) {
-                    self.handle_ptrs.insert((site.pid, handle), ptr);
-                    let site = Site { api: pending.api, ..site };
-                    let size = pending.size.or(pending.req).unwrap_or(0);
-                    self.add_pool_block(
-                        site,
-                        NewPoolBlock { device: pending.device, pool: pending.pool, ptr, size, req_size: pending.req },
-                        out,
-                    );
-                }
-            }
-            Op::StreamMark { ptr: Some(ptr), stream, record } => {
-                if let Some(block) = self.pool_blocks.get_mut(&(site.pid, ptr)) {
-                    if record && !block.streams.contains(&stream) {
-                        block.streams.push(stream);
-                    } else if !record {
-                        block.streams.retain(|s| *s != stream);
-                    }
-                }
-            }
-            _ => self.apply_mstx_pool(site, call, out),
+    fn stats_mut(&mut self, key: (DeviceKey, Pool, u32)) -> &mut PoolStats {
+        self.stats.entry(key).or_default()
+    }
+
+    /// Every live pool block, in (pid, start) order.
+    pub(super) fn table(&self) -> &BTreeMap<(u32, u64), PoolBlock> {
+        &self.blocks
+    }
+
+    /// Counts a new block at `ptr` of process `pid` and keeps it: the pool's (used, total) after.
+    pub(super) fn add_block(&mut self, pid: u32, ptr: u64, block: PoolBlock) -> (u64, u64) {
+        let stats = self.stats_mut((block.device, block.pool, pid));
+        stats.used += block.size;
+        stats.peak_used = stats.peak_used.max(stats.used);
+        stats.live_blocks += 1;
+        let totals = (stats.used, stats.total);
+        self.blocks.insert((pid, ptr), block);
+        totals
+    }
+
+    /// Takes the live block at `ptr` out of its pool's table and totals.
+    pub(super) fn remove_block(&mut self, pid: u32, ptr: u64) -> Option<PoolBlock> {
+        let block = self.blocks.remove(&(pid, ptr))?;
+        self.uncount(pid, &block);
+        Some(block)
+    }
+
+    /// Takes the live block at `ptr` out of the table only: a block being displaced, whose
+    /// totals must still hold it while an older displaced block's row is written (`reuse`),
+    /// after which [`Self::uncount`] drops it.
+    pub(super) fn take_block(&mut self, pid: u32, ptr: u64) -> Option<PoolBlock> {
+        self.blocks.remove(&(pid, ptr))
+    }
+
+    /// Drops a block taken by [`Self::take_block`] from its pool's totals.
+    pub(super) fn uncount(&mut self, pid: u32, block: &PoolBlock) {
+        let stats = self.stats_mut((block.device, block.pool, pid));
+        stats.used -= block.size;
+        stats.live_blocks -= 1;
+    }
+
+    /// The pool's (used, total) at a free of a block it never saw.
+    pub(super) fn untracked_free(&mut self, device: DeviceKey, pool: Pool, pid: u32) -> (u64, u64) {
+        let stats = self.stats_mut((device, pool, pid));
+        (stats.used, stats.total)
+    }
+
+    /// A pool free entered at `entry_ns` (0: not a call's) before the live block at `ptr` was
+    /// handed out: the free is of the block that was there before (`reuse`).
+    pub(super) fn is_late_free(&self, pid: u32, ptr: u64, entry_ns: u64) -> bool {
+        entry_ns != 0 && self.blocks.get(&(pid, ptr)).is_some_and(|live| live.born_ns > entry_ns)
+    }
+
+    /// The live pool block whose range holds `addr`.
+    pub(super) fn at(&self, pid: u32, addr: u64) -> Option<(&(u32, u64), &PoolBlock)> {
+        self.blocks
+            .range((pid, 0)..=(pid, addr))
+            .next_back()
+            .filter(|(&(_, start), b)| addr < start.saturating_add(b.size))
+    }
+
+    /// The key of the block an address tag at `addr` names: the block starting there, else the
+    /// one whose range holds it.
+    pub(super) fn holding(&self, pid: u32, addr: u64) -> Option<(u32, u64)> {
+        if self.blocks.contains_key(&(pid, addr)) {
+            Some((pid, addr))
+        } else {
+            self.at(pid, addr).map(|(k, _)| *k)
         }
     }
 
-    fn pool_malloc(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
-        let Op::PoolMalloc { pool, ptr, size, req, device, handle } = call.op else { return };
-        let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
-        match (ptr, handle) {
-            (Some(ptr), _) => {
-                if pool == Pool::Workspace && call.api.tracking().workspace_until_next {
-                    self.end_open_workspace(site, device, out);
-                    self.workspace_open.insert((site.pid, device), ptr);
-                }
-                self.add_pool_block(
-                    site,
-                    NewPoolBlock { device, pool, ptr, size: size.or(req).unwrap_or(0), req_size: req },
-                    out,
-                );
-            }
-            (None, Some(handle)) => {
-                let pending = PendingHandle { device, pool, req, size, api: call.api };
-                self.handles.insert((site.pid, handle), pending);
-            }
-            (None, None) => {
-                // The allocator gave up (after freeing its cache and retrying): out of memory.
-                let stats = self.stats(device);
-                stats.failures += 1;
-                stats.out_of_memory += 1;
-                let (status, out_of_memory, ptr, driver) = (0, true, None, None);
-                if !self.is_paused(site.pid) {
-                    let segment = None;
-                    out.push(Output::Failed { site, device, status, out_of_memory, size: req, ptr, driver, segment });
-                    self.oom_snapshot(site, device, true, out);
-                }
+    /// For a retag: the block's labels change, never its size or pool.
+    pub(super) fn block_mut(&mut self, key: &(u32, u64)) -> Option<&mut PoolBlock> {
+        self.blocks.get_mut(key)
+    }
+
+    /// Marks (`record`) or unmarks the live block at `ptr` as used on `stream`.
+    pub(super) fn mark_stream(&mut self, pid: u32, ptr: u64, stream: u64, record: bool) {
+        if let Some(block) = self.blocks.get_mut(&(pid, ptr)) {
+            if record && !block.streams.contains(&stream) {
+                block.streams.push(stream);
+            } else if !record {
+                block.streams.retain(|s| *s != stream);
             }
         }
     }
 
-    /// A pool's own reports through mstx: its domain, its reserved bytes, its blocks.
-    fn apply_mstx_pool(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
-        match call.op {
-            Op::MstxDomain { handle, ref name } => {
-                let pool = match name.as_deref() {
-                    Some("ptaCaching" | "msleaks") => Some(Pool::Caching),
-                    Some("ptaWorkspace") => Some(Pool::Workspace),
-                    _ => None,
-                };
-                if let (Some(handle), Some(pool)) = (handle, pool) {
-                    self.domains.insert((site.pid, handle), pool);
-                }
-            }
-            Op::MstxHeap { domain, device, total } => {
-                let pool = self.domains.get(&(site.pid, domain)).copied();
-                if let (Some(pool), Some(device), Some(total)) = (pool, device, total) {
-                    let stats = self.pools.entry((DeviceKey::Npu(device), pool, site.pid)).or_default();
-                    stats.total = total;
-                    stats.peak_total = stats.peak_total.max(total);
-                }
-            }
-            Op::MstxRegion { domain, register, device, ptr, size, .. } => {
-                let pool = self.domains.get(&(site.pid, domain)).copied();
-                let (Some(pool), Some(ptr)) = (pool, ptr) else { return };
-                let device = device.map_or_else(|| self.thread_device(site, call), DeviceKey::Npu);
-                if register {
-                    self.add_pool_block(
-                        site,
-                        NewPoolBlock { device, pool, ptr, size: size.unwrap_or(0), req_size: size },
-                        out,
-                    );
-                } else {
-                    let entry_ns = call.entry_wall_ns;
-                    self.remove_pool_block(
-                        site,
-                        PoolBlockFree { ptr, pool, fallback: device, shadow: false, implied: false, entry_ns },
-                        out,
-                    );
-                }
-            }
-            _ => {}
-        }
+    /// An external block known by its handle only, until `GetBlockPtr` names its address.
+    pub(super) fn hold_handle(&mut self, pid: u32, handle: u64, pending: PendingHandle) {
+        self.handles.insert((pid, handle), pending);
     }
 
-    /// Counts device memory taken inside a traced allocator call as that pool's segment.
+    /// `GetBlockPtr`: the handle's pending block, with its size updated, now that its address is
+    /// known. A handle named without an address is dropped.
+    pub(super) fn resolve_handle(
+        &mut self,
+        pid: u32,
+        handle: u64,
+        ptr: Option<u64>,
+        size: Option<u64>,
+    ) -> Option<(u64, PendingHandle)> {
+        let mut pending = self.handles.remove(&(pid, handle))?;
+        pending.size = size.or(pending.size);
+        let ptr = ptr?;
+        self.handle_ptrs.insert((pid, handle), ptr);
+        Some((ptr, pending))
+    }
+
+    /// A free by handle: the handle is done with, and its block's address if it was known.
+    pub(super) fn forget_handle(&mut self, pid: u32, handle: u64) -> Option<u64> {
+        self.handles.remove(&(pid, handle));
+        self.handle_ptrs.remove(&(pid, handle))
+    }
+
+    pub(super) fn name_domain(&mut self, pid: u32, handle: u64, pool: Pool) {
+        self.domains.insert((pid, handle), pool);
+    }
+
+    /// The pool an mstx domain reports for.
+    pub(super) fn domain(&self, pid: u32, handle: u64) -> Option<Pool> {
+        self.domains.get(&(pid, handle)).copied()
+    }
+
+    /// A pool's own report of its reserved bytes: it wins over the segments seen.
+    pub(super) fn report_total(&mut self, key: (DeviceKey, Pool, u32), total: u64) {
+        let stats = self.stats_mut(key);
+        stats.total = total;
+        stats.peak_total = stats.peak_total.max(total);
+    }
+
+    /// Counts device memory taken inside a traced allocator call (`outer`) as that pool's
+    /// segment.
     pub(super) fn add_segment(
         &mut self,
         pid: u32,
@@ -240,114 +221,37 @@ impl Tracker {
             }
         }
         self.segments.insert((pid, ptr), Segment { device, pool, size });
-        let stats = self.pools.entry((device, pool, pid)).or_default();
+        let stats = self.stats_mut((device, pool, pid));
         stats.total += size;
         stats.peak_total = stats.peak_total.max(stats.total);
     }
 
     pub(super) fn remove_segment(&mut self, pid: u32, ptr: u64) {
         if let Some(seg) = self.segments.remove(&(pid, ptr)) {
-            let stats = self.pools.entry((seg.device, seg.pool, pid)).or_default();
+            let stats = self.stats_mut((seg.device, seg.pool, pid));
             stats.total = stats.total.saturating_sub(seg.size);
         }
     }
 
-    /// With only `allocate_workspace` probed, a device's workspace use ends when the next starts.
-    fn end_open_workspace(&mut self, site: Site, device: DeviceKey, out: &mut Vec<Output>) {
-        if let Some(ptr) = self.workspace_open.remove(&(site.pid, device)) {
-            if self.pool_blocks.contains_key(&(site.pid, ptr)) {
-                self.remove_pool_block(
-                    site,
-                    PoolBlockFree {
-                        ptr,
-                        pool: Pool::Workspace,
-                        fallback: device,
-                        shadow: false,
-                        implied: true,
-                        entry_ns: 0,
-                    },
-                    out,
-                );
-            }
-        }
+    /// With only `allocate_workspace` probed, a device's workspace use is open until the next.
+    pub(super) fn open_workspace(&mut self, pid: u32, device: DeviceKey, ptr: u64) {
+        self.workspace_open.insert((pid, device), ptr);
     }
 
-    fn add_pool_block(&mut self, site: Site, block: NewPoolBlock, out: &mut Vec<Output>) {
-        let NewPoolBlock { device, pool, ptr, size, req_size } = block;
-        // Handed out again while we think it is live: its free was missed, or is still on its way
-        // from another thread (`reuse`). Retire the old one so `used` stays the allocator's.
-        if let Some(stale) = self.pool_blocks.remove(&(site.pid, ptr)) {
-            self.displace_pool(site, ptr, stale, out);
-        }
-        let allocation_id = self.next_allocation_id(device);
-        let stats = self.pools.entry((device, pool, site.pid)).or_default();
-        stats.used += size;
-        stats.peak_used = stats.peak_used.max(stats.used);
-        stats.live_blocks += 1;
-        let (used, total) = (stats.used, stats.total);
-        let labels = self.tags.block_labels(site.pid, site.tid);
-        let hidden = self.is_paused(site.pid);
-        if !hidden {
-            let owner = self.owners.get(OwnerBase::Pool(pool), &labels);
-            out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
-        }
-        let born_ns = site.wall_ns;
-        let streams = Vec::new();
-        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns, streams };
-        self.pool_blocks.insert((site.pid, ptr), block);
-    }
-
-    fn remove_pool_block(&mut self, site: Site, free: PoolBlockFree, out: &mut Vec<Output>) {
-        let PoolBlockFree { ptr, pool, fallback, shadow, implied, entry_ns } = free;
-        let block = if self.is_late_pool_free(site.pid, ptr, entry_ns) {
-            // The block now at the address is not this free's.
-            self.take_displaced_pool(site.pid, ptr)
-        } else {
-            self.settle_displaced(Slot::Pool(site.pid, ptr), out);
-            self.pool_blocks.remove(&(site.pid, ptr)).inspect(|block| {
-                let stats = self.pools.entry((block.device, block.pool, site.pid)).or_default();
-                stats.used -= block.size;
-                stats.live_blocks -= 1;
-            })
-        };
-        match block {
-            Some(block) if block.hidden => {}
-            Some(block) => out.push(self.pool_free_row(site, ptr, &block, (shadow, implied))),
-            None => {
-                self.stats(fallback).untracked_frees += 1;
-                let stats = self.pools.entry((fallback, pool, site.pid)).or_default();
-                let (used, total) = (stats.used, stats.total);
-                if self.is_paused(site.pid) {
-                    return;
-                }
-                let (size, allocation_id) = (None, None);
-                let device = fallback;
-                out.push(Output::PoolFree {
-                    site,
-                    device,
-                    pool,
-                    ptr,
-                    size,
-                    allocation_id,
-                    used,
-                    total,
-                    shadow,
-                    implied,
-                    stream_uses: 0,
-                });
-            }
-        }
+    /// Closes the device's open workspace use: its block's address, if the block is still live.
+    pub(super) fn close_workspace(&mut self, pid: u32, device: DeviceKey) -> Option<u64> {
+        self.workspace_open.remove(&(pid, device)).filter(|ptr| self.blocks.contains_key(&(pid, *ptr)))
     }
 
     /// The free row of a pool block already taken out of its pool's totals.
-    pub(super) fn pool_free_row(
+    pub(super) fn free_row(
         &mut self,
         site: Site,
         ptr: u64,
         block: &PoolBlock,
         (shadow, implied): (bool, bool),
     ) -> Output {
-        let stats = self.pools.entry((block.device, block.pool, site.pid)).or_default();
+        let stats = self.stats_mut((block.device, block.pool, site.pid));
         Output::PoolFree {
             site,
             device: block.device,

@@ -13,86 +13,89 @@
 //! as the real free it is, with that call's values; otherwise, once no free can still be on its
 //! way (the next free of the address, [`REUSE_WAIT_NS`] of trace time, its process's exit or the
 //! trace's end), it is written as the shadow free it would have been, at the reuse's time.
+//!
+//! The waiting blocks are this part's own; settling one writes a row that reads its device's or
+//! pool's totals, so those parts are passed in rather than reached for.
 
-use super::blocks::Live;
-use super::event::{Call, DeviceKey, DriverInfo, Space};
+use std::collections::VecDeque;
+
+use super::devices::Devices;
+use super::event::DeviceKey;
+use super::keys::{Key, Live, Map, PoolBlock, Slot};
 use super::output::{Output, Site};
-use super::pools::PoolBlock;
-use super::tracker::Tracker;
+use super::pools::Pools;
 
 /// How long after a reuse a late free of the old block is still waited for. A free's record
 /// trails its return by the time the consumer takes to reach it, far less than this.
 pub(super) const REUSE_WAIT_NS: u64 = 1_000_000_000;
 
-/// (pid, space, address), as the live-block table's key.
-pub(super) type Key = (u32, Space, u64);
-
-/// Where a displaced block was: the live-block table or the pool-block table (pool calls are
-/// serialized by their allocator's lock, so the window is short there, but it is the same race).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(super) enum Slot {
-    Block(Key),
-    Pool(u32, u64),
-}
-
-impl Slot {
-    fn pid(self) -> u32 {
-        match self {
-            Self::Block((pid, ..)) | Self::Pool(pid, _) => pid,
-        }
-    }
-}
-
 /// The block a [`Displaced`] entry holds.
 #[derive(Clone, Debug)]
-pub(super) enum Retired {
+enum Retired {
     Block(Live),
     Pool(PoolBlock),
 }
 
 /// A block whose address was handed out again before its free was seen.
 #[derive(Clone, Debug)]
-pub(super) struct Displaced {
-    pub(super) retired: Retired,
+struct Displaced {
+    retired: Retired,
     /// The call that handed the address out again (its row's time is the shadow free's).
-    pub(super) reuse: Site,
+    reuse: Site,
 }
 
-impl Tracker {
-    /// Retires `block`, found at `key` when `reuse` handed the address out again.
-    pub(super) fn displace(&mut self, reuse: Site, key: Key, block: Live, out: &mut Vec<Output>) {
-        self.settle_displaced(Slot::Block(key), out);
-        let stats = self.stats(block.device);
-        stats.used -= block.size;
-        stats.live_blocks -= 1;
-        stats.frees += 1;
-        self.hold_displaced(Slot::Block(key), Displaced { retired: Retired::Block(block), reuse });
+/// The retired blocks whose free row waits for a late free.
+#[derive(Debug, Default)]
+pub(super) struct Reuse {
+    displaced: Map<Slot, Displaced>,
+    /// When each was displaced, oldest first (entries since settled are skipped).
+    order: VecDeque<(u64, Slot)>,
+}
+
+/// Which displaced blocks [`Reuse::settle_where`] settles.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Settle {
+    Expired,
+    Process(u32),
+    All,
+}
+
+impl Reuse {
+    /// Retires `block`, found at `key` when `reuse` handed the address out again: its device's
+    /// totals drop now, its row waits.
+    pub(super) fn retire_block(
+        &mut self,
+        reuse: Site,
+        key: Key,
+        block: Live,
+        (devices, pools): (&mut Devices, &mut Pools),
+        out: &mut Vec<Output>,
+    ) {
+        self.settle(Slot::Block(key), devices, pools, out);
+        devices.remove_block(block.device, block.size);
+        self.hold(Slot::Block(key), Displaced { retired: Retired::Block(block), reuse });
     }
 
-    /// As [`Self::displace`], for a pool block at `ptr` of `reuse`'s process.
-    pub(super) fn displace_pool(&mut self, reuse: Site, ptr: u64, block: PoolBlock, out: &mut Vec<Output>) {
+    /// As [`Self::retire_block`], for a pool block at `ptr` of `reuse`'s process, already taken
+    /// out of the pool's table but still in its totals.
+    pub(super) fn retire_pool(
+        &mut self,
+        reuse: Site,
+        ptr: u64,
+        block: PoolBlock,
+        (devices, pools): (&Devices, &mut Pools),
+        out: &mut Vec<Output>,
+    ) {
         let slot = Slot::Pool(reuse.pid, ptr);
-        self.settle_displaced(slot, out);
-        let stats = self.pools.entry((block.device, block.pool, reuse.pid)).or_default();
-        stats.used -= block.size;
-        stats.live_blocks -= 1;
-        self.hold_displaced(slot, Displaced { retired: Retired::Pool(block), reuse });
+        // Before the block leaves the totals: a row settled here reads them as they were.
+        self.settle(slot, devices, pools, out);
+        pools.uncount(reuse.pid, &block);
+        self.hold(slot, Displaced { retired: Retired::Pool(block), reuse });
     }
 
-    fn hold_displaced(&mut self, slot: Slot, d: Displaced) {
-        self.displaced_order.push_back((d.reuse.wall_ns, slot));
+    fn hold(&mut self, slot: Slot, d: Displaced) {
+        self.order.push_back((d.reuse.wall_ns, slot));
         self.displaced.insert(slot, d);
-    }
-
-    /// A free called before the live block at its address was handed out: the free is of the block
-    /// that was there before, or (when the tracer never saw that one) of a block it never knew.
-    pub(super) fn is_late_free(&self, key: Key, call: &Call) -> bool {
-        call.entry_wall_ns != 0 && self.blocks.get(&key).is_some_and(|live| live.born_ns > call.entry_wall_ns)
-    }
-
-    /// As [`Self::is_late_free`], for a pool free entered at `entry_ns` (0: not a call's).
-    pub(super) fn is_late_pool_free(&self, pid: u32, ptr: u64, entry_ns: u64) -> bool {
-        entry_ns != 0 && self.pool_blocks.get(&(pid, ptr)).is_some_and(|live| live.born_ns > entry_ns)
     }
 
     /// The device a late free's block was on, if the tracer knew it.
@@ -103,25 +106,16 @@ impl Tracker {
         }
     }
 
-    /// Writes a late free: the displaced block's real FREE row, else an untracked free.
-    pub(super) fn late_free(
-        &mut self,
-        site: Site,
-        key: Key,
-        (fallback, driver): (DeviceKey, Option<DriverInfo>),
-        out: &mut Vec<Output>,
-    ) {
-        let Some(Displaced { retired: Retired::Block(block), .. }) = self.displaced.remove(&Slot::Block(key)) else {
-            return self.untracked_free(site, key, fallback, driver, out);
-        };
-        if !block.hidden {
-            let used = self.stats(block.device).used;
-            out.push(free_row(site, key, &block, used, false, driver));
+    /// A late free's block, if the tracer knew it: its row is the free's, no longer a shadow.
+    pub(super) fn take_block(&mut self, key: Key) -> Option<Live> {
+        match self.displaced.remove(&Slot::Block(key)) {
+            Some(Displaced { retired: Retired::Block(block), .. }) => Some(block),
+            _ => None,
         }
     }
 
-    /// A late pool free: the displaced pool block's real free row, if the tracer knew it.
-    pub(super) fn take_displaced_pool(&mut self, pid: u32, ptr: u64) -> Option<PoolBlock> {
+    /// As [`Self::take_block`], for a late pool free.
+    pub(super) fn take_pool(&mut self, pid: u32, ptr: u64) -> Option<PoolBlock> {
         match self.displaced.remove(&Slot::Pool(pid, ptr)) {
             Some(Displaced { retired: Retired::Pool(block), .. }) => Some(block),
             _ => None,
@@ -129,32 +123,38 @@ impl Tracker {
     }
 
     /// The displaced block at `slot`, if any, missed its free after all: its shadow row now.
-    pub(super) fn settle_displaced(&mut self, slot: Slot, out: &mut Vec<Output>) {
+    pub(super) fn settle(&mut self, slot: Slot, devices: &Devices, pools: &mut Pools, out: &mut Vec<Output>) {
         // Every free asks; the table is almost always empty, and a lookup would hash the key.
         if self.displaced.is_empty() {
             return;
         }
         if let Some(d) = self.displaced.remove(&slot) {
-            self.shadow_displaced(slot, d, out);
+            Self::shadow(slot, d, devices, pools, out);
         }
     }
 
-    /// Settles the displaced blocks whose late free can no longer come: those displaced more
-    /// than [`REUSE_WAIT_NS`] ago (checked at every event, so from the oldest only), all of an
-    /// exited process's, or all at the trace's end.
-    pub(super) fn settle_displaced_where(&mut self, which: Settle, out: &mut Vec<Output>) {
+    /// Settles the displaced blocks whose late free can no longer come at trace time `now`:
+    /// those displaced more than [`REUSE_WAIT_NS`] ago (checked at every event, so from the
+    /// oldest only), all of an exited process's, or all at the trace's end.
+    pub(super) fn settle_where(
+        &mut self,
+        which: Settle,
+        now: u64,
+        devices: &Devices,
+        pools: &mut Pools,
+        out: &mut Vec<Output>,
+    ) {
         if self.displaced.is_empty() {
             return;
         }
-        let now = self.last_wall_ns;
         let mut due = Vec::new();
         match which {
             Settle::Expired => {
-                while let Some(&(at, slot)) = self.displaced_order.front() {
+                while let Some(&(at, slot)) = self.order.front() {
                     if at.saturating_add(REUSE_WAIT_NS) >= now {
                         break;
                     }
-                    self.displaced_order.pop_front();
+                    self.order.pop_front();
                     // Skip an entry already settled, or displaced again since.
                     if self.displaced.get(&slot).is_some_and(|d| d.reuse.wall_ns == at) {
                         due.push((at, slot));
@@ -169,54 +169,24 @@ impl Tracker {
         // In the order they were displaced, so the rows keep time order among themselves.
         due.sort_unstable();
         for (_, slot) in due {
-            self.settle_displaced(slot, out);
+            self.settle(slot, devices, pools, out);
         }
         if self.displaced.is_empty() {
-            self.displaced_order.clear();
+            self.order.clear();
         }
     }
 
-    fn shadow_displaced(&mut self, slot: Slot, d: Displaced, out: &mut Vec<Output>) {
+    fn shadow(slot: Slot, d: Displaced, devices: &Devices, pools: &mut Pools, out: &mut Vec<Output>) {
         match (slot, d.retired) {
             (Slot::Block(key), Retired::Block(block)) if !block.hidden => {
-                let used = self.stats(block.device).used;
-                out.push(free_row(d.reuse, key, &block, used, true, None));
+                let used = devices.used(block.device);
+                out.push(block.free_row(d.reuse, key, used, true, None));
             }
             (Slot::Pool(_, ptr), Retired::Pool(block)) if !block.hidden => {
-                out.push(self.pool_free_row(d.reuse, ptr, &block, (true, false)));
+                out.push(pools.free_row(d.reuse, ptr, &block, (true, false)));
             }
             _ => {}
         }
-    }
-}
-
-/// Which displaced blocks [`Tracker::settle_displaced_where`] settles.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Settle {
-    Expired,
-    Process(u32),
-    All,
-}
-
-/// The FREE row of `block`, with its device's total `used` after it.
-pub(super) fn free_row(
-    site: Site,
-    (_, space, ptr): Key,
-    block: &Live,
-    used: u64,
-    shadow: bool,
-    driver: Option<DriverInfo>,
-) -> Output {
-    Output::Free {
-        site,
-        device: block.device,
-        space,
-        ptr,
-        size: Some(block.size),
-        allocation_id: Some(block.allocation_id),
-        used,
-        shadow,
-        driver,
     }
 }
 

@@ -2,16 +2,19 @@
 //! part of the model that owns its kind of memory, and the facts it adds go to the caller as
 //! [`Output`]s, in the order events happened.
 //!
-//! Where each rule lives:
-//! - `blocks`: device and host blocks, their owners, missed and untracked frees;
-//! - `vmm`: reserved ranges, physical handles, mappings (a mapping is a block);
-//! - `pools`: framework pool blocks, segments and totals;
-//! - `devices`: per-device totals and ids, the device a thread is on;
-//! - `owners`: the owner paths of new blocks, made once and shared;
+//! The state is split by owner, each part a type that keeps its own invariants and never names
+//! the tracker: `blocks` (the live-block table), `devices` (per-device totals and ids, the device
+//! a thread is on), `pools` (framework pools' blocks, segments and totals), `vmm` (reserved
+//! ranges, physical handles), `reuse` (retired blocks whose free row waits), `owners` and `tags`.
+//! A rule that needs two parts lives above them, in the tracker's own files, so the imports
+//! among the parts point one way:
+//! - `route_blocks`: device and host blocks' allocation and free (owners, reuse, segments);
+//! - `route_vmm`: the virtual-memory calls (a mapping is a block);
+//! - `route_pools`: framework pools' calls (ids, owners, reuse, untracked frees);
 //! - `access`, `atb`, `marks`, `oom`: uses of blocks, ATB operations, markers, OOM listings;
 //! - `finish`: the shadow frees at the stop.
 //!
-//! Here: which part an event goes to, and two rules that hold for all of them.
+//! Here: which part an event goes to, and the rules that hold for all of them.
 //! - A driver call that ran inside a runtime call (`aclrtMalloc` -> `halMemAlloc`) is one fact:
 //!   the driver's record arrives first and waits for the runtime's, which then carries the
 //!   driver's device, flag, module and size (the memory really taken). A driver call on its own
@@ -21,59 +24,33 @@
 //! - Collection gating: while the program has asked not to be recorded (`stop()` of the
 //!   markers), blocks born then are tracked but never reported, nor are their frees.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-
-use super::blocks::Live;
-use super::devices::DeviceStats;
-use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool, Space};
+use super::blocks::Blocks;
+use super::devices::{DeviceStats, Devices};
+use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool};
+use super::keys::{Map, Slot};
 use super::output::{Output, Site};
 use super::owners::Owners;
-use super::pools::{PendingHandle, PoolBlock, PoolStats, Segment};
-use super::reuse::{Displaced, Settle, Slot};
+use super::pools::{PoolStats, Pools};
+use super::reuse::{Reuse, Settle};
 use super::tags::Tags;
-use super::vmm::Physical;
+use super::vmm::Vmm;
 
 /// Where the store's tests name it.
 #[cfg(test)]
 pub use super::owners::OwnerBase;
-
-/// The tracker's hash maps. Most calls look several up (held driver calls, segments, the
-/// thread's spans, ...), most of them empty or tiny, so the hash is the fast one.
-pub(super) type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The live state of everything traced.
 #[derive(Debug, Default)]
 pub struct Tracker {
     /// Driver calls waiting for the runtime call they ran inside of, per thread.
     inner: Map<u32, Vec<Event>>,
-    /// Live device and host blocks, ordered so that the block holding an address inside it is
-    /// found without a scan (and without a second index: a B-tree also has no resize that
-    /// briefly doubles a million-entry table).
-    pub(super) blocks: BTreeMap<(u32, Space, u64), Live>,
+    pub(super) blocks: Blocks,
     /// Blocks and pool blocks retired because their address was handed out again, whose free row
-    /// waits for a free still on its way (`reuse`).
-    pub(super) displaced: Map<Slot, Displaced>,
-    /// When each was displaced, oldest first (entries since settled are skipped).
-    pub(super) displaced_order: VecDeque<(u64, Slot)>,
-    pub(super) physical: Map<(u32, u64), Physical>,
-    pub(super) reserved: Map<(u32, u64), (DeviceKey, u64)>,
-    pub(super) devices: BTreeMap<DeviceKey, DeviceStats>,
-    /// The device each thread last named itself (a driver flag, a malloc config's device, ...),
-    /// by (pid, tid): used for its calls while the kernel does not know the thread's device (it
-    /// chose it before an attach).
-    pub(super) learnt_devices: Map<(u32, u32), u32>,
-    /// Per (device, pool, process): each process has its own allocator, so its counters are its
-    /// own even when processes share a device.
-    pub(super) pools: BTreeMap<(DeviceKey, Pool, u32), PoolStats>,
-    /// Live pool blocks by (pid, start), ordered like `blocks`.
-    pub(super) pool_blocks: BTreeMap<(u32, u64), PoolBlock>,
-    pub(super) handles: Map<(u32, u64), PendingHandle>,
-    /// External block handles whose address is known.
-    pub(super) handle_ptrs: Map<(u32, u64), u64>,
-    pub(super) segments: Map<(u32, u64), Segment>,
-    pub(super) domains: Map<(u32, u64), Pool>,
-    /// The open workspace use per device, when workspace frees are not probed.
-    pub(super) workspace_open: Map<(u32, DeviceKey), u64>,
+    /// waits for a free still on its way.
+    pub(super) reuse: Reuse,
+    pub(super) vmm: Vmm,
+    pub(super) devices: Devices,
+    pub(super) pools: Pools,
     pub(super) last_wall_ns: u64,
     pub(super) tags: Tags,
     /// Owner paths shared by the rows of blocks born under the same spans.
@@ -112,12 +89,12 @@ impl Tracker {
 
     /// Per-device totals, in device order.
     pub fn devices(&self) -> impl Iterator<Item = (DeviceKey, &DeviceStats)> {
-        self.devices.iter().map(|(k, v)| (*k, v))
+        self.devices.iter()
     }
 
     /// Per-device, per-pool totals.
     pub fn pools(&self) -> impl Iterator<Item = ((DeviceKey, Pool, u32), &PoolStats)> {
-        self.pools.iter().map(|(k, v)| (*k, v))
+        self.pools.stats()
     }
 
     /// Applies one event, appending what it adds to `out`.
@@ -170,7 +147,7 @@ impl Tracker {
     fn process_exited(&mut self, pid: u32, out: &mut Vec<Output>) {
         self.settle_displaced_where(Settle::Process(pid), out);
         self.tags.forget_process(pid);
-        self.learnt_devices.retain(|(p, _), _| *p != pid);
+        self.devices.forget_process(pid);
         self.ops.retain(|(p, _), _| *p != pid);
         let tids: Vec<u32> =
             self.inner.iter().filter(|(_, v)| v.iter().any(|e| e.pid == pid)).map(|(t, _)| *t).collect();
@@ -200,7 +177,7 @@ impl Tracker {
             let gc = call.outer.is_some_and(|outer| outer.tracking().collects_garbage);
             let (wall_ns, pid, tid, weight) = (event.wall_ns, event.pid, event.tid, call.sample_weight);
             let site = Site { api: call.api, wall_ns, pid, tid, gc, weight };
-            self.learn_device(site, call);
+            self.devices.learn(site, call);
             self.apply_call(site, call, out);
         }
     }
@@ -246,9 +223,7 @@ impl Tracker {
     /// memory), never a block.
     pub(super) fn fail(&mut self, site: Site, call: &Call, failure: Failure, out: &mut Vec<Output>) {
         let Failure { device, size, ptr, driver } = failure;
-        let stats = self.stats(device);
-        stats.failures += 1;
-        stats.out_of_memory += u64::from(call.out_of_memory);
+        self.devices.fail(device, call.out_of_memory);
         if self.is_paused(site.pid) {
             return;
         }
@@ -265,6 +240,16 @@ impl Tracker {
         if call.out_of_memory {
             self.oom_snapshot(site, device, false, out);
         }
+    }
+
+    /// A displaced block at `slot`, if any, missed its free after all: its shadow row now.
+    pub(super) fn settle_displaced(&mut self, slot: Slot, out: &mut Vec<Output>) {
+        self.reuse.settle(slot, &self.devices, &mut self.pools, out);
+    }
+
+    /// Settles the displaced blocks whose late free can no longer come (see `reuse`).
+    pub(super) fn settle_displaced_where(&mut self, which: Settle, out: &mut Vec<Output>) {
+        self.reuse.settle_where(which, self.last_wall_ns, &self.devices, &mut self.pools, out);
     }
 }
 

@@ -1,0 +1,94 @@
+//! The virtual-memory calls, which reach past `vmm`'s own tables: a mapping is a block (in
+//! `blocks`, on the device of its physical handle) and, made inside a traced allocator call, a
+//! pool's segment (in `pools`); a failed call is counted on its device.
+
+use super::event::{Call, DeviceKey, Op, Space};
+use super::output::{Origin, Output, Site, VmmStep};
+use super::route_blocks::{BlockFree, NewBlock};
+use super::tracker::{Failure, Tracker};
+
+impl Tracker {
+    /// The device of a physical handle, else the thread's.
+    fn physical_device(&self, site: Site, call: &Call, handle: u64) -> DeviceKey {
+        self.vmm.physical_device(site.pid, handle).unwrap_or_else(|| self.devices.thread_device(site, call))
+    }
+
+    /// One call of the virtual-memory family.
+    pub(super) fn apply_vmm(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
+        let failed = call.status != 0;
+        match call.op {
+            Op::Reserve { size, va, .. } => {
+                let device = self.devices.thread_device(site, call);
+                match va {
+                    Some(va) if !failed => {
+                        self.vmm.reserve(site.pid, va, device, size);
+                        let step = VmmStep::Reserve;
+                        out.push(Output::Vmm { site, device, step, addr: va, size: Some(size), driver: None });
+                    }
+                    _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver: None }, out),
+                }
+            }
+            Op::Release { va } => {
+                let (device, size) = match self.vmm.reservation(site.pid, va) {
+                    Some((device, size)) => (device, Some(size)),
+                    None => (self.devices.thread_device(site, call), None),
+                };
+                if failed {
+                    self.fail(site, call, Failure { device, size: None, ptr: Some(va), driver: None }, out);
+                } else {
+                    self.vmm.release(site.pid, va);
+                    out.push(Output::Vmm { site, device, step: VmmStep::Release, addr: va, size, driver: None });
+                }
+            }
+            Op::MallocPhysical { size, handle, device, driver, .. } => {
+                let device = device.map_or_else(|| self.devices.thread_device(site, call), DeviceKey::Npu);
+                match handle {
+                    Some(handle) if !failed => {
+                        self.vmm.add_physical(site.pid, handle, device, driver.and_then(|d| d.module));
+                        let step = VmmStep::MallocPhysical;
+                        out.push(Output::Vmm { site, device, step, addr: handle, size: Some(size), driver });
+                    }
+                    _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver }, out),
+                }
+            }
+            Op::FreePhysical { handle, driver } => {
+                let device = self.physical_device(site, call, handle);
+                if failed {
+                    self.fail(site, call, Failure { device, size: None, ptr: Some(handle), driver }, out);
+                } else {
+                    self.vmm.free_physical(site.pid, handle);
+                    let step = VmmStep::FreePhysical;
+                    out.push(Output::Vmm { site, device, step, addr: handle, size: None, driver });
+                }
+            }
+            Op::Map { va, size, offset, handle, .. } => {
+                let device = self.physical_device(site, call, handle);
+                if failed {
+                    self.fail(site, call, Failure { device, size: Some(size), ptr: Some(va), driver: None }, out);
+                } else {
+                    let origin = Origin::Mapped { handle, offset };
+                    self.add_block(
+                        site,
+                        NewBlock { device, space: Space::Device, ptr: va, sizes: (size, size), origin },
+                        out,
+                    );
+                    self.pools.add_segment(site.pid, va, device, size, call.outer, out);
+                }
+            }
+            Op::Unmap { va } => {
+                let fallback = self.devices.thread_device(site, call);
+                if failed {
+                    self.fail(site, call, Failure { device: fallback, size: None, ptr: Some(va), driver: None }, out);
+                } else {
+                    self.remove_block(
+                        site,
+                        BlockFree { space: Space::Device, ptr: va, fallback, shadow: false, driver: None },
+                        out,
+                    );
+                    self.pools.remove_segment(site.pid, va);
+                }
+            }
+            _ => {}
+        }
+    }
+}
