@@ -8,17 +8,6 @@
 //! - `same-results`: record what the binary makes of a corpus of DBs, or check another binary against it.
 
 mod bench;
-mod bench_analysis;
-mod bench_consumer;
-mod bench_daemon;
-mod bench_import;
-mod bench_loss;
-mod bench_markers;
-mod bench_report;
-mod bench_stacks;
-mod bench_stop;
-mod bench_usdt;
-mod bench_writers;
 mod build;
 mod demo;
 mod same_results;

@@ -31,7 +31,8 @@ pub mod usdt;
 pub mod usdt_args;
 pub mod usdt_notes;
 
-pub use loader::{AttachedProbe, AttachedUsdt, LinkerHook, ProbeSet, Tracer};
+pub use loader::{AttachedUsdt, LinkerHook, Tracer};
+pub use plan::{AttachedProbe, ProbeSet};
 
 /// An error followed by its causes (`what: why: why`), each said once: the CLI's error line and
 /// the warnings printed where anyhow's `{:#}` is not at hand. Error messages leave their cause to

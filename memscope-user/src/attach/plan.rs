@@ -23,7 +23,25 @@ use super::dwarf;
 use super::elf::{ElfError, ElfSymbols, SymbolSource};
 use super::file;
 use super::libs::{self, wanted_symbols, Library};
-use super::loader::{AttachedProbe, ProbeSet};
+
+/// Which symbols to probe in a library that has both `aclrtX` and `aclrtXImpl`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProbeSet {
+    /// The `...Impl` symbol where the library exports it (every front end funnels through it),
+    /// else the public one.
+    Default,
+    /// Both. The kernel side still reports one call per logical call (nesting on the thread).
+    All,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttachedProbe {
+    pub library: String,
+    pub symbol: String,
+    pub api: Api,
+    pub file_offset: u64,
+    pub source: SymbolSource,
+}
 
 /// The debug file situation of a library.
 #[derive(Clone, Debug, PartialEq, Eq)]

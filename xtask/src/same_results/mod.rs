@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _};
 
-use cases::Case;
 use crate::util::root;
+use cases::Case;
 
 #[derive(clap::Args)]
 pub struct Options {

@@ -4,7 +4,7 @@
 
 use std::sync::mpsc;
 
-use super::order::{DumpRow, Fed, Key};
+use super::rows::{DumpRow, Fed, Key};
 
 /// Rows per batch handed from the reading thread, and batches in flight: enough to keep both
 /// threads busy, little enough to stay in cache (a row is about 300 bytes).

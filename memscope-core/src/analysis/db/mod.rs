@@ -16,8 +16,10 @@ use rusqlite::{Connection, DatabaseName, OpenFlags, Transaction, TransactionBeha
 
 mod batch;
 mod order;
+mod rows;
 
-pub use order::{DumpRow, Fed, ReadOrder, Selection, TimeOrder};
+pub use order::{ReadOrder, Selection, TimeOrder};
+pub use rows::{DumpRow, Fed};
 
 use super::AnalysisError;
 use crate::store::schema::DUMP_TABLE;

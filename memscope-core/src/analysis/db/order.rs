@@ -25,35 +25,9 @@ use std::time::Duration;
 use rusqlite::Connection;
 
 use super::batch::{Batch, Item, Sender, BATCHES_IN_FLIGHT};
+use super::rows::{DumpRow, Fed, Key};
 use super::{int, text};
 use crate::analysis::AnalysisError;
-
-/// One row of the dump, borrowed from SQLite's buffers or from the batch the reading thread
-/// handed over (10M rows must not mean 70M allocations).
-#[derive(Clone, Copy, Debug)]
-pub struct DumpRow<'a> {
-    /// SQLite's rowid: the last tie-break, and how a reported row is fetched again.
-    pub rowid: i64,
-    pub id: i64,
-    pub event: &'a str,
-    pub event_type: &'a str,
-    /// `Name`; "" unless [`Selection::name`] asked for it or when the table lacks it.
-    pub name: &'a str,
-    pub ts: i64,
-    pub pid: i64,
-    /// `Thread Id`; the process id unless [`Selection::thread`] asked for it or when the table
-    /// lacks it.
-    pub tid: i64,
-    pub ptr: &'a str,
-    pub attr: &'a str,
-}
-
-/// What [`TimeOrder::for_each_row`] hands over.
-pub enum Fed<'a> {
-    Row(DumpRow<'a>),
-    /// Forget every row so far: they come again, from the first.
-    Restart,
-}
 
 /// The rows a replay reads (by `Event`) and the optional columns it needs.
 #[derive(Clone, Copy, Debug)]
@@ -74,9 +48,6 @@ pub enum ReadOrder {
     /// place.
     Sorted,
 }
-
-/// (`Timestamp(ns)`, `ID`, rowid): the order rows are replayed in.
-pub(super) type Key = (i64, i64, i64);
 
 /// Past this many out-of-place rows, SQLite's sort is cheaper than holding rows back.
 const MAX_STRAGGLERS: usize = 100_000;

@@ -34,14 +34,14 @@ use memscope_common::usdt::{UsdtSpec, MAX_USDT_SPECS};
 use memscope_core::apis::Api;
 use thiserror::Error;
 
-use super::elf::{ElfError, SymbolSource};
+use super::elf::ElfError;
 use super::libs::Library;
 use super::perf_uprobe::{self, PerfUprobeError, RefCtrProbe};
-use super::plan::plan;
+use super::plan::{plan, AttachedProbe, ProbeSet};
 use super::uprobe_multi::{self, MultiPrograms};
 use super::usdt::{self, UsdtSite};
 use super::usdt_notes::UsdtNoteError;
-use crate::attach::loader::bpf_log::{BpfLog, BpfLogLevel};
+use bpf_log::{BpfLog, BpfLogLevel};
 
 /// Entries of the `TRACED` map (memscope-ebpf/src/maps.rs).
 const TRACED_CAPACITY: usize = 8192;
@@ -124,25 +124,6 @@ pub enum LinkerHook {
     Known,
     /// Could not be hooked (said when it was tried).
     Refused,
-}
-
-/// Which symbols to probe in a library that has both `aclrtX` and `aclrtXImpl`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ProbeSet {
-    /// The `...Impl` symbol where the library exports it (every front end funnels through it),
-    /// else the public one.
-    Default,
-    /// Both. The kernel side still reports one call per logical call (nesting on the thread).
-    All,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AttachedProbe {
-    pub library: String,
-    pub symbol: String,
-    pub api: Api,
-    pub file_offset: u64,
-    pub source: SymbolSource,
 }
 
 pub struct LoadOptions {

@@ -143,7 +143,7 @@ fn wall_time(built: &Built, root: &Path, out: &Path, rounds: usize) -> anyhow::R
     let have_bpftrace = Command::new("bpftrace").arg("--version").output().is_ok_and(|o| o.status.success());
     // The pair bench's peer: the runtime's and the driver's allocation and free, entry and
     // return, with a live-set update each, the calls that make up most of this workload.
-    let script = crate::bench::bpftrace_script(&built.ascend_home.join("lib64/libascendcl.so"));
+    let script = super::measure::bpftrace_script(&built.ascend_home.join("lib64/libascendcl.so"));
     for round in 1..=rounds {
         eprintln!("xtask bench: daemon, wall time, round {round}/{rounds}");
         off.push(train(built, root, out, false)?);

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 
-use crate::bench::{median, run_capture};
+use super::measure::{median, run_capture};
 
 /// Writes `blocks` PTA blocks (2 rows each) over `steps` mstx steps; a tenth of them live for a
 /// while (their rows come late), as a training step's activations do.

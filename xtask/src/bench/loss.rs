@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::Context as _;
 
-use crate::bench::run_capture;
+use super::measure::run_capture;
 use crate::build::Built;
 use crate::util::privileged;
 

@@ -36,5 +36,5 @@ pub fn run(root: &Path, rows: u64) -> anyhow::Result<()> {
     md.push_str("```\n");
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    crate::bench::report(&dir.join("results-writers.md"), &md)
+    super::measure::report(&dir.join("results-writers.md"), &md)
 }

@@ -75,7 +75,7 @@ fn bpftrace_attached(program: &str, python_path: &str, script: &str, args: &[&st
 pub fn run(built: &Built, root: &Path, out: &Path, have_bpftrace: bool) -> anyhow::Result<String> {
     let python_path = built.markers.display().to_string();
     eprintln!("xtask bench: markers, untraced");
-    let (stdout, _) = super::bench::run_capture(
+    let (stdout, _) = super::measure::run_capture(
         Command::new("python3").env("PYTHONPATH", &python_path).arg(script(root)).args(["--rounds", "5"]),
     )?;
     let untraced = parse(&stdout)?;
@@ -93,7 +93,7 @@ pub fn run(built: &Built, root: &Path, out: &Path, have_bpftrace: bool) -> anyho
 
     eprintln!("xtask bench: markers, traced by memscope-bpf");
     let _ = std::fs::remove_dir_all(out);
-    let (stdout, _) = super::bench::run_capture(
+    let (stdout, _) = super::measure::run_capture(
         privileged(built.binary.to_str().expect("utf-8 path"))
             .env("PYTHONPATH", &python_path)
             .env("ASCEND_HOME_PATH", &built.ascend_home)

@@ -10,7 +10,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::bench::{median, run_capture};
+use super::measure::{median, run_capture};
 use crate::build::Built;
 use crate::util::{output, privileged};
 
@@ -213,7 +213,7 @@ pub fn consumer(built: &Built, dir: &Path, pairs: u64) -> anyhow::Result<String>
     for stacks in [0, 100, 10_000] {
         eprintln!("xtask bench: consumer on one core, {stacks} distinct stacks");
         let (wall, cpu) =
-            crate::bench_consumer::one_core_with_stacks(&built.binary, &dir.join("replay-stacks"), pairs, stacks)?;
+            super::consumer::one_core_with_stacks(&built.binary, &dir.join("replay-stacks"), pairs, stacks)?;
         // A pair is 2 rows: its MALLOC and its FREE.
         let records_per_pair = if stacks == 0 { 4.0 } else { 6.0 };
         md.push_str(&format!(
@@ -243,7 +243,7 @@ pub fn sustained(built: &Built, dir: &Path, seconds: u64) -> anyhow::Result<Stri
         ("`--call-stack c --ring-mb 256`, pinned", stacks, true),
     ];
     for run in runs {
-        md.push_str(&crate::bench_loss::sustained(built, dir, (seconds, 125_000), run)?);
+        md.push_str(&super::loss::sustained(built, dir, (seconds, 125_000), run)?);
     }
     Ok(md)
 }

@@ -7,16 +7,30 @@
 //! stand-in driver, so a full trace probes 8 functions per pair. The bpftrace script does the work
 //! a leak tracer must do at minimum on the same 8: save the out-pointer at entry, read the result
 //! at return and keep a live-block map, and drop the block on free. Last, the stop: SIGTERM to a
-//! complete DB and to exit with many probes and live blocks (`bench_stop`). Results go to
+//! complete DB and to exit with many probes and live blocks ([`stop`]). Results go to
 //! target/bench/results.md; copy them into docs/benchmarks.md with the command line.
 
+mod analysis;
+mod consumer;
+mod daemon;
+mod import;
+mod loss;
+mod markers;
+mod measure;
+mod report_page;
+mod stacks;
+mod stop;
+mod usdt;
+mod writers;
+
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use anyhow::{bail, Context as _};
 
 use crate::util::{output, privileged, root};
 use crate::{build, setup};
+use measure::{bpftrace_script, median, report, run_capture};
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -112,16 +126,6 @@ fn parse_ns(stdout: &str) -> anyhow::Result<f64> {
         .with_context(|| format!("no ns_per_pair in output:\n{stdout}"))
 }
 
-pub(crate) fn run_capture(cmd: &mut Command) -> anyhow::Result<(String, String)> {
-    let out = cmd.stdin(Stdio::null()).output().with_context(|| format!("cannot run {cmd:?}"))?;
-    let (stdout, stderr) =
-        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
-    if !out.status.success() {
-        bail!("{cmd:?} failed ({}):\n{stdout}\n{stderr}", out.status);
-    }
-    Ok((stdout, stderr))
-}
-
 fn untraced(bench: &Path, pairs: u64) -> anyhow::Result<Sample> {
     let (stdout, _) = run_capture(Command::new(bench).arg(pairs.to_string()))?;
     Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: String::new() })
@@ -148,25 +152,6 @@ fn memscope(binary: &Path, lib: &Path, bench: &Path, pairs: u64, out: &Path) -> 
     Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: recorded })
 }
 
-/// The same 8 probes memscope-bpf attaches for this loop: entry and return of the runtime's and
-/// the driver's allocation and free implementations.
-pub(crate) fn bpftrace_script(lib: &Path) -> String {
-    let l = lib.display();
-    let hal = lib.with_file_name("libascend_hal.so");
-    let h = hal.display();
-    format!(
-        "uprobe:{l}:aclrtMallocImpl {{ @p[tid] = arg0; }} \
-         uretprobe:{l}:aclrtMallocImpl /@p[tid]/ {{ @live[*(uint64 *)uptr(@p[tid])] = 1; delete(@p[tid]); }} \
-         uprobe:{l}:aclrtFreeImpl {{ @f[tid] = arg0; }} \
-         uretprobe:{l}:aclrtFreeImpl /@f[tid]/ {{ delete(@live[@f[tid]]); delete(@f[tid]); }} \
-         uprobe:{h}:halMemAllocInner {{ @hp[tid] = arg0; }} \
-         uretprobe:{h}:halMemAllocInner /@hp[tid]/ {{ @hlive[*(uint64 *)uptr(@hp[tid])] = 1; delete(@hp[tid]); }} \
-         uprobe:{h}:halMemFreeInner {{ @hf[tid] = arg0; }} \
-         uretprobe:{h}:halMemFreeInner /@hf[tid]/ {{ delete(@hlive[@hf[tid]]); delete(@hf[tid]); }} \
-         END {{ clear(@live); clear(@p); clear(@f); clear(@hlive); clear(@hp); clear(@hf); }}"
-    )
-}
-
 fn bpftrace(lib: &Path, bench: &Path, pairs: u64) -> anyhow::Result<Sample> {
     let (stdout, _) = run_capture(
         privileged("bpftrace")
@@ -176,11 +161,6 @@ fn bpftrace(lib: &Path, bench: &Path, pairs: u64) -> anyhow::Result<Sample> {
             .arg(format!("{} {pairs}", bench.display())),
     )?;
     Ok(Sample { ns_per_pair: parse_ns(&stdout)?, detail: String::new() })
-}
-
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// The per-pair rounds (untraced, memscope-bpf, bpftrace interleaved) and their table; also says
@@ -252,7 +232,7 @@ fn check_baseline(opts: &Options) -> anyhow::Result<()> {
 pub fn run(opts: &Options) -> anyhow::Result<()> {
     check_baseline(opts)?;
     if opts.writers_only {
-        return crate::bench_writers::run(&root(), opts.writer_rows); // the core crate alone
+        return writers::run(&root(), opts.writer_rows); // the core crate alone
     }
     if !opts.no_setup {
         setup::run(&setup::Options { check: false })?;
@@ -262,96 +242,72 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
     if opts.import_only {
-        let md = crate::bench_import::run(&built.binary, &dir.join("out-import"), opts.import_blocks, opts.rounds)?;
+        let md = import::run(&built.binary, &dir.join("out-import"), opts.import_blocks, opts.rounds)?;
         return report(&dir.join("results-import.md"), &md);
     }
     if opts.stop_only {
-        let md = crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
+        let md = stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
         return report(&dir.join("results-stop.md"), &md);
     }
     if opts.daemon_only {
-        let md = crate::bench_daemon::run(
-            &built,
-            &root,
-            &dir.join("out-daemon"),
-            opts.daemon_rounds.max(1),
-            opts.daemon_blocks,
-        )?;
+        let md = daemon::run(&built, &root, &dir.join("out-daemon"), opts.daemon_rounds.max(1), opts.daemon_blocks)?;
         std::fs::write(dir.join("results-daemon.md"), &md)?;
         println!("{md}");
         return Ok(());
     }
-    let analysis_plan = crate::bench_analysis::Plan {
+    let analysis_plan = analysis::Plan {
         pairs: opts.analysis_pairs,
         rounds: opts.analysis_rounds.max(1),
         baseline: opts.baseline_bin.as_deref(),
     };
     if opts.stacks_only {
-        let mut md = crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?;
-        md.push_str(&crate::bench_stacks::consumer(&built, &dir, opts.pairs)?);
+        let mut md = stacks::run(&built, &dir, opts.pairs, opts.rounds)?;
+        md.push_str(&stacks::consumer(&built, &dir, opts.pairs)?);
         if opts.stacks_seconds > 0 {
-            md.push_str(&crate::bench_stacks::sustained(&built, &dir, opts.stacks_seconds)?);
+            md.push_str(&stacks::sustained(&built, &dir, opts.stacks_seconds)?);
         }
         return report(&dir.join("results-stacks.md"), &md);
     }
     if opts.usdt_only {
         let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
-        let md = crate::bench_usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?;
+        let md = usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?;
         return report(&dir.join("results-usdt.md"), &md);
     }
     if opts.analysis_only {
-        let md = crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
+        let md = analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?;
         return report(&dir.join("results-analysis.md"), &md);
     }
     if opts.consumer_only {
-        let mut md = crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
+        let mut md = consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
         if opts.loss_seconds > 0 {
-            md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
+            md.push_str(&loss::run(&built, &dir, opts.loss_seconds)?);
         }
         std::fs::write(dir.join("results.md"), &md)?;
         println!("{md}");
         return Ok(());
     }
     let (mut md, have_bpftrace) = pair_rounds(opts, &built, &dir)?;
-    md.push_str(&crate::bench_markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
-    md.push_str(&crate::bench_usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?);
-    md.push_str(&crate::bench_stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
-    md.push_str(&crate::bench_stacks::consumer(&built, &dir, opts.consumer_pairs)?);
-    md.push_str(&crate::bench_consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
+    md.push_str(&markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
+    md.push_str(&usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?);
+    md.push_str(&stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
+    md.push_str(&stacks::consumer(&built, &dir, opts.consumer_pairs)?);
+    md.push_str(&consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
     if opts.loss_seconds > 0 {
-        md.push_str(&crate::bench_loss::run(&built, &dir, opts.loss_seconds)?);
+        md.push_str(&loss::run(&built, &dir, opts.loss_seconds)?);
     }
     if opts.analysis_pairs > 0 {
-        md.push_str(&crate::bench_analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?);
+        md.push_str(&analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?);
     }
     if opts.import_blocks > 0 {
-        md.push_str(&crate::bench_import::run(
-            &built.binary,
-            &dir.join("out-import"),
-            opts.import_blocks,
-            opts.rounds,
-        )?);
+        md.push_str(&import::run(&built.binary, &dir.join("out-import"), opts.import_blocks, opts.rounds)?);
     }
     if opts.stop_blocks > 0 {
-        md.push_str(&crate::bench_stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
+        md.push_str(&stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
     }
     if opts.daemon_rounds > 0 {
-        md.push_str(&crate::bench_daemon::run(
-            &built,
-            &root,
-            &dir.join("out-daemon"),
-            opts.daemon_rounds,
-            opts.daemon_blocks,
-        )?);
+        md.push_str(&daemon::run(&built, &root, &dir.join("out-daemon"), opts.daemon_rounds, opts.daemon_blocks)?);
     }
     std::fs::write(dir.join("results.md"), &md)?;
-    println!("{md}");
-    Ok(())
-}
-
-/// Writes a section's results into `path` and prints them.
-pub fn report(path: &Path, md: &str) -> anyhow::Result<()> {
-    std::fs::write(path, md)?;
     println!("{md}");
     Ok(())
 }

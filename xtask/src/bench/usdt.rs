@@ -31,10 +31,8 @@ fn bpftrace(built: &Built, hits: &str, rounds: &str) -> anyhow::Result<(f64, f64
     let l = l.display();
     let program =
         format!("usdt:{l}:pytorch:free {{ @hits = count(); }} usdt:{l}:pytorch:malloc {{}} END {{ clear(@hits); }}");
-    let stdout = super::bench_markers::bpftrace_by_pid(
-        Command::new(&built.usdt_bench).args([hits, rounds, "--wait"]),
-        &program,
-    )?;
+    let stdout =
+        super::markers::bpftrace_by_pid(Command::new(&built.usdt_bench).args([hits, rounds, "--wait"]), &program)?;
     parse(&stdout)
 }
 
@@ -42,11 +40,11 @@ fn bpftrace(built: &Built, hits: &str, rounds: &str) -> anyhow::Result<(f64, f64
 pub fn run(built: &Built, out: &Path, have_bpftrace: bool) -> anyhow::Result<String> {
     let (hits, rounds) = ("200000", "5");
     eprintln!("xtask bench: USDT sites, untraced");
-    let (stdout, _) = super::bench::run_capture(Command::new(&built.usdt_bench).args([hits, rounds]))?;
+    let (stdout, _) = super::measure::run_capture(Command::new(&built.usdt_bench).args([hits, rounds]))?;
     let untraced = parse(&stdout)?;
     eprintln!("xtask bench: USDT sites, traced by memscope-bpf");
     let _ = std::fs::remove_dir_all(out);
-    let (stdout, _) = super::bench::run_capture(
+    let (stdout, _) = super::measure::run_capture(
         privileged(built.binary.to_str().expect("utf-8 path"))
             .args(["trace", "--quiet", "--output"])
             .arg(out)

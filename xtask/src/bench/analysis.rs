@@ -3,7 +3,7 @@
 //! 10 s). The DB is a trace of the allocation loop itself (every malloc and free a row), so its
 //! shape is what `trace` writes, not a synthetic table.
 //!
-//! The report's figures on the same DB follow ([`crate::bench_report`]).
+//! The report's figures on the same DB follow ([`super::report_page`]).
 //!
 //! With `--baseline-bin` an older binary runs the same commands on the same DB in the same run,
 //! alternating with this one round by round, so a refactor is compared with what it replaced
@@ -34,7 +34,7 @@ pub fn run(built: &Built, out: &Path, plan: &Plan<'_>) -> anyhow::Result<String>
     let pairs = plan.pairs;
     eprintln!("xtask bench: analysis throughput, tracing {pairs} pairs for the DB");
     let _ = std::fs::remove_dir_all(out);
-    super::bench::run_capture(
+    super::measure::run_capture(
         privileged(built.binary.to_str().expect("utf-8 path"))
             .args(["trace", "--quiet", "--ring-mb", "256", "--output"])
             .arg(out)
@@ -71,16 +71,16 @@ pub fn run(built: &Built, out: &Path, plan: &Plan<'_>) -> anyhow::Result<String>
                 theirs.push(time(b, analysis, &db)?);
             }
         }
-        let secs = super::bench::median(ours.clone());
+        let secs = super::measure::median(ours.clone());
         let rate = rows.map_or_else(|| "?".to_owned(), |r| format!("{:.0}", r as f64 / secs));
         md.push_str(&format!("| {analysis} | {secs:.2} | {rate} | {} |", runs(&ours)));
         if !theirs.is_empty() {
-            let base = super::bench::median(theirs.clone());
+            let base = super::measure::median(theirs.clone());
             md.push_str(&format!(" {base:.2} | {} | {:.3}x |", runs(&theirs), secs / base));
         }
         md.push('\n');
     }
-    md.push_str(&crate::bench_report::run(&built.binary, &db, rows, out)?);
+    md.push_str(&super::report_page::run(&built.binary, &db, rows, out)?);
     Ok(md)
 }
 

@@ -45,7 +45,7 @@ fn replay(binary: &Path, out: &Path, pairs: u64, live: u64) -> anyhow::Result<Re
 fn replay_with(mut command: Command, out: &Path, pairs: u64, live: u64, extra: &[&str]) -> anyhow::Result<Replay> {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out)?;
-    let (stdout, _) = crate::bench::run_capture(
+    let (stdout, _) = super::measure::run_capture(
         command
             .args(["bench-consumer", "--pairs", &pairs.to_string(), "--live", &live.to_string()])
             .args(extra)
