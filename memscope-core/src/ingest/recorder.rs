@@ -59,6 +59,7 @@ impl Recorder {
         }
     }
 
+    #[inline]
     pub fn on_event(&mut self, event: Event) {
         match &event.kind {
             EventKind::Call(_) => self.calls += 1,

@@ -20,11 +20,13 @@ pub(super) struct Blocks {
 }
 
 impl Blocks {
+    #[inline]
     pub(super) fn get(&self, key: &Key) -> Option<&Live> {
         self.live.get(key)
     }
 
     /// For a retag: the block's labels change, never its size or device.
+    #[inline]
     pub(super) fn get_mut(&mut self, key: &Key) -> Option<&mut Live> {
         self.live.get_mut(key)
     }
@@ -37,6 +39,7 @@ impl Blocks {
     /// Puts the block `make` returns at `key`. `make` gets the block the table still held there
     /// (whose address the runtime handed out again), taken out, so that it can be retired before
     /// the new block counts. One search of the table when the place is free, the common case.
+    #[inline]
     pub(super) fn insert_with<R>(&mut self, key: Key, make: impl FnOnce(Option<Live>) -> (Live, R)) -> R {
         let (slot, stale) = match self.live.entry(key) {
             Entry::Vacant(slot) => (slot, None),
@@ -53,12 +56,14 @@ impl Blocks {
         made
     }
 
+    #[inline]
     pub(super) fn remove(&mut self, key: &Key) -> Option<Live> {
         self.live.remove(key)
     }
 
     /// A free called (entered at `entry_ns`; 0: unknown) before the live block at `key` was
     /// handed out: the free is of the block that was there before (`reuse`).
+    #[inline]
     pub(super) fn is_late_free(&self, key: &Key, entry_ns: u64) -> bool {
         entry_ns != 0 && self.live.get(key).is_some_and(|live| live.born_ns > entry_ns)
     }

@@ -34,6 +34,7 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
+    #[inline]
     fn take_allocation_id(&mut self) -> u64 {
         self.next_allocation_id += 1;
         self.next_allocation_id
@@ -58,22 +59,26 @@ impl Devices {
         self.stats.iter().map(|(k, v)| (*k, v))
     }
 
+    #[inline]
     fn stats(&mut self, device: DeviceKey) -> &mut DeviceStats {
         self.stats.entry(device).or_default()
     }
 
     /// The device's total in use (0 for a device never seen).
+    #[inline]
     pub(super) fn used(&self, device: DeviceKey) -> u64 {
         self.stats.get(&device).map_or(0, |s| s.used)
     }
 
     /// The next `allocation_id` of `device`'s file, for a block of any kind.
+    #[inline]
     pub(super) fn next_allocation_id(&mut self, device: DeviceKey) -> u64 {
         self.stats(device).take_allocation_id()
     }
 
     /// Counts a new device or host block of `size` bytes: its `allocation_id` and the device's
     /// `used` after it.
+    #[inline]
     pub(super) fn add_block(&mut self, device: DeviceKey, size: u64) -> (u64, u64) {
         // One search of the table: this is every allocation's path.
         let stats = self.stats(device);
@@ -86,6 +91,7 @@ impl Devices {
     }
 
     /// Counts the free (or retirement) of a block of `size` bytes: the device's `used` after it.
+    #[inline]
     pub(super) fn remove_block(&mut self, device: DeviceKey, size: u64) -> u64 {
         let stats = self.stats(device);
         stats.used -= size;
@@ -116,6 +122,7 @@ impl Devices {
 
     /// The device of the calling thread: the kernel's (from its set/get-device calls), else the
     /// one it last named itself.
+    #[inline]
     pub(super) fn thread_device(&self, site: Site, call: &Call) -> DeviceKey {
         call.thread_device
             .or_else(|| self.learnt.get(&(site.pid, site.tid)).copied())
@@ -123,6 +130,7 @@ impl Devices {
     }
 
     /// Notes the device a successful call names for the thread it ran on.
+    #[inline]
     pub(super) fn learn(&mut self, site: Site, call: &Call) {
         if call.status != 0 || call.thread_device.is_some() {
             return;

@@ -121,6 +121,7 @@ impl Pools {
 
     /// A pool free entered at `entry_ns` (0: not a call's) before the live block at `ptr` was
     /// handed out: the free is of the block that was there before (`reuse`).
+    #[inline]
     pub(super) fn is_late_free(&self, pid: u32, ptr: u64, entry_ns: u64) -> bool {
         entry_ns != 0 && self.blocks.get(&(pid, ptr)).is_some_and(|live| live.born_ns > entry_ns)
     }
@@ -204,6 +205,7 @@ impl Pools {
 
     /// Counts device memory taken inside a traced allocator call (`outer`) as that pool's
     /// segment.
+    #[inline]
     pub(super) fn add_segment(
         &mut self,
         pid: u32,
@@ -226,6 +228,7 @@ impl Pools {
         stats.peak_total = stats.peak_total.max(stats.total);
     }
 
+    #[inline]
     pub(super) fn remove_segment(&mut self, pid: u32, ptr: u64) {
         if let Some(seg) = self.segments.remove(&(pid, ptr)) {
             let stats = self.stats_mut((seg.device, seg.pool, pid));

@@ -123,6 +123,7 @@ impl Reuse {
     }
 
     /// The displaced block at `slot`, if any, missed its free after all: its shadow row now.
+    #[inline]
     pub(super) fn settle(&mut self, slot: Slot, devices: &Devices, pools: &mut Pools, out: &mut Vec<Output>) {
         // Every free asks; the table is almost always empty, and a lookup would hash the key.
         if self.displaced.is_empty() {
@@ -136,6 +137,7 @@ impl Reuse {
     /// Settles the displaced blocks whose late free can no longer come at trace time `now`:
     /// those displaced more than [`REUSE_WAIT_NS`] ago (checked at every event, so from the
     /// oldest only), all of an exited process's, or all at the trace's end.
+    #[inline]
     pub(super) fn settle_where(
         &mut self,
         which: Settle,
@@ -144,9 +146,13 @@ impl Reuse {
         pools: &mut Pools,
         out: &mut Vec<Output>,
     ) {
-        if self.displaced.is_empty() {
-            return;
+        // Asked at every event; the table is almost always empty.
+        if !self.displaced.is_empty() {
+            self.settle_due(which, now, devices, pools, out);
         }
+    }
+
+    fn settle_due(&mut self, which: Settle, now: u64, devices: &Devices, pools: &mut Pools, out: &mut Vec<Output>) {
         let mut due = Vec::new();
         match which {
             Settle::Expired => {
