@@ -10,7 +10,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::ring::Consumer;
 use super::stop::{self, Every, Signals};
 
 /// How often the ring is drained without a wakeup.
@@ -28,8 +27,8 @@ pub type TargetExit = (String, Option<i32>);
 
 /// What a capture does at each point of the loop.
 pub trait Capturing {
-    /// The ring's consumer, polled for the kernel's wakeups.
-    fn consumer(&self) -> &Consumer;
+    /// Resolves when the kernel wakes the ring's reader ([`super::ring::Consumer::woken`]).
+    fn wakeup(&self) -> impl Future<Output = ()> + '_;
     /// Feeds every record waiting in the ring on.
     fn drain(&mut self);
     /// After a wakeup's drain: what the records asked for now (libraries just loaded).
@@ -80,7 +79,7 @@ pub async fn run(
                     return Ok(reason);
                 }
             }
-            () = capture.consumer().woken() => {
+            () = capture.wakeup() => {
                 capture.drain();
                 capture.woken()?;
             }
@@ -98,5 +97,112 @@ pub async fn run(
             }
         }
         capture.check()?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    /// A capture that counts what the loop asks of it and ends where it is told to.
+    #[derive(Default)]
+    struct Fake {
+        drains: u32,
+        ticks: u32,
+        /// `tick` ends the loop at this tick.
+        done_at_tick: Option<u32>,
+        /// SIGHUP ends the loop (a trace) or is counted (the daemon's reload).
+        hangup_stops: bool,
+        hangups: u32,
+        awaits_target: bool,
+        target_exits: Vec<String>,
+        /// `check` fails after this many turns.
+        fail_after_turns: Option<u32>,
+        turns: Cell<u32>,
+    }
+
+    impl Capturing for Fake {
+        fn wakeup(&self) -> impl Future<Output = ()> + '_ {
+            std::future::pending()
+        }
+        fn drain(&mut self) {
+            self.drains += 1;
+        }
+        fn woken(&mut self) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn publish(&mut self) {}
+        fn commit(&mut self) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn tick(&mut self) -> anyhow::Result<Option<String>> {
+            self.ticks += 1;
+            Ok((Some(self.ticks) == self.done_at_tick).then(|| "done".to_owned()))
+        }
+        fn hangup(&mut self) -> Option<String> {
+            self.hangups += 1;
+            self.hangup_stops.then(|| stop::HANGUP.to_owned())
+        }
+        fn awaits_target(&self) -> bool {
+            self.awaits_target
+        }
+        fn target_exited(&mut self, (reason, _): TargetExit) -> Option<String> {
+            self.target_exits.push(reason);
+            // Its children still run: the loop goes on without the target.
+            self.awaits_target = false;
+            None
+        }
+        fn check(&mut self) -> anyhow::Result<()> {
+            self.turns.set(self.turns.get() + 1);
+            match self.fail_after_turns {
+                Some(n) if self.turns.get() > n => anyhow::bail!("write failed"),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    fn never() -> std::future::Pending<TargetExit> {
+        std::future::pending()
+    }
+
+    /// One test: the loop's signals are the process's, and SIGHUP is raised here.
+    #[test]
+    fn the_loop_ends_where_its_capture_a_signal_or_the_deadline_says() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let mut signals = Signals::new().unwrap();
+
+            let mut fake = Fake { done_at_tick: Some(3), ..Fake::default() };
+            assert_eq!(run(&mut fake, &mut signals, None, never()).await.unwrap(), "done");
+            assert_eq!((fake.ticks, fake.drains), (3, 3), "each tick drains first");
+
+            let mut fake = Fake::default();
+            let reason = run(&mut fake, &mut signals, Some(Duration::from_millis(100)), never()).await.unwrap();
+            assert!(reason.starts_with("--duration 0.1 s"), "{reason}");
+            assert!(fake.ticks >= 2, "ticks every 20 ms: {}", fake.ticks);
+
+            // The target's exit is handed over once (its future is not polled again), and the
+            // loop goes on with the children.
+            let mut fake = Fake { awaits_target: true, done_at_tick: Some(5), ..Fake::default() };
+            let exit = std::future::ready(("target exited".to_owned(), Some(0)));
+            assert_eq!(run(&mut fake, &mut signals, None, exit).await.unwrap(), "done");
+            assert_eq!(fake.target_exits, ["target exited"]);
+
+            let mut fake = Fake { fail_after_turns: Some(2), ..Fake::default() };
+            let err = run(&mut fake, &mut signals, None, never()).await.unwrap_err();
+            assert_eq!(err.to_string(), "write failed");
+
+            // SIGHUP: a trace stops on it; the daemon reloads and goes on.
+            for hangup_stops in [true, false] {
+                let mut fake = Fake { hangup_stops, done_at_tick: Some(10), ..Fake::default() };
+                // SAFETY: raising a signal this process handles (Signals above).
+                unsafe { libc::raise(libc::SIGHUP) };
+                let reason = run(&mut fake, &mut signals, None, never()).await.unwrap();
+                assert_eq!(fake.hangups, 1);
+                assert_eq!(reason, if hangup_stops { stop::HANGUP } else { "done" });
+            }
+        });
     }
 }

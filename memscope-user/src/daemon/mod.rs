@@ -441,8 +441,8 @@ impl Daemon {
 /// kernel reports (and on a schedule), SIGHUP a reload of the filters, and the run folders swept
 /// every [`SWEEP_EVERY`] and whenever a job ends.
 impl event_loop::Capturing for Daemon {
-    fn consumer(&self) -> &Consumer {
-        &self.consumer
+    fn wakeup(&self) -> impl std::future::Future<Output = ()> + '_ {
+        self.consumer.woken()
     }
 
     fn drain(&mut self) {

@@ -588,8 +588,8 @@ impl Live {
 /// as the dynamic linker reports it (and every [`RESCAN_EVERY`] besides), stopped by SIGHUP and
 /// by the end of the last traced process.
 impl event_loop::Capturing for Live {
-    fn consumer(&self) -> &Consumer {
-        &self.consumer
+    fn wakeup(&self) -> impl std::future::Future<Output = ()> + '_ {
+        self.consumer.woken()
     }
 
     fn drain(&mut self) {
