@@ -165,8 +165,36 @@ fn mib(kib: f64) -> f64 {
     kib / 1024.0
 }
 
-pub fn run(built: &Built, dir: &Path, pairs: u64, live: u64) -> anyhow::Result<String> {
+/// With `--baseline-bin`: the same replay by this build and by the older binary, alternating,
+/// `rounds` times each (a refactor against what it replaced, on a machine whose speed drifts).
+fn against_baseline(built: &Built, baseline: &Path, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for round in 1..=rounds {
+        eprintln!("xtask bench: consumer round {round}/{rounds}, this build then {}", baseline.display());
+        ours.push(replay(&built.binary, &dir.join("replay"), pairs, pairs / 10)?.get("records_per_s")?);
+        theirs.push(replay(baseline, &dir.join("replay"), pairs, pairs / 10)?.get("records_per_s")?);
+    }
+    let (a, b) = (super::measure::median(ours), super::measure::median(theirs));
+    Ok(format!(
+        "\nAgainst `{}` (`bench-consumer --pairs {pairs} --live {}`, {rounds} rounds alternating, medians): \
+         this build **{a:.0} records/s**, the baseline {b:.0} records/s: this / baseline {:.3}.\n",
+        baseline.display(),
+        pairs / 10,
+        a / b
+    ))
+}
+
+pub fn run(
+    built: &Built,
+    dir: &Path,
+    pairs: u64,
+    live: u64,
+    baseline: Option<(&Path, usize)>,
+) -> anyhow::Result<String> {
     let mut md = String::from("\n## The consumer: records per second, memory per live block\n\n");
+    if let Some((baseline, rounds)) = baseline.filter(|_| pairs > 0) {
+        md.push_str(&against_baseline(built, baseline, dir, pairs, rounds)?);
+    }
     if pairs > 0 {
         eprintln!("xtask bench: replaying {pairs} allocation pairs through the consumer");
         let r = replay(&built.binary, &dir.join("replay"), pairs, 0)?;

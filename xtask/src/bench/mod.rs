@@ -81,8 +81,9 @@ pub struct Options {
     /// Times each analysis command this many times (the median is reported).
     #[arg(long, default_value_t = 1)]
     pub analysis_rounds: usize,
-    /// An older memscope-bpf whose analyses are timed on the same DB in the same run, alternating
-    /// with this build's (a refactor against what it replaced).
+    /// An older memscope-bpf timed in the same run, alternating with this build's (a refactor
+    /// against what it replaced): its analyses on the same DB (`--analysis-only`), and its
+    /// consumer on the same records (`--consumer-only`, `--rounds` times each).
     #[arg(long, value_name = "PATH")]
     pub baseline_bin: Option<std::path::PathBuf>,
     /// Only the daemon's cost: the training workload's wall time off, under the daemon and under
@@ -278,7 +279,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         return report(&dir.join("results-analysis.md"), &md);
     }
     if opts.consumer_only {
-        let mut md = consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?;
+        let baseline = opts.baseline_bin.as_deref().map(|b| (b, opts.rounds));
+        let mut md = consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks, baseline)?;
         if opts.loss_seconds > 0 {
             md.push_str(&loss::run(&built, &dir, opts.loss_seconds)?);
         }
@@ -291,7 +293,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     md.push_str(&usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?);
     md.push_str(&stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
     md.push_str(&stacks::consumer(&built, &dir, opts.consumer_pairs)?);
-    md.push_str(&consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks)?);
+    md.push_str(&consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks, None)?);
     if opts.loss_seconds > 0 {
         md.push_str(&loss::run(&built, &dir, opts.loss_seconds)?);
     }
