@@ -18,7 +18,7 @@ use crate::terminal::status::Mode;
 /// The default ring buffer, in MiB: as many call records as the 64 MiB ring held when every call
 /// record carried a 136-byte text field (64 MiB / 288 bytes in the ring: about 233k), in half the
 /// memory. Each sample takes the record and the kernel's 8-byte header.
-pub(crate) const DEFAULT_RING_MB: u32 = 32;
+const DEFAULT_RING_MB: u32 = 32;
 const _: () = assert!(
     DEFAULT_RING_MB as usize * (1 << 20) / (std::mem::size_of::<memscope_common::record::CallRecord>() + 8)
         >= 64 * (1 << 20) / (280 + 8)
