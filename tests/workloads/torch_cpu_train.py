@@ -32,10 +32,11 @@ Timeline (the test attaches `memscope-bpf trace --pid` to this process, which is
    counted once, in the first class that reaches it (weight, then gradient, then state), which
    is the rule memscope.torch uses when it tags; these numbers are computed here with torch's
    public storage API, not with the markers package.
-6. the remaining steps, COUNT_END, and exit.
+6. the remaining steps; EMPTY_TENSORS empty tensors (each a `c10::alloc_cpu(0)` that returns
+   NULL: no memory, and no failure either), COUNT_END, and exit.
 
 Ledger: JSON lines, {"kind": "checkpoint", ...}, {"kind": "phase", "name": ..., "t": ...},
-{"kind": "done", ...}. All times are time.time_ns().
+{"kind": "empty_tensors", "count": ...}, {"kind": "done", ...}. All times are time.time_ns().
 """
 
 import argparse
@@ -52,6 +53,8 @@ import memscope.torch
 
 COUNT_BEGIN = "ms-count-begin"  # short: bpftrace compares it on the BPF stack
 COUNT_END = "ms-count-end"
+# Zero-size storages made in the counted phase (torch asks its CPU allocator for 0 bytes).
+EMPTY_TENSORS = 7
 
 
 def now():
@@ -169,6 +172,9 @@ def main():
                 tid=threading.get_native_id(),
             )
             time.sleep(0.1)
+    empties = [torch.empty(0) for _ in range(EMPTY_TENSORS)]
+    ledger.write(kind="empty_tensors", count=len(empties), t=now())
+    del empties
     memscope.mark(COUNT_END)
     ledger.write(kind="phase", name="count_end", t=now())
     handle.remove()

@@ -139,6 +139,22 @@ mod tests {
     }
 
     #[test]
+    fn a_zero_size_request_answered_with_null_is_no_block_and_no_failure() {
+        let alloc_cpu = |ptr| {
+            let op =
+                Op::Malloc { space: Space::Cpu, size: 0, ptr, policy: None, device: None, module: None, driver: None };
+            call(Api::C10AllocCpu, 1, None, 0, op)
+        };
+        // `cudaMalloc(&p, 0)` succeeds and writes NULL; `alloc_cpu(0)` returns it.
+        let (t, out) = run(&[alloc_cpu(None), alloc_cpu(Some(0)), malloc(Some(0), 0, Some(0), 0)]);
+        assert!(out.is_empty(), "{out:?}");
+        assert!(t.devices().all(|(_, s)| s.failures == 0 && s.live_blocks == 0 && s.mallocs == 0));
+        // Asked for bytes and given none is still a failure, as is an error status for nothing.
+        let (_, out) = run(&[malloc(None, 64, Some(0), 0), malloc(None, 0, Some(0), 107_000)]);
+        assert_eq!(out.iter().filter(|o| matches!(o, Output::Failed { .. })).count(), 2, "{out:?}");
+    }
+
+    #[test]
     fn failed_free_keeps_the_block_alive() {
         let fail_free =
             call(Api::AclrtFree, 1, Some(0), 100_000, Op::Free { space: Space::Device, ptr: 0x10, driver: None });

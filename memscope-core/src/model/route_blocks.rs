@@ -54,6 +54,9 @@ impl Tracker {
         let Op::Malloc { space, size, ptr, policy, device, module, driver } = call.op else { return };
         let device = space_device(space, device.map_or_else(|| self.devices.thread_device(site, call), DeviceKey::Npu));
         match ptr {
+            // A zero-size request answered with no memory and no error (torch's `alloc_cpu(0)`,
+            // `cudaMalloc(&p, 0)`) took nothing: no block, and no failure either.
+            None | Some(0) if size == 0 && call.status == 0 => {}
             Some(ptr) if call.status == 0 => {
                 let taken = driver.map_or(size, |d| d.size);
                 let origin = Origin::Direct { policy, module, driver };
