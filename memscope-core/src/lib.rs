@@ -18,6 +18,8 @@
 //!         └─ model    events, live blocks per device (no I/O)
 //!              └─ apis     what each traced API means (the catalogue) and what a call did (`Op`)
 //!                   └─ raw      ring-buffer bytes to checked, typed records
+//! infer     what an unmodified job's Python frames say: owners, phases, sites (below model,
+//!           beside stacks)
 //! vocab     the DB's Event, Event Type and Attr names (below store and analysis, beside all)
 //! sampling  the daemon's gap table and the error of sampled totals (beside all)
 //! files     opening what the user names as input: regular files only, never blocking (beside all)
@@ -29,6 +31,7 @@ pub mod apis;
 pub mod export;
 pub mod files;
 pub mod import;
+pub mod infer;
 pub mod ingest;
 pub mod model;
 pub mod printable;

@@ -171,6 +171,11 @@ pub mod attr {
         pool,
         /// The owner path (`PTA@vllm@kv_cache`).
         owner,
+        /// Where the owner path came from: `marker` (spans or address tags) or `inferred` (the
+        /// rules, from the allocation's Python stack); absent: the allocator's label alone.
+        owner_source,
+        /// The innermost frame of the job's own code at the allocation (`file(line): function`).
+        site,
         /// A synthetic free written at the stop for a block still live.
         shadow,
         /// A FREE of a block the trace never saw allocated.

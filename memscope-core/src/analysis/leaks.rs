@@ -123,10 +123,12 @@ struct Collect<'o> {
 
 impl Collect<'_> {
     fn is_candidate(&self, e: &BlockEnd) -> bool {
+        // Host blocks are the job's CPU tensors (libc10) or pinned buffers: a CPU training job's
+        // leak is one of them.
         let kind_ok = match e.family {
             Family::Pta => e.kind != BlockKind::Workspace,
             Family::Hal => e.kind != BlockKind::Segment,
-            Family::Host => false,
+            Family::Host => true,
         };
         let Some((birth, end)) = e.steps else { return false };
         // Alive at the boundary that ended step birth + min_steps, i.e. the step running when it

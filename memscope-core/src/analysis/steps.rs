@@ -138,6 +138,9 @@ pub enum Source {
     Range,
     /// A mark named by `--step-marker`, starting the next step.
     Marker,
+    /// A `STEP` row the tracer found from the job's Python stacks (`source`=`inferred`), read
+    /// as `memscope.step()`'s.
+    Inferred,
 }
 
 impl Source {
@@ -146,6 +149,7 @@ impl Source {
             Self::Step => "memscope.step()",
             Self::Range => "mstx `step start` ranges",
             Self::Marker => "--step-marker marks",
+            Self::Inferred => "steps found from the job's Python stacks (no markers)",
         }
     }
 }
@@ -165,6 +169,7 @@ struct PendingStep {
     ts: i64,
     pid: i64,
     number: Option<u64>,
+    source: Source,
 }
 
 /// Turns rows into boundaries, in time order.
@@ -179,6 +184,11 @@ pub struct StepDetector {
     pub duplicates: u64,
     /// Distinct mark messages seen (a few), to say what exists when `--step-marker` matches none.
     pub marks_seen: Vec<String>,
+}
+
+/// A `STEP` row the tracer found from the stacks: its Attr is `{"source":"inferred"}` alone.
+fn is_inferred(row: &DumpRow<'_>) -> bool {
+    row.attr.contains(r#""source":"inferred""#)
 }
 
 fn is_step_range(row: &DumpRow<'_>) -> bool {
@@ -210,7 +220,7 @@ impl StepDetector {
                 self.commit(p.number, p.ts, Source::Range, out);
                 return true;
             }
-            self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, Source::Step, out);
+            self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, p.source, out);
         }
         if let Some(marker) = &self.marker {
             if row.event == Event::Mstx.as_str()
@@ -229,7 +239,8 @@ impl StepDetector {
         }
         if row.event == Event::System.as_str() && row.event_type == EventType::Step.as_str() {
             let number = row.name.trim().parse::<u64>().ok();
-            self.pending = Some(PendingStep { ts: row.ts, pid: row.pid, number });
+            let source = if is_inferred(row) { Source::Inferred } else { Source::Step };
+            self.pending = Some(PendingStep { ts: row.ts, pid: row.pid, number, source });
             return true;
         }
         if is_step_range(row) {
@@ -243,7 +254,7 @@ impl StepDetector {
     /// Completes a `STEP` row still waiting at the end of the rows.
     pub fn finish(&mut self, out: &mut Vec<Boundary>) {
         if let Some(p) = self.pending.take() {
-            self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, Source::Step, out);
+            self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, p.source, out);
         }
     }
 
@@ -738,6 +749,16 @@ mod tests {
         step(&mut db, 20, 2);
         let (t, _) = replay(db, None);
         assert_eq!(steps(&t), [(1, 10, Source::Step), (2, 20, Source::Step)]);
+
+        // Found from the stacks: read as `step()`'s rows, and said so.
+        let mut db = TestDb::create(&dir("steps-inferred").join("memscope_dump_1.db"));
+        for (ts, n) in [(10, 1), (20, 2)] {
+            db.row("SYSTEM", "STEP", ts, 1, None, crate::store::Attr::new().with("source", "inferred"));
+            let sql = "UPDATE memscope_dump SET Name = ?1 WHERE rowid = last_insert_rowid()";
+            db.conn().execute(sql, [n.to_string()]).unwrap();
+        }
+        let (t, _) = replay(db, None);
+        assert_eq!(steps(&t), [(1, 10, Source::Inferred), (2, 20, Source::Inferred)]);
 
         // The tracer's form of a range: a STEP row numbered as the next step, then its twin.
         let mut db = TestDb::create(&dir("steps-ranges").join("memscope_dump_1.db"));

@@ -386,7 +386,7 @@ mod tests {
     }
 
     fn site(api: Api, weight: Option<u64>) -> Site {
-        Site { api, wall_ns: 1, pid: PID, tid: PID, gc: false, weight }
+        Site { api, wall_ns: 1, pid: PID, tid: PID, gc: false, weight, py_stack: crate::stacks::NO_STACK }
     }
 
     fn pool_malloc(ptr: u64, size: u64, req: u64, owner: &str, weight: Option<u64>) -> Output {
@@ -401,6 +401,7 @@ mod tests {
             used: 0,
             total: 0,
             owner: owner.into(),
+            from: Default::default(),
         }
     }
 
@@ -433,11 +434,12 @@ mod tests {
             origin: Origin::Direct { policy: None, module: None, driver: None },
             owner: None,
             segment: None,
+            from: Default::default(),
         }
     }
 
     fn step(number: u64, wall_ns: u64) -> Output {
-        Output::Step { wall_ns, pid: PID, tid: PID, number }
+        Output::Step { wall_ns, pid: PID, tid: PID, number, inferred: false }
     }
 
     fn feed(view: &mut LiveView, outputs: &[Output]) {
@@ -470,6 +472,7 @@ mod tests {
                     event_type: crate::vocab::EventType::Pta,
                     ptr: 0x1000,
                     owner: "PTA@model_weight".into(),
+                    by: crate::model::OwnerBy::Marker,
                 },
                 // A free of a block never seen changes nothing.
                 pool_free(0x7777),

@@ -39,6 +39,9 @@ pub struct Recorder {
     pub error: Option<WriteFailed>,
     /// The daemon's live view of the job (owners, steps), fed the same facts as the store.
     pub live: Option<LiveView>,
+    /// Whether rows carry their Python stack's text (`--call-stack python`). Without it the
+    /// stacks are still read, for the owner rules, steps and sites.
+    pub python_column: bool,
     /// Whether a pid that a fork record names is a process (not a thread) still running: the
     /// binary's look at `/proc`, so that only processes are kept as children to rescan.
     is_running_process: fn(u32) -> bool,
@@ -55,6 +58,7 @@ impl Recorder {
             children: BTreeSet::new(),
             error: None,
             live: None,
+            python_column: true,
             is_running_process,
         }
     }
@@ -74,6 +78,10 @@ impl Recorder {
             EventKind::Marker(_) => self.markers += 1,
             EventKind::PyStack { .. } => {
                 let EventKind::PyStack { id, text } = event.kind else { unreachable!("matched above") };
+                self.tracker.learn_py_stack(id, &text);
+                if !self.python_column {
+                    return;
+                }
                 if let Err(e) = self.store.add_py_stack(id, text) {
                     self.error.get_or_insert(WriteFailed::trace(e));
                 }
@@ -88,7 +96,7 @@ impl Recorder {
             }
         }
         let stacks = match &event.kind {
-            EventKind::Call(call) => (call.stack, call.py_stack),
+            EventKind::Call(call) => (call.stack, if self.python_column { call.py_stack } else { NO_STACK }),
             _ => (NO_STACK, NO_STACK),
         };
         self.tracker.apply(event, &mut self.outputs);
@@ -107,9 +115,10 @@ impl Recorder {
         let writing = if self.error.is_none() { self.outputs.len() } else { 0 };
         for output in &mut self.outputs[..writing] {
             let written = match output {
-                Output::Retag { device, pid, event_type, ptr, owner } => {
+                Output::Retag { device, pid, event_type, ptr, owner, by } => {
                     let owner = std::mem::take(owner);
-                    self.store.retag(Retag { device: *device, pid: *pid, event_type: *event_type, ptr: *ptr, owner })
+                    let (device, pid, event_type, ptr, by) = (*device, *pid, *event_type, *ptr, *by);
+                    self.store.retag(Retag { device, pid, event_type, ptr, owner, by })
                 }
                 output => self.store.write_output(output, stacks),
             };

@@ -46,7 +46,15 @@ impl Tracker {
                 continue;
             }
             emit(Output::Free {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false, weight: None },
+                site: Site {
+                    api: block.api,
+                    wall_ns: at,
+                    pid,
+                    tid: pid,
+                    gc: false,
+                    weight: None,
+                    py_stack: crate::stacks::NO_STACK,
+                },
                 device: block.device,
                 space,
                 ptr,
@@ -71,7 +79,15 @@ impl Tracker {
                 continue;
             }
             emit(Output::PoolFree {
-                site: Site { api: block.api, wall_ns: at, pid, tid: pid, gc: false, weight: None },
+                site: Site {
+                    api: block.api,
+                    wall_ns: at,
+                    pid,
+                    tid: pid,
+                    gc: false,
+                    weight: None,
+                    py_stack: crate::stacks::NO_STACK,
+                },
                 device: block.device,
                 pool: block.pool,
                 ptr,

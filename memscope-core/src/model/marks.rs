@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use super::event::{level, Event, Marker};
-use super::output::{AccessKind, MstxKind, Output};
+use super::output::{AccessKind, MstxKind, Output, OwnerBy};
 use super::tags::{self, BlockLabels, Labels};
 use super::tracker::Tracker;
 use crate::apis::Api;
@@ -112,9 +112,10 @@ impl Tracker {
     }
 
     fn step(&mut self, wall_ns: u64, pid: u32, tid: u32, number: Option<u64>, out: &mut Vec<Output>) {
+        self.inference.marked_step(pid);
         let last = self.steps.entry(pid).or_default();
         *last = number.unwrap_or(*last + 1);
-        out.push(Output::Step { wall_ns, pid, tid, number: *last });
+        out.push(Output::Step { wall_ns, pid, tid, number: *last, inferred: false });
     }
 
     /// Gives the block that holds `addr` the tag's label at its level. A pool block wins over
@@ -127,31 +128,36 @@ impl Tracker {
 
         if let Some(key) = self.pools.holding(pid, addr) {
             let block = self.pools.block_mut(&key).expect("found above");
-            let Some(labels) = relabelled(&block.labels, slot, label) else { return };
+            let inferred = self.inference.is_inferred(&block.labels);
+            let Some(labels) = relabelled(&block.labels, inferred, slot, label) else { return };
             block.labels = Some(labels);
             if !block.hidden {
                 let owner = tags::owner_path(block.pool.owner(), tags::of(&block.labels));
-                out.push(Output::Retag { device: block.device, pid, event_type: EventType::Pta, ptr: key.1, owner });
+                let (device, event_type, by) = (block.device, EventType::Pta, OwnerBy::Marker);
+                out.push(Output::Retag { device, pid, event_type, ptr: key.1, owner, by });
             }
             return;
         }
 
         let Some(key) = self.blocks.holding(pid, addr) else { return };
         let block = self.blocks.get_mut(&key).expect("found above");
-        let Some(labels) = relabelled(&block.labels, slot, label) else { return };
+        let inferred = self.inference.is_inferred(&block.labels);
+        let Some(labels) = relabelled(&block.labels, inferred, slot, label) else { return };
         block.labels = Some(labels);
         if !block.hidden {
             let owner = block.base.owner(tags::of(&block.labels));
-            out.push(Output::Retag { device: block.device, pid, event_type: key.1.event_type(), ptr: key.2, owner });
+            let (device, event_type, by) = (block.device, key.1.event_type(), OwnerBy::Marker);
+            out.push(Output::Retag { device, pid, event_type, ptr: key.2, owner, by });
         }
     }
 }
 
 /// A block's labels with `label` at `slot`, as its own copy (the old one may be shared with
-/// other blocks); `None` when the block already has that label there.
-fn relabelled(labels: &BlockLabels, slot: usize, label: &str) -> Option<Arc<Labels>> {
-    let labels = tags::of(labels);
-    if labels[slot].as_deref() == Some(label) {
+/// other blocks); `None` when the block already has that label there. Labels the rules inferred
+/// give way to the marker's whole: markers win, and the two do not mix in one path.
+fn relabelled(labels: &BlockLabels, inferred: bool, slot: usize, label: &str) -> Option<Arc<Labels>> {
+    let labels = if inferred { tags::of(&None) } else { tags::of(labels) };
+    if labels[slot].as_deref() == Some(label) && !inferred {
         return None;
     }
     let mut changed = labels.clone();

@@ -12,6 +12,39 @@ use crate::vocab::EventType;
 /// same allocator and spans.
 pub type Owner = Arc<str>;
 
+/// Where a block's owner path came from (`Attr.owner_source`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OwnerBy {
+    /// Only the allocator's label: no marker span was open and no rule named a frame.
+    #[default]
+    Allocator,
+    /// The markers' spans or address tags.
+    Marker,
+    /// The rules, from the allocation's Python stack ([`crate::infer`]).
+    Inferred,
+}
+
+impl OwnerBy {
+    /// The `owner_source` value; `None` for [`Self::Allocator`], which writes no key.
+    pub fn as_str(self) -> Option<&'static str> {
+        match self {
+            Self::Allocator => None,
+            Self::Marker => Some("marker"),
+            Self::Inferred => Some("inferred"),
+        }
+    }
+}
+
+/// What a block's allocation says beyond its call: where its owner came from and the job's own
+/// line that made it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockFrom {
+    pub owner_by: OwnerBy,
+    /// The innermost frame of the job's own code (`file(line): function`), when the allocation
+    /// had a Python stack ([`crate::infer::site`]).
+    pub site: Option<Arc<str>>,
+}
+
 /// Who did it and when.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Site {
@@ -23,6 +56,8 @@ pub struct Site {
     pub gc: bool,
     /// The call's sampling weight ([`super::event::Call::sample_weight`]).
     pub weight: Option<u64>,
+    /// The thread's Python stack at the call ([`super::event::Call::py_stack`]), or none.
+    pub py_stack: crate::stacks::StackId,
 }
 
 /// The bytes a sampled block stands for: the call's weight is in requested bytes, and the block
@@ -74,6 +109,7 @@ pub enum Output {
         /// Taken inside a framework allocator's call: a segment of that pool (its reserved
         /// memory, which the pool's blocks are carved from).
         segment: Option<Pool>,
+        from: BlockFrom,
     },
     Free {
         site: Site,
@@ -123,6 +159,7 @@ pub enum Output {
         used: u64,
         total: u64,
         owner: Owner,
+        from: BlockFrom,
     },
     PoolFree {
         site: Site,
@@ -150,6 +187,7 @@ pub enum Output {
         event_type: EventType,
         ptr: u64,
         owner: String,
+        by: OwnerBy,
     },
     /// A block was used: read, written, or named in a kernel's arguments (`ACCESS` rows).
     Access {
@@ -238,6 +276,8 @@ pub enum Output {
         pid: u32,
         tid: u32,
         number: u64,
+        /// Found from the job's Python frames, not given by a marker.
+        inferred: bool,
     },
     /// A mark or range boundary (`MSTX` rows). `api` is the mstx call, `None` for the markers
     /// package.

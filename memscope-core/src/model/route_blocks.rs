@@ -10,12 +10,16 @@
 //! - A free of an address never seen allocated is counted apart (`untracked_frees`), without
 //!   size or id.
 //! - Owners: the allocator's label (the driver module, host) and the thread's open tag spans at
-//!   the allocation; an address tag later replaces one level (see `marks`).
+//!   the allocation, else the rules' reading of its Python stack (`route_owner`); an address tag
+//!   later replaces one level (see `marks`), and a block with an inferred owner that is freed
+//!   before its phase ended takes its rule's temporary owner at the free (see `inferred`).
 
 use super::event::{Call, DeviceKey, DriverInfo, Op, Space};
 use super::keys::{Key, Live, Slot};
-use super::output::{Origin, Output, Site};
+use super::output::{Origin, Output, OwnerBy, Site};
 use super::owners::OwnerBase;
+use super::route_owner::NewOwner;
+use super::tags;
 use super::tracker::{Failure, Tracker};
 use crate::apis::{Backend, Family};
 
@@ -103,7 +107,7 @@ impl Tracker {
                 OwnerBase::Hal(self.vmm.physical_module(site.pid, handle))
             }
         };
-        let labels = self.tags.block_labels(site.pid, site.tid);
+        let NewOwner { labels, from } = self.new_owner(site);
         let hidden = self.is_paused(site.pid);
         let owner = (!hidden).then(|| self.owners.get(base, &labels));
         let key = (site.pid, space, ptr);
@@ -115,7 +119,8 @@ impl Tracker {
             }
             let (allocation_id, used) = self.devices.add_block(device, size);
             let born_ns = site.wall_ns;
-            (Live { device, size, allocation_id, api: site.api, base, labels, hidden, born_ns }, (allocation_id, used))
+            let live = Live { device, size, allocation_id, api: site.api, base, labels, hidden, born_ns };
+            (live, (allocation_id, used))
         });
         if let Some(owner) = owner {
             let (owner, segment) = (Some(owner), None);
@@ -131,6 +136,7 @@ impl Tracker {
                 origin,
                 owner,
                 segment,
+                from,
             });
         }
     }
@@ -142,9 +148,15 @@ impl Tracker {
             return self.untracked_free(site, key, fallback, driver, out);
         };
         let used = self.devices.remove_block(block.device, block.size);
-        if !block.hidden {
-            out.push(block.free_row(site, key, used, shadow, driver));
+        if block.hidden {
+            return;
         }
+        if let Some(temporary) = self.inference.temporary(site.pid, &block.labels, block.born_ns).filter(|_| !shadow) {
+            let owner = block.base.owner(tags::of(temporary));
+            let (device, event_type, by) = (block.device, space.event_type(), OwnerBy::Inferred);
+            out.push(Output::Retag { device, pid: site.pid, event_type, ptr, owner, by });
+        }
+        out.push(block.free_row(site, key, used, shadow, driver));
     }
 
     /// A free of an address the trace never saw allocated: counted on `fallback`, no size or id.

@@ -10,10 +10,13 @@
 
 use super::event::{Call, DeviceKey, Op, Pool};
 use super::keys::{PoolBlock, Slot};
-use super::output::{Output, Site};
+use super::output::{Output, OwnerBy, Site};
 use super::owners::OwnerBase;
 use super::pools::PendingHandle;
+use super::route_owner::NewOwner;
+use super::tags;
 use super::tracker::Tracker;
+use crate::vocab::EventType;
 
 /// A block a framework pool handed out; its facts come from different sources (the call, a
 /// handle resolved later, an mstx report).
@@ -182,15 +185,26 @@ impl Tracker {
             self.reuse.retire_pool(site, ptr, stale, (&self.devices, &mut self.pools), out);
         }
         let allocation_id = self.devices.next_allocation_id(device);
-        let labels = self.tags.block_labels(site.pid, site.tid);
+        let NewOwner { labels, from } = self.new_owner(site);
         let hidden = self.is_paused(site.pid);
         let owner = (!hidden).then(|| self.owners.get(OwnerBase::Pool(pool), &labels));
-        let born_ns = site.wall_ns;
-        let streams = Vec::new();
-        let block = PoolBlock { device, pool, size, allocation_id, api: site.api, labels, hidden, born_ns, streams };
+        let (born_ns, streams, api) = (site.wall_ns, Vec::new(), site.api);
+        let block = PoolBlock { device, pool, size, allocation_id, api, labels, hidden, born_ns, streams };
         let (used, total) = self.pools.add_block(site.pid, ptr, block);
         if let Some(owner) = owner {
-            out.push(Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner });
+            out.push(Output::PoolMalloc {
+                site,
+                device,
+                pool,
+                ptr,
+                size,
+                req_size,
+                allocation_id,
+                used,
+                total,
+                owner,
+                from,
+            });
         }
     }
 
@@ -205,7 +219,16 @@ impl Tracker {
         };
         match block {
             Some(block) if block.hidden => {}
-            Some(block) => out.push(self.pools.free_row(site, ptr, &block, (shadow, implied))),
+            Some(block) => {
+                if let Some(temporary) =
+                    self.inference.temporary(site.pid, &block.labels, block.born_ns).filter(|_| !shadow)
+                {
+                    let owner = tags::owner_path(block.pool.owner(), tags::of(temporary));
+                    let (device, event_type, by) = (block.device, EventType::Pta, OwnerBy::Inferred);
+                    out.push(Output::Retag { device, pid: site.pid, event_type, ptr, owner, by });
+                }
+                out.push(self.pools.free_row(site, ptr, &block, (shadow, implied)));
+            }
             None => {
                 self.devices.untracked_pool_free(fallback);
                 let (used, total) = self.pools.untracked_free(fallback, pool, site.pid);

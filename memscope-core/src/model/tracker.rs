@@ -27,6 +27,7 @@
 use super::blocks::Blocks;
 use super::devices::{DeviceStats, Devices};
 use super::event::{Call, DeviceKey, DriverInfo, Event, EventKind, Op, Pool};
+use super::inferred::Inference;
 use super::keys::{Map, Slot};
 use super::output::{Output, Site};
 use super::owners::Owners;
@@ -63,6 +64,8 @@ pub struct Tracker {
     pub(super) kernel_args: Map<(u32, u64), Vec<u8>>,
     /// The last step number per process.
     pub(super) steps: Map<u32, u64>,
+    /// Owners, phases and steps from the Python stacks of allocations (no markers needed).
+    pub(super) inference: Inference,
     /// Open operators per (pid, tid), innermost last (markers `trace_ops()`).
     pub(super) ops: Map<(u32, u32), Vec<String>>,
     /// Processes that asked to be recorded (`true`, markers `start()`) or not (`false`,
@@ -176,8 +179,11 @@ impl Tracker {
         if let EventKind::Call(call) = &event.kind {
             let gc = call.outer.is_some_and(|outer| outer.tracking().collects_garbage);
             let (wall_ns, pid, tid, weight) = (event.wall_ns, event.pid, event.tid, call.sample_weight);
-            let site = Site { api: call.api, wall_ns, pid, tid, gc, weight };
+            let site = Site { api: call.api, wall_ns, pid, tid, gc, weight, py_stack: call.py_stack };
             self.devices.learn(site, call);
+            if matches!(call.op, Op::Malloc { .. } | Op::PoolMalloc { .. }) {
+                self.observe_allocation(site, out);
+            }
             self.apply_call(site, call, out);
         }
     }

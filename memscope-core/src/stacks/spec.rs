@@ -101,6 +101,9 @@ pub struct StackOptions {
     pub unwind: Unwind,
     /// `--stack-window` bytes (`--unwind dwarf`).
     pub window: u32,
+    /// Walk Python stacks for the owner rules, steps and sites even when `--call-stack` does
+    /// not store them (`trace`'s default; `--no-infer` turns it off).
+    pub infer: bool,
 }
 
 impl StackOptions {
@@ -113,9 +116,11 @@ impl StackOptions {
         }
     }
 
-    /// Python frames the kernel reads per call (0: none), at most the record's capacity.
+    /// Python frames the kernel reads per call (0: none), at most the record's capacity: the
+    /// depth asked for, else the default when the rules need the stacks.
     pub fn python_depth(&self) -> u32 {
-        self.call.python.unwrap_or(0).min(memscope_common::python::MAX_PY_FRAMES as u32)
+        let inferring = if self.infer { DEFAULT_DEPTH } else { 0 };
+        self.call.python.unwrap_or(inferring).min(memscope_common::python::MAX_PY_FRAMES as u32)
     }
 
     /// Stack bytes the kernel copies per call (`--unwind dwarf` with native stacks; 0 otherwise).

@@ -109,7 +109,7 @@ impl Sink for CsvSink {
 
     /// A CSV line cannot be changed once written: the MALLOC keeps the owner it was born with
     /// (documented in docs/db-schema.md; use the DB format for address tags).
-    fn update_owner(&mut self, _id: u64, _owner: &str) -> Result<(), StoreError> {
+    fn update_owner(&mut self, _id: u64, _owner: &str, _source: Option<&'static str>) -> Result<(), StoreError> {
         Ok(())
     }
 

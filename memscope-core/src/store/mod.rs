@@ -47,7 +47,7 @@ pub use layout::RunLayout;
 pub use stacks::StackTable;
 pub use writer::Writer;
 
-use crate::model::DeviceKey;
+use crate::model::{DeviceKey, OwnerBy};
 use crate::vocab::{Event, EventType};
 
 #[derive(Debug, Error)]
@@ -133,8 +133,9 @@ pub trait Sink: Send {
     fn stopping(&mut self) -> Result<(), StoreError> {
         Ok(())
     }
-    /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block).
-    fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError>;
+    /// Sets the `owner` in the Attr of row `id` (an address tag re-owned a live block, or the
+    /// block did not outlive its phase), and its `owner_source`.
+    fn update_owner(&mut self, id: u64, owner: &str, source: Option<&'static str>) -> Result<(), StoreError>;
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError>;
     /// Run metadata learnt while tracing, durable with the next commit (a tracer killed later
     /// still leaves it); formats without a metadata table ignore it.
@@ -199,6 +200,8 @@ pub struct Retag {
     pub event_type: EventType,
     pub ptr: u64,
     pub owner: String,
+    /// `owner_source`'s new value.
+    pub by: OwnerBy,
 }
 
 impl Store {
@@ -308,7 +311,7 @@ impl Store {
         let key = (retag.pid, event_type_code(retag.event_type), retag.ptr);
         let Some(open) = self.open.get_mut(&retag.device) else { return Ok(()) };
         let Some(&id) = open.malloc_ids.get(&key) else { return Ok(()) };
-        open.sink.update_owner(id, &retag.owner)
+        open.sink.update_owner(id, &retag.owner, retag.by.as_str())
     }
 
     pub fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError> {
@@ -399,19 +402,47 @@ mod tests {
     use crate::model::{Output, Site, Space};
 
     fn free(device: DeviceKey, size: Option<u64>) -> Batch {
-        let site = Site { api: Api::AclrtFree, wall_ns: 7, pid: 1, tid: 1, gc: false, weight: None };
+        let site = Site {
+            api: Api::AclrtFree,
+            wall_ns: 7,
+            pid: 1,
+            tid: 1,
+            gc: false,
+            weight: None,
+            py_stack: crate::stacks::NO_STACK,
+        };
         let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
         let output = Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver };
         batch::single(&insight::to_row(&output).unwrap(), Format::Db)
     }
 
     fn live_block_rows(shadow: bool) -> Batch {
-        let site = Site { api: Api::AclrtMalloc, wall_ns: 7, pid: 1, tid: 1, gc: false, weight: None };
+        let site = Site {
+            api: Api::AclrtMalloc,
+            wall_ns: 7,
+            pid: 1,
+            tid: 1,
+            gc: false,
+            weight: None,
+            py_stack: crate::stacks::NO_STACK,
+        };
         let (device, space, ptr, size) = (DeviceKey::Npu(0), Space::Device, 0x20, 8);
         let origin = crate::model::Origin::Direct { policy: None, module: None, driver: None };
         let (req_size, allocation_id, used, owner, segment) = (8, 1, 8, Some(std::sync::Arc::from("CANN@APP")), None);
-        let malloc =
-            Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment };
+        let malloc = Output::Malloc {
+            site,
+            device,
+            space,
+            ptr,
+            size,
+            req_size,
+            allocation_id,
+            used,
+            origin,
+            owner,
+            segment,
+            from: Default::default(),
+        };
         let site = Site { api: Api::AclrtFree, ..site };
         let (size, allocation_id, driver) = (Some(8), Some(1), None);
         let free = Output::Free { site, device, space, ptr, size, allocation_id, used: 0, shadow, driver };

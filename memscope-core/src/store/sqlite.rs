@@ -57,7 +57,7 @@ struct Queued {
     meta: Meta,
     probes: Vec<ProbeRow>,
     untracked: Vec<(u64, OwnedRow)>,
-    owners: Vec<(u64, String)>,
+    owners: Vec<(u64, String, Option<&'static str>)>,
     stacks: Vec<StackRow>,
     frames: Vec<FrameRow>,
 }
@@ -203,8 +203,8 @@ fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<(
             r.c_stack
         ])?;
     }
-    for (id, owner) in &q.owners {
-        set_owner(conn, *id, owner)?;
+    for (id, owner, source) in &q.owners {
+        set_owner(conn, *id, owner, *source)?;
     }
     write_stacks(conn, &q.stacks, &q.frames)
 }
@@ -247,14 +247,19 @@ fn write_stacks(conn: &Connection, stacks: &[StackRow], frames: &[FrameRow]) -> 
 /// Rows are appended in ID order, so a row's rowid is its ID: found by rowid, the row is one
 /// B-tree lookup away, where `ID = ?` alone (no index) scans the whole table per retag (0.6 s on
 /// 2 M rows). The `ID` term keeps it right regardless, and the scan remains the fallback.
-fn set_owner(conn: &Connection, id: u64, owner: &str) -> rusqlite::Result<()> {
+fn set_owner(conn: &Connection, id: u64, owner: &str, source: Option<&str>) -> rusqlite::Result<()> {
     static SQL: OnceLock<[String; 2]> = OnceLock::new();
     let [by_rowid, by_id] = SQL.get_or_init(|| {
-        let set = format!("UPDATE {} SET Attr = json_set(Attr, '$.{}', ?1)", schema::DUMP_TABLE, attr::owner);
+        let (table, owner, source) = (schema::DUMP_TABLE, attr::owner, attr::owner_source);
+        // `json_remove` first: the allocator's label alone writes no `owner_source`.
+        let set = format!(
+            "UPDATE {table} SET Attr = CASE WHEN ?3 IS NULL THEN json_remove(json_set(Attr, '$.{owner}', ?1), \
+             '$.{source}') ELSE json_set(Attr, '$.{owner}', ?1, '$.{source}', ?3) END"
+        );
         [format!("{set} WHERE rowid = ?2 AND ID = ?2"), format!("{set} WHERE ID = ?2")]
     });
-    if conn.prepare_cached(by_rowid)?.execute(params![owner, id as i64])? == 0 {
-        conn.prepare_cached(by_id)?.execute(params![owner, id as i64])?;
+    if conn.prepare_cached(by_rowid)?.execute(params![owner, id as i64, source])? == 0 {
+        conn.prepare_cached(by_id)?.execute(params![owner, id as i64, source])?;
     }
     Ok(())
 }
@@ -316,8 +321,8 @@ impl Sink for DbSink {
     }
 
     /// Applied with the next commit, after the row's page is written.
-    fn update_owner(&mut self, id: u64, owner: &str) -> Result<(), StoreError> {
-        self.queued.owners.push((id, owner.to_owned()));
+    fn update_owner(&mut self, id: u64, owner: &str, source: Option<&'static str>) -> Result<(), StoreError> {
+        self.queued.owners.push((id, owner.to_owned(), source));
         Ok(())
     }
 
@@ -521,8 +526,8 @@ mod tests {
         // touch it, and ID 7 is only found by its ID.
         insert(&mut sink, 7, &row(7));
         insert(&mut sink, 1, &row(1));
-        sink.update_owner(1, "PTA@a").unwrap();
-        sink.update_owner(7, "PTA@b").unwrap();
+        sink.update_owner(1, "PTA@a", Some("marker")).unwrap();
+        sink.update_owner(7, "PTA@b", Some("marker")).unwrap();
         let path = sink.finish(&vec![], &[]).unwrap();
         let conn = rusqlite::Connection::open(&path).unwrap();
         let owners: Vec<(i64, String)> = conn
@@ -543,8 +548,8 @@ mod tests {
         tagged.attr = Attr::new().with("size", 8u64).with("owner", "PTA").with("used", 8u64);
         insert(&mut sink, 1, &tagged);
         insert(&mut sink, 2, &row(2));
-        sink.update_owner(1, "PTA@kv_cache").unwrap();
-        sink.update_owner(2, "HOST@weight").unwrap();
+        sink.update_owner(1, "PTA@kv_cache", None).unwrap();
+        sink.update_owner(2, "HOST@weight", Some("marker")).unwrap();
         let path = sink.finish(&vec![], &[]).unwrap();
         let conn = rusqlite::Connection::open(&path).unwrap();
         let attrs: Vec<String> = conn
@@ -555,7 +560,10 @@ mod tests {
             .map(Result::unwrap)
             .collect();
         assert_eq!(attrs[0], r#"{"size":"8","owner":"PTA@kv_cache","used":"8"}"#, "in place, compact, other keys kept");
-        assert_eq!(attrs[1], r#"{"size":"8","owner":"HOST@weight"}"#, "added when the row had none");
+        assert_eq!(
+            attrs[1], r#"{"size":"8","owner":"HOST@weight","owner_source":"marker"}"#,
+            "added when the row had none, with where it came from"
+        );
     }
 
     #[test]

@@ -35,6 +35,12 @@ pub struct Args {
     #[arg(long = "debug-dir", value_name = "DIR")]
     pub debug_dirs: Vec<PathBuf>,
 
+    /// Print the owner rules `trace` applies to Python stacks (the built-in table, or with
+    /// FILE, that file's rules first, checked as `trace --owner-rules FILE` checks them) and
+    /// exit. The output is itself a valid rules file, to copy lines from.
+    #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "")]
+    pub owner_rules: Option<std::ffi::OsString>,
+
     /// As for `trace`: probe the Impl symbols only (default) or both public and Impl.
     #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
     pub probe_set: ProbeSet,
@@ -181,10 +187,31 @@ fn describe_python(pid: u32, text: &mut String) {
         ),
         Err(e) => format!("no Python stacks: {e}"),
     };
-    let _ = writeln!(text, "python stacks (trace --call-stack python): {}", printable(&line));
+    let _ = writeln!(text, "python stacks (owners, steps and sites; trace --call-stack python): {}", printable(&line));
+    let count = memscope_core::infer::rules::parse(memscope_core::infer::rules::BUILTIN).map_or(0, |r| r.len());
+    let _ = writeln!(text, "owner rules: {count} built-in (probes --owner-rules lists them; trace --owner-rules adds)");
+}
+
+/// `probes --owner-rules [FILE]`: the rules in force, as a rules file.
+fn print_owner_rules(file: &Path) -> anyhow::Result<()> {
+    let mut text = String::new();
+    if !file.as_os_str().is_empty() {
+        super::trace::owner_rules(Some(file), None)?;
+        let user = memscope_core::files::read_text(file, 1 << 20).context("cannot read the owner rules")?;
+        let _ = writeln!(text, "# {} (tried first)\n{}", printable(&file.display().to_string()), user.trim_end());
+        text.push('\n');
+    }
+    text.push_str(memscope_core::infer::rules::BUILTIN);
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("cannot write to stdout"),
+        _ => Ok(()),
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(file) = &args.owner_rules {
+        return print_owner_rules(Path::new(file));
+    }
     if args.pid.is_none() && args.libs.is_empty() {
         bail!("nothing to inspect: give --pid PID or --lib PATH");
     }

@@ -10,6 +10,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
+use memscope_core::infer::rules::Pattern;
+use memscope_core::infer::{Reader, StepRule};
 use memscope_core::stacks::spec::{CallStacks, StackOptions, Unwind, DEFAULT_WINDOW};
 use memscope_core::store::Format;
 
@@ -95,6 +97,28 @@ pub struct Args {
     #[arg(long, value_name = "KINDS", value_parser = parse_call_stack)]
     pub call_stack: Option<CallStacks>,
 
+    /// Owners, steps and sites without markers are read from the Python stack of each
+    /// allocation (one walk of the interpreter's frames per traced allocation call; frees need
+    /// none), whenever the target runs CPython: the built-in rules (`probes --owner-rules` lists
+    /// them; docs/owners.md) name weights, gradients, optimizer state, activations, FSDP's
+    /// shards, vLLM's KV cache and more. --no-infer turns that off (no walk unless
+    /// --call-stack python asks for the column). Markers always win over an inferred owner.
+    #[arg(long)]
+    pub no_infer: bool,
+
+    /// More owner rules, tried before the built-in ones: one per line, `FILE:FUNCTION OWNER
+    /// [temporary=OWNER] [phase=NAME]`, in the built-in table's format (`probes
+    /// --owner-rules` prints it to copy from); a bad line is an error naming it.
+    #[arg(long, value_name = "FILE", conflicts_with = "no_infer")]
+    pub owner_rules: Option<PathBuf>,
+
+    /// Find steps without markers from this frame: a step starts at each allocation under
+    /// FILE:FUNCTION (e.g. `train.py:train_step`) that follows one not under it. Default: a
+    /// step starts at the first forward allocation after an optimizer step. Markers' steps,
+    /// when the job has any, win.
+    #[arg(long, value_name = "FILE:FUNCTION", value_parser = parse_step_frame, conflicts_with = "no_infer")]
+    pub step_frame: Option<Pattern>,
+
     /// How native stacks are walked: fp (frame pointers, in the kernel; the default) or dwarf
     /// (a window of the stack is copied at each call and unwound here from the libraries'
     /// `.eh_frame`, as `perf --call-graph dwarf`): whole stacks through libraries built without
@@ -170,6 +194,25 @@ pub(crate) fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> 
     Ok(found)
 }
 
+fn parse_step_frame(text: &str) -> Result<Pattern, String> {
+    Pattern::parse(text).ok_or_else(|| format!("`{text}` is not FILE:FUNCTION (e.g. `train.py:train_step`)"))
+}
+
+/// The owner rules in force: `--owner-rules`' (read and checked before anything is attached),
+/// then the built-in ones.
+pub fn owner_rules(file: Option<&std::path::Path>, step_frame: Option<Pattern>) -> anyhow::Result<Reader> {
+    let step_rule = step_frame.map_or(StepRule::ForwardAfterOptimizer, StepRule::Frame);
+    let Some(file) = file else { return Ok(Reader::new(Vec::new(), step_rule)) };
+    let text = memscope_core::files::read_text(file, 1 << 20)
+        .with_context(|| format!("cannot read the owner rules {}", file.display()))?;
+    Reader::with_user_rules(&text, step_rule).with_context(|| {
+        format!(
+            "the owner rules {} are not valid (the built-in table shows the format: probes --owner-rules)",
+            file.display()
+        )
+    })
+}
+
 fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
     CallStacks::parse(text).map_err(|e| e.to_string())
 }
@@ -177,6 +220,7 @@ fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Checked before tracing: a typo must not cost a whole run.
     let analyses = args.analysis.as_deref().map(super::analyze::parse_list).transpose()?;
+    let rules = owner_rules(args.owner_rules.as_deref(), args.step_frame.clone())?;
     let format = args.capture.format;
     let target_given = args.pid.is_some() || !args.command.is_empty();
     if !target_given {
@@ -229,7 +273,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             call: args.call_stack.unwrap_or_default(),
             unwind: args.unwind,
             window: args.stack_window,
+            infer: !args.no_infer,
         },
+        rules,
         command: (!command.is_empty()).then_some(command),
         target,
         libraries,

@@ -398,7 +398,15 @@ mod tests {
         use memscope_core::ingest::live::Options;
         use memscope_core::model::Site;
         let mut view = LiveView::new(Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: 0 });
-        let site = Site { api: Api::DeviceCachingAllocatorMalloc, wall_ns: 1, pid: 1, tid: 1, gc: false, weight: None };
+        let site = Site {
+            api: Api::DeviceCachingAllocatorMalloc,
+            wall_ns: 1,
+            pid: 1,
+            tid: 1,
+            gc: false,
+            weight: None,
+            py_stack: memscope_core::stacks::NO_STACK,
+        };
         let block = |ptr: u64, owner: &str| Output::PoolMalloc {
             site,
             device: DeviceKey::Npu(0),
@@ -410,12 +418,13 @@ mod tests {
             used: 0,
             total: 0,
             owner: owner.into(),
+            from: Default::default(),
         };
         view.observe(&block(1, "PTA@weight"));
         view.observe(&block(2, "PTA@weight"));
         for step in 1..=8 {
             view.observe(&block(100 + step, "PTA@kv_cache"));
-            view.observe(&Output::Step { wall_ns: step, pid: 1, tid: 1, number: step });
+            view.observe(&Output::Step { wall_ns: step, pid: 1, tid: 1, number: step, inferred: false });
             view.settle();
         }
         view.tick(1);

@@ -89,8 +89,10 @@ pub struct Plan {
     pub follow: bool,
     /// Report nothing until the program starts collection (markers `start()`).
     pub wait_for_start: bool,
-    /// `--call-stack`, `--unwind`, `--stack-window`.
+    /// `--call-stack`, `--unwind`, `--stack-window`, `--no-infer`.
     pub stacks: StackOptions,
+    /// The owner rules (built-in and `--owner-rules`) and how steps are found (`--step-frame`).
+    pub rules: memscope_core::infer::Reader,
     /// `--bpf-log`: what the probes tell of their own trouble.
     pub bpf_log: Option<BpfLogLevel>,
     /// `--listen`: where Prometheus scrapes the trace's totals.
@@ -152,8 +154,19 @@ pub struct Finished {
 /// One trace: loads and attaches the probes, opens the store and the ring, lets the target go,
 /// runs the loop ([`Live::trace`]) and finishes the DBs ([`Live::finish`]).
 pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
-    let Plan { command, mut target, libraries, debug_dirs, capture, follow, wait_for_start, stacks, bpf_log, listen } =
-        plan;
+    let Plan {
+        command,
+        mut target,
+        libraries,
+        debug_dirs,
+        capture,
+        follow,
+        wait_for_start,
+        stacks,
+        rules,
+        bpf_log,
+        listen,
+    } = plan;
     let capture::Plan { output, duration, format, writer, probe_set, ring_bytes, quiet, status } = capture;
     let pid = target.pid();
     // Before anything is attached: a port in use fails the trace at once.
@@ -201,10 +214,12 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     attaching::hook_linker(&mut tracer, pid);
     let waiter = release(&mut target)?;
 
-    let tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
-    let python = stacks.call.python.map(|_| BTreeSet::new());
+    let mut tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
+    tracker.set_owner_rules(rules);
+    let python = (stacks.python_depth() > 0).then(BTreeSet::new);
     let status = crate::terminal::status::Status::new(status);
     let mut recorder = Recorder::new(tracker, store, procs::is_running_process);
+    recorder.python_column = stacks.call.python.is_some();
     if status.shown() {
         // The status's owners and step: the daemon's live view, without its periodic steps.
         let options = live::Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: u64::MAX };

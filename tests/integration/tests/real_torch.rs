@@ -440,3 +440,120 @@ fn real_torch_owner_bytes_match_torch_and_calls_match_bpftrace() {
     assert_counts_match_bpftrace(&c10, (begin, end), &cp, counts, read_empty_tensors(&run.ledger));
     eprintln!("real_torch: done in {:.1} s", started.elapsed().as_secs_f64());
 }
+
+/// torch_unmarked_train.py's ledger: its checkpoint's sums and its end.
+#[derive(Deserialize)]
+struct UnmarkedCheckpoint {
+    t: u64,
+    weight_bytes: u64,
+    gradient_bytes: u64,
+    optimizer_state_bytes: u64,
+}
+
+#[derive(Deserialize)]
+struct UnmarkedDone {
+    steps: u64,
+    leak_line: u64,
+    leak_bytes: u64,
+    file: String,
+}
+
+fn ledger_line<T: for<'de> Deserialize<'de>>(ledger: &Path, kind: &str) -> T {
+    let text = std::fs::read_to_string(ledger).unwrap();
+    let line = text.lines().find(|l| l.contains(&format!("\"kind\": \"{kind}\""))).expect("the ledger line");
+    serde_json::from_str(line).unwrap()
+}
+
+/// Traces the job nobody edited (no markers package on its path), attached by pid with no flag.
+fn traced_unmarked_run(env: &TestEnv, python: &Path) -> (Output, String, PathBuf, PathBuf) {
+    let workload = env.workload.with_file_name("torch_unmarked_train.py");
+    let (ledger, ready, gate, out) = (
+        env.scratch.join("ledger.jsonl"),
+        env.scratch.join("ready"),
+        env.scratch.join("gate"),
+        env.scratch.join("out"),
+    );
+    let mut job = Command::new(python)
+        .arg(&workload)
+        .args(["--ledger", &ledger.display().to_string(), "--ready", &ready.display().to_string()])
+        .args(["--gate", &gate.display().to_string(), "--steps", "6", "--checkpoint-step", "3"])
+        .env_remove("PYTHONPATH")
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("start the torch workload");
+    let pid: u32 = wait_for_file(&ready, &mut job, Duration::from_secs(120)).trim().parse().unwrap();
+    let (out_s, pid_s) = (out.display().to_string(), pid.to_string());
+    let mut tracer = Tracer::spawn(env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
+    tracer.wait_live(Duration::from_secs(60));
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::write(&gate, "go").unwrap();
+    assert_eq!(wait_child(&mut job, Duration::from_secs(180)), 0, "the torch workload failed");
+    let (code, stderr) = tracer.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    (read_output(&out), stderr, ledger, run_dir(&out))
+}
+
+#[test]
+fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_python_stacks() {
+    let env = env("real_torch_unmarked");
+    let Some((python, _)) = real_torch() else { return };
+    let (output, stderr, ledger, run) = traced_unmarked_run(&env, &python);
+    let cp: UnmarkedCheckpoint = ledger_line(&ledger, "checkpoint");
+    let done: UnmarkedDone = ledger_line(&ledger, "done");
+    let rows: Vec<&DbRow> = output.files["device_cpu"].1.iter().collect();
+    let c10 = c10_rows(&rows);
+
+    // Owners: each class's live bytes at the checkpoint are torch's own sums (within 1 %), and
+    // they were inferred (the job has no markers).
+    let live = live_at(&c10, cp.t);
+    let bytes =
+        |class: &str| -> u64 { live.iter().filter(|b| class_of(&b.owner) == Some(class)).map(|b| b.size).sum() };
+    let tree = decomposition(&live);
+    for (class, want) in
+        [("weight", cp.weight_bytes), ("gradient", cp.gradient_bytes), ("optimizer_state", cp.optimizer_state_bytes)]
+    {
+        let got = bytes(class);
+        assert!(want > 0 && got.abs_diff(want) * 100 <= want, "{class}: {got} B inferred vs torch's {want} B\n{tree}");
+    }
+    for b in live.iter().filter(|b| class_of(&b.owner).is_some()) {
+        assert_eq!(b.malloc.attr.get("owner_source").map(String::as_str), Some("inferred"), "{:?}", b.malloc);
+    }
+
+    // Steps: one per loop iteration, found from the stacks.
+    let steps: Vec<&&DbRow> = rows.iter().filter(|r| r.event == "SYSTEM" && r.event_type == "STEP").collect();
+    assert_eq!(steps.len() as u64, done.steps, "{steps:?}\n{stderr}");
+    assert!(steps.iter().all(|r| r.attr.get("source").map(String::as_str) == Some("inferred")), "{steps:?}");
+
+    // The leak: every leaked tensor's site is the job's line that made it, and the leaks
+    // analysis, which needs steps, finds them.
+    let site = format!("{}({}): main", done.file, done.leak_line);
+    let leaked: Vec<&&DbRow> =
+        c10.iter().filter(|r| r.event == "MALLOC" && r.attr_u64("size") == Some(done.leak_bytes)).collect();
+    assert_eq!(leaked.len() as u64, done.steps, "one leaked tensor per step: {leaked:?}");
+    for r in &leaked {
+        assert_eq!(r.attr.get("site"), Some(&site), "{r:?}");
+    }
+    let out = Command::new(&env.bin)
+        .args(["analyze", run.to_str().unwrap(), "--analysis", "leaks", "--device", "cpu", "--json", "--no-write"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = all.as_array().unwrap().iter().find(|r| r["analysis"] == "leaks").expect("a leaks report");
+    // The analysis' defaults: born after the warm-up (the first step) and alive a whole step
+    // after their birth step's end; the last step's end is the trace's, so the leaks of steps
+    // 2..=N-2 are the candidates, and nothing else is (weights and Adam's state are born in
+    // step 1; every other tensor is freed within a step).
+    let ptr = |text: &str| u64::from_str_radix(text.trim_start_matches("0x"), 16).unwrap();
+    let mut by_birth = leaked.clone();
+    by_birth.sort_by_key(|r| r.ts);
+    let want: BTreeMap<u64, u64> =
+        by_birth[1..done.steps as usize - 2].iter().map(|r| (ptr(&r.ptr), done.leak_bytes)).collect();
+    let got: BTreeMap<u64, u64> = report["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (ptr(c["ptr"].as_str().unwrap()), c["size"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(got, want, "{report:#}");
+}

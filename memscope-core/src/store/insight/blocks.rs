@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use super::{api_name, Columns, Pairs, Plain, Value, TRUE};
 use crate::apis::{hal, Api};
 use crate::model::output::{block_weight, Owner};
-use crate::model::{DeviceKey, DriverInfo, Origin, Output, PageType, Pool, Site, Space};
+use crate::model::{BlockFrom, DeviceKey, DriverInfo, Origin, Output, PageType, Pool, Site, Space};
 use crate::vocab::{attr, Event, EventType, GC, STREAM_USES, UNMATCHED};
 
 fn page_type(page: PageType) -> Plain {
@@ -76,9 +76,14 @@ fn with_free_flags(mut attr: Pairs<'_>, flags: FreeFlags) -> Pairs<'_> {
     attr
 }
 
+/// Where a new block's owner came from (absent: the allocator's label alone) and its site.
+fn with_from<'o>(attr: Pairs<'o>, from: &BlockFrom) -> Pairs<'o> {
+    attr.with_opt(attr::owner_source, from.owner_by.as_str()).with_opt(attr::site, from.site.as_deref())
+}
+
 /// MALLOC of a device or host block.
 pub(super) fn malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
-    let Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment } =
+    let Output::Malloc { site, device, space, ptr, size, req_size, allocation_id, used, origin, owner, segment, from } =
         output
     else {
         unreachable!("called for a Malloc")
@@ -107,7 +112,7 @@ pub(super) fn malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a
         attr.with_opt(attr::owner, owner.as_deref()).with_opt(attr::segment, segment.map(pool_name))
     };
     let attr = MALLOC_TAIL.with_borrow_mut(|last| last.write(attr, site.api, origin, owner, *segment, tail));
-    let attr = attr.with_opt(attr::weight, block_weight(site, *size, Some(*req_size)));
+    let attr = with_from(attr, from).with_opt(attr::weight, block_weight(site, *size, Some(*req_size)));
     (Columns::at(site, Event::Malloc, space.event_type(), *device, Some(*ptr)), attr)
 }
 
@@ -187,7 +192,8 @@ pub(super) fn free<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>,
 
 /// MALLOC of a framework pool block.
 pub(super) fn pool_malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
-    let Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner } = output
+    let Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner, from } =
+        output
     else {
         unreachable!("called for a PoolMalloc")
     };
@@ -200,8 +206,8 @@ pub(super) fn pool_malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Colum
         .with(attr::used, *used)
         .with(attr::total, *total)
         .with(attr::pool, pool_name(*pool))
-        .with(attr::owner, &**owner)
-        .with_opt(attr::weight, block_weight(site, *size, *req_size));
+        .with(attr::owner, &**owner);
+    let attr = with_from(attr, from).with_opt(attr::weight, block_weight(site, *size, *req_size));
     (Columns::at(site, Event::Malloc, EventType::Pta, *device, Some(*ptr)), attr)
 }
 

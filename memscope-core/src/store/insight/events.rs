@@ -152,7 +152,8 @@ pub(super) fn kernel_launch<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Col
 
 /// A step boundary (every device's output gets it), named by its number.
 pub(super) fn step<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
-    let Output::Step { wall_ns, pid, tid, number } = output else { unreachable!("called for a Step") };
+    let Output::Step { wall_ns, pid, tid, number, inferred } = output else { unreachable!("called for a Step") };
+    let attr = attr.with_opt(attr::source, inferred.then_some("inferred"));
     let head = Head::broadcast(Event::System, EventType::Step, *wall_ns, *pid, *tid);
     (Columns::named(head, Cow::Owned(number.to_string())), attr)
 }

@@ -8,7 +8,7 @@ fn to_row(output: Output) -> Row<'static> {
 }
 
 fn site(api: Api) -> Site {
-    Site { api, wall_ns: 5, pid: 1, tid: 2, gc: false, weight: None }
+    Site { api, wall_ns: 5, pid: 1, tid: 2, gc: false, weight: None, py_stack: crate::stacks::NO_STACK }
 }
 
 #[test]
@@ -25,6 +25,7 @@ fn device_malloc_is_hal_with_insight_keys() {
         req_size: 512,
         owner: Some("CANN@UNKNOWN@x".into()),
         segment: Some(Pool::Caching),
+        from: Default::default(),
     });
     assert_eq!((r.head.event.as_str(), r.head.event_type.as_str(), r.name.as_ref()), ("MALLOC", "HAL", "aclrtMalloc"));
     assert_eq!(r.ptr_text(), "0x0000000000000abc");
@@ -58,6 +59,7 @@ fn a_malloc_whose_tail_repeats_the_last_ones_is_written_the_same_as_on_its_own()
         origin: Origin::Direct { policy: Some(0), module: None, driver: Some(driver(size)) },
         owner: Some(owner.into()),
         segment: None,
+        from: Default::default(),
     };
     let tail = |owner: &str| {
         format!(
@@ -95,6 +97,7 @@ fn pool_block(pool: Pool, weight: Option<u64>) -> Output {
         used: 1024,
         total: 2 << 20,
         owner: crate::model::tracker::OwnerBase::Pool(pool).label(),
+        from: Default::default(),
     }
 }
 
@@ -153,6 +156,7 @@ fn pinned_host_blocks_are_host_pinned_and_cpu_tensors_host() {
         req_size: 1,
         owner: Some("HOST".into()),
         segment: None,
+        from: Default::default(),
     };
     let pinned = to_row(host(Api::AclrtMallocHost, Space::Host));
     assert_eq!(
@@ -188,7 +192,7 @@ fn a_free_of_a_block_never_seen_is_kept_out_of_insights_table() {
 
 #[test]
 fn steps_and_marks_are_broadcast_rows_in_msmemscope_names() {
-    let step = to_row(Output::Step { wall_ns: 9, pid: 1, tid: 2, number: 3 });
+    let step = to_row(Output::Step { wall_ns: 9, pid: 1, tid: 2, number: 3, inferred: false });
     assert_eq!(
         (step.head.event.as_str(), step.head.event_type.as_str(), step.name.as_ref(), step.head.broadcast),
         ("SYSTEM", "STEP", "3", true)
@@ -208,7 +212,8 @@ fn steps_and_marks_are_broadcast_rows_in_msmemscope_names() {
         pid: 1,
         event_type: EventType::Pta,
         ptr: 1,
-        owner: "PTA@x".into()
+        owner: "PTA@x".into(),
+        by: crate::model::OwnerBy::Marker,
     })
     .is_none());
 }
