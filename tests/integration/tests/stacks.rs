@@ -241,7 +241,12 @@ fn probes_tells_libraries_without_frame_pointers_and_suggests_dwarf() {
         assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
         let lib = format!("{lib_dir}/libstackchain.so: ");
         let line = text.lines().find(|l| l.contains(&lib)).unwrap_or_else(|| panic!("no line for {lib}:\n{text}"));
-        assert!(text.contains("python stacks (trace --call-stack python): no CPython in this process"), "{text}");
+        assert!(
+            text.contains(
+                "python stacks (owners, steps and sites; trace --call-stack python): no CPython in this process"
+            ),
+            "{text}"
+        );
         if keeps {
             assert!(line.contains(": frame pointers (") && line.contains("are whole"), "{line}");
         } else {
