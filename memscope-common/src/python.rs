@@ -72,6 +72,10 @@ pub const PY_READ_FAILED: u32 = 4;
 /// [`PyStackRecord::flags`]: the thread list was longer than [`MAX_PY_THREADS`] and the calling
 /// thread's state was not among those walked.
 pub const PY_THREADS_BOUND: u32 = 8;
+/// [`PyStackRecord::flags`]: the calling thread ran no Python at that instant (no thread state,
+/// or one with no frame: the autograd engine's device threads, allocator and communication
+/// threads), so the frames are the process's main thread's, read at the same instant.
+pub const PY_MAIN_THREAD: u32 = 16;
 
 /// The Python stack of the thread that made an outermost traced call, read at its entry; sent
 /// before the call's records, cut to the frames read.

@@ -176,6 +176,9 @@ pub mod attr {
         owner_source,
         /// The innermost frame of the job's own code at the allocation (`file(line): function`).
         site,
+        /// `main_thread`: the allocating thread ran no Python, so the Python stack behind the
+        /// row's owner and site is the main thread's at that instant.
+        py_stack_of,
         /// A synthetic free written at the stop for a block still live.
         shadow,
         /// A FREE of a block the trace never saw allocated.

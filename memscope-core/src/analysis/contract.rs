@@ -17,7 +17,7 @@ use super::decompose::{self, TimeSpec};
 use super::fragmentation;
 use super::steps::StepError;
 use super::AnalysisError;
-use super::{advise, inefficient, inefficient_out, leaks, oom, render};
+use super::{advise, inefficient, inefficient_out, leaks, oom, render, sites};
 
 /// An analysis: how it reads a DB, prints its report, and stores its results.
 pub trait Analysis {
@@ -219,6 +219,48 @@ impl Analysis for Leaks {
             leaks::DEGRADATION_TABLE,
             db.path().display()
         ))
+    }
+}
+
+// ---------------------------------------------------------------- sites
+
+/// The job's own lines holding memory at the peak and the end, and the leaks by line.
+pub struct Sites;
+
+impl Analysis for Sites {
+    const NAME: &'static str = "sites";
+    type Options = ();
+    type Report = sites::Report;
+    type Error = AnalysisError;
+
+    fn analyse(db: &DumpDb, _: &()) -> Result<sites::Report, AnalysisError> {
+        sites::analyse(db)
+    }
+
+    fn text(report: &sites::Report, path: &Path, device: &str, _: &()) -> String {
+        sites::text(report, path, device)
+    }
+
+    fn json(report: &sites::Report, path: &Path, device: &str, _: &()) -> Vec<Value> {
+        vec![sites::json(report, path, device)]
+    }
+
+    /// Replaces `ms_sites` and stamps `ms_meta.sites_at`.
+    fn store(db: &DumpDb, report: &sites::Report, run_wall_ns: u64) -> Result<String, AnalysisError> {
+        let meta = [("sites_at", run_wall_ns.to_string())];
+        let rows = db.replace_tables(&[(sites::TABLE, sites::CREATE)], &meta, |tx| {
+            let mut insert = tx.prepare(&format!(
+                "INSERT INTO {} (point, ts_ns, family, site, bytes, blocks, birth_steps) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                sites::TABLE
+            ))?;
+            let rows = sites::rows(report);
+            for r in &rows {
+                insert.execute(params![r.0, r.1, r.2, r.3, r.4, r.5, r.6])?;
+            }
+            Ok(rows.len())
+        })?;
+        Ok(format!("wrote {rows} rows into table {} of {}", sites::TABLE, db.path().display()))
     }
 }
 

@@ -188,10 +188,28 @@ pub struct Report {
 
 /// Runs the decomposition over a DB.
 pub fn analyse(db: &DumpDb, wanted: &[TimeSpec]) -> Result<Report, AnalysisError> {
-    let mut replay = Replay::default();
+    analyse_by(db, wanted, By::Owner)
+}
+
+/// What a tree's nodes are: owner paths, or the job's lines that made the blocks (`sites`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum By {
+    #[default]
+    Owner,
+    /// Attr `site`; blocks without one are [`NO_SITE`].
+    Site,
+}
+
+/// The node of blocks whose MALLOC has no `site` (no Python stack was read for them).
+pub const NO_SITE: &str = "(no site: no Python stack)";
+
+/// As [`analyse`], with the nodes `by` owner or by site.
+pub fn analyse_by(db: &DumpDb, wanted: &[TimeSpec], by: By) -> Result<Report, AnalysisError> {
+    let fresh = || Replay { metrics: Metrics { by, ..Metrics::default() }, ..Replay::default() };
+    let mut replay = fresh();
     db.for_each_row(|fed| match fed {
         Fed::Row(row) => replay.apply(row),
-        Fed::Restart => replay = Replay::default(),
+        Fed::Restart => replay = fresh(),
     })?;
     Ok(replay.finish(wanted))
 }
@@ -248,7 +266,7 @@ impl super::pass::Consumer for TimelineReplay {
 attr_fields! {
     /// The Attr keys decompose reads. Non-string values read as absent, exactly as Insight's getter
     /// treats them, so both tools see the same blocks.
-    struct AttrFields { addr, size, weight, owner, unmatched, shadow }
+    struct AttrFields { addr, size, weight, owner, site, unmatched, shadow }
 }
 block_attr!(AttrFields);
 
@@ -284,6 +302,7 @@ struct Replay {
 /// the family totals and their peaks.
 #[derive(Default)]
 struct Metrics {
+    by: By,
     slots: OwnerSlots,
     steps: Vec<Step>,
     totals: [i64; 3],
@@ -344,9 +363,13 @@ impl BlockHooks for Metrics {
         family: Family,
         owner: &str,
         size: i64,
-        _: &AttrFields<'_>,
+        attr: &AttrFields<'_>,
     ) -> LiveBlock {
-        let (slot, _) = self.slots.slot(family, owner);
+        let name = match self.by {
+            By::Owner => owner,
+            By::Site => attr.site.as_deref().unwrap_or(NO_SITE),
+        };
+        let (slot, _) = self.slots.slot(family, name);
         self.stats.mallocs[family.index()] += 1;
         LiveBlock { slot, size }
     }

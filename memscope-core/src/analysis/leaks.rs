@@ -8,7 +8,8 @@
 //! live at the end of the step `--min-steps` after its birth step (msMemScope's
 //! `durationThreshold_` = 1: it lived through one whole step after the one it was born in).
 //! A candidate stays one once freed later, as msMemScope's table keeps it. Blocks: `PTA` tensor
-//! blocks, and `HAL` allocations made outside torch_npu's allocator. A pool's segments (`HAL`
+//! blocks, `HAL` allocations made outside torch_npu's allocator, and host blocks (a CPU job's
+//! tensors, from libc10's allocator; pinned buffers), which msMemScope does not trace. A pool's segments (`HAL`
 //! rows with `segment`) are its cache, reused by later tensors: their growth is what the pool's
 //! blocks show, so they are not candidates; nor are workspace blocks (operator scratch, kept on
 //! purpose; msMemScope leaves that pool out too).
@@ -82,6 +83,8 @@ pub struct Leak {
     pub allocation_id: Option<String>,
     pub python_stack: String,
     pub c_stack: String,
+    /// The job's own line that made it (Attr `site`), when the trace read its Python stack.
+    pub site: Option<String>,
 }
 
 /// The live bytes of one family at one boundary, for reports.
@@ -181,6 +184,7 @@ pub fn analyse(dump: &DumpDb, options: &Options) -> Result<LeakReport, StepError
             allocation_id: details.allocation_id,
             python_stack: details.python_stack,
             c_stack: details.c_stack,
+            site: details.site,
         })
     };
     let mut candidates = collect.candidates.iter().map(leak).collect::<Result<Vec<_>, _>>()?;
@@ -347,6 +351,61 @@ const BLOCKS_SHOWN: usize = 8;
 /// Boundaries printed; longer runs are sampled evenly, first and last always shown.
 const STEPS_SHOWN: usize = 24;
 
+/// The leak candidates of one site (the job's line that made them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SiteLeaks {
+    pub site: String,
+    pub bytes: i64,
+    pub blocks: usize,
+    /// The steps they were born in, each once, in order.
+    pub birth_steps: Vec<u64>,
+}
+
+/// Candidates grouped by site, most bytes first; blocks without a site are left out.
+pub fn by_site(leaks: &[Leak]) -> Vec<SiteLeaks> {
+    let mut groups: BTreeMap<&str, SiteLeaks> = BTreeMap::new();
+    for l in leaks {
+        let Some(site) = l.site.as_deref() else { continue };
+        let g = groups.entry(site).or_insert_with(|| SiteLeaks {
+            site: site.to_owned(),
+            bytes: 0,
+            blocks: 0,
+            birth_steps: Vec::new(),
+        });
+        g.bytes += l.size;
+        g.blocks += 1;
+        g.birth_steps.extend(l.birth_step);
+    }
+    let mut out: Vec<SiteLeaks> = groups.into_values().collect();
+    for g in &mut out {
+        g.birth_steps.sort_unstable();
+        g.birth_steps.dedup();
+    }
+    out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.site.cmp(&b.site)));
+    out
+}
+
+fn sites_text(out: &mut String, leaks: &[Leak]) {
+    let sites = by_site(leaks);
+    if sites.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "  leak candidates by the job's line that made them:");
+    for s in &sites {
+        let steps: Vec<String> = s.birth_steps.iter().map(u64::to_string).collect();
+        let _ = writeln!(
+            out,
+            "    {:>10}  {} block{}, born in step{} {}  {}",
+            human_bytes(s.bytes),
+            s.blocks,
+            if s.blocks == 1 { "" } else { "s" },
+            if steps.len() == 1 { "" } else { "s" },
+            steps.join(","),
+            printable(&s.site)
+        );
+    }
+}
+
 fn group(leaks: &[Leak]) -> BTreeMap<(&'static str, &str), Vec<&Leak>> {
     let mut groups: BTreeMap<(&'static str, &str), Vec<&Leak>> = BTreeMap::new();
     for l in leaks {
@@ -387,7 +446,9 @@ fn blocks_text(out: &mut String, leaks: &[Leak]) {
             let id =
                 l.allocation_id.as_deref().map_or(String::new(), |id| format!(", allocation_id {}", printable(id)));
             let _ = writeln!(out, "      {} {:>10}  {born}{alive}, {end}{kind}{id}", l.ptr, human_bytes(l.size));
-            if let Some(frame) = l.python_stack.lines().next().filter(|f| !f.is_empty()) {
+            // The job's own line when known, else the innermost Python frame.
+            let frame = l.site.as_deref().or_else(|| l.python_stack.lines().next().filter(|f| !f.is_empty()));
+            if let Some(frame) = frame {
                 let _ = writeln!(out, "        at {}", printable(frame));
             }
         }
@@ -436,6 +497,7 @@ pub fn text(report: &LeakReport, path: &Path, device: &str) -> String {
         human_bytes(total)
     );
     blocks_text(&mut out, &report.candidates);
+    sites_text(&mut out, &report.candidates);
     let never: i64 = report.never_freed.iter().map(|l| l.size).sum();
     let segments: Vec<&Leak> = report.never_freed.iter().filter(|l| l.block == "segment").collect();
     let _ = write!(
@@ -582,6 +644,7 @@ pub fn json(report: &LeakReport, path: &Path, device: &str) -> serde_json::Value
         "step_sources": sources,
         "duplicate_step_rows": report.summary.duplicates,
         "candidates": report.candidates,
+        "candidates_by_site": by_site(&report.candidates),
         "never_freed": report.never_freed,
         "steps": steps,
         "degradation": report.degradation,

@@ -52,6 +52,7 @@ pub mod opdiff;
 pub mod pass;
 pub mod pool;
 pub mod render;
+pub mod sites;
 pub mod steps;
 pub mod stream_reuse;
 

@@ -93,6 +93,7 @@ impl<'a> StepDb<'a> {
             c_stack: clean_stack(text(get(1)?)),
             allocation_id: attr.allocation_id.map(Cow::into_owned),
             inefficient: attr.inefficient_type.map(Cow::into_owned),
+            site: attr.site.map(Cow::into_owned),
         })
     }
 }
@@ -114,6 +115,8 @@ pub struct RowDetails {
     pub allocation_id: Option<String>,
     /// Attr `inefficient_type`: msMemScope's inefficiency types, when analysed and flagged.
     pub inefficient: Option<String>,
+    /// Attr `site`: the job's own line that made the block, when the trace read its stack.
+    pub site: Option<String>,
 }
 
 attr_fields! {
@@ -124,7 +127,7 @@ block_attr!(AttrFields);
 
 attr_fields! {
     /// What a reported block's MALLOC row adds (read for a few rows only, off the replay's path).
-    struct DetailFields { allocation_id, inefficient_type }
+    struct DetailFields { allocation_id, inefficient_type, site }
 }
 
 // ---------------------------------------------------------------- boundaries

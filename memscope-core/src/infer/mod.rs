@@ -17,6 +17,10 @@ use rules::{Pattern, Rule, RuleError};
 
 use crate::stacks::StackId;
 
+/// The first line of a Python stack's text that is the main thread's, lent to a thread that ran
+/// no Python at the call (the probe's [`memscope_common::python::PY_MAIN_THREAD`]).
+pub const MAIN_THREAD_LINE: &str = "<the main thread's stack: the calling thread ran no Python>";
+
 /// One line of a Python stack's text (`file(line): function`, innermost first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Frame<'a> {
@@ -53,6 +57,8 @@ pub struct Reading {
     pub site: Option<Arc<str>>,
     /// Whether the `--step-frame` frame is on this stack.
     pub in_step_frame: bool,
+    /// The stack is the main thread's, lent to a thread that ran no Python.
+    pub main_thread: bool,
 }
 
 /// How steps are found without markers.
@@ -112,6 +118,7 @@ impl Reader {
             reading.phase = rule.phase.clone();
         }
         reading.site = site::of(text).map(Arc::from);
+        reading.main_thread = text.starts_with(MAIN_THREAD_LINE);
         if let StepRule::Frame(pattern) = &self.step_rule {
             reading.in_step_frame = frames(text).any(|f| pattern.matches(&f));
         }

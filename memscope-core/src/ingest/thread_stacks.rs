@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use memscope_common::python::{PY_AT_DEPTH, PY_NO_THREAD, PY_READ_FAILED, PY_THREADS_BOUND};
+use memscope_common::python::{PY_AT_DEPTH, PY_MAIN_THREAD, PY_NO_THREAD, PY_READ_FAILED, PY_THREADS_BOUND};
 use memscope_common::record::{STACK_AT_DEPTH, STACK_FAILED, WINDOW_FAILED};
 
 use crate::raw::{RawCall, RawPyStack, RawStack, StackWindowView};
@@ -32,7 +32,8 @@ pub struct ThreadStacks {
     py: Resolver,
     /// By process, then by its frames as read (code object, instruction): a stack seen before
     /// is found without reading or formatting anything.
-    py_ids: HashMap<u32, PyIds, foldhash::fast::RandomState>,
+    /// (and by whether they are the main thread's, lent to a thread that ran no Python).
+    py_ids: HashMap<(u32, bool), PyIds, foldhash::fast::RandomState>,
     py_count: StackId,
     /// As `open`, for Python stacks.
     py_open: HashMap<u32, (u64, StackId), foldhash::fast::RandomState>,
@@ -83,11 +84,13 @@ impl ThreadStacks {
         stats.py_no_thread += u64::from(raw.flags & (PY_NO_THREAD | PY_THREADS_BOUND) == PY_NO_THREAD);
         stats.py_read_failed += u64::from(raw.flags & PY_READ_FAILED != 0);
         stats.py_threads_bound += u64::from(raw.flags & PY_THREADS_BOUND != 0);
+        let lent = raw.flags & PY_MAIN_THREAD != 0;
+        stats.py_main_thread += u64::from(lent);
         if raw.frames.is_empty() {
             self.py_open.remove(&raw.tid);
             return None;
         }
-        if let Some(&id) = self.py_ids.get(&raw.tgid).and_then(|m| m.get(raw.frames.as_slice())) {
+        if let Some(&id) = self.py_ids.get(&(raw.tgid, lent)).and_then(|m| m.get(raw.frames.as_slice())) {
             self.py_open.insert(raw.tid, (raw.entry_mono_ns, id));
             return None;
         }
@@ -96,9 +99,11 @@ impl ThreadStacks {
             self.py_open.remove(&raw.tid);
             return None;
         }
+        // Said in the text itself, where readers of the column see it; no frame line parses so.
+        let text = if lent { format!("{}\n{text}", crate::infer::MAIN_THREAD_LINE) } else { text };
         self.py_count += 1;
         let id = self.py_count;
-        self.py_ids.entry(raw.tgid).or_default().insert(raw.frames.as_slice().into(), id);
+        self.py_ids.entry((raw.tgid, lent)).or_default().insert(raw.frames.as_slice().into(), id);
         self.capture.stats.py_unique += 1;
         self.py_open.insert(raw.tid, (raw.entry_mono_ns, id));
         Some((id, text.into()))
@@ -145,7 +150,7 @@ impl ThreadStacks {
     /// before this one), and what was learnt of its image is dropped.
     pub fn process_exited(&mut self, pid: u32) {
         self.capture.process_exited(pid);
-        self.py_ids.remove(&pid);
+        self.py_ids.retain(|(p, _), _| *p != pid);
         self.unwinder.process_exited(pid);
         self.py.process_exited(pid);
     }

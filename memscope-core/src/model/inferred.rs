@@ -32,6 +32,7 @@ struct StackOwner {
     phase: Option<Arc<str>>,
     site: Option<Arc<str>>,
     in_step_frame: bool,
+    main_thread: bool,
 }
 
 #[derive(Debug, Default)]
@@ -85,6 +86,7 @@ impl Inference {
             phase: r.phase,
             site: r.site,
             in_step_frame: r.in_step_frame,
+            main_thread: r.main_thread,
         };
         if let Some(at) = address(&owner.labels) {
             self.by_labels.insert(at, id);
@@ -141,9 +143,10 @@ impl Inference {
         (born_ns >= since && temporary.is_some()).then_some(temporary)
     }
 
-    /// The site of blocks born under `stack`.
+    /// The site of blocks born under `stack`, and whether the stack is the main thread's lent
+    /// to a thread that ran no Python.
     #[inline]
-    pub(super) fn site(&self, stack: StackId) -> Option<Arc<str>> {
-        self.stacks.get(&stack)?.site.clone()
+    pub(super) fn site(&self, stack: StackId) -> (Option<Arc<str>>, bool) {
+        self.stacks.get(&stack).map_or((None, false), |s| (s.site.clone(), s.main_thread))
     }
 }

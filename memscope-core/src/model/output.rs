@@ -43,6 +43,8 @@ pub struct BlockFrom {
     /// The innermost frame of the job's own code (`file(line): function`), when the allocation
     /// had a Python stack ([`crate::infer::site`]).
     pub site: Option<Arc<str>>,
+    /// The allocating thread ran no Python: the stack read was the main thread's.
+    pub main_thread: bool,
 }
 
 /// Who did it and when.

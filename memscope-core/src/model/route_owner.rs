@@ -28,7 +28,7 @@ impl Tracker {
     /// The labels of a block `site` allocates: the thread's marker spans when any is open, else
     /// the rules' reading of its Python stack.
     pub(super) fn new_owner(&mut self, site: Site) -> NewOwner {
-        let code_site = self.inference.site(site.py_stack);
+        let (code_site, main_thread) = self.inference.site(site.py_stack);
         let (labels, owner_by) = match self.tags.block_labels(site.pid, site.tid) {
             Some(labels) => (Some(labels), OwnerBy::Marker),
             None => match self.inference.labels(site.py_stack) {
@@ -36,7 +36,7 @@ impl Tracker {
                 None => (None, OwnerBy::Allocator),
             },
         };
-        NewOwner { labels, from: BlockFrom { owner_by, site: code_site } }
+        NewOwner { labels, from: BlockFrom { owner_by, site: code_site, main_thread } }
     }
 
     /// An allocation with a Python stack moves its process's phase on, and may start a step.

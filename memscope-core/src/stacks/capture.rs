@@ -48,6 +48,8 @@ pub struct CaptureStats {
     /// of threads not found among the thread states the probe may walk.
     pub py_read_failed: u64,
     pub py_threads_bound: u64,
+    /// Python stack records of threads that ran no Python, given the main thread's frames.
+    pub py_main_thread: u64,
 }
 
 /// Finds a stripped file's separate debug file (the attach code's rules, handed in by the

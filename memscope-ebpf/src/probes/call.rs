@@ -199,7 +199,7 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let stacks = stack::enabled() || stack::windowed() || python::enabled();
     // The stack check reads the whole state: `open` is not used past here.
     if stacks && verdict != SKIP && no_other_call_open(state, layer) {
-        if python::enabled() {
+        if python::enabled() && python::wanted(spec.sample.kind) {
             let _ = python::capture(ctx, pid_tgid, entry_ns);
         }
         let _ = if stack::windowed() {

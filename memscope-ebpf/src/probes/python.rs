@@ -4,10 +4,12 @@
 //!
 //! From the process's `_PyRuntime` (its address and the version's offsets are in [`PY_PROCS`],
 //! written by userspace) the probe walks the interpreter's thread states to the one whose
-//! `native_thread_id` is the calling thread (so a C++ worker thread gets no Python stack, where
-//! "whoever holds the GIL" would give it someone else's), then that thread's frames, sending
-//! (code object, instruction pointer) for each. Every read is a checked user read; every loop is
-//! bounded.
+//! `native_thread_id` is the calling thread (never "whoever holds the GIL", which is a race),
+//! then that thread's frames, sending (code object, instruction pointer) for each. A thread that
+//! runs no Python then (a C++ worker, the autograd engine's device threads) gets the main
+//! thread's frames instead, flagged [`PY_MAIN_THREAD`]: the owner rules then see what the job
+//! was doing (the caller waits in `backward` while the engine's threads make the gradients).
+//! Every read is a checked user read; every loop is bounded.
 //!
 //! A failed read or a thread list longer than the bound is flagged in the record (counted in
 //! the summary) and, with `trace --bpf-log`, told through aya-log once per walk: logging from
@@ -23,8 +25,8 @@ use aya_ebpf::{
 };
 use memscope_common::{
     python::{
-        PyOffsets, PyProcess, PyStackRecord, MAX_PY_FRAMES, MAX_PY_THREADS, NO_OFFSET, PY_AT_DEPTH, PY_NO_THREAD,
-        PY_READ_FAILED, PY_STACK_HEADER_LEN, PY_THREADS_BOUND,
+        PyOffsets, PyProcess, PyStackRecord, MAX_PY_FRAMES, MAX_PY_THREADS, NO_OFFSET, PY_AT_DEPTH, PY_MAIN_THREAD,
+        PY_NO_THREAD, PY_READ_FAILED, PY_STACK_HEADER_LEN, PY_THREADS_BOUND,
     },
     record::{RecordHeader, RecordKind},
 };
@@ -44,8 +46,19 @@ pub static PY_PROCS: HashMap<u32, PyProcess> = HashMap::with_max_entries(1024, 0
 #[map]
 static PY_SCRATCH: PerCpuArray<PyStackRecord> = PerCpuArray::with_max_entries(1, 0);
 
+/// 1: frees get Python stacks too (`--call-stack python`, whose column every row has); 0: only
+/// the calls that are not pool frees (the owner rules and sites need allocations only, and a
+/// training loop frees as often as it allocates).
+#[no_mangle]
+static PY_FREES: Global<u32> = Global::new(1);
+
 pub fn enabled() -> bool {
     PY_DEPTH.load() != 0
+}
+
+/// Whether a call of this sampling kind gets a Python stack.
+pub fn wanted(sample_kind: u8) -> bool {
+    sample_kind != memscope_common::spec::sample_kind::FREE || PY_FREES.load() != 0
 }
 
 /// A word of the target's memory; `None` when it cannot be read.
@@ -152,9 +165,45 @@ extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
     0
 }
 
-/// Reads and sends the calling thread's Python frames. The walks are `bpf_loop`s: their
-/// callbacks are verified once, where bounded loops inlined here were verified along every
-/// path (and exceeded the verifier's limit).
+/// The thread state of kernel thread `tid`: (its address or 0, the walk's steps, where the walk
+/// stopped).
+fn find_thread(first: u64, tid: u32, o: &PyOffsets, failed: &mut u64) -> (u64, i64, u64) {
+    let mut threads = ThreadWalk {
+        tstate: first,
+        tid: u64::from(tid),
+        next: u64::from(o.tstate_next),
+        native_tid: u64::from(o.tstate_native_thread_id),
+        pthread_tid: if o.pthread_tid == NO_OFFSET { u64::MAX } else { u64::from(o.pthread_tid) },
+        found: 0,
+        failed: 0,
+    };
+    // SAFETY: the callback and its context are ours; the count is a constant.
+    let steps =
+        unsafe { bpf_loop(MAX_PY_THREADS, thread_step as *mut c_void, (&mut threads as *mut ThreadWalk).cast(), 0) };
+    *failed += threads.failed;
+    (threads.found, steps, threads.tstate)
+}
+
+/// Reads a thread state's frames into the scratch record; returns (frames, whether the depth cut
+/// the walk short).
+fn read_frames(tstate: u64, o: &PyOffsets, failed: &mut u64) -> (u64, bool) {
+    let mut frame = read_ptr_or_null(tstate + u64::from(o.tstate_frame), failed);
+    if o.cframe_current_frame != NO_OFFSET && frame != 0 {
+        frame = read_ptr_or_null(frame + u64::from(o.cframe_current_frame), failed);
+    }
+    let depth = u64::from(PY_DEPTH.load()).min(MAX_PY_FRAMES as u64);
+    let mut walk = FrameWalk { frame, frames: 0, depth, failed: 0, offsets: *o };
+    // SAFETY: as in `find_thread`.
+    unsafe { bpf_loop(MAX_PY_FRAMES as u32, frame_step as *mut c_void, (&mut walk as *mut FrameWalk).cast(), 0) };
+    *failed += walk.failed;
+    (walk.frames.min(MAX_PY_FRAMES as u64), walk.frames >= walk.depth && walk.frame != 0)
+}
+
+/// Reads and sends the calling thread's Python frames; a thread that runs no Python at that
+/// instant gets the main thread's (flagged), as that thread is what drives the work (a GPU or
+/// NPU backward runs on the autograd engine's threads while the caller waits in `backward`).
+/// The walks are `bpf_loop`s: their callbacks are verified once, where bounded loops inlined
+/// here were verified along every path (and exceeded the verifier's limit).
 pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: a value of our own map, only read.
@@ -169,47 +218,33 @@ pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
     let mut failed = 0;
     let interp = read_ptr_or_null(py.runtime + u64::from(o.runtime_interpreters_head), &mut failed);
     let first = if interp == 0 { 0 } else { read_ptr_or_null(interp + u64::from(o.interp_threads_head), &mut failed) };
-    let mut threads = ThreadWalk {
-        tstate: first,
-        tid: pid_tgid & 0xffff_ffff,
-        next: u64::from(o.tstate_next),
-        native_tid: u64::from(o.tstate_native_thread_id),
-        pthread_tid: if o.pthread_tid == NO_OFFSET { u64::MAX } else { u64::from(o.pthread_tid) },
-        found: 0,
-        failed: 0,
-    };
-    // SAFETY: the callback and its context are ours; the count is a constant.
-    let steps =
-        unsafe { bpf_loop(MAX_PY_THREADS, thread_step as *mut c_void, (&mut threads as *mut ThreadWalk).cast(), 0) };
-    failed += threads.failed;
     let tid = pid_tgid as u32;
-    if threads.found == 0 {
-        record.flags = PY_NO_THREAD;
-        if steps == i64::from(MAX_PY_THREADS) && threads.tstate != 0 {
-            record.flags |= PY_THREADS_BOUND;
+    let (found, steps, left) = find_thread(first, tid, &o, &mut failed);
+    let mut flags = 0;
+    let mut frames = (0, false);
+    if found == 0 {
+        flags = PY_NO_THREAD;
+        if steps == i64::from(MAX_PY_THREADS) && left != 0 {
+            flags |= PY_THREADS_BOUND;
             warn!(ctx, "Python stack of thread {}: not among the first {} thread states", tid, MAX_PY_THREADS);
         } else {
             debug!(ctx, "Python stack of thread {}: no Python thread state (not a Python thread)", tid);
         }
     } else {
-        let mut frame = read_ptr_or_null(threads.found + u64::from(o.tstate_frame), &mut failed);
-        if o.cframe_current_frame != NO_OFFSET && frame != 0 {
-            frame = read_ptr_or_null(frame + u64::from(o.cframe_current_frame), &mut failed);
-        }
-        let depth = u64::from(PY_DEPTH.load()).min(MAX_PY_FRAMES as u64);
-        let mut walk = FrameWalk { frame, frames: 0, depth, failed: 0, offsets: o };
-        // SAFETY: as above.
-        unsafe { bpf_loop(MAX_PY_FRAMES as u32, frame_step as *mut c_void, (&mut walk as *mut FrameWalk).cast(), 0) };
-        // The callback wrote into this same slot; reborrowed after it.
-        let record = PY_SCRATCH.get_ptr_mut(0)?;
-        // SAFETY: as above.
-        let record = unsafe { &mut *record };
-        record.frames = walk.frames.min(MAX_PY_FRAMES as u64) as u32;
-        if walk.frames >= walk.depth && walk.frame != 0 {
-            record.flags = PY_AT_DEPTH;
-        }
-        failed += walk.failed;
+        frames = read_frames(found, &o, &mut failed);
     }
+    if frames.0 == 0 && tid != tgid {
+        let (main, _, _) = find_thread(first, tgid, &o, &mut failed);
+        if main != 0 {
+            frames = read_frames(main, &o, &mut failed);
+            flags |= if frames.0 > 0 { PY_MAIN_THREAD } else { 0 };
+        }
+    }
+    let record = PY_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: the callbacks wrote into this same slot; reborrowed after them.
+    let record = unsafe { &mut *record };
+    record.frames = frames.0 as u32;
+    record.flags = flags | if frames.1 { PY_AT_DEPTH } else { 0 };
     if failed != 0 {
         let record = PY_SCRATCH.get_ptr_mut(0)?;
         // SAFETY: as above.

@@ -9,7 +9,9 @@ use std::io::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
-use memscope_core::analysis::contract::{self, Analysis as _, Decompose, DecomposeOptions, Inefficient, Leaks, Oom};
+use memscope_core::analysis::contract::{
+    self, Analysis as _, Decompose, DecomposeOptions, Inefficient, Leaks, Oom, Sites,
+};
 use memscope_core::analysis::db::DumpDb;
 use memscope_core::analysis::decompose::TimeSpec;
 use memscope_core::analysis::inefficient;
@@ -22,6 +24,8 @@ pub enum Analysis {
     Decompose,
     Inefficient,
     Leaks,
+    /// The job's own lines holding memory, and the leaks by line.
+    Sites,
     /// `oom:K`: K most recent and largest live blocks per failure (msMemScope's default 10).
     Oom(usize),
 }
@@ -39,6 +43,7 @@ impl Analysis {
             Self::Decompose => Decompose::NAME,
             Self::Inefficient => Inefficient::NAME,
             Self::Leaks => Leaks::NAME,
+            Self::Sites => Sites::NAME,
             Self::Oom(_) => Oom::NAME,
         }
     }
@@ -54,7 +59,7 @@ struct Entry {
 }
 
 /// The analyses this build can run, in the order `--help` lists them; each one adds itself here.
-const ANALYSES: [Entry; 4] = [
+const ANALYSES: [Entry; 5] = [
     Entry {
         name: Decompose::NAME,
         parse: |arg| arg.is_none().then_some(Ok(Analysis::Decompose)),
@@ -71,6 +76,12 @@ const ANALYSES: [Entry; 4] = [
         name: Leaks::NAME,
         parse: |arg| arg.is_none().then_some(Ok(Analysis::Leaks)),
         run: |_, db, cx| drive::<Leaks>(db, cx, &cx.args.leaks),
+    },
+    // the job's own lines (Attr `site`) holding memory at the peak and the end; leaks by line
+    Entry {
+        name: Sites::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Sites)),
+        run: |_, db, cx| drive::<Sites>(db, cx, &()),
     },
     // forensics of each failure (ms_oom); `oom:K` lists K blocks
     Entry {

@@ -92,6 +92,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         stack_depth: 0,
         stack_window: 0,
         python_depth: 0,
+        python_frees: false,
         bpf_log: None,
         admission: Some(plan.admission.clone()),
         sampling: plan.sampling,

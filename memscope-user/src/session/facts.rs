@@ -72,19 +72,21 @@ pub(crate) fn stack_meta(stacks: &CaptureStats, bpf_log: Option<(u64, u64)>, qui
             ("py_stacks_no_thread".into(), stacks.py_no_thread.to_string()),
             ("py_stacks_read_failed".into(), stacks.py_read_failed.to_string()),
             ("py_stacks_threads_bound".into(), stacks.py_threads_bound.to_string()),
+            ("py_stacks_main_thread".into(), stacks.py_main_thread.to_string()),
         ]);
         note(
             quiet,
             format!(
                 "Python stacks: {} taken, {} distinct, {} cut at the depth asked for, {} on threads running no Python, \
-                 {} with failed reads, {} of threads past the {}-thread bound",
+                 {} with failed reads, {} of threads past the {}-thread bound, {} given the main thread's",
                 stacks.py_stacks,
                 stacks.py_unique,
                 stacks.py_at_depth,
                 stacks.py_no_thread,
                 stacks.py_read_failed,
                 stacks.py_threads_bound,
-                memscope_common::python::MAX_PY_THREADS
+                memscope_common::python::MAX_PY_THREADS,
+                stacks.py_main_thread
             ),
         );
     }

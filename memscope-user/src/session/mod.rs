@@ -210,6 +210,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     consumer.set_stack_depth(stacks.call.native_depth());
     consumer.set_debug_dirs(debug_dirs.clone());
 
+    // Before saying it is live: a SIGINT from then on must stop the trace, not kill the tracer
+    // (finding the job's interpreter, below, takes a moment).
+    let mut signals = Signals::new()?;
     announce(&probes, &markers, libraries.len(), pid, follow, launch_mode, quiet);
     attaching::hook_linker(&mut tracer, pid);
     let waiter = release(&mut target)?;
@@ -248,7 +251,6 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         status_every: Every::new(crate::terminal::status::RENEW_EVERY),
     };
     live.find_pythons()?;
-    let mut signals = Signals::new()?;
     let stop_reason = event_loop::run(&mut live, &mut signals, duration, target_exit(pid, waiter)).await?;
     live.finish(signals, stop_reason, started, run_dir)
 }
@@ -328,6 +330,7 @@ fn load(
         stack_depth: stacks.kernel_depth(),
         stack_window: stacks.window_bytes(),
         python_depth: stacks.python_depth(),
+        python_frees: stacks.call.python.is_some(),
         bpf_log,
         admission: None,
         sampling: None,

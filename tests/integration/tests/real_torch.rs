@@ -534,7 +534,16 @@ fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_pyth
         assert_eq!(r.attr.get("site"), Some(&site), "{r:?}");
     }
     let out = Command::new(&env.bin)
-        .args(["analyze", run.to_str().unwrap(), "--analysis", "leaks", "--device", "cpu", "--json", "--no-write"])
+        .args([
+            "analyze",
+            run.to_str().unwrap(),
+            "--analysis",
+            "leaks,sites",
+            "--device",
+            "cpu",
+            "--json",
+            "--no-write",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -556,4 +565,10 @@ fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_pyth
         .map(|c| (ptr(c["ptr"].as_str().unwrap()), c["size"].as_u64().unwrap()))
         .collect();
     assert_eq!(got, want, "{report:#}");
+    // The sites analysis groups them under the job's line, and only there.
+    let sites = all.as_array().unwrap().iter().find(|r| r["analysis"] == "sites").expect("a sites report");
+    let by_site = sites["leaks_by_site"].as_array().unwrap_or_else(|| panic!("{sites:#}"));
+    assert_eq!(by_site.len(), 1, "{sites:#}");
+    assert_eq!(by_site[0]["site"], site.as_str(), "{sites:#}");
+    assert_eq!(by_site[0]["blocks"].as_u64(), Some(want.len() as u64), "{sites:#}");
 }

@@ -53,6 +53,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -1011,6 +1012,42 @@ EXPORT void *standin_tensor_alloc(size_t size, int device) {
                                tid(), t0, now_ns(), device, size, block->size, (unsigned long long)(uintptr_t)p,
                                counters(device).c_str()));
     }
+    return p;
+}
+
+/* CPython's functions a thread of its own needs to hold a thread state, as the autograd
+ * engine's device threads do (torch's PythonEngine::thread_init): handed in by the caller, so
+ * the library does not link libpython. */
+struct PythonThreadApi {
+    int (*gil_ensure)(void);
+    void *(*save_thread)(void);
+    void (*restore_thread)(void *);
+    void (*gil_release)(int);
+};
+
+/* A tensor's storage made on a new thread while the caller waits, as a GPU or NPU backward
+ * makes gradients on the engine's thread while the Python caller blocks in `backward`. With
+ * `python`, the thread holds a Python thread state with no frame (the engine's threads); with
+ * NULL it has none (a C++ worker). Returns the storage. */
+EXPORT void *standin_tensor_alloc_on_thread(size_t size, int device, const PythonThreadApi *python) {
+    void *p = nullptr;
+    std::thread worker([&] {
+        int gil = 0;
+        void *state = nullptr;
+        if (python != nullptr) {
+            gil = python->gil_ensure();
+            state = python->save_thread();
+        }
+        // A new thread has no current device: the engine's threads set theirs first too.
+        if (aclrtSetDevice(device) == 0) {
+            p = standin_tensor_alloc(size, device);
+        }
+        if (python != nullptr) {
+            python->restore_thread(state);
+            python->gil_release(gil);
+        }
+    });
+    worker.join();
     return p;
 }
 

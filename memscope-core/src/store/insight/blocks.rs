@@ -78,7 +78,10 @@ fn with_free_flags(mut attr: Pairs<'_>, flags: FreeFlags) -> Pairs<'_> {
 
 /// Where a new block's owner came from (absent: the allocator's label alone) and its site.
 fn with_from<'o>(attr: Pairs<'o>, from: &BlockFrom) -> Pairs<'o> {
-    attr.with_opt(attr::owner_source, from.owner_by.as_str()).with_opt(attr::site, from.site.as_deref())
+    let lent = from.main_thread.then_some("main_thread");
+    attr.with_opt(attr::owner_source, from.owner_by.as_str())
+        .with_opt(attr::site, from.site.as_deref())
+        .with_opt(attr::py_stack_of, lent)
 }
 
 /// MALLOC of a device or host block.

@@ -137,8 +137,11 @@ pub struct LoadOptions {
     pub stack_depth: u32,
     /// Bytes of stack to copy per call for `--unwind dwarf` (0: frame-pointer walks).
     pub stack_window: u32,
-    /// Python frames to read per call (`--call-stack python:N`; 0: none).
+    /// Python frames to read per call (`--call-stack python:N`, or the owner rules'; 0: none).
     pub python_depth: u32,
+    /// Whether pool frees get Python stacks too (`--call-stack python` stores them; the owner
+    /// rules need allocations only).
+    pub python_frees: bool,
     /// What the probes tell through aya-log (`--bpf-log`; `None`: nothing).
     pub bpf_log: Option<BpfLogLevel>,
     /// The daemon's rules: `Some` traces every process that calls a probed function unless
@@ -256,6 +259,7 @@ impl Tracer {
             .override_global("STACK_DEPTH", &opts.stack_depth, true)
             .override_global("STACK_WINDOW", &opts.stack_window, true)
             .override_global("PY_DEPTH", &opts.python_depth, true)
+            .override_global("PY_FREES", &u32::from(opts.python_frees), true)
             // aya-log's own default lets every message through; ours is none.
             .override_global("AYA_LOG_LEVEL", &BpfLogLevel::kernel_value(opts.bpf_log), true)
             .override_global("TARGET_TGID", &target, true)
