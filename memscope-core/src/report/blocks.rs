@@ -81,6 +81,8 @@ pub struct Block {
     pub birth_step: Option<u64>,
     /// msMemScope's inefficiency types, comma-joined; empty when not flagged (or not analysed).
     pub flags: String,
+    /// The job's own line that made it (Attr `site`); empty when the trace read no Python stack.
+    pub site: String,
     pub python_stack: String,
     pub c_stack: String,
 }
@@ -121,6 +123,7 @@ impl TopBlocks {
                 free: b.free_ts.map(|t| t - origin),
                 birth_step: b.steps.map(|s| s.0),
                 flags: details.inefficient.unwrap_or_default(),
+                site: details.site.unwrap_or_default(),
                 python_stack: details.python_stack,
                 c_stack: details.c_stack,
             });

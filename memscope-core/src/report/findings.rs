@@ -16,6 +16,7 @@ pub const TABLES: &[(&str, &str, &str)] = &[
     ("ms_oom", "OOM forensics", "memscope-bpf analyze --analysis oom"),
     ("ms_oom_blocks", "Blocks at each OOM", "memscope-bpf analyze --analysis oom"),
     ("ms_leaks", "Leak candidates", "memscope-bpf analyze --analysis leaks"),
+    ("ms_sites", "The job's lines holding memory (peak, end) and leaking", "memscope-bpf analyze --analysis sites"),
     ("ms_degradation", "Degradation over steps", "memscope-bpf analyze --analysis leaks"),
     ("ms_fragmentation", "Caching-pool fragmentation over time", "memscope-bpf advise"),
     ("ms_inefficient", "Inefficient memory", "memscope-bpf analyze --analysis inefficient"),
@@ -55,7 +56,8 @@ fn cell(v: ValueRef<'_>, relative_to: Option<i64>) -> Value {
     }
 }
 
-fn has_table(db: &DumpDb, table: &str) -> Result<bool, AnalysisError> {
+/// Whether the DB holds `table`.
+pub fn has_table(db: &DumpDb, table: &str) -> Result<bool, AnalysisError> {
     let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
     db.conn()
         .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1", [table], |r| {

@@ -308,6 +308,34 @@ pub fn after_trace(dir: &std::path::Path, analyses: Vec<Analysis>) -> anyhow::Re
     analyse(&Args::for_trace(dir, analyses))
 }
 
+/// The analyses whose result tables `report` shows, each by the table it writes.
+const FOR_REPORT: [(Analysis, &str); 4] = [
+    (Analysis::Inefficient, memscope_core::analysis::inefficient_out::INEFFICIENT_TABLE),
+    (Analysis::Leaks, memscope_core::analysis::leaks::LEAKS_TABLE),
+    (Analysis::Oom(memscope_core::analysis::oom::DEFAULT_TOP_K), memscope_core::analysis::oom::OOM_TABLE),
+    (Analysis::Sites, memscope_core::analysis::sites::TABLE),
+];
+
+/// Runs on `dump` (opened for writing) each analysis the report shows whose table the DB lacks,
+/// with `analyze`'s defaults, and stores its results as `analyze` does (each says so on stderr):
+/// the report then shows findings rather than the commands that would make them.
+pub fn store_for_report(dump: &DumpDb, device: &str) -> anyhow::Result<()> {
+    let args = Args::for_trace(dump.path(), Vec::new());
+    let run_wall_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let decompose = DecomposeOptions { points: Vec::new(), depth: None };
+    let cx = Context { args: &args, decompose, device, write: true, run_wall_ns };
+    for (analysis, table) in FOR_REPORT {
+        if memscope_core::report::findings::has_table(dump, table)? {
+            continue;
+        }
+        let entry = entry(analysis).expect("every analysis the report runs is in the dispatch table");
+        (entry.run)(analysis, dump, &cx)?;
+    }
+    Ok(())
+}
+
 /// Analyses every DB the arguments name and prints the reports.
 fn analyse(args: &Args) -> anyhow::Result<()> {
     let mut analyses = args.analysis.clone();

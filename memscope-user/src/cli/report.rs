@@ -1,11 +1,12 @@
 //! `memscope-bpf report`: a trace (or two, compared) as one self-contained HTML page that opens
-//! from disk in any browser. Unprivileged: it reads the DBs and writes one file, never touching
-//! the DBs. The aggregation is `memscope_core::report`'s; this verb picks the DBs, shows progress
-//! and writes the file whole or not at all.
+//! from disk in any browser. Unprivileged: it reads the DBs and writes one file; the one change
+//! it makes to a DB is the analyses' result tables it lacks (as `analyze` stores them, into our
+//! DBs only; `--no-analyses` leaves every DB as it is). The aggregation is `memscope_core::
+//! report`'s; this verb picks the DBs, shows progress and writes the file whole or not at all.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::bail;
+use anyhow::{bail, Context as _};
 use memscope_core::analysis::db::{self, DumpDb};
 use memscope_core::report::{self, compare, html, DeviceReport, Options, Page, Run};
 
@@ -22,9 +23,10 @@ use super::inputs::{self, write_atomically};
 /// time per device, stacked by owner as analyze --analysis decompose splits it, with the other
 /// layers and the caching pools' reserved bytes as lines, step boundaries, marks and OOMs; drag
 /// to zoom, click for the owner tree at that instant (the peak's is shown first); the largest
-/// blocks in a sortable, filterable table with their owners, lifetimes, inefficiency flags and
-/// call stacks; the analyses' result tables the DB holds (run analyze --analysis
-/// leaks/oom/inefficient and advise first to have them); per-step live memory.
+/// blocks in a sortable, filterable table with their owners, lifetimes, inefficiency flags, the
+/// job's line that made each (its site) and call stacks; the analyses' result tables (leaks,
+/// OOMs, inefficient memory, the job's lines holding memory: run here when the DB lacks them,
+/// unless --no-analyses; advise's come from `memscope-bpf advise`); per-step live memory.
 ///
 /// With two traces (A, then B) the page also compares them per device: per-step curves of both
 /// and the owners that grew from A to B at the last step both ended (else at their ends).
@@ -59,15 +61,29 @@ pub struct Args {
     /// Rows kept of each analysis result table (ms_leaks, ms_oom, ...).
     #[arg(long, value_name = "N", default_value_t = 2000)]
     pub rows: usize,
+
+    /// Only show the result tables the DBs already hold. By default the analyses the page shows
+    /// (inefficient, leaks, oom, sites) run first on each of our DBs that lacks their table,
+    /// and store it there as `analyze` does; msMemScope's DBs and CSVs are never written.
+    #[arg(long)]
+    pub no_analyses: bool,
 }
 
 /// One input's DBs, device by device (in device order), as one run of the page.
-fn run_of(input: &Path, want: Option<&str>, options: &Options) -> anyhow::Result<Run> {
+fn run_of(input: &Path, want: Option<&str>, options: &Options, analyses: bool) -> anyhow::Result<Run> {
     let mut files = inputs::device_files(input, want)?;
     files.sort_by_key(|(_, d)| db::device_order(Some(d)));
+    let store = if analyses { inputs::Store::Default } else { inputs::Store::Never };
     let dbs = files
         .iter()
-        .map(|(f, _)| Ok(inputs::open(f, "report", inputs::Store::Never)?.0))
+        .map(|(f, device)| {
+            let (db, writable) = inputs::open(f, "report", store)?;
+            if writable {
+                super::analyze::store_for_report(&db, device)
+                    .with_context(|| format!("the analyses of {} for the report failed", f.shown().display()))?;
+            }
+            Ok(db)
+        })
         .collect::<anyhow::Result<Vec<DumpDb>>>()?;
     let mut origin = None;
     for db in &dbs {
@@ -92,7 +108,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ..Options::default()
     };
     let want = args.device.as_deref().map(inputs::normalise_device);
-    let runs = args.inputs.iter().map(|i| run_of(i, want, &options)).collect::<anyhow::Result<Vec<Run>>>()?;
+    let analyses = !args.no_analyses;
+    let runs = args.inputs.iter().map(|i| run_of(i, want, &options, analyses)).collect::<anyhow::Result<Vec<Run>>>()?;
     let compare = match runs.as_slice() {
         [a, b] => {
             let pairs = compare::pairs(&a.devices, &b.devices);
@@ -164,5 +181,41 @@ mod tests {
             .filter_map(Result::ok)
             .any(|e| e.file_name().to_string_lossy().ends_with(".partial"));
         assert!(!partial);
+    }
+
+    fn tables(db: &std::path::Path) -> Vec<String> {
+        let conn = rusqlite::Connection::open(db).unwrap();
+        let mut stmt = conn.prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name").unwrap();
+        stmt.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect()
+    }
+
+    /// The page shows findings, not the commands that would make them: the analyses it shows
+    /// run on a DB that lacks their tables (and store them, as `analyze` does); with
+    /// --no-analyses the DB is left as it is and the page says which command writes each.
+    #[test]
+    fn report_runs_the_analyses_it_shows_unless_told_not_to() {
+        let db = memscope_core::analysis::steps::testrows::noisy_run("cli-report-analyses", true);
+        let path = db.to_str().unwrap();
+        let page = db.with_file_name("page.html");
+        let before = tables(&db);
+        run(&[path, "--no-analyses", "-o", page.to_str().unwrap()]).unwrap();
+        assert_eq!(tables(&db), before, "--no-analyses writes nothing");
+        let html = std::fs::read_to_string(&page).unwrap();
+        assert!(
+            html.contains("\"table\":\"ms_leaks\",") && html.contains("\"present\":false"),
+            "the commands are named"
+        );
+        run(&[path, "-o", page.to_str().unwrap()]).unwrap();
+        let after = tables(&db);
+        for table in ["ms_inefficient", "ms_leaks", "ms_oom", "ms_sites"] {
+            assert!(after.iter().any(|t| t == table), "{table} in {after:?}");
+        }
+        let html = std::fs::read_to_string(&page).unwrap();
+        let leaks = html.split("\"table\":\"ms_leaks\",").nth(1).unwrap();
+        assert!(
+            leaks.starts_with("\"title\":\"Leak candidates\"") && leaks.contains("\"present\":true"),
+            "{leaks:.300}"
+        );
+        assert!(leaks.contains("\"candidate\""), "the leak is a row: {leaks:.600}");
     }
 }

@@ -62,3 +62,45 @@ fn threads_without_python_frames_take_the_main_threads_stack() {
     let meta_of = |key: &str| meta(out.db("device_0"), key).and_then(|v| v.parse::<u64>().ok());
     assert!(meta_of("py_stacks_main_thread") >= Some(3), "{:?}", meta_of("py_stacks_main_thread"));
 }
+
+/// A vLLM-Ascend-shaped serving job (its worker and runner named as vllm-ascend's), no markers:
+/// every tensor's owner is the one its worker method gives under msMemScope's vLLM labels, and
+/// the KV cache's bytes are the job's own.
+#[test]
+fn a_vllm_shaped_job_gets_weights_kv_cache_and_the_graph_pool_from_its_frames() {
+    let env = env("owners_vllm");
+    let (out, ledger) = trace_standin_script(&env, "standin_vllm.py", "ledger.jsonl");
+    #[derive(Deserialize)]
+    struct Tensor {
+        phase: String,
+        ptr: u64,
+        size: u64,
+    }
+    let text = std::fs::read_to_string(&ledger).unwrap();
+    let tensors: Vec<Tensor> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut rows: Vec<&DbRow> =
+        out.rows().filter(|r| r.event == "MALLOC" && r.event_type == "PTA" && r.folder == "device_0").collect();
+    rows.sort_by_key(|r| r.id);
+    assert_eq!(rows.len(), tensors.len(), "one PTA block per tensor: {rows:?}");
+    let mut kv_bytes = 0;
+    for (t, row) in tensors.iter().zip(&rows) {
+        assert_eq!(row.ptr_value(), Some(t.ptr), "rows in the job's order");
+        assert_eq!(row.attr_u64("req_size"), Some(t.size), "{row:?}");
+        let want = match t.phase.as_str() {
+            "weights" => "PTA@vllm@weights",
+            "kv_cache" => "PTA@vllm@kv_cache",
+            "graph_pool" => "PTA@vllm@warmup@graph_pool",
+            "profile" => "PTA@vllm@profile",
+            "serve" => "PTA@vllm@serve",
+            other => panic!("phase {other}"),
+        };
+        assert_eq!(row.attr.get("owner").map(String::as_str), Some(want), "{}: {row:?}", t.phase);
+        assert_eq!(row.attr.get("owner_source").map(String::as_str), Some("inferred"), "{row:?}");
+        if want == "PTA@vllm@kv_cache" {
+            kv_bytes += row.attr_u64("req_size").unwrap();
+        }
+    }
+    let ledger_kv: u64 = tensors.iter().filter(|t| t.phase == "kv_cache").map(|t| t.size).sum();
+    assert!(ledger_kv > 0);
+    assert_eq!(kv_bytes, ledger_kv, "the KV cache's bytes");
+}

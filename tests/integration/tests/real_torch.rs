@@ -572,3 +572,56 @@ fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_pyth
     assert_eq!(by_site[0]["site"], site.as_str(), "{sites:#}");
     assert_eq!(by_site[0]["blocks"].as_u64(), Some(want.len() as u64), "{sites:#}");
 }
+
+#[derive(Deserialize)]
+struct RankCheckpoint {
+    rank: u32,
+    pid: u32,
+    t: u64,
+    weight_bytes: u64,
+    gradient_bytes: u64,
+}
+
+/// FSDP2 on the CPU (gloo), two ranks forked by the launched job, no markers: at each rank's
+/// checkpoint, the live bytes the tracer inferred as that rank's `fsdp2@sharded_weight` and
+/// `fsdp2@gradient` are its local shards' bytes as torch counts them (within 1 %).
+#[test]
+fn real_fsdp2_ranks_get_their_sharded_weights_and_gradients_from_their_stacks() {
+    let env = env("real_torch_fsdp2");
+    let Some((python, _)) = real_torch() else { return };
+    let workload = env.workload.with_file_name("torch_fsdp2_train.py");
+    let (ledger, out) = (env.scratch.join("ledger.jsonl"), env.scratch.join("out"));
+    let _ = std::fs::remove_file(&ledger);
+    let (out_s, py_s, workload_s, ledger_s) = (
+        out.display().to_string(),
+        python.display().to_string(),
+        workload.display().to_string(),
+        ledger.display().to_string(),
+    );
+    let args = ["trace", "--output", &out_s, "--", &py_s, &workload_s, "--ledger", &ledger_s];
+    let (code, stderr) = Tracer::spawn_with(&env, &args, &[("PYTHONPATH", None)]).finish(Duration::from_secs(240));
+    assert_eq!(code, Some(0), "{stderr}");
+    let output = read_output(&out);
+    let rows: Vec<&DbRow> = output.files["device_cpu"].1.iter().collect();
+    let text = std::fs::read_to_string(&ledger).unwrap();
+    let ranks: Vec<RankCheckpoint> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(ranks.len(), 2, "{text}");
+    for cp in &ranks {
+        // The ranks exit with blocks live: their shadow frees are there too (live_at skips them).
+        let own: Vec<&DbRow> = rows.iter().copied().filter(|r| r.pid == cp.pid).collect();
+        let live = live_at(&own, cp.t);
+        let tree = decomposition(&live);
+        let bytes = |label: &str| -> u64 {
+            live.iter().filter(|b| b.owner.split('@').any(|p| p == label)).map(|b| b.size).sum()
+        };
+        for (label, want) in [("sharded_weight", cp.weight_bytes), ("gradient", cp.gradient_bytes)] {
+            let got = bytes(label);
+            assert!(
+                want > 0 && got.abs_diff(want) * 100 <= want,
+                "rank {}: fsdp2@{label}: {got} B inferred vs torch's {want} B\n{tree}",
+                cp.rank
+            );
+        }
+        assert!(live.iter().any(|b| b.owner.contains("fsdp2@sharded_weight")), "{tree}");
+    }
+}

@@ -17,6 +17,7 @@ mod import;
 mod loss;
 mod markers;
 mod measure;
+mod owners;
 mod report_page;
 mod stacks;
 mod stop;
@@ -72,6 +73,10 @@ pub struct Options {
     /// the sustained load with them (`--stacks-seconds`).
     #[arg(long)]
     pub stacks_only: bool,
+    /// Only the cost of reading owners from Python stacks on a real PyTorch loop (and the
+    /// Python rounds of the stacks bench, per call).
+    #[arg(long)]
+    pub owners_only: bool,
     /// Seconds of the sustained 500 k calls/s load with native stacks (0 skips it).
     #[arg(long, default_value_t = 60)]
     pub stacks_seconds: u64,
@@ -269,6 +274,11 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         }
         return report(&dir.join("results-stacks.md"), &md);
     }
+    if opts.owners_only {
+        let mut md = owners::run(&built, &root, &dir.join("out-owners"), opts.rounds)?;
+        md.push_str(&stacks::python_rounds(&built, &dir, opts.pairs / 4, opts.rounds)?);
+        return report(&dir.join("results-owners.md"), &md);
+    }
     if opts.usdt_only {
         let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
         let md = usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?;
@@ -292,6 +302,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     md.push_str(&markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
     md.push_str(&usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?);
     md.push_str(&stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
+    md.push_str(&owners::run(&built, &root, &dir.join("out-owners"), opts.rounds)?);
     md.push_str(&stacks::consumer(&built, &dir, opts.consumer_pairs)?);
     md.push_str(&consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks, None)?);
     if opts.loss_seconds > 0 {

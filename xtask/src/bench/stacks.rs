@@ -4,8 +4,9 @@
 //! the same run and interleaved: untraced, memscope-bpf without stacks, with `c`, with `c
 //! --unwind dwarf`, bpftrace without and with `ustack`. Then Python stacks: the same pairs made
 //! from Python (`tests/bench/py_alloc_bench.py`, ctypes at the bottom of a 4-frame chain) on
-//! pyenv's CPython 3.12, without stacks, with `python` and with `c,python` (bpftrace has no
-//! Python stacks to compare with).
+//! pyenv's CPython 3.12: `--no-infer` (no walk), the default (one walk per call, for the owner
+//! rules and sites), with `python` and with `c,python`, and bpftrace's floor on the same 8 probes
+//! (it has no Python stacks to compare with).
 
 use std::path::Path;
 use std::process::Command;
@@ -103,38 +104,65 @@ fn py_run(built: &Built, python: &Path, out: &Path, pairs: u64, stacks: Option<&
 }
 
 /// The Python-stack rounds and their table.
-fn python_rounds(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {
+pub fn python_rounds(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {
     let Some(python) = python312() else {
         return Ok("
 No pyenv CPython 3.12 here (`cargo xtask setup` installs it): no Python-stack figures.
 "
         .into());
     };
-    let configs: [(&str, Option<&[&str]>); 4] = [
+    let configs: [(&str, Option<&[&str]>); 5] = [
         ("untraced", None),
-        ("memscope-bpf, no stacks", Some(&[])),
+        ("memscope-bpf --no-infer (no Python walk)", Some(&["--no-infer"])),
+        ("memscope-bpf, default (a Python walk per call: owners, steps, sites)", Some(&[])),
         ("memscope-bpf --call-stack python", Some(&["--call-stack", "python"])),
         ("memscope-bpf --call-stack c,python", Some(&["--call-stack", "c,python"])),
     ];
-    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    let have_bpftrace = output(Command::new("bpftrace").arg("--version")).is_some();
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); configs.len() + 1];
     for round in 1..=rounds {
         eprintln!("xtask bench: Python stacks, round {round}/{rounds}");
         for (i, (_, stacks)) in configs.iter().enumerate() {
             runs[i].push(py_run(built, &python, &dir.join("out-pystacks"), pairs, *stacks)?);
         }
+        if have_bpftrace {
+            runs[configs.len()].push(py_bpftrace(built, &python, pairs)?);
+        }
     }
-    let med: Vec<f64> = runs.iter().map(|r| median(r.clone())).collect();
+    let med: Vec<f64> = runs.iter().map(|r| if r.is_empty() { f64::NAN } else { median(r.clone()) }).collect();
     let mut md = format!(
         "\nPython stacks: the same pairs from Python ({}), {pairs} per run, median of {rounds}, interleaved.\n\n\
          | configuration | ns per pair (median) | added by the stacks | runs |\n|---|---|---|---|\n",
         python.display()
     );
-    for (i, (name, _)) in configs.iter().enumerate() {
-        let added = if i >= 2 { format!("{:.0}", med[i] - med[1]) } else { "–".into() };
+    let names = configs.iter().map(|(n, _)| *n).chain(["bpftrace, same 8 probes (its floor: no stacks)"]);
+    for (i, name) in names.enumerate() {
+        if runs[i].is_empty() {
+            continue;
+        }
+        let added = if (2..configs.len()).contains(&i) { format!("{:.0}", med[i] - med[1]) } else { "–".into() };
         let r = runs[i].iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(", ");
         md.push_str(&format!("| {name} | {:.0} | {added} | {r} |\n", med[i]));
     }
+    md.push_str(
+        "\nThe default's walk serves the owner rules, steps and sites (docs/owners.md): its added cost per \
+         aclrtMalloc+aclrtFree pair is the row's; pool frees (torch's allocators) skip it unless `--call-stack python`.\n",
+    );
     Ok(md)
+}
+
+/// bpftrace's floor for the Python rounds: the same 8 probes, no stacks, on the same script.
+fn py_bpftrace(built: &Built, python: &Path, pairs: u64) -> anyhow::Result<f64> {
+    let script = crate::util::root().join("tests/bench/py_alloc_bench.py");
+    let (stdout, _) = run_capture(
+        privileged("bpftrace")
+            .env("ASCEND_HOME_PATH", &built.ascend_home)
+            .arg("-e")
+            .arg(bpftrace_script(&built.libascendcl, false))
+            .arg("-c")
+            .arg(format!("{} {} {pairs}", python.display(), script.display())),
+    )?;
+    ns(&stdout)
 }
 
 pub fn run(built: &Built, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {

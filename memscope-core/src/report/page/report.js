@@ -359,7 +359,7 @@ function compare() {
 function blockRows() {
   const d = dev(), q = $("block-filter").value.trim().toLowerCase();
   let rows = d.blocks.rows.map((b) => Object.assign({}, b, { life: (b.free === null ? d.end : b.free) - b.alloc, stack: b.python_stack || b.c_stack }));
-  if (q) rows = rows.filter((b) => [b.owner, b.flags, b.stack, b.ptr, b.family, b.kind].join(" ").toLowerCase().includes(q));
+  if (q) rows = rows.filter((b) => [b.owner, b.flags, b.site, b.stack, b.ptr, b.family, b.kind].join(" ").toLowerCase().includes(q));
   const k = state.sortKey, dir = state.sortDir;
   rows.sort((a, b) => {
     const x = a[k], y = b[k];
@@ -378,7 +378,7 @@ function blocks() {
       el("td", { class: "num", title: b.size + " bytes" }, bytes(b.size)), el("td", {}, b.owner),
       el("td", {}, b.family + (b.kind === "block" ? "" : " " + b.kind)), el("td", { class: "num" }, secs(b.alloc)),
       el("td", { class: "num" }, b.free === null ? "live at the end" : secs(b.free)), el("td", { class: "num" }, span(b.life)),
-      el("td", { class: "num" }, b.birth_step === null ? "" : String(b.birth_step)), el("td", {}, b.flags), el("td", {}, stack)));
+      el("td", { class: "num" }, b.birth_step === null ? "" : String(b.birth_step)), el("td", {}, b.flags), el("td", {}, b.site), el("td", {}, stack)));
   }
   $("blocks-count").textContent = rows.length + " listed" + (rows.length > shown.length ? ", first " + shown.length + " shown" : "");
   const rest = d.blocks.blocks - d.blocks.rows.length;
