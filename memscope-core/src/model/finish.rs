@@ -46,15 +46,7 @@ impl Tracker {
                 continue;
             }
             emit(Output::Free {
-                site: Site {
-                    api: block.api,
-                    wall_ns: at,
-                    pid,
-                    tid: pid,
-                    gc: false,
-                    weight: None,
-                    py_stack: crate::stacks::NO_STACK,
-                },
+                site: Site::of(block.api, at, pid, pid),
                 device: block.device,
                 space,
                 ptr,
@@ -79,15 +71,7 @@ impl Tracker {
                 continue;
             }
             emit(Output::PoolFree {
-                site: Site {
-                    api: block.api,
-                    wall_ns: at,
-                    pid,
-                    tid: pid,
-                    gc: false,
-                    weight: None,
-                    py_stack: crate::stacks::NO_STACK,
-                },
+                site: Site::of(block.api, at, pid, pid),
                 device: block.device,
                 pool: block.pool,
                 ptr,

@@ -62,6 +62,14 @@ pub struct Site {
     pub py_stack: crate::stacks::StackId,
 }
 
+impl Site {
+    /// A call of `api` at `wall_ns` on `pid`'s thread `tid`, outside the garbage collector,
+    /// unsampled, with no Python stack: the tracer's own rows (shadow frees) and tests.
+    pub fn of(api: Api, wall_ns: u64, pid: u32, tid: u32) -> Self {
+        Self { api, wall_ns, pid, tid, gc: false, weight: None, py_stack: crate::stacks::NO_STACK }
+    }
+}
+
 /// The bytes a sampled block stands for: the call's weight is in requested bytes, and the block
 /// holds `size` for each `req` of them (a ratio the sampling did not see, so it scales exactly).
 pub fn block_weight(site: &Site, size: u64, req: Option<u64>) -> Option<u64> {

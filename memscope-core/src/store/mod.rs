@@ -402,30 +402,14 @@ mod tests {
     use crate::model::{Output, Site, Space};
 
     fn free(device: DeviceKey, size: Option<u64>) -> Batch {
-        let site = Site {
-            api: Api::AclrtFree,
-            wall_ns: 7,
-            pid: 1,
-            tid: 1,
-            gc: false,
-            weight: None,
-            py_stack: crate::stacks::NO_STACK,
-        };
+        let site = Site::of(Api::AclrtFree, 7, 1, 1);
         let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
         let output = Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver };
         batch::single(&insight::to_row(&output).unwrap(), Format::Db)
     }
 
     fn live_block_rows(shadow: bool) -> Batch {
-        let site = Site {
-            api: Api::AclrtMalloc,
-            wall_ns: 7,
-            pid: 1,
-            tid: 1,
-            gc: false,
-            weight: None,
-            py_stack: crate::stacks::NO_STACK,
-        };
+        let site = Site::of(Api::AclrtMalloc, 7, 1, 1);
         let (device, space, ptr, size) = (DeviceKey::Npu(0), Space::Device, 0x20, 8);
         let origin = crate::model::Origin::Direct { policy: None, module: None, driver: None };
         let (req_size, allocation_id, used, owner, segment) = (8, 1, 8, Some(std::sync::Arc::from("CANN@APP")), None);

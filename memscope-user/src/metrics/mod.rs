@@ -398,15 +398,7 @@ mod tests {
         use memscope_core::ingest::live::Options;
         use memscope_core::model::Site;
         let mut view = LiveView::new(Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: 0 });
-        let site = Site {
-            api: Api::DeviceCachingAllocatorMalloc,
-            wall_ns: 1,
-            pid: 1,
-            tid: 1,
-            gc: false,
-            weight: None,
-            py_stack: memscope_core::stacks::NO_STACK,
-        };
+        let site = Site::of(Api::DeviceCachingAllocatorMalloc, 1, 1, 1);
         let block = |ptr: u64, owner: &str| Output::PoolMalloc {
             site,
             device: DeviceKey::Npu(0),
