@@ -165,7 +165,8 @@ pub struct Args {
     pub inputs: Vec<PathBuf>,
 
     /// Analyses to run, comma-separated, by msMemScope's names: decompose, inefficient, leaks,
-    /// oom (oom:K lists K blocks per failure, default 10). Default: decompose.
+    /// sites, oom (oom:K lists K blocks per failure, default 10; sites is ours: the job's own
+    /// lines holding memory at the peak and the end, and the leaks by line). Default: decompose.
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_analysis)]
     pub analysis: Vec<Analysis>,
 
@@ -474,7 +475,10 @@ mod tests {
         );
         // Unknown names list the valid ones; a DB is required; times are checked.
         let err = parse(&["x.db", "--analysis", "decompose,leak"]).unwrap_err().to_string();
-        assert!(err.contains("unknown analysis `leak`") && err.contains("decompose, inefficient, leaks, oom"), "{err}");
+        assert!(
+            err.contains("unknown analysis `leak`") && err.contains("decompose, inefficient, leaks, sites, oom"),
+            "{err}"
+        );
         assert!(parse(&["--decompose"]).is_err());
         let err = parse(&["x.db", "--at", "soon"]).unwrap_err().to_string();
         assert!(err.contains("+2.5s"), "{err}");

@@ -71,7 +71,7 @@ pub struct Args {
     pub no_follow: bool,
 
     /// Analyses to run on the trace when it stops, by msMemScope's names (decompose,
-    /// inefficient, leaks, oom), comma-separated: exactly what `memscope-bpf analyze RUN_DIR
+    /// inefficient, leaks, oom; and sites, ours), comma-separated: exactly what `memscope-bpf analyze RUN_DIR
     /// --analysis LIST` prints and stores, run on the DBs just written (so online and offline
     /// results are the same by construction). Default: none.
     #[arg(long, value_name = "LIST")]
