@@ -174,7 +174,7 @@ pub mod attr {
         /// Where the owner path came from: `marker` (spans or address tags) or `inferred` (the
         /// rules, from the allocation's Python stack); absent: the allocator's label alone.
         owner_source,
-        /// The innermost frame of the job's own code at the allocation (`file(line): function`).
+        /// The innermost frame of the job's own code at the allocation (`file:line function`).
         site,
         /// `main_thread`: the allocating thread ran no Python, so the Python stack behind the
         /// row's owner and site is the main thread's at that instant.

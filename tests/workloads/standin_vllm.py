@@ -98,6 +98,8 @@ def main():
     ap.add_argument("--ledger", required=True)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds to wait once the libraries are loaded (a daemon opens the job at its first call)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="standin-vllm-")
     write_package(root)
@@ -105,6 +107,7 @@ def main():
     from vllm_ascend.worker.worker import NPUWorker
 
     _, lib = standin_ctypes.load(args.torch_lib)
+    time.sleep(args.settle)
     ledger = open(args.ledger, "w")
     kept = []
 

@@ -53,7 +53,7 @@ pub struct Reading {
     pub temporary: Option<Arc<[Arc<str>]>>,
     /// The job's phase under this stack; `None` when no rule names one.
     pub phase: Option<Arc<str>>,
-    /// The innermost frame of the job's own code, as its text line.
+    /// The innermost frame of the job's own code, as `file:line function`.
     pub site: Option<Arc<str>>,
     /// Whether the `--step-frame` frame is on this stack.
     pub in_step_frame: bool,
@@ -163,7 +163,7 @@ mod tests {
         let r = reader.read(&text);
         assert_eq!((owner(&r).as_str(), r.phase.as_deref()), ("activation", Some("forward")));
         assert_eq!(r.temporary.map(|t| t.join("@")).as_deref(), Some("forward_temporary"));
-        assert_eq!(r.site.as_deref(), Some("/job/model.py(20): Net.forward"));
+        assert_eq!(r.site.as_deref(), Some("/job/model.py:20 Net.forward"));
         let state = stack(&[
             (&format!("{SITE}/torch/optim/adam.py"), 168, "Adam._init_group"),
             (&format!("{SITE}/torch/optim/adam.py"), 240, "Adam.step"),

@@ -45,10 +45,12 @@ fn is_stdlib(file: &str) -> bool {
     })
 }
 
-/// The site of a stack's text: its innermost own frame's line.
-pub fn of(text: &str) -> Option<&str> {
+/// The site of a stack's text: its innermost own frame, as `file:line function`. Not the
+/// stack's own `file(line): function` form: msMemScope's CSV form of an Attr value takes no
+/// parentheses, and a site is on most rows of a Python job.
+pub fn of(text: &str) -> Option<String> {
     let own = frames(text).find(|f| is_own(f.file))?;
-    text.lines().find(|l| l.starts_with(own.file) && l[own.file.len()..].starts_with('('))
+    Some(format!("{}:{} {}", own.file, own.line, own.function))
 }
 
 #[cfg(test)]
@@ -78,7 +80,7 @@ mod tests {
     fn the_site_is_the_innermost_own_frame() {
         let text = "/v/lib/python3.12/site-packages/torch/optim/adam.py(168): Adam._init_group\n\
                     /job/train.py(40): train_step\n/job/train.py(90): main";
-        assert_eq!(of(text), Some("/job/train.py(40): train_step"));
+        assert_eq!(of(text).as_deref(), Some("/job/train.py:40 train_step"));
         assert_eq!(of("/usr/lib/python3.12/threading.py(10): run"), None);
     }
 }

@@ -40,7 +40,7 @@ impl OwnerBy {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BlockFrom {
     pub owner_by: OwnerBy,
-    /// The innermost frame of the job's own code (`file(line): function`), when the allocation
+    /// The innermost frame of the job's own code (`file:line function`), when the allocation
     /// had a Python stack ([`crate::infer::site`]).
     pub site: Option<Arc<str>>,
     /// The allocating thread ran no Python: the stack read was the main thread's.

@@ -1,12 +1,13 @@
 //! What a trace and the daemon share: the probes attached as libraries appear ([`attaching`]),
 //! the kernel's ring mapped ([`ring_map`]) and drained into the core ([`ring`]), the loop that
-//! drives both ([`event_loop`]), the stop (signals, detaching: [`stop`]) and which traced
-//! processes still run ([`procs`]); [`replay`] drives the same consumer from synthetic records
+//! drives both ([`event_loop`]), the stop (signals, detaching: [`stop`]), which traced
+//! processes still run ([`procs`]) and their interpreters ([`python`]); [`replay`] drives the same consumer from synthetic records
 //! (`bench-consumer`).
 
 pub mod attaching;
 pub mod event_loop;
 pub mod procs;
+pub mod python;
 pub mod replay;
 pub mod ring;
 pub mod ring_map;

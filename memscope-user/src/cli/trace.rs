@@ -312,3 +312,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bad rules file stops `trace` before anything is attached, naming the file and the line;
+    /// a good one's rules come before the built-in ones.
+    #[test]
+    fn owner_rules_files_are_checked_and_come_first() {
+        let dir = std::env::temp_dir().join(format!("memscope-owner-rules-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bad = dir.join("bad.rules");
+        std::fs::write(&bad, "# mine\ntorch/nn/modules/:__init__ frozen\nnot a rule\n").unwrap();
+        let err = format!("{:#}", owner_rules(Some(&bad), None).unwrap_err());
+        assert!(err.contains("bad.rules") && err.contains("line 3: `not` has no `:FUNCTION`"), "{err}");
+        let good = dir.join("good.rules");
+        std::fs::write(&good, "torch/nn/modules/:__init__ frozen phase=init\n").unwrap();
+        let reader = owner_rules(Some(&good), Some(Pattern::parse("train.py:step").unwrap())).unwrap();
+        let text = "/v/site-packages/torch/nn/modules/linear.py(106): Linear.__init__\n/job/train.py(9): step";
+        let reading = reader.read(text);
+        assert_eq!(reading.owner.map(|o| o.join("@")).as_deref(), Some("frozen"), "the user's rule wins");
+        assert!(reading.in_step_frame);
+        let missing = format!("{:#}", owner_rules(Some(&dir.join("none.rules")), None).unwrap_err());
+        assert!(missing.contains("cannot read the owner rules"), "{missing}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -298,6 +298,8 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     let mut store = Writer::start(store);
     store.add_probes(probes.to_vec())?;
     let mut recorder = Recorder::new(Tracker::new(), store, crate::capture::procs::is_running_process);
+    // Python stacks serve the owner rules and sites; rows carry no stack column.
+    recorder.python_column = false;
     recorder.live = Some(LiveView::new(cx.live.clone()));
     Ok(Job { comm, recorder, run_dir, last_event: Instant::now(), dirty: true })
 }

@@ -91,7 +91,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         debug_dirs: Vec::new(),
         stack_depth: 0,
         stack_window: 0,
-        python_depth: 0,
+        // The owner rules, steps and sites read each allocation's Python stack (docs/owners.md);
+        // pool frees need none.
+        python_depth: memscope_core::stacks::spec::DEFAULT_DEPTH,
         python_frees: false,
         bpf_log: None,
         admission: Some(plan.admission.clone()),
@@ -342,6 +344,12 @@ impl Daemon {
         consumer.drain(|e| outcomes.extend(jobs.on_event(e, cx, probes)));
         for (pid, comm, dir) in self.jobs.take_opened() {
             note(self.plan.capture.quiet, format!("job {pid} ({}): traced, in {}", printable(&comm), dir.display()));
+            // A job's first call opens it: from then on its allocations carry its Python stack.
+            match crate::capture::python::register(&mut self.tracer, &mut self.consumer, pid) {
+                Ok(Some(line)) => note(self.plan.capture.quiet, format!("job {pid}: {line}")),
+                Ok(None) => {}
+                Err(e) => say!("memscope-bpf: warning: job {pid}: {e:#}"),
+            }
         }
         for outcome in outcomes {
             match outcome {

@@ -32,7 +32,6 @@ use memscope_core::ingest::clock::{self, Clock};
 use memscope_core::ingest::live;
 use memscope_core::ingest::recorder::Recorder;
 use memscope_core::model::Tracker;
-use memscope_core::printable::printable;
 use memscope_core::stacks::spec::{StackOptions, Unwind};
 use memscope_core::store::{Format, Meta, RunLayout, Store, Writer};
 use tokio::io::unix::AsyncFd;
@@ -401,18 +400,9 @@ impl Live {
             if seen.contains(&pid) {
                 continue;
             }
-            match memscope_core::stacks::python::find(pid) {
-                Ok(None) => continue,
-                Ok(Some(py)) => {
-                    let process = memscope_common::python::PyProcess { runtime: py.runtime, offsets: py.walk };
-                    self.tracer.set_python(pid, process).context("cannot register the Python interpreter")?;
-                    self.consumer.set_python(pid, py.layout);
-                    let path = py.path.to_string_lossy();
-                    note(self.quiet, format!("python: CPython 3.{} in process {pid} ({})", py.minor, printable(&path)));
-                }
-                Err(e) => {
-                    note(self.quiet, format!("python: process {pid}: no Python stacks: {}", printable(&e.to_string())))
-                }
+            match crate::capture::python::register(&mut self.tracer, &mut self.consumer, pid)? {
+                None => continue,
+                Some(line) => note(self.quiet, line),
             }
             seen.insert(pid);
         }

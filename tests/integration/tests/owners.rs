@@ -6,6 +6,7 @@
 //! frames they run under are theirs by construction; none of it comes from the tracer.
 
 use std::path::Path;
+use std::time::Duration;
 
 use memscope_integration::*;
 use serde::Deserialize;
@@ -54,29 +55,27 @@ fn threads_without_python_frames_take_the_main_threads_stack() {
         assert_eq!(attr("owner_source"), owner.map(|_| "inferred"), "{kind}: {row:?}");
         // `traceback` names the function by its last name; 3.11+ frames by the qualified one.
         let (place, function) = line.site.split_once(": ").unwrap();
+        let (file, no) = place.strip_suffix(')').and_then(|p| p.rsplit_once('(')).unwrap();
         let site = attr("site").unwrap_or_else(|| panic!("{kind}: no site: {row:?}"));
-        let (row_place, row_function) = site.split_once(": ").unwrap();
-        assert_eq!(row_place, place, "{kind}: {row:?}");
+        let (row_place, row_function) = site.split_once(' ').unwrap();
+        assert_eq!(row_place, format!("{file}:{no}"), "{kind}: {row:?}");
         assert!(row_function == function || row_function.ends_with(&format!(".{function}")), "{kind}: {site}");
     }
     let meta_of = |key: &str| meta(out.db("device_0"), key).and_then(|v| v.parse::<u64>().ok());
     assert!(meta_of("py_stacks_main_thread") >= Some(3), "{:?}", meta_of("py_stacks_main_thread"));
 }
 
-/// A vLLM-Ascend-shaped serving job (its worker and runner named as vllm-ascend's), no markers:
-/// every tensor's owner is the one its worker method gives under msMemScope's vLLM labels, and
-/// the KV cache's bytes are the job's own.
-#[test]
-fn a_vllm_shaped_job_gets_weights_kv_cache_and_the_graph_pool_from_its_frames() {
-    let env = env("owners_vllm");
-    let (out, ledger) = trace_standin_script(&env, "standin_vllm.py", "ledger.jsonl");
-    #[derive(Deserialize)]
-    struct Tensor {
-        phase: String,
-        ptr: u64,
-        size: u64,
-    }
-    let text = std::fs::read_to_string(&ledger).unwrap();
+#[derive(Deserialize)]
+struct Tensor {
+    phase: String,
+    ptr: u64,
+    size: u64,
+}
+
+/// Every tensor of standin_vllm.py's ledger has the owner its worker method gives under
+/// msMemScope's vLLM labels, inferred; the KV cache's bytes are the job's own.
+fn assert_vllm_owners(out: &Output, ledger: &Path) {
+    let text = std::fs::read_to_string(ledger).unwrap();
     let tensors: Vec<Tensor> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let mut rows: Vec<&DbRow> =
         out.rows().filter(|r| r.event == "MALLOC" && r.event_type == "PTA" && r.folder == "device_0").collect();
@@ -103,4 +102,46 @@ fn a_vllm_shaped_job_gets_weights_kv_cache_and_the_graph_pool_from_its_frames() 
     let ledger_kv: u64 = tensors.iter().filter(|t| t.phase == "kv_cache").map(|t| t.size).sum();
     assert!(ledger_kv > 0);
     assert_eq!(kv_bytes, ledger_kv, "the KV cache's bytes");
+}
+
+/// A vLLM-Ascend-shaped serving job (its worker and runner named as vllm-ascend's), no markers,
+/// under `trace`.
+#[test]
+fn a_vllm_shaped_job_gets_weights_kv_cache_and_the_graph_pool_from_its_frames() {
+    let env = env("owners_vllm");
+    let (out, ledger) = trace_standin_script(&env, "standin_vllm.py", "ledger.jsonl");
+    assert_vllm_owners(&out, &ledger);
+}
+
+/// The same job found by the daemon (every call recorded): its rules apply to each job's
+/// blocks from the job's first call on (the job settles a second after loading the libraries,
+/// so that its allocations come after the daemon opened it).
+#[test]
+fn the_daemon_applies_the_owner_rules_to_its_jobs() {
+    let env = env("owners_daemon");
+    let out = env.scratch.join("out");
+    let args = ["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0", "--sample-bytes", "0"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let ledger = env.scratch.join("ledger.jsonl");
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
+    let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name("standin_vllm.py");
+    let mut job = std::process::Command::new("python3")
+        .arg(&workload)
+        .args(["--torch-lib", torch.to_str().unwrap(), "--ledger", ledger.to_str().unwrap(), "--settle", "1"])
+        .env("ASCEND_HOME_PATH", &env.ascend_home)
+        .spawn()
+        .unwrap();
+    assert_eq!(wait_child(&mut job, Duration::from_secs(60)), 0, "the job failed");
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains(&format!("job {}: python: CPython", job.id())), "{stderr}");
+    let folder = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.contains(&format!("_{}_", job.id()))))
+        .unwrap_or_else(|| panic!("no run folder of job {}:\n{stderr}", job.id()));
+    assert_vllm_owners(&read_run(&folder), &ledger);
 }

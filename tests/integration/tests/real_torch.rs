@@ -526,7 +526,7 @@ fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_pyth
 
     // The leak: every leaked tensor's site is the job's line that made it, and the leaks
     // analysis, which needs steps, finds them.
-    let site = format!("{}({}): main", done.file, done.leak_line);
+    let site = format!("{}:{} main", done.file, done.leak_line);
     let leaked: Vec<&&DbRow> =
         c10.iter().filter(|r| r.event == "MALLOC" && r.attr_u64("size") == Some(done.leak_bytes)).collect();
     assert_eq!(leaked.len() as u64, done.steps, "one leaked tensor per step: {leaked:?}");
