@@ -195,15 +195,7 @@ mod tests {
     }
 
     fn pool_malloc(tid: u32, ptr: u64, size: u64) -> Event {
-        let op = Op::PoolMalloc {
-            pool: Pool::Caching,
-            ptr: Some(ptr),
-            size: Some(size),
-            req: None,
-            device: Some(0),
-            handle: None,
-        };
-        call(tid, Api::DeviceCachingAllocatorMalloc, op)
+        call(tid, Api::DeviceCachingAllocatorMalloc, crate::model::testing::pool_malloc_op(ptr, size))
     }
 
     fn cpu_malloc(tid: u32, ptr: u64, size: u64) -> Event {

@@ -81,14 +81,7 @@ mod tests {
     }
 
     fn alloc(ptr: u64, size: u64, py: StackId) -> Event {
-        let op = Op::PoolMalloc {
-            pool: Pool::Caching,
-            ptr: Some(ptr),
-            size: Some(size),
-            req: None,
-            device: Some(0),
-            handle: None,
-        };
+        let op = crate::model::testing::pool_malloc_op(ptr, size);
         with_py(call(Api::DeviceCachingAllocatorMalloc, 1, Some(0), 0, op), py)
     }
 

@@ -35,6 +35,11 @@ pub fn call(api: Api, tid: u32, device: Option<u32>, status: i32, op: Op) -> Eve
     }
 }
 
+/// A block of torch_npu's caching pool on device 0 handed out at `ptr`.
+pub fn pool_malloc_op(ptr: u64, size: u64) -> Op {
+    Op::PoolMalloc { pool: Pool::Caching, ptr: Some(ptr), size: Some(size), req: None, device: Some(0), handle: None }
+}
+
 pub fn malloc(ptr: Option<u64>, size: u64, device: Option<u32>, status: i32) -> Event {
     call(
         Api::AclrtMalloc,
