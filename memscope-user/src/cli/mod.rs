@@ -10,6 +10,7 @@ pub mod export;
 pub mod import;
 mod imports;
 mod inputs;
+mod owner_rules;
 pub mod probes;
 pub mod report;
 pub mod trace;

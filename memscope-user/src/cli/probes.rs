@@ -196,7 +196,7 @@ fn describe_python(pid: u32, text: &mut String) {
 fn print_owner_rules(file: &Path) -> anyhow::Result<()> {
     let mut text = String::new();
     if !file.as_os_str().is_empty() {
-        super::trace::owner_rules(Some(file), None)?;
+        super::owner_rules::read(Some(file), None)?;
         let user = memscope_core::files::read_text(file, 1 << 20).context("cannot read the owner rules")?;
         let _ = writeln!(text, "# {} (tried first)\n{}", printable(&file.display().to_string()), user.trim_end());
         text.push('\n');

@@ -10,8 +10,6 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
-use memscope_core::infer::rules::Pattern;
-use memscope_core::infer::{Reader, StepRule};
 use memscope_core::stacks::spec::{CallStacks, StackOptions, Unwind, DEFAULT_WINDOW};
 use memscope_core::store::Format;
 
@@ -116,8 +114,8 @@ pub struct Args {
     /// FILE:FUNCTION (e.g. `train.py:train_step`) that follows one not under it. Default: a
     /// step starts at the first forward allocation after an optimizer step. Markers' steps,
     /// when the job has any, win.
-    #[arg(long, value_name = "FILE:FUNCTION", value_parser = parse_step_frame, conflicts_with = "no_infer")]
-    pub step_frame: Option<Pattern>,
+    #[arg(long, value_name = "FILE:FUNCTION", value_parser = super::owner_rules::parse_step_frame, conflicts_with = "no_infer")]
+    pub step_frame: Option<memscope_core::infer::rules::Pattern>,
 
     /// How native stacks are walked: fp (frame pointers, in the kernel; the default) or dwarf
     /// (a window of the stack is copied at each call and unwound here from the libraries'
@@ -194,25 +192,6 @@ pub(crate) fn user_libraries(paths: &[PathBuf]) -> anyhow::Result<Vec<Library>> 
     Ok(found)
 }
 
-fn parse_step_frame(text: &str) -> Result<Pattern, String> {
-    Pattern::parse(text).ok_or_else(|| format!("`{text}` is not FILE:FUNCTION (e.g. `train.py:train_step`)"))
-}
-
-/// The owner rules in force: `--owner-rules`' (read and checked before anything is attached),
-/// then the built-in ones.
-pub fn owner_rules(file: Option<&std::path::Path>, step_frame: Option<Pattern>) -> anyhow::Result<Reader> {
-    let step_rule = step_frame.map_or(StepRule::ForwardAfterOptimizer, StepRule::Frame);
-    let Some(file) = file else { return Ok(Reader::new(Vec::new(), step_rule)) };
-    let text = memscope_core::files::read_text(file, 1 << 20)
-        .with_context(|| format!("cannot read the owner rules {}", file.display()))?;
-    Reader::with_user_rules(&text, step_rule).with_context(|| {
-        format!(
-            "the owner rules {} are not valid (the built-in table shows the format: probes --owner-rules)",
-            file.display()
-        )
-    })
-}
-
 fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
     CallStacks::parse(text).map_err(|e| e.to_string())
 }
@@ -220,7 +199,7 @@ fn parse_call_stack(text: &str) -> Result<CallStacks, String> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Checked before tracing: a typo must not cost a whole run.
     let analyses = args.analysis.as_deref().map(super::analyze::parse_list).transpose()?;
-    let rules = owner_rules(args.owner_rules.as_deref(), args.step_frame.clone())?;
+    let rules = super::owner_rules::read(args.owner_rules.as_deref(), args.step_frame.clone())?;
     let format = args.capture.format;
     let target_given = args.pid.is_some() || !args.command.is_empty();
     if !target_given {
@@ -310,32 +289,5 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match summary.target_status {
         Some(code) if code != 0 => Err(super::PassOn(u8::try_from(code).unwrap_or(1)).into()),
         _ => Ok(()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A bad rules file stops `trace` before anything is attached, naming the file and the line;
-    /// a good one's rules come before the built-in ones.
-    #[test]
-    fn owner_rules_files_are_checked_and_come_first() {
-        let dir = std::env::temp_dir().join(format!("memscope-owner-rules-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let bad = dir.join("bad.rules");
-        std::fs::write(&bad, "# mine\ntorch/nn/modules/:__init__ frozen\nnot a rule\n").unwrap();
-        let err = format!("{:#}", owner_rules(Some(&bad), None).unwrap_err());
-        assert!(err.contains("bad.rules") && err.contains("line 3: `not` has no `:FUNCTION`"), "{err}");
-        let good = dir.join("good.rules");
-        std::fs::write(&good, "torch/nn/modules/:__init__ frozen phase=init\n").unwrap();
-        let reader = owner_rules(Some(&good), Some(Pattern::parse("train.py:step").unwrap())).unwrap();
-        let text = "/v/site-packages/torch/nn/modules/linear.py(106): Linear.__init__\n/job/train.py(9): step";
-        let reading = reader.read(text);
-        assert_eq!(reading.owner.map(|o| o.join("@")).as_deref(), Some("frozen"), "the user's rule wins");
-        assert!(reading.in_step_frame);
-        let missing = format!("{:#}", owner_rules(Some(&dir.join("none.rules")), None).unwrap_err());
-        assert!(missing.contains("cannot read the owner rules"), "{missing}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
