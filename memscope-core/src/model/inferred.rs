@@ -122,12 +122,6 @@ impl Inference {
         self.processes.entry(pid).or_default().marked = true;
     }
 
-    /// The labels of a block born under `stack` (markers gave none), if a rule named an owner.
-    #[inline]
-    pub(super) fn labels(&self, stack: StackId) -> BlockLabels {
-        self.stacks.get(&stack)?.labels.clone()
-    }
-
     /// Whether a block's labels are an inferred owner (not the markers').
     pub(super) fn is_inferred(&self, labels: &BlockLabels) -> bool {
         address(labels).is_some_and(|at| self.by_labels.contains_key(&at))
@@ -143,10 +137,11 @@ impl Inference {
         (born_ns >= since && temporary.is_some()).then_some(temporary)
     }
 
-    /// The site of blocks born under `stack`, and whether the stack is the main thread's lent
+    /// What a block born under `stack` takes from it, in one lookup: the labels a rule named
+    /// (used when markers gave none), the site, and whether the stack is the main thread's lent
     /// to a thread that ran no Python.
     #[inline]
-    pub(super) fn site(&self, stack: StackId) -> (Option<Arc<str>>, bool) {
-        self.stacks.get(&stack).map_or((None, false), |s| (s.site.clone(), s.main_thread))
+    pub(super) fn born(&self, stack: StackId) -> (BlockLabels, Option<Arc<str>>, bool) {
+        self.stacks.get(&stack).map_or((None, None, false), |s| (s.labels.clone(), s.site.clone(), s.main_thread))
     }
 }

@@ -28,13 +28,11 @@ impl Tracker {
     /// The labels of a block `site` allocates: the thread's marker spans when any is open, else
     /// the rules' reading of its Python stack.
     pub(super) fn new_owner(&mut self, site: Site) -> NewOwner {
-        let (code_site, main_thread) = self.inference.site(site.py_stack);
-        let (labels, owner_by) = match self.tags.block_labels(site.pid, site.tid) {
-            Some(labels) => (Some(labels), OwnerBy::Marker),
-            None => match self.inference.labels(site.py_stack) {
-                Some(labels) => (Some(labels), OwnerBy::Inferred),
-                None => (None, OwnerBy::Allocator),
-            },
+        let (inferred, code_site, main_thread) = self.inference.born(site.py_stack);
+        let (labels, owner_by) = match (self.tags.block_labels(site.pid, site.tid), inferred) {
+            (Some(labels), _) => (Some(labels), OwnerBy::Marker),
+            (None, Some(labels)) => (Some(labels), OwnerBy::Inferred),
+            (None, None) => (None, OwnerBy::Allocator),
         };
         NewOwner { labels, from: BlockFrom { owner_by, site: code_site, main_thread } }
     }
