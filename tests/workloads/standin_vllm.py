@@ -7,12 +7,17 @@ folder), so that the tracer's built-in owner rules have the frames they know
 
 The worker loads the weights (load_model), profiles (profile_run: its tensors are freed), makes
 the KV cache (initialize_from_config -> initialize_kv_cache -> initialize_kv_cache_tensors ->
-_allocate_kv_cache_tensors), warms up and captures graphs (compile_or_warm_up_model ->
+_allocate_kv_cache_tensors: attention layers' K and V through _allocate_int8_cache_tensor, as
+vllm-ascend 0.23 does, and the last layer's mamba state and hidden states in branches of their
+own), warms up and captures graphs (compile_or_warm_up_model ->
 capture_model: a graph pool's blocks, kept), then serves (execute_model: per-request tensors,
 freed). Every tensor is a stand-in torch_npu caching-allocator block.
 
-Ledger (--ledger), JSON lines: {"kind": "tensor", "phase": P, "ptr": X, "size": S, "kept": bool}
-for every tensor the job made, where P names the worker method it was made under.
+Ledger (--ledger), JSON lines: {"kind": "tensor", "phase": P, "ptr": X, "size": S, "kept": bool,
+"line": L} for every tensor the job made, where P names the worker method it was made under (and
+the KV cache's kind: `kv_cache@attn`, `kv_cache@mamba`, `kv_cache@hidden_state`) and L is the
+line of the runner's module that made it, as the interpreter reports it. `--mamba-line` prints the line of that module that
+makes the mamba tensor, and exits: a rules file (`lines=`) can name it before the job runs.
 """
 
 import argparse
@@ -41,8 +46,20 @@ class NPUModelRunner(GPUModelRunner):
         for t in [self.alloc("profile", 6 << 20, False) for _ in range(2)]:
             self.free(t)
 
+    def _allocate_int8_cache_tensor(self, size):
+        return self.alloc("kv_cache@attn", size, True)
+
     def _allocate_kv_cache_tensors(self, layers):
-        return [self.alloc("kv_cache", 8 << 20, True) for _ in range(layers)]
+        tensors = []
+        for layer in range(layers):
+            if layer == layers - 1:
+                # a linear-attention (mamba) layer: one tensor, made in this function itself
+                tensors.append(self.alloc("kv_cache@mamba", 6 << 20, True))  # MAMBA
+                # its hidden states, in a tensor of their own (another branch, another line)
+                tensors.append(self.alloc("kv_cache@hidden_state", 2 << 20, True))
+            else:
+                tensors += [self._allocate_int8_cache_tensor(4 << 20) for _ in ("k", "v")]
+        return tensors
 
     def initialize_kv_cache_tensors(self, layers):
         return self._allocate_kv_cache_tensors(layers)
@@ -94,13 +111,19 @@ def write_package(root):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--torch-lib", required=True)
-    ap.add_argument("--ledger", required=True)
+    ap.add_argument("--mamba-line", action="store_true", help="print the mamba tensor's line and exit")
+    ap.add_argument("--torch-lib")
+    ap.add_argument("--ledger")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--settle", type=float, default=0.0,
                     help="seconds to wait once the libraries are loaded (a daemon opens the job at its first call)")
     args = ap.parse_args()
+    if args.mamba_line:
+        print(next(i for i, text in enumerate(RUNNER.splitlines(), 1) if text.endswith("# MAMBA")))
+        return
+    if not (args.torch_lib and args.ledger):
+        ap.error("--torch-lib and --ledger are required")
     root = tempfile.mkdtemp(prefix="standin-vllm-")
     write_package(root)
     sys.path.insert(0, root)
@@ -115,7 +138,9 @@ def main():
         ptr = lib.standin_tensor_alloc(size, 0)
         if not ptr:
             sys.exit(f"standin_vllm: a {phase} tensor of {size} bytes could not be allocated")
-        ledger.write(json.dumps({"kind": "tensor", "phase": phase, "ptr": ptr, "size": size, "kept": keep}) + "\n")
+        line = sys._getframe(1).f_lineno
+        ledger.write(json.dumps({"kind": "tensor", "phase": phase, "ptr": ptr, "size": size, "kept": keep,
+                                 "line": line}) + "\n")
         if keep:
             kept.append(ptr)
         return ptr

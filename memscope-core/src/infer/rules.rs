@@ -22,18 +22,24 @@ pub struct Pattern {
     pub file: Box<str>,
     /// A qualified name (`Module._apply`), a last name (`__init__`: any class), or `*`.
     pub function: Box<str>,
+    /// `lines=FIRST-LAST`: only a frame executing one of these lines. A function's branches are
+    /// told apart this way (vllm-ascend's KV cache kinds), which ties the rule to one version of
+    /// the file, so the built-in table names none and a user's file says which version it is for.
+    pub lines: Option<(u32, u32)>,
 }
 
 impl Pattern {
     /// Reads `FILE:FUNCTION`; `None` when either side is missing.
     pub fn parse(text: &str) -> Option<Self> {
         let (file, function) = text.rsplit_once(':').filter(|(f, n)| !f.is_empty() && !n.is_empty())?;
-        Some(Self { file: file.into(), function: function.into() })
+        Some(Self { file: file.into(), function: function.into(), lines: None })
     }
 
     /// Whether this pattern names `frame`.
     pub fn matches(&self, frame: &Frame<'_>) -> bool {
-        file_matches(&self.file, frame.file) && function_matches(&self.function, frame.function)
+        self.lines.is_none_or(|(first, last)| (first..=last).contains(&frame.line))
+            && file_matches(&self.file, frame.file)
+            && function_matches(&self.function, frame.function)
     }
 }
 
@@ -54,7 +60,7 @@ pub struct Rule {
 /// A rules file that cannot be read, with the line at fault.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum RuleError {
-    #[error("line {line}: `{text}` is not `FILE:FUNCTION OWNER [temporary=OWNER] [phase=NAME]`")]
+    #[error("line {line}: `{text}` is not `FILE:FUNCTION OWNER [temporary=OWNER] [phase=NAME] [lines=FIRST-LAST]`")]
     Shape { line: usize, text: String },
     #[error("line {line}: `{pattern}` has no `:FUNCTION` (write `{pattern}:*` for any function)")]
     NoFunction { line: usize, pattern: String },
@@ -62,8 +68,10 @@ pub enum RuleError {
     EmptyPart { line: usize, owner: String },
     #[error("line {line}: the owner `{owner}` has {parts} parts; an owner path holds at most {max} under the allocator's label")]
     TooDeep { line: usize, owner: String, parts: usize, max: usize },
-    #[error("line {line}: `{word}` is not an option (write `temporary=OWNER` or `phase=NAME`)")]
+    #[error("line {line}: `{word}` is not an option (write `temporary=OWNER`, `phase=NAME` or `lines=FIRST-LAST`)")]
     Option { line: usize, word: String },
+    #[error("line {line}: `lines={value}` is not a range of lines (write `lines=120-131`, or `lines=120` for one)")]
+    Lines { line: usize, value: String },
 }
 
 /// Parts under the allocator's label an owner path can hold (the seven levels above FRAMEWORK).
@@ -88,7 +96,7 @@ fn parse_line(line: usize, text: &str) -> Result<Rule, RuleError> {
     let (Some(pattern), Some(owner)) = (words.next(), words.next()) else {
         return Err(RuleError::Shape { line, text: text.to_owned() });
     };
-    let Some(pattern) = Pattern::parse(pattern) else {
+    let Some(mut pattern) = Pattern::parse(pattern) else {
         return Err(RuleError::NoFunction { line, pattern: pattern.to_owned() });
     };
     let owner = owner_parts(line, owner)?;
@@ -97,6 +105,7 @@ fn parse_line(line: usize, text: &str) -> Result<Rule, RuleError> {
         match word.split_once('=') {
             Some(("temporary", value)) => temporary = Some(owner_parts(line, value)?),
             Some(("phase", value)) if !value.is_empty() => phase = Some(Arc::from(value)),
+            Some(("lines", value)) => pattern.lines = Some(line_range(line, value)?),
             _ => return Err(RuleError::Option { line, word: word.to_owned() }),
         }
     }
@@ -112,6 +121,14 @@ fn owner_parts(line: usize, owner: &str) -> Result<Arc<[Arc<str>]>, RuleError> {
         return Err(RuleError::TooDeep { line, owner: owner.to_owned(), parts: parts.len(), max: MAX_PARTS });
     }
     Ok(parts.into())
+}
+
+fn line_range(line: usize, value: &str) -> Result<(u32, u32), RuleError> {
+    let (first, last) = value.split_once('-').unwrap_or((value, value));
+    match (first.parse::<u32>(), last.parse::<u32>()) {
+        (Ok(first), Ok(last)) if first <= last => Ok((first, last)),
+        _ => Err(RuleError::Lines { line, value: value.to_owned() }),
+    }
 }
 
 fn file_matches(pattern: &str, file: &str) -> bool {
@@ -188,6 +205,18 @@ mod tests {
         assert_eq!(r.phase.as_deref(), Some("reduce"));
     }
 
+    /// vllm-ascend's KV cache kinds are branches of one function: a `lines=` rule names one.
+    #[test]
+    fn a_line_range_names_one_branch_of_a_function() {
+        let r = parse("runner.py:R.alloc kv_cache@mamba lines=120-131").unwrap().remove(0);
+        assert_eq!(r.pattern.lines, Some((120, 131)));
+        let at = |line| Frame { file: "/v/runner.py", line, function: "R.alloc" };
+        assert!(r.pattern.matches(&at(120)) && r.pattern.matches(&at(131)));
+        assert!(!r.pattern.matches(&at(119)) && !r.pattern.matches(&at(132)));
+        let one = parse("runner.py:R.alloc o lines=7").unwrap().remove(0);
+        assert_eq!(one.pattern.lines, Some((7, 7)));
+    }
+
     #[test]
     fn bad_lines_are_named() {
         let cases = [
@@ -196,6 +225,8 @@ mod tests {
             ("f.py:g a@@b", "line 1: the owner `a@@b` has an empty part"),
             ("f.py:g a@b@c@d@e@f@g@h", "has 8 parts"),
             ("f.py:g o lifetime=x", "line 1: `lifetime=x` is not an option"),
+            ("f.py:g o lines=9-3", "line 1: `lines=9-3` is not a range of lines"),
+            ("f.py:g o lines=", "line 1: `lines=` is not a range"),
         ];
         for (text, want) in cases {
             let e = parse(text).unwrap_err().to_string();

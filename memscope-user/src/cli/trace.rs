@@ -105,8 +105,9 @@ pub struct Args {
     pub no_infer: bool,
 
     /// More owner rules, tried before the built-in ones: one per line, `FILE:FUNCTION OWNER
-    /// [temporary=OWNER] [phase=NAME]`, in the built-in table's format (`probes
-    /// --owner-rules` prints it to copy from); a bad line is an error naming it.
+    /// [temporary=OWNER] [phase=NAME] [lines=FIRST-LAST]`, in the built-in table's format
+    /// (`probes --owner-rules` prints it to copy from; `lines=` names one branch of a function,
+    /// as vLLM's KV cache kinds need); a bad line is an error naming it.
     #[arg(long, value_name = "FILE", conflicts_with = "no_infer")]
     pub owner_rules: Option<PathBuf>,
 

@@ -210,6 +210,20 @@ pub fn trace_standin_run_with(
     libs: &[&Path],
     job_env: &[(&str, Option<&str>)],
 ) -> (Output, PathBuf) {
+    trace_standin_with_options(env, script, ledger, out, &[], extra, libs, job_env)
+}
+/// As [`trace_standin_run_with`], with `options` for `trace` itself (`--owner-rules FILE`).
+#[expect(clippy::too_many_arguments, reason = "the knobs the helpers above default")]
+pub fn trace_standin_with_options(
+    env: &TestEnv,
+    script: &str,
+    ledger: &str,
+    out: &str,
+    options: &[&str],
+    extra: &[&str],
+    libs: &[&Path],
+    job_env: &[(&str, Option<&str>)],
+) -> (Output, PathBuf) {
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let markers = var("MEMSCOPE_MARKERS");
     let workload = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name(script);
@@ -227,6 +241,7 @@ pub fn trace_standin_run_with(
     for lib in &lib_args {
         args.extend(["--lib", lib.as_str()]);
     }
+    args.extend_from_slice(options);
     args.extend(["--", "python3", &workload_s, "--torch-lib", &torch_s, "--ledger", &ledger_s]);
     args.extend_from_slice(extra);
     let mut vars: Vec<(&str, Option<&std::ffi::OsStr>)> = vec![

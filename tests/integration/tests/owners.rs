@@ -70,24 +70,30 @@ struct Tensor {
     phase: String,
     ptr: u64,
     size: u64,
+    line: u32,
 }
 
 /// Every tensor of standin_vllm.py's ledger has the owner its worker method gives under
-/// msMemScope's vLLM labels, inferred; the KV cache's bytes are the job's own.
-fn assert_vllm_owners(out: &Output, ledger: &Path) {
+/// msMemScope's vLLM labels, inferred; the KV cache's bytes, and those of each kind the frames
+/// tell, are the job's own. The mamba tensor is made in a branch of `_allocate_kv_cache_tensors`:
+/// its kind comes from a `lines=` rule when `mamba_rule` gave one, else it is `vllm@kv_cache`,
+/// as the hidden-state tensor made a line below it always is.
+fn assert_vllm_owners(out: &Output, ledger: &Path, mamba_rule: bool) {
     let text = std::fs::read_to_string(ledger).unwrap();
     let tensors: Vec<Tensor> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let mut rows: Vec<&DbRow> =
         out.rows().filter(|r| r.event == "MALLOC" && r.event_type == "PTA" && r.folder == "device_0").collect();
     rows.sort_by_key(|r| r.id);
     assert_eq!(rows.len(), tensors.len(), "one PTA block per tensor: {rows:?}");
-    let mut kv_bytes = 0;
+    let mut by_owner = std::collections::BTreeMap::<String, u64>::new();
     for (t, row) in tensors.iter().zip(&rows) {
         assert_eq!(row.ptr_value(), Some(t.ptr), "rows in the job's order");
         assert_eq!(row.attr_u64("req_size"), Some(t.size), "{row:?}");
         let want = match t.phase.as_str() {
             "weights" => "PTA@vllm@weights",
-            "kv_cache" => "PTA@vllm@kv_cache",
+            "kv_cache@attn" => "PTA@vllm@kv_cache@attn",
+            "kv_cache@mamba" if mamba_rule => "PTA@vllm@kv_cache@mamba",
+            "kv_cache@mamba" | "kv_cache@hidden_state" => "PTA@vllm@kv_cache",
             "graph_pool" => "PTA@vllm@warmup@graph_pool",
             "profile" => "PTA@vllm@profile",
             "serve" => "PTA@vllm@serve",
@@ -95,22 +101,49 @@ fn assert_vllm_owners(out: &Output, ledger: &Path) {
         };
         assert_eq!(row.attr.get("owner").map(String::as_str), Some(want), "{}: {row:?}", t.phase);
         assert_eq!(row.attr.get("owner_source").map(String::as_str), Some("inferred"), "{row:?}");
-        if want == "PTA@vllm@kv_cache" {
-            kv_bytes += row.attr_u64("req_size").unwrap();
-        }
+        *by_owner.entry(want.to_owned()).or_default() += row.attr_u64("req_size").unwrap();
     }
-    let ledger_kv: u64 = tensors.iter().filter(|t| t.phase == "kv_cache").map(|t| t.size).sum();
-    assert!(ledger_kv > 0);
-    assert_eq!(kv_bytes, ledger_kv, "the KV cache's bytes");
+    let ledger_bytes =
+        |prefix: &str| -> u64 { tensors.iter().filter(|t| t.phase.starts_with(prefix)).map(|t| t.size).sum() };
+    let traced_bytes =
+        |prefix: &str| -> u64 { by_owner.iter().filter(|(o, _)| o.starts_with(prefix)).map(|(_, b)| b).sum() };
+    for (phase, owner) in [("kv_cache", "PTA@vllm@kv_cache"), ("kv_cache@attn", "PTA@vllm@kv_cache@attn")] {
+        assert!(ledger_bytes(phase) > 0, "{phase}");
+        assert_eq!(traced_bytes(owner), ledger_bytes(phase), "{owner}'s bytes: {by_owner:?}");
+    }
+    let mamba: u64 = ledger_bytes("kv_cache@mamba");
+    assert_eq!(by_owner.get("PTA@vllm@kv_cache@mamba").copied().unwrap_or(0), if mamba_rule { mamba } else { 0 });
+}
+
+/// The line of standin_vllm.py's runner module that makes the mamba tensor, as the script says.
+fn mamba_line() -> u32 {
+    let script = var("MEMSCOPE_TAGS_WORKLOAD").with_file_name("standin_vllm.py");
+    let out = std::process::Command::new("python3").arg(&script).arg("--mamba-line").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().parse().unwrap()
 }
 
 /// A vLLM-Ascend-shaped serving job (its worker and runner named as vllm-ascend's), no markers,
-/// under `trace`.
+/// under `trace`, with a user's rules file naming the mamba branch's line (`--owner-rules`, as
+/// docs/owners.md shows for vllm-ascend 0.23).
 #[test]
 fn a_vllm_shaped_job_gets_weights_kv_cache_and_the_graph_pool_from_its_frames() {
     let env = env("owners_vllm");
-    let (out, ledger) = trace_standin_script(&env, "standin_vllm.py", "ledger.jsonl");
-    assert_vllm_owners(&out, &ledger);
+    let line = mamba_line();
+    let rules = env.scratch.join("mamba.rules");
+    let rule = format!(
+        "vllm_ascend/worker/model_runner_v1.py:NPUModelRunner._allocate_kv_cache_tensors  vllm@kv_cache@mamba  \
+         phase=kv_cache  lines={line}\n"
+    );
+    std::fs::write(&rules, rule).unwrap();
+    let options = ["--owner-rules", rules.to_str().unwrap()];
+    let (out, ledger) =
+        trace_standin_with_options(&env, "standin_vllm.py", "ledger.jsonl", "out", &options, &[], &[], &[]);
+    let tensors = std::fs::read_to_string(&ledger).unwrap();
+    let mamba =
+        tensors.lines().map(|l| serde_json::from_str::<Tensor>(l).unwrap()).find(|t| t.phase == "kv_cache@mamba");
+    assert_eq!(mamba.map(|t| t.line), Some(line), "the interpreter's line of the mamba tensor");
+    assert_vllm_owners(&out, &ledger, true);
 }
 
 /// The same job found by the daemon (every call recorded): its rules apply to each job's
@@ -143,5 +176,5 @@ fn the_daemon_applies_the_owner_rules_to_its_jobs() {
         .map(|e| e.path())
         .find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.contains(&format!("_{}_", job.id()))))
         .unwrap_or_else(|| panic!("no run folder of job {}:\n{stderr}", job.id()));
-    assert_vllm_owners(&read_run(&folder), &ledger);
+    assert_vllm_owners(&read_run(&folder), &ledger, false);
 }
