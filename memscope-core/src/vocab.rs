@@ -179,6 +179,8 @@ pub mod attr {
         /// `main_thread`: the allocating thread ran no Python, so the Python stack behind the
         /// row's owner and site is the main thread's at that instant.
         py_stack_of,
+        /// The allocation's Python stack: its `id` in `ms_py_stacks` (the report's flame view).
+        py_stack,
         /// A synthetic free written at the stop for a block still live.
         shadow,
         /// A FREE of a block the trace never saw allocated.

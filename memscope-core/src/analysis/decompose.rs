@@ -12,12 +12,14 @@
 //! each. The cost is the time-ordered read ([`super::db::TimeOrder`]) plus O(rows), whatever the
 //! number of owners.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 
 use super::attr::attr_fields;
 use super::blocks::{block_attr, BlockHooks, BlockKey, BlockReplay, Bounds, OwnerSlots};
 use super::db::{DumpDb, DumpRow, Fed, Selection};
 use super::pass::Consumer as _;
+use super::py_stacks;
 use super::AnalysisError;
 use crate::vocab::Event;
 
@@ -198,21 +200,57 @@ pub enum By {
     Owner,
     /// Attr `site`; blocks without one are [`NO_SITE`].
     Site,
+    /// Attr `py_stack`, as its frames from the outermost ([`py_stacks::path`]): the flame view.
+    Stack,
 }
 
 /// The node of blocks whose MALLOC has no `site` (no Python stack was read for them).
 pub const NO_SITE: &str = "(no site: no Python stack)";
 
-/// As [`analyse`], with the nodes `by` owner or by site.
+/// As [`analyse`], with the nodes `by` owner, site or Python stack.
 pub fn analyse_by(db: &DumpDb, wanted: &[TimeSpec], by: By) -> Result<Report, AnalysisError> {
-    let fresh = || Replay { metrics: Metrics { by, ..Metrics::default() }, ..Replay::default() };
-    let mut replay = fresh();
+    let mut replay = ByReplay::new(db, by)?;
     db.for_each_row(|fed| match fed {
-        Fed::Row(row) => replay.apply(row),
-        Fed::Restart => replay = fresh(),
+        Fed::Row(row) => replay.row(row),
+        Fed::Restart => replay.restart(),
     })?;
     Ok(replay.finish(wanted))
 }
+
+/// [`analyse_by`]'s replay, for a pass that feeds others too (the report's).
+pub struct ByReplay(Replay);
+
+impl ByReplay {
+    pub fn new(db: &DumpDb, by: By) -> Result<Self, AnalysisError> {
+        let stacks = if by == By::Stack { py_stacks::paths(db)? } else { HashMap::new() };
+        Ok(Self(Replay { metrics: Metrics { by, stacks, ..Metrics::default() }, ..Replay::default() }))
+    }
+
+    pub fn finish(self, wanted: &[TimeSpec]) -> Report {
+        self.0.finish(wanted)
+    }
+}
+
+impl super::pass::Consumer for ByReplay {
+    fn selection(&self) -> Selection<'static> {
+        SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        self.0.apply(row);
+    }
+
+    fn restart(&mut self) {
+        let Metrics { by, stacks, .. } = std::mem::take(&mut self.0.metrics);
+        self.0 = Replay { metrics: Metrics { by, stacks, ..Metrics::default() }, ..Replay::default() };
+    }
+}
+
+/// The rows the decomposition reads.
+const SELECTION: Selection<'static> = {
+    const EVENTS: [&str; 3] = [Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()];
+    Selection { events: &EVENTS, name: false, thread: false }
+};
 
 /// Every change of live bytes per owner, in time order: the steps the trees are built from,
 /// for exports that draw the decomposition over time (`export --format perfetto`). The bytes of
@@ -250,8 +288,7 @@ impl TimelineReplay {
 
 impl super::pass::Consumer for TimelineReplay {
     fn selection(&self) -> Selection<'static> {
-        const EVENTS: [&str; 3] = [Event::Malloc.as_str(), Event::Free.as_str(), Event::System.as_str()];
-        Selection { events: &EVENTS, name: false, thread: false }
+        SELECTION
     }
 
     fn row(&mut self, row: DumpRow<'_>) {
@@ -266,7 +303,7 @@ impl super::pass::Consumer for TimelineReplay {
 attr_fields! {
     /// The Attr keys decompose reads. Non-string values read as absent, exactly as Insight's getter
     /// treats them, so both tools see the same blocks.
-    struct AttrFields { addr, size, weight, owner, site, unmatched, shadow }
+    struct AttrFields { addr, size, weight, owner, site, py_stack, unmatched, shadow }
 }
 block_attr!(AttrFields);
 
@@ -303,6 +340,8 @@ struct Replay {
 #[derive(Default)]
 struct Metrics {
     by: By,
+    /// With [`By::Stack`]: each Python stack's path, by the id its rows write.
+    stacks: HashMap<String, String>,
     slots: OwnerSlots,
     steps: Vec<Step>,
     totals: [i64; 3],
@@ -368,6 +407,7 @@ impl BlockHooks for Metrics {
         let name = match self.by {
             By::Owner => owner,
             By::Site => attr.site.as_deref().unwrap_or(NO_SITE),
+            By::Stack => attr.py_stack.as_deref().and_then(|id| self.stacks.get(id)).map_or(py_stacks::NO_STACK, |p| p),
         };
         let (slot, _) = self.slots.slot(family, name);
         self.stats.mallocs[family.index()] += 1;

@@ -51,6 +51,7 @@ pub mod oom;
 pub mod opdiff;
 pub mod pass;
 pub mod pool;
+pub mod py_stacks;
 pub mod render;
 pub mod sites;
 pub mod steps;

@@ -40,7 +40,8 @@ pub struct Recorder {
     /// The daemon's live view of the job (owners, steps), fed the same facts as the store.
     pub live: Option<LiveView>,
     /// Whether rows carry their Python stack's text (`--call-stack python`). Without it the
-    /// stacks are still read, for the owner rules, steps and sites.
+    /// stacks are still read, for the owner rules, steps and sites, and written once each to
+    /// `ms_py_stacks`, which MALLOC rows name (`Attr.py_stack`).
     pub python_column: bool,
     /// Whether a pid that a fork record names is a process (not a thread) still running: the
     /// binary's look at `/proc`, so that only processes are kept as children to rescan.
@@ -79,9 +80,7 @@ impl Recorder {
             EventKind::PyStack { .. } => {
                 let EventKind::PyStack { id, text } = event.kind else { unreachable!("matched above") };
                 self.tracker.learn_py_stack(id, &text);
-                if !self.python_column {
-                    return;
-                }
+                // Kept whether or not the rows carry the column: `ms_py_stacks` has each once.
                 if let Err(e) = self.store.add_py_stack(id, text) {
                     self.error.get_or_insert(WriteFailed::trace(e));
                 }

@@ -11,15 +11,17 @@ pub mod blocks;
 pub mod compare;
 pub mod curves;
 pub mod findings;
+pub mod flame;
 pub mod html;
 
 use serde::Serialize;
 
 use crate::analysis::db::DumpDb;
 use crate::analysis::db::{DumpRow, Selection};
-use crate::analysis::decompose::{self, Family};
+use crate::analysis::decompose::{self, By, ByReplay, Family};
 use crate::analysis::instants::{self, Instant};
 use crate::analysis::pass::{self, Consumer};
+use crate::analysis::py_stacks;
 use crate::analysis::steps::{self, BlockSink as _, StepDb, StepPoint, Timeline};
 use crate::analysis::AnalysisError;
 
@@ -77,6 +79,8 @@ pub struct DeviceReport {
     pub instants: Vec<Instant>,
     pub steps: Vec<StepEnd>,
     pub blocks: blocks::Table,
+    /// Each family's bytes at its peak by Python stack, where the trace read stacks.
+    pub flames: Vec<flame::Flame>,
     pub findings: Vec<findings::Finding>,
     /// What was summarised, in words.
     pub summarised: Vec<String>,
@@ -148,11 +152,15 @@ impl Consumer for StepReplay {
 pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Result<DeviceReport, AnalysisError> {
     let mut notes = Vec::new();
     let step_db = StepDb::new(db)?;
-    // One pass feeds the three replays: reading the rows is most of the cost.
+    // One pass feeds the replays: reading the rows is most of the cost.
     let mut changes = decompose::TimelineReplay::default();
     let mut step_replay = StepReplay { timeline: Timeline::new(None), top: blocks::TopBlocks::new(options.top_blocks) };
     let mut instant_reader = instants::Reader::default();
-    pass::run(db, &mut [&mut changes, &mut step_replay, &mut instant_reader])?;
+    let mut by_stack = if py_stacks::present(db)? { Some(ByReplay::new(db, By::Stack)?) } else { None };
+    match &mut by_stack {
+        Some(by_stack) => pass::run(db, &mut [&mut changes, &mut step_replay, &mut instant_reader, by_stack])?,
+        None => pass::run(db, &mut [&mut changes, &mut step_replay, &mut instant_reader])?,
+    };
     let timeline = changes.finish();
     let StepReplay { timeline: mut steps, mut top } = step_replay;
     steps.finish(&mut top);
@@ -170,6 +178,7 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
             options.buckets
         ));
     }
+    let flames = by_stack.map(|r| flame::flames(r, &curves, origin, &mut notes)).unwrap_or_default();
     let mut owners: Vec<(&'static str, String)> =
         timeline.owners.iter().map(|(f, p)| (f.as_str(), p.clone())).collect();
     drop(timeline);
@@ -220,6 +229,7 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
         instants: marks,
         steps: ends,
         blocks,
+        flames,
         findings,
         summarised: notes,
         capture: db.capture_note()?,

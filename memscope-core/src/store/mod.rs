@@ -48,6 +48,7 @@ pub use stacks::StackTable;
 pub use writer::Writer;
 
 use crate::model::{DeviceKey, OwnerBy};
+use crate::stacks::StackId;
 use crate::vocab::{Event, EventType};
 
 #[derive(Debug, Error)]
@@ -123,6 +124,12 @@ pub trait Sink: Send {
     fn add_stacks(&mut self, _stacks: &StackTable) -> Result<(), StoreError> {
         Ok(())
     }
+    /// Python stacks' texts, `first` being the first one's id (`ms_py_stacks`), each once and
+    /// in id order, with the next commit; formats without such a table keep only the rows'
+    /// column.
+    fn add_py_stacks(&mut self, _first: StackId, _texts: &[Box<str>]) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Appends the FREE of a block the trace never saw allocated to `ms_untracked_frees` (its
     /// own `ID`s, 1-based), out of Insight's table.
     fn insert_untracked(&mut self, id: u64, row: RowText<'_>) -> Result<(), StoreError>;
@@ -150,10 +157,23 @@ struct Open {
     sink: Box<dyn Sink>,
     next_id: u64,
     next_untracked_id: u64,
+    /// Python stacks handed to the sink so far (ids 1 to this).
+    py_stacks: usize,
     /// The `ID` of each live block's MALLOC row, by (pid, Event Type, Ptr), so an owner change
     /// can find it. One entry per live block (a million in a large job), so the key is packed
     /// and the map a B-tree, which never doubles its storage the way a growing hash table does.
     malloc_ids: BTreeMap<(u32, u8, u64), u64>,
+}
+
+impl Open {
+    fn add_new_py_stacks(&mut self, stacks: &StackTable) -> Result<(), StoreError> {
+        let new = &stacks.py_texts()[self.py_stacks..];
+        if !new.is_empty() {
+            self.sink.add_py_stacks(self.py_stacks as StackId + 1, new)?;
+            self.py_stacks += new.len();
+        }
+        Ok(())
+    }
 }
 
 /// The block row kinds an owner change can name, as a byte for [`Open::malloc_ids`].
@@ -242,7 +262,7 @@ impl Store {
                 }
             };
             sink.add_probes(&self.probes)?;
-            let mut open = Open { sink, next_id: 1, next_untracked_id: 1, malloc_ids: BTreeMap::new() };
+            let mut open = Open { sink, next_id: 1, next_untracked_id: 1, py_stacks: 0, malloc_ids: BTreeMap::new() };
             let start = insight::system_row(EventType::StartTrace, self.start_wall_ns, device, &self.meta);
             open.sink.insert(open.next_id, batch::single(&start, self.format).get(0))?;
             open.next_id += 1;
@@ -345,8 +365,11 @@ impl Store {
         Ok(())
     }
 
-    pub fn commit(&mut self) -> Result<(), StoreError> {
+    /// Makes every output durable, with the Python stacks new since the last commit: a row's
+    /// `py_stack` then names a stack its DB has, up to the last durable commit.
+    pub fn commit(&mut self, stacks: &StackTable) -> Result<(), StoreError> {
         for open in self.open.values_mut() {
+            open.add_new_py_stacks(stacks)?;
             open.sink.commit()?;
         }
         Ok(())
@@ -375,6 +398,7 @@ impl Store {
             if !stacks.is_empty() {
                 open.sink.add_stacks(stacks)?;
             }
+            open.add_new_py_stacks(stacks)?;
             let path = open.sink.finish(&meta, lost_per_cpu)?;
             let note = sqlite::wal_path(&path).exists().then(|| {
                 format!(

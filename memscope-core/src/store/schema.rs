@@ -62,6 +62,12 @@ CREATE TABLE IF NOT EXISTS ms_frames (
     PRIMARY KEY (stack_id, frame, depth));
 ";
 
+/// The trace's Python stacks, when it read any (the owner rules, sites, `--call-stack python`):
+/// one row per distinct stack, which MALLOC rows name by `Attr.py_stack` (docs/db-schema.md).
+pub const PY_STACK_TABLE: &str = "
+CREATE TABLE IF NOT EXISTS ms_py_stacks (id INTEGER PRIMARY KEY, text TEXT NOT NULL);
+";
+
 /// The CSV header of the dump, as msMemScope writes it.
 pub fn csv_header() -> String {
     DUMP_COLUMNS.iter().map(|(name, _)| *name).collect::<Vec<_>>().join(",")

@@ -26,6 +26,7 @@ use std::sync::{Arc, OnceLock};
 use rusqlite::{params, Connection};
 
 use crate::model::DeviceKey;
+use crate::stacks::StackId;
 use crate::vocab::{attr, Event, EventType};
 
 use super::batch::{write_device_id, RowText};
@@ -60,6 +61,7 @@ struct Queued {
     owners: Vec<(u64, String, Option<&'static str>)>,
     stacks: Vec<StackRow>,
     frames: Vec<FrameRow>,
+    py_stacks: Vec<(StackId, Box<str>)>,
 }
 
 impl Queued {
@@ -69,6 +71,7 @@ impl Queued {
             && self.untracked.is_empty()
             && self.owners.is_empty()
             && self.stacks.is_empty()
+            && self.py_stacks.is_empty()
     }
 }
 
@@ -206,7 +209,21 @@ fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<(
     for (id, owner, source) in &q.owners {
         set_owner(conn, *id, owner, *source)?;
     }
-    write_stacks(conn, &q.stacks, &q.frames)
+    write_stacks(conn, &q.stacks, &q.frames)?;
+    write_py_stacks(conn, &q.py_stacks)
+}
+
+/// `ms_py_stacks` (docs/db-schema.md), created when the trace read Python stacks.
+fn write_py_stacks(conn: &Connection, stacks: &[(StackId, Box<str>)]) -> rusqlite::Result<()> {
+    if stacks.is_empty() {
+        return Ok(());
+    }
+    conn.execute_batch(schema::PY_STACK_TABLE)?;
+    let mut stmt = conn.prepare_cached("INSERT OR REPLACE INTO ms_py_stacks (id, text) VALUES (?1, ?2)")?;
+    for (id, text) in stacks {
+        stmt.execute(params![*id as i64, &**text])?;
+    }
+    Ok(())
 }
 
 /// `ms_stacks` and `ms_frames` (docs/db-schema.md), created when the trace has stacks.
@@ -317,6 +334,11 @@ impl Sink for DbSink {
     fn add_stacks(&mut self, stacks: &StackTable) -> Result<(), StoreError> {
         self.queued.stacks = stacks.rows().to_vec();
         self.queued.frames = stacks.frames().to_vec();
+        Ok(())
+    }
+
+    fn add_py_stacks(&mut self, first: StackId, texts: &[Box<str>]) -> Result<(), StoreError> {
+        self.queued.py_stacks.extend(texts.iter().zip(first..).map(|(t, id)| (id, t.clone())));
         Ok(())
     }
 

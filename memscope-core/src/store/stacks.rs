@@ -131,6 +131,11 @@ impl StackTable {
         self.py.push(text);
     }
 
+    /// The Python stacks' texts, the first being id 1.
+    pub fn py_texts(&self) -> &[Box<str>] {
+        &self.py
+    }
+
     /// The `Call Stack(Python)` text of a row's Python stack ("" for none).
     pub fn py_text(&self, id: StackId) -> &str {
         if id == NO_STACK {

@@ -59,7 +59,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Ve
             Msg::Probes(probes) => store.add_probes(&probes)?,
             Msg::Meta(meta) => store.set_meta(&meta)?,
             Msg::Retag(retag) => store.retag(&retag)?,
-            Msg::Commit => store.commit()?,
+            Msg::Commit => store.commit(&stacks)?,
             Msg::Stopping => store.stopping()?,
             Msg::Finish { stop_wall_ns, meta, lost_per_cpu } => {
                 return store.finish(stop_wall_ns, &meta, &lost_per_cpu, &stacks)
@@ -67,7 +67,7 @@ fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Ve
         }
     }
     // The session went away without finishing (it failed): keep what was written.
-    store.commit()?;
+    store.commit(&stacks)?;
     Ok(Vec::new())
 }
 

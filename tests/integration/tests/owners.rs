@@ -144,6 +144,54 @@ fn a_vllm_shaped_job_gets_weights_kv_cache_and_the_graph_pool_from_its_frames() 
         tensors.lines().map(|l| serde_json::from_str::<Tensor>(l).unwrap()).find(|t| t.phase == "kv_cache@mamba");
     assert_eq!(mamba.map(|t| t.line), Some(line), "the interpreter's line of the mamba tensor");
     assert_vllm_owners(&out, &ledger, true);
+    assert_flame_at_the_peak(&env, &out, &ledger);
+}
+
+/// The report's flame view of the PTA peak: the bytes under each worker method's frame are the
+/// ledger's tensors made under it and live then (all kept ones, and one request's three serving
+/// tensors, live together at the peak); the profile run's, freed long before, are not there.
+fn assert_flame_at_the_peak(env: &TestEnv, out: &Output, ledger: &Path) {
+    let Some(chromium) = chromium() else { return };
+    let page = env.scratch.join("report.html");
+    let run_dir = out.db("device_0").ancestors().nth(3).unwrap().to_owned();
+    let made = std::process::Command::new(&env.bin).arg("report").arg(&run_dir).arg("-o").arg(&page).output().unwrap();
+    assert!(made.status.success(), "report failed: {}", String::from_utf8_lossy(&made.stderr));
+    let evals = [
+        "family=(document.querySelector('#family-picker [data-pick=PTA]').click(), document.querySelector('#family-picker .on').dataset.pick)",
+        "flame=[...document.querySelectorAll('#flame .node[data-name]')].map(n => [n.dataset.name, +n.dataset.depth, +n.dataset.bytes])",
+        "peak=+document.getElementById('peak-bytes').dataset.bytes",
+    ];
+    let seen =
+        visit(&chromium, &page, &Visit { evals: evals.iter().map(|s| s.to_string()).collect(), ..Visit::default() });
+    let dom = &seen["dom"];
+    assert_eq!(dom["family"], "PTA", "{seen}");
+    let nodes: Vec<(String, u64, u64)> = serde_json::from_value(dom["flame"].clone()).unwrap();
+    let tensors: Vec<Tensor> =
+        std::fs::read_to_string(ledger).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let kept = |phase: &str| -> u64 { tensors.iter().filter(|t| t.phase.starts_with(phase)).map(|t| t.size).sum() };
+    let one_request = tensors.iter().filter(|t| t.phase == "serve").take(3).map(|t| t.size).sum::<u64>();
+    let want = [
+        ("load_model", kept("weights")),
+        ("initialize_from_config", kept("kv_cache")),
+        ("compile_or_warm_up_model", kept("graph_pool")),
+        ("execute_model", one_request),
+    ];
+    // The worker's methods, by their last name (3.9 and 3.10 give no class) in the worker's file.
+    let worker = |method: &str| {
+        nodes.iter().find(|(name, _, _)| {
+            name.split_once(" (").is_some_and(|(f, place)| {
+                (f == method || f.ends_with(&format!(".{method}"))) && place.contains("vllm_ascend/worker/worker.py:")
+            })
+        })
+    };
+    for (method, bytes) in want {
+        let node = worker(method).unwrap_or_else(|| panic!("no {method} frame in the flame: {nodes:?}"));
+        assert_eq!(node.2, bytes, "{method}'s bytes at the peak: {nodes:?}");
+    }
+    assert!(worker("determine_available_memory").is_none(), "the profile run's tensors were freed: {nodes:?}");
+    let root = nodes.iter().find(|n| n.1 == 0).expect("the flame's root");
+    assert_eq!(root.2, want.iter().map(|w| w.1).sum::<u64>(), "the PTA peak is those tensors: {nodes:?}");
+    assert_eq!(dom["peak"].as_u64(), Some(root.2), "the page's peak: {dom}");
 }
 
 /// The same job found by the daemon (every call recorded): its rules apply to each job's

@@ -282,6 +282,53 @@ function tree() {
   const top = draw(root, 0); top.style.flex = "1 1 0"; box.append(top);
 }
 
+// ------------------------------------------------------------------ Python stacks (flame view)
+
+// The flame's nodes come depth-first, children largest first; a node's parent is the last node
+// before it one level up.
+function flameTree(f) {
+  const root = { name: f.nodes[0].name, bytes: f.nodes[0].bytes, blocks: f.nodes[0].blocks, kids: [] }, open = [root];
+  for (const n of f.nodes.slice(1)) {
+    const node = { name: n.name, bytes: n.bytes, blocks: n.blocks, kids: [] };
+    open.length = n.depth; open[n.depth - 1].kids.push(node); open.push(node);
+  }
+  return root;
+}
+
+// `function (file:line)` drawn as `function file-name:line`, the whole in the tooltip.
+function frameLabel(name) {
+  const m = /^(.*) \((.*):(\d+)\)$/.exec(name);
+  return m ? m[1] + " " + m[2].split("/").pop() + ":" + m[3] : name;
+}
+
+function flame() {
+  const box = $("flame"), note = $("flame-note"), f = (dev().flames || []).find((x) => x.family === state.family);
+  box.textContent = ""; note.textContent = "";
+  if (!f || !f.nodes.length) {
+    $("flame-title").textContent = "Python stacks at the peak";
+    note.textContent = "No Python stacks for these blocks: the job runs no Python here, or it was traced with --no-infer (trace reads them by default).";
+    return;
+  }
+  $("flame-title").textContent = "Python stacks at the peak (" + f.family + ") " + secs(f.t) + ": " + bytes(f.total);
+  const hue = (name) => { let h = 0; for (const ch of name) h = (h * 31 + ch.charCodeAt(0)) % 360; return h; };
+  const draw = (node, depth) => {
+    const colour = depth === 0 ? "#d5dbe1" : "hsl(" + (20 + hue(node.name) % 40) + ", 75%, " + (62 + hue(node.name) % 15) + "%)";
+    const label = el("div", { class: "label", style: "background:" + colour,
+      title: node.name + "\n" + bytes(node.bytes) + " (" + node.bytes + " bytes) in " + node.blocks + " block(s), " + (100 * node.bytes / f.total).toFixed(1) + "%" },
+      (depth === 0 ? node.name + " (all)" : frameLabel(node.name)) + " " + bytes(node.bytes));
+    const e = el("div", { class: "node", "data-name": node.name, "data-depth": String(depth), "data-bytes": String(node.bytes),
+      style: "flex:" + node.bytes + " 1 0" }, label);
+    const rest = node.bytes - node.kids.reduce((a, k) => a + k.bytes, 0);
+    if (node.kids.length) {
+      const k = el("div", { class: "kids" }); node.kids.forEach((n) => k.append(draw(n, depth + 1)));
+      if (rest > 0) k.append(el("div", { class: "node", style: "flex:" + rest + " 1 0" }));
+      e.append(k);
+    }
+    return e;
+  };
+  const top = draw(flameTree(f), 0); top.style.flex = "1 1 0"; box.append(top);
+}
+
 // ------------------------------------------------------------------ per-step curves
 
 // Lines over steps (or over seconds, `unit` "s"), each series [[x, bytes], ...].
@@ -462,7 +509,7 @@ function reset() {
 }
 
 function render() {
-  pickers(); overview(); drawTimeline(); tree(); steps(); compare(); blocks(); findings(); summarised();
+  pickers(); overview(); drawTimeline(); tree(); flame(); steps(); compare(); blocks(); findings(); summarised();
 }
 
 function main() {

@@ -76,12 +76,15 @@ fn with_free_flags(mut attr: Pairs<'_>, flags: FreeFlags) -> Pairs<'_> {
     attr
 }
 
-/// Where a new block's owner came from (absent: the allocator's label alone) and its site.
-fn with_from<'o>(attr: Pairs<'o>, from: &BlockFrom) -> Pairs<'o> {
+/// Where a new block's owner came from (absent: the allocator's label alone), its site and its
+/// Python stack.
+fn with_from<'o>(attr: Pairs<'o>, from: &BlockFrom, site: &Site) -> Pairs<'o> {
     let lent = from.main_thread.then_some("main_thread");
+    let py_stack = (site.py_stack != crate::stacks::NO_STACK).then_some(u64::from(site.py_stack));
     attr.with_opt(attr::owner_source, from.owner_by.as_str())
         .with_opt(attr::site, from.site.as_deref())
         .with_opt(attr::py_stack_of, lent)
+        .with_opt(attr::py_stack, py_stack)
 }
 
 /// MALLOC of a device or host block.
@@ -115,7 +118,7 @@ pub(super) fn malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a
         attr.with_opt(attr::owner, owner.as_deref()).with_opt(attr::segment, segment.map(pool_name))
     };
     let attr = MALLOC_TAIL.with_borrow_mut(|last| last.write(attr, site.api, origin, owner, *segment, tail));
-    let attr = with_from(attr, from).with_opt(attr::weight, block_weight(site, *size, Some(*req_size)));
+    let attr = with_from(attr, from, site).with_opt(attr::weight, block_weight(site, *size, Some(*req_size)));
     (Columns::at(site, Event::Malloc, space.event_type(), *device, Some(*ptr)), attr)
 }
 
@@ -210,7 +213,7 @@ pub(super) fn pool_malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Colum
         .with(attr::total, *total)
         .with(attr::pool, pool_name(*pool))
         .with(attr::owner, &**owner);
-    let attr = with_from(attr, from).with_opt(attr::weight, block_weight(site, *size, *req_size));
+    let attr = with_from(attr, from, site).with_opt(attr::weight, block_weight(site, *size, *req_size));
     (Columns::at(site, Event::Malloc, EventType::Pta, *device, Some(*ptr)), attr)
 }
 
