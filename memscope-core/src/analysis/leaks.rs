@@ -462,7 +462,7 @@ fn blocks_text(out: &mut String, leaks: &[Leak]) {
 fn steps_line(report: &LeakReport) -> String {
     let s = &report.summary;
     if report.boundaries.is_empty() {
-        return "no step boundaries: leak candidates and degradation need steps (memscope.step(), mstx `step start` ranges, or --step-marker NAME)".into();
+        return "no step boundaries: leak candidates and degradation need steps (memscope.step(), mstx `step start` ranges, --step-marker NAME, the job's Python stacks, or allocations that repeat)".into();
     }
     let sources: Vec<String> = s.sources.iter().map(|(src, n)| format!("{n} from {}", src.describe())).collect();
     let (first, last) = (report.boundaries[0].step, report.boundaries[report.boundaries.len() - 1].step);

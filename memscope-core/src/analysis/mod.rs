@@ -54,6 +54,7 @@ pub mod pool;
 pub mod py_stacks;
 pub mod render;
 pub mod sites;
+pub mod step_pattern;
 pub mod steps;
 pub mod stream_reuse;
 

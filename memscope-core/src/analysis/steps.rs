@@ -74,6 +74,15 @@ impl<'a> StepDb<'a> {
         move |source| AnalysisError::Read { path: self.db.path().to_owned(), source }
     }
 
+    /// The boundaries of a trace without steps, from its allocations' repeating pattern
+    /// ([`super::step_pattern`]); none with a `--step-marker`, whose steps are the user's.
+    pub fn pattern(&self, step_marker: Option<&str>) -> Result<Vec<i64>, AnalysisError> {
+        match step_marker {
+            Some(_) => Ok(Vec::new()),
+            None => super::step_pattern::boundaries(self.db),
+        }
+    }
+
     /// Calls `f` for every memory, `SYSTEM` and `MSTX` row in time order (see [`TimeOrder`]).
     pub fn for_each_row(&self, f: impl FnMut(Fed<'_>)) -> Result<ReadOrder, AnalysisError> {
         self.db.rows(SELECTION)?.for_each_row(f)
@@ -144,6 +153,9 @@ pub enum Source {
     /// A `STEP` row the tracer found from the job's Python stacks (`source`=`inferred`), read
     /// as `memscope.step()`'s.
     Inferred,
+    /// Found here, in a trace without any of the above, from the repeating pattern of its
+    /// allocations ([`super::step_pattern`]): each starts the next step.
+    Pattern,
 }
 
 impl Source {
@@ -153,6 +165,7 @@ impl Source {
             Self::Range => "mstx `step start` ranges",
             Self::Marker => "--step-marker marks",
             Self::Inferred => "steps found from the job's Python stacks (no markers)",
+            Self::Pattern => "the repeating pattern of the allocations (no markers, no Python stacks)",
         }
     }
 }
@@ -187,6 +200,8 @@ pub struct StepDetector {
     pub duplicates: u64,
     /// Distinct mark messages seen (a few), to say what exists when `--step-marker` matches none.
     pub marks_seen: Vec<String>,
+    /// Boundaries found from the allocations' pattern, not yet reached ([`StepDb::pattern`]).
+    pattern: std::collections::VecDeque<i64>,
 }
 
 /// A `STEP` row the tracer found from the stacks: its Attr is `{"source":"inferred"}` alone.
@@ -210,6 +225,11 @@ impl StepDetector {
         Self { marker: marker.map(str::to_owned), ..Self::default() }
     }
 
+    /// With the boundaries a trace without steps has from its allocations' pattern.
+    pub fn with_pattern(marker: Option<&str>, pattern: &[i64]) -> Self {
+        Self { pattern: pattern.iter().copied().collect(), ..Self::new(marker) }
+    }
+
     /// The step running now, if a boundary was seen.
     pub fn current(&self) -> Option<u64> {
         self.current
@@ -218,6 +238,10 @@ impl StepDetector {
     /// Feeds one row; boundaries it completes go to `out` (at most two). Returns whether the row
     /// was only a step marker (the `Range_start` twin of a `STEP` row).
     pub fn feed(&mut self, row: &DumpRow<'_>, out: &mut Vec<Boundary>) -> bool {
+        while let Some(ts) = self.pattern.front().copied().filter(|&ts| ts <= row.ts) {
+            self.pattern.pop_front();
+            self.commit(None, ts, Source::Pattern, out);
+        }
         if let Some(p) = self.pending.take() {
             if is_step_range(row) && row.ts == p.ts && row.pid == p.pid {
                 self.commit(p.number, p.ts, Source::Range, out);
@@ -258,6 +282,9 @@ impl StepDetector {
     pub fn finish(&mut self, out: &mut Vec<Boundary>) {
         if let Some(p) = self.pending.take() {
             self.commit(p.number.map(|n| n.saturating_add(1)), p.ts, p.source, out);
+        }
+        while let Some(ts) = self.pattern.pop_front() {
+            self.commit(None, ts, Source::Pattern, out);
         }
     }
 
@@ -511,8 +538,13 @@ fn close(
 
 impl Timeline {
     pub fn new(step_marker: Option<&str>) -> Self {
+        Self::with_pattern(step_marker, &[])
+    }
+
+    /// With the boundaries of [`StepDb::pattern`].
+    pub fn with_pattern(step_marker: Option<&str>, pattern: &[i64]) -> Self {
         Self {
-            detector: StepDetector::new(step_marker),
+            detector: StepDetector::with_pattern(step_marker, pattern),
             blocks: BlockReplay::default(),
             live: LiveBytes {
                 slots: OwnerSlots::default(),
@@ -534,11 +566,12 @@ impl Timeline {
     /// Replays a whole DB. A `--step-marker` that names no mark is refused: it is a typo far
     /// more often than a trace without steps, and a report without steps would hide that.
     pub fn replay(db: &StepDb<'_>, step_marker: Option<&str>, sink: &mut impl BlockSink) -> Result<Self, StepError> {
-        let mut timeline = Self::new(step_marker);
+        let pattern = db.pattern(step_marker)?;
+        let mut timeline = Self::with_pattern(step_marker, &pattern);
         db.for_each_row(|fed| match fed {
             Fed::Row(row) => timeline.apply(&row, sink),
             Fed::Restart => {
-                timeline = Self::new(step_marker);
+                timeline = Self::with_pattern(step_marker, &pattern);
                 sink.restart();
             }
         })?;

@@ -131,6 +131,8 @@ fn step_end(p: &StepPoint, steps: &Timeline, owners: &mut Vec<(&'static str, Str
 struct StepReplay {
     timeline: Timeline,
     top: blocks::TopBlocks,
+    /// Steps from the allocations' pattern, for a trace without any ([`StepDb::pattern`]).
+    pattern: Vec<i64>,
 }
 
 impl Consumer for StepReplay {
@@ -143,7 +145,7 @@ impl Consumer for StepReplay {
     }
 
     fn restart(&mut self) {
-        self.timeline = Timeline::new(None);
+        self.timeline = Timeline::with_pattern(None, &self.pattern);
         self.top.restart();
     }
 }
@@ -154,7 +156,9 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
     let step_db = StepDb::new(db)?;
     // One pass feeds the replays: reading the rows is most of the cost.
     let mut changes = decompose::TimelineReplay::default();
-    let mut step_replay = StepReplay { timeline: Timeline::new(None), top: blocks::TopBlocks::new(options.top_blocks) };
+    let pattern = step_db.pattern(None)?;
+    let timeline = Timeline::with_pattern(None, &pattern);
+    let mut step_replay = StepReplay { timeline, top: blocks::TopBlocks::new(options.top_blocks), pattern };
     let mut instant_reader = instants::Reader::default();
     let mut by_stack = if py_stacks::present(db)? { Some(ByReplay::new(db, By::Stack)?) } else { None };
     match &mut by_stack {
@@ -162,7 +166,7 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
         None => pass::run(db, &mut [&mut changes, &mut step_replay, &mut instant_reader])?,
     };
     let timeline = changes.finish();
-    let StepReplay { timeline: mut steps, mut top } = step_replay;
+    let StepReplay { timeline: mut steps, mut top, .. } = step_replay;
     steps.finish(&mut top);
     let end_ns = steps.end_point().map_or(origin, |p| p.ts);
     let start_ns = steps.start_ns().unwrap_or(origin);

@@ -283,7 +283,9 @@ fn traced_torch_run(env: &TestEnv, python: &Path, markers: &Path) -> TorchRun {
 
     let out_s = out.display().to_string();
     let pid_s = pid.to_string();
-    let mut tracer = Tracer::spawn(env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
+    let mut args = vec!["trace", "--pid", &pid_s, "--output", &out_s];
+    args.extend_from_slice(flags);
+    let mut tracer = Tracer::spawn(env, &args, &[]);
     let counter = match bpftrace() {
         Some(bin) => {
             let libc10 = mapped(pid, |n| n == "libc10.so").expect("torch's libc10.so is mapped");
@@ -465,7 +467,8 @@ fn ledger_line<T: for<'de> Deserialize<'de>>(ledger: &Path, kind: &str) -> T {
 }
 
 /// Traces the job nobody edited (no markers package on its path), attached by pid with no flag.
-fn traced_unmarked_run(env: &TestEnv, python: &Path) -> (Output, String, PathBuf, PathBuf) {
+/// torch_unmarked_train.py for `steps` steps, with `flags` for `trace --pid`.
+fn traced_unmarked_run(env: &TestEnv, python: &Path, steps: u32, flags: &[&str]) -> (Output, String, PathBuf, PathBuf) {
     let workload = env.workload.with_file_name("torch_unmarked_train.py");
     let (ledger, ready, gate, out) = (
         env.scratch.join("ledger.jsonl"),
@@ -476,14 +479,16 @@ fn traced_unmarked_run(env: &TestEnv, python: &Path) -> (Output, String, PathBuf
     let mut job = Command::new(python)
         .arg(&workload)
         .args(["--ledger", &ledger.display().to_string(), "--ready", &ready.display().to_string()])
-        .args(["--gate", &gate.display().to_string(), "--steps", "6", "--checkpoint-step", "3"])
+        .args(["--gate", &gate.display().to_string(), "--steps", &steps.to_string(), "--checkpoint-step", "3"])
         .env_remove("PYTHONPATH")
         .stdin(Stdio::null())
         .spawn()
         .expect("start the torch workload");
     let pid: u32 = wait_for_file(&ready, &mut job, Duration::from_secs(120)).trim().parse().unwrap();
     let (out_s, pid_s) = (out.display().to_string(), pid.to_string());
-    let mut tracer = Tracer::spawn(env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
+    let mut args = vec!["trace", "--pid", &pid_s, "--output", &out_s];
+    args.extend_from_slice(flags);
+    let mut tracer = Tracer::spawn(env, &args, &[]);
     tracer.wait_live(Duration::from_secs(60));
     std::thread::sleep(Duration::from_millis(300));
     std::fs::write(&gate, "go").unwrap();
@@ -497,7 +502,7 @@ fn traced_unmarked_run(env: &TestEnv, python: &Path) -> (Output, String, PathBuf
 fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_python_stacks() {
     let env = env("real_torch_unmarked");
     let Some((python, _)) = real_torch() else { return };
-    let (output, stderr, ledger, run) = traced_unmarked_run(&env, &python);
+    let (output, stderr, ledger, run) = traced_unmarked_run(&env, &python, 6, &[]);
     let cp: UnmarkedCheckpoint = ledger_line(&ledger, "checkpoint");
     let done: UnmarkedDone = ledger_line(&ledger, "done");
     let rows: Vec<&DbRow> = output.files["device_cpu"].1.iter().collect();
@@ -571,6 +576,48 @@ fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_pyth
     assert_eq!(by_site.len(), 1, "{sites:#}");
     assert_eq!(by_site[0]["site"], site.as_str(), "{sites:#}");
     assert_eq!(by_site[0]["blocks"].as_u64(), Some(want.len() as u64), "{sites:#}");
+}
+
+/// The same job traced with `--no-infer`: no Python stack is read, so no step is written, and
+/// the leaks analysis finds the steps from the repeating pattern of the job's allocations. Its
+/// candidates are the job's leaked tensors (the ledger's size, which nothing else has), one per
+/// iteration past the warm-up but for the last ones, and nothing else.
+#[test]
+fn real_torch_traced_without_stacks_gets_its_steps_from_the_pattern_of_its_allocations() {
+    let env = env("real_torch_pattern");
+    let Some((python, _)) = real_torch() else { return };
+    let steps = 10;
+    let (output, _, ledger, run) = traced_unmarked_run(&env, &python, steps, &["--no-infer"]);
+    let done: UnmarkedDone = ledger_line(&ledger, "done");
+    let rows: Vec<&DbRow> = output.files["device_cpu"].1.iter().collect();
+    assert!(!rows.iter().any(|r| r.event == "SYSTEM" && r.event_type == "STEP"), "no step rows without stacks");
+    let leaked: BTreeMap<u64, u64> = c10_rows(&rows)
+        .iter()
+        .filter(|r| r.event == "MALLOC" && r.attr_u64("size") == Some(done.leak_bytes))
+        .map(|r| (r.ptr_value().unwrap(), done.leak_bytes))
+        .collect();
+    assert_eq!(leaked.len() as u64, done.steps, "one leaked tensor per step");
+    let out = Command::new(&env.bin)
+        .args(["analyze", run.to_str().unwrap(), "--analysis", "leaks", "--device", "cpu", "--json", "--no-write"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = all.as_array().unwrap().iter().find(|r| r["analysis"] == "leaks").expect("a leaks report");
+    let boundaries = report["boundaries"].as_u64().unwrap_or_else(|| panic!("{report:#}"));
+    // Iteration 1 makes Adam's state and differs; from the second on each starts a step.
+    assert!((u64::from(steps) - 2..=u64::from(steps)).contains(&boundaries), "{report:#}");
+    let sources = report["step_sources"].as_object().unwrap();
+    assert!(sources.len() == 1 && sources.keys().all(|k| k.starts_with("the repeating pattern")), "{report:#}");
+    let ptr = |text: &str| u64::from_str_radix(text.trim_start_matches("0x"), 16).unwrap();
+    let got: BTreeMap<u64, u64> = report["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (ptr(c["ptr"].as_str().unwrap()), c["size"].as_u64().unwrap()))
+        .collect();
+    assert!(got.iter().all(|(p, _)| leaked.contains_key(p)), "only leaked tensors: {report:#}");
+    assert!(got.len() >= steps as usize - 5, "{} of {steps} leaked tensors: {report:#}", got.len());
 }
 
 #[derive(Deserialize)]
