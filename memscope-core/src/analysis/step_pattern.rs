@@ -27,8 +27,10 @@ const MATCH_PCT: usize = 95;
 const WINDOW_PCT: usize = 90;
 /// Positions compared per candidate period.
 const SAMPLES: usize = 2048;
-/// The stream's latest allocations read, at most.
-const MAX_TOKENS: usize = 2_000_000;
+/// The stream's latest allocations read, at most (and the latest allocations of all, among
+/// which the busiest stream is chosen): enough for ten iterations of 50,000 allocations, and a
+/// bounded read of a DB of any size.
+const MAX_TOKENS: usize = 500_000;
 
 /// A repetition: its period, and the first index from which it holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,8 +106,8 @@ pub fn starts(ts: &[i64], tokens: &[u64], repeat: Repeat) -> Vec<usize> {
 }
 
 /// The step boundaries (timestamps) of a trace without steps, from its busiest stream (the
-/// process and block kind with the most allocations); empty when the trace has steps or no
-/// repetition is found.
+/// process and block kind with the most of the latest allocations); empty when the trace has
+/// steps or no repetition is found.
 pub fn boundaries(db: &DumpDb) -> Result<Vec<i64>, AnalysisError> {
     let read = |source| AnalysisError::Read { path: db.path().to_owned(), source };
     let table = db.table();
@@ -127,8 +129,8 @@ pub fn boundaries(db: &DumpDb) -> Result<Vec<i64>, AnalysisError> {
         .conn()
         .query_row(
             &format!(
-                "SELECT \"Process Id\", \"Event Type\" FROM {table} WHERE Event = ?1 \
-                 GROUP BY 1, 2 ORDER BY count(*) DESC LIMIT 1"
+                "SELECT \"Process Id\", \"Event Type\" FROM (SELECT \"Process Id\", \"Event Type\" FROM {table} \
+                 WHERE Event = ?1 ORDER BY rowid DESC LIMIT {MAX_TOKENS}) GROUP BY 1, 2 ORDER BY count(*) DESC LIMIT 1"
             ),
             [Event::Malloc.as_str()],
             |r| Ok(Some((r.get(0)?, r.get(1)?))),

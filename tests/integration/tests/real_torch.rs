@@ -283,9 +283,7 @@ fn traced_torch_run(env: &TestEnv, python: &Path, markers: &Path) -> TorchRun {
 
     let out_s = out.display().to_string();
     let pid_s = pid.to_string();
-    let mut args = vec!["trace", "--pid", &pid_s, "--output", &out_s];
-    args.extend_from_slice(flags);
-    let mut tracer = Tracer::spawn(env, &args, &[]);
+    let mut tracer = Tracer::spawn(env, &["trace", "--pid", &pid_s, "--output", &out_s], &[]);
     let counter = match bpftrace() {
         Some(bin) => {
             let libc10 = mapped(pid, |n| n == "libc10.so").expect("torch's libc10.so is mapped");
