@@ -496,6 +496,16 @@ fn traced_unmarked_run(env: &TestEnv, python: &Path, steps: u32, flags: &[&str])
     (read_output(&out), stderr, ledger, run_dir(&out))
 }
 
+fn hex(text: &str) -> u64 {
+    u64::from_str_radix(text.trim_start_matches("0x"), 16).unwrap()
+}
+
+/// A leaks report's candidates: pointer -> size.
+fn candidates(report: &serde_json::Value) -> BTreeMap<u64, u64> {
+    let all = report["candidates"].as_array().unwrap_or_else(|| panic!("{report:#}"));
+    all.iter().map(|c| (hex(c["ptr"].as_str().unwrap()), c["size"].as_u64().unwrap())).collect()
+}
+
 #[test]
 fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_python_stacks() {
     let env = env("real_torch_unmarked");
@@ -556,17 +566,11 @@ fn real_torch_without_markers_gets_owners_steps_and_the_leaks_line_from_its_pyth
     // after their birth step's end; the last step's end is the trace's, so the leaks of steps
     // 2..=N-2 are the candidates, and nothing else is (weights and Adam's state are born in
     // step 1; every other tensor is freed within a step).
-    let ptr = |text: &str| u64::from_str_radix(text.trim_start_matches("0x"), 16).unwrap();
     let mut by_birth = leaked.clone();
     by_birth.sort_by_key(|r| r.ts);
     let want: BTreeMap<u64, u64> =
-        by_birth[1..done.steps as usize - 2].iter().map(|r| (ptr(&r.ptr), done.leak_bytes)).collect();
-    let got: BTreeMap<u64, u64> = report["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| (ptr(c["ptr"].as_str().unwrap()), c["size"].as_u64().unwrap()))
-        .collect();
+        by_birth[1..done.steps as usize - 2].iter().map(|r| (hex(&r.ptr), done.leak_bytes)).collect();
+    let got = candidates(report);
     assert_eq!(got, want, "{report:#}");
     // The sites analysis groups them under the job's line, and only there.
     let sites = all.as_array().unwrap().iter().find(|r| r["analysis"] == "sites").expect("a sites report");
@@ -607,13 +611,7 @@ fn real_torch_traced_without_stacks_gets_its_steps_from_the_pattern_of_its_alloc
     assert!((u64::from(steps) - 2..=u64::from(steps)).contains(&boundaries), "{report:#}");
     let sources = report["step_sources"].as_object().unwrap();
     assert!(sources.len() == 1 && sources.keys().all(|k| k.starts_with("the repeating pattern")), "{report:#}");
-    let ptr = |text: &str| u64::from_str_radix(text.trim_start_matches("0x"), 16).unwrap();
-    let got: BTreeMap<u64, u64> = report["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| (ptr(c["ptr"].as_str().unwrap()), c["size"].as_u64().unwrap()))
-        .collect();
+    let got = candidates(report);
     assert!(got.iter().all(|(p, _)| leaked.contains_key(p)), "only leaked tensors: {report:#}");
     assert!(got.len() >= steps as usize - 5, "{} of {steps} leaked tensors: {report:#}", got.len());
 }
