@@ -13,7 +13,8 @@ use memscope_core::report::{self, compare, html, DeviceReport, Options, Page, Ru
 use super::inputs::{self, write_atomically};
 
 /// Write a trace as one HTML page: memory over time by owner, the owner tree at the peak and at
-/// any instant clicked, the blocks, the analyses' findings; two traces: what grew.
+/// any instant clicked, the peak by Python stack, the blocks, the analyses' findings; two
+/// traces: what grew.
 ///
 ///   memscope-bpf report msout/memscope_4242_20260101120000_ascend
 ///   memscope-bpf report .../device_0/dump/memscope_dump_1.db -o run.html
@@ -22,8 +23,9 @@ use super::inputs::{self, write_atomically};
 /// The page is one file with everything inside (no network, nothing to install): memory over
 /// time per device, stacked by owner as analyze --analysis decompose splits it, with the other
 /// layers and the caching pools' reserved bytes as lines, step boundaries, marks and OOMs; drag
-/// to zoom, click for the owner tree at that instant (the peak's is shown first); the largest
-/// blocks in a sortable, filterable table with their owners, lifetimes, inefficiency flags, the
+/// to zoom, click for the owner tree at that instant (the peak's is shown first); the bytes at
+/// the peak by the Python stack that allocated them (a flame view, for jobs whose stacks the
+/// trace read: its default on CPython); the largest blocks in a sortable, filterable table with their owners, lifetimes, inefficiency flags, the
 /// job's line that made each (its site) and call stacks; the analyses' result tables (leaks,
 /// OOMs, inefficient memory, the job's lines holding memory: run here when the DB lacks them,
 /// unless --no-analyses; advise's come from `memscope-bpf advise`); per-step live memory.
