@@ -101,9 +101,10 @@ fn privileged_tier(opts: &Options, root: &Path, built: &build::Built) -> anyhow:
     if let (Ok(python), true) = (&real_torch, opts.privileged_only) {
         markers_for_torch(root, python)?;
     }
-    let real_torch_npu = wheel::torch_npu_library();
-    if let Err(why) = &real_torch_npu {
-        eprintln!("xtask test: WARNING: the real torch_npu library test will skip: {why}");
+    let real_torch_npu = wheel::torch_npu_library(wheel::Machine::X86_64);
+    let real_torch_npu_arm = wheel::torch_npu_library(wheel::Machine::Aarch64);
+    for why in [&real_torch_npu, &real_torch_npu_arm].into_iter().filter_map(|r| r.as_ref().err()) {
+        eprintln!("xtask test: WARNING: a real torch_npu library test will skip: {why}");
     }
     eprintln!("xtask test: privileged tier (loads BPF, as root)");
     // Root-only unit tests of the tracer itself (perf uprobes with semaphores and cookies).
@@ -123,6 +124,10 @@ fn privileged_tier(opts: &Options, root: &Path, built: &build::Built) -> anyhow:
     match &real_torch_npu {
         Ok(lib) => cmd.env("MEMSCOPE_REAL_TORCH_NPU", lib),
         Err(why) => cmd.env("MEMSCOPE_REAL_TORCH_NPU_MISSING", why),
+    };
+    match &real_torch_npu_arm {
+        Ok(lib) => cmd.env("MEMSCOPE_REAL_TORCH_NPU_AARCH64", lib),
+        Err(why) => cmd.env("MEMSCOPE_REAL_TORCH_NPU_AARCH64_MISSING", why),
     };
     match &real_torch {
         Ok(python) => cmd

@@ -1,4 +1,5 @@
-//! A real third-party file for cross-checks: `libtorch_npu.so` from torch_npu's wheel on PyPI.
+//! A real third-party file for cross-checks: `libtorch_npu.so` from torch_npu's wheels on PyPI,
+//! for x86-64 and for aarch64.
 //!
 //! `probes --lib` is tested against it (no process, no Ascend hardware needed), so the symbol
 //! names and the offset arithmetic are checked on the real release build, not only on our
@@ -18,29 +19,54 @@ fn version() -> String {
     std::env::var("MEMSCOPE_TORCH_NPU_VERSION").unwrap_or_else(|_| DEFAULT_VERSION.to_owned())
 }
 
-/// Where the extracted library lives for a version.
-fn library_path(version: &str) -> PathBuf {
-    root().join("target/wheels").join(format!("torch_npu-{version}")).join("libtorch_npu.so")
+/// The machines whose wheel is fetched: x86-64, and aarch64 (Kunpeng: most Ascend servers),
+/// whose library `probes --lib --arch aarch64` reads from here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Machine {
+    X86_64,
+    Aarch64,
 }
 
-/// The extracted `libtorch_npu.so`, or why there is none (a warning, not an error).
-pub fn torch_npu_library() -> Result<PathBuf, String> {
+impl Machine {
+    /// The wheel's platform tag's architecture.
+    fn tag(self) -> &'static str {
+        match self {
+            Self::X86_64 => "x86_64",
+            Self::Aarch64 => "aarch64",
+        }
+    }
+}
+
+/// Where the extracted library lives for a version (x86-64's where it always was).
+fn library_path(version: &str, machine: Machine) -> PathBuf {
+    let folder = match machine {
+        Machine::X86_64 => format!("torch_npu-{version}"),
+        Machine::Aarch64 => format!("torch_npu-{version}-aarch64"),
+    };
+    root().join("target/wheels").join(folder).join("libtorch_npu.so")
+}
+
+/// The extracted `libtorch_npu.so` of `machine`'s wheel, or why there is none (a warning, not
+/// an error).
+pub fn torch_npu_library(machine: Machine) -> Result<PathBuf, String> {
     let version = version();
-    let lib = library_path(&version);
+    let lib = library_path(&version, machine);
     if lib.is_file() {
         return Ok(lib);
     }
     let dir = lib.parent().expect("has a parent").to_owned();
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    eprintln!("xtask: fetching torch_npu {version}'s wheel from PyPI for the real-library probes test (44 MB)");
+    let tag = machine.tag();
+    eprintln!("xtask: fetching torch_npu {version}'s {tag} wheel from PyPI for the real-library probes test (40 MB)");
     // A wheel for a fixed platform and Python: the library is the same whichever Python runs
     // here, and pip then needs no matching interpreter.
     sh(Command::new("python3")
         .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"])
-        .args(["--platform", "manylinux_2_28_x86_64", "--python-version", "3.11", "--implementation", "cp", "-d"])
+        .args(["--platform", &format!("manylinux_2_28_{tag}"), "--python-version", "3.11", "--implementation", "cp"])
+        .arg("-d")
         .arg(&dir)
         .arg(format!("torch-npu=={version}")))
-    .map_err(|e| format!("pip download torch-npu=={version} failed (no network or no pip?): {e:#}"))?;
+    .map_err(|e| format!("pip download torch-npu=={version} ({tag}) failed (no network or no pip?): {e:#}"))?;
     let wheel = std::fs::read_dir(&dir)
         .map_err(|e| e.to_string())?
         .filter_map(Result::ok)

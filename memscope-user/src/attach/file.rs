@@ -12,6 +12,7 @@
 //! - an ELF candidate must be a 64-bit ELF of this machine (`e_machine` of the architecture the
 //!   tracer runs on, the only one whose calling convention its probes decode): an aarch64 or
 //!   i386 copy named like a runtime library would otherwise be probed at meaningless offsets.
+//!   (`probes --lib --arch`, which attaches nothing, reads another architecture's files instead.)
 //!
 //! Accepted files are mapped read-only, not read: the parsers touch only the headers and tables
 //! they need, so a large library costs address space, not memory. A mapped file that shrinks
@@ -46,6 +47,8 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
+use super::usdt_args::Arch;
+
 /// The largest file accepted as a library (2 GiB).
 pub const MAX_LIBRARY_BYTES: u64 = 2 << 30;
 /// The largest file accepted as a separate debug file (8 GiB): DWARF of a large C++ library can
@@ -66,7 +69,7 @@ pub enum FileError {
     TooLarge { path: PathBuf, size: u64, limit: u64 },
     #[error("{path} is not an ELF file")]
     NotElf { path: PathBuf },
-    #[error("{path} is {found}, not a 64-bit {expected} ELF file (the architecture traced here)")]
+    #[error("{path} is {found}, not a 64-bit {expected} ELF file (the architecture read here; `probes --lib PATH --arch ARCH` checks another's files)")]
     WrongMachine { path: PathBuf, found: String, expected: &'static str },
     #[error("{path} is open for writing by another process, so it is not read (it may change under the tracer); trace again once it is written")]
     BeingWritten { path: PathBuf },
@@ -278,10 +281,11 @@ const EM_X86_64: u16 = 62;
 const EM_AARCH64: u16 = 183;
 const EM_RISCV: u16 = 243;
 
-/// The ELF machine of the architecture this binary runs on (with its name).
-fn host_machine() -> (u16, &'static str) {
-    match std::env::consts::ARCH {
-        "aarch64" => (EM_AARCH64, "aarch64"),
+/// The ELF machine of the architecture whose files are read (with its name): the host's, but
+/// under `probes --lib --arch` ([`Arch::of_files`]).
+fn files_machine() -> (u16, &'static str) {
+    match Arch::of_files() {
+        Some(Arch::Aarch64) => (EM_AARCH64, "aarch64"),
         _ => (EM_X86_64, "x86-64"),
     }
 }
@@ -305,7 +309,7 @@ pub fn check_elf(path: &Path, data: &[u8]) -> Result<(), FileError> {
     let (class, little) = (data[4], data[5] == 1);
     let machine =
         if little { u16::from_le_bytes([data[18], data[19]]) } else { u16::from_be_bytes([data[18], data[19]]) };
-    let (want, expected) = host_machine();
+    let (want, expected) = files_machine();
     if class == 2 && little && machine == want {
         return Ok(());
     }
@@ -347,7 +351,7 @@ mod tests {
 
     #[test]
     fn other_machines_and_non_elf_files_are_refused() {
-        let (host, _) = host_machine();
+        let (host, _) = files_machine();
         let other = if host == EM_X86_64 { EM_AARCH64 } else { EM_X86_64 };
         let p = Path::new("libascendcl.so");
         assert!(check_elf(p, &header(2, 1, host)).is_ok());

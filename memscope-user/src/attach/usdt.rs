@@ -59,7 +59,7 @@ pub fn plan(data: &[u8]) -> Result<UsdtPlan, UsdtNoteError> {
     for note in read_notes(data)? {
         let Some(want) = expected(&note.provider, &note.name) else { continue };
         let shown = format!("{}:{} at {:#x} (`{}`)", note.provider, note.name, note.file_offset, note.args);
-        let Some(arch) = Arch::host() else {
+        let Some(arch) = Arch::of_files() else {
             plan.skipped.push(format!("{shown}: USDT arguments are not decoded on this architecture"));
             continue;
         };

@@ -18,6 +18,8 @@
 
 // Outside tests nothing calls this yet: the USDT attach path in the loader is the next step.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use memscope_common::usdt::{arg_kind, UsdtArg, UsdtSpec, USDT_MAX_ARGS};
 use thiserror::Error;
 
@@ -31,6 +33,9 @@ pub enum Arch {
     Aarch64,
 }
 
+/// [`Arch::of_files`]: 0 for the host's, else the [`Arch`] set by [`Arch::read_files_as`].
+static FILES_ARCH: AtomicU8 = AtomicU8::new(0);
+
 impl Arch {
     /// The architecture this binary runs on, or `None` where USDT arguments are not decoded.
     pub const fn host() -> Option<Self> {
@@ -40,6 +45,30 @@ impl Arch {
             Some(Self::Aarch64)
         } else {
             None
+        }
+    }
+
+    /// The architecture whose files are read (ELF machine, USDT argument syntax): the host's,
+    /// for everything that attaches; another only for `probes --lib --arch`, which checks an
+    /// aarch64 wheel's libraries from an x86-64 machine (or the reverse) and attaches nothing.
+    pub fn of_files() -> Option<Self> {
+        match FILES_ARCH.load(Ordering::Relaxed) {
+            1 => Some(Self::X86_64),
+            2 => Some(Self::Aarch64),
+            _ => Self::host(),
+        }
+    }
+
+    /// Reads files as `arch`'s from now on (`probes --lib --arch`, before it reads any).
+    pub fn read_files_as(arch: Self) {
+        FILES_ARCH.store(if arch == Self::X86_64 { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// As ELF headers and `uname -m` name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::X86_64 => "x86-64",
+            Self::Aarch64 => "aarch64",
         }
     }
 }

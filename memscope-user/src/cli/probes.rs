@@ -14,6 +14,7 @@ use memscope_core::stacks::{frame_pointers, python, unwind};
 
 use crate::attach::libs::{self, Library, Origin};
 use crate::attach::plan::{describe_debug, plan, DebugStatus};
+use crate::attach::usdt_args::Arch;
 use crate::attach::ProbeSet;
 use crate::session::preflight::{self, PreflightError};
 
@@ -44,6 +45,31 @@ pub struct Args {
     /// As for `trace`: probe the Impl symbols only (default) or both public and Impl.
     #[arg(long, value_enum, value_name = "SET", default_value_t = ProbeSet::Default)]
     pub probe_set: ProbeSet,
+
+    /// Read the --lib files as another architecture's, to check from this machine the
+    /// libraries of another kind of machine (an aarch64 wheel's on an x86-64 workstation): which
+    /// symbols would be attached, at which file offsets, and the USDT sites' arguments in that
+    /// architecture's registers. Default: this machine's. Nothing is attached, so not with --pid.
+    #[arg(long, value_enum, value_name = "ARCH", requires = "libs", conflicts_with = "pid")]
+    pub arch: Option<FilesArch>,
+}
+
+/// `--arch`: the architectures whose files the tracer reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FilesArch {
+    #[value(name = "x86-64", alias = "x86_64", alias = "amd64")]
+    X86_64,
+    #[value(name = "aarch64", alias = "arm64")]
+    Aarch64,
+}
+
+impl From<FilesArch> for Arch {
+    fn from(arch: FilesArch) -> Self {
+        match arch {
+            FilesArch::X86_64 => Self::X86_64,
+            FilesArch::Aarch64 => Self::Aarch64,
+        }
+    }
 }
 
 fn origin(o: &Origin) -> String {
@@ -216,6 +242,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("nothing to inspect: give --pid PID or --lib PATH");
     }
     check_debug_dirs(&args.debug_dirs)?;
+    // Before any file is read: each is checked against, and decoded for, this architecture.
+    if let Some(arch) = args.arch {
+        Arch::read_files_as(arch.into());
+    }
     let mut found: Vec<Library> = Vec::new();
     for path in &args.libs {
         found.extend(libs::from_user_path(path).context("--lib")?);
@@ -234,6 +264,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     // Built whole, then written once: a reader that stops early (`| head`) is not an error.
     let mut text = String::new();
+    if let Some(arch) = args.arch.map(Arch::from).filter(|a| Some(*a) != Arch::host()) {
+        let host = Arch::host().map_or(std::env::consts::ARCH, Arch::name);
+        let name = arch.name();
+        let _ = writeln!(text, "read as {name} files (--arch {name}): what memscope-bpf on an {name} machine would attach; this machine is {host}");
+    }
     let mut unreadable = 0;
     for lib in &found {
         // Paths, notes and debug links below are the libraries' (and the process's) own text.
