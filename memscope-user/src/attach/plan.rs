@@ -23,6 +23,7 @@ use super::dwarf;
 use super::elf::{ElfError, ElfSymbols, SymbolSource};
 use super::file;
 use super::libs::{self, wanted_symbols, Library};
+use super::usdt;
 
 /// Which symbols to probe in a library that has both `aclrtX` and `aclrtXImpl`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -155,7 +156,7 @@ pub fn plan(lib: &Library, set: ProbeSet, debug_dirs: &[PathBuf]) -> Result<Libr
             Family::AclRuntime | Family::Hal => plan_forwarders(lib, set, family, &mut plan),
             Family::TorchNpu => plan_torch(lib, debug_data.as_deref().unwrap_or(&data), &mut plan),
             Family::Atb => plan_atb(lib, &data, debug_dirs, &mut plan),
-            Family::CudaCaching => plan_c10_cuda(lib, &mut plan),
+            Family::CudaCaching => plan_c10_cuda(lib, &data, &mut plan),
             Family::Mstx | Family::C10 | Family::CudaRuntime | Family::CudaDriver | Family::PythonGc => {
                 plan_every(lib, family, &mut plan);
             }
@@ -205,8 +206,9 @@ fn plan_every(lib: &Library, family: Family, plan: &mut LibraryPlan) {
 }
 
 /// PyTorch's CUDA caching allocator: the internal steps that take segments, where `.symtab` has
-/// them (blocks come from its USDT probes, which `attach::usdt` plans).
-fn plan_c10_cuda(lib: &Library, plan: &mut LibraryPlan) {
+/// them (blocks come from its USDT probes, which `attach::usdt` plans, where the build has them:
+/// torch's aarch64 wheels, built without SDT, have none).
+fn plan_c10_cuda(lib: &Library, data: &[u8], plan: &mut LibraryPlan) {
     let steps = [Api::CudaAllocBlock, Api::CudaMapBlock];
     let found: Vec<AttachedProbe> = steps
         .into_iter()
@@ -226,11 +228,14 @@ fn plan_c10_cuda(lib: &Library, plan: &mut LibraryPlan) {
         )
     };
     plan.probes.extend(found);
-    plan.notes.push(LayerNote {
-        family: Family::CudaCaching,
-        text: "tensor blocks from the pytorch:malloc/free USDT probes (semaphore-gated; listed with the marker sites)"
-            .into(),
-    });
+    let sites = usdt::plan(data).map(|p| p.sites).unwrap_or_default();
+    let blocks = if sites.iter().any(|s| s.name.starts_with("pytorch:")) {
+        "tensor blocks from the pytorch:malloc/free USDT probes (semaphore-gated; listed with the marker sites)"
+    } else {
+        "no pytorch:malloc/free USDT sites in this build (torch's aarch64 wheels are built without them): its \
+         tensor blocks are not seen, only the device memory of its segments"
+    };
+    plan.notes.push(LayerNote { family: Family::CudaCaching, text: blocks.into() });
     plan.notes.push(LayerNote { family: Family::CudaCaching, text });
 }
 
@@ -365,5 +370,28 @@ pub fn describe_debug(status: &DebugStatus) -> String {
             link.as_deref().unwrap_or("a .gnu_debuglink name"),
             build_id.as_ref().map(|b| format!("; build id {b} under .build-id/")).unwrap_or_default()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `libc10_cuda.so` whose build has no `pytorch:` USDT notes (torch's aarch64 wheels; here
+    /// this test binary under that name, which has none either): the plan says its tensor blocks
+    /// are not seen, instead of promising the USDT probes.
+    #[test]
+    fn a_c10_cuda_without_pytorchs_usdt_sites_says_its_tensor_blocks_are_not_seen() {
+        let dir = std::env::temp_dir().join(format!("memscope-plan-c10-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let lib = dir.join("libc10_cuda.so");
+        std::fs::copy(std::env::current_exe().unwrap(), &lib).unwrap();
+        let found = libs::from_user_path(&lib).unwrap();
+        let plan = plan(&found[0], ProbeSet::Default, &[]).unwrap();
+        let notes: Vec<&str> =
+            plan.notes.iter().filter(|n| n.family == Family::CudaCaching).map(|n| n.text.as_str()).collect();
+        assert!(notes.iter().any(|n| n.starts_with("no pytorch:malloc/free USDT sites")), "{notes:?}");
+        assert!(!notes.iter().any(|n| n.starts_with("tensor blocks from the pytorch")), "{notes:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
