@@ -161,10 +161,9 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
     let mut step_replay = StepReplay { timeline, top: blocks::TopBlocks::new(options.top_blocks), pattern };
     let mut instant_reader = instants::Reader::default();
     let mut by_stack = if py_stacks::present(db)? { Some(ByReplay::new(db, By::Stack)?) } else { None };
-    match &mut by_stack {
-        Some(by_stack) => pass::run(db, &mut [&mut changes, &mut step_replay, &mut instant_reader, by_stack])?,
-        None => pass::run(db, &mut [&mut changes, &mut step_replay, &mut instant_reader])?,
-    };
+    let mut consumers: Vec<&mut dyn Consumer> = vec![&mut changes, &mut step_replay, &mut instant_reader];
+    consumers.extend(by_stack.as_mut().map(|r| r as &mut dyn Consumer));
+    pass::run(db, &mut consumers)?;
     let timeline = changes.finish();
     let StepReplay { timeline: mut steps, mut top, .. } = step_replay;
     steps.finish(&mut top);
