@@ -31,8 +31,8 @@ const APT_PACKAGES: &[&str] = &[
     "bpftrace",
     "gcc",
     "util-linux",
-    // Ascend hosts are often arm64: the tests compile for it (CPython's layouts from its own
-    // headers, and `cargo check` of the tracer with its eBPF object for arm64's registers).
+    // Ascend hosts are often arm64: a unit test lays out CPython's fields for it from CPython's
+    // own headers with the cross compiler.
     "gcc-aarch64-linux-gnu",
     "libc6-dev-arm64-cross",
     // The real consumer of `--listen`'s metrics: the tests scrape the tracer with Prometheus and
@@ -42,13 +42,17 @@ const APT_PACKAGES: &[&str] = &[
     "tmux",
     // `report`'s page is opened in headless Chromium by the tests and the benchmark.
     "chromium",
+    // The release's checks (tests/integration/tests/release.rs): the aarch64 binary run under
+    // qemu-user, the OCI image unpacked by umoci, the split debug info read by gdb.
+    "qemu-user-static",
+    "umoci",
+    "gdb",
+    "unzip",
     // The power-cut test records the trace DB's writes and syncs with it (store/crash_tests.rs).
     "strace",
 ];
-/// The Rust target of that check.
-pub const ARM64_TARGET: &str = "aarch64-unknown-linux-gnu";
 const BPF_LINKER_VERSION: &str = "0.13.0";
-const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+pub const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 
 fn apt_missing() -> Vec<&'static str> {
     APT_PACKAGES
@@ -135,12 +139,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             bail!("bpf-linker was installed but is not on PATH; add ~/.cargo/bin to PATH");
         }
     }
-    let targets = output(Command::new("rustup").args(["target", "list", "--installed"])).unwrap_or_default();
-    if targets.lines().any(|t| t.trim() == ARM64_TARGET) {
-        eprintln!("xtask setup: Rust target {ARM64_TARGET} present");
-    } else {
-        sh(Command::new("rustup").args(["target", "add", ARM64_TARGET]))?;
-    }
+    // The release's tools and Rust targets (cargo-zigbuild and Zig, musl for both machines).
+    crate::dist::prepare()?;
     if !ok(Command::new("python3").args(["-c", "import ctypes, sqlite3"])) {
         bail!("python3 with ctypes and sqlite3 is needed for the workloads; install python3");
     }

@@ -1,12 +1,13 @@
 //! `cargo xtask test`: the README's test command. Setup, build, the unprivileged tests (plain
-//! `cargo test`, with stable Rust only: [`stable_tier`]), then the privileged tier
-//! (tests/integration, which loads BPF) as root.
+//! `cargo test`, with stable Rust only: [`stable_tier`]), the release (`cargo xtask dist`, for
+//! x86-64 and aarch64), then the privileged tier (tests/integration, which loads BPF, and checks
+//! the release) as root.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::util::{privileged, root, run as sh};
-use crate::{build, setup, stable_tier, torch_env, wheel};
+use crate::{build, dist, setup, stable_tier, torch_env, wheel};
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -25,20 +26,6 @@ pub struct Options {
     pub privileged_only: bool,
 }
 
-/// Compiles the tracer for arm64 (no arm64 machine here to run it): its register reads, its
-/// unwinder and its eBPF object (built with arm64's `pt_regs`) must keep compiling there.
-fn arm64_check(root: &Path) -> anyhow::Result<()> {
-    eprintln!("xtask test: cargo check for {} (eBPF object included)", setup::ARM64_TARGET);
-    sh(Command::new("cargo").current_dir(root).args(["check", "--quiet", "--target", setup::ARM64_TARGET]).args([
-        "-p",
-        "memscope-core",
-        "-p",
-        "memscope-user",
-        "--target-dir",
-        "target/arm64-check",
-    ]))
-}
-
 pub fn run(opts: &Options) -> anyhow::Result<()> {
     if !opts.no_setup {
         setup::run(&setup::Options { check: false })?;
@@ -48,16 +35,24 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     if !opts.privileged_only {
         unprivileged(&root, &built)?;
     }
+    // The release, for both architectures: this is also where the tracer and its eBPF object are
+    // compiled for arm64. A quick privileged-only rerun checks the release already there.
+    let release = if opts.privileged_only {
+        Some(root.join("target/dist"))
+            .filter(|d| d.join("SHA256SUMS").is_file())
+            .ok_or_else(|| "no target/dist yet: run `cargo xtask dist`".to_owned())
+    } else {
+        Ok(dist::run(&dist::Options { arch: Vec::new() })?)
+    };
     if opts.unprivileged_only {
         return Ok(());
     }
-    privileged_tier(opts, &root, &built)
+    privileged_tier(opts, &root, &built, &release)
 }
 
 /// Everything that needs no root: the stable-only tier, the arm64 check, the markers' tests.
 fn unprivileged(root: &Path, built: &build::Built) -> anyhow::Result<()> {
     stable_tier::run(root)?;
-    arm64_check(root)?;
     let real_torch = torch_env::python();
     if let Err(why) = &real_torch {
         eprintln!("xtask test: WARNING: the real PyTorch tests will skip: {why}");
@@ -95,7 +90,12 @@ fn markers_for_torch(root: &Path, python: &Path) -> anyhow::Result<std::path::Pa
 
 /// The privileged tier: the tracer's root-only unit tests, tests/integration as root, and the
 /// sweep of every DB it wrote against Insight's rules.
-fn privileged_tier(opts: &Options, root: &Path, built: &build::Built) -> anyhow::Result<()> {
+fn privileged_tier(
+    opts: &Options,
+    root: &Path,
+    built: &build::Built,
+    release: &Result<PathBuf, String>,
+) -> anyhow::Result<()> {
     // Installed (once) by the unprivileged part; found again here.
     let real_torch = torch_env::python();
     if let (Ok(python), true) = (&real_torch, opts.privileged_only) {
@@ -128,6 +128,10 @@ fn privileged_tier(opts: &Options, root: &Path, built: &build::Built) -> anyhow:
     match &real_torch_npu_arm {
         Ok(lib) => cmd.env("MEMSCOPE_REAL_TORCH_NPU_AARCH64", lib),
         Err(why) => cmd.env("MEMSCOPE_REAL_TORCH_NPU_AARCH64_MISSING", why),
+    };
+    match release {
+        Ok(dir) => cmd.env("MEMSCOPE_DIST", dir),
+        Err(why) => cmd.env("MEMSCOPE_DIST_MISSING", why),
     };
     match &real_torch {
         Ok(python) => cmd

@@ -30,7 +30,7 @@ pub struct RunLayout {
 
 /// Local time as `YYYYmmddHHMMSS`.
 pub fn local_stamp(wall_secs: i64) -> String {
-    let t: libc::time_t = wall_secs;
+    let t = wall_secs;
     // SAFETY: zeroed tm is a valid out-parameter for localtime_r.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     // SAFETY: both pointers are valid for the call.
