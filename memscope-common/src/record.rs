@@ -16,6 +16,13 @@ pub const MAX_ARGS: usize = 6;
 /// msMemScope keeps labels and messages up to 128 characters.
 pub const TEXT_LEN: usize = crate::usdt::USDT_TEXT_LEN;
 
+/// The `group_dead` offset handed to the exit tracepoint where the kernel's
+/// `sched/sched_process_exit` has no such field (it came with Linux 6.16; Debian 12's 6.1 and
+/// the 5.10–6.6 kernels of Ascend servers lack it). The probe then counts the thread-group
+/// leader's exit as the process's, as bcc's tools do: right but for a leader that leaves by
+/// `pthread_exit` while other threads run on.
+pub const NO_GROUP_DEAD: u32 = u32::MAX;
+
 /// Which payload follows the header. The ids are part of the ABI: never renumber, only append.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

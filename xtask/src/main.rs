@@ -18,6 +18,7 @@ mod stable_tier;
 mod test;
 mod torch_env;
 mod util;
+mod vm;
 mod wheel;
 
 use clap::{Parser, Subcommand};

@@ -48,6 +48,11 @@ const APT_PACKAGES: &[&str] = &[
     "umoci",
     "gdb",
     "unzip",
+    // The VM tier (xtask/src/vm): Debian's packages into a root file system, and the machines.
+    "debootstrap",
+    "cpio",
+    "qemu-system-x86",
+    "qemu-system-arm",
     // The power-cut test records the trace DB's writes and syncs with it (store/crash_tests.rs).
     "strace",
 ];

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::util::{privileged, root, run as sh};
-use crate::{build, dist, setup, stable_tier, torch_env, wheel};
+use crate::{build, dist, setup, stable_tier, torch_env, vm, wheel};
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -24,6 +24,11 @@ pub struct Options {
     /// working on it; the README's command runs every tier).
     #[arg(long, conflicts_with = "unprivileged_only")]
     pub privileged_only: bool,
+    /// The VM tier alone: the smoke set inside qemu, on Debian 12's 6.1 kernel (builds the
+    /// release first; caches the machines' files under target/vm/). Not yet part of the full
+    /// run: some of its tests still fail now and then under TCG (issue 37's notes).
+    #[arg(long, conflicts_with_all = ["unprivileged_only", "privileged_only", "filter"])]
+    pub vm: bool,
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<()> {
@@ -32,6 +37,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     let built = build::run()?;
     let root = root();
+    if opts.vm {
+        let release = dist::run(&dist::Options { arch: vec![dist::Arch::X86_64] })?;
+        return vm::run(&built, &release, &VM_MACHINES);
+    }
     if !opts.privileged_only {
         unprivileged(&root, &built)?;
     }
@@ -49,6 +58,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     privileged_tier(opts, &root, &built, &release)
 }
+
+/// The machines the VM tier boots.
+const VM_MACHINES: [dist::Arch; 1] = [dist::Arch::X86_64];
 
 /// Everything that needs no root: the stable-only tier, the arm64 check, the markers' tests.
 fn unprivileged(root: &Path, built: &build::Built) -> anyhow::Result<()> {
@@ -86,6 +98,25 @@ fn markers_for_torch(root: &Path, python: &Path) -> anyhow::Result<std::path::Pa
         .arg(&markers)
         .arg(root.join("markers")))?;
     Ok(markers)
+}
+
+/// What the privileged tests find the stand-ins and workloads by (tests/integration's
+/// `environment.rs`), but the binary and the scratch folder; the VM tier hands the same over.
+pub fn standin_env(root: &Path, built: &build::Built) -> Vec<(&'static str, PathBuf)> {
+    vec![
+        ("MEMSCOPE_PRIVILEGED_TIER", PathBuf::from("1")),
+        ("MEMSCOPE_ASCEND_HOME", built.ascend_home.clone()),
+        ("MEMSCOPE_LATE_LIB", built.late_lib.clone()),
+        ("MEMSCOPE_WORKLOAD", root.join("tests/workloads/standin_train.py")),
+        ("MEMSCOPE_TAGS_WORKLOAD", root.join("tests/workloads/standin_tags.py")),
+        ("MEMSCOPE_MARKERS", built.markers.clone()),
+        ("MEMSCOPE_TORCH_WITH_DEBUG", built.torch.with_debug.clone()),
+        ("MEMSCOPE_TORCH_WITHOUT_DEBUG", built.torch.without_debug.clone()),
+        ("MEMSCOPE_TORCH_DEBUG_STORE", built.torch.debug_store.clone()),
+        ("MEMSCOPE_KERNEL_HOOK", built.torch.kernel_hook.clone()),
+        ("MEMSCOPE_ATB_LIB", built.atb.clone()),
+        ("MEMSCOPE_CUDA_LIB", built.cuda.clone()),
+    ]
 }
 
 /// The privileged tier: the tracer's root-only unit tests, tests/integration as root, and the
@@ -140,21 +171,10 @@ fn privileged_tier(
         Err(why) => cmd.env("MEMSCOPE_REAL_TORCH_MISSING", why),
     };
     cmd.current_dir(root)
-        .env("MEMSCOPE_PRIVILEGED_TIER", "1")
+        .envs(standin_env(root, built))
         .env("MEMSCOPE_BIN", &built.binary)
-        .env("MEMSCOPE_ASCEND_HOME", &built.ascend_home)
-        .env("MEMSCOPE_LATE_LIB", &built.late_lib)
-        .env("MEMSCOPE_WORKLOAD", root.join("tests/workloads/standin_train.py"))
-        .env("MEMSCOPE_TAGS_WORKLOAD", root.join("tests/workloads/standin_tags.py"))
-        .env("MEMSCOPE_MARKERS", &built.markers)
-        .env("MEMSCOPE_TORCH_WITH_DEBUG", &built.torch.with_debug)
-        .env("MEMSCOPE_TORCH_WITHOUT_DEBUG", &built.torch.without_debug)
-        .env("MEMSCOPE_TORCH_DEBUG_STORE", &built.torch.debug_store)
-        .env("MEMSCOPE_KERNEL_HOOK", &built.torch.kernel_hook)
-        .env("MEMSCOPE_ATB_LIB", &built.atb)
-        .env("MEMSCOPE_CUDA_LIB", &built.cuda)
-        .env("MEMSCOPE_SCRATCH", &scratch)
-        .args(["test", "-p", "memscope-integration", "--"])
+        .env("MEMSCOPE_SCRATCH", &scratch);
+    cmd.args(["test", "-p", "memscope-integration", "--"])
         // One at a time: the attach tests time their steps, and 2 cores are shared.
         .arg("--test-threads=1");
     if let Some(filter) = &opts.filter {

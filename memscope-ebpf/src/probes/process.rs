@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::TracePointContext,
     Global,
 };
-use memscope_common::record::{ExitRecord, ForkRecord, RecordHeader, RecordKind};
+use memscope_common::record::{ExitRecord, ForkRecord, RecordHeader, RecordKind, NO_GROUP_DEAD};
 
 use crate::filter::{self, admit_any, deny_by_comm, would_admit};
 use crate::maps::{follow_forks, is_traced, output, TRACED};
@@ -28,7 +28,7 @@ use crate::probes::python::PY_PROCS;
 #[no_mangle]
 static FORK_CHILD_PID_OFFSET: Global<u32> = Global::new(20);
 
-/// Offset of `group_dead` in `sched/sched_process_exit`.
+/// Offset of `group_dead` in `sched/sched_process_exit`, or [`NO_GROUP_DEAD`].
 #[no_mangle]
 static EXIT_GROUP_DEAD_OFFSET: Global<u32> = Global::new(32);
 
@@ -91,9 +91,14 @@ fn try_exit(ctx: &TracePointContext) -> Option<()> {
         let _ = TRACED.remove(tid);
         let _ = PY_PROCS.remove(tid);
     }
-    // SAFETY: offset from the format file.
-    let group_dead: u8 = unsafe { ctx.read_at(EXIT_GROUP_DEAD_OFFSET.load() as usize) }.ok()?;
-    if group_dead == 0 {
+    let offset = EXIT_GROUP_DEAD_OFFSET.load();
+    let group_dead = if offset == NO_GROUP_DEAD {
+        tid == tgid
+    } else {
+        // SAFETY: offset from the format file.
+        unsafe { ctx.read_at::<u8>(offset as usize) }.ok()? != 0
+    };
+    if !group_dead {
         return Some(());
     }
     let _ = TRACED.remove(tgid);

@@ -77,6 +77,9 @@ pub enum LoadError {
     TooManyCgroups(u32),
     #[error("tracefs is not available ({0}); mount it with `mount -t tracefs nodev /sys/kernel/tracing`")]
     Tracefs(String),
+    /// A tracepoint's format lacks a field this kernel does not have (an older kernel).
+    #[error("this kernel's tracepoint lacks a field the probes read ({0})")]
+    NoField(String),
 }
 
 #[derive(Debug, Error)]
@@ -222,7 +225,7 @@ fn field_offset(root: &Path, event: &str, field: &str) -> Result<u32, LoadError>
         .and_then(|l| l.split("offset:").nth(1))
         .and_then(|rest| rest.split(';').next())
         .and_then(|n| n.trim().parse().ok())
-        .ok_or_else(|| LoadError::Tracefs(format!("no field `{field}` in {}", path.display())))
+        .ok_or_else(|| LoadError::NoField(format!("no field `{field}` in {}", path.display())))
 }
 
 /// Fails when this binary holds the stub instead of the eBPF object (built with `MEMSCOPE_EBPF_STUB`),
@@ -242,7 +245,10 @@ impl Tracer {
         check_object()?;
         let tracefs = tracefs_root()?;
         let child_pid_offset = field_offset(tracefs, "sched/sched_process_fork", "child_pid")?;
-        let group_dead_offset = field_offset(tracefs, "sched/sched_process_exit", "group_dead")?;
+        let group_dead_offset = match field_offset(tracefs, "sched/sched_process_exit", "group_dead") {
+            Err(LoadError::NoField(_)) => memscope_common::record::NO_GROUP_DEAD,
+            other => other?,
+        };
         let follow = u32::from(opts.follow_forks);
         let admission = opts.admission.clone();
         let admit_any = u32::from(admission.is_some());

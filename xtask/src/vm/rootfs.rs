@@ -1,0 +1,105 @@
+//! A machine's root file system and kernel from Debian's own packages, cached under
+//! `target/vm/ARCH/`: `debootstrap --foreign` resolves and fetches the packages (no program of
+//! the other architecture runs: that stage only downloads and unpacks), then every fetched
+//! package is unpacked with `dpkg-deb -x` (no maintainer scripts: nothing here needs them),
+//! and the tree, less the kernel's modules and the documentation, becomes a cpio archive the
+//! kernel unpacks as its initramfs. The kernel is Debian's `linux-image-ARCH` of the release.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context as _};
+
+use crate::dist::Arch;
+use crate::util::{root, run as sh};
+
+/// Debian 12: its 6.1 kernel has no multi-uprobe links (6.6), no `group_dead` in
+/// `sched_process_exit` (6.16), and the BPF of Ascend servers' 5.10–6.6 kernels.
+pub const SUITE: &str = "bookworm";
+const MIRROR: &str = "http://deb.debian.org/debian";
+/// What the smoke tests run beside the tracer: the stand-in workloads' interpreter, busybox for
+/// `ip` (the daemon listens on loopback), and libc's symbols (as on the host, where valgrind
+/// brings them), by which a native stack's outermost frame is named `__libc_start_call_main`.
+const PACKAGES: &[&str] = &["python3", "busybox", "libc6-dbg"];
+/// Left out of the initramfs: large, and nothing in the VM reads them.
+const LEFT_OUT: &[&str] = &[
+    "./usr/lib/modules",
+    "./usr/share/doc",
+    "./usr/share/man",
+    "./usr/share/locale",
+    "./usr/share/info",
+    "./var/cache/apt",
+    "./boot",
+];
+
+pub struct Rootfs {
+    pub kernel: PathBuf,
+    /// The kernel's release (`uname -r`), for messages.
+    pub release: String,
+    /// The root file system as a newc cpio archive.
+    pub cpio: PathBuf,
+}
+
+fn debian_arch(arch: Arch) -> &'static str {
+    match arch {
+        Arch::X86_64 => "amd64",
+        Arch::Aarch64 => "arm64",
+    }
+}
+
+/// The cached root file system of `arch`, made first if missing.
+pub fn ensure(arch: Arch) -> anyhow::Result<Rootfs> {
+    let dir = root().join("target/vm").join(debian_arch(arch));
+    let tree = dir.join("rootfs");
+    let cpio = dir.join("rootfs.cpio");
+    let stamp = dir.join("ready");
+    // The stamp names what was fetched, so a changed list fetches again.
+    let wanted = format!("{SUITE} {}\n", PACKAGES.join(" "));
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        fetch(arch, &tree)?;
+        archive(&tree, &cpio)?;
+        std::fs::write(&stamp, &wanted)?;
+    }
+    let boot = tree.join("boot");
+    let kernel = std::fs::read_dir(&boot)
+        .with_context(|| format!("{} is incomplete; remove {} and run again", boot.display(), dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
+        .with_context(|| format!("no kernel in {}", boot.display()))?;
+    let release = kernel.file_name().expect("named").to_string_lossy().trim_start_matches("vmlinuz-").to_owned();
+    Ok(Rootfs { kernel, release, cpio })
+}
+
+fn fetch(arch: Arch, tree: &Path) -> anyhow::Result<()> {
+    let debian = debian_arch(arch);
+    eprintln!("xtask vm: fetching Debian {SUITE} ({debian}) and its kernel into {}", tree.display());
+    let include = format!("--include={},linux-image-{debian}", PACKAGES.join(","));
+    sh(Command::new("debootstrap")
+        .args(["--foreign", "--variant=minbase", &format!("--arch={debian}"), &include, SUITE])
+        .arg(tree)
+        .arg(MIRROR))
+    .context("debootstrap failed (`cargo xtask setup` installs it; it needs root and deb.debian.org)")?;
+    let archives = tree.join("var/cache/apt/archives");
+    let mut debs: Vec<PathBuf> = std::fs::read_dir(&archives)?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "deb"))
+        .collect();
+    debs.sort();
+    for deb in &debs {
+        sh(Command::new("dpkg-deb").arg("-x").arg(deb).arg(tree))?;
+    }
+    if !tree.join("usr/bin/python3").exists() {
+        bail!("the {debian} root file system has no python3 after unpacking {} packages", debs.len());
+    }
+    Ok(())
+}
+
+fn archive(tree: &Path, cpio: &Path) -> anyhow::Result<()> {
+    let prune: Vec<String> = LEFT_OUT.iter().map(|p| format!("-path {p} -prune -o")).collect();
+    let script = format!("find . {} -print | cpio -o -H newc --quiet > '{}'", prune.join(" "), cpio.display());
+    sh(Command::new("sh").current_dir(tree).args(["-c", &script]))
+}
