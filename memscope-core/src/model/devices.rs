@@ -4,8 +4,9 @@
 //!   pool, host): Insight groups a file's rows by this id alone.
 //! - The kernel learns a thread's device only from its set/get-device calls. After an attach, a
 //!   thread that chose its device earlier is known by the device its calls name (a driver flag,
-//!   a malloc config's device, a physical handle's property, a pool block's device) until it
-//!   calls one of them again.
+//!   a pool block's device) until it calls one of them again. A call that places memory
+//!   explicitly names where the memory goes, not where the thread is: a malloc config's device
+//!   (a buffer on the peer device) or a physical handle's property teaches nothing.
 
 use std::collections::BTreeMap;
 
@@ -135,10 +136,10 @@ impl Devices {
         if call.status != 0 || call.thread_device.is_some() {
             return;
         }
+        let explicit = call.api.def().spec.cfg_kind == memscope_common::spec::cfg_kind::MALLOC_CONFIG;
         let named = match call.op {
-            Op::Malloc { space: Space::Device, device, .. }
-            | Op::MallocPhysical { device, .. }
-            | Op::PoolMalloc { device, .. } => device,
+            Op::Malloc { space: Space::Device, device, .. } if !explicit => device,
+            Op::PoolMalloc { device, .. } => device,
             _ => None,
         };
         if let Some(device) = named {
@@ -222,5 +223,35 @@ mod tests {
                 (0x4000, DeviceKey::Npu(0)),  // the kernel's device wins once known
             ]
         );
+    }
+
+    /// A buffer placed on the peer device by a malloc config, or physical memory made for
+    /// another device, says where the memory goes, not the thread's device (seen after an
+    /// attach: the thread's next plain malloc was filed under the peer).
+    #[test]
+    fn an_explicit_placement_teaches_nothing_of_the_threads_device() {
+        let cfg = Op::Malloc {
+            space: Space::Device,
+            size: 64,
+            ptr: Some(0x1000),
+            policy: Some(0),
+            device: Some(0),
+            module: None,
+            driver: None,
+        };
+        let physical = Op::MallocPhysical { size: 2 << 20, handle: Some(0x77), device: Some(0), flags: 0, driver: None };
+        let (_, out) = run(&[
+            call(Api::AclrtMallocWithCfg, 1, None, 0, cfg),
+            call(Api::AclrtMallocPhysical, 1, None, 0, physical),
+            malloc(Some(0x2000), 64, None, 0),
+        ]);
+        let devices: Vec<(u64, DeviceKey)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Malloc { ptr, device, .. } => Some((*ptr, *device)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(devices, [(0x1000, DeviceKey::Npu(0)), (0x2000, DeviceKey::Unknown)]);
     }
 }

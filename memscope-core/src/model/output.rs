@@ -155,6 +155,9 @@ pub enum Output {
         addr: u64,
         size: Option<u64>,
         driver: Option<DriverInfo>,
+        /// A release of a range or a handle the trace never saw made (before an attach): its
+        /// device is the calling thread's, a guess, as for an unmatched `FREE`.
+        unmatched: bool,
     },
     /// A framework pool handed out a block. `used`/`total` are the pool's allocated and reserved
     /// bytes right after.
@@ -233,13 +236,7 @@ pub enum Output {
         desc: Option<String>,
     },
     /// An operator began (`start`) or ended (`OP_LAUNCH` rows, `ATEN_START` / `ATEN_END`).
-    OpLaunch {
-        wall_ns: u64,
-        pid: u32,
-        tid: u32,
-        start: bool,
-        name: String,
-    },
+    OpLaunch { wall_ns: u64, pid: u32, tid: u32, start: bool, name: String },
     /// An ATB operation began (`start`, at its call's entry) or ended (at its return): `OP_LAUNCH`
     /// rows `ATB_START` / `ATB_END`, on the device of the workspace block it ran in (else the
     /// thread's). The same workspace facts are on both rows, as msMemScope writes them.
@@ -256,14 +253,7 @@ pub enum Output {
         status: Option<i32>,
     },
     /// A kernel was launched (`KERNEL_LAUNCH` rows).
-    KernelLaunch {
-        site: Site,
-        device: DeviceKey,
-        name: Option<String>,
-        function: u64,
-        stream: u64,
-        args_size: u64,
-    },
+    KernelLaunch { site: Site, device: DeviceKey, name: Option<String>, function: u64, stream: u64, args_size: u64 },
     /// One of the live blocks listed with an out-of-memory trigger (`OOM_RECENT_ALLOC` /
     /// `OOM_TOP_ALLOC` rows, right after the `OOM_TRIGGER` of `site`).
     OomBlock {
@@ -291,15 +281,7 @@ pub enum Output {
     },
     /// A mark or range boundary (`MSTX` rows). `api` is the mstx call, `None` for the markers
     /// package.
-    Mstx {
-        wall_ns: u64,
-        pid: u32,
-        tid: u32,
-        api: Option<Api>,
-        kind: MstxKind,
-        id: Option<u64>,
-        message: String,
-    },
+    Mstx { wall_ns: u64, pid: u32, tid: u32, api: Option<Api>, kind: MstxKind, id: Option<u64>, message: String },
 }
 
 /// msMemScope's ACCESS event types.

@@ -8,9 +8,12 @@ use super::route_blocks::{BlockFree, NewBlock};
 use super::tracker::{Failure, Tracker};
 
 impl Tracker {
-    /// The device of a physical handle, else the thread's.
-    fn physical_device(&self, site: Site, call: &Call, handle: u64) -> DeviceKey {
-        self.vmm.physical_device(site.pid, handle).unwrap_or_else(|| self.devices.thread_device(site, call))
+    /// The device of a physical handle, else the thread's (then `false`: a guess).
+    fn physical_device(&self, site: Site, call: &Call, handle: u64) -> (DeviceKey, bool) {
+        match self.vmm.physical_device(site.pid, handle) {
+            Some(device) => (device, true),
+            None => (self.devices.thread_device(site, call), false),
+        }
     }
 
     /// One call of the virtual-memory family.
@@ -23,21 +26,23 @@ impl Tracker {
                     Some(va) if !failed => {
                         self.vmm.reserve(site.pid, va, device, size);
                         let step = VmmStep::Reserve;
-                        out.push(Output::Vmm { site, device, step, addr: va, size: Some(size), driver: None });
+                        let (addr, size, driver) = (va, Some(size), None);
+                        out.push(Output::Vmm { site, device, step, addr, size, driver, unmatched: false });
                     }
                     _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver: None }, out),
                 }
             }
             Op::Release { va } => {
-                let (device, size) = match self.vmm.reservation(site.pid, va) {
-                    Some((device, size)) => (device, Some(size)),
-                    None => (self.devices.thread_device(site, call), None),
+                let (device, size, unmatched) = match self.vmm.reservation(site.pid, va) {
+                    Some((device, size)) => (device, Some(size), false),
+                    None => (self.devices.thread_device(site, call), None, true),
                 };
                 if failed {
                     self.fail(site, call, Failure { device, size: None, ptr: Some(va), driver: None }, out);
                 } else {
                     self.vmm.release(site.pid, va);
-                    out.push(Output::Vmm { site, device, step: VmmStep::Release, addr: va, size, driver: None });
+                    let step = VmmStep::Release;
+                    out.push(Output::Vmm { site, device, step, addr: va, size, driver: None, unmatched });
                 }
             }
             Op::MallocPhysical { size, handle, device, driver, .. } => {
@@ -46,23 +51,25 @@ impl Tracker {
                     Some(handle) if !failed => {
                         self.vmm.add_physical(site.pid, handle, device, driver.and_then(|d| d.module));
                         let step = VmmStep::MallocPhysical;
-                        out.push(Output::Vmm { site, device, step, addr: handle, size: Some(size), driver });
+                        let size = Some(size);
+                        out.push(Output::Vmm { site, device, step, addr: handle, size, driver, unmatched: false });
                     }
                     _ => self.fail(site, call, Failure { device, size: Some(size), ptr: None, driver }, out),
                 }
             }
             Op::FreePhysical { handle, driver } => {
-                let device = self.physical_device(site, call, handle);
+                let (device, known) = self.physical_device(site, call, handle);
                 if failed {
                     self.fail(site, call, Failure { device, size: None, ptr: Some(handle), driver }, out);
                 } else {
                     self.vmm.free_physical(site.pid, handle);
                     let step = VmmStep::FreePhysical;
-                    out.push(Output::Vmm { site, device, step, addr: handle, size: None, driver });
+                    let unmatched = !known;
+                    out.push(Output::Vmm { site, device, step, addr: handle, size: None, driver, unmatched });
                 }
             }
             Op::Map { va, size, offset, handle, .. } => {
-                let device = self.physical_device(site, call, handle);
+                let (device, _) = self.physical_device(site, call, handle);
                 if failed {
                     self.fail(site, call, Failure { device, size: Some(size), ptr: Some(va), driver: None }, out);
                 } else {

@@ -103,4 +103,35 @@ mod tests {
             run(&[&events[..], &[call(Api::AclrtUnmapMem, 1, None, 0, Op::Unmap { va: 0x7000_0000 })]].concat());
         assert!(matches!(out[3], Output::Free { device: DeviceKey::Npu(1), used: 0, .. }));
     }
+
+    /// A handle or range made before an attach is released on the calling thread's device, as
+    /// the row says (`unmatched`); one the trace saw made goes to its own device, unmarked.
+    #[test]
+    fn releases_of_what_the_trace_never_saw_made_are_marked_as_guesses() {
+        let made = Op::MallocPhysical { size: 2 << 20, handle: Some(0xabc), device: Some(1), flags: 0, driver: None };
+        let events = [
+            call(Api::AclrtSetDevice, 1, Some(0), 0, Op::SetDevice { device: 0 }),
+            call(Api::AclrtMallocPhysical, 1, Some(0), 0, made),
+            call(Api::AclrtFreePhysical, 1, Some(0), 0, Op::FreePhysical { handle: 0xabc, driver: None }),
+            call(Api::AclrtFreePhysical, 1, Some(0), 0, Op::FreePhysical { handle: 0xdef, driver: None }),
+            call(Api::AclrtReleaseMemAddress, 1, Some(0), 0, Op::Release { va: 0x7000_0000 }),
+        ];
+        let (_, out) = run(&events);
+        let vmm: Vec<(VmmStep, DeviceKey, bool)> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Vmm { step, device, unmatched, .. } => Some((*step, *device, *unmatched)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            vmm,
+            [
+                (VmmStep::MallocPhysical, DeviceKey::Npu(1), false),
+                (VmmStep::FreePhysical, DeviceKey::Npu(1), false),
+                (VmmStep::FreePhysical, DeviceKey::Npu(0), true),
+                (VmmStep::Release, DeviceKey::Npu(0), true),
+            ]
+        );
+    }
 }

@@ -4,10 +4,10 @@
 use std::borrow::Cow;
 
 use super::blocks::{with_driver, with_module};
-use super::{api_name, Attr, Columns, Head, Pairs, Plain, Row, Value};
+use super::{api_name, Attr, Columns, Head, Pairs, Plain, Row, Value, TRUE};
 use crate::model::{AccessKind, DeviceKey, MstxKind, Output, Pool, VmmStep};
 use crate::store::Meta;
-use crate::vocab::{attr, Event, EventType};
+use crate::vocab::{attr, Event, EventType, UNMATCHED};
 
 /// The `Name` of an operator's rows when the marker's text could not be read.
 const NO_NAME: &str = "N/A";
@@ -39,7 +39,9 @@ fn with_tensor_desc<'o>(attr: Pairs<'o>, desc: Option<&str>) -> Pairs<'o> {
 
 /// An address reservation or release, or physical memory made or released.
 pub(super) fn vmm<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
-    let Output::Vmm { site, device, step, addr, size, driver } = output else { unreachable!("called for a Vmm") };
+    let Output::Vmm { site, device, step, addr, size, driver, unmatched } = output else {
+        unreachable!("called for a Vmm")
+    };
     let (event_type, key) = match step {
         VmmStep::Reserve => (EventType::Reserve, attr::addr),
         VmmStep::Release => (EventType::Release, attr::addr),
@@ -48,6 +50,7 @@ pub(super) fn vmm<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, 
     };
     let attr = attr.addr(key, *addr).with_opt(attr::size, *size).with(attr::api, api_name(site.api));
     let attr = with_driver(with_module(attr, driver.and_then(|d| d.module)), site, driver.as_ref());
+    let attr = if *unmatched { attr.with(UNMATCHED, TRUE) } else { attr };
     (Columns::at(site, Event::Vmm, event_type, *device, None), attr)
 }
 

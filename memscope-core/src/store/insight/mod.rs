@@ -7,7 +7,7 @@
 //! | pinned host block allocated / freed (`aclrtMallocHost`) | `MALLOC` / `FREE` | `HOST_PINNED` (Attr `pinned`) | `0x%016x` |
 //! | allocation failed for lack of memory (runtime 207001, driver 6) | `OOM_DETAIL` | `OOM_TRIGGER` | `N/A` |
 //! | any other failed call | `API_ERROR` | `HAL` / `HOST` | `N/A` |
-//! | address reserve/release, physical alloc/free | `VMM` | `RESERVE` / `RELEASE` / `PHYSICAL_MALLOC` / `PHYSICAL_FREE` | `N/A` |
+//! | address reserve/release, physical alloc/free (Attr `unmatched` on a release of what the trace never saw made) | `VMM` | `RESERVE` / `RELEASE` / `PHYSICAL_MALLOC` / `PHYSICAL_FREE` | `N/A` |
 //! | trace start / stop | `SYSTEM` | `START_TRACE` / `STOP_TRACE` | `N/A` |
 //! | framework pool block handed out / taken back | `MALLOC` / `FREE` | `PTA` (Attr `pool`, `used`, `total`) | `0x%016x` |
 //! | CPU tensor storage (`c10::alloc_cpu`) | `MALLOC` / `FREE` | `HOST` | `0x%016x` |

@@ -130,8 +130,9 @@ pub fn mismatch(e: &Entry, x: &Expect, r: &DbRow, unknown_device_ok: bool, size_
         why.push(format!("tid {} != {}", r.tid, e.tid));
     }
     if let Some(d) = &x.device {
-        // The free of a block the trace never saw allocated names no device: it is placed on
-        // the thread's device, marked unmatched, and may be wrong for peer-device memory.
+        // The free of a block (or the release of a handle) the trace never saw made names no
+        // device: it is placed on the thread's device, marked unmatched, and may be wrong for
+        // peer-device memory.
         let unmatched_free = size_zero_ok && r.attr.contains_key("unmatched");
         if &r.device != d && !(unknown_device_ok && r.device == "N/A") && !unmatched_free {
             why.push(format!("device {} != {d}", r.device));
@@ -217,19 +218,27 @@ pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u
         }
     }
     // Each free's allocation in the ledger (addresses are reused, so by time, not by address
-    // alone). A free whose allocation may have been missed has no known size (the "unmatched"
-    // form) and may sit in the unknown-device output.
-    let mut allocs: HashMap<u64, Vec<&Entry>> = HashMap::new();
-    for e in ledger {
-        if let (Some(Expect { event: "MALLOC", ptr: Some(p), .. }), true) = (expect(e), e.rc == 0) {
-            allocs.entry(p).or_default().push(e);
+    // alone): the last one at its address that returned before the free began (one that began
+    // earlier may have been given the address right after this free, on another thread). A
+    // free whose allocation may have been missed has no known size (the "unmatched" form) and
+    // may sit in the unknown-device output.
+    // Physical memory's handles the same way: a release of one made before the trace is
+    // unmatched too. Keyed by (is a handle, address or handle).
+    let mut allocs: HashMap<(bool, u64), Vec<&Entry>> = HashMap::new();
+    for e in ledger.iter().filter(|e| e.rc == 0) {
+        match expect(e) {
+            Some(Expect { event: "MALLOC", ptr: Some(p), .. }) => allocs.entry((false, p)).or_default().push(e),
+            Some(Expect { event_type: "PHYSICAL_MALLOC", .. }) => {
+                allocs.entry((true, e.handle.expect("in its Expect"))).or_default().push(e);
+            }
+            _ => {}
         }
     }
     for v in allocs.values_mut() {
-        v.sort_by_key(|e| e.t0);
+        v.sort_by_key(|e| e.t1);
     }
-    let origin_unseen = |free: &Entry, ptr: u64| -> bool {
-        let origin = allocs.get(&ptr).and_then(|v| v.iter().rev().find(|a| a.t0 < free.t0));
+    let origin_unseen = |free: &Entry, key: (bool, u64)| -> bool {
+        let origin = allocs.get(&key).and_then(|v| v.iter().rev().find(|a| a.t1 <= free.t0));
         origin.is_none_or(|a| a.t1 < live_ns || a.t0 < known_from.get(&a.tid).copied().unwrap_or(u64::MAX))
     };
     let mut total = 0;
@@ -243,7 +252,11 @@ pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u
                 continue;
             };
             let before_known = e.t0 < known_from.get(tid).copied().unwrap_or(u64::MAX);
-            let free_of_unseen = x.event == "FREE" && x.ptr.is_some_and(|p| origin_unseen(e, p));
+            let free_of_unseen = match (x.event, x.event_type) {
+                ("FREE", _) => x.ptr.is_some_and(|p| origin_unseen(e, (false, p))),
+                (_, "PHYSICAL_FREE") => e.handle.is_some_and(|h| origin_unseen(e, (true, h))),
+                _ => false,
+            };
             let unknown_ok = before_known || free_of_unseen;
             let size_zero_ok = free_of_unseen;
             match mismatch(e, x, r, unknown_ok, size_zero_ok) {
@@ -268,23 +281,28 @@ pub fn assert_attached(ledger: &[Entry], out: &Output, start_ns: u64, live_ns: u
     assert!(total > 0, "nothing was recorded");
 }
 /// Blocks the ledger says were never freed, as (device, ptr).
+///
+/// Counted, not replayed in `t0` order: a call's `t0` is taken before it runs, so a MALLOC on one
+/// thread can start before the FREE on another that gives it the same address (seen on a slow
+/// VM), and a replay would then drop a block that is live. A pointer whose MALLOCs outnumber its
+/// FREEs is live; its device is its last MALLOC's, the one that returned (`t1`) last.
 pub fn live_at_end(ledger: &[Entry]) -> Vec<(String, u64)> {
-    let mut live: BTreeMap<u64, String> = BTreeMap::new();
-    let mut sorted: Vec<&Entry> = ledger.iter().collect();
-    sorted.sort_by_key(|e| e.t0);
-    for e in sorted {
+    let mut blocks: BTreeMap<u64, (i64, u64, String)> = BTreeMap::new();
+    for e in ledger {
         let Some(x) = expect(e) else { continue };
         match (x.event, x.ptr) {
             ("MALLOC", Some(p)) => {
-                live.insert(p, x.device.unwrap_or_default());
+                let b = blocks.entry(p).or_insert((0, 0, String::new()));
+                b.0 += 1;
+                if e.t1 >= b.1 {
+                    (b.1, b.2) = (e.t1, x.device.unwrap_or_default());
+                }
             }
-            ("FREE", Some(p)) => {
-                live.remove(&p);
-            }
+            ("FREE", Some(p)) => blocks.entry(p).or_insert((0, 0, String::new())).0 -= 1,
             _ => {}
         }
     }
-    live.into_iter().map(|(p, d)| (d, p)).collect()
+    blocks.into_iter().filter(|(_, (n, _, _))| *n > 0).map(|(p, (_, _, d))| (d, p)).collect()
 }
 /// Every FREE of a known block has its MALLOC's size (Insight pairs them and needs both).
 pub fn assert_frees_carry_block_sizes(out: &Output) {

@@ -6,8 +6,12 @@ use super::{tail_pairs, CLOCK_TOLERANCE_NS};
 use crate::ledgers::DriverEntry;
 use crate::readers::{DbRow, Output};
 
-fn within(ts: u64, e: &DriverEntry) -> bool {
-    ts + CLOCK_TOLERANCE_NS >= e.t0 && ts <= e.t1 + CLOCK_TOLERANCE_NS
+/// Whether a row merged into the runtime call around driver call `e` can be `e`'s. The row is
+/// stamped at the runtime call's return, which can come well after the driver's (milliseconds on
+/// a slow VM), but not before `e` began nor after the thread's next driver call did.
+fn merged_with(ts: u64, e: &DriverEntry, driver: &[DriverEntry]) -> bool {
+    let next = driver.iter().filter(|n| n.tid == e.tid && n.t0 > e.t1).map(|n| n.t0).min().unwrap_or(u64::MAX);
+    ts + CLOCK_TOLERANCE_NS >= e.t0 && ts <= next.saturating_add(CLOCK_TOLERANCE_NS)
 }
 /// Rows of device memory against what the driver itself logged: every driver allocation made
 /// after `live_ns` is exactly one MALLOC row (merged into its runtime call or on its own), with
@@ -66,7 +70,7 @@ pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
         }
     }
     for e in driver.iter().filter(|e| e.api == "halMemAlloc" && e.rc == 6 && e.t0 > live_ns) {
-        let oom = rows.iter().find(|r| r.event_type == "OOM_TRIGGER" && r.tid == e.tid && within(r.ts, e));
+        let oom = rows.iter().find(|r| r.event_type == "OOM_TRIGGER" && r.tid == e.tid && merged_with(r.ts, e, driver));
         let oom = oom.unwrap_or_else(|| panic!("failed driver allocation without an OOM row: {e:?}"));
         assert_eq!(oom.attr_u64("flag"), Some(e.flag), "{oom:?}");
     }
@@ -77,7 +81,7 @@ pub fn assert_driver_truth(driver: &[DriverEntry], out: &Output, live_ns: u64) {
                 r.event_type == "PHYSICAL_MALLOC"
                     && r.tid == e.tid
                     && r.attr_u64("handle") == Some(e.ptr)
-                    && within(r.ts, e)
+                    && merged_with(r.ts, e, driver)
             })
             .min_by_key(|r| r.ts.abs_diff(e.t0))
             .unwrap_or_else(|| panic!("physical allocation missing: {e:?}"));
