@@ -26,6 +26,7 @@ use anyhow::Context as _;
 
 use crate::util::{root, run as sh};
 
+#[derive(Clone)]
 pub struct Built {
     pub binary: PathBuf,
     pub ascend_home: PathBuf,
@@ -44,6 +45,7 @@ pub struct Built {
 }
 
 /// The stand-in torch_npu, stripped like the wheels, in three arrangements of its debug file.
+#[derive(Clone)]
 pub struct TorchBuild {
     /// `libtorch_npu.so` with `libtorch_npu.so.debug` beside it (found through .gnu_debuglink).
     pub with_debug: PathBuf,
@@ -59,9 +61,15 @@ const CFLAGS: &[&str] = &["-O2", "-g", "-fno-omit-frame-pointer", "-fno-ipa-icf"
 
 /// Builds a shared library; `links` are (folder, library name) it depends on, found at run time
 /// through its RUNPATH.
-fn compile_library(source: &Path, out: &Path, soname: &str, links: &[(&Path, &str)]) -> anyhow::Result<()> {
+fn compile_library(
+    tc: Toolchain,
+    source: &Path,
+    out: &Path,
+    soname: &str,
+    links: &[(&Path, &str)],
+) -> anyhow::Result<()> {
     std::fs::create_dir_all(out.parent().expect("has a parent"))?;
-    let mut cmd = Command::new("gcc");
+    let mut cmd = tc.tool("gcc");
     cmd.args(CFLAGS).args(["-shared", "-fPIC", "-o"]).arg(out).arg(source).arg(format!("-Wl,-soname,{soname}"));
     for (dir, name) in links {
         cmd.arg("-L").arg(dir).arg(format!("-l{name}")).arg(format!("-Wl,-rpath,{}", dir.display()));
@@ -69,30 +77,60 @@ fn compile_library(source: &Path, out: &Path, soname: &str, links: &[(&Path, &st
     sh(cmd.arg("-lpthread"))
 }
 
+/// The compilers and binutils the stand-ins are built with: the host's, or Debian's cross tools
+/// for the arm64 VM, whose programs then run on the same Debian's arm64 libc.
+#[derive(Clone, Copy)]
+pub struct Toolchain {
+    prefix: &'static str,
+}
+
+impl Toolchain {
+    pub const HOST: Self = Self { prefix: "" };
+    pub const AARCH64: Self = Self { prefix: "aarch64-linux-gnu-" };
+
+    fn tool(self, name: &str) -> Command {
+        Command::new(format!("{}{name}", self.prefix))
+    }
+}
+
 pub fn standins() -> anyhow::Result<Built> {
+    standins_in(Toolchain::HOST, &root().join("target/standin"))
+}
+
+/// Every stand-in built with `tc` under `standin` (their RUNPATHs name that folder, so they run
+/// where they were built, or at the same path on another machine).
+pub fn standins_in(tc: Toolchain, standin: &Path) -> anyhow::Result<Built> {
     let root = root();
-    let standin = root.join("target/standin");
+    let standin = standin.to_owned();
     let sources = root.join("tests/standin/ascend");
     let ascend_home = standin.join("ascend");
     let lib64 = ascend_home.join("lib64");
-    compile_library(&sources.join("standin_ascend_hal.c"), &lib64.join("libascend_hal.so"), "libascend_hal.so", &[])?;
+    compile_library(
+        tc,
+        &sources.join("standin_ascend_hal.c"),
+        &lib64.join("libascend_hal.so"),
+        "libascend_hal.so",
+        &[],
+    )?;
     let libascendcl = lib64.join("libascendcl.so");
     let runtime = sources.join("standin_ascendcl.c");
-    compile_library(&runtime, &libascendcl, "libascendcl.so", &[(&lib64, "ascend_hal")])?;
+    compile_library(tc, &runtime, &libascendcl, "libascendcl.so", &[(&lib64, "ascend_hal")])?;
     let late_lib = standin.join("late/libacl_rt.so");
-    compile_library(&runtime, &late_lib, "libacl_rt.so", &[(&lib64, "ascend_hal")])?;
+    compile_library(tc, &runtime, &late_lib, "libacl_rt.so", &[(&lib64, "ascend_hal")])?;
     compile_library(
+        tc,
         &sources.join("standin_ms_tools_ext.c"),
         &lib64.join("libms_tools_ext.so"),
         "libms_tools_ext.so",
         &[],
     )?;
-    let torch = torch_npu(&root, &standin, &lib64)?;
-    let atb = atb(&root, &standin)?;
-    let cuda = cuda(&root, &standin)?;
+    let torch = torch_npu(tc, &root, &standin, &lib64)?;
+    let atb = atb(tc, &root, &standin)?;
+    let cuda = cuda(tc, &root, &standin)?;
     let alloc_bench = standin.join("bin/alloc_bench");
     std::fs::create_dir_all(alloc_bench.parent().expect("has a parent"))?;
-    sh(Command::new("gcc")
+    sh(tc
+        .tool("gcc")
         .args(CFLAGS)
         .arg("-I")
         .arg(root.join("tests/standin/ascend"))
@@ -103,9 +141,10 @@ pub fn standins() -> anyhow::Result<Built> {
         .arg(libascendcl.parent().expect("has a parent"))
         .arg(format!("-Wl,-rpath,{}", libascendcl.parent().expect("has a parent").display()))
         .arg("-lascendcl"))?;
-    stack_chain(&root, &standin, &lib64)?;
+    stack_chain(tc, &root, &standin, &lib64)?;
     let usdt_bench = standin.join("bin/usdt_nop_bench");
-    sh(Command::new("gcc")
+    sh(tc
+        .tool("gcc")
         .args(CFLAGS)
         .arg("-o")
         .arg(&usdt_bench)
@@ -131,7 +170,7 @@ pub fn standins() -> anyhow::Result<Built> {
 /// The stack-chain program twice: its library with frame pointers (`bin/stack_chain`) and
 /// without (`bin/stack_chain_nofp`); the program itself keeps them, and exports its symbols
 /// (`-rdynamic`) so glibc's `backtrace_symbols` in its ledger names `main` too.
-fn stack_chain(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<()> {
+fn stack_chain(tc: Toolchain, root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<()> {
     let sources = root.join("tests/standin/stacks");
     for (lib_dir, frame_pointers, exe) in [("stacks", true, "stack_chain"), ("stacks_nofp", false, "stack_chain_nofp")]
     {
@@ -139,7 +178,8 @@ fn stack_chain(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<()> 
         std::fs::create_dir_all(&dir)?;
         let lib = dir.join("libstackchain.so");
         let fp = if frame_pointers { "-fno-omit-frame-pointer" } else { "-fomit-frame-pointer" };
-        sh(Command::new("gcc")
+        sh(tc
+            .tool("gcc")
             .args(["-O2", "-g", fp, "-fno-ipa-icf", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC"])
             .arg("-I")
             .arg(root.join("tests/standin/ascend"))
@@ -153,7 +193,8 @@ fn stack_chain(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<()> 
             .arg(format!("-Wl,-rpath,{}", lib64.display())))?;
         let bin = standin.join("bin").join(exe);
         std::fs::create_dir_all(bin.parent().expect("has a parent"))?;
-        sh(Command::new("gcc")
+        sh(tc
+            .tool("gcc")
             .args(CFLAGS)
             .arg("-rdynamic")
             .arg("-o")
@@ -176,12 +217,13 @@ fn build_id(file: &Path) -> anyhow::Result<String> {
         .with_context(|| format!("{} has no build id", file.display()))
 }
 
-fn torch_npu(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchBuild> {
+fn torch_npu(tc: Toolchain, root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchBuild> {
     let dir = standin.join("torch_npu");
     let build = dir.join("build");
     std::fs::create_dir_all(&build)?;
     let full = build.join("libtorch_npu.so");
-    sh(Command::new("g++")
+    sh(tc
+        .tool("g++")
         .args([
             "-std=c++17",
             "-O2",
@@ -206,12 +248,13 @@ fn torch_npu(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchB
     // As the wheels are made: the debug info goes to its own file, the library keeps .dynsym and a
     // .gnu_debuglink naming that file.
     let debug = build.join("libtorch_npu.so.debug");
-    sh(Command::new("objcopy").arg("--only-keep-debug").arg(&full).arg(&debug))?;
+    sh(tc.tool("objcopy").arg("--only-keep-debug").arg(&full).arg(&debug))?;
     let with_debug = dir.join("with-debug/libtorch_npu.so");
     let without_debug = dir.join("no-debug/libtorch_npu.so");
     for target in [&with_debug, &without_debug] {
         std::fs::create_dir_all(target.parent().expect("has a parent"))?;
-        sh(Command::new("objcopy")
+        sh(tc
+            .tool("objcopy")
             .arg("--strip-all")
             .arg(format!("--add-gnu-debuglink={}", debug.display()))
             .arg(&full)
@@ -225,6 +268,7 @@ fn torch_npu(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchB
     std::fs::copy(&debug, &in_store)?;
     let kernel_hook = standin.join("msleaks/libascend_kernel_hook.so");
     compile_library(
+        tc,
         &root.join("tests/standin/ascend/standin_kernel_hook.c"),
         &kernel_hook,
         "libascend_kernel_hook.so",
@@ -236,10 +280,11 @@ fn torch_npu(root: &Path, standin: &Path, lib64: &Path) -> anyhow::Result<TorchB
 /// The stand-in ATB. Not built with hidden visibility: ATB exports `atb::Runner::Execute` (it is
 /// what msMemScope's hook interposes), and not stripped, so its DWARF describes
 /// `RunnerVariantPack` as a debug file would.
-fn atb(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
+fn atb(tc: Toolchain, root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
     let out = standin.join("atb/libatb.so");
     std::fs::create_dir_all(out.parent().expect("has a parent"))?;
-    sh(Command::new("g++")
+    sh(tc
+        .tool("g++")
         .args(["-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fno-omit-frame-pointer", "-fno-ipa-icf"])
         .args(["-Wall", "-Wextra", "-Werror", "-Wl,-soname,libatb.so"])
         .arg("-o")
@@ -250,7 +295,7 @@ fn atb(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
 
 /// The NVIDIA stand-ins in one folder, each linked to the one below it by its real soname, with
 /// the unversioned names beside them for the linker.
-fn cuda(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
+fn cuda(tc: Toolchain, root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
     let sources = root.join("tests/standin/cuda");
     let lib = standin.join("cuda/lib");
     std::fs::create_dir_all(&lib)?;
@@ -260,13 +305,14 @@ fn cuda(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
         std::os::unix::fs::symlink(versioned, &at)?;
         Ok(())
     };
-    compile_library(&sources.join("standin_cuda.c"), &lib.join("libcuda.so.1"), "libcuda.so.1", &[])?;
+    compile_library(tc, &sources.join("standin_cuda.c"), &lib.join("libcuda.so.1"), "libcuda.so.1", &[])?;
     link("libcuda.so.1", "libcuda.so")?;
     let cudart = lib.join("libcudart.so.12");
-    compile_library(&sources.join("standin_cudart.c"), &cudart, "libcudart.so.12", &[(&lib, "cuda")])?;
+    compile_library(tc, &sources.join("standin_cudart.c"), &cudart, "libcudart.so.12", &[(&lib, "cuda")])?;
     link("libcudart.so.12", "libcudart.so")?;
     // Hidden internals, not stripped: local functions of `.symtab`, as in the PyPI wheel.
-    sh(Command::new("g++")
+    sh(tc
+        .tool("g++")
         .args(["-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-fno-omit-frame-pointer", "-fno-ipa-icf"])
         .args(["-Wall", "-Wextra", "-Werror", "-Wl,-soname,libc10_cuda.so"])
         .arg("-I")
@@ -282,7 +328,8 @@ fn cuda(root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
     // A program with the runtime compiled in (as `cudart_static`): its functions in `.symtab` only.
     let program = standin.join("bin/static_cudart");
     std::fs::create_dir_all(program.parent().expect("has a parent"))?;
-    sh(Command::new("gcc")
+    sh(tc
+        .tool("gcc")
         .args(CFLAGS)
         .arg("-I")
         .arg(&sources)

@@ -53,6 +53,8 @@ const APT_PACKAGES: &[&str] = &[
     "cpio",
     "qemu-system-x86",
     "qemu-system-arm",
+    // ... and the arm64 machine's stand-ins, built for Debian's arm64 libc.
+    "g++-aarch64-linux-gnu",
     // The power-cut test records the trace DB's writes and syncs with it (store/crash_tests.rs).
     "strace",
 ];

@@ -13,7 +13,7 @@ use crate::util::{root, run as sh};
 /// Pinned so a CI run is reproducible (`MEMSCOPE_TORCH_VERSION` to change).
 const DEFAULT_VERSION: &str = "2.15.0";
 
-fn version() -> String {
+pub fn version() -> String {
     std::env::var("MEMSCOPE_TORCH_VERSION").unwrap_or_else(|_| DEFAULT_VERSION.to_owned())
 }
 

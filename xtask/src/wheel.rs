@@ -1,5 +1,6 @@
-//! A real third-party file for cross-checks: `libtorch_npu.so` from torch_npu's wheels on PyPI,
-//! for x86-64 and for aarch64.
+//! Real third-party files for cross-checks: `libtorch_npu.so` from torch_npu's wheels on PyPI,
+//! for x86-64 and for aarch64, and torch's aarch64 `libc10.so` and `libc10_cuda.so` (the x86-64
+//! ones come with the torch venv, `torch_env`).
 //!
 //! `probes --lib` is tested against it (no process, no Ascend hardware needed), so the symbol
 //! names and the offset arithmetic are checked on the real release build, not only on our
@@ -87,4 +88,67 @@ fn extract(wheel: &Path, to: &Path) -> Result<(), String> {
         .map_err(|e| format!("cannot extract {MEMBER} from {}: {e:#}", wheel.display()))?;
     let part = format!("{}.part", to.display());
     std::fs::rename(&part, to).map_err(|e| format!("cannot move {part} into place: {e}"))
+}
+
+/// PyTorch's release whose aarch64 `libc10.so` and `libc10_cuda.so` are read by `probes --arch
+/// aarch64` (the x86-64 venv's torch, `torch_env`, is the same release).
+const TORCH_AARCH64_MEMBERS: &[&str] = &["torch/lib/libc10.so", "torch/lib/libc10_cuda.so"];
+
+/// Reads members of a remote zip by HTTP range requests: the aarch64 torch wheel is 484 MB and
+/// two members of 8 MB each are wanted. zipfile seeks to the central directory at the end, then to
+/// each member; each read is one `Range:` request (buffered by 1 MiB). PyPI's files are served
+/// with ranges; a server that ignores them fails here rather than sending the whole file.
+const RANGE_FETCH: &str = r#"
+import io, json, os, sys, urllib.parse, urllib.request, zipfile
+version, tag, dest = sys.argv[1:4]
+members = sys.argv[4:]
+index = "https://pypi.org/pypi/torch/json"
+meta = json.load(urllib.request.urlopen(index, timeout=60))
+suffix = f"-cp311-cp311-manylinux_2_28_{tag}.whl"
+wheel = next((u for u in meta["releases"].get(version, []) if u["filename"].endswith(suffix)), None)
+if wheel is None: sys.exit(f"PyPI lists no torch {version} wheel ending {suffix}")
+class Remote(io.RawIOBase):
+    def __init__(self, url, size):
+        self.url, self.size, self.pos = url, size, 0
+    def readable(self): return True
+    def seekable(self): return True
+    def tell(self): return self.pos
+    def seek(self, off, whence=0):
+        self.pos = [off, self.pos + off, self.size + off][whence]
+        return self.pos
+    def readinto(self, b):
+        if self.pos >= self.size: return 0
+        end = min(self.pos + len(b), self.size) - 1
+        req = urllib.request.Request(self.url, headers={"Range": f"bytes={self.pos}-{end}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            if r.status != 206: sys.exit(f"{self.url} ignores byte ranges (HTTP {r.status})")
+            data = r.read()
+        b[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+# A mirror may give the files' addresses relative to the index's.
+raw = Remote(urllib.parse.urljoin(index, wheel["url"]), wheel["size"])
+with zipfile.ZipFile(io.BufferedReader(raw, buffer_size=1 << 20)) as z:
+    for m in members:
+        out = os.path.join(dest, os.path.basename(m))
+        with z.open(m) as src, open(out + ".part", "wb") as dst:
+            dst.write(src.read())
+        os.rename(out + ".part", out)
+print(wheel["filename"])
+"#;
+
+/// The folder holding the aarch64 torch wheel's `libc10.so` and `libc10_cuda.so`, fetched once
+/// (only those members) from PyPI; or why there is none (a warning: the test skips).
+pub fn torch_aarch64_libraries() -> Result<PathBuf, String> {
+    let version = crate::torch_env::version();
+    let dir = root().join("target/wheels").join(format!("torch-{version}-aarch64"));
+    let names: Vec<&str> = TORCH_AARCH64_MEMBERS.iter().map(|m| m.rsplit('/').next().expect("named")).collect();
+    if names.iter().all(|n| dir.join(n).is_file()) {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    eprintln!("xtask: fetching libc10.so and libc10_cuda.so of torch {version}'s aarch64 wheel (byte ranges, 17 MB)");
+    sh(Command::new("python3").args(["-c", RANGE_FETCH, &version, "aarch64"]).arg(&dir).args(TORCH_AARCH64_MEMBERS))
+        .map(|_| dir)
+        .map_err(|e| format!("fetching torch {version}'s aarch64 libraries from PyPI failed (no network?): {e:#}"))
 }

@@ -239,7 +239,8 @@ mod tests {
             module: None,
             driver: None,
         };
-        let physical = Op::MallocPhysical { size: 2 << 20, handle: Some(0x77), device: Some(0), flags: 0, driver: None };
+        let physical =
+            Op::MallocPhysical { size: 2 << 20, handle: Some(0x77), device: Some(0), flags: 0, driver: None };
         let (_, out) = run(&[
             call(Api::AclrtMallocWithCfg, 1, None, 0, cfg),
             call(Api::AclrtMallocPhysical, 1, None, 0, physical),

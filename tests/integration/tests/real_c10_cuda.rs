@@ -4,7 +4,7 @@
 //! (`readelf -n` for the USDT notes, `readelf -sW` for `.symtab`, `nm -D` for cudart), not with
 //! the tracer's ELF code. Skips, saying why, where the wheel has no libc10_cuda.so.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use memscope_integration::*;
@@ -44,40 +44,11 @@ fn probes_lists_pytorchs_usdt_probes_internals_and_cudart_as_the_file_has_them()
     let out = Command::new(&env.bin).args(["probes", "--lib"]).arg(&lib).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
-
-    // Every pytorch:malloc/free site of the notes, with its argument spec and semaphore.
-    let notes: Vec<SdtNote> = sdt_notes(&lib).into_iter().filter(|n| n.provider == "pytorch").collect();
+    let notes = assert_c10_cuda_probes(&lib, &text);
     for name in ["malloc", "free"] {
         assert!(notes.iter().any(|n| n.name == name), "readelf -n shows no pytorch:{name}; the premise changed");
     }
-    for note in &notes {
-        assert_ne!(note.semaphore, 0, "{note:?}: PyTorch's probes are semaphore-gated");
-        let line = format!(
-            "attach pytorch:{} offset {:#x}, semaphore {:#x}, args `{}`",
-            note.name,
-            file_offset(&lib, note.location),
-            file_offset(&lib, note.semaphore),
-            note.args
-        );
-        let words = |l: &str| l.split_whitespace().collect::<Vec<_>>().join(" ");
-        assert!(text.lines().any(|l| words(l) == line), "want `{line}`:\n{text}");
-    }
-    assert_eq!(text.matches("attach  pytorch:").count(), notes.len(), "{text}");
-
-    // The internals from .symtab (local functions), whatever their parameters.
-    let symtab = symtab_functions(&lib);
-    for (api, prefix) in INTERNALS {
-        let (name, addr) = symtab
-            .iter()
-            .filter(|(n, _)| n.starts_with(prefix) && !n.contains('.'))
-            .min_by_key(|(n, _)| n.len())
-            .unwrap_or_else(|| panic!("readelf -sW shows no {prefix}...; the premise changed"));
-        let offset = file_offset(&lib, *addr);
-        assert!(
-            listed(&text, "attach", api, name, "symtab") && text.contains(&format!("(symtab, offset {offset:#x})")),
-            "want `attach {api} {name} (symtab, offset {offset:#x})`:\n{text}"
-        );
-    }
+    assert_c10_cpu_probes(&lib_dir.join("libc10.so"), &text);
 
     // cudart, reached through the library's RPATH (pip's nvidia/*/lib), as the loader would.
     let cudart = text
@@ -90,6 +61,81 @@ fn probes_lists_pytorchs_usdt_probes_internals_and_cudart_as_the_file_has_them()
         let offset = file_offset(&cudart, dynsym[api]);
         let line = format!("{api} (dynsym, offset {offset:#x})");
         assert!(listed(&text, "attach", api, api, "dynsym") && text.contains(&line), "want `{line}`:\n{text}");
+    }
+}
+
+/// The aarch64 wheel's `libc10_cuda.so` and `libc10.so` (an aarch64 NVIDIA machine: GH200),
+/// fetched by `cargo xtask test` as two members of the wheel, read here with `--arch aarch64`:
+/// the same internals and CPU allocator as on x86-64 at the aarch64 files' own offsets, and
+/// exactly the USDT sites its notes have (this release's aarch64 build has none, and the output
+/// says what that costs).
+#[test]
+fn probes_reads_the_real_aarch64_torch_libraries_as_an_aarch64_machine_would() {
+    let Some(dir) = std::env::var_os("MEMSCOPE_REAL_TORCH_AARCH64").map(PathBuf::from) else {
+        let why = std::env::var("MEMSCOPE_REAL_TORCH_AARCH64_MISSING").unwrap_or_else(|_| "not fetched".into());
+        eprintln!("SKIPPED: no aarch64 torch libraries: {why}");
+        return;
+    };
+    let env = env("real_c10_cuda_aarch64");
+    let lib = dir.join("libc10_cuda.so");
+    let header =
+        String::from_utf8_lossy(&Command::new("readelf").arg("-hW").arg(&lib).output().unwrap().stdout).into_owned();
+    assert!(header.contains("AArch64"), "{header}");
+    let out = Command::new(&env.bin).args(["probes", "--arch", "aarch64", "--lib"]).arg(&lib).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let notes = assert_c10_cuda_probes(&lib, &text);
+    if notes.is_empty() {
+        assert!(text.contains("no pytorch:malloc/free USDT sites in this build"), "{text}");
+    }
+    assert_c10_cpu_probes(&dir.join("libc10.so"), &text);
+}
+
+/// `probes` on a `libc10_cuda.so` lists every pytorch USDT site of its notes and the caching
+/// allocator's internals of its `.symtab`, at the file's own offsets; returns the notes.
+fn assert_c10_cuda_probes(lib: &Path, text: &str) -> Vec<SdtNote> {
+    // Every pytorch:malloc/free site of the notes, with its argument spec and semaphore.
+    let notes: Vec<SdtNote> = sdt_notes(lib).into_iter().filter(|n| n.provider == "pytorch").collect();
+    for note in &notes {
+        assert_ne!(note.semaphore, 0, "{note:?}: PyTorch's probes are semaphore-gated");
+        let line = format!(
+            "attach pytorch:{} offset {:#x}, semaphore {:#x}, args `{}`",
+            note.name,
+            file_offset(lib, note.location),
+            file_offset(lib, note.semaphore),
+            note.args
+        );
+        let words = |l: &str| l.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(text.lines().any(|l| words(l) == line), "want `{line}`:\n{text}");
+    }
+    assert_eq!(text.matches("attach  pytorch:").count(), notes.len(), "{text}");
+
+    // The internals from .symtab (local functions), whatever their parameters.
+    let symtab = symtab_functions(lib);
+    for (api, prefix) in INTERNALS {
+        let (name, addr) = symtab
+            .iter()
+            .filter(|(n, _)| n.starts_with(prefix) && !n.contains('.'))
+            .min_by_key(|(n, _)| n.len())
+            .unwrap_or_else(|| panic!("readelf -sW shows no {prefix}...; the premise changed"));
+        let offset = file_offset(lib, *addr);
+        assert!(
+            listed(text, "attach", api, name, "symtab") && text.contains(&format!("(symtab, offset {offset:#x})")),
+            "want `attach {api} {name} (symtab, offset {offset:#x})`:\n{text}"
+        );
+    }
+    notes
+}
+
+/// The CPU allocator of `libc10.so` (reached from libc10_cuda's DT_NEEDED), at its exports'
+/// offsets.
+fn assert_c10_cpu_probes(lib: &Path, text: &str) {
+    assert!(text.contains(&format!("{} (needed by a traced library)", lib.display())), "{text}");
+    let dynsym = exported(lib);
+    for (api, symbol) in [("c10::alloc_cpu", "_ZN3c109alloc_cpuEm"), ("c10::free_cpu", "_ZN3c108free_cpuEPv")] {
+        let offset = file_offset(lib, dynsym[symbol]);
+        let line = format!("{symbol} (dynsym, offset {offset:#x})");
+        assert!(listed(text, "attach", api, symbol, "dynsym") && text.contains(&line), "want `{line}`:\n{text}");
     }
 }
 

@@ -80,6 +80,17 @@ fn each_release_tarball_holds_a_static_binary_for_its_machine_the_docs_the_marke
         let debug = dist.join(format!("{name}.debug"));
         let link = run(Command::new("readelf").args(["--string-dump=.gnu_debuglink"]).arg(&binary));
         assert!(link.contains(&format!("{name}.debug")), "{link}");
+        // And both carry one build id, by which debuginfod and `/usr/lib/debug/.build-id/` find
+        // the debug file, and a trace's frames in this binary are told apart from another build's.
+        let ids: Vec<String> = [&binary, &debug]
+            .iter()
+            .map(|f| {
+                let notes = run(Command::new("readelf").arg("-n").arg(f));
+                let id = notes.lines().find_map(|l| l.trim().strip_prefix("Build ID: ").map(str::to_owned));
+                id.unwrap_or_else(|| panic!("{} has no build id:\n{notes}", f.display()))
+            })
+            .collect();
+        assert_eq!(ids[0], ids[1], "{name}: the binary's build id is not its debug file's");
         if arch == std::env::consts::ARCH {
             let pair = scratch.join(format!("gdb-{arch}"));
             std::fs::create_dir_all(&pair).unwrap();

@@ -264,18 +264,60 @@ impl SemaphoreWatcher {
         Self { child, file }
     }
 
-    /// Waits until the process reports every semaphore equal to `value`.
-    fn wait_all(&self, value: u32, timeout: Duration) {
-        let want = format!("{:?}", vec![value; 11]);
+    /// Waits until the process reports its semaphores (sorted) as `want`.
+    fn wait_for(&self, want: &[u32], timeout: Duration) {
+        let want = format!("{want:?}");
         let deadline = Instant::now() + timeout;
         loop {
             let now = std::fs::read_to_string(&self.file).unwrap_or_default();
             if now == want {
                 return;
             }
-            assert!(Instant::now() < deadline, "semaphores are {now}, expected all {value}");
+            assert!(Instant::now() < deadline, "semaphores are {now}, expected {want}");
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// What the semaphores must read (sorted) while every marker site is probed, from the
+    /// process's maps and the module's notes. The kernel raises a site's semaphore once for each
+    /// mapping that holds the site's page and could run it (private, not writable): one on a
+    /// library laid out page by page (gcc's x86-64 build), more where the loader maps a library
+    /// of 64 KiB-aligned segments that share pages (lld's arm64 build) over one reservation whose
+    /// gaps stay mapped from the file, `---p`.
+    fn traced_values(&self) -> Vec<u32> {
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.child.id())).unwrap();
+        // (file offset, length, permissions, path) of each mapping of the markers' module.
+        let module: Vec<(u64, u64, &str, &str)> = maps
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let path = *f.get(5)?;
+                if !path.contains("/memscope/_native") {
+                    return None;
+                }
+                let (start, end) = f[0].split_once('-')?;
+                let hex = |s: &str| u64::from_str_radix(s, 16).unwrap();
+                Some((hex(f[2]), hex(end) - hex(start), f[1], path))
+            })
+            .collect();
+        let path = Path::new(module.first().expect("the watcher has the markers' module mapped").3);
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+        let mut per_semaphore: BTreeMap<u64, u32> = BTreeMap::new();
+        for note in sdt_notes(path).into_iter().filter(|n| n.semaphore != 0) {
+            let site_page = file_offset(path, note.location) / page * page;
+            let holding = module
+                .iter()
+                .filter(|(off, len, perms, _)| {
+                    !perms.contains('w') && perms.ends_with('p') && *off <= site_page && site_page < off + len
+                })
+                .count();
+            *per_semaphore.entry(note.semaphore).or_default() += holding as u32;
+        }
+        let mut values: Vec<u32> = per_semaphore.into_values().collect();
+        values.sort_unstable();
+        assert_eq!(values.len(), 11, "the markers' semaphores, from readelf -n");
+        values
     }
 }
 
@@ -291,7 +333,8 @@ fn semaphores_rise_while_traced_and_drop_when_the_tracer_exits_or_is_killed() {
     let env = env("tags_semaphores");
     let t = tags();
     let watcher = SemaphoreWatcher::start(&env, &t);
-    watcher.wait_all(0, Duration::from_secs(10));
+    watcher.wait_for(&[0; 11], Duration::from_secs(10));
+    let traced = watcher.traced_values();
     let pid = watcher.child.id().to_string();
     for (how, sig) in [("SIGINT", libc::SIGINT), ("SIGKILL", libc::SIGKILL)] {
         let out = env.scratch.join(format!("out-{how}"));
@@ -301,14 +344,14 @@ fn semaphores_rise_while_traced_and_drop_when_the_tracer_exits_or_is_killed() {
         let lib = env.libascendcl.display().to_string();
         let mut tracer = Tracer::spawn(&env, &["trace", "--pid", &pid, "--output", &out_s, "--lib", &lib], &[]);
         tracer.wait_live(Duration::from_secs(30));
-        watcher.wait_all(1, Duration::from_secs(10));
+        watcher.wait_for(&traced, Duration::from_secs(10));
         tracer.signal(sig);
         let (code, stderr) = tracer.finish(Duration::from_secs(30));
         if sig == libc::SIGINT {
             assert_eq!(code, Some(0), "{stderr}");
         }
         // The kernel lowers the counters when the tracer's perf events close, however it ended.
-        watcher.wait_all(0, Duration::from_secs(10));
+        watcher.wait_for(&[0; 11], Duration::from_secs(10));
     }
 }
 
@@ -444,7 +487,8 @@ fn the_daemon_attributes_a_job_started_before_it_and_a_kill_lowers_the_semaphore
     let env = env("tags_daemon");
     let t = tags();
     let watcher = SemaphoreWatcher::start(&env, &t);
-    watcher.wait_all(0, Duration::from_secs(10));
+    watcher.wait_for(&[0; 11], Duration::from_secs(10));
+    let traced = watcher.traced_values();
     let ready = env.scratch.join("ready");
     let (mut cmd, ledger, _) = workload(&env, &t, "serve", &["--ready-file"]);
     let mut job = cmd.arg(&ready).stdin(Stdio::null()).spawn().unwrap();
@@ -456,7 +500,7 @@ fn the_daemon_attributes_a_job_started_before_it_and_a_kill_lowers_the_semaphore
     let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
     daemon.wait_live(Duration::from_secs(60));
     assert_eq!(wait_child(&mut job, Duration::from_secs(60)), 0, "the job saw its markers attached and ran");
-    watcher.wait_all(1, Duration::from_secs(10));
+    watcher.wait_for(&traced, Duration::from_secs(10));
     // Its job is finished when it exits; then the daemon is killed.
     let deadline = Instant::now() + Duration::from_secs(20);
     while !daemon.stderr().contains("process exited") {
@@ -465,7 +509,7 @@ fn the_daemon_attributes_a_job_started_before_it_and_a_kill_lowers_the_semaphore
     }
     daemon.signal(libc::SIGKILL);
     let (_, stderr) = daemon.finish(Duration::from_secs(10));
-    watcher.wait_all(0, Duration::from_secs(10));
+    watcher.wait_for(&[0; 11], Duration::from_secs(10));
     assert!(
         stderr.lines().any(|l| l.contains("USDT:") && l.contains("11 sites in") && l.contains("memscope/_native")),
         "the markers were attached:\n{stderr}"

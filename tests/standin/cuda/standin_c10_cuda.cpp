@@ -44,8 +44,13 @@
  * The note and semaphore come from our markers' header (the same SystemTap v3 format). ---- */
 #define SDT_SEMAPHORE(name) MEMSCOPE_USDT_SEMAPHORE(sdt_semaphore_##name)
 #define SDT_NOTE(provider, name, sem, args) _MSU_ASM_AT("nop", provider, name, sem, args)
-/* nopl 0x0(%rax,%rax,1), as our markers' sites: only for the bench's comparison. */
+/* nopl 0x0(%rax,%rax,1), as our markers' sites: only for the bench's comparison. arm64 has one
+ * instruction size, so its sites are all the same `nop` (the arm64 VM builds this file too). */
+#if defined(__x86_64__)
 #define SDT_NOP5 ".byte 0x0f, 0x1f, 0x44, 0x00, 0x00"
+#else
+#define SDT_NOP5 "nop"
+#endif
 #define SDT_NOTE_AT(nop, provider, name, sem, args) _MSU_ASM_AT(nop, provider, name, sem, args)
 
 SDT_SEMAPHORE(pytorch_malloc);

@@ -30,7 +30,7 @@ use std::process::Command;
 use anyhow::{bail, Context as _};
 
 use crate::util::{output, privileged, root};
-use crate::{build, setup};
+use crate::{build, dist, setup, vm};
 use measure::{bpftrace_script, median, report, run_capture};
 
 #[derive(clap::Args)]
@@ -98,6 +98,17 @@ pub struct Options {
     /// Interleaved rounds of the daemon's wall-time comparison (0 skips the daemon's part).
     #[arg(long, default_value_t = 5)]
     pub daemon_rounds: usize,
+    /// Only the figures inside the VMs (per-pair cost and stop time under qemu's TCG, on
+    /// Debian 12's 6.1 kernel, x86-64 and arm64), each against the same figure on the host.
+    /// Not part of the full run: it boots a machine per architecture (minutes each).
+    #[arg(long)]
+    pub vm_only: bool,
+    /// Pairs per run inside the VMs (and on the host beside them).
+    #[arg(long, default_value_t = 20_000)]
+    pub vm_pairs: u64,
+    /// Live blocks the VM figures' stop is timed with.
+    #[arg(long, default_value_t = 20_000)]
+    pub vm_blocks: u64,
     /// Only the cost of a hit of a 1-byte-nop USDT site (PyTorch's) against a 5-byte-nop one.
     #[arg(long)]
     pub usdt_only: bool,
@@ -254,6 +265,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     if opts.stop_only {
         let md = stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
         return report(&dir.join("results-stop.md"), &md);
+    }
+    if opts.vm_only {
+        let arches = [dist::Arch::X86_64, dist::Arch::Aarch64];
+        let release = dist::run(&dist::Options { arch: arches.to_vec() })?;
+        let params = vm::figures::Params { pairs: opts.vm_pairs, blocks: opts.vm_blocks, rounds: opts.rounds };
+        let md = vm::figures(&built, &release, &arches, &params)?;
+        return report(&dir.join("results-vm.md"), &md);
     }
     if opts.daemon_only {
         let md = daemon::run(&built, &root, &dir.join("out-daemon"), opts.daemon_rounds.max(1), opts.daemon_blocks)?;

@@ -14,7 +14,7 @@
 mod archive;
 mod oci;
 mod pywheel;
-mod tools;
+pub(crate) mod tools;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -46,7 +46,7 @@ impl Arch {
         }
     }
 
-    fn triple(self) -> &'static str {
+    pub(crate) fn triple(self) -> &'static str {
         match self {
             Self::X86_64 => "x86_64-unknown-linux-musl",
             Self::Aarch64 => "aarch64-unknown-linux-musl",
@@ -81,6 +81,9 @@ fn build(tools: &tools::Tools, arch: Arch) -> anyhow::Result<PathBuf> {
         .current_dir(root())
         .env("PATH", tools.path())
         .args(["zigbuild", "--release", "--locked", "-p", "memscope-user", "--target", arch.triple()])
+        // A build id (Zig's linker writes none unless asked), so the debug file is found by it.
+        .arg("--config")
+        .arg(format!("target.{}.rustflags=[\"-C\", \"link-arg=-Wl,--build-id=sha1\"]", arch.triple()))
         .args(["--target-dir", "target/dist-build"]))
     .with_context(|| format!("the {} release build failed", arch.name()))?;
     Ok(root().join("target/dist-build").join(arch.triple()).join("release/memscope-bpf"))

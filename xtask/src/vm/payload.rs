@@ -1,7 +1,8 @@
 //! What a VM runs: the release's binary, the privileged tests' binaries and what they read (the
 //! stand-ins, the workloads, the markers) at the same absolute paths as on the host (the
 //! stand-ins find each other through RUNPATHs), and `/init`, which mounts what the tracer needs,
-//! runs the smoke set one test binary at a time and powers the machine off. Its console is
+//! runs its work (the smoke set one test binary at a time, or the figures' script) and powers the
+//! machine off. Its console is
 //! the only way out: each test binary's libtest lines, then `VM-TESTS NAME rc=N`, then `VM-DONE`.
 
 use std::fmt::Write as _;
@@ -18,7 +19,8 @@ pub struct Inputs<'a> {
     pub binary: &'a Path,
     /// (test binary's name, its file) for each file of the smoke set.
     pub tests: &'a [(String, PathBuf)],
-    pub smoke: &'a [(&'a str, &'a [&'a str])],
+    /// What `/init` runs once the machine is up ([`smoke`] or the figures' script).
+    pub body: &'a str,
     /// Host paths copied in at the same place (the stand-ins' folders, workloads, markers).
     pub mirrored: &'a [PathBuf],
     /// The tests' environment (tests/integration's `environment.rs`), without binary and scratch.
@@ -41,14 +43,21 @@ fn init_script(inputs: &Inputs<'_>) -> String {
         let _ = writeln!(s, "export {key}='{}'", value.display());
     }
     let _ = writeln!(s, "export MEMSCOPE_BIN={BIN} MEMSCOPE_SCRATCH=/tmp/scratch\ncd '{}'", inputs.cwd.display());
-    for (file, names) in inputs.smoke {
+    s.push_str(inputs.body);
+    s.push_str("echo VM-DONE\necho o > /proc/sysrq-trigger\nsleep 60\n");
+    s
+}
+
+/// The smoke set's part of `/init`: each test binary with its tests, then `VM-TESTS NAME rc=N`.
+pub fn smoke(smoke: &[(&str, &[&str])]) -> String {
+    let mut s = String::new();
+    for (file, names) in smoke {
         let _ = writeln!(
             s,
             "{TESTS}/{file} --test-threads=1 --color never --exact {}\necho \"VM-TESTS {file} rc=$?\"",
             names.join(" ")
         );
     }
-    s.push_str("echo VM-DONE\necho o > /proc/sysrq-trigger\nsleep 60\n");
     s
 }
 

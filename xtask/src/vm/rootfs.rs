@@ -18,9 +18,10 @@ use crate::util::{root, run as sh};
 pub const SUITE: &str = "bookworm";
 const MIRROR: &str = "http://deb.debian.org/debian";
 /// What the smoke tests run beside the tracer: the stand-in workloads' interpreter, busybox for
-/// `ip` (the daemon listens on loopback), and libc's symbols (as on the host, where valgrind
-/// brings them), by which a native stack's outermost frame is named `__libc_start_call_main`.
-const PACKAGES: &[&str] = &["python3", "busybox", "libc6-dbg"];
+/// `ip` (the daemon listens on loopback), libc's symbols (as on the host, where valgrind brings
+/// them), by which a native stack's outermost frame is named `__libc_start_call_main`, and
+/// binutils, whose `readelf` gives the tests their ground truth as on the host.
+const PACKAGES: &[&str] = &["python3", "busybox", "libc6-dbg", "binutils"];
 /// Left out of the initramfs: large, and nothing in the VM reads them.
 const LEFT_OUT: &[&str] = &[
     "./usr/lib/modules",
@@ -38,6 +39,8 @@ pub struct Rootfs {
     pub release: String,
     /// The root file system as a newc cpio archive.
     pub cpio: PathBuf,
+    /// The unpacked tree it was made from.
+    pub tree: PathBuf,
 }
 
 fn debian_arch(arch: Arch) -> &'static str {
@@ -58,10 +61,35 @@ pub fn ensure(arch: Arch) -> anyhow::Result<Rootfs> {
     if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
-        fetch(arch, &tree)?;
+        fetch(arch, &tree, SUITE, PACKAGES)?;
         archive(&tree, &cpio)?;
         std::fs::write(&stamp, &wanted)?;
     }
+    let (kernel, release) = kernel_in(&tree, &dir)?;
+    Ok(Rootfs { kernel, release, cpio, tree })
+}
+
+/// Debian 11's kernel (5.10, as openEuler 22.03's), booted with the Debian 12 root file system:
+/// the kernel without BPF attach cookies and perf-event BPF links (both 5.15), which the tracer
+/// needs. Only its kernel is used, so only its base set and kernel are fetched; returns the
+/// kernel and its release.
+pub fn older_kernel(arch: Arch) -> anyhow::Result<(PathBuf, String)> {
+    let dir = root().join("target/vm").join(format!("{}-{OLDER_SUITE}", debian_arch(arch)));
+    let tree = dir.join("rootfs");
+    let stamp = dir.join("ready");
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(OLDER_SUITE) {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        fetch(arch, &tree, OLDER_SUITE, &[])?;
+        std::fs::write(&stamp, OLDER_SUITE)?;
+    }
+    kernel_in(&tree, &dir)
+}
+
+/// Debian 11 (bullseye): its 5.10 kernel.
+const OLDER_SUITE: &str = "bullseye";
+
+fn kernel_in(tree: &Path, dir: &Path) -> anyhow::Result<(PathBuf, String)> {
     let boot = tree.join("boot");
     let kernel = std::fs::read_dir(&boot)
         .with_context(|| format!("{} is incomplete; remove {} and run again", boot.display(), dir.display()))?
@@ -70,15 +98,18 @@ pub fn ensure(arch: Arch) -> anyhow::Result<Rootfs> {
         .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
         .with_context(|| format!("no kernel in {}", boot.display()))?;
     let release = kernel.file_name().expect("named").to_string_lossy().trim_start_matches("vmlinuz-").to_owned();
-    Ok(Rootfs { kernel, release, cpio })
+    Ok((kernel, release))
 }
 
-fn fetch(arch: Arch, tree: &Path) -> anyhow::Result<()> {
+fn fetch(arch: Arch, tree: &Path, suite: &str, packages: &[&str]) -> anyhow::Result<()> {
     let debian = debian_arch(arch);
-    eprintln!("xtask vm: fetching Debian {SUITE} ({debian}) and its kernel into {}", tree.display());
-    let include = format!("--include={},linux-image-{debian}", PACKAGES.join(","));
+    eprintln!("xtask vm: fetching Debian {suite} ({debian}) and its kernel into {}", tree.display());
+    let include: Vec<String> =
+        packages.iter().map(|p| (*p).to_owned()).chain([format!("linux-image-{debian}")]).collect();
     sh(Command::new("debootstrap")
-        .args(["--foreign", "--variant=minbase", &format!("--arch={debian}"), &include, SUITE])
+        .args(["--foreign", "--variant=minbase", &format!("--arch={debian}")])
+        .arg(format!("--include={}", include.join(",")))
+        .arg(suite)
         .arg(tree)
         .arg(MIRROR))
     .context("debootstrap failed (`cargo xtask setup` installs it; it needs root and deb.debian.org)")?;
@@ -87,12 +118,16 @@ fn fetch(arch: Arch, tree: &Path) -> anyhow::Result<()> {
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "deb"))
+        // With no packages asked for, only the kernel is wanted.
+        .filter(|p| {
+            !packages.is_empty() || p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("linux-image-"))
+        })
         .collect();
     debs.sort();
     for deb in &debs {
         sh(Command::new("dpkg-deb").arg("-x").arg(deb).arg(tree))?;
     }
-    if !tree.join("usr/bin/python3").exists() {
+    if packages.contains(&"python3") && !tree.join("usr/bin/python3").exists() {
         bail!("the {debian} root file system has no python3 after unpacking {} packages", debs.len());
     }
     Ok(())

@@ -48,6 +48,7 @@ const TRACED_CAPACITY: usize = 8192;
 
 mod admission;
 pub mod bpf_log;
+mod kernel_gap;
 mod linker_hook;
 
 pub use admission::Admission;
@@ -80,6 +81,26 @@ pub enum LoadError {
     /// A tracepoint's format lacks a field this kernel does not have (an older kernel).
     #[error("this kernel's tracepoint lacks a field the probes read ({0})")]
     NoField(String),
+    #[error(
+        "this kernel ({kernel}) lacks {what} (Linux {since}), which the probes use: memscope-bpf needs Linux \
+         {oldest} or later, or a vendor kernel that has backported it",
+        what = gap.what,
+        since = gap.since,
+        oldest = kernel_gap::OLDEST
+    )]
+    OldKernel { kernel: String, gap: kernel_gap::Gap },
+}
+
+/// A program the kernel refused: [`LoadError::OldKernel`] where its verifier says this kernel
+/// lacks something the probes use.
+fn refused(name: &'static str, source: ProgramError) -> LoadError {
+    match kernel_gap::missing(&source.to_string()) {
+        Some(gap) => {
+            let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+            LoadError::OldKernel { kernel, gap }
+        }
+        None => LoadError::Program { name, source },
+    }
 }
 
 #[derive(Debug, Error)]
@@ -306,7 +327,7 @@ impl Tracer {
                 .ok_or(LoadError::Missing(name))?
                 .try_into()
                 .map_err(|source| LoadError::Program { name, source })?;
-            prog.load().map_err(|source| LoadError::Program { name, source })?;
+            prog.load().map_err(|source| refused(name, source))?;
             prog.attach("sched", event).map_err(|source| LoadError::Program { name, source })?;
         }
         for name in ["call_enter", "call_exit", "usdt_hit", "objects_changed"] {
@@ -315,7 +336,7 @@ impl Tracer {
                 .ok_or(LoadError::Missing(name))?
                 .try_into()
                 .map_err(|source| LoadError::Program { name, source })?;
-            prog.load().map_err(|source| LoadError::Program { name, source })?;
+            prog.load().map_err(|source| refused(name, source))?;
         }
         let scope = scope_pid.and_then(NonZeroU32::new).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
         let multi = MultiPrograms::load(EBPF_OBJECT, &ebpf).map_err(|e| super::with_causes(&e));
