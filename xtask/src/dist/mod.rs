@@ -53,6 +53,11 @@ impl Arch {
         }
     }
 
+    /// The name of this architecture's tarball, its folder and its debug file.
+    pub fn release_name(self) -> String {
+        format!("memscope-bpf-{VERSION}-{}-linux", self.name())
+    }
+
     /// The OCI (Go) architecture name.
     fn oci(self) -> &'static str {
         match self {
@@ -151,7 +156,7 @@ fn release_arch(
     mtime: u64,
 ) -> anyhow::Result<Vec<PathBuf>> {
     let binary = build(t, arch)?;
-    let name = format!("memscope-bpf-{VERSION}-{}-linux", arch.name());
+    let name = arch.release_name();
     let folder = dist.join("stage").join(&name);
     let _ = std::fs::remove_dir_all(&folder);
     std::fs::create_dir_all(folder.join("markers"))?;

@@ -51,8 +51,7 @@ pub fn prepare(arch: Arch, host: &Built, release: &Path, fs: &Rootfs, wanted: &[
 
 /// The release's stripped binary for `arch`.
 pub fn release_binary(release: &Path, arch: Arch) -> PathBuf {
-    let name = format!("memscope-bpf-{}-{}-linux", dist::VERSION, arch.name());
-    release.join("stage").join(name).join("memscope-bpf")
+    release.join("stage").join(arch.release_name()).join("memscope-bpf")
 }
 
 /// The test files in `wanted`, cross-compiled for `arch` as static musl binaries.

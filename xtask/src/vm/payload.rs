@@ -29,13 +29,15 @@ pub struct Inputs<'a> {
     pub cwd: &'a Path,
 }
 
+/// `/init`. The root is the initramfs, writable already: nothing is mounted over /tmp, where a
+/// checkout (CI's clone) and so the payload's mirrored files may live.
 fn init_script(inputs: &Inputs<'_>) -> String {
     let mut s = String::from(
         "#!/bin/sh\n\
          export PATH=/memscope:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1\n\
          mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev\n\
          mount -t tracefs tracefs /sys/kernel/tracing; mount -t debugfs debugfs /sys/kernel/debug\n\
-         mount -t bpf bpf /sys/fs/bpf; mount -t tmpfs tmpfs /tmp; mount -t cgroup2 cgroup2 /sys/fs/cgroup\n\
+         mount -t bpf bpf /sys/fs/bpf; mount -t cgroup2 cgroup2 /sys/fs/cgroup; mkdir -p /tmp\n\
          mkdir -p /root; busybox ip link set lo up\n\
          echo \"VM-KERNEL $(uname -r) $(uname -m)\"\n",
     );
