@@ -32,6 +32,9 @@ fn start_loop(env: &TestEnv, variant: &str) -> Loop {
         .arg(var("MEMSCOPE_TAGS_WORKLOAD").with_file_name("standin_leaky.py"))
         .args(["--variant", variant, "--torch-lib", &s(&torch), "--ledger", &s(&ledger)])
         .args(["--steps", &STEPS.to_string(), "--hold", "300", "--ready-file", &s(&ready)])
+        // The daemon attaches one process after another; on an emulated arm64 machine the
+        // per-probe links of the second took longer than the loop's default 30 s wait.
+        .args(["--tracer-timeout", "110"])
         .env("PYTHONPATH", &markers)
         .env("ASCEND_HOME_PATH", &env.ascend_home)
         .env("STANDIN_TORCH_LEDGER", &pool)

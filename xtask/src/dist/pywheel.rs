@@ -130,7 +130,15 @@ fn markers_wheel(tools: &Tools, python: &Path, out: &Path, arch: &str) -> anyhow
     pip.args(["-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir"]).arg(if native { out } else { &built });
     if !native {
         let cc = format!("{} -m ziglang cc -target {arch}-linux-gnu.2.28", tools.python().display());
-        pip.env("CC", &cc).env("LDSHARED", format!("{cc} -shared"));
+        // No RELRO segment. Zig's linker (lld) packs segments into shared file pages, and its
+        // RELRO segment, writable while the loader relocates it, then maps the semaphores' page
+        // too: a process that imports the markers after a tracer attached gets its semaphores
+        // raised at that segment's address instead (the kernel takes the first writable mapping
+        // of the page), so they stay 0 and the probes never fire there. The daemon's test found
+        // it on the arm64 VM. Zig's linker has no `-z separate-loadable-segments`; without RELRO
+        // one writable segment holds the page (a module of a few functions loses little).
+        let ld = format!("{cc} -shared -Wl,-z,norelro");
+        pip.env("CC", &cc).env("LDSHARED", ld);
     }
     sh(pip.arg(&source))?;
     if native {

@@ -24,6 +24,8 @@ const MIRROR: &str = "http://deb.debian.org/debian";
 const PACKAGES: &[&str] = &["python3", "busybox", "libc6-dbg", "binutils"];
 /// Left out of the initramfs: large, and nothing in the VM reads them.
 const LEFT_OUT: &[&str] = &[
+    // Where the kernel package puts them (debootstrap's first stage leaves /lib a folder).
+    "./lib/modules",
     "./usr/lib/modules",
     "./usr/share/doc",
     "./usr/share/man",
@@ -56,8 +58,9 @@ pub fn ensure(arch: Arch) -> anyhow::Result<Rootfs> {
     let tree = dir.join("rootfs");
     let cpio = dir.join("rootfs.cpio");
     let stamp = dir.join("ready");
-    // The stamp names what was fetched, so a changed list fetches again.
-    let wanted = format!("{SUITE} {}\n", PACKAGES.join(" "));
+    // The stamp names what was fetched and what the archive leaves out, so a change to either
+    // makes them again.
+    let wanted = format!("{SUITE} {}; {}\n", PACKAGES.join(" "), LEFT_OUT.join(" "));
     if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
@@ -81,6 +84,8 @@ pub fn older_kernel(arch: Arch) -> anyhow::Result<(PathBuf, String)> {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
         fetch(arch, &tree, OLDER_SUITE, &[])?;
+        // Only the kernel boots from here; its modules are most of the package.
+        let _ = std::fs::remove_dir_all(tree.join("lib/modules"));
         std::fs::write(&stamp, OLDER_SUITE)?;
     }
     kernel_in(&tree, &dir)
