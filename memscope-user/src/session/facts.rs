@@ -30,9 +30,7 @@ pub(crate) fn allocator_env(pid: u32) -> Vec<(String, String)> {
     ALLOCATOR_ENV.iter().filter_map(|k| env.get(*k).map(|v| (format!("env.{k}"), v.clone()))).collect()
 }
 
-pub(crate) fn kernel_release() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
-}
+pub(crate) use crate::attach::loader::kernel_gap::kernel_release;
 
 pub(crate) fn command_line(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))

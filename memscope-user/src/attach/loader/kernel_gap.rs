@@ -23,6 +23,11 @@ const LATE_HELPERS: &[(u32, Gap)] = &[
 /// The 5.10 verifier's words for a program with callback functions (seen on Debian 11's kernel).
 const NO_CALLBACKS: &str = "number of funcs in func_info doesn't match number of subprogs";
 
+/// This kernel's release (`uname -r`), empty where it cannot be read.
+pub fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
 /// The oldest Linux release with everything the probes use.
 pub const OLDEST: &str = "5.17";
 

@@ -48,7 +48,7 @@ const TRACED_CAPACITY: usize = 8192;
 
 mod admission;
 pub mod bpf_log;
-mod kernel_gap;
+pub mod kernel_gap;
 mod linker_hook;
 
 pub use admission::Admission;
@@ -95,10 +95,7 @@ pub enum LoadError {
 /// lacks something the probes use.
 fn refused(name: &'static str, source: ProgramError) -> LoadError {
     match kernel_gap::missing(&source.to_string()) {
-        Some(gap) => {
-            let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
-            LoadError::OldKernel { kernel, gap }
-        }
+        Some(gap) => LoadError::OldKernel { kernel: kernel_gap::kernel_release(), gap },
         None => LoadError::Program { name, source },
     }
 }
