@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::util::{privileged, root, run as sh};
+use crate::util::{disk_note, privileged, root, run as sh};
 use crate::{build, dist, setup, stable_tier, torch_env, vm, wheel};
 
 #[derive(clap::Args)]
@@ -37,7 +37,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     if !opts.no_setup {
         setup::run(&setup::Options { check: false })?;
     }
+    disk_note("setup");
     let built = build::run()?;
+    disk_note("the build");
     let root = root();
     if let Some(arches) = &opts.vm {
         let arches = if arches.is_empty() { VM_MACHINES.to_vec() } else { arches.clone() };
@@ -46,6 +48,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     if !opts.privileged_only {
         unprivileged(&root, &built)?;
+        disk_note("the unprivileged tier");
     }
     // The release, for both architectures: this is also where the tracer and its eBPF object are
     // compiled for arm64. A quick privileged-only rerun checks the release already there.
@@ -54,16 +57,20 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .filter(|d| d.join("SHA256SUMS").is_file())
             .ok_or_else(|| "no target/dist yet: run `cargo xtask dist`".to_owned())
     } else {
-        Ok(dist::run(&dist::Options { arch: Vec::new() })?)
+        let dir = dist::run(&dist::Options { arch: Vec::new() })?;
+        disk_note("the release");
+        Ok(dir)
     };
     if opts.unprivileged_only {
         return Ok(());
     }
     privileged_tier(opts, &root, &built, &release)?;
+    disk_note("the privileged tier");
     // Last, the smoke set inside the VMs (a quick privileged-only rerun leaves it out).
     if !opts.privileged_only {
         let release = release.map_err(anyhow::Error::msg)?;
         vm::run(&built, &release, &VM_MACHINES)?;
+        disk_note("the VM tier");
     }
     Ok(())
 }

@@ -55,3 +55,21 @@ pub fn privileged(program: &str) -> Command {
         cmd
     }
 }
+
+/// One line on the disk: what target/ holds and what is left where it lives, so a log that ends
+/// in "No space left on device" shows which stage ate it (CI's disk is smaller than a
+/// workstation's).
+pub fn disk_note(stage: &str) {
+    let target = root().join("target");
+    let free = {
+        let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).unwrap_or_default();
+        // SAFETY: statvfs writes only into the zeroed struct it is given; the path is NUL-terminated.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        (unsafe { libc::statvfs(path.as_ptr(), &raw mut st) } == 0).then(|| st.f_bavail * st.f_frsize)
+    };
+    let used = output(Command::new("du").args(["-sxb"]).arg(&target))
+        .and_then(|s| s.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()));
+    let gb = |b: Option<u64>| b.map_or("?".to_owned(), |b| format!("{:.1}", b as f64 / 1e9));
+    eprintln!("xtask test: disk after {stage}: target/ holds {} GB, {} GB free", gb(used), gb(free));
+}

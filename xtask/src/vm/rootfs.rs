@@ -66,6 +66,7 @@ pub fn ensure(arch: Arch) -> anyhow::Result<Rootfs> {
         std::fs::create_dir_all(&dir)?;
         fetch(arch, &tree, SUITE, PACKAGES)?;
         archive(&tree, &cpio)?;
+        prune(&tree)?;
         std::fs::write(&stamp, &wanted)?;
     }
     let (kernel, release) = kernel_in(&tree, &dir)?;
@@ -84,8 +85,8 @@ pub fn older_kernel(arch: Arch) -> anyhow::Result<(PathBuf, String)> {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
         fetch(arch, &tree, OLDER_SUITE, &[])?;
-        // Only the kernel boots from here; its modules are most of the package.
-        let _ = std::fs::remove_dir_all(tree.join("lib/modules"));
+        // Only the kernel boots from here.
+        prune(&tree)?;
         std::fs::write(&stamp, OLDER_SUITE)?;
     }
     kernel_in(&tree, &dir)
@@ -134,6 +135,19 @@ fn fetch(arch: Arch, tree: &Path, suite: &str, packages: &[&str]) -> anyhow::Res
     }
     if packages.contains(&"python3") && !tree.join("usr/bin/python3").exists() {
         bail!("the {debian} root file system has no python3 after unpacking {} packages", debs.len());
+    }
+    Ok(())
+}
+
+/// Removes from the tree what the archive left out, but the kernel: the tree is kept only for its
+/// kernel and a look at its python3, and the modules and the fetched packages are most of it.
+fn prune(tree: &Path) -> anyhow::Result<()> {
+    for path in LEFT_OUT.iter().filter(|p| **p != "./boot") {
+        let path = tree.join(path);
+        // Under merged /usr, ./lib is a link into ./usr/lib: the link itself is not a folder.
+        if path.is_dir() && !path.is_symlink() {
+            std::fs::remove_dir_all(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+        }
     }
     Ok(())
 }
