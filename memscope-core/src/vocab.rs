@@ -191,6 +191,9 @@ pub mod attr {
         freed_by,
         /// Other streams still marking a freed pool block.
         stream_uses,
+        /// The stream a pool block was requested on (hex: a stream handle or id), which the
+        /// caching allocator keeps its free blocks apart by.
+        stream,
         /// A device block taken by torch_npu's allocator for its own pool (`caching`, `workspace`).
         segment,
         /// Pinned host memory.

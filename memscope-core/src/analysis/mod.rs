@@ -53,6 +53,7 @@ pub mod pass;
 pub mod pool;
 pub mod py_stacks;
 pub mod render;
+pub mod simulate;
 pub mod sites;
 pub mod step_pattern;
 pub mod steps;

@@ -58,6 +58,7 @@ pub(super) static TABLE: [ApiDef; 4] = [
         req: Some(c.args[2]),
         device: device_arg(c.args[1]),
         handle: None,
+        stream: Some(c.args[3]),
     }),
     usdt_row(Api::PytorchFree, "pytorch:free", |c| Op::PoolFree {
         pool: Pool::Caching,
@@ -112,6 +113,7 @@ mod tests {
             req: Some(4096),
             device: Some(1),
             handle: None,
+            stream: Some(0x55),
         };
         assert_eq!(op, want);
         let no_device = usdt_call(&hit(Api::PytorchMalloc, [0x7f00_0000, u64::MAX, 4096, 0, 0, 0])).unwrap();

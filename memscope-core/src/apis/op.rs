@@ -120,6 +120,9 @@ pub enum Op {
         req: Option<u64>,
         device: Option<u32>,
         handle: Option<u64>,
+        /// The stream it was requested on: the caching allocator keeps its free blocks per
+        /// stream, so a replay of the requests (`analysis::simulate`) needs it.
+        stream: Option<u64>,
     },
     /// A framework allocator took a block back, by address or by handle.
     PoolFree {

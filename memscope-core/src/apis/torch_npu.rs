@@ -125,6 +125,7 @@ pub(super) static TABLE: [ApiDef; 13] = [
                 req: Some(c.args[2]),
                 device: c.field(BlockField::Device as usize).and_then(device_arg).or_else(|| device_arg(c.args[1])),
                 handle: None,
+                stream: Some(c.args[3]),
             },
         )
     },
@@ -168,6 +169,7 @@ pub(super) static TABLE: [ApiDef; 13] = [
             req: Some(c.args[3]),
             device: device_arg(c.args[2]),
             handle: None,
+            stream: Some(c.args[4]),
         },
     ),
     row(
@@ -196,6 +198,7 @@ pub(super) static TABLE: [ApiDef; 13] = [
                 req: Some(c.args[1]),
                 device: c.field(WorkspaceField::Device as usize).and_then(device_arg),
                 handle: None,
+                stream: None,
             },
         )
     },
@@ -214,6 +217,7 @@ pub(super) static TABLE: [ApiDef; 13] = [
             req: Some(c.args[0]),
             device: device_arg(c.args[2]),
             handle: non_zero(c.ret),
+            stream: Some(c.args[1]),
         }
     }),
     row(Api::FreeBlock, "FreeBlock", "_ZN7c10_npu19NPUCachingAllocator9FreeBlockEPv", pool_spec(&[]), |c| {
@@ -240,6 +244,7 @@ pub(super) static TABLE: [ApiDef; 13] = [
                 req: Some(c.args[1]),
                 device: None,
                 handle: None,
+                stream: None,
             },
         )
     },

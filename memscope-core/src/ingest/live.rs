@@ -397,6 +397,7 @@ mod tests {
             ptr,
             size,
             req_size: Some(req),
+            stream: None,
             allocation_id: ptr,
             used: 0,
             total: 0,

@@ -76,6 +76,7 @@ mod tests {
             req: None,
             device: Some(device),
             handle: None,
+            stream: None,
         };
         call(10, 10, Some(device), 0, op, Api::WorkspaceMalloc)
     }

@@ -94,6 +94,7 @@ mod tests {
             req: Some(size),
             device: Some(0),
             handle: None,
+            stream: None,
         };
         let call = Call {
             api: Api::DeviceCachingAllocatorMalloc,

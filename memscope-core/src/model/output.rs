@@ -168,6 +168,8 @@ pub enum Output {
         ptr: u64,
         size: u64,
         req_size: Option<u64>,
+        /// The stream it was requested on, when the source gives it.
+        stream: Option<u64>,
         allocation_id: u64,
         used: u64,
         total: u64,

@@ -38,6 +38,7 @@ pub(super) struct PendingHandle {
     pub(super) req: Option<u64>,
     pub(super) size: Option<u64>,
     pub(super) api: Api,
+    pub(super) stream: Option<u64>,
 }
 
 /// Device memory a pool's allocator took (a runtime block or a mapping made inside its call).

@@ -26,6 +26,7 @@ struct NewPoolBlock {
     ptr: u64,
     size: u64,
     req_size: Option<u64>,
+    stream: Option<u64>,
 }
 
 /// A block a framework pool took back (or the tracker retired).
@@ -75,7 +76,14 @@ impl Tracker {
                     let size = pending.size.or(pending.req).unwrap_or(0);
                     self.add_pool_block(
                         site,
-                        NewPoolBlock { device: pending.device, pool: pending.pool, ptr, size, req_size: pending.req },
+                        NewPoolBlock {
+                            device: pending.device,
+                            pool: pending.pool,
+                            ptr,
+                            size,
+                            req_size: pending.req,
+                            stream: pending.stream,
+                        },
                         out,
                     );
                 }
@@ -86,7 +94,7 @@ impl Tracker {
     }
 
     fn pool_malloc(&mut self, site: Site, call: &Call, out: &mut Vec<Output>) {
-        let Op::PoolMalloc { pool, ptr, size, req, device, handle } = call.op else { return };
+        let Op::PoolMalloc { pool, ptr, size, req, device, handle, stream } = call.op else { return };
         let device = device.map_or_else(|| self.devices.thread_device(site, call), DeviceKey::Npu);
         match (ptr, handle) {
             (Some(ptr), _) => {
@@ -96,12 +104,12 @@ impl Tracker {
                 }
                 self.add_pool_block(
                     site,
-                    NewPoolBlock { device, pool, ptr, size: size.or(req).unwrap_or(0), req_size: req },
+                    NewPoolBlock { device, pool, ptr, size: size.or(req).unwrap_or(0), req_size: req, stream },
                     out,
                 );
             }
             (None, Some(handle)) => {
-                let pending = PendingHandle { device, pool, req, size, api: call.api };
+                let pending = PendingHandle { device, pool, req, size, api: call.api, stream };
                 self.pools.hold_handle(site.pid, handle, pending);
             }
             (None, None) => {
@@ -143,7 +151,7 @@ impl Tracker {
                 if register {
                     self.add_pool_block(
                         site,
-                        NewPoolBlock { device, pool, ptr, size: size.unwrap_or(0), req_size: size },
+                        NewPoolBlock { device, pool, ptr, size: size.unwrap_or(0), req_size: size, stream: None },
                         out,
                     );
                 } else {
@@ -178,7 +186,7 @@ impl Tracker {
     }
 
     fn add_pool_block(&mut self, site: Site, block: NewPoolBlock, out: &mut Vec<Output>) {
-        let NewPoolBlock { device, pool, ptr, size, req_size } = block;
+        let NewPoolBlock { device, pool, ptr, size, req_size, stream } = block;
         // Handed out again while we think it is live: its free was missed, or is still on its way
         // from another thread (`reuse`). Retire the old one so `used` stays the allocator's.
         if let Some(stale) = self.pools.take_block(site.pid, ptr) {
@@ -199,6 +207,7 @@ impl Tracker {
                 ptr,
                 size,
                 req_size,
+                stream,
                 allocation_id,
                 used,
                 total,

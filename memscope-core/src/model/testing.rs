@@ -37,7 +37,15 @@ pub fn call(api: Api, tid: u32, device: Option<u32>, status: i32, op: Op) -> Eve
 
 /// A block of torch_npu's caching pool on device 0 handed out at `ptr`.
 pub fn pool_malloc_op(ptr: u64, size: u64) -> Op {
-    Op::PoolMalloc { pool: Pool::Caching, ptr: Some(ptr), size: Some(size), req: None, device: Some(0), handle: None }
+    Op::PoolMalloc {
+        pool: Pool::Caching,
+        ptr: Some(ptr),
+        size: Some(size),
+        req: None,
+        device: Some(0),
+        handle: None,
+        stream: None,
+    }
 }
 
 pub fn malloc(ptr: Option<u64>, size: u64, device: Option<u32>, status: i32) -> Event {
@@ -93,6 +101,7 @@ pub fn pool_malloc(ptr: u64, size: u64, device: u32) -> Event {
         req: Some(size),
         device: Some(device),
         handle: None,
+        stream: None,
     };
     call(Api::DeviceCachingAllocatorMalloc, 1, None, 0, op)
 }
@@ -105,6 +114,7 @@ pub fn workspace_malloc(ptr: u64, size: u64, device: u32) -> Event {
         req: Some(size),
         device: Some(device),
         handle: None,
+        stream: None,
     };
     call(Api::WorkspaceMalloc, 1, None, 0, op)
 }

@@ -406,6 +406,7 @@ mod tests {
             ptr,
             size: 1 << 20,
             req_size: Some(1 << 20),
+            stream: None,
             allocation_id: ptr,
             used: 0,
             total: 0,

@@ -97,6 +97,11 @@ impl AllocConf {
         )
     }
 
+    /// The items in the order given (a key given twice: the last wins, as in the allocators).
+    pub fn items(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
     pub fn get(&self, key: &str) -> Option<&str> {
         self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }

@@ -198,7 +198,7 @@ pub(super) fn free<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>,
 
 /// MALLOC of a framework pool block.
 pub(super) fn pool_malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
-    let Output::PoolMalloc { site, device, pool, ptr, size, req_size, allocation_id, used, total, owner, from } =
+    let Output::PoolMalloc { site, device, pool, ptr, size, req_size, stream, allocation_id, used, total, owner, from } =
         output
     else {
         unreachable!("called for a PoolMalloc")
@@ -213,6 +213,10 @@ pub(super) fn pool_malloc<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Colum
         .with(attr::total, *total)
         .with(attr::pool, pool_name(*pool))
         .with(attr::owner, &**owner);
+    let attr = match stream {
+        Some(stream) => attr.addr(attr::stream, *stream),
+        None => attr,
+    };
     let attr = with_from(attr, from, site).with_opt(attr::weight, block_weight(site, *size, *req_size));
     (Columns::at(site, Event::Malloc, EventType::Pta, *device, Some(*ptr)), attr)
 }

@@ -93,6 +93,7 @@ fn pool_block(pool: Pool, weight: Option<u64>) -> Output {
         ptr: 0x200,
         size: 1024,
         req_size: Some(1000),
+        stream: Some(0x5a00),
         allocation_id: 1,
         used: 1024,
         total: 2 << 20,
@@ -111,6 +112,7 @@ fn pool_blocks_are_pta_with_counters_and_owner() {
         assert_eq!(r.attr.get("used").as_deref(), Some("1024"));
         assert_eq!(r.attr.get("total").as_deref(), Some("2097152"));
         assert_eq!(r.attr.get("req_size").as_deref(), Some("1000"));
+        assert_eq!(r.attr.get("stream").as_deref(), Some("0x0000000000005a00"));
     }
 }
 
