@@ -38,6 +38,8 @@ import threading
 import time
 
 MiB = 1 << 20
+# torch_npu pads every request by 32 bytes before rounding it to 512.
+NPU_PAD = 32
 
 try:
     import memscope
@@ -185,12 +187,14 @@ def oom(job):
         job.free(p)
     job.empty_cache()
     job.step()
-    # Genuinely full: 10 MiB tensors fill 10 MiB segments exactly (no split, no slack).
+    # Genuinely full: tensors that torch_npu pads (32 bytes) to 10 MiB fill 10 MiB segments
+    # exactly (no split, no slack).
     kept = []
+    exact = 10 * MiB - NPU_PAD
     with label("weights"):
-        kept += [job.must_alloc(10 * MiB) for _ in range(16)]
+        kept += [job.must_alloc(exact) for _ in range(16)]
     with label("activations"):
-        kept += [job.must_alloc(10 * MiB) for _ in range(9)]
+        kept += [job.must_alloc(exact) for _ in range(9)]
     job.alloc(20 * MiB, expect="full")
     job.step()
     return kept

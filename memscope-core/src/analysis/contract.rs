@@ -304,10 +304,12 @@ impl Analysis for Oom {
 /// Allocator settings recommended from the pool's behaviour (the `advise` verb).
 pub struct Advise;
 
-/// The device the advice is for (it names it in its report and table rows).
-#[derive(Clone, Debug)]
+/// The device the advice is for (it names it in its report and table rows), and the settings
+/// to replay the allocator's requests under (`advise --simulate`).
+#[derive(Clone, Debug, Default)]
 pub struct AdviseOptions {
     pub device: String,
+    pub simulate: crate::analysis::simulate::Options,
 }
 
 impl Analysis for Advise {
@@ -317,7 +319,7 @@ impl Analysis for Advise {
     type Error = AnalysisError;
 
     fn analyse(db: &DumpDb, options: &AdviseOptions) -> Result<Self::Report, AnalysisError> {
-        advise::analyse(db, &options.device)
+        advise::analyse(db, &options.device, &options.simulate)
     }
 
     fn text((advice, report): &Self::Report, _: &Path, _: &str, _: &AdviseOptions) -> String {

@@ -101,6 +101,8 @@ pub enum AnalysisError {
     NoKernels { path: PathBuf },
     #[error("{path}: cannot read the trace (the DB is damaged or was changed by another tool; trace the job again)")]
     Read { path: PathBuf, source: rusqlite::Error },
+    #[error("{path}: {source}")]
+    Setting { path: PathBuf, source: simulate::SettingError },
     #[error("{path}: cannot write the results, nothing was changed (if the file or its folder is read-only make it writable, if a running trace or Insight holds it retry when it is done, or pass --no-write)")]
     Write { path: PathBuf, source: rusqlite::Error },
 }

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use memscope_core::analysis::advise;
 use memscope_core::analysis::contract::{self, Advise, AdviseOptions, Analysis as _};
+use memscope_core::analysis::{advise, simulate};
 
 use super::inputs;
 
@@ -31,6 +31,17 @@ use super::inputs;
 /// 10% and 1 MiB of the device's peak while the variable was unset or ATB's default 1; with
 /// ATB_WORKSPACE_MEM_ALLOC_GLOBAL=1 if that is unset). The samples and the advice are written
 /// into each DB as tables ms_fragmentation and ms_advice.
+///
+/// Each recommended allocator setting is also replayed: the job's tensor requests and frees, in
+/// order and per stream, go through a model of the caching allocator (PyTorch's rules with
+/// torch_npu's differences, docs/simulate.md) under that setting, which says what peak reserved
+/// memory, segments and OOMs it would have given, and ranks them. The replay under the job's own
+/// settings is compared with the segments the allocator really took, and that agreement is
+/// printed first ("replay matches the recorded run: 52/52 segments"). --simulate replays any
+/// other setting:
+///
+///   memscope-bpf advise RUN --simulate expandable_segments:True --simulate max_split_size_mb:128
+///   memscope-bpf advise RUN --capacity 64GiB --simulate per_process_memory_fraction:0.5
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -54,6 +65,24 @@ pub struct Args {
     #[arg(long)]
     pub no_write: bool,
 
+    /// Replay the job's requests under this allocator setting (repeatable): a
+    /// PYTORCH_NPU_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF string applied over the job's own
+    /// (expandable_segments, max_split_size_mb, garbage_collection_threshold,
+    /// roundup_power2_divisions), and per_process_memory_fraction:F for the fraction (needs
+    /// --capacity). JSON: `simulations`, one object per setting, beside `recorded`.
+    #[arg(long, value_name = "SETTING")]
+    pub simulate: Vec<String>,
+
+    /// The device's memory, for the fraction and for OOMs in the replay (e.g. 64GiB); without it
+    /// the replayed device never runs out.
+    #[arg(long, value_name = "BYTES", value_parser = memscope_core::units::parse_bytes)]
+    pub capacity: Option<u64>,
+
+    /// The per-process memory fraction the job itself ran with
+    /// (torch.npu.set_per_process_memory_fraction, which the trace does not see); needs --capacity.
+    #[arg(long, value_name = "F", requires = "capacity")]
+    pub fraction: Option<f64>,
+
     /// Store the results also in msMemScope's own DBs (by default they are only printed for
     /// those, so a capture is never changed unasked; ours always get them).
     #[arg(long, conflicts_with = "no_write")]
@@ -68,7 +97,7 @@ pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
     for file in inputs::files(db_paths)? {
         let (db, _) = inputs::open(&file, "advise", inputs::Store::Never)?;
         let device = inputs::device_of(&file, &db)?;
-        let options = AdviseOptions { device };
+        let options = AdviseOptions { device, ..AdviseOptions::default() };
         let report = Advise::analyse(&db, &options)?;
         let host_advice = report.0.recommendations.iter().any(|r| r.id == advise::GC_AT_EPOCH_END);
         if file.device.as_deref() == Some("cpu") && !host_advice {
@@ -80,6 +109,14 @@ pub fn advise_text(db_paths: &[PathBuf]) -> anyhow::Result<String> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let simulate = simulate::Options {
+        settings: args.simulate.clone(),
+        fraction: args.fraction,
+        capacity: args.capacity,
+        ..simulate::Options::default()
+    };
+    // A setting the allocators refuse fails before any DB is read.
+    simulate::check("", &simulate)?;
     let want = args.device.as_deref().map(inputs::normalise_device);
     let files = inputs::files(&args.inputs)?;
     let run_wall_ns = std::time::SystemTime::now()
@@ -97,7 +134,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             continue;
         }
         let store_at = write.then_some(run_wall_ns);
-        let options = AdviseOptions { device };
+        let options = AdviseOptions { device, simulate: simulate.clone() };
         let done = contract::run::<Advise>(&db, &options.device, &options, args.json, store_at)?;
         if let Some(line) = done.stored {
             crate::terminal::say::say!("memscope-bpf: {line}");

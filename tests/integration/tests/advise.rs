@@ -319,3 +319,79 @@ fn oom_forensics_tell_fragmentation_from_a_full_device() {
     assert_eq!(ids(&advice), ["expandable_segments"], "{advice:#}");
     assert_eq!(advice["measured"]["fragmentation_ooms"], 1);
 }
+
+/// Segments the allocator took on device 0 (expandable segments: pages mapped), from its ledger.
+fn segments_in_ledger(run: &Run) -> u64 {
+    run.pool.iter().filter(|e| e.device == 0 && matches!(e.ev.as_str(), "segment_alloc" | "segment_map")).count() as u64
+}
+
+/// The allocator model (`advise --simulate`) against the stand-in allocator, an independent
+/// implementation of torch_npu's rules with its own ledger: a scenario runs under each setting;
+/// each run's replay under its own settings reproduces its segments, and the replay of the run
+/// with the defaults predicts every other run's segments and peak reserved bytes exactly.
+fn replay_predicts(env: &TestEnv, scenario: &str, settings: &[&str], limit: &[(&str, &str)], sim_args: &[&str]) {
+    let runs: Vec<(&str, Run)> = settings
+        .iter()
+        .map(|&s| {
+            let mut vars = limit.to_vec();
+            if !s.is_empty() {
+                vars.push(("PYTORCH_NPU_ALLOC_CONF", s));
+            }
+            let tag = format!("sim-{scenario}-{}", s.replace([':', '.'], "_"));
+            (s, trace(env, scenario, &tag, &vars))
+        })
+        .collect();
+    for (setting, run) in &runs {
+        let mut args = vec!["advise", run.out.to_str().unwrap(), "--no-write"];
+        args.extend_from_slice(sim_args);
+        let all = json(env, &args);
+        let advice = all.as_array().unwrap().iter().find(|a| a["device"] == "0").unwrap();
+        let r = &advice["reproduction"];
+        let taken = segments_in_ledger(run);
+        assert!(taken > 0, "{scenario} {setting:?} took segments");
+        assert_eq!(
+            (&r["agrees"], &r["recorded_segments"], &r["matched_segments"]),
+            (&Value::Bool(true), &taken.into(), &taken.into()),
+            "{scenario} {setting:?}: {r:#}"
+        );
+        assert_eq!(advice["baseline"]["peak_reserved_bytes"], run.peak().0, "{scenario} {setting:?}");
+    }
+    let (_, defaults) = &runs[0];
+    let mut args = vec!["advise", defaults.out.to_str().unwrap(), "--no-write"];
+    args.extend_from_slice(sim_args);
+    for (setting, _) in &runs[1..] {
+        args.extend(["--simulate", setting]);
+    }
+    let all = json(env, &args);
+    let advice = all.as_array().unwrap().iter().find(|a| a["device"] == "0").unwrap();
+    let sims = advice["simulations"].as_array().unwrap();
+    for ((setting, run), sim) in runs[1..].iter().zip(sims) {
+        assert_eq!(sim["setting"], *setting);
+        let got = (sim["segments"].as_u64().unwrap(), sim["peak_reserved_bytes"].as_u64().unwrap());
+        eprintln!(
+            "{scenario}: {setting}: predicted {got:?}, the allocator's ledger {:?}",
+            (segments_in_ledger(run), run.peak().0)
+        );
+        assert_eq!(got, (segments_in_ledger(run), run.peak().0), "{scenario} {setting}: {sim:#}");
+        assert_eq!(sim["oom"], false);
+    }
+    // The text says how far the replay agrees before it predicts.
+    let out = Command::new(&env.bin).args(["advise", "--no-write"]).arg(&defaults.out).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let taken = segments_in_ledger(defaults);
+    assert!(text.contains(&format!("replay matches the recorded run: {taken}/{taken} segments")), "{text}");
+}
+
+#[test]
+fn a_replay_predicts_the_segments_and_peak_of_each_setting_for_holes() {
+    let env = env("simulate_holes");
+    replay_predicts(&env, "holes", &["", "expandable_segments:True", "max_split_size_mb:64"], &[], &[]);
+}
+
+#[test]
+fn a_replay_predicts_the_segments_and_peak_of_each_setting_under_a_ceiling() {
+    let env = env("simulate_pressure");
+    let limit = [("STANDIN_ACL_DEVICE_MEM", "1G"), ("STANDIN_PER_PROCESS_MEMORY_FRACTION", "0.5")];
+    let settings = ["", "garbage_collection_threshold:0.6", "max_split_size_mb:64", "expandable_segments:True"];
+    replay_predicts(&env, "pressure", &settings, &limit, &["--capacity", "1GiB", "--fraction", "0.5"]);
+}

@@ -333,10 +333,23 @@ STANDIN_EXPORT aclError aclrtReserveMemAddressImpl(void **virPtr, size_t size, s
     if (virPtr == NULL || size == 0) {
         return ACL_ERROR_INVALID_PARAM;
     }
-    void *p = mmap(expectPtr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) {
+    /* Device ranges start on 2 MiB (a huge page), as the driver's do: torch_npu's base-address
+     * alignment of expandable blocks depends on it. The slack around the aligned range is
+     * given back. */
+    const size_t huge = (size_t)2 << 20;
+    void *raw = mmap(expectPtr, size + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) {
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
+    uintptr_t start = ((uintptr_t)raw + huge - 1) & ~(uintptr_t)(huge - 1);
+    if (start > (uintptr_t)raw) {
+        munmap(raw, start - (uintptr_t)raw);
+    }
+    size_t tail = (uintptr_t)raw + size + huge - (start + size);
+    if (tail > 0) {
+        munmap((void *)(start + size), tail);
+    }
+    void *p = (void *)start;
     insert_block((uintptr_t)p, size, BLOCK_RESERVED);
     *virPtr = p;
     return ACL_SUCCESS;

@@ -7,21 +7,28 @@
  * MallocBlock/FreeBlock/GetBlockPtr/GetBlockSize and at_npu::native::allocate_workspace are
  * exported, as in the torch_npu wheels.
  *
- * The caching allocator behaves like torch_npu's in what the trace sees:
- * - requests are rounded to 512 bytes; <= 1 MiB come from the small pool (2 MiB segments), larger
- *   from the large pool (20 MiB segments up to 10 MiB requests, else rounded to 2 MiB);
+ * The caching allocator decides as torch_npu v2.7.1's does (NPUCachingAllocator.cpp; the rules and
+ * their lines are listed in docs/simulate.md), so a replay of its requests can be checked against
+ * what it really did:
+ * - requests are padded by 32 bytes and rounded to 512; <= 1 MiB come from the small pool (2 MiB
+ *   segments), larger from the large pool (20 MiB segments below 10 MiB, else rounded to 2 MiB);
  * - segments come from aclrtMallocAlign32(HUGE_FIRST) and go back with aclrtFree;
- * - cached blocks are reused best-fit, split when the rest is big enough, merged on free;
- * - emptyCache frees every cached whole segment;
- * - PYTORCH_NPU_ALLOC_CONF: expandable_segments:True (one reserved range per pool, grown in 2 MiB
- *   / 20 MiB pages with aclrtMallocPhysical + aclrtMapMem, shrunk with aclrtUnmapMem +
- *   aclrtFreePhysical), max_split_size_mb (larger blocks are never split, and cached ones are
- *   freed first when a segment cannot be had), garbage_collection_threshold (with
- *   STANDIN_PER_PROCESS_MEMORY_FRACTION: past threshold x allowed, cached whole segments are freed
- *   before a new one is taken); expandable segments with either of the other two is refused, as
- *   torch_npu does;
- * - on a failed segment allocation it frees oversize cached blocks, then every cached whole
- *   segment, then retries once;
+ * - cached blocks of the request's stream are reused best-fit (stream, size, address), split when
+ *   the rest is worth keeping, merged with free neighbours on free;
+ * - a request that finds no cached block runs the garbage collector (with a fraction and
+ *   garbage_collection_threshold: unsplit large cached segments of at least the average age),
+ *   then takes a segment; refused (by the device, or over STANDIN_PER_PROCESS_MEMORY_FRACTION x
+ *   the device), it frees cached oversize segments (max_split_size_mb) and retries, then frees
+ *   every cached unsplit segment and retries once more;
+ * - emptyCache frees every cached unsplit segment, large pool first, and unmaps the whole free
+ *   pages of expandable ranges;
+ * - PYTORCH_NPU_ALLOC_CONF: expandable_segments:True (per pool and stream a range reserved for
+ *   1 1/8 of the device, mapped in 2 MiB / 20 MiB pages with aclrtMallocPhysical + aclrtMapMem as
+ *   requests need them, unmapped with aclrtUnmapMem + aclrtFreePhysical; blocks of 2 MiB or more
+ *   start on 16 KiB boundaries), max_split_size_mb (cached blocks at least that big serve only
+ *   requests at least that big, and less than 20 MiB smaller, and are never split),
+ *   garbage_collection_threshold; expandable segments with either of the other two is refused,
+ *   as torch_npu does;
  * - it calls the mstx memory-region functions only when LD_PRELOAD names a file ending in
  *   libascend_kernel_hook.so, the test torch_npu itself applies.
  * The workspace allocator keeps one grow-only block per device and stream.
@@ -267,7 +274,12 @@ int reuse_mode() {
     return mode;
 }
 
+/* torch_npu pads every request by 32 bytes before rounding it (AddPadSize(), but on Ascend950
+ * with CANN 9.1 or later). */
+constexpr size_t kPadSize = 32;
+
 size_t round_size(size_t size) {
+    size += kPadSize;
     return size < kMinBlockSize ? kMinBlockSize : (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
 }
 
@@ -341,12 +353,21 @@ struct Block {
     bool allocated;
     Block *prev;
     Block *next;
-    void *segment;  // start of the segment (or of the expandable range) it belongs to
-    std::set<int64_t> stream_uses{};  // other streams it was recorded on (recordStream)
-    bool pending = false;           // freed while marked: waiting for those streams' work
+    void *segment = nullptr;  // start of the segment (or of the expandable range) it lies in
+    bool mapped = true;
+    ExpandableSegment *expandable = nullptr;  // the reserved range it lies in, when expandable
+    size_t gc_count = 0;                      // free-block searches of its pool since it was last used
+    std::set<int64_t> stream_uses{};          // other streams it was recorded on (recordStream)
+    bool pending = false;                     // freed while marked: waiting for those streams' work
+
+    Block(int device_, aclrtStream stream_, size_t size_, BlockPool *pool_, void *ptr_)
+        : device(device_), stream(stream_), size(size_), requested_size(0), pool(pool_), ptr(ptr_), allocated(false),
+          prev(nullptr), next(nullptr), segment(ptr_) {}
+    bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 
-struct BlockComparator {
+/* torch_npu's BlockComparatorSize: stream, then size, then address. */
+struct BySize {
     bool operator()(const Block *a, const Block *b) const {
         if (a->stream != b->stream) {
             return (uintptr_t)a->stream < (uintptr_t)b->stream;
@@ -358,18 +379,27 @@ struct BlockComparator {
     }
 };
 
-struct BlockPool {
-    std::set<Block *, BlockComparator> blocks;
-    bool is_small;
-    ExpandableSegment *expandable = nullptr;
+/* BlockComparatorAddress: stream, then address (the unmapped ranges). */
+struct ByAddress {
+    bool operator()(const Block *a, const Block *b) const {
+        if (a->stream != b->stream) {
+            return (uintptr_t)a->stream < (uintptr_t)b->stream;
+        }
+        return (uintptr_t)a->ptr < (uintptr_t)b->ptr;
+    }
 };
 
-/* One reserved address range per pool, mapped page by page. */
+struct BlockPool {
+    std::set<Block *, BySize> blocks;
+    std::set<Block *, ByAddress> unmapped;
+    bool is_small;
+};
+
+/* A reserved address range of one pool and stream, mapped page by page on demand. */
 struct ExpandableSegment {
-    void *base = nullptr;
-    size_t capacity = 0;
+    char *base = nullptr;
     size_t page = 0;
-    std::vector<aclrtDrvMemHandle> handles;  // one per mapped page, from the start
+    std::vector<aclrtDrvMemHandle> handles;  // one per page of the range; null: not mapped
 };
 
 }  // namespace
@@ -400,12 +430,19 @@ class DeviceCachingAllocator {
 
   private:
     Block *get_free_block(BlockPool &pool, size_t size, aclrtStream stream);
-    Block *alloc_block(BlockPool &pool, size_t size, aclrtStream stream);
-    Block *grow_expandable(BlockPool &pool, size_t size, aclrtStream stream);
+    Block *alloc_block(BlockPool &pool, size_t size, size_t alloc_size, aclrtStream stream);
+    Block *find_expandable(BlockPool &pool, size_t size, aclrtStream stream);
+    bool map_block(Block *block, size_t size);
+    Block *alloc_expandable(BlockPool &pool, size_t size, aclrtStream stream);
+    void unmap_block(Block *block);
+    void garbage_collect();
+    bool release_available(BlockPool &pool, size_t size, aclrtStream stream);
+    void release_cached();
     void release_block(Block *block);
-    void release_cached(bool oversize_only);
-    void shrink_expandable(BlockPool &pool);
     bool should_split(const Block *block, size_t size) const;
+    Block *align_base(BlockPool &pool, Block *block, size_t size);
+    void merge(Block *dst, Block *src);
+    size_t allowed() const;
     // `t0`: taken before the runtime call the step made, so a test can place that call's row
     // between `t0` and `t` however long the call took.
     void segment_event(const char *ev, void *ptr, size_t size, unsigned long long t0);
@@ -416,6 +453,7 @@ class DeviceCachingAllocator {
     BlockPool small_;
     BlockPool large_;
     Stats stats_;
+    std::vector<ExpandableSegment *> expandables_;
     std::vector<Block *> pending_;  // freed while marked, in free order
 };
 
@@ -428,22 +466,45 @@ void DeviceCachingAllocator::segment_event(const char *ev, void *ptr, size_t siz
     }
 }
 
+/* The bytes the per-process fraction allows; 0: no fraction set. */
+size_t DeviceCachingAllocator::allowed() const {
+    const Config &config = Config::get();
+    if (config.fraction <= 0.0) {
+        return 0;
+    }
+    size_t free_bytes = 0, total = 0;
+    aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
+    return (size_t)(config.fraction * (double)total);
+}
+
 bool DeviceCachingAllocator::should_split(const Block *block, size_t size) const {
     size_t remaining = block->size - size;
-    if (block->pool->is_small) {
+    if (block->pool->is_small || Config::get().expandable) {
         return remaining >= kMinBlockSize;
     }
-    return remaining > kSmallSize && size < Config::get().max_split;
+    return size < Config::get().max_split && remaining > kSmallSize;
 }
 
 Block *DeviceCachingAllocator::get_free_block(BlockPool &pool, size_t size, aclrtStream stream) {
-    Block key{device_, stream, size, 0, &pool, nullptr, false, nullptr, nullptr, nullptr};
+    if (Config::get().fraction > 0.0 && Config::get().gc_threshold > 0.0) {
+        for (Block *b : pool.blocks) {
+            b->gc_count++;
+        }
+    }
+    Block key(device_, stream, size, &pool, nullptr);
     auto it = pool.blocks.lower_bound(&key);
     if (it == pool.blocks.end() || (*it)->stream != stream) {
         return nullptr;
     }
+    if ((*it)->expandable != nullptr) {
+        // A block followed by unmapped room counts at the size it can grow to.
+        auto reach = [](const Block *b) { return b->size + (b->next && !b->next->mapped ? b->next->size : 0); };
+        auto next = std::next(it);
+        while ((*it)->expandable && next != pool.blocks.end() && (*next)->stream == stream && reach(*next) < reach(*it)) {
+            it = next++;
+        }
+    }
     size_t max_split = Config::get().max_split;
-    // Oversize blocks serve only requests that are oversize too, and not much smaller.
     if (size < max_split && (*it)->size >= max_split) {
         return nullptr;
     }
@@ -451,132 +512,216 @@ Block *DeviceCachingAllocator::get_free_block(BlockPool &pool, size_t size, aclr
         return nullptr;
     }
     Block *block = *it;
+    block->gc_count = 0;
     pool.blocks.erase(it);
     return block;
 }
 
-Block *DeviceCachingAllocator::alloc_block(BlockPool &pool, size_t size, aclrtStream stream) {
-    size_t alloc = allocation_size(size);
-    const Config &config = Config::get();
-    if (config.fraction > 0.0) {
-        size_t free_bytes = 0, total = 0;
-        aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
-        size_t allowed = (size_t)(config.fraction * (double)total);
-        if (config.gc_threshold > 0.0 && (double)(stats_.reserved + alloc) > config.gc_threshold * (double)allowed) {
-            release_cached(false);  // garbage collection: give cached whole segments back first
-        }
-        if (stats_.reserved + alloc > allowed) {
-            return nullptr;
-        }
+Block *DeviceCachingAllocator::alloc_block(BlockPool &pool, size_t size, size_t alloc_size, aclrtStream stream) {
+    size_t limit = allowed();
+    if (limit > 0 && stats_.reserved + alloc_size > limit) {
+        return nullptr;
+    }
+    if (Config::get().expandable) {
+        return alloc_expandable(pool, size, stream);
     }
     void *ptr = nullptr;
     unsigned long long t0 = now_ns();
-    if (aclrtMallocAlign32(&ptr, alloc, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS) {
+    if (aclrtMallocAlign32(&ptr, alloc_size, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS) {
         return nullptr;
     }
-    stats_.reserved += alloc;
-    segment_event("segment_alloc", ptr, alloc, t0);
-    return new Block{device_, stream, alloc, 0, &pool, ptr, false, nullptr, nullptr, ptr};
+    stats_.reserved += alloc_size;
+    segment_event("segment_alloc", ptr, alloc_size, t0);
+    return new Block(device_, stream, alloc_size, &pool, ptr);
 }
 
-Block *DeviceCachingAllocator::grow_expandable(BlockPool &pool, size_t size, aclrtStream stream) {
-    ExpandableSegment *seg = pool.expandable;
-    if (seg == nullptr) {
-        seg = new ExpandableSegment;
-        seg->page = pool.is_small ? kSmallBuffer : kLargeBuffer;
-        size_t free_bytes = 0, total = 0;
-        aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
-        seg->capacity = (total / seg->page + 1) * seg->page;
-        if (aclrtReserveMemAddress(&seg->base, seg->capacity, 0, nullptr, 1) != ACL_SUCCESS) {
-            delete seg;
-            return nullptr;
+/* The lowest unmapped room of the stream (with the free block before it) that holds `size`,
+ * or a new range reserved for 1 1/8 of the device. */
+Block *DeviceCachingAllocator::find_expandable(BlockPool &pool, size_t size, aclrtStream stream) {
+    auto usable = [](const Block *b) { return b != nullptr && !b->allocated && b->stream_uses.empty() && !b->pending; };
+    Block key(device_, stream, 0, &pool, nullptr);
+    for (auto it = pool.unmapped.lower_bound(&key); it != pool.unmapped.end() && (*it)->stream == stream; ++it) {
+        Block *c = usable((*it)->prev) ? (*it)->prev : *it;
+        size_t bytes = 0;
+        for (Block *b = c; bytes < size && usable(b); b = b->next) {
+            bytes += b->size;
         }
-        pool.expandable = seg;
-    }
-    // Grow from the end: a free block at the end of the mapped range is extended.
-    size_t mapped = seg->handles.size() * seg->page;
-    Block *tail = nullptr;
-    for (Block *b : pool.blocks) {
-        if ((char *)b->ptr + b->size == (char *)seg->base + mapped && b->stream == stream) {
-            tail = b;
+        if (bytes >= size) {
+            return c;
         }
     }
-    size_t have = tail ? tail->size : 0;
-    size_t pages = (size - have + seg->page - 1) / seg->page;
-    if (mapped + pages * seg->page > seg->capacity) {
+    auto *seg = new ExpandableSegment;
+    seg->page = pool.is_small ? kSmallBuffer : kLargeBuffer;
+    size_t free_bytes = 0, total = 0;
+    aclrtGetMemInfo(ACL_HBM_MEM, &free_bytes, &total);
+    size_t pages = (total + total / 8 + seg->page - 1) / seg->page;
+    void *base = nullptr;
+    if (aclrtReserveMemAddress(&base, pages * seg->page, 0, nullptr, 1) != ACL_SUCCESS) {
+        delete seg;
         return nullptr;
     }
-    for (size_t i = 0; i < pages; i++) {
+    seg->base = static_cast<char *>(base);
+    seg->handles.assign(pages, nullptr);
+    expandables_.push_back(seg);
+    Block *range = new Block(device_, stream, pages * seg->page, &pool, base);
+    range->segment = base;
+    range->mapped = false;
+    range->expandable = seg;
+    pool.unmapped.insert(range);
+    return range;
+}
+
+/* Maps the pages under the first `size` bytes of an unmapped block; the mapped part joins its
+ * free neighbours and the free set. */
+bool DeviceCachingAllocator::map_block(Block *block, size_t size) {
+    ExpandableSegment *seg = block->expandable;
+    size_t first = (size_t)(static_cast<char *>(block->ptr) - seg->base) / seg->page;
+    size_t end = std::min((size_t)(static_cast<char *>(block->ptr) - seg->base + size + seg->page - 1) / seg->page,
+                          seg->handles.size());
+    for (size_t i = first; i < end; i++) {
         aclrtPhysicalMemProp prop{};
         prop.memAttr = ACL_HBM_MEM_HUGE;
         prop.location.id = (uint32_t)device_;
         prop.location.type = ACL_MEM_LOCATION_TYPE_DEVICE;
-        aclrtDrvMemHandle handle = nullptr;
-        void *at = (char *)seg->base + mapped + i * seg->page;
-        if (aclrtMallocPhysical(&handle, seg->page, &prop, 0) != ACL_SUCCESS) {
-            return nullptr;
+        if (aclrtMallocPhysical(&seg->handles[i], seg->page, &prop, 0) != ACL_SUCCESS) {
+            for (size_t j = first; j < i; j++) {
+                aclrtFreePhysical(seg->handles[j]);
+                seg->handles[j] = nullptr;
+            }
+            seg->handles[i] = nullptr;
+            return false;
         }
+    }
+    for (size_t i = first; i < end; i++) {
         unsigned long long t0 = now_ns();
-        if (aclrtMapMem(at, seg->page, 0, handle, 0) != ACL_SUCCESS) {
-            aclrtFreePhysical(handle);
-            return nullptr;
-        }
-        seg->handles.push_back(handle);
+        aclrtMapMem(seg->base + i * seg->page, seg->page, 0, seg->handles[i], 0);
         stats_.reserved += seg->page;
-        segment_event("segment_map", at, seg->page, t0);
+        segment_event("segment_map", seg->base + i * seg->page, seg->page, t0);
     }
-    size_t grown = pages * seg->page;
-    if (tail != nullptr) {
-        pool.blocks.erase(tail);
-        tail->size += grown;
-        return tail;
+    BlockPool &pool = *block->pool;
+    pool.unmapped.erase(block);
+    size_t mapped = (end - first) * seg->page;
+    if (mapped < block->size) {
+        Block *rest = new Block(device_, block->stream, block->size - mapped, &pool, static_cast<char *>(block->ptr) + mapped);
+        rest->segment = seg->base;
+        rest->mapped = false;
+        rest->expandable = seg;
+        rest->prev = block;
+        rest->next = block->next;
+        if (block->next) {
+            block->next->prev = rest;
+        }
+        block->next = rest;
+        pool.unmapped.insert(rest);
+        block->size = mapped;
     }
-    return new Block{device_, stream, grown, 0, &pool, (char *)seg->base + mapped, false, nullptr, nullptr, seg->base};
+    block->mapped = true;
+    merge(block, block->prev);
+    merge(block, block->next);
+    pool.blocks.insert(block);
+    return true;
 }
 
-void DeviceCachingAllocator::shrink_expandable(BlockPool &pool) {
-    ExpandableSegment *seg = pool.expandable;
-    if (seg == nullptr) {
+Block *DeviceCachingAllocator::alloc_expandable(BlockPool &pool, size_t size, aclrtStream stream) {
+    Block *candidate = find_expandable(pool, size, stream);
+    if (candidate == nullptr) {
+        return nullptr;
+    }
+    if (!candidate->mapped && !map_block(candidate, std::min(candidate->size, size))) {
+        return nullptr;
+    }
+    while (candidate->size < size) {
+        Block *next = candidate->next;
+        if (next == nullptr || !map_block(next, std::min(size - candidate->size, next->size))) {
+            return nullptr;
+        }
+        candidate = next;  // it took in the free block before it
+    }
+    pool.blocks.erase(candidate);
+    return candidate;
+}
+
+/* Unmaps the whole pages inside a free expandable block; the bytes around them stay free. */
+void DeviceCachingAllocator::unmap_block(Block *block) {
+    ExpandableSegment *seg = block->expandable;
+    uintptr_t start = (uintptr_t)block->ptr, stop = start + block->size, base = (uintptr_t)seg->base;
+    size_t first = (start - base + seg->page - 1) / seg->page;
+    size_t end = (stop - base) / seg->page;
+    if (first >= end) {
         return;
     }
-    size_t mapped = seg->handles.size() * seg->page;
-    for (Block *b : pool.blocks) {
-        if ((char *)b->ptr + b->size != (char *)seg->base + mapped) {
-            continue;
+    BlockPool &pool = *block->pool;
+    pool.blocks.erase(block);
+    char *from = seg->base + first * seg->page, *to = seg->base + end * seg->page;
+    if ((uintptr_t)from > start) {
+        Block *before = new Block(device_, block->stream, (uintptr_t)from - start, &pool, block->ptr);
+        before->segment = seg->base;
+        before->expandable = seg;
+        before->prev = block->prev;
+        before->next = block;
+        if (block->prev) {
+            block->prev->next = before;
         }
-        // Unmap every whole page of the free block at the end of the mapped range.
-        size_t start = ((uintptr_t)b->ptr - (uintptr_t)seg->base + seg->page - 1) / seg->page;
-        size_t release = seg->handles.size() - start;
-        if (release == 0) {
-            return;
+        block->prev = before;
+        pool.blocks.insert(before);
+    }
+    if ((uintptr_t)to < stop) {
+        Block *after = new Block(device_, block->stream, stop - (uintptr_t)to, &pool, to);
+        after->segment = seg->base;
+        after->expandable = seg;
+        after->prev = block;
+        after->next = block->next;
+        if (block->next) {
+            block->next->prev = after;
         }
-        pool.blocks.erase(b);
-        for (size_t i = seg->handles.size(); i > start; i--) {
-            void *at = (char *)seg->base + (i - 1) * seg->page;
-            unsigned long long t0 = now_ns();
-            aclrtUnmapMem(at);
-            aclrtFreePhysical(seg->handles[i - 1]);
-            stats_.reserved -= seg->page;
-            segment_event("segment_unmap", at, seg->page, t0);
-        }
-        seg->handles.resize(start);
-        size_t cut = (char *)b->ptr + b->size - ((char *)seg->base + start * seg->page);
-        b->size -= cut;
-        if (b->size == 0) {
-            if (b->prev) {
-                b->prev->next = nullptr;
-            }
-            delete b;
-        } else {
-            pool.blocks.insert(b);
-        }
+        block->next = after;
+        pool.blocks.insert(after);
+    }
+    for (size_t i = first; i < end; i++) {
+        unsigned long long t0 = now_ns();
+        aclrtUnmapMem(seg->base + i * seg->page);
+        aclrtFreePhysical(seg->handles[i]);
+        seg->handles[i] = nullptr;
+        stats_.reserved -= seg->page;
+        segment_event("segment_unmap", seg->base + i * seg->page, seg->page, t0);
+    }
+    block->ptr = from;
+    block->size = (size_t)(to - from);
+    block->mapped = false;
+    merge(block, block->prev);
+    merge(block, block->next);
+    pool.unmapped.insert(block);
+}
+
+/* Joins the free neighbour `src` into `dst` (both mapped, or both unmapped). */
+void DeviceCachingAllocator::merge(Block *dst, Block *src) {
+    if (src == nullptr || src->allocated || src->pending || !src->stream_uses.empty() || src->mapped != dst->mapped) {
         return;
     }
+    if (dst->prev == src) {
+        dst->ptr = src->ptr;
+        dst->prev = src->prev;
+        if (dst->prev) {
+            dst->prev->next = dst;
+        }
+    } else {
+        dst->next = src->next;
+        if (dst->next) {
+            dst->next->prev = dst;
+        }
+    }
+    dst->size += src->size;
+    BlockPool &pool = *src->pool;
+    if (src->mapped) {
+        pool.blocks.erase(src);
+    } else {
+        pool.unmapped.erase(src);
+    }
+    delete src;
 }
 
 void DeviceCachingAllocator::release_block(Block *block) {
-    BlockPool *pool = block->pool;
-    pool->blocks.erase(block);
+    block->pool->blocks.erase(block);
     unsigned long long t0 = now_ns();
     aclrtFree(block->ptr);
     stats_.reserved -= block->size;
@@ -584,23 +729,113 @@ void DeviceCachingAllocator::release_block(Block *block) {
     delete block;
 }
 
-void DeviceCachingAllocator::release_cached(bool oversize_only) {
-    for (BlockPool *pool : {&small_, &large_}) {
-        if (pool->expandable != nullptr) {
-            shrink_expandable(*pool);
-            continue;
+/* Past garbage_collection_threshold x the allowed bytes, the large pool's unsplit cached
+ * segments waiting at least the average time go, pass after pass, until the excess is back. */
+void DeviceCachingAllocator::garbage_collect() {
+    size_t threshold = (size_t)(Config::get().gc_threshold * (double)allowed());
+    if (stats_.reserved <= threshold) {
+        return;
+    }
+    size_t target = stats_.reserved - threshold, reclaimed = 0;
+    double total_age = 0.0;
+    int count = 0;
+    for (Block *b : large_.blocks) {
+        if (!b->is_split()) {
+            total_age += (double)b->gc_count;
+            count++;
         }
-        std::vector<Block *> whole;
+    }
+    bool freed = true;
+    while (reclaimed < target && freed && count > 0) {
+        double threshold_age = total_age / count;
+        freed = false;
+        std::vector<Block *> old;
+        for (Block *b : large_.blocks) {
+            if (!b->is_split() && (double)b->gc_count >= threshold_age) {
+                old.push_back(b);
+            }
+        }
+        for (Block *b : old) {
+            freed = true;
+            reclaimed += b->size;
+            total_age -= (double)b->gc_count;
+            count--;
+            release_block(b);
+        }
+    }
+}
+
+/* With max_split_size_mb set: one cached oversize segment big enough, or the largest ones of
+ * the stream, largest first, until their bytes cover the request. */
+bool DeviceCachingAllocator::release_available(BlockPool &pool, size_t size, aclrtStream stream) {
+    size_t max_split = Config::get().max_split;
+    if (max_split == SIZE_MAX) {
+        return false;
+    }
+    Block key(device_, stream, std::max(size, max_split), &pool, nullptr);
+    auto it = pool.blocks.lower_bound(&key);
+    if (it != pool.blocks.end() && (*it)->stream == stream) {
+        release_block(*it);
+        return true;
+    }
+    size_t released = 0;
+    while (it != pool.blocks.begin() && released < key.size) {
+        --it;
+        if ((*it)->size < max_split || (*it)->stream != stream) {
+            break;
+        }
+        Block *b = *it;
+        released += b->size;
+        release_block(b);
+        it = pool.blocks.lower_bound(&key);
+    }
+    return released >= key.size;
+}
+
+/* Every cached segment not split, large pool first; the free pages of expandable ranges. */
+void DeviceCachingAllocator::release_cached() {
+    for (BlockPool *pool : {&large_, &small_}) {
+        std::vector<Block *> whole, expandable;
         for (Block *b : pool->blocks) {
-            bool oversize = b->size >= Config::get().max_split;
-            if (b->prev == nullptr && b->next == nullptr && (!oversize_only || oversize)) {
+            if (b->expandable != nullptr) {
+                expandable.push_back(b);
+            } else if (!b->is_split()) {
                 whole.push_back(b);
             }
         }
         for (Block *b : whole) {
             release_block(b);
         }
+        for (Block *b : expandable) {
+            unmap_block(b);
+        }
     }
+}
+
+/* torch_npu's base-address alignment (expandable segments, requests of 2 MiB or more): a block
+ * not on a 16 KiB boundary leaves its first bytes free before the aligned rest. */
+Block *DeviceCachingAllocator::align_base(BlockPool &pool, Block *block, size_t size) {
+    constexpr uintptr_t kAlign = 16 << 10;
+    uintptr_t at = (uintptr_t)block->ptr;
+    if (size < kRoundLarge || !Config::get().expandable || at % kAlign == 0) {
+        return block;
+    }
+    size_t offset = kAlign - at % kAlign;
+    if (offset + size > block->size) {
+        return block;
+    }
+    Block *rest = new Block(device_, block->stream, block->size - offset, &pool, (char *)block->ptr + offset);
+    rest->segment = block->segment;
+    rest->expandable = block->expandable;
+    rest->next = block->next;
+    if (rest->next) {
+        rest->next->prev = rest;
+    }
+    rest->prev = block;
+    block->next = rest;
+    block->size = offset;
+    pool.blocks.insert(block);
+    return rest;
 }
 
 HIDDEN_NOINLINE Block *DeviceCachingAllocator::malloc(int device, size_t orig_size, aclrtStream stream,
@@ -612,20 +847,19 @@ HIDDEN_NOINLINE Block *DeviceCachingAllocator::malloc(int device, size_t orig_si
     }
     size_t size = round_size(orig_size);
     BlockPool &pool = size <= kSmallSize ? small_ : large_;
+    size_t alloc_size = allocation_size(size);
     Block *block = get_free_block(pool, size, stream);
     if (block == nullptr) {
-        if (Config::get().expandable) {
-            block = grow_expandable(pool, size, stream);
-        } else {
-            block = alloc_block(pool, size, stream);
-            if (block == nullptr) {
-                release_cached(true);
-                block = alloc_block(pool, size, stream);
-            }
-            if (block == nullptr) {
-                release_cached(false);
-                block = alloc_block(pool, size, stream);
-            }
+        if (Config::get().fraction > 0.0 && Config::get().gc_threshold > 0.0) {
+            garbage_collect();
+        }
+        block = alloc_block(pool, size, alloc_size, stream);
+        if (block == nullptr && release_available(pool, size, stream)) {
+            block = alloc_block(pool, size, alloc_size, stream);
+        }
+        if (block == nullptr) {
+            release_cached();
+            block = alloc_block(pool, size, alloc_size, stream);
         }
     }
     at_event = AtEvent{stats_.allocated, stats_.reserved};
@@ -637,9 +871,13 @@ HIDDEN_NOINLINE Block *DeviceCachingAllocator::malloc(int device, size_t orig_si
         }
         return nullptr;
     }
+    block = align_base(pool, block, size);
     if (should_split(block, size)) {
-        Block *rest = new Block{device_, stream, block->size - size, 0, &pool, (char *)block->ptr + size,
-                                false,  block,  block->next,       block->segment};
+        Block *rest = new Block(device_, stream, block->size - size, &pool, (char *)block->ptr + size);
+        rest->segment = block->segment;
+        rest->expandable = block->expandable;
+        rest->prev = block;
+        rest->next = block->next;
         if (block->next) {
             block->next->prev = rest;
         }
@@ -677,29 +915,9 @@ void DeviceCachingAllocator::free_block(Block *block) {
     stats_.allocated -= block->size;
     void *ptr = block->ptr;
     void *segment = block->segment;
-    BlockPool &pool = *block->pool;
-    // Merge with free neighbours.
-    for (Block *n : {block->prev, block->next}) {
-        if (n == nullptr || n->allocated || n->stream != block->stream) {
-            continue;
-        }
-        pool.blocks.erase(n);
-        if (n == block->prev) {
-            block->ptr = n->ptr;
-            block->prev = n->prev;
-            if (block->prev) {
-                block->prev->next = block;
-            }
-        } else {
-            block->next = n->next;
-            if (block->next) {
-                block->next->prev = block;
-            }
-        }
-        block->size += n->size;
-        delete n;
-    }
-    pool.blocks.insert(block);
+    merge(block, block->prev);
+    merge(block, block->next);
+    block->pool->blocks.insert(block);
     if (Mstx *m = Mstx::get()) {
         m->free_region(m->caching, device_, segment, stats_.reserved, ptr);
     }
@@ -708,7 +926,7 @@ void DeviceCachingAllocator::free_block(Block *block) {
 
 void DeviceCachingAllocator::emptyCache() {
     std::lock_guard<std::recursive_mutex> guard(mutex_);
-    release_cached(false);
+    release_cached();
 }
 
 void DeviceCachingAllocator::recordStream(Block *block, int64_t stream) {

@@ -36,6 +36,7 @@ use super::gc_held::{self, GcHeld};
 use super::oom::Verdict;
 use super::pass::{self, Consumer};
 use super::render::relative;
+use super::simulate;
 use super::stream_reuse::{self, StreamReuse};
 use super::AnalysisError;
 use crate::apis::Backend;
@@ -144,6 +145,13 @@ pub struct Recommendation {
     pub evidence: BTreeMap<String, serde_json::Value>,
     /// Recommendations of this list that torch_npu refuses together with this one.
     pub conflicts_with: Vec<&'static str>,
+    /// What the setting would have given, replayed through the allocator model
+    /// ([`crate::analysis::simulate`]); `None` for advice that is not an allocator setting.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted: Option<simulate::Figures>,
+    /// Its place among the predicted settings (1: the lowest peak reserved without OOM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_rank: Option<usize>,
 }
 
 /// The behaviour the rules read, as measured.
@@ -190,6 +198,11 @@ pub struct Advice {
     pub alloc_conf: &'static str,
     pub measured: Measured,
     pub recommendations: Vec<Recommendation>,
+    /// The replay of the caching allocator's requests: the run as recorded, as replayed under
+    /// its own settings (and their agreement), and under each setting asked for (`None`: no
+    /// caching-pool requests in the trace).
+    #[serde(flatten)]
+    pub simulation: Option<simulate::Report>,
 }
 
 /// Whether the DB has our `ms_meta` table (msMemScope's DBs do not).
@@ -323,6 +336,8 @@ impl Facts<'_> {
             why,
             evidence,
             conflicts_with: Vec::new(),
+            predicted: None,
+            predicted_rank: None,
         }
     }
 }
@@ -373,8 +388,9 @@ pub fn advise(
     (facts.m, recs)
 }
 
-/// Runs the replays and the rules on one DB, reading its rows once for all the replays.
-pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisError> {
+/// Runs the replays and the rules on one DB, reading its rows once for all the replays, then the
+/// allocator model under the run's settings, each recommended one and each of `simulate`'s.
+pub fn analyse(db: &DumpDb, device: &str, sim: &simulate::Options) -> Result<(Advice, Report), AnalysisError> {
     let path = db.path();
     // The step replays read `Name`, and refuse a table without it.
     db.require_columns(&["Name"])?;
@@ -382,7 +398,8 @@ pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisEr
     let mut gc = gc_held::Replay::default();
     let mut streams = stream_reuse::Scan::default();
     let mut atb = atb_workspace::Replay::for_db(db)?;
-    let mut consumers: Vec<&mut dyn Consumer> = vec![&mut pool, &mut gc, &mut streams];
+    let mut requests = simulate::trace::Reader::new(sim.fraction.is_some());
+    let mut consumers: Vec<&mut dyn Consumer> = vec![&mut pool, &mut gc, &mut streams, &mut requests];
     consumers.extend(atb.as_mut().map(|a| a as &mut dyn Consumer));
     pass::run(db, &mut consumers)?;
     let report = pool.finish();
@@ -398,7 +415,48 @@ pub fn analyse(db: &DumpDb, device: &str) -> Result<(Advice, Report), AnalysisEr
         recommendations.retain(|r| r.id == GC_AT_EPOCH_END);
     }
     let alloc_conf = backend.alloc_conf();
+    let sim = simulate::Options { flavour: simulate::Flavour::of(backend), ..sim.clone() };
+    let base = settings.get(alloc_conf).cloned().unwrap_or_default();
+    let simulation = predict(&requests.finish(), &base, &sim, &mut recommendations)
+        .map_err(|source| AnalysisError::Setting { path: path.to_owned(), source })?;
     let (db, device) = (path.display().to_string(), device.to_owned());
-    let advice = Advice { db, device, settings, settings_known, alloc_conf, measured, recommendations };
+    let advice = Advice { db, device, settings, settings_known, alloc_conf, measured, recommendations, simulation };
     Ok((advice, report))
+}
+
+/// Replays the requests (when the trace has any) under the run's settings, those asked for and
+/// each recommended allocator setting, which it ranks by the peak reserved memory it would give
+/// (a setting that runs out of memory last).
+fn predict(
+    trace: &simulate::trace::Trace,
+    base: &str,
+    sim: &simulate::Options,
+    recs: &mut [Recommendation],
+) -> Result<Option<simulate::Report>, simulate::SettingError> {
+    if !trace.has_requests() {
+        return Ok(None);
+    }
+    // The job's own settings may hold what the model does not know: the advice stands, the
+    // replay is left out and says why.
+    let only_base = simulate::Options { settings: Vec::new(), ..sim.clone() };
+    if let Err(e) = simulate::check(base, &only_base) {
+        let note = format!("the job's own allocator settings cannot be replayed, so nothing is: {e}");
+        return Ok(Some(simulate::Report { notes: vec![note], ..simulate::Report::default() }));
+    }
+    let report = simulate::run(trace, base, sim)?;
+    for r in recs.iter_mut() {
+        if let (Some(_), Some(whole)) = (r.variable.filter(|v| v.ends_with("_ALLOC_CONF")), &r.value) {
+            r.predicted = simulate::predict(trace, whole, sim).ok();
+        }
+    }
+    let mut ranked: Vec<(bool, u64, usize)> = recs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| r.predicted.as_ref().map(|p| (p.oom, p.peak_reserved_bytes, i)))
+        .collect();
+    ranked.sort_unstable();
+    for (rank, (_, _, i)) in ranked.into_iter().enumerate() {
+        recs[i].predicted_rank = Some(rank + 1);
+    }
+    Ok(Some(report))
 }

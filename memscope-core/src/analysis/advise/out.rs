@@ -82,7 +82,80 @@ pub fn text(advice: &Advice, report: &Report) -> String {
         let _ = writeln!(out, "  advice: nothing to change (no rule's evidence was found)");
     }
     recommendations(&mut out, advice);
+    if let Some(sim) = &advice.simulation {
+        replay(&mut out, sim);
+    }
     out
+}
+
+/// The replay's agreement with the recorded run, then the recorded, replayed and asked-for
+/// figures side by side.
+fn replay(out: &mut String, sim: &simulate::Report) {
+    if sim.baseline.is_none() {
+        for note in &sim.notes {
+            let _ = writeln!(out, "  allocator replay: {}", printable(note));
+        }
+        return;
+    }
+    let r = &sim.reproduction;
+    let agreement = if r.recorded_segments == 0 {
+        "the trace has no segment rows of the pool, so the replay cannot be checked against it".to_owned()
+    } else if r.agrees {
+        format!("replay matches the recorded run: {}/{} segments", r.matched_segments, r.recorded_segments)
+    } else {
+        format!(
+            "replay does NOT match the recorded run: {}/{} segments agree, then {}; take the predictions as estimates",
+            r.matched_segments,
+            r.recorded_segments,
+            r.first_difference.as_deref().unwrap_or("they part")
+        )
+    };
+    let _ = writeln!(out, "  allocator replay (docs/simulate.md): {agreement}");
+    let _ = writeln!(out, "    {:<40} {}", "as recorded", figures(&sim.recorded, None));
+    let base = &sim.recorded;
+    if let Some(b) = &sim.baseline {
+        let name = if b.setting.is_empty() {
+            "replayed as run (settings unset)".to_owned()
+        } else {
+            format!("replayed as run ({})", printable(&b.setting))
+        };
+        let _ = writeln!(out, "    {:<40} {}", name, figures(&b.figures, Some(base)));
+    }
+    for s in &sim.simulations {
+        let _ = writeln!(out, "    {:<40} {}", printable(&s.setting), figures(&s.figures, Some(base)));
+    }
+    for note in &sim.notes {
+        let _ = writeln!(out, "    note: {note}");
+    }
+}
+
+/// One line of figures, with the change of peak reserved against `base`.
+fn figures(f: &simulate::Figures, base: Option<&simulate::Figures>) -> String {
+    let change = base
+        .filter(|b| b.peak_reserved_bytes > 0)
+        .map(|b| {
+            format!(" ({})", crate::units::signed_bytes(f.peak_reserved_bytes as i64 - b.peak_reserved_bytes as i64))
+        })
+        .unwrap_or_default();
+    let oom = match &f.first_oom {
+        Some(o) => format!(
+            "OUT OF MEMORY ({} time(s), first asking {} with {} reserved)",
+            f.ooms,
+            b(o.request_bytes),
+            b(o.reserved_bytes)
+        ),
+        None if f.ooms > 0 => format!("{} OOM(s)", f.ooms),
+        None => "no OOM".to_owned(),
+    };
+    let largest =
+        f.largest_free_at_peak_bytes.map(|l| format!(", largest free piece at the peak {}", b(l))).unwrap_or_default();
+    format!(
+        "peak reserved {}{change}, peak allocated {}, {} segment(s), unused {} on average{largest}, {oom}",
+        b(f.peak_reserved_bytes),
+        b(f.peak_allocated_bytes),
+        f.segments,
+        b(f.unused_reserve_avg_bytes)
+    )
 }
 
 fn recommendations(out: &mut String, advice: &Advice) {
@@ -97,6 +170,11 @@ fn recommendations(out: &mut String, advice: &Advice) {
         if !r.conflicts_with.is_empty() {
             let _ =
                 writeln!(out, "     either this or {} (torch_npu refuses them together)", r.conflicts_with.join(", "));
+        }
+        if let Some(p) = &r.predicted {
+            let base = advice.simulation.as_ref().map(|s| &s.recorded);
+            let rank = r.predicted_rank.map(|k| format!("; rank {k} of the replayed settings")).unwrap_or_default();
+            let _ = writeln!(out, "     would give (replayed): {}{rank}", figures(p, base));
         }
     }
 }

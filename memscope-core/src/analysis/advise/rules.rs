@@ -168,6 +168,8 @@ pub(super) fn per_process_memory_fraction(f: &Facts<'_>) -> Option<Recommendatio
             why,
             evidence,
             conflicts_with: Vec::new(),
+            predicted: None,
+            predicted_rank: None,
         });
     }
     None
@@ -205,6 +207,8 @@ pub(super) fn multi_stream_memory_reuse(f: &Facts<'_>) -> Option<Recommendation>
             why,
             evidence: ev_of(streams),
             conflicts_with: Vec::new(),
+            predicted: None,
+            predicted_rank: None,
         });
     }
     None
@@ -237,6 +241,8 @@ pub(super) fn gc_at_epoch_end(f: &Facts<'_>) -> Option<Recommendation> {
             why,
             evidence: ev_of(gc),
             conflicts_with: Vec::new(),
+            predicted: None,
+            predicted_rank: None,
         });
     }
     None
@@ -313,5 +319,7 @@ pub(super) fn atb_recommendation(atb: &AtbWorkspace, current: Option<String>, gl
         why,
         evidence,
         conflicts_with: Vec::new(),
+        predicted: None,
+        predicted_rank: None,
     }
 }

@@ -11,7 +11,7 @@ fn open(path: &Path) -> DumpDb {
 }
 
 fn advice(path: &Path) -> (Measured, Vec<Recommendation>) {
-    let (a, _) = analyse(&open(path), "0").unwrap();
+    let (a, _) = analyse(&open(path), "0", &Default::default()).unwrap();
     (a.measured, a.recommendations)
 }
 
@@ -76,7 +76,7 @@ fn a_cuda_trace_is_advised_on_pytorch_cuda_alloc_conf() {
     fx.meta("env.PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True");
     fx.meta("env.PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4");
     holes_rows(&mut fx);
-    let (a, _) = analyse(&open(&fx.stop()), "0").unwrap();
+    let (a, _) = analyse(&open(&fx.stop()), "0", &Default::default()).unwrap();
     assert_eq!(a.alloc_conf, "PYTORCH_CUDA_ALLOC_CONF");
     assert_eq!(ids(&a.recommendations), ["expandable_segments"]);
     let r = &a.recommendations[0];
@@ -182,7 +182,7 @@ fn processes_sharing_a_device_get_fractions() {
     assert_eq!(ids(&recs), ["per_process_memory_fraction"]);
     // Host memory has no device allocator to configure (msLeaks wrote it as HAL rows of `host`).
     for host in ["host", "cpu"] {
-        assert!(analyse(&open(&path), host).unwrap().0.recommendations.is_empty(), "{host}");
+        assert!(analyse(&open(&path), host, &Default::default()).unwrap().0.recommendations.is_empty(), "{host}");
     }
     let r = &recs[0];
     assert_eq!(r.variable, None);
@@ -208,10 +208,10 @@ fn a_clean_pool_and_an_empty_trace_get_no_advice() {
         }
     }
     let path = fx.stop();
-    let (advice, report) = analyse(&open(&path), "0").unwrap();
+    let (advice, report) = analyse(&open(&path), "0", &Default::default()).unwrap();
     assert!(advice.recommendations.is_empty());
     assert!(text(&advice, &report).contains("advice: nothing to change"));
-    let (advice, report) = analyse(&open(&Fx::new("advise-empty").stop()), "0").unwrap();
+    let (advice, report) = analyse(&open(&Fx::new("advise-empty").stop()), "0", &Default::default()).unwrap();
     assert!(advice.recommendations.is_empty());
     assert!(text(&advice, &report).contains("no caching-pool memory"));
 }
@@ -276,7 +276,7 @@ fn atb_job(name: &str, intermediate: u64, alg: Option<&str>, global: Option<&str
 #[test]
 fn large_atb_intermediates_under_the_default_algorithm_recommend_alg_type_3() {
     let path = atb_job("advise-atb", 44 * M, None, None);
-    let (advised, report) = analyse(&open(&path), "0").unwrap();
+    let (advised, report) = analyse(&open(&path), "0", &Default::default()).unwrap();
     let recs = &advised.recommendations;
     assert_eq!(ids(recs), [ATB_ALG_RULE]);
     let r = &recs[0];
@@ -319,7 +319,7 @@ fn atb_alg_type_is_never_recommended_when_chosen_or_when_intermediates_are_small
     assert_eq!(m.atb.executions, 6);
     assert!(!m.atb.significant() && recs.is_empty(), "{recs:?}");
     // No ATB at all: nothing measured, nothing said.
-    let (advised, report) = analyse(&open(&holes("advise-no-atb", None)), "0").unwrap();
+    let (advised, report) = analyse(&open(&holes("advise-no-atb", None)), "0", &Default::default()).unwrap();
     assert_eq!(advised.measured.atb.executions, 0);
     assert!(!text(&advised, &report).contains("ATB:"));
 }
@@ -339,7 +339,7 @@ fn alloc_conf_round_trips() {
 #[test]
 fn settings_come_from_ms_meta_and_the_advice_is_stored() {
     let path = holes("advise-store", Some("garbage_collection_threshold:0.7"));
-    let (advice, report) = analyse(&open(&path), "0").unwrap();
+    let (advice, report) = analyse(&open(&path), "0", &Default::default()).unwrap();
     assert_eq!(advice.settings.get("HCCL_BUFFSIZE").map(String::as_str), Some("200"));
     for run in 0..2 {
         store(&open(&path), &advice, &report, 5 + run).unwrap();
@@ -365,7 +365,7 @@ fn settings_come_from_ms_meta_and_the_advice_is_stored() {
 #[test]
 fn the_targets_settings_are_escaped_in_the_text_only() {
     let conf = "roundup_power2_divisions:4\u{1b}[2J\nforged";
-    let (advice, report) = analyse(&open(&holes("advise-escape", Some(conf))), "0").unwrap();
+    let (advice, report) = analyse(&open(&holes("advise-escape", Some(conf))), "0", &Default::default()).unwrap();
     let shown = text(&advice, &report);
     assert!(!shown.contains('\u{1b}') && !shown.contains("\nforged"), "{shown}");
     let escaped = "roundup_power2_divisions:4\\u{1b}[2J\\nforged";
@@ -373,4 +373,21 @@ fn the_targets_settings_are_escaped_in_the_text_only() {
     assert!(shown.contains(&format!("1. PYTORCH_NPU_ALLOC_CONF={escaped},expandable_segments:True")), "{shown}");
     let value = advice.recommendations[0].value.as_deref();
     assert_eq!(value, Some(format!("{conf},expandable_segments:True").as_str()));
+}
+
+/// Every recommended allocator setting is replayed and ranked, after the replay under the job's
+/// own settings is checked against the segments the trace recorded.
+#[test]
+fn recommendations_carry_their_replayed_figures() {
+    let (advice, report) = analyse(&open(&holes("advise-predict", None)), "0", &Default::default()).unwrap();
+    let sim = advice.simulation.as_ref().expect("the trace has pool requests");
+    // The fixture's blocks carry only their sizes, which the allocator rounded: replayed as such.
+    assert!(sim.reproduction.agrees && sim.reproduction.recorded_segments == 5, "{:?}", sim.reproduction);
+    let rec = advice.recommendations.iter().find(|r| r.id == "expandable_segments").unwrap();
+    let predicted = rec.predicted.as_ref().expect("an allocator setting is replayed");
+    assert_eq!(rec.predicted_rank, Some(1));
+    assert!(predicted.peak_reserved_bytes < sim.recorded.peak_reserved_bytes, "{predicted:?} vs {:?}", sim.recorded);
+    let shown = text(&advice, &report);
+    assert!(shown.contains("would give (replayed): peak reserved"), "{shown}");
+    assert!(shown.contains("replay matches the recorded run: 5/5 segments"), "{shown}");
 }

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeSet;
 
-use super::config::Config;
+use super::config::{Config, Flavour};
 
 pub(super) const MIN_BLOCK: u64 = 512;
 pub(super) const SMALL_SIZE: u64 = 1 << 20;
@@ -148,6 +148,7 @@ impl Allocator {
                     self.alloc_block(p, size, alloc_size, stream, others)
                 })
         })?;
+        let found = self.align_base(found, p, size);
         let block = self.split(found, p, size);
         let b = &mut self.blocks[block];
         b.allocated = true;
@@ -295,6 +296,30 @@ impl Allocator {
         let ptr = self.next_addr;
         self.next_addr += size.next_multiple_of(ROUND_LARGE);
         ptr
+    }
+
+    /// torch_npu's base-address alignment: with expandable segments, a block of 2 MiB or more
+    /// that does not start on a 16 KiB boundary leaves its first bytes free and starts at the
+    /// boundary, when the rest still holds it (NPUCachingAllocator.cpp:1359-1384).
+    fn align_base(&mut self, id: Id, p: usize, size: u64) -> Id {
+        const ALIGN: u64 = 16 << 10;
+        let b = &self.blocks[id];
+        if self.cfg.flavour != Flavour::Npu || !self.cfg.expandable || size < ROUND_LARGE || b.ptr.is_multiple_of(ALIGN) {
+            return id;
+        }
+        let offset = ALIGN - b.ptr % ALIGN;
+        if offset + size > b.size {
+            return id;
+        }
+        let rest = Block { ptr: b.ptr + offset, size: b.size - offset, prev: Some(id), ..b.clone() };
+        let rest = self.new_block(rest);
+        if let Some(n) = self.blocks[id].next {
+            self.blocks[n].prev = Some(rest);
+        }
+        self.blocks[id].next = Some(rest);
+        self.blocks[id].size = offset;
+        self.insert_free(p, id);
+        rest
     }
 
     /// Cuts the request's bytes off the front of a found block when the rest is worth keeping.

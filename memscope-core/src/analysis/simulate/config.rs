@@ -151,6 +151,16 @@ impl Config {
         size.next_multiple_of(MIN_BLOCK)
     }
 
+    /// The request to replay: a block size the allocator already padded and rounded gives back
+    /// its padding, so that it rounds to itself again.
+    pub(crate) fn request(&self, size: u64, rounded: bool) -> u64 {
+        if rounded {
+            size.saturating_sub(self.flavour.pad())
+        } else {
+            size
+        }
+    }
+
     /// The garbage collector runs only with both a fraction and a threshold.
     pub(crate) fn gc_enabled(&self) -> bool {
         self.fraction.is_some() && self.gc_threshold > 0.0

@@ -81,7 +81,8 @@ pub struct Reproduction {
 pub struct Report {
     /// The run as the trace recorded it (segments from the rows).
     pub recorded: Figures,
-    /// The replay under the run's own settings, and its agreement with the recorded run.
+    /// The replay under the run's own settings, and its agreement with the recorded run
+    /// (`None`: those settings cannot be replayed, which `notes` says).
     pub baseline: Option<Simulation>,
     pub reproduction: Reproduction,
     pub simulations: Vec<Simulation>,
@@ -138,6 +139,14 @@ pub fn run(trace: &Trace, base: &str, options: &Options) -> Result<Report, Setti
     }
     report.notes = notes(trace);
     Ok(report)
+}
+
+/// The figures of one whole allocator configuration (not applied over the run's: a
+/// recommendation's value, which drops the keys it conflicts with).
+pub fn predict(trace: &Trace, whole: &str, options: &Options) -> Result<Figures, SettingError> {
+    let conf = crate::analysis::advise::AllocConf::parse(whole);
+    let cfg = Config::parse("", &conf, options.fraction, options.capacity, options.flavour)?;
+    Ok(replay(trace, cfg, &HashMap::default()).0)
 }
 
 fn notes(trace: &Trace) -> Vec<String> {
@@ -238,7 +247,7 @@ fn replay(
         let before = m.held();
         let others = other + totals.held.reserved - before.reserved;
         match t.step {
-            Step::Alloc { req, stream, ptr } => match m.malloc(req, stream, others) {
+            Step::Alloc { req, stream, ptr, rounded } => match m.malloc(cfg.request(req, rounded), stream, others) {
                 Some((at, _)) => {
                     addresses.insert((t.pid, ptr), at);
                 }
@@ -297,8 +306,9 @@ fn recorded(trace: &Trace) -> Figures {
             }
             Step::Recorded(s) => after.reserved = after.reserved.saturating_sub(s.size()),
             // The recorded block sizes are the allocator's, rounded.
-            Step::Alloc { req, ptr, .. } => {
-                let size = req.next_multiple_of(allocator::MIN_BLOCK).max(allocator::MIN_BLOCK);
+            Step::Alloc { req, ptr, rounded, .. } => {
+                let size =
+                    if rounded { req } else { req.next_multiple_of(allocator::MIN_BLOCK).max(allocator::MIN_BLOCK) };
                 live.insert((t.pid, ptr), size);
                 after.allocated += size;
             }

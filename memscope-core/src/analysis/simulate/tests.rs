@@ -175,10 +175,10 @@ fn recorded_trace(segments: &[(crate::analysis::simulate::allocator::SegmentStep
         ts += 10;
         t.steps.push(at(ts, s));
     };
-    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xa000 });
-    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xb000 });
+    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xa000, rounded: false });
+    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xb000, rounded: false });
     step(Step::Free { ptr: 0xa000 });
-    step(Step::Alloc { req: 30 * M, stream: 0, ptr: 0xc000 });
+    step(Step::Alloc { req: 30 * M, stream: 0, ptr: 0xc000, rounded: false });
     step(Step::Free { ptr: 0xc000 });
     t.segments.insert(7, segments.iter().map(|&(step, ptr)| Recorded { step, ptr }).collect());
     t
@@ -206,4 +206,22 @@ fn the_replay_states_its_agreement_with_the_recorded_segments() {
     assert_eq!(r.reproduction.matched_segments, 1);
     let why = r.reproduction.first_difference.unwrap();
     assert!(why.contains("segment step 2") && why.contains("32.0 MiB") && why.contains("30.0 MiB"), "{why}");
+}
+
+#[test]
+fn torch_npu_starts_big_expandable_blocks_on_16_kib() {
+    let npu = Config::parse("expandable_segments:True", &AllocConf::default(), None, None, Flavour::Npu).unwrap();
+    let mut a = Allocator::new(npu, Vec::new());
+    let (p1, s1) = a.malloc(3 * M + 100, 0, 0).unwrap();
+    // 3 MiB + 132 B rounds to 3 MiB + 512 B: the next block would start off a 16 KiB boundary.
+    let (p2, s2) = a.malloc(3 * M, 0, 0).unwrap();
+    assert_eq!(s1, 3 * M + 512);
+    assert_eq!(p2 % (16 * K), 0);
+    assert_eq!(p2 - p1, 3 * M + 16 * K, "the 15.5 KiB before the boundary stay free");
+    assert_eq!(s2, 3 * M + 512);
+    // PyTorch's allocator has no such rule.
+    let mut cuda = model("expandable_segments:True");
+    let (q1, _) = cuda.malloc(3 * M + 132, 0, 0).unwrap();
+    let (q2, _) = cuda.malloc(3 * M, 0, 0).unwrap();
+    assert_eq!(q2 - q1, 3 * M + 512);
 }

@@ -29,11 +29,13 @@ attr_fields! {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
     /// A block of `req` bytes on `stream`; `ptr` is the recorded block's address, by which its
-    /// free finds it.
+    /// free finds it. `rounded`: the trace had only the block's size (already padded and rounded
+    /// by the allocator), not the request.
     Alloc {
         req: u64,
         stream: u64,
         ptr: u64,
+        rounded: bool,
     },
     /// A request the allocator refused: replayed as a block given back at once.
     Refused {
@@ -77,6 +79,13 @@ pub struct Trace {
     /// Requests whose `req_size` the trace lacked (their rounded size was replayed).
     pub sizes_only: u64,
     pub streams_unknown: u64,
+}
+
+impl Trace {
+    /// Whether the caching allocator was asked for anything.
+    pub fn has_requests(&self) -> bool {
+        self.steps.iter().any(|t| matches!(t.step, Step::Alloc { .. } | Step::Refused { .. }))
+    }
 }
 
 /// Segments freed on one thread since its last block row.
@@ -167,15 +176,14 @@ impl Reader {
             return;
         }
         let req = a.req_size.as_deref().and_then(parse_number);
-        if req.is_none() {
-            self.trace.sizes_only += 1;
-        }
+        let rounded = req.is_none();
+        self.trace.sizes_only += u64::from(rounded);
         let Some(req) = req.or_else(|| a.size.as_deref().and_then(parse_number)) else { return };
         let stream = a.stream.as_deref().and_then(parse_number);
         if stream.is_none() {
             self.trace.streams_unknown += 1;
         }
-        self.push(row, Step::Alloc { req, stream: stream.unwrap_or(0), ptr });
+        self.push(row, Step::Alloc { req, stream: stream.unwrap_or(0), ptr, rounded });
     }
 
     fn oom_row(&mut self, row: &DumpRow<'_>, a: &Fields<'_>) {
