@@ -18,6 +18,7 @@
 
 pub mod attr;
 pub mod csv;
+pub mod snapshot;
 pub mod split;
 
 use std::io::Read as _;
@@ -26,6 +27,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 pub use self::csv::{import_csv, Imported};
+pub use self::snapshot::{import_snapshot, SnapshotDevice};
 pub use self::split::split_by_device;
 
 /// The first field of msMemScope's dump CSV header (`ID,Event,Event Type,...`).
@@ -40,6 +42,8 @@ pub enum Kind {
     DumpCsv,
     /// Another CSV, with its header line: msMemScope's Python trace, compare or watch CSVs.
     OtherCsv(String),
+    /// A pickle (protocol 2 or later): PyTorch's or torch_npu's memory snapshot, if it is one.
+    Pickle,
     /// Anything else.
     Other,
 }
@@ -50,6 +54,11 @@ pub fn sniff(path: &Path) -> std::io::Result<Kind> {
     crate::files::open_regular(path)?.take(4096).read_to_end(&mut head)?;
     if head.starts_with(b"SQLite format 3\0") {
         return Ok(Kind::Sqlite);
+    }
+    if let [0x80, protocol, ..] = head[..] {
+        if (2..=5).contains(&protocol) {
+            return Ok(Kind::Pickle);
+        }
     }
     let text = head.strip_prefix(b"\xef\xbb\xbf").unwrap_or(&head);
     let Some(end) = text.iter().position(|&b| b == b'\n') else { return Ok(Kind::Other) };
@@ -95,6 +104,8 @@ pub enum ImportError {
     Field { path: PathBuf, line: u64, column: &'static str, text: String, what: &'static str },
     #[error("{path}, line {line}, Attr column {at}: {why} in `{text}`; fix or delete that line")]
     Attr { path: PathBuf, line: u64, at: usize, why: String, text: String },
+    #[error("{path}: {why}")]
+    Snapshot { path: PathBuf, why: String },
     #[error("{path}: no rows after the header; the capture holds nothing to analyse")]
     Empty { path: PathBuf },
     #[error("{path}: already exists; pass --force to replace it, or -o to write elsewhere")]

@@ -1,5 +1,5 @@
 //! The temporary DBs of the traces the offline verbs are given as they cannot read them: each CSV
-//! imported, and each file holding several devices (msLeaks' early captures) split into one DB
+//! and each memory snapshot imported, and each file holding several devices (msLeaks' early captures) split into one DB
 //! per device, once per run into `$TMPDIR/memscope-bpf-imports.<pid>/`, removed when the verb ends
 //! (and, should a run be killed first, by the next run). So the verbs read every trace through
 //! the DB reader, one device at a time, and never write beside the user's files.
@@ -90,11 +90,17 @@ fn once<T: Clone>(
     Ok(made)
 }
 
-/// `file` itself, or for a CSV the temporary DB it was imported into (once per run).
-pub(super) fn imported(file: DbFile) -> anyhow::Result<DbFile> {
-    if file.format != Format::Csv {
-        return Ok(file);
+/// `file` itself; for a CSV, the temporary DB it was imported into; for a memory snapshot, one
+/// temporary DB per device (once per run).
+pub(super) fn imported(file: DbFile) -> anyhow::Result<Vec<DbFile>> {
+    match file.format {
+        Format::Db => Ok(vec![file]),
+        Format::Csv => Ok(vec![imported_csv(file)?]),
+        Format::Snapshot => snapshot(&file),
     }
+}
+
+fn imported_csv(file: DbFile) -> anyhow::Result<DbFile> {
     let db_path = once(
         &file.path,
         |i| &mut i.done,
@@ -119,6 +125,25 @@ pub(super) fn imported(file: DbFile) -> anyhow::Result<DbFile> {
         },
     )?;
     Ok(DbFile { source: Some(file.path.clone()), path: db_path, format: Format::Db, device: file.device })
+}
+
+/// A memory snapshot as one temporary DB per device, said once.
+fn snapshot(file: &DbFile) -> anyhow::Result<Vec<DbFile>> {
+    let parts = once(
+        &file.path,
+        |i| &mut i.split,
+        |dir, n| {
+            let stem = format!("{n}-{}", stem(&file.path));
+            let got = memscope_core::import::import_snapshot(&file.path, |d| dir.join(format!("{stem}-{d}.db")))?;
+            say!("memscope-bpf: {}", super::import::snapshot_summary(&file.path, &got));
+            Ok(got.into_iter().map(|d| (d.device, d.db)).collect())
+        },
+    )?;
+    let source = Some(file.path.clone());
+    Ok(parts
+        .into_iter()
+        .map(|(device, path)| DbFile { path, device: Some(device), format: Format::Db, source: source.clone() })
+        .collect())
 }
 
 /// `file` (a DB of no device folder that holds `devices`, several) as one temporary DB per device,

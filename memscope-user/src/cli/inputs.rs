@@ -31,7 +31,9 @@ pub fn files(inputs: &[PathBuf]) -> anyhow::Result<Vec<DbFile>> {
     }
     let mut out = Vec::new();
     for file in files {
-        out.extend(by_device(super::imports::imported(file)?)?);
+        for part in super::imports::imported(file)? {
+            out.extend(by_device(part)?);
+        }
     }
     Ok(out)
 }
@@ -86,7 +88,7 @@ pub fn open(file: &DbFile, verb: &str, store: Store) -> anyhow::Result<(DumpDb, 
         _ if file.source.is_some() => {
             if store == Store::Always {
                 anyhow::bail!(
-                    "{}: results cannot be stored in a CSV; `memscope-bpf import {}` makes a DB of it, then run {verb} on that DB",
+                    "{}: results cannot be stored in a CSV or a memory snapshot; `memscope-bpf import {}` makes a DB of it, then run {verb} on that DB",
                     file.shown().display(),
                     file.shown().display()
                 );

@@ -320,9 +320,18 @@ fn oom_forensics_tell_fragmentation_from_a_full_device() {
     assert_eq!(advice["measured"]["fragmentation_ooms"], 1);
 }
 
-/// Segments the allocator took on device 0 (expandable segments: pages mapped), from its ledger.
+/// Segments the allocator took on device 0, from its ledger; with expandable segments,
+/// mappings: the pages one allocation mapped in a row count once, as PyTorch's trace records a
+/// `segment_map` per mapping.
 fn segments_in_ledger(run: &Run) -> u64 {
-    run.pool.iter().filter(|e| e.device == 0 && matches!(e.ev.as_str(), "segment_alloc" | "segment_map")).count() as u64
+    let events: Vec<&str> = run.pool.iter().filter(|e| e.device == 0).map(|e| e.ev.as_str()).collect();
+    let allocs = events.iter().filter(|e| **e == "segment_alloc").count();
+    let mappings = events
+        .iter()
+        .enumerate()
+        .filter(|(i, e)| **e == "segment_map" && (*i == 0 || events[i - 1] != "segment_map"))
+        .count();
+    (allocs + mappings) as u64
 }
 
 /// The allocator model (`advise --simulate`) against the stand-in allocator, an independent

@@ -148,6 +148,35 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
         &allocs[..3]
     );
     assert!(said["block_frames"].as_u64().unwrap() as usize >= live.len() * 9 / 10, "{said}");
+
+    // Read back: `import` of the snapshot gives the trace's block rows (address, request, order)
+    // and their Python stacks.
+    let db = read_output(&out).db("device_0").to_owned();
+    let back = env.scratch.join("snapshot_memscope");
+    let import = Command::new(&env.bin).arg("import").arg(&snapshot).arg("-o").arg(&back).output().unwrap();
+    assert!(import.status.success(), "{}", String::from_utf8_lossy(&import.stderr));
+    let imported = std::fs::read_dir(back.join("device_0/dump")).unwrap().next().unwrap().unwrap().path();
+    let blocks = |db: &Path| -> Vec<(String, String, String, String)> {
+        let conn = rusqlite::Connection::open(db).unwrap();
+        let sql = "SELECT Event, Ptr, coalesce(json_extract(Attr, '$.req_size'), ''), \"Call Stack(Python)\" FROM memscope_dump \
+                   WHERE \"Event Type\" = 'PTA' AND json_extract(Attr, '$.pool') = 'caching' \
+                   AND json_extract(Attr, '$.shadow') IS NULL ORDER BY \"Timestamp(ns)\", ID";
+        let mut stmt = conn.prepare(sql).unwrap();
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))).unwrap();
+        rows.collect::<Result<_, _>>().unwrap()
+    };
+    let (mine, theirs) = (blocks(&db), blocks(&imported));
+    assert!(mine.len() > 3000, "{} block rows", mine.len());
+    let requests = |rows: &[(String, String, String, String)]| -> Vec<(String, String, String)> {
+        rows.iter()
+            .map(|r| (r.0.clone(), r.1.clone(), if r.0 == "MALLOC" { r.2.clone() } else { String::new() }))
+            .collect()
+    };
+    assert_eq!(requests(&theirs), requests(&mine), "the snapshot's blocks, read back");
+    let stacks = |rows: &[(String, String, String, String)]| {
+        rows.iter().filter(|r| r.0 == "MALLOC").map(|r| r.3.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(stacks(&theirs), stacks(&mine), "their Python stacks");
 }
 
 /// An event's `Timestamp(ns)`: its `ts` (µs after the origin) plus the origin.

@@ -54,12 +54,14 @@ impl DbFile {
     }
 }
 
-/// The two forms a dump comes in: SQLite (ours, msMemScope's `--format db`), or msMemScope's CSV
-/// (its default, and ours with `--format csv`).
+/// The forms a dump comes in: SQLite (ours, msMemScope's `--format db`), msMemScope's CSV (its
+/// default, and ours with `--format csv`), or PyTorch's / torch_npu's memory snapshot (a pickle,
+/// given as a file; [`crate::import::snapshot`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     Db,
     Csv,
+    Snapshot,
 }
 
 /// What a file in a dump folder is, by content: msMemScope and msLeaks named their files
@@ -155,6 +157,7 @@ pub fn discover(input: &Path) -> Result<Vec<DbFile>, AnalysisError> {
             crate::import::sniff(input).map_err(|source| AnalysisError::Io { path: input.to_owned(), source })?;
         let format = match kind {
             crate::import::Kind::DumpCsv => Format::Csv,
+            crate::import::Kind::Pickle => Format::Snapshot,
             crate::import::Kind::OtherCsv(header) => {
                 let what = crate::import::describe_other_csv(&header);
                 return Err(AnalysisError::NotDumpCsv { path: input.to_owned(), what: what.to_owned() });
@@ -274,7 +277,16 @@ fn uri_path(path: &Path) -> String {
 pub enum Origin {
     Trace,
     MsMemScope,
-    Imported { csv: String, ours: bool },
+    Imported {
+        csv: String,
+        ours: bool,
+    },
+    /// PyTorch's or torch_npu's memory snapshot ([`crate::import::snapshot`]); `settings`: it
+    /// held the allocator's settings (PyTorch's do, torch_npu's do not).
+    Snapshot {
+        pickle: String,
+        settings: bool,
+    },
 }
 
 impl Origin {
@@ -283,9 +295,10 @@ impl Origin {
         matches!(self, Self::MsMemScope | Self::Imported { ours: false, .. })
     }
 
-    /// Whether the allocator settings at the start are known: only a DB `trace` wrote has them.
+    /// Whether the allocator settings at the start are known: a DB `trace` wrote has them, and a
+    /// snapshot of PyTorch's.
     pub fn has_settings(&self) -> bool {
-        matches!(self, Self::Trace)
+        matches!(self, Self::Trace | Self::Snapshot { settings: true, .. })
     }
 }
 
@@ -417,10 +430,13 @@ impl DumpDb {
         };
         Ok(match get("imported_from")? {
             None => Origin::Trace,
-            Some(csv) => {
-                let ours = get("source_format")?.as_deref() == Some("memscope-bpf-csv");
-                Origin::Imported { csv, ours }
-            }
+            Some(source) => match get("source_format")?.as_deref() {
+                Some(crate::import::snapshot::SOURCE_FORMAT) => {
+                    let settings = get("allocator_settings")?.as_deref() == Some("recorded");
+                    Origin::Snapshot { pickle: source, settings }
+                }
+                format => Origin::Imported { csv: source, ours: format == Some("memscope-bpf-csv") },
+            },
         })
     }
 

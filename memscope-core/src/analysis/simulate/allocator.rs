@@ -304,7 +304,8 @@ impl Allocator {
     fn align_base(&mut self, id: Id, p: usize, size: u64) -> Id {
         const ALIGN: u64 = 16 << 10;
         let b = &self.blocks[id];
-        if self.cfg.flavour != Flavour::Npu || !self.cfg.expandable || size < ROUND_LARGE || b.ptr.is_multiple_of(ALIGN) {
+        if self.cfg.flavour != Flavour::Npu || !self.cfg.expandable || size < ROUND_LARGE || b.ptr.is_multiple_of(ALIGN)
+        {
             return id;
         }
         let offset = ALIGN - b.ptr % ALIGN;

@@ -40,7 +40,8 @@ pub struct SimOom {
 pub struct Figures {
     pub peak_reserved_bytes: u64,
     pub peak_allocated_bytes: u64,
-    /// Segments taken (expandable segments: pages mapped).
+    /// Segments taken; with expandable segments, mappings (the pages one allocation mapped count
+    /// once, as PyTorch's trace counts its `segment_map`s).
     pub segments: u64,
     /// Reserved minus allocated, averaged over the trace's time.
     pub unused_reserve_avg_bytes: u64,
@@ -66,8 +67,8 @@ pub struct Simulation {
 /// How the replay under the run's own settings compares with what the allocator did.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Reproduction {
-    /// Segments (pages mapped) the allocator took, and how many of them, from the first, the
-    /// replay took with the same sizes in the same order.
+    /// Segments (mappings, with expandable segments) the allocator took, and how many of them,
+    /// from the first, the replay took with the same sizes in the same order.
     pub recorded_segments: u64,
     pub matched_segments: u64,
     /// Whether every segment step (taken and given back) agreed, per process.
@@ -236,11 +237,11 @@ fn replay(
     hints: &HashMap<i64, Vec<(u64, u64)>>,
 ) -> (Figures, HashMap<i64, Vec<SegmentStep>>) {
     let mut models: BTreeMap<i64, Allocator> = BTreeMap::new();
-    let mut made: HashMap<i64, Vec<SegmentStep>> = HashMap::default();
+    let mut made: HashMap<i64, Vec<(u64, SegmentStep)>> = HashMap::default();
     let mut addresses: HashMap<(i64, u64), u64> = HashMap::default();
     let mut totals = Totals::default();
     let mut other: u64 = 0;
-    for t in &trace.steps {
+    for (call, t) in trace.steps.iter().enumerate() {
         totals.advance(t.ts);
         let m =
             models.entry(t.pid).or_insert_with(|| Allocator::new(cfg, hints.get(&t.pid).cloned().unwrap_or_default()));
@@ -269,11 +270,12 @@ fn replay(
             Step::Recorded(_) | Step::None => {}
         }
         let after = m.held();
-        made.entry(t.pid).or_default().append(&mut m.steps);
+        made.entry(t.pid).or_default().extend(m.steps.drain(..).map(|s| (call as u64, s)));
         let largest = || models.values().map(Allocator::largest_free).max().unwrap_or(0);
         totals.change(t.ts, before, after, largest);
     }
     let mut figures = totals.finish();
+    let made: HashMap<i64, Vec<SegmentStep>> = made.into_iter().map(|(pid, steps)| (pid, canonical(steps))).collect();
     figures.segments = made.values().flatten().filter(|s| s.takes()).count() as u64;
     (figures, made)
 }
@@ -290,6 +292,21 @@ fn oom(f: &mut Figures, t: &trace::Timed, req: u64, held: Held) {
     });
 }
 
+/// Segment steps as the allocator's trace of snapshots counts them: the pages one call mapped
+/// (or unmapped) in a row are one mapping, whatever the page size or how the trace split them
+/// (our rows: one per page; a snapshot: one per range).
+pub(crate) fn canonical(steps: impl IntoIterator<Item = (u64, SegmentStep)>) -> Vec<SegmentStep> {
+    let mut out: Vec<(u64, SegmentStep)> = Vec::new();
+    for (call, step) in steps {
+        match (out.last_mut(), step) {
+            (Some((c, SegmentStep::Map(total))), SegmentStep::Map(more)) if *c == call => *total += more,
+            (Some((c, SegmentStep::Unmap(total))), SegmentStep::Unmap(more)) if *c == call => *total += more,
+            _ => out.push((call, step)),
+        }
+    }
+    out.into_iter().map(|(_, s)| s).collect()
+}
+
 /// The run as recorded: its segments' curve and count, its blocks' peak.
 fn recorded(trace: &Trace) -> Figures {
     let mut totals = Totals::default();
@@ -300,10 +317,7 @@ fn recorded(trace: &Trace) -> Figures {
         let before = totals.held;
         let mut after = before;
         match t.step {
-            Step::Recorded(s) if s.takes() => {
-                after.reserved += s.size();
-                f.segments += 1;
-            }
+            Step::Recorded(s) if s.takes() => after.reserved += s.size(),
             Step::Recorded(s) => after.reserved = after.reserved.saturating_sub(s.size()),
             // The recorded block sizes are the allocator's, rounded.
             Step::Alloc { req, ptr, rounded, .. } => {
@@ -321,7 +335,12 @@ fn recorded(trace: &Trace) -> Figures {
         totals.change(t.ts, before, after, || 0);
     }
     let figures = totals.finish();
-    Figures { segments: f.segments, ooms: f.ooms, oom: f.ooms > 0, largest_free_at_peak_bytes: None, ..figures }
+    let segments = trace
+        .segments
+        .values()
+        .map(|v| canonical(v.iter().map(|r| (r.call, r.step))).iter().filter(|s| s.takes()).count() as u64)
+        .sum();
+    Figures { segments, ooms: f.ooms, oom: f.ooms > 0, largest_free_at_peak_bytes: None, ..figures }
 }
 
 /// Compares the replay's segment steps with the recorded ones, process by process.
@@ -331,8 +350,7 @@ fn reproduce(trace: &Trace, made: &HashMap<i64, Vec<SegmentStep>>) -> Reproducti
     pids.sort_unstable();
     pids.dedup();
     for pid in pids {
-        let rec: Vec<SegmentStep> =
-            trace.segments.get(&pid).map(|v| v.iter().map(|s| s.step).collect()).unwrap_or_default();
+        let rec = trace.segments.get(&pid).map(|v| canonical(v.iter().map(|s| (s.call, s.step)))).unwrap_or_default();
         let sim = made.get(&pid).cloned().unwrap_or_default();
         let (rt, st): (Vec<_>, Vec<_>) =
             (rec.iter().filter(|s| s.takes()).collect(), sim.iter().filter(|s| s.takes()).collect());

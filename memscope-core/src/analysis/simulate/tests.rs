@@ -79,6 +79,9 @@ fn expandable_segments_grow_the_free_tail_page_by_page() {
     // 30 MiB: the 14 MiB free tail plus one more page, not a segment of its own.
     a.malloc(30 * M, 0, 0).unwrap();
     assert_eq!(a.steps, vec![Map(20 * M), Map(20 * M)]);
+    // Pages mapped in one call are one mapping, as PyTorch's trace records them.
+    let calls = [(1, Map(2 * M)), (1, Map(2 * M)), (2, Map(2 * M)), (2, Unmap(2 * M)), (2, Unmap(2 * M))];
+    assert_eq!(canonical(calls), vec![Map(4 * M), Map(2 * M), Unmap(4 * M)]);
     assert_eq!(a.held(), Held { reserved: 40 * M, allocated: 36 * M });
     let mut plain = model("");
     for size in [3 * M, 3 * M, 30 * M] {
@@ -180,7 +183,7 @@ fn recorded_trace(segments: &[(crate::analysis::simulate::allocator::SegmentStep
     step(Step::Free { ptr: 0xa000 });
     step(Step::Alloc { req: 30 * M, stream: 0, ptr: 0xc000, rounded: false });
     step(Step::Free { ptr: 0xc000 });
-    t.segments.insert(7, segments.iter().map(|&(step, ptr)| Recorded { step, ptr }).collect());
+    t.segments.insert(7, segments.iter().map(|&(step, ptr)| Recorded { step, ptr, call: 0 }).collect());
     t
 }
 

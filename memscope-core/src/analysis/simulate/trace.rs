@@ -66,6 +66,9 @@ pub struct Timed {
 pub struct Recorded {
     pub step: SegmentStep,
     pub ptr: u64,
+    /// Which allocator call it was made in (the count of block rows before it): pages mapped
+    /// in one call are one mapping ([`super::canonical`]).
+    pub call: u64,
 }
 
 #[derive(Default)]
@@ -103,6 +106,8 @@ pub(crate) struct Reader {
     /// Live device blocks outside the pool: (pid, ptr) → size.
     live_other: HashMap<(i64, u64), u64>,
     freeing: HashMap<(i64, i64), Freeing>,
+    /// Block rows seen per process.
+    calls: HashMap<i64, u64>,
 }
 
 impl Reader {
@@ -115,6 +120,7 @@ impl Reader {
             live_segments: HashMap::default(),
             live_other: HashMap::default(),
             freeing: HashMap::default(),
+            calls: HashMap::default(),
         }
     }
 
@@ -145,7 +151,7 @@ impl Reader {
                 let mapped = a.vmm.as_deref() == Some("true");
                 self.live_segments.insert(key, (size, mapped));
                 let step = if mapped { SegmentStep::Map(size) } else { SegmentStep::Alloc(size) };
-                self.trace.segments.entry(row.pid).or_default().push(Recorded { step, ptr });
+                self.record(row.pid, step, ptr);
                 self.push(row, Step::Recorded(step));
             } else {
                 self.live_other.insert(key, size);
@@ -155,7 +161,7 @@ impl Reader {
         }
         if let Some((size, mapped)) = self.live_segments.remove(&key) {
             let step = if mapped { SegmentStep::Unmap(size) } else { SegmentStep::Free(size) };
-            self.trace.segments.entry(row.pid).or_default().push(Recorded { step, ptr });
+            self.record(row.pid, step, ptr);
             self.push(row, Step::Recorded(step));
             if !self.freeing.contains_key(&(row.pid, row.tid)) {
                 let marker = self.push(row, Step::EmptyCache);
@@ -166,8 +172,14 @@ impl Reader {
         }
     }
 
+    fn record(&mut self, pid: i64, step: SegmentStep, ptr: u64) {
+        let call = self.calls.get(&pid).copied().unwrap_or(0);
+        self.trace.segments.entry(pid).or_default().push(Recorded { step, ptr, call });
+    }
+
     fn block_row(&mut self, row: &DumpRow<'_>, a: &Fields<'_>, ptr: u64, free: bool) {
         self.settle(row, !free);
+        *self.calls.entry(row.pid).or_default() += 1;
         if free {
             if a.stream_uses.as_deref().is_some_and(|n| n != "0") {
                 self.trace.deferred_frees += 1;
