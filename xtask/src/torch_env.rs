@@ -40,8 +40,12 @@ pub fn python() -> Result<PathBuf, String> {
     let _ = std::fs::remove_dir_all(&venv);
     sh(Command::new("python3").args(["-m", "venv"]).arg(&venv))
         .map_err(|e| format!("cannot create a virtual environment (python3-venv missing?): {e:#}"))?;
-    sh(Command::new(&python).args(["-m", "pip", "install", "--quiet"]).arg(format!("torch=={version}")))
-        .map_err(|e| format!("pip install torch=={version} failed (no network?): {e:#}"))?;
+    // No pip cache: it would keep a second copy of the ~3 GB of wheels outside target/ (a CI
+    // machine's disk is small).
+    sh(Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--no-cache-dir"])
+        .arg(format!("torch=={version}")))
+    .map_err(|e| format!("pip install torch=={version} failed (no network?): {e:#}"))?;
     if works(&python) {
         Ok(python)
     } else {

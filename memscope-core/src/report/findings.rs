@@ -19,6 +19,7 @@ pub const TABLES: &[(&str, &str, &str)] = &[
     ("ms_sites", "The job's lines holding memory (peak, end) and leaking", "memscope-bpf analyze --analysis sites"),
     ("ms_degradation", "Degradation over steps", "memscope-bpf analyze --analysis leaks"),
     ("ms_fragmentation", "Caching-pool fragmentation over time", "memscope-bpf advise"),
+    ("ms_simulation", "Allocator replay: reserved memory as recorded and under other settings", "memscope-bpf advise"),
     ("ms_inefficient", "Inefficient memory", "memscope-bpf analyze --analysis inefficient"),
 ];
 

@@ -3,6 +3,7 @@
 pub mod advise;
 pub mod analyze;
 mod bench_consumer;
+mod bench_simulate;
 mod capture;
 pub mod compare;
 pub mod daemon;
@@ -42,6 +43,9 @@ enum Command {
     /// Replays synthetic ring records through the consumer (for `cargo xtask bench`).
     #[command(hide = true)]
     BenchConsumer(bench_consumer::Args),
+    /// Times the allocator replay on a made-up job's requests (for `cargo xtask bench`).
+    #[command(hide = true)]
+    BenchSimulate(bench_simulate::Args),
 }
 
 impl Cli {
@@ -64,6 +68,7 @@ impl Cli {
             Command::Import(args) => import::run(args),
             Command::Report(args) => report::run(args),
             Command::BenchConsumer(args) => bench_consumer::run(&args),
+            Command::BenchSimulate(args) => bench_simulate::run(&args),
         }
     }
 }

@@ -19,6 +19,7 @@ mod markers;
 mod measure;
 mod owners;
 mod report_page;
+mod simulate;
 mod stacks;
 mod stop;
 mod usdt;
@@ -124,6 +125,12 @@ pub struct Options {
     /// Blocks (2 rows each) in the msMemScope CSV the import is timed on (0 skips it).
     #[arg(long, default_value_t = 2_000_000)]
     pub import_blocks: u64,
+    /// Only the allocator replay (`advise --simulate`): seconds per million requests per setting.
+    #[arg(long)]
+    pub simulate_only: bool,
+    /// Requests replayed per setting in that bench (0 skips it in the full run).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub simulate_requests: u64,
     /// Live blocks each of the daemon bench's 10 jobs holds.
     #[arg(long, default_value_t = 100_000)]
     pub daemon_blocks: u64,
@@ -262,6 +269,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         let md = import::run(&built.binary, &dir.join("out-import"), opts.import_blocks, opts.rounds)?;
         return report(&dir.join("results-import.md"), &md);
     }
+    if opts.simulate_only {
+        let md = simulate::run(&built.binary, opts.simulate_requests, opts.rounds)?;
+        return report(&dir.join("results-simulate.md"), &md);
+    }
     if opts.stop_only {
         let md = stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;
         return report(&dir.join("results-stop.md"), &md);
@@ -316,29 +327,44 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         println!("{md}");
         return Ok(());
     }
-    let (mut md, have_bpftrace) = pair_rounds(opts, &built, &dir)?;
-    md.push_str(&markers::run(&built, &root, &dir.join("out-markers"), have_bpftrace)?);
-    md.push_str(&usdt::run(&built, &dir.join("out-usdt"), have_bpftrace)?);
-    md.push_str(&stacks::run(&built, &dir, opts.pairs, opts.rounds)?);
-    md.push_str(&owners::run(&built, &root, &dir.join("out-owners"), opts.rounds)?);
-    md.push_str(&stacks::consumer(&built, &dir, opts.consumer_pairs)?);
-    md.push_str(&consumer::run(&built, &dir, opts.consumer_pairs, opts.live_blocks, None)?);
+    let md = everything(opts, &built, &dir, &analysis_plan)?;
+    std::fs::write(dir.join("results.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+/// The full run: every part, in order.
+fn everything(
+    opts: &Options,
+    built: &build::Built,
+    dir: &Path,
+    analysis_plan: &analysis::Plan<'_>,
+) -> anyhow::Result<String> {
+    let root = root();
+    let (mut md, have_bpftrace) = pair_rounds(opts, built, dir)?;
+    md.push_str(&markers::run(built, &root, &dir.join("out-markers"), have_bpftrace)?);
+    md.push_str(&usdt::run(built, &dir.join("out-usdt"), have_bpftrace)?);
+    md.push_str(&stacks::run(built, dir, opts.pairs, opts.rounds)?);
+    md.push_str(&owners::run(built, &root, &dir.join("out-owners"), opts.rounds)?);
+    md.push_str(&stacks::consumer(built, dir, opts.consumer_pairs)?);
+    md.push_str(&consumer::run(built, dir, opts.consumer_pairs, opts.live_blocks, None)?);
     if opts.loss_seconds > 0 {
-        md.push_str(&loss::run(&built, &dir, opts.loss_seconds)?);
+        md.push_str(&loss::run(built, dir, opts.loss_seconds)?);
     }
     if opts.analysis_pairs > 0 {
-        md.push_str(&analysis::run(&built, &dir.join("out-analysis"), &analysis_plan)?);
+        md.push_str(&analysis::run(built, &dir.join("out-analysis"), analysis_plan)?);
+    }
+    if opts.simulate_requests > 0 {
+        md.push_str(&simulate::run(&built.binary, opts.simulate_requests, opts.rounds)?);
     }
     if opts.import_blocks > 0 {
         md.push_str(&import::run(&built.binary, &dir.join("out-import"), opts.import_blocks, opts.rounds)?);
     }
     if opts.stop_blocks > 0 {
-        md.push_str(&stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
+        md.push_str(&stop::run(built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
     }
     if opts.daemon_rounds > 0 {
-        md.push_str(&daemon::run(&built, &root, &dir.join("out-daemon"), opts.daemon_rounds, opts.daemon_blocks)?);
+        md.push_str(&daemon::run(built, &root, &dir.join("out-daemon"), opts.daemon_rounds, opts.daemon_blocks)?);
     }
-    std::fs::write(dir.join("results.md"), &md)?;
-    println!("{md}");
-    Ok(())
+    Ok(md)
 }

@@ -184,11 +184,49 @@ const CREATE_ADVICE: &str = "CREATE TABLE ms_advice (
     device TEXT NOT NULL, rank INTEGER NOT NULL, id TEXT NOT NULL, variable TEXT, setting TEXT NOT NULL,
     value TEXT, current TEXT, why TEXT NOT NULL, evidence TEXT NOT NULL, conflicts_with TEXT NOT NULL)";
 
-/// Replaces `ms_advice` and `ms_fragmentation` in one transaction; returns the rows written.
+/// The reserved bytes over time of the run as recorded and of each replay (docs/db-schema.md,
+/// "ms_simulation"), which the report draws together.
+pub const SIMULATION_TABLE: &str = "ms_simulation";
+const CREATE_SIMULATION: &str = "CREATE TABLE ms_simulation (
+    device TEXT NOT NULL, series TEXT NOT NULL, ts_ns INTEGER NOT NULL, reserved INTEGER NOT NULL)";
+
+/// Each curve of the replay, named: `recorded`, `replayed as run`, then each setting asked for
+/// and each recommendation's predicted value.
+fn curves(advice: &Advice) -> Vec<(String, &[(i64, u64)])> {
+    let Some(sim) = &advice.simulation else { return Vec::new() };
+    let mut out: Vec<(String, &[(i64, u64)])> = vec![("recorded".to_owned(), &sim.recorded.curve[..])];
+    if let Some(b) = &sim.baseline {
+        out.push(("replayed as run".to_owned(), &b.figures.curve[..]));
+    }
+    out.extend(sim.simulations.iter().map(|s| (s.setting.clone(), &s.figures.curve[..])));
+    for r in &advice.recommendations {
+        if let (Some(p), Some(value)) = (&r.predicted, &r.value) {
+            out.push((format!("advised: {value}"), &p.curve[..]));
+        }
+    }
+    out
+}
+
+fn fill_simulation(tx: &rusqlite::Transaction<'_>, advice: &Advice) -> rusqlite::Result<usize> {
+    let mut insert = tx.prepare("INSERT INTO ms_simulation VALUES (?1, ?2, ?3, ?4)")?;
+    let mut rows = 0;
+    for (series, points) in curves(advice) {
+        for &(ts, reserved) in points {
+            insert.execute(params![advice.device, series, ts, reserved as i64])?;
+            rows += 1;
+        }
+    }
+    Ok(rows)
+}
+
+/// Replaces `ms_advice`, `ms_fragmentation` and `ms_simulation` in one transaction; returns the
+/// rows written.
 pub fn store(db: &DumpDb, advice: &Advice, report: &Report, run_wall_ns: u64) -> Result<usize, AnalysisError> {
-    let tables = [fragmentation::create_fragmentation(), (ADVICE_TABLE, CREATE_ADVICE)];
+    let tables =
+        [fragmentation::create_fragmentation(), (ADVICE_TABLE, CREATE_ADVICE), (SIMULATION_TABLE, CREATE_SIMULATION)];
     db.replace_tables(&tables, &[("advise_at", run_wall_ns.to_string())], |tx| {
         let mut rows = fragmentation::fill_samples(tx, &advice.device, &report.samples)?;
+        rows += fill_simulation(tx, advice)?;
         let mut insert = tx.prepare("INSERT INTO ms_advice VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)")?;
         for (i, r) in advice.recommendations.iter().enumerate() {
             insert.execute(params![

@@ -391,3 +391,30 @@ fn recommendations_carry_their_replayed_figures() {
     assert!(shown.contains("would give (replayed): peak reserved"), "{shown}");
     assert!(shown.contains("replay matches the recorded run: 5/5 segments"), "{shown}");
 }
+
+/// The replay's curves are stored for the report: the run as recorded, as replayed, and each
+/// recommendation's predicted one.
+#[test]
+fn the_replay_s_curves_are_stored_by_series() {
+    let path = holes("advise-curves", None);
+    let (advice, report) = analyse(&open(&path), "0", &Default::default()).unwrap();
+    store(&open(&path), &advice, &report, 1).unwrap();
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let series: Vec<(String, i64)> = conn
+        .prepare("SELECT series, max(reserved) FROM ms_simulation GROUP BY series ORDER BY series")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let sim = advice.simulation.as_ref().unwrap();
+    let predicted = advice.recommendations[0].predicted.as_ref().unwrap();
+    assert_eq!(
+        series,
+        [
+            ("advised: expandable_segments:True".to_owned(), predicted.peak_reserved_bytes as i64),
+            ("recorded".to_owned(), sim.recorded.peak_reserved_bytes as i64),
+            ("replayed as run".to_owned(), sim.baseline.as_ref().unwrap().figures.peak_reserved_bytes as i64),
+        ]
+    );
+}

@@ -14,6 +14,7 @@ use serde::Serialize;
 
 pub mod allocator;
 pub mod config;
+pub mod synthetic;
 #[cfg(test)]
 mod tests;
 pub mod trace;
@@ -91,7 +92,7 @@ pub struct Report {
     pub notes: Vec<String>,
 }
 
-pub const CURVE_POINTS: usize = 400;
+pub const CURVE_POINTS: usize = 300;
 
 /// What to simulate: the settings, over the run's own allocator configuration.
 #[derive(Clone, Debug, Default)]

@@ -472,6 +472,16 @@ function fragmentationChart(f, box) {
   stepChart("fragmentation", "fragmentation-legend", series, "s");
 }
 
+function simulationChart(f, box) {
+  const ts = f.columns.indexOf("ts_ns"), name = f.columns.indexOf("series"), res = f.columns.indexOf("reserved");
+  if (ts < 0 || name < 0 || res < 0) return;
+  const cv = el("canvas", { id: "simulation", height: "200" }), ul = el("ul", { class: "legend", id: "simulation-legend" });
+  box.append(cv, ul);
+  const names = [...new Set(f.rows.map((r) => r[name]))];
+  const series = names.map((n) => ({ name: n, pts: f.rows.filter((r) => r[name] === n && typeof r[res] === "number").map((r) => [r[ts] / 1e9, r[res]]) }));
+  stepChart("simulation", "simulation-legend", series, "s");
+}
+
 function findings() {
   const box = $("findings"); box.textContent = "";
   for (const f of dev().findings) {
@@ -487,6 +497,7 @@ function findings() {
         if (v >= 0) sec.append(el("p", {}, "Verdicts: ", el("span", { class: "verdict" }, f.rows.map((r) => r[v]).join(", ") || "none")));
       }
       if (f.table === "ms_fragmentation" && f.rows.length) fragmentationChart(f, sec);
+      if (f.table === "ms_simulation" && f.rows.length) simulationChart(f, sec);
       if (f.rows.length) sec.append(findingTable(f));
     }
   }
