@@ -333,8 +333,9 @@ impl Analysis for Advise {
     fn store(db: &DumpDb, (advice, report): &Self::Report, run_wall_ns: u64) -> Result<String, AnalysisError> {
         let rows = advise::store(db, advice, report, run_wall_ns)?;
         Ok(format!(
-            "wrote {rows} rows into tables ms_fragmentation and {} of {}",
+            "wrote {rows} rows into tables ms_fragmentation, {} and {} of {}",
             advise::ADVICE_TABLE,
+            advise::SIMULATION_TABLE,
             db.path().display()
         ))
     }

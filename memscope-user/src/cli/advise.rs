@@ -29,8 +29,8 @@ use super::inputs;
 /// held by reference cycles until Python's garbage collector freed them), and
 /// ATB_WORKSPACE_MEM_ALLOC_ALG_TYPE=3 (when an ATB operation's intermediate tensors were at least
 /// 10% and 1 MiB of the device's peak while the variable was unset or ATB's default 1; with
-/// ATB_WORKSPACE_MEM_ALLOC_GLOBAL=1 if that is unset). The samples and the advice are written
-/// into each DB as tables ms_fragmentation and ms_advice.
+/// ATB_WORKSPACE_MEM_ALLOC_GLOBAL=1 if that is unset). The samples, the advice and the replays'
+/// curves are written into each DB as tables ms_fragmentation, ms_advice and ms_simulation.
 ///
 /// Each recommended allocator setting is also replayed: the job's tensor requests and frees, in
 /// order and per stream, go through a model of the caching allocator (PyTorch's rules with
@@ -48,11 +48,13 @@ pub struct Args {
     /// Traces: DBs (memscope_dump_*.db) or CSVs, or folders: a trace's output folder, the folder
     /// holding such folders, or one device_<id>/. One report per DB, in device order.
     /// msMemScope's own captures too: its CSV (read through a temporary DB) or DB, and its folders (msmemscope_<pid>_<time>_ascend/, memscopeDumpResults/, leaksDumpResults/).
+    /// And PyTorch's or torch_npu's memory snapshot (the pickle _dump_snapshot() writes).
     #[arg(value_name = "DB|DIR", required = true)]
     pub inputs: Vec<PathBuf>,
 
     /// Print JSON instead of text: an array of {db, device, settings, measured, recommendations:
-    /// [{id, variable, setting, value, current, why, evidence, conflicts_with}]}, one per DB;
+    /// [{id, variable, setting, value, current, why, evidence, conflicts_with, predicted,
+    /// predicted_rank}], recorded, baseline, reproduction, simulations, notes}, one per DB;
     /// `value` is the variable's whole new value (run the job with variable=value).
     #[arg(long)]
     pub json: bool,

@@ -47,7 +47,7 @@ mod rules;
 #[cfg(test)]
 mod tests;
 
-pub use out::{store, text, ADVICE_TABLE};
+pub use out::{store, text, ADVICE_TABLE, SIMULATION_TABLE};
 use rules::*;
 
 /// The id of the one recommendation that is not an allocator setting but a code change.
