@@ -48,6 +48,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     }
     if !opts.privileged_only {
         unprivileged(&root, &built)?;
+        // Only that tier reads them.
+        ci_prune(&root, &["target/stable-only", "target/no-dbpage"]);
         disk_note("the unprivileged tier");
     }
     // The release, for both architectures: this is also where the tracer and its eBPF object are
@@ -65,6 +67,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         return Ok(());
     }
     privileged_tier(opts, &root, &built, &release)?;
+    // The tests' outputs, kept for a look at a failure; this one passed.
+    ci_prune(&root, &["target/privileged-tests"]);
     disk_note("the privileged tier");
     // Last, the smoke set inside the VMs (a quick privileged-only rerun leaves it out).
     if !opts.privileged_only {
@@ -73,6 +77,17 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         disk_note("the VM tier");
     }
     Ok(())
+}
+
+/// On CI (`CI` set: a clone built once, on a small disk), a passed tier's own build folders and
+/// outputs go, so the VM tier at the end has room. A workstation keeps them for quick reruns.
+fn ci_prune(root: &Path, paths: &[&str]) {
+    if std::env::var_os("CI").is_none() {
+        return;
+    }
+    for p in paths {
+        let _ = std::fs::remove_dir_all(root.join(p));
+    }
 }
 
 /// The machines the VM tier boots.
