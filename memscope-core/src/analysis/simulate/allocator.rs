@@ -1,9 +1,10 @@
 //! The caching allocator's decisions, as a model that takes the requests and frees a job made
 //! and says which segments the allocator would take, map, unmap and free under a configuration.
 //!
-//! It follows PyTorch's `c10/cuda/CUDACachingAllocator.cpp`, which torch_npu's
-//! `NPUCachingAllocator.cpp` ports (docs/simulate.md names the versions read and cites each rule;
-//! where torch_npu differs, the model takes torch_npu's rule under [`Flavour::Npu`]). Only what
+//! It follows PyTorch's `c10/cuda/CUDACachingAllocator.cpp` (C: v2.6.0's lines, whose rules
+//! v2.7.1 keeps), which torch_npu's `NPUCachingAllocator.cpp` ports (N: branch v2.7.1 @ adc41e69);
+//! each function cites the lines it follows, and docs/simulate.md lists every rule. Where
+//! torch_npu differs, the model takes torch_npu's rule under [`Flavour::Npu`]. Only what
 //! decides memory is modelled: no events, graphs, IPC or private pools. Blocks live in a slab
 //! indexed by id; the free sets are ordered as the allocator's `BlockComparator` orders them
 //! (stream, size, address), so "best fit" is the same `lower_bound`.
@@ -128,7 +129,7 @@ impl Allocator {
 
     /// A request of `req` bytes on `stream`; `others` is the device memory held outside this
     /// allocator (other processes, direct runtime calls). Returns the block's address and size,
-    /// or `None`: out of memory.
+    /// or `None`: out of memory. The order of the attempts: C:1215-1242, N:1252-1294.
     pub(crate) fn malloc(&mut self, req: u64, stream: u64, others: u64) -> Option<(u64, u64)> {
         let size = self.cfg.round_size(req);
         let p = if size <= SMALL_SIZE { SMALL } else { LARGE };
@@ -158,7 +159,8 @@ impl Allocator {
         Some((ptr, size))
     }
 
-    /// Gives back the block at `ptr`; false when the allocator holds no such block.
+    /// Gives back the block at `ptr`, merged with its free neighbours (C:2397-2505,
+    /// N:2406-2498); false when the allocator holds no such block.
     pub(crate) fn free(&mut self, ptr: u64) -> bool {
         let Some(id) = self.live.remove(&ptr) else { return false };
         let p = self.pool_of(id);
@@ -223,7 +225,7 @@ impl Allocator {
     }
 
     /// The best fit: the smallest free block of the stream at least `size`, under the
-    /// oversize rules of `max_split_size_mb`.
+    /// oversize rules of `max_split_size_mb` (C:2560-2618, N:2555-2617).
     fn get_free_block(&mut self, p: usize, size: u64, stream: u64) -> Option<Id> {
         if self.cfg.gc_enabled() {
             self.pools[p].searches += 1;
@@ -252,7 +254,8 @@ impl Allocator {
         Some(pick.3)
     }
 
-    /// A new segment (or, with expandable segments, newly mapped pages) for the request.
+    /// A new segment (or, with expandable segments, newly mapped pages) for the request; the
+    /// fraction's ceiling first (C:2701-2805, N:2701-2777).
     fn alloc_block(&mut self, p: usize, size: u64, alloc_size: u64, stream: u64, others: u64) -> Option<Id> {
         if let Some(allowed) = self.cfg.allowed() {
             if self.held.reserved + alloc_size > allowed {
@@ -323,7 +326,8 @@ impl Allocator {
         rest
     }
 
-    /// Cuts the request's bytes off the front of a found block when the rest is worth keeping.
+    /// Cuts the request's bytes off the front of a found block when the rest is worth keeping
+    /// (`should_split`, C:2540-2548, N:2534-2542; `alloc_found_block`, C:1388-1404).
     fn split(&mut self, id: Id, p: usize, size: u64) -> Id {
         let remaining = self.blocks[id].size - size;
         let worth = if p == SMALL || self.cfg.expandable {
@@ -379,7 +383,8 @@ impl Allocator {
 }
 
 /// The segment size for a rounded request: small requests share 2 MiB segments, those under
-/// 10 MiB share 20 MiB ones, bigger ones get their own, rounded to 2 MiB.
+/// 10 MiB share 20 MiB ones, bigger ones get their own, rounded to 2 MiB (C:2550-2558,
+/// N:2544-2553).
 pub(super) fn allocation_size(size: u64) -> u64 {
     if size <= SMALL_SIZE {
         SMALL_BUFFER

@@ -9,7 +9,8 @@ use super::{Allocator, Block, Expandable, Id, SegmentStep, LARGE_BUFFER, SMALL, 
 const UNKNOWN_RANGE: u64 = 1 << 44;
 
 impl Allocator {
-    /// A block of at least `size` bytes made of free and unmapped room, its unmapped part mapped.
+    /// A block of at least `size` bytes made of free and unmapped room, its unmapped part mapped
+    /// (C:2363-2394, N:2373-2404).
     pub(super) fn alloc_expandable(&mut self, p: usize, size: u64, stream: u64, others: u64) -> Option<Id> {
         let mut candidate = self.find_expandable(p, size, stream);
         if !self.blocks[candidate].mapped {
@@ -26,7 +27,7 @@ impl Allocator {
     }
 
     /// The lowest unmapped range of the stream (with the free block before it) that holds the
-    /// request, or a new segment's whole range.
+    /// request, or a new segment's whole range (C:2239-2293, N:2271-2323).
     fn find_expandable(&mut self, p: usize, size: u64, stream: u64) -> Id {
         let allocatable = |s: &Self, b: Option<Id>| b.filter(|&b| !s.blocks[b].allocated);
         let unmapped: Vec<Id> =
@@ -66,7 +67,8 @@ impl Allocator {
     }
 
     /// Maps the pages under the first `size` bytes of an unmapped block; the mapped part joins
-    /// its free neighbours. `None` when the device (or its share) has no room for the pages.
+    /// its free neighbours. `None` when the device (or its share) has no room for the pages
+    /// (C:2295-2361, 389-426; N:2325-2371).
     fn map_block(&mut self, p: usize, id: Id, size: u64, others: u64) -> Option<Id> {
         let seg = &self.expandables[self.blocks[id].expandable?];
         let (page, base) = (seg.page, seg.base);
@@ -104,7 +106,7 @@ impl Allocator {
     }
 
     /// Unmaps the whole pages inside a free expandable block; the bytes before and after them
-    /// stay mapped and free.
+    /// stay mapped and free (C:2974-3044, 431-439; N:2916-2967).
     pub(super) fn unmap_block(&mut self, p: usize, id: Id) {
         let Some(seg) = self.blocks[id].expandable.map(|e| &self.expandables[e]) else { return };
         let page = seg.page;

@@ -7,7 +7,7 @@ use super::{Allocator, Id, SegmentStep, LARGE, SMALL};
 impl Allocator {
     /// Past `garbage_collection_threshold` of the allowed memory, frees the large pool's unsplit
     /// cached segments that waited longest (at least the average age), until the excess is
-    /// reclaimed or none is left.
+    /// reclaimed or none is left (C:2629-2686, N:2633-2700).
     pub(super) fn garbage_collect(&mut self) {
         let Some(allowed) = self.cfg.allowed() else { return };
         let threshold = (self.cfg.gc_threshold * allowed as f64) as u64;
@@ -43,7 +43,8 @@ impl Allocator {
     }
 
     /// With `max_split_size_mb` set, frees one cached oversize segment big enough for the
-    /// request, or else the largest ones of the stream until their bytes cover it.
+    /// request, or else the largest ones of the stream until their bytes cover it (C:2811-2857,
+    /// N:2781-2829).
     pub(super) fn release_available_cached(&mut self, p: usize, size: u64, stream: u64) -> bool {
         let max_split = self.cfg.max_split;
         if max_split == u64::MAX {
@@ -70,7 +71,8 @@ impl Allocator {
         released >= want
     }
 
-    /// Every cached segment not split, large pool first; the free pages of expandable ones.
+    /// Every cached segment not split, large pool first; the free pages of expandable ones
+    /// (C:2859-2905, 3045-3069; N:2832-2857, 2969-3000).
     pub(super) fn release_cached(&mut self) {
         for p in [LARGE, SMALL] {
             let mut unmap = Vec::new();
