@@ -26,7 +26,7 @@ pub use config::{SettingError, FRACTION_KEY};
 use trace::{Step, Trace};
 
 /// The first out-of-memory failure of a replay.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SimOom {
     pub ts_ns: i64,
     pub pid: i64,
@@ -34,6 +34,8 @@ pub struct SimOom {
     /// The process's reserved and allocated bytes when it failed.
     pub reserved_bytes: u64,
     pub allocated_bytes: u64,
+    /// The job's line that made the request, when the trace knows it (`file:line function`).
+    pub site: Option<String>,
 }
 
 /// The figures of one replay (or of the run as recorded).
@@ -253,13 +255,13 @@ fn replay(
                 Some((at, _)) => {
                     addresses.insert((t.pid, ptr), at);
                 }
-                None => oom(&mut totals.figures, t, req, before),
+                None => oom(&mut totals.figures, t, req, before, &trace.sites),
             },
             Step::Refused { req, stream } => match m.malloc(req, stream, others) {
                 Some((at, _)) => {
                     m.free(at);
                 }
-                None => oom(&mut totals.figures, t, req, before),
+                None => oom(&mut totals.figures, t, req, before, &trace.sites),
             },
             Step::Free { ptr } => {
                 if let Some(at) = addresses.remove(&(t.pid, ptr)) {
@@ -281,7 +283,7 @@ fn replay(
     (figures, made)
 }
 
-fn oom(f: &mut Figures, t: &trace::Timed, req: u64, held: Held) {
+fn oom(f: &mut Figures, t: &trace::Timed, req: u64, held: Held, sites: &[String]) {
     f.oom = true;
     f.ooms += 1;
     f.first_oom.get_or_insert(SimOom {
@@ -290,6 +292,7 @@ fn oom(f: &mut Figures, t: &trace::Timed, req: u64, held: Held) {
         request_bytes: req,
         reserved_bytes: held.reserved,
         allocated_bytes: held.allocated,
+        site: sites.get(t.site as usize).filter(|s| !s.is_empty()).cloned(),
     });
 }
 

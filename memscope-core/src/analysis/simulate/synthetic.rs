@@ -30,7 +30,7 @@ pub fn trace(requests: u64) -> Trace {
     let mut next_ptr = 1u64 << 32;
     let mut push = |t: &mut Trace, step: Step| {
         ts += 1000;
-        t.steps.push(Timed { ts, pid: 1, step });
+        t.steps.push(Timed { ts, pid: 1, step, site: 0 });
     };
     let mut alloc = |t: &mut Trace, rng: &mut Rng, stream: u64| {
         next_ptr += 1 << 12;
@@ -48,13 +48,23 @@ pub fn trace(requests: u64) -> Trace {
         let step: Vec<u64> = (0..200).map(|i| alloc(&mut t, &mut rng, u64::from(i % 10 == 0))).collect();
         made += 200;
         for ptr in kept.drain(..) {
-            t.steps.push(Timed { ts: t.steps.last().map_or(0, |s| s.ts + 1), pid: 1, step: Step::Free { ptr } });
+            t.steps.push(Timed {
+                ts: t.steps.last().map_or(0, |s| s.ts + 1),
+                pid: 1,
+                step: Step::Free { ptr },
+                site: 0,
+            });
         }
         for (i, ptr) in step.into_iter().enumerate() {
             if i % 7 == 0 {
                 kept.push(ptr);
             } else {
-                t.steps.push(Timed { ts: t.steps.last().map_or(0, |s| s.ts + 1), pid: 1, step: Step::Free { ptr } });
+                t.steps.push(Timed {
+                    ts: t.steps.last().map_or(0, |s| s.ts + 1),
+                    pid: 1,
+                    step: Step::Free { ptr },
+                    site: 0,
+                });
             }
         }
     }

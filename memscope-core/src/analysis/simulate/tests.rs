@@ -166,7 +166,7 @@ fn settings_the_allocators_refuse_are_refused_with_the_fix() {
 }
 
 fn at(ts: i64, step: Step) -> Timed {
-    Timed { ts, pid: 7, step }
+    Timed { ts, pid: 7, step, site: 0 }
 }
 
 /// A trace of three 3 MiB tensors and a 30 MiB one, recorded with one 20 MiB segment and one
@@ -227,4 +227,16 @@ fn torch_npu_starts_big_expandable_blocks_on_16_kib() {
     let (q1, _) = cuda.malloc(3 * M + 132, 0, 0).unwrap();
     let (q2, _) = cuda.malloc(3 * M, 0, 0).unwrap();
     assert_eq!(q2 - q1, 3 * M + 512);
+}
+
+#[test]
+fn a_replayed_out_of_memory_names_the_request_and_its_line() {
+    let mut trace = recorded_trace(&[(Alloc(20 * M), 1 << 30), (Alloc(30 * M), 2 << 30)]);
+    trace.sites = vec![String::new(), "train.py:12 main".to_owned()];
+    trace.steps[3].site = 1; // the 30 MiB request
+    let options = Options { settings: vec![String::new()], capacity: Some(40 * M), ..Options::default() };
+    let r = run(&trace, "", &options).unwrap();
+    let oom = r.simulations[0].figures.first_oom.clone().expect("20 MiB held, 30 MiB more do not fit 40 MiB");
+    assert_eq!((oom.request_bytes, oom.reserved_bytes, oom.site.as_deref()), (30 * M, 20 * M, Some("train.py:12 main")));
+    assert_eq!(r.simulations[0].figures.ooms, 1);
 }

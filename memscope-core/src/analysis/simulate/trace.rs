@@ -22,7 +22,7 @@ use crate::vocab::{Event, EventType};
 use super::allocator::SegmentStep;
 
 attr_fields! {
-    struct Fields { size, req_size, stream, pool, shadow, unmatched, segment, vmm, func, stream_uses }
+    struct Fields { size, req_size, stream, pool, shadow, unmatched, segment, vmm, func, stream_uses, site }
 }
 
 /// One thing the job did to its allocator.
@@ -59,6 +59,8 @@ pub struct Timed {
     pub ts: i64,
     pub pid: i64,
     pub step: Step,
+    /// The job's line that made the request (`Trace::sites`; 0: not known).
+    pub site: u32,
 }
 
 /// A recorded segment step with its address (for the model's tie-breaks).
@@ -74,6 +76,8 @@ pub struct Recorded {
 #[derive(Default)]
 pub struct Trace {
     pub steps: Vec<Timed>,
+    /// The sites the requests name (Attr `site`), each once; index 0 is "not known".
+    pub sites: Vec<String>,
     /// Per process, the segment steps as the allocator made them.
     pub segments: HashMap<i64, Vec<Recorded>>,
     /// Frees of blocks still marked on another stream: the allocator gave them back later, when
@@ -108,6 +112,7 @@ pub(crate) struct Reader {
     freeing: HashMap<(i64, i64), Freeing>,
     /// Block rows seen per process.
     calls: HashMap<i64, u64>,
+    site_ids: HashMap<String, u32>,
 }
 
 impl Reader {
@@ -121,6 +126,7 @@ impl Reader {
             live_other: HashMap::default(),
             freeing: HashMap::default(),
             calls: HashMap::default(),
+            site_ids: HashMap::default(),
         }
     }
 
@@ -129,8 +135,21 @@ impl Reader {
     }
 
     fn push(&mut self, row: &DumpRow<'_>, step: Step) -> usize {
-        self.trace.steps.push(Timed { ts: row.ts, pid: row.pid, step });
+        self.trace.steps.push(Timed { ts: row.ts, pid: row.pid, step, site: 0 });
         self.trace.steps.len() - 1
+    }
+
+    /// The index of a request's site in `Trace::sites`.
+    fn site(&mut self, site: Option<&str>) -> u32 {
+        let Some(site) = site.filter(|s| !s.is_empty()) else { return 0 };
+        if self.trace.sites.is_empty() {
+            self.trace.sites.push(String::new());
+        }
+        let next = self.trace.sites.len() as u32;
+        *self.site_ids.entry(site.to_owned()).or_insert_with(|| {
+            self.trace.sites.push(site.to_owned());
+            next
+        })
     }
 
     /// A block row of the caching pool on this thread ends its run of segment frees: inside the
@@ -195,7 +214,8 @@ impl Reader {
         if stream.is_none() {
             self.trace.streams_unknown += 1;
         }
-        self.push(row, Step::Alloc { req, stream: stream.unwrap_or(0), ptr, rounded });
+        let at = self.push(row, Step::Alloc { req, stream: stream.unwrap_or(0), ptr, rounded });
+        self.trace.steps[at].site = self.site(a.site.as_deref());
     }
 
     fn oom_row(&mut self, row: &DumpRow<'_>, a: &Fields<'_>) {
@@ -205,7 +225,8 @@ impl Reader {
         if Tracker::is_allocator(row.name, a.func.as_deref()) {
             self.settle(row, true);
             let req = a.req_size.as_deref().and_then(parse_number).unwrap_or(0);
-            self.push(row, Step::Refused { req, stream: 0 });
+            let at = self.push(row, Step::Refused { req, stream: 0 });
+            self.trace.steps[at].site = self.site(a.site.as_deref());
         } else if a.segment.as_deref() == Some("caching") {
             if let Some(f) = self.freeing.get_mut(&(row.pid, row.tid)) {
                 f.refused = true;
