@@ -389,6 +389,30 @@ fn replay_predicts(env: &TestEnv, scenario: &str, settings: &[&str], limit: &[(&
     let text = String::from_utf8_lossy(&out.stdout);
     let taken = segments_in_ledger(defaults);
     assert!(text.contains(&format!("replay matches the recorded run: {taken}/{taken} segments")), "{text}");
+    replay_chart(env, defaults, &runs[1..].iter().map(|(s, _)| *s).collect::<Vec<_>>(), sim_args);
+}
+
+/// The report draws the stored replays: a series per setting beside the recorded one.
+fn replay_chart(env: &TestEnv, run: &Run, settings: &[&str], sim_args: &[&str]) {
+    let Some(chromium) = memscope_integration::browser::chromium() else { return };
+    let mut args = vec!["advise", run.out.to_str().unwrap()];
+    args.extend_from_slice(sim_args);
+    for s in settings {
+        args.extend(["--simulate", s]);
+    }
+    let out = Command::new(&env.bin).args(&args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let page = env.scratch.join(format!("replay-{}.html", settings.len()));
+    let out = Command::new(&env.bin).arg("report").arg(&run.out).arg("-o").arg(&page).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let evals =
+        vec!["series=[...document.querySelectorAll('#simulation-legend li')].map(l => l.textContent)".to_owned()];
+    let visit = memscope_integration::browser::Visit { evals, ..Default::default() };
+    let seen = memscope_integration::browser::visit(&chromium, &page, &visit);
+    let series: Vec<&str> = seen["dom"]["series"].as_array().unwrap().iter().filter_map(|v| v.as_str()).collect();
+    for want in ["recorded", "replayed as run"].iter().chain(settings) {
+        assert!(series.contains(want), "no {want} among the chart's series {series:?}");
+    }
 }
 
 #[test]

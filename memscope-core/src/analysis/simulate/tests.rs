@@ -237,6 +237,9 @@ fn a_replayed_out_of_memory_names_the_request_and_its_line() {
     let options = Options { settings: vec![String::new()], capacity: Some(40 * M), ..Options::default() };
     let r = run(&trace, "", &options).unwrap();
     let oom = r.simulations[0].figures.first_oom.clone().expect("20 MiB held, 30 MiB more do not fit 40 MiB");
-    assert_eq!((oom.request_bytes, oom.reserved_bytes, oom.site.as_deref()), (30 * M, 20 * M, Some("train.py:12 main")));
+    assert_eq!(
+        (oom.request_bytes, oom.reserved_bytes, oom.site.as_deref()),
+        (30 * M, 20 * M, Some("train.py:12 main"))
+    );
     assert_eq!(r.simulations[0].figures.ooms, 1);
 }
