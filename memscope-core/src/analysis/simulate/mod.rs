@@ -251,12 +251,14 @@ fn replay(
         let before = m.held();
         let others = other + totals.held.reserved - before.reserved;
         match t.step {
-            Step::Alloc { req, stream, ptr, rounded } => match m.malloc(cfg.request(req, rounded), stream, others) {
-                Some((at, _)) => {
-                    addresses.insert((t.pid, ptr), at);
+            Step::Alloc { req, stream, ptr, rounded, .. } => {
+                match m.malloc(cfg.request(req, rounded), stream, others) {
+                    Some((at, _)) => {
+                        addresses.insert((t.pid, ptr), at);
+                    }
+                    None => oom(&mut totals.figures, t, req, before, &trace.sites),
                 }
-                None => oom(&mut totals.figures, t, req, before, &trace.sites),
-            },
+            }
             Step::Refused { req, stream } => match m.malloc(req, stream, others) {
                 Some((at, _)) => {
                     m.free(at);
@@ -323,10 +325,14 @@ fn recorded(trace: &Trace) -> Figures {
         match t.step {
             Step::Recorded(s) if s.takes() => after.reserved += s.size(),
             Step::Recorded(s) => after.reserved = after.reserved.saturating_sub(s.size()),
-            // The recorded block sizes are the allocator's, rounded.
-            Step::Alloc { req, ptr, rounded, .. } => {
-                let size =
-                    if rounded { req } else { req.next_multiple_of(allocator::MIN_BLOCK).max(allocator::MIN_BLOCK) };
+            // The block's size as the trace recorded it (the allocator's rounding), else the
+            // request rounded to 512.
+            Step::Alloc { req, ptr, block, .. } => {
+                let size = if block > 0 {
+                    block
+                } else {
+                    req.next_multiple_of(allocator::MIN_BLOCK).max(allocator::MIN_BLOCK)
+                };
                 live.insert((t.pid, ptr), size);
                 after.allocated += size;
             }

@@ -35,7 +35,7 @@ pub fn trace(requests: u64) -> Trace {
     let mut alloc = |t: &mut Trace, rng: &mut Rng, stream: u64| {
         next_ptr += 1 << 12;
         let (req, ptr) = (rng.size(), next_ptr);
-        push(t, Step::Alloc { req, stream, ptr, rounded: false });
+        push(t, Step::Alloc { req, stream, ptr, rounded: false, block: 0 });
         ptr
     };
     let weights = (requests / 1000).clamp(1, 500);

@@ -178,10 +178,10 @@ fn recorded_trace(segments: &[(crate::analysis::simulate::allocator::SegmentStep
         ts += 10;
         t.steps.push(at(ts, s));
     };
-    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xa000, rounded: false });
-    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xb000, rounded: false });
+    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xa000, rounded: false, block: 0 });
+    step(Step::Alloc { req: 3 * M, stream: 0, ptr: 0xb000, rounded: false, block: 0 });
     step(Step::Free { ptr: 0xa000 });
-    step(Step::Alloc { req: 30 * M, stream: 0, ptr: 0xc000, rounded: false });
+    step(Step::Alloc { req: 30 * M, stream: 0, ptr: 0xc000, rounded: false, block: 0 });
     step(Step::Free { ptr: 0xc000 });
     t.segments.insert(7, segments.iter().map(|&(step, ptr)| Recorded { step, ptr, call: 0 }).collect());
     t

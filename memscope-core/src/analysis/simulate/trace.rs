@@ -30,12 +30,13 @@ attr_fields! {
 pub enum Step {
     /// A block of `req` bytes on `stream`; `ptr` is the recorded block's address, by which its
     /// free finds it. `rounded`: the trace had only the block's size (already padded and rounded
-    /// by the allocator), not the request.
+    /// by the allocator), not the request. `block`: the block's size as recorded (0: unknown).
     Alloc {
         req: u64,
         stream: u64,
         ptr: u64,
         rounded: bool,
+        block: u64,
     },
     /// A request the allocator refused: replayed as a block given back at once.
     Refused {
@@ -214,7 +215,8 @@ impl Reader {
         if stream.is_none() {
             self.trace.streams_unknown += 1;
         }
-        let at = self.push(row, Step::Alloc { req, stream: stream.unwrap_or(0), ptr, rounded });
+        let block = a.size.as_deref().and_then(parse_number).unwrap_or(0);
+        let at = self.push(row, Step::Alloc { req, stream: stream.unwrap_or(0), ptr, rounded, block });
         self.trace.steps[at].site = self.site(a.site.as_deref());
     }
 
