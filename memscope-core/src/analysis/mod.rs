@@ -79,7 +79,7 @@ pub enum AnalysisError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path} is {what}: give a memscope_dump_*.db or memscope_dump_*.csv file, or the trace's output folder")]
     NotAFile { path: PathBuf, what: &'static str },
-    #[error("{path}: not an SQLite database ({why}); give a memscope_dump_*.db or memscope_dump_*.csv file, or the trace's output folder")]
+    #[error("{path}: not an SQLite database ({why}); give a memscope_dump_*.db or memscope_dump_*.csv file, a memory snapshot pickle, or the trace's output folder")]
     NotSqlite { path: PathBuf, why: String },
     #[error("{path}: {what}, not a trace dump; give the memscope_dump_*.csv (or .db) beside it, or the trace's output folder")]
     NotDumpCsv { path: PathBuf, what: String },
