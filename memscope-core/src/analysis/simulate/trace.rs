@@ -143,14 +143,17 @@ impl Reader {
     /// The index of a request's site in `Trace::sites`.
     fn site(&mut self, site: Option<&str>) -> u32 {
         let Some(site) = site.filter(|s| !s.is_empty()) else { return 0 };
+        // Looked up before anything is allocated: most requests come from lines seen before.
+        if let Some(&id) = self.site_ids.get(site) {
+            return id;
+        }
         if self.trace.sites.is_empty() {
             self.trace.sites.push(String::new());
         }
-        let next = self.trace.sites.len() as u32;
-        *self.site_ids.entry(site.to_owned()).or_insert_with(|| {
-            self.trace.sites.push(site.to_owned());
-            next
-        })
+        let id = self.trace.sites.len() as u32;
+        self.trace.sites.push(site.to_owned());
+        self.site_ids.insert(site.to_owned(), id);
+        id
     }
 
     /// A block row of the caching pool on this thread ends its run of segment frees: inside the
