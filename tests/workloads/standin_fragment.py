@@ -156,7 +156,9 @@ def pressure(job, steps=12, first=30 * MiB, grow=6 * MiB, per_step=2):
     return []
 
 
-def clean(job, steps=6, size=4 * MiB, per_step=15):
+def clean(job, steps=6, size=4 * MiB - NPU_PAD, per_step=15):
+    """Five tensors, padded to 4 MiB, fill each 20 MiB segment exactly: no holes, nothing to
+    advise."""
     for _ in range(steps):
         blocks = [job.must_alloc(size) for _ in range(per_step)]
         job.step()
