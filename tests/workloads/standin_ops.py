@@ -42,6 +42,11 @@ def main():
     vp = ctypes.c_void_p
     acl, torch = standin_ctypes.load(args.torch_lib)
 
+    def allocated():
+        used, reserved = ctypes.c_size_t(), ctypes.c_size_t()
+        torch.standin_stats(0, ctypes.byref(used), ctypes.byref(reserved))
+        return used.value
+
     functions = {}
     ledger = []
 
@@ -56,10 +61,12 @@ def main():
         if acl.aclrtLaunchKernel(functions[kernel], 1, ctypes.addressof(args_buf), ctypes.sizeof(args_buf), None) != 0:
             raise RuntimeError(f"aclrtLaunchKernel({kernel}) failed")
         _native.op_end(name)
+        before = allocated()
         ptr = torch.standin_tensor_alloc(size, 0)
         if not ptr:
             raise RuntimeError(f"stand-in allocator returned null for {size} bytes")
-        ledger.append({"op": name, "kernel": kernel, "size": size})
+        # The block's bytes, as the allocator counts them (it pads and rounds the request).
+        ledger.append({"op": name, "kernel": kernel, "size": allocated() - before, "req": size})
         return ptr
 
     for i in range(1, args.iterations + 1):

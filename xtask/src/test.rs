@@ -210,7 +210,8 @@ fn privileged_tier(
         .envs(standin_env(root, built))
         .env("MEMSCOPE_BIN", &built.binary)
         .env("MEMSCOPE_SCRATCH", &scratch);
-    cmd.args(["test", "-p", "memscope-integration", "--"])
+    // Every test binary runs even after one fails: a CI log then names every failure at once.
+    cmd.args(["test", "--no-fail-fast", "-p", "memscope-integration", "--"])
         // One at a time: the attach tests time their steps, and 2 cores are shared.
         .arg("--test-threads=1");
     if let Some(filter) = &opts.filter {
