@@ -36,3 +36,10 @@ def stats(torch, device=0):
     allocated, reserved = SZ(), SZ()
     torch.standin_stats(device, ctypes.byref(allocated), ctypes.byref(reserved))
     return allocated.value, reserved.value
+
+
+def block_size(request):
+    """The bytes torch_npu's caching allocator holds for a request (its block): the request plus
+    32 bytes (AddPadSize), rounded up to 512 (round_size; NPUCachingAllocator.cpp:2130-2143).
+    The ledgers record tensors at the size the allocator counts them."""
+    return max(512, (request + 32 + 511) // 512 * 512)

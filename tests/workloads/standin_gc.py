@@ -61,14 +61,14 @@ class Job:
         if not ptr:
             raise RuntimeError(f"stand-in allocator returned null for {size} bytes")
         allocated, reserved = self.stats()
-        self.log(kind="tensor", ptr=ptr, size=size, step=self.step_no, tid=threading.get_native_id(),
+        self.log(kind="tensor", ptr=ptr, size=standin_ctypes.block_size(size), step=self.step_no, tid=threading.get_native_id(),
                  t=time.time_ns(), allocated=allocated, reserved=reserved)
         return ptr
 
     def free(self, ptr, size):
         by_gc = IN_GC
         self.torch.standin_tensor_free(ptr)
-        self.log(kind="free", ptr=ptr, size=size, gc=by_gc, step=self.step_no, t=time.time_ns())
+        self.log(kind="free", ptr=ptr, size=standin_ctypes.block_size(size), gc=by_gc, step=self.step_no, t=time.time_ns())
 
     def step(self):
         self.step_no += 1

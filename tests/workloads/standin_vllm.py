@@ -139,7 +139,8 @@ def main():
         if not ptr:
             sys.exit(f"standin_vllm: a {phase} tensor of {size} bytes could not be allocated")
         line = sys._getframe(1).f_lineno
-        ledger.write(json.dumps({"kind": "tensor", "phase": phase, "ptr": ptr, "size": size, "kept": keep,
+        # At the size the allocator holds it (padded and rounded).
+        ledger.write(json.dumps({"kind": "tensor", "phase": phase, "ptr": ptr, "size": standin_ctypes.block_size(size), "kept": keep,
                                  "line": line}) + "\n")
         if keep:
             kept.append(ptr)

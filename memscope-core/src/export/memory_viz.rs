@@ -187,12 +187,14 @@ impl Replay {
                 let requested = num(&f.req_size).unwrap_or(size);
                 self.confirm((pid, ptr, false));
                 self.blocks.insert((pid, ptr), LiveBlock { size, requested, row });
-                self.entry("alloc", ptr, size, (ts, row));
+                // PyTorch's trace entries carry the size asked for (`alloc`: the request; the
+                // frees: the block's requested size), not the block's.
+                self.entry("alloc", ptr, requested, (ts, row));
             } else if is(Event::Free) {
                 if let Some(block) = self.blocks.remove(&(pid, ptr)) {
                     let at = self.trace.len();
-                    self.entry("free_requested", ptr, block.size, (ts, row));
-                    self.entry("free_completed", ptr, block.size, (ts, row));
+                    self.entry("free_requested", ptr, block.requested, (ts, row));
+                    self.entry("free_completed", ptr, block.requested, (ts, row));
                     if shadow {
                         self.shadows.insert((pid, ptr, false), (at, Freed::Block(block)));
                     }

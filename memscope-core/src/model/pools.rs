@@ -175,9 +175,11 @@ impl Pools {
         ptr: Option<u64>,
         size: Option<u64>,
     ) -> Option<(u64, PendingHandle)> {
-        let mut pending = self.handles.remove(&(pid, handle))?;
+        // GetBlockSize may come first: the handle stays pending, its size learnt.
+        let pending = self.handles.get_mut(&(pid, handle))?;
         pending.size = size.or(pending.size);
         let ptr = ptr?;
+        let pending = self.handles.remove(&(pid, handle))?;
         self.handle_ptrs.insert((pid, handle), ptr);
         Some((ptr, pending))
     }

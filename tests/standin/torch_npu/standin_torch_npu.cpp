@@ -242,7 +242,12 @@ struct Config {
                     if (key == "expandable_segments") {
                         c.expandable = value == "True";
                     } else if (key == "max_split_size_mb") {
-                        c.max_split = (size_t)std::strtoull(value.c_str(), nullptr, 10) << 20;
+                        size_t mib = (size_t)std::strtoull(value.c_str(), nullptr, 10);
+                        if (mib <= kLargeBuffer >> 20) {
+                            std::fprintf(stderr, "stand-in torch_npu: max_split_size_mb must be > %zu\n", kLargeBuffer >> 20);
+                            c.valid = false;
+                        }
+                        c.max_split = mib << 20;
                     } else if (key == "garbage_collection_threshold") {
                         c.gc_threshold = std::strtod(value.c_str(), nullptr);
                     }
@@ -1329,8 +1334,10 @@ EXPORT void *standin_external_alloc(size_t size, int device, void **handle) {
     if (h == nullptr) {
         return nullptr;
     }
-    void *p = c10_npu::NPUCachingAllocator::GetBlockPtr(h);
+    // The block's size first: the allocator pads and rounds the request, and a consumer that
+    // sizes its buffer from the handle asks before it takes the address.
     size_t block_size = c10_npu::NPUCachingAllocator::GetBlockSize(h);
+    void *p = c10_npu::NPUCachingAllocator::GetBlockPtr(h);
     if (Ledger::get().on()) {
         Ledger::get().line(fmt("{\"ev\": \"block_malloc\", \"pool\": \"external\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, "
                                "\"device\": %d, \"req\": %zu, \"size\": %zu, \"ptr\": %llu, \"handle\": %llu, %s}",
