@@ -135,12 +135,15 @@ def main():
     kept = []
 
     def alloc(phase, size, keep):
+        before = standin_ctypes.stats(lib)[0]
         ptr = lib.standin_tensor_alloc(size, 0)
         if not ptr:
             sys.exit(f"standin_vllm: a {phase} tensor of {size} bytes could not be allocated")
         line = sys._getframe(1).f_lineno
-        # At the size the allocator holds it (padded and rounded).
-        ledger.write(json.dumps({"kind": "tensor", "phase": phase, "ptr": ptr, "size": standin_ctypes.block_size(size), "kept": keep,
+        # The request, and the block's bytes as the allocator counts them (padded, rounded, and
+        # whole when the rest of a cached block is too small to split off).
+        block = standin_ctypes.stats(lib)[0] - before
+        ledger.write(json.dumps({"kind": "tensor", "phase": phase, "ptr": ptr, "req": size, "size": block, "kept": keep,
                                  "line": line}) + "\n")
         if keep:
             kept.append(ptr)

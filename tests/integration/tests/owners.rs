@@ -69,6 +69,8 @@ fn threads_without_python_frames_take_the_main_threads_stack() {
 struct Tensor {
     phase: String,
     ptr: u64,
+    /// The request, and the block's bytes as the allocator counted them.
+    req: u64,
     size: u64,
     line: u32,
 }
@@ -88,8 +90,8 @@ fn assert_vllm_owners(out: &Output, ledger: &Path, mamba_rule: bool) {
     let mut by_owner = std::collections::BTreeMap::<String, u64>::new();
     for (t, row) in tensors.iter().zip(&rows) {
         assert_eq!(row.ptr_value(), Some(t.ptr), "rows in the job's order");
-        // The ledger logs the block as the allocator holds it (padded and rounded).
-        assert_eq!(row.attr_u64("size"), Some(t.size), "{row:?}");
+        assert_eq!(row.attr_u64("req_size"), Some(t.req), "{row:?}");
+        assert_eq!(row.attr_u64("size"), Some(t.size), "the block's bytes as the allocator counted them: {row:?}");
         let want = match t.phase.as_str() {
             "weights" => "PTA@vllm@weights",
             "kv_cache@attn" => "PTA@vllm@kv_cache@attn",
@@ -102,7 +104,7 @@ fn assert_vllm_owners(out: &Output, ledger: &Path, mamba_rule: bool) {
         };
         assert_eq!(row.attr.get("owner").map(String::as_str), Some(want), "{}: {row:?}", t.phase);
         assert_eq!(row.attr.get("owner_source").map(String::as_str), Some("inferred"), "{row:?}");
-        *by_owner.entry(want.to_owned()).or_default() += row.attr_u64("req_size").unwrap();
+        *by_owner.entry(want.to_owned()).or_default() += row.attr_u64("size").unwrap();
     }
     let ledger_bytes =
         |prefix: &str| -> u64 { tensors.iter().filter(|t| t.phase.starts_with(prefix)).map(|t| t.size).sum() };
