@@ -195,7 +195,9 @@ fn import_snapshot(args: &Args, pickle: &Path) -> anyhow::Result<()> {
     let snap_devices = memscope_core::import::import_snapshot(pickle, |d| {
         let path = dest(d);
         if let Some(dir) = path.parent() {
-            let _ = std::fs::create_dir_all(dir);
+            // 0700, as a trace's run folder is.
+            use std::os::unix::fs::DirBuilderExt as _;
+            let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir);
         }
         path
     })?;

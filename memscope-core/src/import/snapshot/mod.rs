@@ -296,6 +296,10 @@ fn write(src: &Path, dst: &Path, snap: &Snapshot, made: &rows::Made) -> Result<(
         }
         tx.commit().map_err(werr)?;
         conn.close().map_err(|(_, e)| werr(e))?;
+        // Private, as a trace's DBs are: a job's frames and sizes are its owner's.
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o600))
+            .map_err(|source| ImportError::WriteIo { path: dst.to_owned(), source })?;
         std::fs::rename(&partial, dst).map_err(|source| ImportError::WriteIo { path: dst.to_owned(), source })
     })();
     if result.is_err() {

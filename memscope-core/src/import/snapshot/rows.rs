@@ -51,6 +51,9 @@ struct State {
     segments: BTreeMap<u64, u64>,
     /// Mapped 2 MiB pieces of expandable segments.
     pieces: BTreeSet<u64>,
+    /// The `allocation_id` of each live segment and piece, by address: one counter for every
+    /// block of the file, as Insight pairs a block's rows by it alone.
+    segment_ids: BTreeMap<u64, u64>,
     next_id: u64,
     allocated: u64,
 }
@@ -178,9 +181,19 @@ impl Writer<'_> {
         } else {
             self.state.segments.remove(&addr);
         }
+        let id = if taken {
+            self.state.next_id += 1;
+            self.state.segment_ids.insert(addr, self.state.next_id);
+            Some(self.state.next_id)
+        } else {
+            self.state.segment_ids.remove(&addr)
+        };
         let mut attr = Map::new();
         attr.insert("addr".into(), hex(addr));
         attr.insert("size".into(), num(size));
+        if let Some(id) = id {
+            attr.insert("allocation_id".into(), num(id));
+        }
         attr.insert("api".into(), if mapped { "segment_map" } else { "segment_alloc" }.into());
         attr.insert("used".into(), num(self.state.reserved()));
         if taken {
