@@ -58,6 +58,10 @@ pub enum RecordKind {
     /// `dlclose`): an [`ExitRecord`]'s layout, the header alone. Its mappings are to be read
     /// again, for library files not probed yet.
     Loaded = 11,
+    /// The Python sampler's timer fired (`trace --python-trace`) while a traced thread ran
+    /// Python on that CPU: its frames, as a [`crate::python::PyStackRecord`] cut to the frames
+    /// read; the header's time is the sample's.
+    PySample = 12,
 }
 
 impl RecordKind {
@@ -75,6 +79,7 @@ impl RecordKind {
             9 => Some(Self::PyStack),
             10 => Some(Self::Exec),
             11 => Some(Self::Loaded),
+            12 => Some(Self::PySample),
             _ => None,
         }
     }

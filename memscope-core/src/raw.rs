@@ -135,14 +135,30 @@ pub struct RawPyStack {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
     PyStack(RawPyStack),
+    /// A sample of a thread's Python frames (`trace --python-trace`): the same layout, its time
+    /// the sample's.
+    PySample(RawPyStack),
     Call(RawCall),
     Usdt(RawUsdt),
     Blob(RawBlob),
     Stack(RawStack),
-    Fork { mono_ns: u64, parent: u32, child: u32 },
-    Exit { mono_ns: u64, tgid: u32 },
-    Exec { mono_ns: u64, tgid: u32 },
-    Loaded { mono_ns: u64, tgid: u32 },
+    Fork {
+        mono_ns: u64,
+        parent: u32,
+        child: u32,
+    },
+    Exit {
+        mono_ns: u64,
+        tgid: u32,
+    },
+    Exec {
+        mono_ns: u64,
+        tgid: u32,
+    },
+    Loaded {
+        mono_ns: u64,
+        tgid: u32,
+    },
 }
 
 /// A ring record type for which any bytes of its size are a value.
@@ -300,6 +316,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         }
         RecordKind::Stack => stack(bytes).map(Record::Stack),
         RecordKind::PyStack => py_stack(bytes).map(Record::PyStack),
+        RecordKind::PySample => py_stack(bytes).map(Record::PySample),
         // Read in place by the consumer ([`stack_window`]): only its unwound frames are kept.
         RecordKind::StackWindow => Err(DecodeError::ReadInPlace { kind }),
         RecordKind::Fork => {

@@ -165,8 +165,15 @@ pub mod attr {
         hal_api,
         /// Bytes live after the event (on the device, or in the pool).
         used,
-        /// A pool's reserved bytes.
+        /// A pool's reserved bytes; on `START_TRACE`, the device's memory (the driver's figure).
         total,
+        /// On `START_TRACE`: the device's free memory then, as the driver reported it.
+        free,
+        /// The driver's figure for the process's device memory (what npu-smi or nvidia-smi shows
+        /// for it), at its latest reading before the row.
+        process_used,
+        /// The driver's figure for the whole device's used memory, at the same reading.
+        device_used,
         /// The pool of a block (`caching`, `workspace`), or of an OOM block (`PTA`, `HAL`, ...).
         pool,
         /// The owner path (`PTA@vllm@kv_cache`).

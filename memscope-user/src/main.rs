@@ -18,6 +18,7 @@ mod attach;
 mod capture;
 mod cli;
 mod daemon;
+mod driver;
 mod metrics;
 mod session;
 mod terminal;

@@ -3,6 +3,10 @@
 //! Layout under target/standin/ (what tests and the demo point at):
 //! - `ascend/lib64/libascendcl.so`: the stand-in runtime, which allocates through
 //!   `ascend/lib64/libascend_hal.so`, the stand-in driver; `ascend` serves as ASCEND_HOME_PATH.
+//!   Beside the driver, `ascend/lib64/libdcmi.so`: the stand-in device management library, which
+//!   answers devices' and processes' memory from what the stand-in driver charged in every live
+//!   process (`tests/standin/common/standin_driver_state.h`), as a tracer finds DCMI next to the
+//!   driver the target maps.
 //! - `late/libacl_rt.so`: a second copy at another path and name, loaded late by a workload the
 //!   way HCCL dlopens libacl_rt.so, to test that the tracer picks up new libraries.
 //! - `bin/alloc_bench`: the benchmark's allocation loop, linked to the stand-in.
@@ -16,8 +20,10 @@
 //! - `cuda/lib/`: the NVIDIA stand-ins (`tests/standin/cuda/`): `libcuda.so.1` (the driver),
 //!   `libcudart.so.12` (the runtime, calling the driver through function pointers) and
 //!   `libc10_cuda.so` (a caching allocator with PyTorch's USDT probes and internal names, kept in
-//!   `.symtab` only), each findable from the next through DT_NEEDED and RUNPATH; and
-//!   `bin/static_cudart`, a program with the stand-in runtime compiled in (`cudart_static`).
+//!   `.symtab` only), each findable from the next through DT_NEEDED and RUNPATH; beside them
+//!   `libnvidia-ml.so.1` (NVML, answering from what the stand-in libcuda.so.1 charged in every
+//!   live process); and `bin/static_cudart`, a program with the stand-in runtime compiled in
+//!   (`cudart_static`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -112,6 +118,7 @@ pub fn standins_in(tc: Toolchain, standin: &Path) -> anyhow::Result<Built> {
         "libascend_hal.so",
         &[],
     )?;
+    compile_library(tc, &sources.join("standin_dcmi.c"), &lib64.join("libdcmi.so"), "libdcmi.so", &[])?;
     let libascendcl = lib64.join("libascendcl.so");
     let runtime = sources.join("standin_ascendcl.c");
     compile_library(tc, &runtime, &libascendcl, "libascendcl.so", &[(&lib64, "ascend_hal")])?;
@@ -307,6 +314,8 @@ fn cuda(tc: Toolchain, root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
     };
     compile_library(tc, &sources.join("standin_cuda.c"), &lib.join("libcuda.so.1"), "libcuda.so.1", &[])?;
     link("libcuda.so.1", "libcuda.so")?;
+    compile_library(tc, &sources.join("standin_nvml.c"), &lib.join("libnvidia-ml.so.1"), "libnvidia-ml.so.1", &[])?;
+    link("libnvidia-ml.so.1", "libnvidia-ml.so")?;
     let cudart = lib.join("libcudart.so.12");
     compile_library(tc, &sources.join("standin_cudart.c"), &cudart, "libcudart.so.12", &[(&lib, "cuda")])?;
     link("libcudart.so.12", "libcudart.so")?;
@@ -363,7 +372,15 @@ fn markers(root: &Path) -> anyhow::Result<PathBuf> {
 pub fn run() -> anyhow::Result<Built> {
     let mut built = standins()?;
     built.markers = markers(&root())?;
-    sh(Command::new("cargo").current_dir(root()).args(["build", "--release", "-p", "memscope-user"]))
-        .context("building memscope-bpf failed (if the eBPF toolchain is missing, run `cargo xtask setup`)")?;
+    // The driver's helper (memscope-driver-query) goes beside the binary, where it looks.
+    sh(Command::new("cargo").current_dir(root()).args([
+        "build",
+        "--release",
+        "-p",
+        "memscope-user",
+        "-p",
+        "memscope-driver",
+    ]))
+    .context("building memscope-bpf failed (if the eBPF toolchain is missing, run `cargo xtask setup`)")?;
     Ok(built)
 }

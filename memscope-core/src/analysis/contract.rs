@@ -17,7 +17,7 @@ use super::decompose::{self, TimeSpec};
 use super::fragmentation;
 use super::steps::StepError;
 use super::AnalysisError;
-use super::{advise, inefficient, inefficient_out, leaks, oom, render, sites};
+use super::{advise, inefficient, inefficient_out, leaks, oom, render, sites, unexplained};
 
 /// An analysis: how it reads a DB, prints its report, and stores its results.
 pub trait Analysis {
@@ -261,6 +261,47 @@ impl Analysis for Sites {
             Ok(rows.len())
         })?;
         Ok(format!("wrote {rows} rows into table {} of {}", sites::TABLE, db.path().display()))
+    }
+}
+
+// ---------------------------------------------------------------- unexplained
+
+/// The driver's figure for each process against its traced device memory, at each reading.
+pub struct Unexplained;
+
+impl Analysis for Unexplained {
+    const NAME: &'static str = "unexplained";
+    type Options = ();
+    type Report = unexplained::Report;
+    type Error = AnalysisError;
+
+    fn analyse(db: &DumpDb, _: &()) -> Result<unexplained::Report, AnalysisError> {
+        unexplained::analyse(db)
+    }
+
+    fn text(report: &unexplained::Report, path: &Path, device: &str, _: &()) -> String {
+        unexplained::text(report, path, device)
+    }
+
+    fn json(report: &unexplained::Report, path: &Path, device: &str, _: &()) -> Vec<Value> {
+        vec![unexplained::json(report, path, device)]
+    }
+
+    /// Replaces `ms_unexplained` and stamps `ms_meta.unexplained_at`.
+    fn store(db: &DumpDb, report: &unexplained::Report, run_wall_ns: u64) -> Result<String, AnalysisError> {
+        let meta = [("unexplained_at", run_wall_ns.to_string())];
+        let rows = db.replace_tables(&[(unexplained::TABLE, unexplained::CREATE)], &meta, |tx| {
+            let mut insert = tx.prepare(&format!(
+                "INSERT INTO {} (pid, ts_ns, process_used, traced, unexplained) VALUES (?1, ?2, ?3, ?4, ?5)",
+                unexplained::TABLE
+            ))?;
+            let rows = unexplained::rows(report);
+            for r in &rows {
+                insert.execute(params![r[0], r[1], r[2], r[3], r[4]])?;
+            }
+            Ok(rows.len())
+        })?;
+        Ok(format!("wrote {rows} rows into table {} of {}", unexplained::TABLE, db.path().display()))
     }
 }
 

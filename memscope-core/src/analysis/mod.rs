@@ -58,6 +58,7 @@ pub mod sites;
 pub mod step_pattern;
 pub mod steps;
 pub mod stream_reuse;
+pub mod unexplained;
 
 /// The inefficient analysis's output, at the path it had before `inefficient/` was a folder.
 use std::path::{Path, PathBuf};

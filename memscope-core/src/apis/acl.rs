@@ -14,6 +14,11 @@ use crate::raw::RawCall;
 /// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
 pub const ACL_ERROR_RT_MEMORY_ALLOCATION: i32 = 207_001;
 
+/// `ACL_HOST_REG_PINNED`: `aclrtHostRegisterV2` page-locks the range. Without it the call maps
+/// memory for the device that is pinned already (an `aclrtMallocHost` block, a common pattern),
+/// which would then count twice; msMemScope counts only this flag, and so do we.
+pub const ACL_HOST_REG_PINNED: u64 = 0x1000_0000;
+
 /// `aclrtPhysicalMemProp.location.id`.
 const PHYS_PROP_DEVICE_OFFSET: u32 = 12;
 
@@ -51,7 +56,7 @@ const fn row(api: Api, symbol: &'static str, spec: ProbeSpec, decode: fn(&RawCal
     ApiDef { out_of_memory: oom, ..ApiDef::plain(api, symbol, Family::AclRuntime, spec, decode) }
 }
 
-pub(super) static TABLE: [ApiDef; 15] = [
+pub(super) static TABLE: [ApiDef; 18] = [
     row(Api::AclrtSetDevice, "aclrtSetDevice", with_effect(PLAIN, device_effect::SET_FROM_ARG0), |c| Op::SetDevice {
         device: c.args[0] as i32,
     }),
@@ -114,7 +119,36 @@ pub(super) static TABLE: [ApiDef; 15] = [
         flags: c.args[4],
     }),
     row(Api::AclrtUnmapMem, "aclrtUnmapMem", PLAIN, |c| Op::Unmap { va: c.args[0] }),
+    // (void *ptr, uint64_t size, aclrtHostRegisterType type, void **devPtr): pins the range.
+    row(Api::AclrtHostRegister, "aclrtHostRegister", PLAIN, registered),
+    // (void *ptr, uint64_t size, uint32_t flag)
+    row(Api::AclrtHostRegisterV2, "aclrtHostRegisterV2", PLAIN, |c| {
+        if c.args[2] & ACL_HOST_REG_PINNED != 0 {
+            registered(c)
+        } else {
+            Op::Scope
+        }
+    }),
+    row(Api::AclrtHostUnregister, "aclrtHostUnregister", PLAIN, |c| Op::Free {
+        space: Space::Registered,
+        ptr: c.args[0],
+        driver: None,
+    }),
 ];
+
+/// A registration of the caller's host memory (`ptr`, `size` at 0 and 1): pinned host memory
+/// from its success on.
+pub(super) fn registered(c: &RawCall) -> Op {
+    Op::Malloc {
+        space: Space::Registered,
+        size: c.args[1],
+        ptr: (c.status() == 0).then_some(c.args[0]),
+        policy: None,
+        device: None,
+        module: None,
+        driver: None,
+    }
+}
 
 fn device_malloc(c: &RawCall) -> Op {
     Op::Malloc {
@@ -131,6 +165,27 @@ fn device_malloc(c: &RawCall) -> Op {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_registration_pins_the_callers_range_and_v2_only_with_the_pinned_flag() {
+        let mut call = crate::apis::call_with(Api::AclrtHostRegisterV2, [0x5000, 0x7000, 0x2, 0, 0, 0], [None; 4]);
+        assert_eq!((Api::AclrtHostRegisterV2.def().decode)(&call), Op::Scope, "mapped only: pinned already");
+        call.args[2] |= ACL_HOST_REG_PINNED;
+        let op = (Api::AclrtHostRegisterV2.def().decode)(&call);
+        assert!(matches!(op, Op::Malloc { space: Space::Registered, size: 0x7000, ptr: Some(0x5000), .. }), "{op:?}");
+        call.ret = 100_000;
+        assert!(matches!((Api::AclrtHostRegisterV2.def().decode)(&call), Op::Malloc { ptr: None, .. }));
+        let v1 = crate::apis::call_with(Api::AclrtHostRegister, [0x6000, 0x1000, 0, 0x9000, 0, 0], [None; 4]);
+        assert!(matches!(
+            (Api::AclrtHostRegister.def().decode)(&v1),
+            Op::Malloc { space: Space::Registered, ptr: Some(0x6000), .. }
+        ));
+        let un = crate::apis::call_with(Api::AclrtHostUnregister, [0x6000, 0, 0, 0, 0, 0], [None; 4]);
+        assert_eq!(
+            (Api::AclrtHostUnregister.def().decode)(&un),
+            Op::Free { space: Space::Registered, ptr: 0x6000, driver: None }
+        );
+    }
 
     #[test]
     fn malloc_physical_decodes_the_handle_and_the_props_device_from_their_reads() {

@@ -47,7 +47,7 @@ fn free(c: &RawCall, space: Space) -> Op {
     }
 }
 
-pub(super) static TABLE: [ApiDef; 10] = [
+pub(super) static TABLE: [ApiDef; 12] = [
     row(Api::CudaSetDevice, "cudaSetDevice", with_effect(PLAIN, device_effect::SET_FROM_ARG0), |c| Op::SetDevice {
         device: c.args[0] as i32,
     }),
@@ -71,6 +71,14 @@ pub(super) static TABLE: [ApiDef; 10] = [
     row(Api::CudaFreeHost, "cudaFreeHost", PLAIN, |c| free(c, Space::Host)),
     // (void **devPtr, size_t size, unsigned int flags): unified memory, counted on the device.
     row(Api::CudaMallocManaged, "cudaMallocManaged", OUT0, |c| malloc(c, Space::Device)),
+    // (void *ptr, size_t size, unsigned int flags): pins the caller's memory (its driver call,
+    // cuMemHostRegister_v2, folds into it).
+    row(Api::CudaHostRegister, "cudaHostRegister", PLAIN, super::acl::registered),
+    row(Api::CudaHostUnregister, "cudaHostUnregister", PLAIN, |c| Op::Free {
+        space: Space::Registered,
+        ptr: c.args[0],
+        driver: None,
+    }),
 ];
 
 #[cfg(test)]

@@ -73,7 +73,7 @@ enum Create {
 
 const _: () = assert!(Create::Handle as usize == RESULT, "RawCall::result reads the handle");
 
-pub(super) static TABLE: [ApiDef; 13] = [
+pub(super) static TABLE: [ApiDef; 16] = [
     row(Api::CuMemAlloc, "cuMemAlloc_v2", OUT0, |c| malloc(c, Api::CuMemAlloc, Space::Device)),
     row(Api::CuMemFree, "cuMemFree_v2", PLAIN, |c| free(c, Api::CuMemFree, Space::Device)),
     row(Api::CuMemAllocAsync, "cuMemAllocAsync", OUT0, |c| malloc(c, Api::CuMemAllocAsync, Space::Device)),
@@ -81,6 +81,19 @@ pub(super) static TABLE: [ApiDef; 13] = [
     row(Api::CuMemAllocManaged, "cuMemAllocManaged", OUT0, |c| malloc(c, Api::CuMemAllocManaged, Space::Device)),
     row(Api::CuMemAllocHost, "cuMemAllocHost_v2", OUT0, |c| malloc(c, Api::CuMemAllocHost, Space::Host)),
     row(Api::CuMemFreeHost, "cuMemFreeHost", PLAIN, |c| free(c, Api::CuMemFreeHost, Space::Host)),
+    // (void **pp, size_t bytesize, unsigned int Flags): pinned host memory, freed by
+    // cuMemFreeHost (NCCL's bundled runtime pins its host buffers so).
+    row(Api::CuMemHostAlloc, "cuMemHostAlloc", OUT0, |c| malloc(c, Api::CuMemHostAlloc, Space::Host)),
+    // (void *p, size_t bytesize, unsigned int Flags): `cuMemHostRegister` in cuda.h.
+    row(Api::CuMemHostRegister, "cuMemHostRegister_v2", PLAIN, |c| {
+        let size = c.args[1];
+        let ptr = (c.status() == 0).then_some(c.args[0]);
+        let driver = info(Api::CuMemHostRegister, size);
+        Op::Malloc { space: Space::Registered, size, ptr, policy: None, device: None, module: None, driver }
+    }),
+    row(Api::CuMemHostUnregister, "cuMemHostUnregister", PLAIN, |c| {
+        free(c, Api::CuMemHostUnregister, Space::Registered)
+    }),
     vmm_row(
         Api::CuMemCreate,
         "cuMemCreate",

@@ -118,6 +118,14 @@ pub enum Api {
     PytorchFree = 85,
     CudaAllocBlock = 86,
     CudaMapBlock = 87,
+    AclrtHostRegister = 88,
+    AclrtHostRegisterV2 = 89,
+    AclrtHostUnregister = 90,
+    CudaHostRegister = 91,
+    CudaHostUnregister = 92,
+    CuMemHostAlloc = 93,
+    CuMemHostRegister = 94,
+    CuMemHostUnregister = 95,
 }
 
 /// Which group of libraries an API lives in; decides where symbols are looked for.

@@ -16,6 +16,11 @@ pub enum Space {
     Host,
     /// Ordinary host memory from a framework's CPU allocator (PyTorch's `c10::alloc_cpu`).
     Cpu,
+    /// Host memory the program allocated itself and had the runtime or driver pin
+    /// (`aclrtHostRegister`, `cudaHostRegister`, `cuMemHostRegister`): kept apart from the
+    /// runtime's own host blocks, as the same range may be both (an `aclrtMallocHost` block
+    /// registered for the device), and unregistering it frees nothing.
+    Registered,
 }
 
 /// Page size class of driver memory.

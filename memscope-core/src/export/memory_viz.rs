@@ -45,7 +45,9 @@ use super::frames::{Frame, Stacks};
 #[derive(Clone, Debug, Serialize)]
 pub struct TraceEntry {
     pub action: &'static str,
-    /// Absent from `oom` entries, which carry `device_free` instead.
+    /// 0 on `oom` entries, which PyTorch writes without it (they carry `device_free`): Insight's
+    /// MemSnapDump reads `addr` of every entry and refuses a snapshot where one lacks it, and
+    /// `_memory_viz.py` never reads an `oom` entry's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub addr: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -205,7 +207,7 @@ impl Replay {
             let time_us = ts / 1000;
             let entry = TraceEntry {
                 action: "oom",
-                addr: None,
+                addr: Some(0),
                 device_free: Some(0),
                 size,
                 stream: 0,

@@ -136,6 +136,14 @@ impl Decoder {
                     }
                     return;
                 }
+                Ok(Record::PySample(raw)) => {
+                    let frames = self.stacks.on_py_sample(&raw);
+                    if !frames.is_empty() {
+                        let wall_ns = self.clock.to_wall(raw.entry_mono_ns);
+                        sink(Event { wall_ns, pid: raw.tgid, tid: raw.tid, kind: EventKind::PySample(frames) });
+                    }
+                    return;
+                }
                 Ok(Record::Stack(raw)) => {
                     if let Some(stack) = self.stacks.on_stack(&raw) {
                         let wall_ns = self.clock.to_wall(raw.entry_mono_ns);
@@ -223,7 +231,7 @@ pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
             kind: EventKind::Marker(crate::apis::markers::decode(&raw)?),
         },
         // Joined to their calls by the consumer; one on its own has no call to belong to.
-        Record::Blob(_) | Record::Stack(_) | Record::PyStack(_) => return None,
+        Record::Blob(_) | Record::Stack(_) | Record::PyStack(_) | Record::PySample(_) => return None,
         Record::Fork { mono_ns, parent, child } => {
             Event { wall_ns: clock.to_wall(mono_ns), pid: parent, tid: parent, kind: EventKind::Fork { child } }
         }

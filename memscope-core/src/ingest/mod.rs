@@ -10,5 +10,6 @@
 pub mod clock;
 pub mod decoder;
 pub mod live;
+pub mod py_trace;
 pub mod recorder;
 pub mod thread_stacks;

@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use thiserror::Error;
 
 use super::live::LiveView;
+use super::py_trace::Builder as PyTraceBuilder;
 use crate::model::{Event, EventKind, Output, Tracker};
 use crate::stacks::{StackId, NO_STACK};
 use crate::store::{Retag, StoreError, Writer};
@@ -46,6 +47,8 @@ pub struct Recorder {
     /// Whether a pid that a fork record names is a process (not a thread) still running: the
     /// binary's look at `/proc`, so that only processes are kept as children to rescan.
     is_running_process: fn(u32) -> bool,
+    /// `--python-trace`: the function intervals being built from the samples.
+    pub py_trace: Option<PyTraceBuilder>,
 }
 
 impl Recorder {
@@ -61,7 +64,27 @@ impl Recorder {
             live: None,
             python_column: true,
             is_running_process,
+            py_trace: None,
         }
+    }
+
+    /// Hands closed intervals to the store.
+    fn write_py_trace(&mut self, rows: Vec<crate::store::py_trace::PyTraceRow>) {
+        if rows.is_empty() {
+            return;
+        }
+        if let Err(e) = self.store.add_py_trace(rows) {
+            self.error.get_or_insert(WriteFailed::trace(e));
+        }
+    }
+
+    /// The trace stops: every function still open ends.
+    pub fn finish_py_trace(&mut self) {
+        let mut rows = Vec::new();
+        if let Some(b) = &mut self.py_trace {
+            b.close(None, &mut rows);
+        }
+        self.write_py_trace(rows);
     }
 
     #[inline]
@@ -75,6 +98,19 @@ impl Recorder {
             EventKind::Fork { .. } => {}
             EventKind::Exit => {
                 self.children.remove(&event.pid);
+                let mut rows = Vec::new();
+                if let Some(b) = &mut self.py_trace {
+                    b.close(Some(event.pid), &mut rows);
+                }
+                self.write_py_trace(rows);
+            }
+            EventKind::PySample(frames) => {
+                let mut rows = Vec::new();
+                if let Some(b) = &mut self.py_trace {
+                    b.sample(event.pid, event.tid, event.wall_ns, frames, &mut rows);
+                }
+                self.write_py_trace(rows);
+                return;
             }
             EventKind::Marker(_) => self.markers += 1,
             EventKind::PyStack { .. } => {

@@ -73,6 +73,13 @@ impl ThreadStacks {
         new
     }
 
+    /// A Python sample's functions, outermost first; empty when none can be named.
+    pub fn on_py_sample(&mut self, raw: &RawPyStack) -> Vec<crate::ingest::py_trace::PyFunction> {
+        let mut functions = self.py.functions(raw.tgid, &raw.frames);
+        functions.reverse();
+        functions.into_iter().map(|(code, info)| crate::ingest::py_trace::PyFunction { code, info }).collect()
+    }
+
     /// A Python stack record: a stack seen before (same process, same code objects and
     /// instructions) is its id at once; a new one is resolved to text now (its code objects are
     /// read from the live process). Returns the id and the text when the stack is new.

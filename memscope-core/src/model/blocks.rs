@@ -71,7 +71,7 @@ impl Blocks {
     /// The live block whose range holds `addr` (of the spaces, the one that starts nearest
     /// below it).
     pub(super) fn at(&self, pid: u32, addr: u64) -> Option<(&Key, &Live)> {
-        [Space::Device, Space::Host, Space::Cpu]
+        [Space::Device, Space::Host, Space::Cpu, Space::Registered]
             .into_iter()
             .filter_map(|space| {
                 self.live
@@ -85,7 +85,7 @@ impl Blocks {
     /// The key of the block an address tag at `addr` names: the block starting there (the common
     /// case: a tensor's storage is its block), else the one whose range holds it.
     pub(super) fn holding(&self, pid: u32, addr: u64) -> Option<Key> {
-        [Space::Device, Space::Cpu, Space::Host]
+        [Space::Device, Space::Cpu, Space::Host, Space::Registered]
             .into_iter()
             .map(|space| (pid, space, addr))
             .find(|key| self.live.contains_key(key))

@@ -13,7 +13,7 @@ impl Space {
     pub fn event_type(self) -> EventType {
         match self {
             Self::Device => EventType::Hal,
-            Self::Host => EventType::HostPinned,
+            Self::Host | Self::Registered => EventType::HostPinned,
             Self::Cpu => EventType::Host,
         }
     }
@@ -93,6 +93,9 @@ pub enum EventKind {
         id: StackId,
         text: Box<str>,
     },
+    /// A sample of the thread's Python functions, outermost first (`trace --python-trace`). No
+    /// model state changes.
+    PySample(Vec<crate::ingest::py_trace::PyFunction>),
 }
 
 /// One event. `wall_ns` is nanoseconds since the Unix epoch (converted from the kernel's

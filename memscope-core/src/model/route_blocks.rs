@@ -26,7 +26,7 @@ use crate::apis::{Backend, Family};
 /// Where memory of `space` is counted: host memory on the host, device memory on `device`.
 fn space_device(space: Space, device: DeviceKey) -> DeviceKey {
     match space {
-        Space::Host | Space::Cpu => DeviceKey::Cpu,
+        Space::Host | Space::Cpu | Space::Registered => DeviceKey::Cpu,
         Space::Device => device,
     }
 }
@@ -95,7 +95,7 @@ impl Tracker {
         let NewBlock { device, space, ptr, sizes: (size, req_size), origin } = block;
         let family = site.api.family();
         let base = match (space, origin) {
-            (Space::Host | Space::Cpu, _) => OwnerBase::Host,
+            (Space::Host | Space::Cpu | Space::Registered, _) => OwnerBase::Host,
             (Space::Device, _) if family.backend() == Some(Backend::Cuda) => {
                 OwnerBase::Cuda { driver: family == Family::CudaDriver }
             }

@@ -110,7 +110,11 @@ impl Tracker {
         let call = match &mut event.kind {
             EventKind::Call(call) => call,
             EventKind::Exit => return self.process_exited(event.pid, out),
-            EventKind::Marker(_) | EventKind::Fork { .. } | EventKind::Stack(_) | EventKind::PyStack { .. } => return,
+            EventKind::Marker(_)
+            | EventKind::Fork { .. }
+            | EventKind::Stack(_)
+            | EventKind::PyStack { .. }
+            | EventKind::PySample(_) => return,
         };
         if call.outer.is_some() && call.api.tracking().folds_into_outer {
             self.inner.entry(event.tid).or_default().push(event);

@@ -21,6 +21,11 @@ pub const TABLES: &[(&str, &str, &str)] = &[
     ("ms_fragmentation", "Caching-pool fragmentation over time", "memscope-bpf advise"),
     ("ms_simulation", "Allocator replay: reserved memory as recorded and under other settings", "memscope-bpf advise"),
     ("ms_inefficient", "Inefficient memory", "memscope-bpf analyze --analysis inefficient"),
+    (
+        "ms_unexplained",
+        "Memory no traced call explains: the driver's figure for each process against its traced device memory",
+        "memscope-bpf analyze --analysis unexplained",
+    ),
 ];
 
 /// Columns holding `Timestamp(ns)` values: made relative to the report's origin.

@@ -104,6 +104,9 @@ pub struct StackOptions {
     /// Walk Python stacks for the owner rules, steps and sites even when `--call-stack` does
     /// not store them (`trace`'s default; `--no-infer` turns it off).
     pub infer: bool,
+    /// `--python-trace[=HZ]`: each traced thread's Python stack sampled this many times a
+    /// second, into msMemScope's `python_trace_<pid>` tables.
+    pub python_trace: Option<u32>,
 }
 
 impl StackOptions {
@@ -121,6 +124,15 @@ impl StackOptions {
     pub fn python_depth(&self) -> u32 {
         let inferring = if self.infer { DEFAULT_DEPTH } else { 0 };
         self.call.python.unwrap_or(inferring).min(memscope_common::python::MAX_PY_FRAMES as u32)
+    }
+
+    /// Python frames the sampler reads (0: `--python-trace` is off).
+    pub fn python_sample_depth(&self) -> u32 {
+        if self.python_trace.is_some() {
+            memscope_common::python::MAX_PY_FRAMES as u32
+        } else {
+            0
+        }
     }
 
     /// Stack bytes the kernel copies per call (`--unwind dwarf` with native stacks; 0 otherwise).

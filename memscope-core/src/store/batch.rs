@@ -97,9 +97,9 @@ impl Batch {
     /// Formats the row of a model output onto the end of the batch, its Attr as JSON (a DB's
     /// form) written in place; false, with nothing added, for an output that is no row
     /// ([`Output::Retag`]). `stack` is the native stack of the call that made it.
-    pub fn push_output(&mut self, output: &Output, stacks: (StackId, StackId)) -> bool {
+    pub fn push_output(&mut self, output: &Output, stacks: (StackId, StackId), extra: &[(&'static str, u64)]) -> bool {
         let start = offset(&self.text);
-        let Some(c) = insight::write_row(output, &mut self.text) else { return false };
+        let Some(c) = insight::write_row(output, &mut self.text, extra) else { return false };
         let slot = Slot {
             head: c.head,
             stack: stacks.0,

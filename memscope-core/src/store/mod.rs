@@ -21,10 +21,12 @@ mod bulk;
 #[cfg(test)]
 mod crash_tests;
 pub mod csv;
+pub mod driver;
 mod dump_rows;
 pub mod insight;
 pub mod layout;
 mod owner;
+pub mod py_trace;
 #[cfg(test)]
 mod python_peer;
 pub mod schema;
@@ -41,6 +43,7 @@ use thiserror::Error;
 #[cfg(any(test, feature = "testing"))]
 pub use attr::Attr;
 pub use batch::{Batch, RowText};
+pub use driver::DriverRow;
 #[cfg(test)]
 pub use insight::Row;
 pub use layout::RunLayout;
@@ -144,6 +147,18 @@ pub trait Sink: Send {
     /// block did not outlive its phase), and its `owner_source`.
     fn update_owner(&mut self, id: u64, owner: &str, source: Option<&'static str>) -> Result<(), StoreError>;
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError>;
+    /// The driver's figures ([`driver`]); formats without a table for them ignore them.
+    fn add_driver(&mut self, rows: &[DriverRow]) -> Result<(), StoreError> {
+        driver::ignored(rows)
+    }
+    /// Python function intervals ([`py_trace`]); formats without a table for them ignore them.
+    fn add_py_trace(&mut self, _rows: &[py_trace::PyTraceRow]) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Sets the device's (free, total) on the `START_TRACE` row `id`, written without them.
+    fn set_start_memory(&mut self, _id: u64, _free_total: (u64, u64)) -> Result<(), StoreError> {
+        Ok(())
+    }
     /// Run metadata learnt while tracing, durable with the next commit (a tracer killed later
     /// still leaves it); formats without a metadata table ignore it.
     fn set_meta(&mut self, _meta: &Meta) -> Result<(), StoreError> {
@@ -163,6 +178,8 @@ struct Open {
     /// can find it. One entry per live block (a million in a large job), so the key is packed
     /// and the map a B-tree, which never doubles its storage the way a growing hash table does.
     malloc_ids: BTreeMap<(u32, u8, u64), u64>,
+    /// Its `START_TRACE` row has the device's free and total.
+    start_memory: bool,
 }
 
 impl Open {
@@ -207,6 +224,10 @@ pub struct Store {
     pub debug_dirs: Vec<PathBuf>,
     /// How DBs' rows are written (`--writer`).
     pub db_writer: DbWriter,
+    /// Driver readings for outputs not created yet, and each device's first free and total.
+    driver: driver::Pending,
+    /// Python intervals so far, for outputs created later (at most [`REPLAY_LIMIT`]).
+    py_trace: Vec<py_trace::PyTraceRow>,
 }
 
 /// Broadcast rows kept for replay into outputs created later.
@@ -238,6 +259,8 @@ impl Store {
             stopping: false,
             debug_dirs: Vec::new(),
             db_writer: DbWriter::default(),
+            driver: driver::Pending::default(),
+            py_trace: Vec::new(),
         }
     }
 
@@ -262,10 +285,20 @@ impl Store {
                 }
             };
             sink.add_probes(&self.probes)?;
-            let mut open = Open { sink, next_id: 1, next_untracked_id: 1, py_stacks: 0, malloc_ids: BTreeMap::new() };
-            let start = insight::system_row(EventType::StartTrace, self.start_wall_ns, device, &self.meta);
+            let memory = self.driver.first(device);
+            let mut open = Open {
+                sink,
+                next_id: 1,
+                next_untracked_id: 1,
+                py_stacks: 0,
+                malloc_ids: BTreeMap::new(),
+                start_memory: memory.is_some(),
+            };
+            let start = insight::system_row(EventType::StartTrace, self.start_wall_ns, device, &self.meta, memory);
             open.sink.insert(open.next_id, batch::single(&start, self.format).get(0))?;
             open.next_id += 1;
+            open.sink.add_driver(&self.driver.take(device))?;
+            open.sink.add_py_trace(&self.py_trace)?;
             for row in self.broadcast.iter() {
                 open.sink.insert(open.next_id, row)?;
                 open.next_id += 1;
@@ -342,6 +375,38 @@ impl Store {
         Ok(())
     }
 
+    /// The driver's figures at one reading: into the device's output if it exists, else held
+    /// for it; the device's first free and total go onto its `START_TRACE` row.
+    pub fn add_driver(&mut self, rows: Vec<DriverRow>) -> Result<(), StoreError> {
+        for row in rows {
+            self.driver.note_first(&row);
+            match self.open.get_mut(&row.device) {
+                Some(open) => {
+                    if !open.start_memory {
+                        if let Some(ft) = self.driver.first(row.device) {
+                            // The START_TRACE row is every output's first.
+                            open.sink.set_start_memory(1, ft)?;
+                            open.start_memory = true;
+                        }
+                    }
+                    open.sink.add_driver(std::slice::from_ref(&row))?;
+                }
+                None => self.driver.hold(row),
+            }
+        }
+        Ok(())
+    }
+
+    /// Python function intervals: into every output, and kept for those created later.
+    pub fn add_py_trace(&mut self, rows: Vec<py_trace::PyTraceRow>) -> Result<(), StoreError> {
+        for open in self.open.values_mut() {
+            open.sink.add_py_trace(&rows)?;
+        }
+        let room = REPLAY_LIMIT.saturating_sub(self.py_trace.len());
+        self.py_trace.extend(rows.into_iter().take(room));
+        Ok(())
+    }
+
     /// Sets run-level metadata learnt while tracing: outputs created from now on start with it,
     /// open ones get it with their next commit, and every output gets it when it is finished.
     pub fn set_meta(&mut self, meta: &Meta) -> Result<(), StoreError> {
@@ -393,7 +458,7 @@ impl Store {
         }
         let mut written = Vec::new();
         for (device, mut open) in std::mem::take(&mut self.open) {
-            let stop = insight::system_row(EventType::StopTrace, stop_wall_ns, device, &meta);
+            let stop = insight::system_row(EventType::StopTrace, stop_wall_ns, device, &meta, None);
             open.sink.insert(open.next_id, batch::single(&stop, self.format).get(0))?;
             if !stacks.is_empty() {
                 open.sink.add_stacks(stacks)?;
@@ -489,6 +554,59 @@ mod tests {
         assert_eq!(journal, "delete", "the WAL is folded");
         let wal = written[0].path.with_extension("db-wal");
         assert!(!wal.exists(), "{} is left", wal.display());
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+
+    fn reading(device: u32, ts_ns: u64, process_used: u64) -> DriverRow {
+        DriverRow {
+            ts_ns,
+            device: DeviceKey::Npu(device),
+            pid: Some(9),
+            process_used: Some(process_used),
+            device_used: Some(3 << 30),
+            device_total: Some(32 << 30),
+            source: "dcmi",
+        }
+    }
+
+    fn start_memory(path: &std::path::Path) -> (Option<String>, Option<String>) {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.query_row(
+            "SELECT Attr ->> '$.free', Attr ->> '$.total' FROM memscope_dump WHERE \"Event Type\" = 'START_TRACE'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn driver_readings_reach_their_device_and_its_start_row_before_or_after_it_exists() {
+        let out = std::env::temp_dir().join(format!("memscope-store-driver-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let layout = RunLayout::create_for(&out, 9, 1_700_000_000, "ascend", layout::Owner::default()).unwrap();
+        let mut store = Store::new(layout, Format::Db, 5, vec![]);
+        // Device 0's reading comes before its first row; device 1's output exists first.
+        store.add_driver(vec![reading(0, 6, 100)]).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(0), Some(8)), &StackTable::default()).unwrap();
+        store.write_batch(&free(DeviceKey::Npu(1), Some(8)), &StackTable::default()).unwrap();
+        store.commit(&StackTable::default()).unwrap();
+        store.add_driver(vec![reading(1, 7, 200), reading(0, 8, 300)]).unwrap();
+        let written = store.finish(9, &vec![], &[], &StackTable::default()).unwrap();
+        let path = |d| written.iter().find(|w| w.device == d).unwrap().path.clone();
+        let expected = (Some((29u64 << 30).to_string()), Some((32u64 << 30).to_string()));
+        for device in [0, 1] {
+            let db = path(DeviceKey::Npu(device));
+            assert_eq!(start_memory(&db), expected, "device {device}");
+            let conn = rusqlite::Connection::open(&db).unwrap();
+            let used: Vec<i64> = conn
+                .prepare("SELECT process_used FROM ms_driver ORDER BY ts_ns")
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert_eq!(used, if device == 0 { vec![100, 300] } else { vec![200] });
+        }
         std::fs::remove_dir_all(&out).unwrap();
     }
 

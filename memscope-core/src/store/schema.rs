@@ -3,7 +3,7 @@
 //! creates in the file itself (`memory_allocation`, `memory_block`, `status_info`).
 
 /// Version of our own tables (`ms_meta.schema_version`); bump on any change to them.
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 
 pub const DUMP_TABLE: &str = "memscope_dump";
 /// Frees of blocks the trace never saw allocated, in `memscope_dump`'s columns: kept out of
@@ -47,6 +47,9 @@ CREATE TABLE IF NOT EXISTS ms_probes (
     library TEXT NOT NULL, symbol TEXT NOT NULL, api TEXT NOT NULL,
     file_offset INTEGER NOT NULL, source TEXT NOT NULL, attached_ns INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS ms_lost (cpu INTEGER PRIMARY KEY, lost INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS ms_driver (
+    ts_ns INTEGER NOT NULL, pid INTEGER, process_used INTEGER, device_used INTEGER,
+    device_total INTEGER, source TEXT NOT NULL);
 ";
 
 /// The trace's native stacks, when it has any (`trace --call-stack c`): one row per stack, and

@@ -32,6 +32,7 @@ use crate::vocab::{attr, Event, EventType};
 use super::batch::{write_device_id, RowText};
 use super::btree::Col;
 use super::bulk::{BulkError, Files};
+use super::driver::DriverRow;
 use super::dump_rows::DumpRows;
 use super::schema::{self, SCHEMA_VERSION};
 use super::sqlite_raw::tune_sqlite_once;
@@ -62,11 +63,18 @@ struct Queued {
     stacks: Vec<StackRow>,
     frames: Vec<FrameRow>,
     py_stacks: Vec<(StackId, Box<str>)>,
+    driver: Vec<DriverRow>,
+    py_trace: Vec<super::py_trace::PyTraceRow>,
+    /// The `START_TRACE` row's id and the device's (free, total), to set on it.
+    start_memory: Option<(u64, (u64, u64))>,
 }
 
 impl Queued {
     fn is_empty(&self) -> bool {
-        self.meta.is_empty()
+        self.driver.is_empty()
+            && self.py_trace.is_empty()
+            && self.start_memory.is_none()
+            && self.meta.is_empty()
             && self.probes.is_empty()
             && self.untracked.is_empty()
             && self.owners.is_empty()
@@ -160,7 +168,7 @@ impl DbSink {
             return Ok(());
         }
         let queued = std::mem::take(&mut self.queued);
-        self.dump.hand_to_sql(&self.conn, !queued.owners.is_empty());
+        self.dump.hand_to_sql(&self.conn, !queued.owners.is_empty() || queued.start_memory.is_some());
         let err = sqlite_error(&self.path);
         self.conn.execute_batch("BEGIN IMMEDIATE").map_err(&err)?;
         run_queued(&self.conn, &queued, &self.device).map_err(&err)?;
@@ -209,6 +217,11 @@ fn run_queued(conn: &Connection, q: &Queued, device: &str) -> rusqlite::Result<(
     for (id, owner, source) in &q.owners {
         set_owner(conn, *id, owner, *source)?;
     }
+    if let Some((id, free_total)) = q.start_memory {
+        super::driver::set_start_memory(conn, id, free_total)?;
+    }
+    super::driver::insert(conn, &q.driver)?;
+    super::py_trace::insert(conn, &q.py_trace)?;
     write_stacks(conn, &q.stacks, &q.frames)?;
     write_py_stacks(conn, &q.py_stacks)
 }
@@ -370,6 +383,22 @@ impl Sink for DbSink {
 
     fn add_probes(&mut self, probes: &[ProbeRow]) -> Result<(), StoreError> {
         self.queued.probes.extend_from_slice(probes);
+        Ok(())
+    }
+
+    fn add_driver(&mut self, rows: &[DriverRow]) -> Result<(), StoreError> {
+        self.queued.driver.extend_from_slice(rows);
+        Ok(())
+    }
+
+    fn add_py_trace(&mut self, rows: &[super::py_trace::PyTraceRow]) -> Result<(), StoreError> {
+        self.queued.py_trace.extend_from_slice(rows);
+        Ok(())
+    }
+
+    /// Applied with the next commit, after the row's page is written.
+    fn set_start_memory(&mut self, id: u64, free_total: (u64, u64)) -> Result<(), StoreError> {
+        self.queued.start_memory = Some((id, free_total));
         Ok(())
     }
 

@@ -9,13 +9,15 @@
 //! The bound keeps memory in check: if the disk is slower than the events for long, the channel
 //! fills, the session waits, the ring fills, and the kernel's drop counter says so.
 
+use std::collections::BTreeMap;
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::thread::JoinHandle;
 
 use super::StackTable;
-use super::{insight, Batch, Format, Meta, ProbeRow, Retag, Store, StoreError, Written};
-use crate::model::Output;
+use super::{insight, Batch, DriverRow, Format, Meta, ProbeRow, Retag, Store, StoreError, Written};
+use crate::model::{DeviceKey, Output, Space};
 use crate::stacks::{Stack, StackId};
+use crate::vocab::attr;
 
 /// Rows per message.
 const BATCH: usize = 1024;
@@ -28,6 +30,8 @@ enum Msg {
     Stack(Box<Stack>),
     PyStack(StackId, Box<str>),
     Probes(Vec<ProbeRow>),
+    Driver(Vec<DriverRow>),
+    PyTrace(Vec<super::py_trace::PyTraceRow>),
     Meta(Meta),
     Retag(Retag),
     Commit,
@@ -41,6 +45,9 @@ pub struct Writer {
     format: Format,
     /// Batches the store thread has written and emptied.
     spare: Receiver<Batch>,
+    /// The driver's latest (process_used, device_used) per device and process, which device
+    /// memory rows carry, as msMemScope's do.
+    driver: BTreeMap<(DeviceKey, u32), (Option<u64>, Option<u64>)>,
     thread: Option<JoinHandle<Result<Vec<Written>, StoreError>>>,
 }
 
@@ -57,6 +64,8 @@ fn serve(mut store: Store, rx: Receiver<Msg>, spare: Sender<Batch>) -> Result<Ve
                 let _ = spare.send(rows);
             }
             Msg::Probes(probes) => store.add_probes(&probes)?,
+            Msg::Driver(rows) => store.add_driver(rows)?,
+            Msg::PyTrace(rows) => store.add_py_trace(rows)?,
             Msg::Meta(meta) => store.set_meta(&meta)?,
             Msg::Retag(retag) => store.retag(&retag)?,
             Msg::Commit => store.commit(&stacks)?,
@@ -80,7 +89,7 @@ impl Writer {
             .name("memscope-store".into())
             .spawn(move || serve(store, rx, spare_tx))
             .expect("spawning the store thread");
-        Self { tx: Some(tx), batch: Batch::default(), format, spare, thread: Some(thread) }
+        Self { tx: Some(tx), batch: Batch::default(), format, spare, thread: Some(thread), driver: BTreeMap::new() }
     }
 
     /// Sends a message; if the writer has stopped, returns the error it stopped with.
@@ -113,16 +122,37 @@ impl Writer {
     /// Writes the row of a model output, if it has one (an [`Output::Retag`] has none). A DB's
     /// rows are formatted straight into the batch; CSV's Attr form is made from a [`Row`].
     pub fn write_output(&mut self, output: &Output, stacks: (StackId, StackId)) -> Result<(), StoreError> {
+        let figures = self.driver_figures(output);
+        let extra: Vec<(&'static str, u64)> = [(attr::process_used, figures.0), (attr::device_used, figures.1)]
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v?)))
+            .collect();
         match self.format {
             Format::Db => {
-                self.batch.push_output(output, stacks);
+                self.batch.push_output(output, stacks, &extra);
             }
             Format::Csv => match insight::to_row(output) {
-                Some(row) => self.batch.push(&row, self.format, stacks),
+                Some(mut row) => {
+                    for (key, value) in extra {
+                        row.attr = row.attr.with(key, value);
+                    }
+                    self.batch.push(&row, self.format, stacks)
+                }
                 None => return Ok(()),
             },
         }
         self.sent_when_full()
+    }
+
+    /// The driver's latest figures for a device memory row's process, if any reading had them.
+    fn driver_figures(&self, output: &Output) -> (Option<u64>, Option<u64>) {
+        match output {
+            Output::Malloc { site, device, space: Space::Device, .. }
+            | Output::Free { site, device, space: Space::Device, .. } => {
+                self.driver.get(&(*device, site.pid)).copied().unwrap_or_default()
+            }
+            _ => (None, None),
+        }
     }
 
     fn sent_when_full(&mut self) -> Result<(), StoreError> {
@@ -144,6 +174,22 @@ impl Writer {
     pub fn add_probes(&mut self, probes: Vec<ProbeRow>) -> Result<(), StoreError> {
         self.send_batch()?;
         self.send(Msg::Probes(probes))
+    }
+
+    /// The driver's figures at one reading ([`super::driver`]), after the rows written before.
+    pub fn add_driver(&mut self, rows: Vec<DriverRow>) -> Result<(), StoreError> {
+        for r in &rows {
+            if let Some(pid) = r.pid {
+                self.driver.insert((r.device, pid), (r.process_used, r.device_used));
+            }
+        }
+        self.send_batch()?;
+        self.send(Msg::Driver(rows))
+    }
+
+    /// Python function intervals (`trace --python-trace`).
+    pub fn add_py_trace(&mut self, rows: Vec<super::py_trace::PyTraceRow>) -> Result<(), StoreError> {
+        self.send(Msg::PyTrace(rows))
     }
 
     /// Sets run-level `ms_meta` keys learnt while tracing (written when each output closes).

@@ -14,14 +14,19 @@
 //! A failed read or a thread list longer than the bound is flagged in the record (counted in
 //! the summary) and, with `trace --bpf-log`, told through aya-log once per walk: logging from
 //! the `bpf_loop` callbacks would be verified in each of them, and say the same thing per frame.
+//!
+//! The same walk samples (`trace --python-trace`): [`py_sample`] runs on a per-CPU timer and,
+//! when the thread on that CPU belongs to a traced interpreter and runs Python, sends its
+//! frames as a [`RecordKind::PySample`]; userspace turns consecutive samples of a thread into
+//! the intervals of the functions on its stack.
 
 use aya_ebpf::{
     cty::c_void,
-    helpers::{bpf_probe_read_user, generated::bpf_loop},
-    macros::map,
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_loop},
+    macros::{map, perf_event},
     maps::{HashMap, PerCpuArray},
-    programs::ProbeContext,
-    Global,
+    programs::{PerfEventContext, ProbeContext},
+    EbpfContext, Global,
 };
 use memscope_common::{
     python::{
@@ -38,6 +43,10 @@ use crate::maps::output_bytes;
 /// Python frames to read per call (0: Python stacks are off).
 #[no_mangle]
 static PY_DEPTH: Global<u32> = Global::new(0);
+
+/// Python frames to read per sample (0: the sampler is off; its timer is not even attached).
+#[no_mangle]
+static PY_SAMPLE_DEPTH: Global<u32> = Global::new(0);
 
 /// tgid -> its interpreter. A process absent here has no Python stacks.
 #[map]
@@ -184,14 +193,14 @@ fn find_thread(first: u64, tid: u32, o: &PyOffsets, failed: &mut u64) -> (u64, i
     (threads.found, steps, threads.tstate)
 }
 
-/// Reads a thread state's frames into the scratch record; returns (frames, whether the depth cut
-/// the walk short).
-fn read_frames(tstate: u64, o: &PyOffsets, failed: &mut u64) -> (u64, bool) {
+/// Reads a thread state's frames (at most `depth`) into the scratch record; returns (frames,
+/// whether the depth cut the walk short).
+fn read_frames(tstate: u64, o: &PyOffsets, depth: u32, failed: &mut u64) -> (u64, bool) {
     let mut frame = read_ptr_or_null(tstate + u64::from(o.tstate_frame), failed);
     if o.cframe_current_frame != NO_OFFSET && frame != 0 {
         frame = read_ptr_or_null(frame + u64::from(o.cframe_current_frame), failed);
     }
-    let depth = u64::from(PY_DEPTH.load()).min(MAX_PY_FRAMES as u64);
+    let depth = u64::from(depth).min(MAX_PY_FRAMES as u64);
     let mut walk = FrameWalk { frame, frames: 0, depth, failed: 0, offsets: *o };
     // SAFETY: as in `find_thread`.
     unsafe { bpf_loop(MAX_PY_FRAMES as u32, frame_step as *mut c_void, (&mut walk as *mut FrameWalk).cast(), 0) };
@@ -205,6 +214,40 @@ fn read_frames(tstate: u64, o: &PyOffsets, failed: &mut u64) -> (u64, bool) {
 /// The walks are `bpf_loop`s: their callbacks are verified once, where bounded loops inlined
 /// here were verified along every path (and exceeded the verifier's limit).
 pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
+    walk(ctx, Walk { kind: RecordKind::PyStack, pid_tgid, ts: entry_ns, depth: PY_DEPTH.load(), sampled: false })
+}
+
+/// The sampler's timer, on every CPU: the thread running there, if a traced interpreter's, has
+/// its frames sent. Threads running no Python then send nothing.
+#[perf_event]
+pub fn py_sample(ctx: PerfEventContext) -> u32 {
+    let depth = PY_SAMPLE_DEPTH.load();
+    if depth == 0 {
+        return 0;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: a value of our own map, only read.
+    if unsafe { PY_PROCS.get((pid_tgid >> 32) as u32) }.is_none() {
+        return 0;
+    }
+    // SAFETY: plain helper call.
+    let ts = unsafe { bpf_ktime_get_ns() };
+    let _ = walk(&ctx, Walk { kind: RecordKind::PySample, pid_tgid, ts, depth, sampled: true });
+    0
+}
+
+/// What one walk reads and sends.
+struct Walk {
+    kind: RecordKind,
+    pid_tgid: u64,
+    ts: u64,
+    depth: u32,
+    /// A sample: only the thread's own frames, and nothing sent without any.
+    sampled: bool,
+}
+
+fn walk<C: EbpfContext>(ctx: &C, w: Walk) -> Option<()> {
+    let Walk { kind, pid_tgid, ts, depth, sampled } = w;
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: a value of our own map, only read.
     let py = unsafe { PY_PROCS.get(tgid) }?;
@@ -212,7 +255,7 @@ pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
     let record = PY_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: per-CPU scratch slot; nothing else runs on this CPU while the probe does.
     let record = unsafe { &mut *record };
-    record.hdr = RecordHeader::of_task(RecordKind::PyStack, entry_ns, pid_tgid);
+    record.hdr = RecordHeader::of_task(kind, ts, pid_tgid);
     record.flags = 0;
     record.frames = 0;
     let mut failed = 0;
@@ -223,6 +266,10 @@ pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
     let mut flags = 0;
     let mut frames = (0, false);
     if found == 0 {
+        if sampled {
+            // A thread of the process running no Python: nothing to sample, nothing to say.
+            return None;
+        }
         flags = PY_NO_THREAD;
         if steps == i64::from(MAX_PY_THREADS) && left != 0 {
             flags |= PY_THREADS_BOUND;
@@ -231,12 +278,15 @@ pub fn capture(ctx: &ProbeContext, pid_tgid: u64, entry_ns: u64) -> Option<()> {
             debug!(ctx, "Python stack of thread {}: no Python thread state (not a Python thread)", tid);
         }
     } else {
-        frames = read_frames(found, &o, &mut failed);
+        frames = read_frames(found, &o, depth, &mut failed);
+    }
+    if sampled && frames.0 == 0 {
+        return None;
     }
     if frames.0 == 0 && tid != tgid {
         let (main, _, _) = find_thread(first, tgid, &o, &mut failed);
         if main != 0 {
-            frames = read_frames(main, &o, &mut failed);
+            frames = read_frames(main, &o, depth, &mut failed);
             flags |= if frames.0 > 0 { PY_MAIN_THREAD } else { 0 };
         }
     }

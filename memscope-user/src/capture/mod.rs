@@ -36,4 +36,6 @@ pub struct Plan {
     pub quiet: bool,
     /// The live status: a terminal's area, plain lines, JSON lines (`--json`) or none.
     pub status: Mode,
+    /// `--driver-every`, `--driver-lib`.
+    pub driver: crate::driver::Config,
 }

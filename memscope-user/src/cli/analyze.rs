@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
 use memscope_core::analysis::contract::{
-    self, Analysis as _, Decompose, DecomposeOptions, Inefficient, Leaks, Oom, Sites,
+    self, Analysis as _, Decompose, DecomposeOptions, Inefficient, Leaks, Oom, Sites, Unexplained,
 };
 use memscope_core::analysis::db::DumpDb;
 use memscope_core::analysis::decompose::TimeSpec;
@@ -28,6 +28,8 @@ pub enum Analysis {
     Sites,
     /// `oom:K`: K most recent and largest live blocks per failure (msMemScope's default 10).
     Oom(usize),
+    /// The driver's figure for each process against its traced device memory.
+    Unexplained,
 }
 
 /// The same analysis whatever its K: `oom:5,oom:20` runs once, and IMPLEMENTED lists `oom` once.
@@ -45,6 +47,7 @@ impl Analysis {
             Self::Leaks => Leaks::NAME,
             Self::Sites => Sites::NAME,
             Self::Oom(_) => Oom::NAME,
+            Self::Unexplained => Unexplained::NAME,
         }
     }
 }
@@ -59,7 +62,7 @@ struct Entry {
 }
 
 /// The analyses this build can run, in the order `--help` lists them; each one adds itself here.
-const ANALYSES: [Entry; 5] = [
+const ANALYSES: [Entry; 6] = [
     Entry {
         name: Decompose::NAME,
         parse: |arg| arg.is_none().then_some(Ok(Analysis::Decompose)),
@@ -96,6 +99,13 @@ const ANALYSES: [Entry; 5] = [
             let Analysis::Oom(k) = a else { bail!("`{}` is not the oom analysis", a.name()) };
             drive::<Oom>(db, cx, &k)
         },
+    },
+    // the driver's figure per process (ms_driver, or msMemScope's process_used) minus the traced
+    // device memory, at each reading
+    Entry {
+        name: Unexplained::NAME,
+        parse: |arg| arg.is_none().then_some(Ok(Analysis::Unexplained)),
+        run: |_, db, cx| drive::<Unexplained>(db, cx, &()),
     },
 ];
 
@@ -154,6 +164,13 @@ fn parse_analysis(text: &str) -> Result<Analysis, String> {
 /// blocks, with a verdict (fragmentation, genuinely full, the allocator's own limit, ...). Stored
 /// as tables ms_oom and ms_oom_blocks.
 ///   memscope-bpf analyze msout/ --analysis oom:5
+///
+/// unexplained: memory the driver counts for a process that no traced call explains: at each
+/// of the driver's readings (ms_driver, taken by `trace --driver-every`; msMemScope's
+/// process_used), its figure minus the process's live HAL blocks then. The runtime's context,
+/// communication libraries' buffers and memory allocated before an attach are the usual
+/// causes. Stored as table ms_unexplained.
+///   memscope-bpf analyze msout/ --analysis unexplained
 #[derive(Debug, clap::Args)]
 #[command(verbatim_doc_comment)]
 pub struct Args {
@@ -165,8 +182,9 @@ pub struct Args {
     pub inputs: Vec<PathBuf>,
 
     /// Analyses to run, comma-separated, by msMemScope's names: decompose, inefficient, leaks,
-    /// sites, oom (oom:K lists K blocks per failure, default 10; sites is ours: the job's own
-    /// lines holding memory at the peak and the end, and the leaks by line). Default: decompose.
+    /// sites, oom, unexplained (oom:K lists K blocks per failure, default 10; sites and
+    /// unexplained are ours: the job's own lines holding memory at the peak and the end, and the
+    /// leaks by line; the driver's figure against the traced calls). Default: decompose.
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_analysis)]
     pub analysis: Vec<Analysis>,
 
@@ -310,11 +328,12 @@ pub fn after_trace(dir: &std::path::Path, analyses: Vec<Analysis>) -> anyhow::Re
 }
 
 /// The analyses whose result tables `report` shows, each by the table it writes.
-const FOR_REPORT: [(Analysis, &str); 4] = [
+const FOR_REPORT: [(Analysis, &str); 5] = [
     (Analysis::Inefficient, memscope_core::analysis::inefficient_out::INEFFICIENT_TABLE),
     (Analysis::Leaks, memscope_core::analysis::leaks::LEAKS_TABLE),
     (Analysis::Oom(memscope_core::analysis::oom::DEFAULT_TOP_K), memscope_core::analysis::oom::OOM_TABLE),
     (Analysis::Sites, memscope_core::analysis::sites::TABLE),
+    (Analysis::Unexplained, memscope_core::analysis::unexplained::TABLE),
 ];
 
 /// Runs on `dump` (opened for writing) each analysis the report shows whose table the DB lacks,

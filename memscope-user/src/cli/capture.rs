@@ -67,6 +67,38 @@ pub struct CaptureArgs {
     /// daemon none (its jobs' starts and ends are what a journal wants).
     #[arg(long)]
     pub json: bool,
+
+    /// How often to read the driver's own figures (each device's used and total memory, each
+    /// traced process's usage: what npu-smi or nvidia-smi shows), or `off`. They go into table
+    /// ms_driver and onto START_TRACE (free, total); `analyze --analysis unexplained` puts them
+    /// against the traced calls. Read through libdcmi.so (Ascend) or libnvidia-ml.so.1 (NVIDIA),
+    /// looked for beside the driver library the job maps, by a helper process
+    /// (memscope-driver-query, installed beside memscope-bpf).
+    #[arg(long, value_name = "TIME|off", default_value = "1s", value_parser = parse_every)]
+    pub driver_every: Every,
+
+    /// The management library to read the driver's figures from (a libdcmi.so or a
+    /// libnvidia-ml.so.1), when it is not beside the job's driver library nor in the vendor's
+    /// usual place.
+    #[arg(long, value_name = "PATH")]
+    pub driver_lib: Option<PathBuf>,
+}
+
+/// `--driver-every`: a period, or off.
+#[derive(Clone, Copy, Debug)]
+pub struct Every(pub Option<Duration>);
+
+fn parse_every(text: &str) -> Result<Every, String> {
+    if text.trim() == "off" {
+        return Ok(Every(None));
+    }
+    let every = parse_duration(text)?;
+    if every < Duration::from_millis(10) {
+        return Err(format!(
+            "--driver-every {text} is shorter than 10ms: each reading costs the driver a query per device"
+        ));
+    }
+    Ok(Every(Some(every)))
 }
 
 impl CaptureArgs {
@@ -91,6 +123,7 @@ impl CaptureArgs {
             ring_bytes: self.ring_mb * 1024 * 1024,
             quiet: self.quiet,
             status,
+            driver: crate::driver::Config { every: self.driver_every.0, library: self.driver_lib.clone() },
         }
     }
 

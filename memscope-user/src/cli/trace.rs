@@ -104,6 +104,17 @@ pub struct Args {
     #[arg(long)]
     pub no_infer: bool,
 
+    /// Sample each traced thread's Python stack HZ times a second (default 99) and write what
+    /// ran when as msMemScope's `python_trace_<pid>` tables, which MindStudio Insight draws as a
+    /// flame graph per thread: a function runs from the first sample that finds it on the stack
+    /// to the last before one that does not, each end put half way to the neighbouring sample
+    /// (so within half a period of the true call or return for a thread on a CPU; a function
+    /// that starts and ends between two samples is not seen). A timer on every CPU; the cost is
+    /// in docs/benchmarks.md.
+    #[arg(long, value_name = "HZ", num_args = 0..=1, default_missing_value = "99",
+          value_parser = clap::value_parser!(u32).range(1..=10000))]
+    pub python_trace: Option<u32>,
+
     /// More owner rules, tried before the built-in ones: one per line, `FILE:FUNCTION OWNER
     /// [temporary=OWNER] [phase=NAME] [lines=FIRST-LAST]`, in the built-in table's format
     /// (`probes --owner-rules` prints it to copy from; `lines=` names one branch of a function,
@@ -254,6 +265,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             unwind: args.unwind,
             window: args.stack_window,
             infer: !args.no_infer,
+            python_trace: args.python_trace,
         },
         rules,
         command: (!command.is_empty()).then_some(command),

@@ -154,6 +154,22 @@ impl Jobs {
         Ok(())
     }
 
+    /// The driver's figures: each row into its process's job (the device alone's go nowhere:
+    /// the node's devices are not one job's).
+    pub fn add_driver(&mut self, rows: Vec<memscope_core::store::DriverRow>) -> Vec<(u32, anyhow::Error)> {
+        let mut failed = Vec::new();
+        for row in rows {
+            let Some(pid) = row.pid else { continue };
+            if let Some(job) = self.jobs.get_mut(&pid) {
+                job.dirty = true;
+                if let Err(e) = job.recorder.store.add_driver(vec![row]) {
+                    failed.push((pid, anyhow::Error::new(e)));
+                }
+            }
+        }
+        failed
+    }
+
     /// Commits every job's rows written since the last commit (so a killed daemon leaves
     /// readable DBs).
     pub fn commit(&mut self) -> Vec<(u32, anyhow::Error)> {

@@ -95,6 +95,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         // pool frees need none.
         python_depth: memscope_core::stacks::spec::DEFAULT_DEPTH,
         python_frees: false,
+        python_sample_depth: 0,
         bpf_log: None,
         admission: Some(plan.admission.clone()),
         sampling: plan.sampling,
@@ -116,6 +117,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         owner_labels: plan.owner_labels,
     };
     let plan_status = plan.capture.status;
+    let plan_driver = plan.capture.driver.clone();
     let mut daemon = Daemon {
         consumer,
         tracer,
@@ -133,6 +135,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         status: crate::terminal::status::Status::new(plan_status),
         status_every: Every::new(crate::terminal::status::RENEW_EVERY),
         sweep_every: Every::new(SWEEP_EVERY),
+        driver: crate::driver::Driver::new(&plan_driver),
+        driver_look: Every::new(std::time::Duration::from_secs(1)),
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
@@ -193,9 +197,35 @@ struct Daemon {
     status: crate::terminal::status::Status,
     status_every: Every,
     sweep_every: Every,
+    /// The driver's own figures for the node's devices, each job's from its process's.
+    driver: crate::driver::Driver,
+    /// When the jobs' maps are next read for a driver library, while none is found.
+    driver_look: Every,
 }
 
 impl Daemon {
+    /// Starts the driver's helper once a job maps a driver library, and hands its readings to
+    /// the jobs.
+    fn driver_readings(&mut self) {
+        let pids = self.jobs.pids();
+        let look = self.driver.waiting() && self.driver_look.due();
+        for &pid in pids.iter().filter(|_| look) {
+            if !self.driver.waiting() {
+                break;
+            }
+            if let Some(line) = self.driver.try_start(pid) {
+                note(self.plan.capture.quiet, line);
+            }
+        }
+        let (rows, lines) = self.driver.poll(&|p| pids.contains(&p));
+        for line in lines {
+            note(self.plan.capture.quiet, line);
+        }
+        for (pid, e) in self.jobs.add_driver(rows) {
+            say!("memscope-bpf: warning: job {pid}: cannot write the driver's figures: {e:#}");
+        }
+    }
+
     /// Probes library files not probed yet; new probes go into every open job's `ms_probes`.
     fn attach(&mut self, libs: Vec<(Option<u32>, Library)>, found: &str) {
         let quiet = self.plan.capture.quiet;
@@ -387,6 +417,10 @@ impl Daemon {
         let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
         let calls = self.ended_calls + self.jobs.calls();
         let mut jobs = self.jobs.totals(clock::wall_ns(), self.cx.owner_labels);
+        for job in &mut jobs {
+            let pid = job.pid;
+            job.driver = self.driver.latest(&|p| p == pid);
+        }
         if self.plan.sampling.is_some() {
             match self.tracer.exact_counters() {
                 Ok(counters) => metrics::apply_exact(&mut jobs, &counters),
@@ -475,6 +509,7 @@ impl event_loop::Capturing for Daemon {
 
     fn tick(&mut self) -> anyhow::Result<Option<String>> {
         self.scan();
+        self.driver_readings();
         if self.sweep_every.due() || self.swept_at < self.ended {
             self.sweep_every.ran();
             self.sweep();

@@ -34,6 +34,8 @@ pub struct JobTotals {
     pub owners: Vec<OwnerLive>,
     pub step: Option<(u64, StepSource)>,
     pub trends: Vec<SeriesTrend>,
+    /// The driver's latest figure for the job's processes on each device (`--driver-every`).
+    pub driver: Vec<(DeviceKey, u64)>,
 }
 
 impl JobTotals {
@@ -237,6 +239,23 @@ const TRACER_FAMILIES: [Family<Snapshot>; 3] = [
     counter("memscope_records_lost", "Records the ring buffer dropped (raise --ring-mb)", |s| s.lost),
 ];
 
+/// The driver's figure and what the traced calls leave of it unexplained, per device: the
+/// values come with the series.
+const DRIVER_FAMILIES: [Family<()>; 2] = [
+    gauge(
+        "memscope_driver_process",
+        "Device memory the driver counts for the job (npu-smi's or nvidia-smi's figure, --driver-every)",
+        true,
+        |_| 0,
+    ),
+    gauge(
+        "memscope_unexplained",
+        "The driver's figure for the job minus its live traced device memory (0 when the driver counts less)",
+        true,
+        |_| 0,
+    ),
+];
+
 /// Per map: the value comes with the series, not from a field.
 const MAP_MEMORY: Family<()> = gauge(
     "memscope_bpf_map_memory",
@@ -275,6 +294,17 @@ impl Collector for Published {
         for f in &TRACER_FAMILIES {
             family(&mut encoder, f, std::iter::once((Labels::new(), (f.value)(&s))))?;
         }
+        for (i, f) in DRIVER_FAMILIES.iter().enumerate() {
+            let series = s.jobs.iter().flat_map(|job| {
+                job.driver.iter().map(move |(d, process)| {
+                    let live = job.devices.iter().find(|(k, _)| k == d).map_or(0, |(_, s)| s.used);
+                    let labels =
+                        vec![("pid", job.pid.to_string()), ("comm", job.comm.clone()), ("device", device_label(*d))];
+                    (labels, if i == 0 { *process } else { process.saturating_sub(live) })
+                })
+            });
+            family(&mut encoder, f, series)?;
+        }
         let maps = s.maps.iter().map(|(name, bytes)| (vec![("map", name.clone())], *bytes));
         family(&mut encoder, &MAP_MEMORY, maps)?;
         live::encode(&mut encoder, &s.jobs)?;
@@ -303,6 +333,25 @@ mod tests {
 
     fn sample(text: &str, series: &str) -> Option<u64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn the_drivers_figure_and_what_the_traced_calls_leave_unexplained_are_series_per_device() {
+        let mut device = DeviceStats::default();
+        device.used = 4096;
+        let job = JobTotals {
+            pid: 7,
+            comm: "python3".into(),
+            devices: vec![(DeviceKey::Npu(1), device)],
+            driver: vec![(DeviceKey::Npu(1), 10_000), (DeviceKey::Npu(2), 300)],
+            ..JobTotals::default()
+        };
+        let text = encoded(Snapshot { jobs: vec![job], ..Snapshot::default() });
+        let at =
+            |name: &str, device: &str| sample(&text, &format!(r#"{name}{{pid="7",comm="python3",device="{device}"}}"#));
+        assert_eq!(at("memscope_driver_process_bytes", "1"), Some(10_000), "{text}");
+        assert_eq!(at("memscope_unexplained_bytes", "1"), Some(10_000 - 4096));
+        assert_eq!(at("memscope_unexplained_bytes", "2"), Some(300), "nothing traced there");
     }
 
     #[test]

@@ -51,6 +51,7 @@ use crate::capture::procs;
 use crate::capture::ring::Consumer;
 use crate::capture::stop::{Detaching, Every, Signals, HANGUP};
 use crate::capture::{self};
+use crate::driver::Driver;
 use crate::metrics::{self, JobTotals, Published, Snapshot};
 use crate::terminal::say::note;
 use facts::{allocator_env, command_line, device_lines, kernel_release, pool_lines, stack_meta};
@@ -166,7 +167,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         bpf_log,
         listen,
     } = plan;
-    let capture::Plan { output, duration, format, writer, probe_set, ring_bytes, quiet, status } = capture;
+    let capture::Plan { output, duration, format, writer, probe_set, ring_bytes, quiet, status, driver } = capture;
     let pid = target.pid();
     // Before anything is attached: a port in use fails the trace at once.
     let metrics = serve_metrics(listen, quiet).await?;
@@ -204,6 +205,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let mut store = Writer::start(store);
     store.add_probes(probe_rows(&probes, start_wall))?;
     store.add_probes(usdt_rows(&markers, start_wall))?;
+    let driver = start_driver(&driver, pid, quiet, &mut store)?;
 
     let mut consumer = Consumer::new(tracer.take_ring()?, clock)?;
     consumer.set_stack_depth(stacks.call.native_depth());
@@ -214,14 +216,19 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let mut signals = Signals::new()?;
     announce(&probes, &markers, libraries.len(), pid, follow, launch_mode, quiet);
     attaching::hook_linker(&mut tracer, pid);
+    if let Some(hz) = stacks.python_trace {
+        let cpus = tracer.start_python_sampler(hz).context("cannot start the Python sampler (--python-trace)")?;
+        note(quiet, format!("python trace: each traced thread's Python stack sampled at {hz} Hz ({cpus} CPU timers)"));
+    }
     let waiter = release(&mut target)?;
 
     let mut tracker = if wait_for_start { Tracker::paused_until_start() } else { Tracker::new() };
     tracker.set_owner_rules(rules);
-    let python = (stacks.python_depth() > 0).then(BTreeSet::new);
+    let python = (stacks.python_depth() > 0 || stacks.python_trace.is_some()).then(BTreeSet::new);
     let status = crate::terminal::status::Status::new(status);
     let mut recorder = Recorder::new(tracker, store, procs::is_running_process);
     recorder.python_column = stacks.call.python.is_some();
+    recorder.py_trace = stacks.python_trace.map(memscope_core::ingest::py_trace::Builder::new);
     if status.shown() {
         // The status's owners and step: the daemon's live view, without its periodic steps.
         let options = live::Options { warmup_steps: 1, step_marker: None, window_ns: 0, trend_every_ns: u64::MAX };
@@ -248,10 +255,33 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         ending: procs::Ending::default(),
         rescan_every: Every::new(RESCAN_EVERY),
         status_every: Every::new(crate::terminal::status::RENEW_EVERY),
+        driver,
     };
     live.find_pythons()?;
     let stop_reason = event_loop::run(&mut live, &mut signals, duration, target_exit(pid, waiter)).await?;
     live.finish(signals, stop_reason, started, run_dir)
+}
+
+/// How long an attach waits for the driver's first reading, so that the DBs' START_TRACE rows
+/// carry the device's memory (a launched job maps no driver library yet: its reading comes later
+/// and is set on the row then).
+const FIRST_READING_WAIT: Duration = Duration::from_secs(2);
+
+/// Starts reading the driver's figures if the target maps a driver library already, and hands
+/// the first reading to the store.
+fn start_driver(config: &crate::driver::Config, pid: u32, quiet: bool, store: &mut Writer) -> anyhow::Result<Driver> {
+    let mut driver = Driver::new(config);
+    if let Some(line) = driver.try_start(pid) {
+        note(quiet, line);
+    }
+    let (rows, lines) = driver.first(FIRST_READING_WAIT, &|p| p == pid);
+    for line in lines {
+        note(quiet, line);
+    }
+    if !rows.is_empty() {
+        store.add_driver(rows)?;
+    }
+    Ok(driver)
 }
 
 /// What a trace's `ms_meta` says about the run itself.
@@ -300,6 +330,9 @@ fn stacks_asked(stacks: &StackOptions) -> Meta {
     if let Some(depth) = stacks.call.python {
         meta.push(("call_stack_python".into(), depth.to_string()));
     }
+    if let Some(hz) = stacks.python_trace {
+        meta.push(("python_trace_hz".into(), hz.to_string()));
+    }
     meta
 }
 
@@ -330,6 +363,7 @@ fn load(
         stack_window: stacks.window_bytes(),
         python_depth: stacks.python_depth(),
         python_frees: stacks.call.python.is_some(),
+        python_sample_depth: stacks.python_sample_depth(),
         bpf_log,
         admission: None,
         sampling: None,
@@ -389,6 +423,8 @@ struct Live {
     ending: procs::Ending,
     rescan_every: Every,
     status_every: Every,
+    /// The driver's own figures, read by a helper process.
+    driver: Driver,
 }
 
 impl Live {
@@ -436,7 +472,9 @@ impl Live {
                 self.comm = comm;
             }
             let lost = self.tracer.lost_per_cpu().unwrap_or_default().iter().sum();
-            let job = JobTotals::of(self.pid, self.comm.clone(), &self.recorder.tracker);
+            let mut job = JobTotals::of(self.pid, self.comm.clone(), &self.recorder.tracker);
+            let (pid, children) = (self.pid, &self.recorder.children);
+            job.driver = self.driver.latest(&|p| p == pid || children.contains(&p));
             let maps = self.tracer.map_memory();
             metrics.publish(Snapshot { jobs: vec![job], calls: self.recorder.calls, lost, maps });
         }
@@ -476,6 +514,19 @@ impl Live {
         self.status.renew(&facts);
     }
 
+    /// The driver's readings since the last look, into the store.
+    fn driver_readings(&mut self) -> anyhow::Result<()> {
+        let (pid, children) = (self.pid, &self.recorder.children);
+        let (rows, lines) = self.driver.poll(&|p| p == pid || children.contains(&p));
+        for line in lines {
+            note(self.quiet, line);
+        }
+        if !rows.is_empty() {
+            self.recorder.store.add_driver(rows)?;
+        }
+        Ok(())
+    }
+
     /// The traced processes other than the target still running ([`still_traced`]).
     fn still_traced(&self) -> Vec<u32> {
         still_traced(&self.tracer, &self.recorder.children, self.pid)
@@ -484,6 +535,9 @@ impl Live {
     /// Probes the libraries the traced processes mapped since the last look.
     fn rescan(&mut self) -> anyhow::Result<()> {
         self.find_pythons()?;
+        if let Some(line) = self.driver.try_start(self.pid) {
+            note(self.quiet, line);
+        }
         let pids = std::iter::once(self.pid).chain(self.recorder.children.iter().copied()).collect::<Vec<_>>();
         let (quiet, store) = (self.quiet, &mut self.recorder.store);
         let before = self.skipped.len();
@@ -532,10 +586,17 @@ impl Live {
         let lost_per_cpu = self.tracer.lost_per_cpu().unwrap_or_default();
         let lost: u64 = lost_per_cpu.iter().sum();
         let bpf_log = self.bpf_log.as_ref().map(|(_, counts)| counts.get());
-        let Self { tracer, consumer, recorder, skipped, .. } = self;
+        // Its last readings, then the helper goes.
+        let _ = self.driver_readings();
+        let driver_meta = self.driver.meta();
+        let Self { tracer, consumer, recorder, skipped, driver, .. } = self;
+        drop(driver);
         // From here on nothing is read from the probes: they detach while the DBs are finished.
         let detaching = Detaching::start(tracer, signals);
 
+        let mut recorder = recorder;
+        recorder.finish_py_trace();
+        let py_samples = recorder.py_trace.as_ref().map(|b| b.samples);
         let Recorder { mut tracker, mut store, calls, markers, .. } = recorder;
         // Taken before the shadow frees below, which are not the program's own.
         let mut devices = device_lines(&tracker);
@@ -555,6 +616,10 @@ impl Live {
             ("records_undecodable".into(), undecodable.to_string()),
         ];
         final_meta.extend(stack_meta(&stacks, bpf_log, self.quiet));
+        final_meta.extend(driver_meta);
+        if let Some(samples) = py_samples {
+            final_meta.push(("python_trace_samples".into(), samples.to_string()));
+        }
         let late = self.late_libraries.clone();
         if !self.probed_at_start && late.is_empty() {
             crate::terminal::say::say!(
@@ -631,6 +696,7 @@ impl event_loop::Capturing for Live {
         if self.rescan_every.due() || std::mem::take(&mut self.loads_reported) {
             self.rescan()?;
         }
+        self.driver_readings()?;
         Ok(None)
     }
 

@@ -3,7 +3,7 @@
 //! out and took back, with the request and the rounded size), never the tracer.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -149,6 +149,8 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
     );
     assert!(said["block_frames"].as_u64().unwrap() as usize >= live.len() * 9 / 10, "{said}");
 
+    memsnapdump_loads(&env, &snapshot, live.len());
+
     // Read back: `import` of the snapshot gives the trace's block rows (address, request, order)
     // and their Python stacks.
     let db = read_output(&out).db("device_0").to_owned();
@@ -177,6 +179,48 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
         rows.iter().filter(|r| r.0 == "MALLOC").map(|r| r.3.clone()).collect::<Vec<_>>()
     };
     assert_eq!(stacks(&theirs), stacks(&mine), "their Python stacks");
+}
+
+/// MindStudio Insight opens a snapshot by running its own MemSnapDump scripts on it
+/// (`tools/dump2db.py`, which replays the trace backwards from the final segments and refuses
+/// any inconsistency) and reading the tables they write. Those scripts are not in any registry
+/// CI reaches, so this part runs where `MEMSCOPE_INSIGHT_MEMSNAPDUMP` names a checkout's
+/// `scripts/MemSnapDump` folder, and says it skipped otherwise.
+fn memsnapdump_loads(env: &TestEnv, snapshot: &Path, live: usize) {
+    let Some(scripts) = std::env::var_os("MEMSCOPE_INSIGHT_MEMSNAPDUMP").map(PathBuf::from) else {
+        eprintln!(
+            "SKIPPED: Insight's MemSnapDump on the export: set MEMSCOPE_INSIGHT_MEMSNAPDUMP to a checkout of \
+             MindStudio Insight's scripts/MemSnapDump"
+        );
+        return;
+    };
+    let (out, log) = (env.scratch.join("memsnapdump"), env.scratch.join("memsnapdump.log"));
+    std::fs::create_dir_all(&out).unwrap();
+    let run = Command::new("python3")
+        .current_dir(&scripts)
+        .arg("tools/dump2db.py")
+        .arg(snapshot)
+        .arg("-o")
+        .arg(&out)
+        .arg("--log")
+        .arg(&log)
+        .output()
+        .unwrap();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        run.status.success() && said.contains("Successfully dump the snapshot to database"),
+        "MemSnapDump refused the export:\n{}{}\n{said}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let db = out.join(format!("{}.db", snapshot.file_name().unwrap().to_string_lossy()));
+    let conn = rusqlite::Connection::open(&db).unwrap_or_else(|e| panic!("{}: {e}", db.display()));
+    let count = |sql: &str| -> i64 { conn.query_row(sql, [], |r| r.get(0)).unwrap() };
+    // Its replay ends where the trace did: the ledger's live blocks, allocated.
+    let entries = count("SELECT count(*) FROM trace_entry_0");
+    assert!(entries > 3000, "{entries} trace entries");
+    let blocks = count("SELECT count(*) FROM block_0");
+    assert!(blocks as usize >= live, "{blocks} blocks in MemSnapDump's table for {live} live at the end");
 }
 
 /// An event's `Timestamp(ns)`: its `ts` (µs after the origin) plus the origin.

@@ -50,6 +50,39 @@ fn assert_static_for(binary: &Path, machine: &str) {
     assert!(!header.contains("(NEEDED)"), "{} needs shared libraries", binary.display());
 }
 
+/// The highest `GLIBC_x.y` a dynamic binary asks for, from its version needs.
+fn newest_glibc(binary: &Path) -> (u32, u32) {
+    let needs = run(Command::new("readelf").arg("-V").arg(binary));
+    needs
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("GLIBC_"))
+        .filter_map(|v| {
+            let (major, minor) = v.split_once('.')?;
+            Some((major.parse().ok()?, minor.split('.').next()?.parse().ok()?))
+        })
+        .max()
+        .unwrap_or_else(|| panic!("{} asks for no glibc version:\n{needs}", binary.display()))
+}
+
+/// The driver helper: built for `machine`, loading libraries (so dynamic), on glibc 2.28.
+fn assert_helper_for(helper: &Path, machine: &str) {
+    let header = run(Command::new("readelf").arg("-hlWd").arg(helper));
+    assert!(
+        header.lines().any(|l| l.contains("Machine:") && l.contains(machine)),
+        "{}: not {machine}",
+        helper.display()
+    );
+    assert!(header.contains("(NEEDED)"), "{} is not dynamic: it could not dlopen a driver library", helper.display());
+    let newest = newest_glibc(helper);
+    assert!(
+        newest <= (2, 28),
+        "{} needs GLIBC_{}.{}, newer than the release's 2.28",
+        helper.display(),
+        newest.0,
+        newest.1
+    );
+}
+
 #[test]
 fn each_release_tarball_holds_a_static_binary_for_its_machine_the_docs_the_markers_and_true_checksums() {
     let Some(dist) = dist() else { return };
@@ -62,6 +95,7 @@ fn each_release_tarball_holds_a_static_binary_for_its_machine_the_docs_the_marke
         run(Command::new("sha256sum").current_dir(&folder).args(["--check", "--strict", "SHA256SUMS"]));
         let binary = folder.join("memscope-bpf");
         assert_static_for(&binary, machine);
+        assert_helper_for(&folder.join("memscope-driver-query"), machine);
         for doc in ["README.md", "docs/deploy/daemonset.yaml", "docs/benchmarks.md"] {
             assert!(folder.join(doc).is_file(), "{name} lacks {doc}");
         }

@@ -55,6 +55,9 @@ int standin_hal_handle_fd(drv_mem_handle_t *handle, size_t *size);
 int standin_hal_mem_info(uint32_t device, size_t *free_bytes, size_t *total);
 /* Stand-in only: number of devices. */
 uint32_t standin_hal_device_count(void);
+/* Stand-in only: charges a runtime context's device memory (STANDIN_HAL_CONTEXT_MEM bytes, default
+ * 0) once per device per process; DRV_ERROR_OUT_OF_MEMORY when the device has no room. */
+drvError_t standin_hal_context_charge(uint32_t device);
 
 #ifdef __cplusplus
 }

@@ -10,9 +10,17 @@
  * Ground truth for tests: with STANDIN_HAL_LEDGER=<path>, every call is appended to that file as
  * one JSON line (api, tid, size, flag, ptr/handle, rc, entry/exit wall-clock ns). The tracer never
  * reads it; tests compare its DB with it.
+ *
+ * The driver's own view, for the stand-in libdcmi.so: what this process holds on each device is
+ * published in /dev/shm/memscope-standin-npu-<pid> (../common/standin_driver_state.h) after
+ * every charge and refund. Memory no traced call explains: `standin_hal_context_charge` (not a
+ * HAL symbol, so the tracer never probes it; the stand-in runtime calls it from aclrtSetDevice)
+ * charges STANDIN_HAL_CONTEXT_MEM bytes (default 0: nothing) once per device per process, as a
+ * runtime context takes device memory, with a ledger line of api "context".
  */
 #define _GNU_SOURCE
 #include "../common/standin_common.h"
+#include "../common/standin_driver_state.h"
 #include "hal_standin.h"
 
 #include <pthread.h>
@@ -47,6 +55,11 @@ static size_t capacity;
 static uint32_t device_count;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static FILE *ledger;
+static size_t context_size;
+static pid_t context_owner[MAX_DEVICES]; /* the process whose context is charged on each device */
+static struct standin_driver_publisher publisher = {.kind = "npu"};
+
+static void unpublish(void) { standin_driver_unpublish(&publisher); }
 
 static void init(void) {
     capacity = standin_parse_size(getenv("STANDIN_ACL_DEVICE_MEM"), (size_t)8 << 30);
@@ -54,7 +67,14 @@ static void init(void) {
     if (device_count < 1 || device_count > MAX_DEVICES) {
         device_count = 2;
     }
+    context_size = standin_parse_size(getenv("STANDIN_HAL_CONTEXT_MEM"), 0);
     ledger = standin_ledger("STANDIN_HAL_LEDGER");
+    publisher.device_count = device_count;
+    publisher.capacity = capacity;
+    pthread_mutex_lock(&lock);
+    standin_driver_publish_open(&publisher);
+    pthread_mutex_unlock(&lock);
+    atexit(unpublish);
 }
 
 static void record(const char *api, unsigned long long t0, unsigned long long size, unsigned long long flag,
@@ -73,22 +93,32 @@ static void record(const char *api, unsigned long long t0, unsigned long long si
 
 static size_t bucket_of(uintptr_t addr) { return (addr >> 5) % BUCKETS; }
 
+/* Reserves capacity on a device, with `lock` held; 0 on success. */
+static int charge_locked(uint32_t device, size_t size) {
+    if (size > capacity - used[device]) {
+        return -1;
+    }
+    used[device] += size;
+    standin_driver_publish(&publisher, device, used[device]);
+    return 0;
+}
+
 /* Reserves capacity on a device; 0 on success. */
 static int charge(uint32_t device, size_t size) {
-    int ok = 0;
     pthread_mutex_lock(&lock);
-    if (size > capacity - used[device]) {
-        ok = -1;
-    } else {
-        used[device] += size;
-    }
+    int ok = charge_locked(device, size);
     pthread_mutex_unlock(&lock);
     return ok;
 }
 
+static void refund_locked(uint32_t device, size_t size) {
+    used[device] -= size;
+    standin_driver_publish(&publisher, device, used[device]);
+}
+
 static void refund(uint32_t device, size_t size) {
     pthread_mutex_lock(&lock);
-    used[device] -= size;
+    refund_locked(device, size);
     pthread_mutex_unlock(&lock);
 }
 
@@ -135,7 +165,7 @@ STANDIN_EXPORT drvError_t halMemFreeInner(void *pp) {
             found = *at;
             *at = found->next;
             if (found->device >= 0) {
-                used[found->device] -= found->size;
+                refund_locked((uint32_t)found->device, found->size);
             }
             break;
         }
@@ -228,4 +258,34 @@ STANDIN_EXPORT int standin_hal_mem_info(uint32_t device, size_t *free_bytes, siz
 STANDIN_EXPORT uint32_t standin_hal_device_count(void) {
     pthread_once(&init_once, init);
     return device_count;
+}
+
+/* Stand-in only (no HAL symbol, so never probed): the device memory a runtime context takes
+ * without any memory call the tracer sees, STANDIN_HAL_CONTEXT_MEM bytes, charged once per device
+ * per process (later calls for the device do nothing), with a ledger line of api "context". */
+STANDIN_EXPORT drvError_t standin_hal_context_charge(uint32_t device) {
+    pthread_once(&init_once, init);
+    unsigned long long t0 = standin_now_ns();
+    if (device >= device_count) {
+        return DRV_ERROR_INVALID_VALUE;
+    }
+    if (context_size == 0) {
+        return DRV_ERROR_NONE;
+    }
+    pid_t self = getpid();
+    pthread_mutex_lock(&lock);
+    int already = context_owner[device] == self;
+    drvError_t rc = DRV_ERROR_NONE;
+    if (!already) {
+        if (charge_locked(device, context_size) == 0) {
+            context_owner[device] = self;
+        } else {
+            rc = DRV_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    if (!already) {
+        record("context", t0, context_size, 0, NULL, rc, (int)device);
+    }
+    return rc;
 }

@@ -15,11 +15,23 @@
  *   or the location of a physical-memory property.
  * - The virtual-memory family reserves address space (PROT_NONE), creates physical memory with
  *   halMemCreate, and maps it with MAP_FIXED, so mapped memory is usable.
+ * - aclrtSetDevice also charges the device's runtime context through the stand-in driver
+ *   (standin_hal_context_charge: STANDIN_HAL_CONTEXT_MEM bytes, once per device per process,
+ *   default none), memory no traced call explains; a device without room for it fails
+ *   aclrtSetDevice with ACL_ERROR_RT_MEMORY_ALLOCATION.
+ * - Host memory registration (aclrtHostRegister, aclrtHostRegisterV2, aclrtHostUnregister) only
+ *   remembers the range: it charges no device memory, and the device alias of a registered range
+ *   is its host address. A NULL pointer, a zero size, a range overlapping a registered one, or
+ *   unregistering an address that is no registered range's start is ACL_ERROR_INVALID_PARAM.
+ *   With STANDIN_ACL_LEDGER=<path>, each of these calls is appended to that file as one JSON
+ *   line (api, tid, t0, t1, size, flag, ptr, rc; dev_ptr for aclrtHostRegister, whose type goes
+ *   in flag); the runtime's other calls are logged by the workloads that make them.
  *
  * Built by `cargo xtask build` with -fno-ipa-icf (no two functions folded into one address) and
  * noinline, so each symbol is its own uprobe target.
  */
 #define _GNU_SOURCE
+#include "../common/standin_common.h"
 #include "acl_standin.h"
 #include "hal_standin.h"
 
@@ -28,12 +40,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define STANDIN_EXPORT __attribute__((visibility("default"), noinline, used))
 #define BUCKETS 4096
 #define MODULE_APP 33
 
-enum block_kind { BLOCK_HOST = 2, BLOCK_RESERVED = 3, BLOCK_MAPPED = 4 };
+enum block_kind { BLOCK_HOST = 2, BLOCK_RESERVED = 3, BLOCK_MAPPED = 4, BLOCK_REGISTERED = 5 };
 
 struct block {
     uintptr_t addr;
@@ -123,6 +137,10 @@ STANDIN_EXPORT aclError aclrtSetDeviceImpl(int32_t deviceId) {
     if (!valid_device(deviceId)) {
         return ACL_ERROR_INVALID_PARAM;
     }
+    /* The device's context: its memory once per process, through the driver. */
+    if (standin_hal_context_charge((uint32_t)deviceId) == DRV_ERROR_OUT_OF_MEMORY) {
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
     current_device = deviceId;
     return ACL_SUCCESS;
 }
@@ -196,6 +214,101 @@ STANDIN_EXPORT aclError aclrtFreeHostImpl(void *hostPtr) {
     free(hostPtr);
     free(b);
     return ACL_SUCCESS;
+}
+
+/* ---- host memory registration ---- */
+
+static pthread_once_t ledger_once = PTHREAD_ONCE_INIT;
+static FILE *ledger;
+
+static void open_ledger(void) { ledger = standin_ledger("STANDIN_ACL_LEDGER"); }
+
+static aclError note(const char *api, unsigned long long t0, const void *ptr, uint64_t size, unsigned long long flag,
+                     const void *dev_ptr, int with_dev_ptr, aclError rc) {
+    pthread_once(&ledger_once, open_ledger);
+    if (ledger == NULL) {
+        return rc;
+    }
+    char extra[48] = "";
+    if (with_dev_ptr) {
+        snprintf(extra, sizeof extra, ", \"dev_ptr\": %llu", (unsigned long long)(uintptr_t)dev_ptr);
+    }
+    flockfile(ledger);
+    fprintf(ledger,
+            "{\"api\": \"%s\", \"tid\": %ld, \"t0\": %llu, \"t1\": %llu, \"size\": %llu, \"flag\": %llu, "
+            "\"ptr\": %llu, \"rc\": %d%s}\n",
+            api, (long)syscall(SYS_gettid), t0, standin_now_ns(), (unsigned long long)size, flag,
+            (unsigned long long)(uintptr_t)ptr, rc, extra);
+    fflush(ledger);
+    funlockfile(ledger);
+    return rc;
+}
+
+/* Remembers [ptr, ptr+size) as registered; ACL_ERROR_INVALID_PARAM when it overlaps a range
+ * already registered. */
+static aclError register_range(void *ptr, uint64_t size) {
+    uintptr_t start = (uintptr_t)ptr, end = start + size;
+    if (ptr == NULL || size == 0 || end < start) {
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    struct block *b = malloc(sizeof *b);
+    if (b == NULL) {
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    aclError rc = ACL_SUCCESS;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < BUCKETS && rc == ACL_SUCCESS; i++) {
+        for (struct block *at = table[i]; at != NULL; at = at->next) {
+            if (at->kind == BLOCK_REGISTERED && start < at->addr + at->size && at->addr < end) {
+                rc = ACL_ERROR_INVALID_PARAM;
+                break;
+            }
+        }
+    }
+    if (rc == ACL_SUCCESS) {
+        b->addr = start;
+        b->size = (size_t)size;
+        b->kind = BLOCK_REGISTERED;
+        size_t i = bucket_of(start);
+        b->next = table[i];
+        table[i] = b;
+    }
+    pthread_mutex_unlock(&lock);
+    if (rc != ACL_SUCCESS) {
+        free(b);
+    }
+    return rc;
+}
+
+STANDIN_EXPORT aclError aclrtHostRegisterImpl(void *ptr, uint64_t size, aclrtHostRegisterType type, void **devPtr) {
+    unsigned long long t0 = standin_now_ns();
+    aclError rc = ACL_SUCCESS;
+    if (devPtr == NULL || (type != ACL_HOST_REGISTER_MAPPED && type != ACL_HOST_REGISTER_IOMEMORY &&
+                           type != ACL_HOST_REGISTER_READONLY)) {
+        rc = ACL_ERROR_INVALID_PARAM;
+    } else {
+        rc = register_range(ptr, size);
+    }
+    if (rc == ACL_SUCCESS) {
+        *devPtr = ptr; /* the device reaches it at its host address */
+    }
+    return note("aclrtHostRegister", t0, ptr, size, (unsigned long long)type, rc == ACL_SUCCESS ? ptr : NULL, 1, rc);
+}
+
+STANDIN_EXPORT aclError aclrtHostRegisterV2Impl(void *ptr, uint64_t size, uint32_t flag) {
+    unsigned long long t0 = standin_now_ns();
+    const uint32_t known = ACL_HOST_REG_MAPPED | ACL_HOST_REG_IOMEMORY | ACL_HOST_REG_READONLY | ACL_HOST_REG_PINNED;
+    aclError rc = (flag & ~known) != 0 ? ACL_ERROR_INVALID_PARAM : register_range(ptr, size);
+    return note("aclrtHostRegisterV2", t0, ptr, size, flag, NULL, 0, rc);
+}
+
+STANDIN_EXPORT aclError aclrtHostUnregisterImpl(void *ptr) {
+    unsigned long long t0 = standin_now_ns();
+    struct block *b = ptr == NULL ? NULL : take_block((uintptr_t)ptr, BLOCK_REGISTERED);
+    aclError rc = b != NULL ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM;
+    uint64_t size = b != NULL ? b->size : 0;
+    free(b);
+    return note("aclrtHostUnregister", t0, ptr, size, 0, NULL, 0, rc);
 }
 
 /* ---- queries and copies ---- */
@@ -493,3 +606,10 @@ STANDIN_EXPORT aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, ac
     return aclrtMapMemImpl(virPtr, size, offset, handle, flags);
 }
 STANDIN_EXPORT aclError aclrtUnmapMem(void *virPtr) { return aclrtUnmapMemImpl(virPtr); }
+STANDIN_EXPORT aclError aclrtHostRegister(void *ptr, uint64_t size, aclrtHostRegisterType type, void **devPtr) {
+    return aclrtHostRegisterImpl(ptr, size, type, devPtr);
+}
+STANDIN_EXPORT aclError aclrtHostRegisterV2(void *ptr, uint64_t size, uint32_t flag) {
+    return aclrtHostRegisterV2Impl(ptr, size, flag);
+}
+STANDIN_EXPORT aclError aclrtHostUnregister(void *ptr) { return aclrtHostUnregisterImpl(ptr); }

@@ -8,8 +8,14 @@
  * (cudaSetDevice makes the device's primary context current). `cudaFree(NULL)` does nothing but
  * return success, as programs use it to create the context.
  *
+ * cudaHostRegister / cudaHostUnregister call the driver's cuMemHostRegister_v2 /
+ * cuMemHostUnregister, as the real runtime does, and keep its registration errors
+ * (cudaErrorHostMemoryAlreadyRegistered 712, cudaErrorHostMemoryNotRegistered 713); any other
+ * failure is cudaErrorInvalidValue.
+ *
  * Ground truth for tests: with STANDIN_CUDART_LEDGER=<path>, every call is appended to that file
- * as one JSON line (api, tid, device, size, ptr, rc, entry/exit wall-clock ns).
+ * as one JSON line (api, tid, device, size, ptr, rc, entry/exit wall-clock ns; cudaHostRegister
+ * adds its "flags").
  */
 #define _GNU_SOURCE
 #include "../common/standin_common.h"
@@ -35,6 +41,8 @@ static struct {
     CUresult (*alloc_managed)(CUdeviceptr *, size_t, unsigned int);
     CUresult (*alloc_host)(void **, size_t);
     CUresult (*free_host)(void *);
+    CUresult (*host_register)(void *, size_t, unsigned int);
+    CUresult (*host_unregister)(void *);
 } driver;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -67,26 +75,46 @@ static void init(void) {
     driver.alloc_managed = entry(lib, "cuMemAllocManaged");
     driver.alloc_host = entry(lib, "cuMemAllocHost_v2");
     driver.free_host = entry(lib, "cuMemFreeHost");
+    driver.host_register = entry(lib, "cuMemHostRegister_v2");
+    driver.host_unregister = entry(lib, "cuMemHostUnregister");
     ledger = standin_ledger("STANDIN_CUDART_LEDGER");
 }
 
-static cudaError_t note(const char *api, size_t size, const void *ptr, cudaError_t rc, unsigned long long t0) {
+/* One ledger line; `flags` < 0: the call takes none. */
+static cudaError_t note_flags(const char *api, size_t size, const void *ptr, cudaError_t rc, unsigned long long t0,
+                              long long flags) {
     if (ledger != NULL) {
+        char extra[32] = "";
+        if (flags >= 0) {
+            snprintf(extra, sizeof extra, ",\"flags\":%lld", flags);
+        }
         flockfile(ledger);
         fprintf(ledger,
                 "{\"layer\":\"runtime\",\"api\":\"%s\",\"tid\":%ld,\"device\":%d,\"size\":%zu,\"ptr\":%llu,"
-                "\"rc\":%d,\"t0\":%llu,\"t1\":%llu}\n",
-                api, (long)syscall(SYS_gettid), current, size, (unsigned long long)(uintptr_t)ptr, rc, t0, standin_now_ns());
+                "\"rc\":%d,\"t0\":%llu,\"t1\":%llu%s}\n",
+                api, (long)syscall(SYS_gettid), current, size, (unsigned long long)(uintptr_t)ptr, rc, t0, standin_now_ns(),
+                extra);
         fflush(ledger);
         funlockfile(ledger);
     }
     return rc;
 }
 
+static cudaError_t note(const char *api, size_t size, const void *ptr, cudaError_t rc, unsigned long long t0) {
+    return note_flags(api, size, ptr, rc, t0, -1);
+}
+
 /* The driver's status as the runtime's: out of memory stays out of memory. */
 static cudaError_t status(CUresult rc) {
     return rc == CUDA_SUCCESS ? cudaSuccess : rc == CUDA_ERROR_OUT_OF_MEMORY ? cudaErrorMemoryAllocation
                                                                            : cudaErrorInvalidValue;
+}
+
+/* The driver's registration status as the runtime's: the registration errors keep their codes. */
+static cudaError_t host_status(CUresult rc) {
+    return rc == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED ? cudaErrorHostMemoryAlreadyRegistered
+           : rc == CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED   ? cudaErrorHostMemoryNotRegistered
+                                                           : status(rc);
 }
 
 STANDIN_EXPORT cudaError_t cudaSetDevice(int device) {
@@ -165,4 +193,18 @@ STANDIN_EXPORT cudaError_t cudaMallocManaged(void **devPtr, size_t size, unsigne
     unsigned long long t0 = standin_now_ns();
     cudaError_t rc = status(driver.alloc_managed((CUdeviceptr *)devPtr, size, flags));
     return note("cudaMallocManaged", size, rc == cudaSuccess ? *devPtr : NULL, rc, t0);
+}
+
+STANDIN_EXPORT cudaError_t cudaHostRegister(void *ptr, size_t size, unsigned int flags) {
+    pthread_once(&init_once, init);
+    unsigned long long t0 = standin_now_ns();
+    cudaError_t rc = host_status(driver.host_register(ptr, size, flags));
+    return note_flags("cudaHostRegister", size, ptr, rc, t0, flags);
+}
+
+STANDIN_EXPORT cudaError_t cudaHostUnregister(void *ptr) {
+    pthread_once(&init_once, init);
+    unsigned long long t0 = standin_now_ns();
+    cudaError_t rc = host_status(driver.host_unregister(ptr));
+    return note("cudaHostUnregister", 0, ptr, rc, t0);
 }

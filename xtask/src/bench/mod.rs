@@ -18,6 +18,7 @@ mod loss;
 mod markers;
 mod measure;
 mod owners;
+mod python_trace;
 mod report_page;
 mod simulate;
 mod stacks;
@@ -131,6 +132,13 @@ pub struct Options {
     /// Requests replayed per setting in that bench (0 skips it in the full run).
     #[arg(long, default_value_t = 1_000_000)]
     pub simulate_requests: u64,
+    /// Only the cost of `trace --python-trace` to a CPU-bound Python loop, the rows it writes,
+    /// and a driver reading's cost.
+    #[arg(long)]
+    pub python_trace_only: bool,
+    /// Iterations of that loop (about 3 s of CPython 3.11 on this machine kind).
+    #[arg(long, default_value_t = 15_000_000)]
+    pub python_trace_iterations: u64,
     /// Live blocks each of the daemon bench's 10 jobs holds.
     #[arg(long, default_value_t = 100_000)]
     pub daemon_blocks: u64,
@@ -272,6 +280,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     if opts.simulate_only {
         let md = simulate::run(&built.binary, opts.simulate_requests, opts.rounds)?;
         return report(&dir.join("results-simulate.md"), &md);
+    }
+    if opts.python_trace_only {
+        let md = python_trace::run(&built, &dir, opts.rounds, opts.python_trace_iterations)?;
+        return report(&dir.join("results-python-trace.md"), &md);
     }
     if opts.stop_only {
         let md = stop::run(&built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?;

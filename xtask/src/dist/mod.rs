@@ -1,6 +1,7 @@
 //! `cargo xtask dist`: the release, under `target/dist/`, for x86-64 and aarch64 (Kunpeng):
 //! - `memscope-bpf-VER-ARCH-linux.tar.gz`: the static binary (musl; its eBPF objects for that
-//!   architecture inside), README, docs, the markers' sdist and wheels, and SHA256SUMS of those;
+//!   architecture inside), the driver helper beside it (`memscope-driver-query`, glibc 2.28),
+//!   README, docs, the markers' sdist and wheels, and SHA256SUMS of those;
 //! - `memscope-bpf-VER-ARCH-linux.debug`: the binary's debug info, which the stripped binary
 //!   names through `.gnu_debuglink`;
 //! - `memscope_bpf-VER-py3-none-manylinux_2_28_ARCH.whl`: the binary as a pip-installable wheel;
@@ -8,7 +9,10 @@
 //! - `SHA256SUMS` of all of the above.
 //!
 //! Static musl rather than glibc: one file that starts on glibc 2.28 systems (openEuler 22.03,
-//! Kylin) and in an image with nothing else in it. The SQLite features the store uses come from
+//! Kylin) and in an image with nothing else in it. A static binary cannot load a shared library,
+//! so the driver's management library (libdcmi.so, libnvidia-ml.so.1) is loaded by the helper,
+//! linked against glibc 2.28 (the oldest the tracer's hosts run); the image leaves it out, as
+//! it has no C library for it. The SQLite features the store uses come from
 //! the workspace's `.cargo/config.toml`, which cargo reads for this build as for any other.
 
 mod archive;
@@ -53,6 +57,14 @@ impl Arch {
         }
     }
 
+    /// The driver helper's target: glibc, which `dlopen` needs.
+    fn gnu_triple(self) -> &'static str {
+        match self {
+            Self::X86_64 => "x86_64-unknown-linux-gnu",
+            Self::Aarch64 => "aarch64-unknown-linux-gnu",
+        }
+    }
+
     /// The name of this architecture's tarball, its folder and its debug file.
     pub fn release_name(self) -> String {
         format!("memscope-bpf-{VERSION}-{}-linux", self.name())
@@ -92,6 +104,22 @@ fn build(tools: &tools::Tools, arch: Arch) -> anyhow::Result<PathBuf> {
         .args(["--target-dir", "target/dist-build"]))
     .with_context(|| format!("the {} release build failed", arch.name()))?;
     Ok(root().join("target/dist-build").join(arch.triple()).join("release/memscope-bpf"))
+}
+
+/// The driver helper for `arch`, against glibc 2.28, stripped into `to`.
+fn build_helper(tools: &tools::Tools, arch: Arch, to: &Path) -> anyhow::Result<()> {
+    eprintln!("xtask dist: building the driver helper for {}", arch.name());
+    sh(Command::new("cargo")
+        .current_dir(root())
+        .env("PATH", tools.path())
+        .args(["zigbuild", "--release", "--locked", "-p", "memscope-driver"])
+        .arg("--target")
+        .arg(format!("{}.2.28", arch.gnu_triple()))
+        .args(["--target-dir", "target/dist-build"]))
+    .with_context(|| format!("the {} driver helper build failed", arch.name()))?;
+    let built = root().join("target/dist-build").join(arch.gnu_triple()).join("release/memscope-driver-query");
+    let objcopy = Path::new(crate::setup::LLVM_PREFIX).join("bin/llvm-objcopy");
+    sh(Command::new(&objcopy).arg("--strip-all").arg(&built).arg(to))
 }
 
 /// Splits `binary`'s debug info into `debug` and writes the stripped binary to `stripped`.
@@ -163,6 +191,8 @@ fn release_arch(
     let debug = dist.join(format!("{name}.debug"));
     let stripped = folder.join("memscope-bpf");
     strip(&binary, &stripped, &debug)?;
+    let helper = folder.join("memscope-driver-query");
+    build_helper(t, arch, &helper)?;
     std::fs::copy(root().join("README.md"), folder.join("README.md"))?;
     copy_tree(&root().join("docs"), &folder.join("docs"), &[])?;
     // The sdist, and this architecture's wheels.
@@ -174,20 +204,22 @@ fn release_arch(
         std::fs::copy(file, folder.join("markers").join(file.file_name().expect("named")))?;
     }
     let tarball = tarball(dist, &folder, mtime)?;
-    let wheel = pywheel::tracer(t, &dist.join("stage"), dist, VERSION, arch.name(), &stripped)?;
+    let wheel = pywheel::tracer(t, &dist.join("stage"), dist, VERSION, arch.name(), &[&stripped, &helper])?;
     Ok(vec![stripped, tarball, debug, wheel])
 }
 
 /// Installs what the release build needs (`cargo xtask setup` calls this too).
 pub fn prepare() -> anyhow::Result<()> {
-    tools::ensure(&[Arch::X86_64.triple(), Arch::Aarch64.triple()]).map(|_| ())
+    let arches = [Arch::X86_64, Arch::Aarch64];
+    let triples: Vec<&str> = arches.iter().flat_map(|a| [a.triple(), a.gnu_triple()]).collect();
+    tools::ensure(&triples).map(|_| ())
 }
 
 /// Builds the release; returns its folder.
 pub fn run(opts: &Options) -> anyhow::Result<PathBuf> {
     let started = std::time::Instant::now();
     let arches = if opts.arch.is_empty() { vec![Arch::X86_64, Arch::Aarch64] } else { opts.arch.clone() };
-    let triples: Vec<&str> = arches.iter().map(|a| a.triple()).collect();
+    let triples: Vec<&str> = arches.iter().flat_map(|a| [a.triple(), a.gnu_triple()]).collect();
     let t = tools::ensure(&triples)?;
     let dist = root().join("target/dist");
     let mtime = release_time();

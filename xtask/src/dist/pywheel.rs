@@ -18,14 +18,15 @@ pub fn tracer_wheel_name(version: &str, arch: &str) -> String {
     format!("memscope_bpf-{version}-py3-none-manylinux_2_28_{arch}.whl")
 }
 
-/// Packs `binary` as the tracer's wheel into `out`; returns the wheel's path.
+/// Packs `binaries` (the tracer, its driver helper) as the tracer's wheel into `out`; returns
+/// the wheel's path.
 pub fn tracer(
     tools: &Tools,
     stage: &Path,
     out: &Path,
     version: &str,
     arch: &str,
-    binary: &Path,
+    binaries: &[&Path],
 ) -> anyhow::Result<PathBuf> {
     let tree = stage.join(format!("wheel-{arch}/memscope_bpf-{version}"));
     let _ = std::fs::remove_dir_all(&tree);
@@ -33,8 +34,10 @@ pub fn tracer(
     let info = tree.join(format!("memscope_bpf-{version}.dist-info"));
     std::fs::create_dir_all(&scripts)?;
     std::fs::create_dir_all(&info)?;
-    std::fs::copy(binary, scripts.join("memscope-bpf"))?;
-    // The binary is static (musl), so any glibc satisfies the manylinux tag.
+    for binary in binaries {
+        std::fs::copy(binary, scripts.join(binary.file_name().expect("named")))?;
+    }
+    // The tracer is static (musl) and its helper needs glibc 2.28: the manylinux tag's own.
     std::fs::write(
         info.join("WHEEL"),
         format!("Wheel-Version: 1.0\nGenerator: cargo-xtask-dist\nRoot-Is-Purelib: false\nTag: py3-none-manylinux_2_28_{arch}\n"),

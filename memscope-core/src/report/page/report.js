@@ -482,6 +482,18 @@ function simulationChart(f, box) {
   stepChart("simulation", "simulation-legend", series, "s");
 }
 
+function unexplainedChart(f, box) {
+  const col = (n) => f.columns.indexOf(n), ts = col("ts_ns"), pid = col("pid");
+  if (ts < 0 || pid < 0) return;
+  const cv = el("canvas", { id: "unexplained", height: "200" }), ul = el("ul", { class: "legend", id: "unexplained-legend" });
+  box.append(cv, ul);
+  const pids = [...new Set(f.rows.map((r) => r[pid]))];
+  const series = pids.flatMap((p) => ["process_used", "traced", "unexplained"].filter((n) => col(n) >= 0).map((n) => ({
+    name: (pids.length > 1 ? "pid " + p + " " : "") + n,
+    pts: f.rows.filter((r) => r[pid] === p && typeof r[col(n)] === "number").map((r) => [r[ts] / 1e9, r[col(n)]]) })));
+  stepChart("unexplained", "unexplained-legend", series, "s");
+}
+
 function findings() {
   const box = $("findings"); box.textContent = "";
   for (const f of dev().findings) {
@@ -498,6 +510,7 @@ function findings() {
       }
       if (f.table === "ms_fragmentation" && f.rows.length) fragmentationChart(f, sec);
       if (f.table === "ms_simulation" && f.rows.length) simulationChart(f, sec);
+      if (f.table === "ms_unexplained" && f.rows.length) unexplainedChart(f, sec);
       if (f.rows.length) sec.append(findingTable(f));
     }
   }

@@ -170,6 +170,8 @@ struct Code {
     linetable: Vec<u8>,
     /// The bytecode's address.
     start: u64,
+    /// `file(first line): name`, made on first use by [`Resolver::functions`].
+    info: Option<std::sync::Arc<str>>,
 }
 
 /// A compact ASCII `str` (file and function names); `?` for anything else.
@@ -191,7 +193,7 @@ fn read_code(pid: u32, code: u64, o: &offsets::CodeOffsets) -> Option<Code> {
     let table = remote_u64(pid, code + o.linetable)?;
     let size = remote_u64(pid, table + o.bytes_size)? as usize;
     let linetable = if size <= 1 << 20 { read_remote(pid, table + o.bytes_data, size)? } else { Vec::new() };
-    Some(Code { filename, qualname, firstlineno, linetable, start: code + o.code_adaptive })
+    Some(Code { filename, qualname, firstlineno, linetable, start: code + o.code_adaptive, info: None })
 }
 
 /// The line of a frame: `instr` is what the probe read at the layout's `frame_instr`.
@@ -240,6 +242,29 @@ impl Resolver {
             }
         }
         out.pop();
+        out
+    }
+
+    /// Each frame's code object and `file(first line): name` (msMemScope's `FuncInfo`), in the
+    /// order given; `?` for a code object that cannot be read. Empty when the process's
+    /// interpreter is unknown.
+    pub fn functions(&mut self, pid: u32, frames: &[(u64, u64)]) -> Vec<(u64, std::sync::Arc<str>)> {
+        let Some(layout) = self.layout(pid) else { return Vec::new() };
+        let o = layout.code;
+        let mut out = Vec::with_capacity(frames.len());
+        for &(code, _) in frames {
+            let entry = self.codes.entry((pid, code)).or_insert_with(|| read_code(pid, code, &o));
+            let info = match entry {
+                Some(c) => {
+                    if c.info.is_none() {
+                        c.info = Some(format!("{}({}): {}", c.filename, c.firstlineno, c.qualname).into());
+                    }
+                    c.info.clone().expect("set above")
+                }
+                None => "?".into(),
+            };
+            out.push((code, info));
+        }
         out
     }
 

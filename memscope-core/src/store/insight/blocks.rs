@@ -26,7 +26,7 @@ pub(super) fn pool_name(pool: Pool) -> Plain {
 
 /// Pinned host memory is marked as msMemScope does; CPU-allocator memory is not pinned.
 fn pinned(space: Space) -> bool {
-    space == Space::Host
+    matches!(space, Space::Host | Space::Registered)
 }
 
 /// Attr keys for the driver call behind a fact: the driver API when it differs from the row's

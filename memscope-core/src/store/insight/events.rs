@@ -175,15 +175,23 @@ pub(super) fn mstx<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>,
 }
 
 /// A `SYSTEM` row opening ([`EventType::StartTrace`]) or closing ([`EventType::StopTrace`]) one
-/// device's trace.
-pub fn system_row(event_type: EventType, ts_ns: u64, device: DeviceKey, meta: &Meta) -> Row<'static> {
+/// device's trace; `memory` is the device's (free, total) bytes when the driver said.
+pub fn system_row(
+    event_type: EventType,
+    ts_ns: u64,
+    device: DeviceKey,
+    meta: &Meta,
+    memory: Option<(u64, u64)>,
+) -> Row<'static> {
     let get = |key: &str| meta.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
     let pid: u32 = get("target_pid").and_then(|p| p.parse().ok()).unwrap_or(0);
     let attr = Attr::new()
         .with(attr::tool, "memscope-bpf")
         .with_opt(attr::version, get("tool_version"))
         .with_opt(attr::mode, get("mode"))
-        .with_opt(attr::stop_reason, if event_type == EventType::StopTrace { get("stop_reason") } else { None });
+        .with_opt(attr::stop_reason, if event_type == EventType::StopTrace { get("stop_reason") } else { None })
+        .with_opt(attr::free, memory.map(|(free, _)| free))
+        .with_opt(attr::total, memory.map(|(_, total)| total));
     let head = Head {
         event: Event::System,
         event_type,

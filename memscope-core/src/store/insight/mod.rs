@@ -212,9 +212,12 @@ pub fn to_row(output: &Output) -> Option<Row<'_>> {
 
 /// Writes the Attr of one model output's row onto the end of `text` and gives its other
 /// columns; `None`, with nothing written, for outputs that change earlier rows
-/// ([`Output::Retag`]).
-pub fn write_row<'a>(output: &'a Output, text: &mut String) -> Option<Columns<'a>> {
-    let (columns, attr) = build(output, Pairs::new(text))?;
+/// ([`Output::Retag`]). `extra` pairs (the driver's latest figures) end the Attr.
+pub fn write_row<'a>(output: &'a Output, text: &mut String, extra: &[(&'static str, u64)]) -> Option<Columns<'a>> {
+    let (columns, mut attr) = build(output, Pairs::new(text))?;
+    for (key, value) in extra {
+        attr = attr.with(key, *value);
+    }
     attr.close();
     Some(columns)
 }

@@ -71,7 +71,7 @@ fn a_malloc_whose_tail_repeats_the_last_ones_is_written_the_same_as_on_its_own()
         [(1, 4128, "CANN@APP"), (2, 4160, "CANN@APP"), (3, 4160, "CANN@APP@x\"y"), (4, 64, "CANN@APP")]
     {
         batch.clear();
-        assert!(batch.push_output(&malloc(ptr, size, owner), (crate::stacks::NO_STACK, crate::stacks::NO_STACK)));
+        assert!(batch.push_output(&malloc(ptr, size, owner), (crate::stacks::NO_STACK, crate::stacks::NO_STACK), &[]));
         let json = batch.get(0).attr.to_owned();
         let head = format!(
             r#"{{"addr":"0x{ptr:016x}","size":"{size}","req_size":"{}","allocation_id":"{ptr}","api":"aclrtMalloc","used":"{size}","#,

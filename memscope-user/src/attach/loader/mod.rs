@@ -89,6 +89,8 @@ pub enum LoadError {
         oldest = kernel_gap::OLDEST
     )]
     OldKernel { kernel: String, gap: kernel_gap::Gap },
+    #[error("cannot list the online CPUs for the Python sampler's timers ({0})")]
+    Cpus(std::io::Error),
 }
 
 /// A program the kernel refused: [`LoadError::OldKernel`] where its verifier says this kernel
@@ -163,6 +165,8 @@ pub struct LoadOptions {
     /// Whether pool frees get Python stacks too (`--call-stack python` stores them; the owner
     /// rules need allocations only).
     pub python_frees: bool,
+    /// Python frames the sampler reads (`--python-trace`; 0: no sampler).
+    pub python_sample_depth: u32,
     /// What the probes tell through aya-log (`--bpf-log`; `None`: nothing).
     pub bpf_log: Option<BpfLogLevel>,
     /// The daemon's rules: `Some` traces every process that calls a probed function unless
@@ -284,6 +288,7 @@ impl Tracer {
             .override_global("STACK_WINDOW", &opts.stack_window, true)
             .override_global("PY_DEPTH", &opts.python_depth, true)
             .override_global("PY_FREES", &u32::from(opts.python_frees), true)
+            .override_global("PY_SAMPLE_DEPTH", &opts.python_sample_depth, true)
             // aya-log's own default lets every message through; ours is none.
             .override_global("AYA_LOG_LEVEL", &BpfLogLevel::kernel_value(opts.bpf_log), true)
             .override_global("TARGET_TGID", &target, true)
@@ -353,6 +358,31 @@ impl Tracer {
             sampling: opts.sampling,
             ring_memory: None,
         })
+    }
+
+    /// Starts the Python sampler (`--python-trace`): its program on a `hz` timer on every online
+    /// CPU, where it samples the traced interpreters' threads that run there. Returns the CPUs.
+    pub fn start_python_sampler(&mut self, hz: u32) -> Result<usize, LoadError> {
+        use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
+        let name = "py_sample";
+        let prog: &mut aya::programs::PerfEvent = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(LoadError::Missing(name))?
+            .try_into()
+            .map_err(|source| LoadError::Program { name, source })?;
+        prog.load().map_err(|source| refused(name, source))?;
+        let cpus = aya::util::online_cpus().map_err(|(_, e)| LoadError::Cpus(e))?;
+        for &cpu in &cpus {
+            prog.attach(
+                PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                PerfEventScope::AllProcessesOneCpu { cpu },
+                SamplePolicy::Frequency(u64::from(hz)),
+                false,
+            )
+            .map_err(|source| LoadError::Program { name, source })?;
+        }
+        Ok(cpus.len())
     }
 
     /// Starts reading the probes' messages (`--bpf-log`). Called after [`Self::load`], which
