@@ -1,6 +1,6 @@
 """A Python job whose function calls are known by construction, for `trace --python-trace`: on
 the main thread `main` -> `step` (x STEPS) -> `forward`, `backward`, each spinning on the CPU
-for a set time, and on a second thread `loader` -> `decode` at the same time. It holds one
+for a set time, after a second thread's `loader` -> `decode` (which `main` waits for). It holds one
 block of the STAND-IN runtime's device memory throughout, so the trace has a device DB (Insight
 draws a DB's Python trace beside its memory).
 
@@ -86,12 +86,14 @@ def loader():
 
 
 def main():
+    # One busy Python thread at a time: on a 2-core machine beside the tracer, two would be
+    # descheduled often enough to space their samples past a period.
     threading_loader = threading.Thread(target=timed(loader))
     threading_loader.start()
+    threading_loader.join()
     for i in range(args.steps):
         timed(step)(i)
         between()
-    threading_loader.join()
 
 
 acl = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
@@ -103,5 +105,6 @@ time.sleep(args.wait)
 acl.aclrtSetDevice(0)
 block = ctypes.c_void_p()
 acl.aclrtMalloc(ctypes.byref(block), 1 << 20, 0)
-timed(main)()
+# Not in the ledger: `main` waits for the loader off the CPU, where no sample sees it.
+main()
 acl.aclrtFree(block)

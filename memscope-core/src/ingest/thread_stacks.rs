@@ -73,8 +73,13 @@ impl ThreadStacks {
         new
     }
 
-    /// A Python sample's functions, outermost first; empty when none can be named.
+    /// A Python sample's functions, outermost first; empty when none can be named, and for a
+    /// stack read only in part (a failed read, or cut at the depth), whose outermost frames are
+    /// missing: it would end the intervals of the frames it lacks.
     pub fn on_py_sample(&mut self, raw: &RawPyStack) -> Vec<crate::ingest::py_trace::PyFunction> {
+        if raw.flags & (PY_READ_FAILED | PY_AT_DEPTH) != 0 {
+            return Vec::new();
+        }
         let mut functions = self.py.functions(raw.tgid, &raw.frames);
         functions.reverse();
         functions.into_iter().map(|(code, info)| crate::ingest::py_trace::PyFunction { code, info }).collect()

@@ -98,16 +98,21 @@ pub fn insert(conn: &rusqlite::Connection, rows: &[DriverRow]) -> rusqlite::Resu
 }
 
 /// Sets the device's free and total on the `START_TRACE` row (`id`), as strings like every Attr
-/// value Insight reads.
+/// value Insight reads. Found by rowid, which the writer makes the row's `ID`: `ID` has no index,
+/// and a scan of a large table would read (and map) all of it.
 pub fn set_start_memory(conn: &rusqlite::Connection, id: u64, (free, total): (u64, u64)) -> rusqlite::Result<()> {
     use crate::vocab::attr;
-    let sql = format!(
-        "UPDATE {} SET Attr = json_set(Attr, '$.{}', ?1, '$.{}', ?2) WHERE ID = ?3 AND Event = 'SYSTEM'",
+    let set = format!(
+        "UPDATE {} SET Attr = json_set(Attr, '$.{}', ?1, '$.{}', ?2)",
         super::schema::DUMP_TABLE,
         attr::free,
         attr::total
     );
-    conn.prepare_cached(&sql)?.execute(rusqlite::params![free.to_string(), total.to_string(), id as i64])?;
+    let values = rusqlite::params![free.to_string(), total.to_string(), id as i64];
+    let by_rowid = format!("{set} WHERE rowid = ?3 AND ID = ?3 AND Event = 'SYSTEM'");
+    if conn.prepare_cached(&by_rowid)?.execute(values)? == 0 {
+        conn.prepare_cached(&format!("{set} WHERE ID = ?3 AND Event = 'SYSTEM'"))?.execute(values)?;
+    }
     Ok(())
 }
 

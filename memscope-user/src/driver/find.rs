@@ -23,6 +23,27 @@ const NVML_NAME: &str = "libnvidia-ml.so.1";
 pub struct Library {
     pub kind: SourceKind,
     pub path: PathBuf,
+    /// The job whose files chose it (its maps, its root): the helper runs as that job's user, so
+    /// a library a job planted beside its own driver runs with the job's rights, never root's.
+    /// `None` for `--driver-lib`, which the operator named.
+    pub chosen_by: Option<u32>,
+}
+
+/// A process's user, group and supplementary groups, from `/proc/PID/status`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Credentials {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+}
+
+/// The real ids of a `/proc/PID/status` text.
+pub fn credentials(status: &str) -> Option<Credentials> {
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::split_whitespace);
+    let uid = field("Uid:")?.next()?.parse().ok()?;
+    let gid = field("Gid:")?.next()?.parse().ok()?;
+    let groups = field("Groups:").map(|g| g.filter_map(|v| v.parse().ok()).collect()).unwrap_or_default();
+    Some(Credentials { uid, gid, groups })
 }
 
 /// What a library file is, by its name.
@@ -61,15 +82,16 @@ pub fn candidates(maps: &str, root: &Path, exists: impl Fn(&Path) -> bool) -> Ve
         let mut places = vec![in_root(&dir.join("libdcmi.so").to_string_lossy())];
         places.extend(DCMI_PLACES.iter().map(|p| in_root(p)));
         places.extend(DCMI_PLACES.iter().map(PathBuf::from));
-        out.extend(places.into_iter().filter(|p| exists(p)).map(|path| Library { kind: SourceKind::Dcmi, path }));
+        let found = places.into_iter().filter(|p| exists(p));
+        out.extend(found.map(|path| Library { kind: SourceKind::Dcmi, path, chosen_by: None }));
     }
     if let Some(dir) = dir_of("libcuda.so") {
         let beside = in_root(&dir.join(NVML_NAME).to_string_lossy());
         if exists(&beside) {
-            out.push(Library { kind: SourceKind::Nvml, path: beside });
+            out.push(Library { kind: SourceKind::Nvml, path: beside, chosen_by: None });
         }
         // The dynamic linker's search, in the helper.
-        out.push(Library { kind: SourceKind::Nvml, path: PathBuf::from(NVML_NAME) });
+        out.push(Library { kind: SourceKind::Nvml, path: PathBuf::from(NVML_NAME), chosen_by: None });
     }
     out.dedup();
     out
@@ -78,7 +100,8 @@ pub fn candidates(maps: &str, root: &Path, exists: impl Fn(&Path) -> bool) -> Ve
 /// The library for `pid`, from its maps now; `None` while it maps no driver library.
 pub fn library_for(pid: u32) -> Option<Library> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    candidates(&maps, &PathBuf::from(format!("/proc/{pid}/root")), |p| p.exists()).into_iter().next()
+    let found = candidates(&maps, &PathBuf::from(format!("/proc/{pid}/root")), |p| p.exists()).into_iter().next()?;
+    Some(Library { chosen_by: Some(pid), ..found })
 }
 
 /// The helper binary: beside our own, else on `PATH`.
@@ -132,6 +155,15 @@ mod tests {
         let none = candidates(MAPS, root, |_| false);
         assert!(none.iter().all(|l| l.kind == SourceKind::Nvml));
         assert!(candidates("", root, |_| true).is_empty(), "no driver mapped yet");
+    }
+
+    #[test]
+    fn a_jobs_credentials_are_its_real_ids_and_groups() {
+        let status = "Name:\tpython3\nUid:\t1000\t1000\t1000\t1000\nGid:\t1001\t0\t0\t0\nGroups:\t44 1001 \n";
+        assert_eq!(credentials(status), Some(Credentials { uid: 1000, gid: 1001, groups: vec![44, 1001] }));
+        let none = "Uid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\n";
+        assert_eq!(credentials(none), Some(Credentials { uid: 0, gid: 0, groups: vec![] }));
+        assert_eq!(credentials("Name:\tx\n"), None);
     }
 
     #[test]

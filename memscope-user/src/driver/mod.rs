@@ -73,7 +73,7 @@ impl Driver {
         }
         let library = match &self.library {
             Some(path) => match find::kind_of(path) {
-                Some(kind) => Library { kind, path: path.clone() },
+                Some(kind) => Library { kind, path: path.clone(), chosen_by: None },
                 None => {
                     return self
                         .off(format!("--driver-lib {} is neither libdcmi.so nor libnvidia-ml.so", path.display()))

@@ -11,7 +11,26 @@ use std::time::Duration;
 
 use memscope_driver::{protocol::READ, Hello, Message, Reading};
 
-use super::find::Library;
+use super::find::{credentials, Credentials, Library};
+
+/// Makes `cmd` run as `who` (groups, then group, then user), unless that is root already.
+fn run_as(cmd: &mut Command, who: Credentials) {
+    use std::os::unix::process::CommandExt as _;
+    if who.uid == 0 {
+        return;
+    }
+    let Credentials { uid, gid, groups } = who;
+    // SAFETY: between fork and exec only async-signal-safe calls are made (setgroups, setgid,
+    // setuid), on data prepared before the fork; nothing is allocated there.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
 
 /// What the helper said.
 #[derive(Debug)]
@@ -62,15 +81,22 @@ fn ask(mut stdin: ChildStdin, out: impl BufRead, tx: &Sender<Said>, every: Durat
 }
 
 impl Watch {
-    /// Starts `helper` on `library`; the hello, or why it failed, is the first thing said.
+    /// Starts `helper` on `library`, as the user of the job that chose it (see
+    /// [`Library::chosen_by`]); the hello, or why it failed, is the first thing said.
     pub fn start(helper: &Path, library: &Library, every: Duration) -> std::io::Result<Self> {
-        let mut child = Command::new(helper)
-            .arg(library.kind.name())
+        let mut cmd = Command::new(helper);
+        cmd.arg(library.kind.name())
             .arg(&library.path)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
+            .stderr(Stdio::null());
+        if let Some(pid) = library.chosen_by {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+            let who = credentials(&status)
+                .ok_or_else(|| std::io::Error::other(format!("/proc/{pid}/status names no user")))?;
+            run_as(&mut cmd, who);
+        }
+        let mut child = cmd.spawn()?;
         let (stdin, stdout) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
         let (tx, rx) = channel();
         std::thread::Builder::new()

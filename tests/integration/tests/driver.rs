@@ -295,3 +295,56 @@ fn on_ascend_the_driver_counts_what_dcmi_says_and_the_context_is_the_unexplained
 fn on_nvidia_the_driver_counts_what_nvml_says_and_the_context_is_the_unexplained_part() {
     check(Stack::Cuda);
 }
+
+/// The management library is found through the job's own files (its maps, its root), which the
+/// job's user may have planted: the helper that loads it runs as that user, never as root.
+#[test]
+fn the_driver_helper_runs_as_the_jobs_user() {
+    let env = env("driver_user");
+    let hal = env.ascend_home.join("lib64/libascend_hal.so");
+    let script = format!("import ctypes, time; ctypes.CDLL({:?}); time.sleep(6)", hal.display().to_string());
+    // `nobody`, with none of root's groups, on the system's Python (pyenv's lives under root's
+    // home, which nobody may not enter).
+    let python = Path::new("/usr/bin/python3");
+    if !python.is_file() {
+        eprintln!("SKIPPED: the helper's user: no /usr/bin/python3 for a job run as nobody");
+        return;
+    }
+    let mut job = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(python)
+        .args(["-c", &script])
+        .spawn()
+        .expect("setpriv");
+    std::thread::sleep(Duration::from_millis(800));
+    let pid = job.id().to_string();
+    let out = env.scratch.join("out").display().to_string();
+    let args = ["trace", "--pid", &pid, "--output", &out, "--duration", "3", "--driver-every", "100ms"];
+    let tracer = Tracer::spawn(&env, &args, &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let helper_uid = loop {
+        let found = std::fs::read_dir("/proc").unwrap().filter_map(Result::ok).find_map(|e| {
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let first = cmdline.split(|b| *b == 0).next()?;
+            if !first.ends_with(b"memscope-driver-query") {
+                return None;
+            }
+            let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|u| u.split_whitespace().nth(1)?.parse::<u32>().ok())
+        });
+        if let Some(uid) = found {
+            break uid;
+        }
+        assert!(std::time::Instant::now() < deadline, "no helper started: {}", tracer.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(helper_uid, 65534, "the helper's effective user");
+    let (code, stderr) = tracer.finish(Duration::from_secs(30));
+    let _ = job.kill();
+    let _ = job.wait();
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("the driver's figures:"), "the helper, as nobody, read the stand-in DCMI: {stderr}");
+}

@@ -172,6 +172,14 @@ struct Code {
     start: u64,
     /// `file(first line): name`, made on first use by [`Resolver::functions`].
     info: Option<std::sync::Arc<str>>,
+    /// The `co_filename` and `co_qualname` pointers it was read with: the code object's
+    /// identity, checked again before a sample's frame is named from the cache.
+    identity: (u64, u64),
+}
+
+/// A code object's `co_filename` and `co_qualname` pointers as they are now.
+fn identity(pid: u32, code: u64, o: &offsets::CodeOffsets) -> Option<(u64, u64)> {
+    Some((remote_u64(pid, code + o.filename)?, remote_u64(pid, code + o.qualname)?))
 }
 
 /// A compact ASCII `str` (file and function names); `?` for anything else.
@@ -187,13 +195,14 @@ fn remote_str(pid: u32, at: u64, o: &offsets::CodeOffsets) -> Option<String> {
 }
 
 fn read_code(pid: u32, code: u64, o: &offsets::CodeOffsets) -> Option<Code> {
-    let filename = remote_str(pid, remote_u64(pid, code + o.filename)?, o)?;
-    let qualname = remote_str(pid, remote_u64(pid, code + o.qualname)?, o)?;
+    let identity = identity(pid, code, o)?;
+    let filename = remote_str(pid, identity.0, o)?;
+    let qualname = remote_str(pid, identity.1, o)?;
     let firstlineno = i64::from(i32::from_ne_bytes(read_remote(pid, code + o.firstlineno, 4)?.try_into().ok()?));
     let table = remote_u64(pid, code + o.linetable)?;
     let size = remote_u64(pid, table + o.bytes_size)? as usize;
     let linetable = if size <= 1 << 20 { read_remote(pid, table + o.bytes_data, size)? } else { Vec::new() };
-    Some(Code { filename, qualname, firstlineno, linetable, start: code + o.code_adaptive, info: None })
+    Some(Code { filename, qualname, firstlineno, linetable, start: code + o.code_adaptive, info: None, identity })
 }
 
 /// The line of a frame: `instr` is what the probe read at the layout's `frame_instr`.
@@ -254,6 +263,11 @@ impl Resolver {
         let mut out = Vec::with_capacity(frames.len());
         for &(code, _) in frames {
             let entry = self.codes.entry((pid, code)).or_insert_with(|| read_code(pid, code, &o));
+            // The object at the address was freed and another made there since it was read
+            // (a module's body, an `exec`'s code, gone once run): read the new one.
+            if entry.as_ref().is_some_and(|c| identity(pid, code, &o) != Some(c.identity)) {
+                *entry = read_code(pid, code, &o);
+            }
             let info = match entry {
                 Some(c) => {
                     if c.info.is_none() {
