@@ -16,7 +16,8 @@ use crate::store::{Retag, StoreError, Writer};
 #[derive(Debug, Error)]
 #[error("{what}")]
 pub struct WriteFailed {
-    /// What was being written ("cannot write the trace", "cannot commit the OOM's rows").
+    /// What it ended ("the trace stopped"), or what was being written ("cannot commit the OOM's
+    /// rows"); the store's error then says what could not be written and why.
     pub what: &'static str,
     #[source]
     pub source: StoreError,
@@ -24,7 +25,7 @@ pub struct WriteFailed {
 
 impl WriteFailed {
     pub fn trace(source: StoreError) -> Self {
-        Self { what: "cannot write the trace", source }
+        Self { what: "the trace stopped", source }
     }
 }
 
