@@ -13,8 +13,8 @@
 //! Frames are told apart by their code object, never by line: a function stays one interval
 //! while its line moves. Insight nests a thread's intervals by their start alone and takes an
 //! interval that ends where the next starts for its parent, so each interval's start is moved
-//! `depth` ns later and its end `depth` ns earlier: a child then starts after its parent and ends
-//! before it, and siblings never touch.
+//! `depth + 1` ns later and its end `depth + 1` ns earlier: a child then starts after its parent
+//! and ends before it, and siblings never touch, at the outermost level too.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -97,7 +97,8 @@ fn close(
     out: &mut Vec<PyTraceRow>,
 ) {
     for (depth, o) in open.rev() {
-        let d = depth as u64;
+        // Depth + 1: siblings at the outermost level must not touch either.
+        let d = depth as u64 + 1;
         let start_ns = o.start_ns + d;
         let end_ns = end(o.last_ns).saturating_sub(d).max(start_ns + 1);
         out.push(PyTraceRow { pid, tid, info: o.function.info, start_ns, end_ns });
@@ -136,9 +137,9 @@ mod tests {
         assert_eq!(
             got,
             [
-                ("a".into(), 95 * MS + 1, 115 * MS - 1),
-                ("b".into(), 115 * MS + 1, 125 * MS - 1),
-                ("main".into(), 95 * MS, 135 * MS),
+                ("a".into(), 95 * MS + 2, 115 * MS - 2),
+                ("b".into(), 115 * MS + 2, 125 * MS - 2),
+                ("main".into(), 95 * MS + 1, 135 * MS - 1),
             ]
         );
     }
@@ -153,9 +154,9 @@ mod tests {
             // Another code object of the same name: a new call.
             (2110 * MS, &[main.clone(), a_again.clone()]),
         ]);
-        assert_eq!(got[0], ("a".into(), 95 * MS + 1, 2105 * MS - 1));
-        assert_eq!(got[1], ("a".into(), 2105 * MS + 1, 2115 * MS - 1));
-        assert_eq!(got[2], ("main".into(), 95 * MS, 2115 * MS));
+        assert_eq!(got[0], ("a".into(), 95 * MS + 2, 2105 * MS - 2));
+        assert_eq!(got[1], ("a".into(), 2105 * MS + 2, 2115 * MS - 2));
+        assert_eq!(got[2], ("main".into(), 95 * MS + 1, 2115 * MS - 1));
     }
 
     #[test]

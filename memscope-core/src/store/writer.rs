@@ -122,18 +122,24 @@ impl Writer {
     /// Writes the row of a model output, if it has one (an [`Output::Retag`] has none). A DB's
     /// rows are formatted straight into the batch; CSV's Attr form is made from a [`Row`].
     pub fn write_output(&mut self, output: &Output, stacks: (StackId, StackId)) -> Result<(), StoreError> {
+        // On every row: no allocation (a fixed pair, of which the set ones are passed).
         let figures = self.driver_figures(output);
-        let extra: Vec<(&'static str, u64)> = [(attr::process_used, figures.0), (attr::device_used, figures.1)]
-            .into_iter()
-            .filter_map(|(k, v)| Some((k, v?)))
-            .collect();
+        let mut pairs = [(attr::process_used, 0), (attr::device_used, 0)];
+        let mut n = 0;
+        for (key, value) in [(attr::process_used, figures.0), (attr::device_used, figures.1)] {
+            if let Some(v) = value {
+                pairs[n] = (key, v);
+                n += 1;
+            }
+        }
+        let extra = &pairs[..n];
         match self.format {
             Format::Db => {
-                self.batch.push_output(output, stacks, &extra);
+                self.batch.push_output(output, stacks, extra);
             }
             Format::Csv => match insight::to_row(output) {
                 Some(mut row) => {
-                    for (key, value) in extra {
+                    for &(key, value) in extra {
                         row.attr = row.attr.with(key, value);
                     }
                     self.batch.push(&row, self.format, stacks)

@@ -264,8 +264,9 @@ impl Resolver {
         for &(code, _) in frames {
             let entry = self.codes.entry((pid, code)).or_insert_with(|| read_code(pid, code, &o));
             // The object at the address was freed and another made there since it was read
-            // (a module's body, an `exec`'s code, gone once run): read the new one.
-            if entry.as_ref().is_some_and(|c| identity(pid, code, &o) != Some(c.identity)) {
+            // (a module's body, an `exec`'s code, gone once run), or could not be read then (a
+            // sample of a frame being torn down): read what is there now.
+            if entry.as_ref().is_none_or(|c| identity(pid, code, &o) != Some(c.identity)) {
                 *entry = read_code(pid, code, &o);
             }
             let info = match entry {
