@@ -142,16 +142,23 @@ DCMI_EXPORT int dcmi_get_card_id_device_id_from_logicid(int *card_id, int *devic
     return DCMI_OK;
 }
 
-DCMI_EXPORT int dcmi_get_device_hbm_info(int card_id, int device_id, struct dcmi_hbm_info *hbm_info) {
-    if (hbm_info == NULL) {
-        return DCMI_ERR_CODE_INVALID_PARAMETER;
-    }
+/* The node's view now (the caller frees it) and the logical id of (card, chip) in `*l`, an
+ * error code when there is no such device; NULL when it cannot be allocated. */
+static struct standin_driver_view *view_of(int card_id, int device_id, int *l) {
     struct standin_driver_view *v = malloc(sizeof *v);
+    if (v != NULL) {
+        look(v);
+        *l = logical_of(card_id, device_id, v->devices);
+    }
+    return v;
+}
+
+DCMI_EXPORT int dcmi_get_device_hbm_info(int card_id, int device_id, struct dcmi_hbm_info *hbm_info) {
+    int l = 0;
+    struct standin_driver_view *v = hbm_info == NULL ? NULL : view_of(card_id, device_id, &l);
     if (v == NULL) {
         return DCMI_ERR_CODE_INVALID_PARAMETER;
     }
-    look(v);
-    int l = logical_of(card_id, device_id, v->devices);
     if (l >= 0) {
         uint64_t used = 0;
         for (size_t i = 0; i < v->n; i++) {
@@ -169,15 +176,12 @@ DCMI_EXPORT int dcmi_get_device_hbm_info(int card_id, int device_id, struct dcmi
 
 DCMI_EXPORT int dcmi_get_npu_proc_mem_info(int card_id, int device_id, struct dcmi_proc_mem_info *proc_info,
                                            int *proc_num) {
-    if (proc_info == NULL || proc_num == NULL) {
-        return DCMI_ERR_CODE_INVALID_PARAMETER;
-    }
-    struct standin_driver_view *v = malloc(sizeof *v);
+    int l = 0;
+    struct standin_driver_view *v =
+        proc_info == NULL || proc_num == NULL ? NULL : view_of(card_id, device_id, &l);
     if (v == NULL) {
         return DCMI_ERR_CODE_INVALID_PARAMETER;
     }
-    look(v);
-    int l = logical_of(card_id, device_id, v->devices);
     if (l >= 0) {
         int n = 0;
         for (size_t i = 0; i < v->n && n < MAX_PROC_NUM_IN_DEVICE; i++) {
