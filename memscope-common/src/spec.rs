@@ -87,6 +87,11 @@ pub mod field_source {
     pub const ARG: u8 = 1;
     /// The return value.
     pub const RET: u8 = 2;
+    /// The caller's address: the call's return address at entry (x86-64: the word at the stack
+    /// pointer; arm64: the link register), with no pointer followed. It names the library that
+    /// called (NCCL, HCCL, cuBLAS taking memory straight from the runtime or driver) for one
+    /// register or stack read, where a stack walk costs a hundred times that.
+    pub const CALLER: u8 = 3;
 }
 
 /// Reads one value through pointers: start from an argument or the return value, follow up to
@@ -130,6 +135,11 @@ impl FieldRead {
     /// `*(T *)(ret + offset)`: a field of a returned object.
     pub const fn ret_field(offset: u32, width: u8) -> Self {
         Self { source: field_source::RET, width, offset, ..Self::NONE }
+    }
+
+    /// The caller's address ([`field_source::CALLER`]), read at entry.
+    pub const fn caller() -> Self {
+        Self { source: field_source::CALLER, width: 8, at_entry: 1, ..Self::NONE }
     }
 
     /// `*(T *)(*(u64 *)(arg + hop) + offset)`, read at entry.

@@ -13,6 +13,13 @@ What it does, in order (`--stack npu`: libascendcl.so from $ASCEND_HOME_PATH/lib
 2. On each device, allocates BUFFERS (1 MiB, 3 MiB + 100 bytes, 16 MiB) with aclrtMalloc /
    cudaMalloc. What the driver charges for them is in its ledger (the stand-in runtime asks
    halMemAlloc for size+32 rounded up to 32; cudaMalloc asks cuMemAlloc_v2 for the size).
+   With --comm, then the communication library takes memory itself, as HCCL and NCCL do: npu:
+   the stand-in libhccl.so (beside libascendcl.so) makes a communicator per device
+   (HcclCommInitRootInfo: two HCCL_BUFFSIZE MB buffers with aclrtMalloc and 1 MiB of host
+   memory with aclrtMallocHost); cuda: the stand-in libnccl.so.2 makes one per device
+   (ncclCommInitAll: NCCL_BUFFSIZE bytes with cuMemAlloc_v2, 1 MiB pinned with cuMemHostAlloc)
+   and ncclMemAlloc maps 3 MiB (rounded to 4) through cuMemCreate/cuMemMap. The libraries log
+   each buffer in STANDIN_COMM_LEDGER; the workload logs its calls to them.
 3. Holds for --hold-ms ("allocated"): the driver's view is steady. During it, on each device d,
    the driver reports for this process
        used(d) = the live driver-level bytes of step 2 on d + the context bytes on d
@@ -22,7 +29,8 @@ What it does, in order (`--stack npu`: libascendcl.so from $ASCEND_HOME_PATH/lib
    (portable|mapped) of a 2 MiB page-aligned buffer and cuMemHostAlloc (portable|devicemap) of
    1 MiB, pinned host memory from the driver.
 5. Holds again ("registered"), then unregisters (aclrtHostUnregister / cudaHostUnregister) and
-   frees (cuMemFreeHost, libc free), and frees the device buffers (aclrtFree / cudaFree).
+   frees (cuMemFreeHost, libc free), destroys the communicators (HcclCommDestroy /
+   ncclMemFree, ncclCommDestroy), and frees the device buffers (aclrtFree / cudaFree).
 6. Holds a third time ("freed": only the context bytes remain) and exits.
 
 Its ledger (--ledger, JSON lines): first {"phase": "start", "pid", "stack", "devices",
@@ -96,6 +104,7 @@ libc.free.argtypes = [VP]
 
 class Npu:
     def __init__(self, lib):
+        self.lib = lib
         self.acl = acl = ctypes.CDLL(lib)
         acl.aclrtSetDevice.argtypes = [ctypes.c_int32]
         acl.aclrtMalloc.argtypes = [ctypes.POINTER(VP), SZ, ctypes.c_int]
@@ -128,6 +137,20 @@ class Npu:
             raise RuntimeError(f"aclrtHostRegister returned {rc}")
         return [a, b]
 
+    def comm(self, led, devices):
+        hccl = ctypes.CDLL(os.path.join(os.path.dirname(self.lib), "libhccl.so"))
+        hccl.HcclCommInitRootInfo.argtypes = [ctypes.c_uint32, VP, ctypes.c_uint32, ctypes.POINTER(VP)]
+        hccl.HcclCommDestroy.argtypes = [VP]
+        root = ctypes.create_string_buffer(4108)
+        led.call(hccl.HcclGetRootInfo, "HcclGetRootInfo", root, device=-1)
+        comms = []
+        for d in devices:
+            self.set_device(led, d)
+            comm = VP()
+            led.call(hccl.HcclCommInitRootInfo, "HcclCommInitRootInfo", 1, root, 0, ctypes.byref(comm), device=d)
+            comms.append(comm)
+        return lambda: [led.call(hccl.HcclCommDestroy, "HcclCommDestroy", c, device=-1) for c in comms]
+
     def unhost(self, led, bufs):
         a, b = bufs
         for p, size in [(a, REGISTERED), (b, PINNED)]:
@@ -137,6 +160,7 @@ class Npu:
 
 class Cuda:
     def __init__(self, lib_dir):
+        self.lib_dir = lib_dir
         self.rt = rt = ctypes.CDLL(os.path.join(lib_dir, "libcudart.so.12"))
         self.drv = drv = ctypes.CDLL(os.path.join(lib_dir, "libcuda.so.1"))
         rt.cudaSetDevice.argtypes = [ctypes.c_int]
@@ -168,6 +192,23 @@ class Cuda:
                  size=PINNED, flags=flags)
         return [a, b]
 
+    def comm(self, led, devices):
+        nccl = ctypes.CDLL(os.path.join(self.lib_dir, "libnccl.so.2"))
+        nccl.ncclCommInitAll.argtypes = [ctypes.POINTER(VP), ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        nccl.ncclCommDestroy.argtypes = [VP]
+        nccl.ncclMemAlloc.argtypes = [ctypes.POINTER(VP), SZ]
+        nccl.ncclMemFree.argtypes = [VP]
+        comms, devlist = (VP * len(devices))(), (ctypes.c_int * len(devices))(*devices)
+        led.call(nccl.ncclCommInitAll, "ncclCommInitAll", comms, len(devices), devlist, device=-1)
+        mem = VP()
+        led.call(nccl.ncclMemAlloc, "ncclMemAlloc", ctypes.byref(mem), 3 * MiB, out=mem, device=devices[-1], size=3 * MiB)
+
+        def destroy():
+            led.call(nccl.ncclMemFree, "ncclMemFree", mem, device=devices[-1], ptr=mem.value)
+            for c in comms:
+                led.call(nccl.ncclCommDestroy, "ncclCommDestroy", c, device=-1)
+        return destroy
+
     def unhost(self, led, bufs):
         a, b = bufs
         led.call(self.rt.cudaHostUnregister, "cudaHostUnregister", a, device=-1, size=REGISTERED, ptr=a.value)
@@ -193,6 +234,8 @@ def main():
     ap.add_argument("--lib", default=os.path.join(home, "lib64", "libascendcl.so") if home else None,
                     help="npu: the stand-in libascendcl.so (default: from ASCEND_HOME_PATH)")
     ap.add_argument("--cuda-lib", help="cuda: the folder of the stand-in NVIDIA libraries")
+    ap.add_argument("--comm", action="store_true",
+                    help="have the communication library (stand-in HCCL or NCCL) take memory itself")
     ap.add_argument("--ready-file", help="written with the pid once the libraries are loaded")
     ap.add_argument("--go-file", help="make no call until this file exists")
     ap.add_argument("--go-timeout", type=float, default=30, help="seconds to wait for --go-file")
@@ -224,10 +267,12 @@ def main():
     for d in devices:
         job.set_device(led, d)
         buffers += [(d, job.malloc(led, d, size), size) for size in BUFFERS]
+    destroy_comm = job.comm(led, devices) if args.comm else (lambda: None)
     hold(led, "allocated", devices, args.hold_ms)
     host = job.host(led)
     hold(led, "registered", devices, args.hold_ms)
     job.unhost(led, host)
+    destroy_comm()
     for d, p, size in buffers:
         job.free(led, d, p, size)
     hold(led, "freed", devices, args.hold_ms)

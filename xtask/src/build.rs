@@ -3,6 +3,8 @@
 //! Layout under target/standin/ (what tests and the demo point at):
 //! - `ascend/lib64/libascendcl.so`: the stand-in runtime, which allocates through
 //!   `ascend/lib64/libascend_hal.so`, the stand-in driver; `ascend` serves as ASCEND_HOME_PATH.
+//!   Beside them `ascend/lib64/libhccl.so`, the stand-in HCCL (communicators whose buffers it
+//!   takes from the runtime itself, `tests/standin/ascend/standin_hccl.c`).
 //!   Beside the driver, `ascend/lib64/libdcmi.so`: the stand-in device management library, which
 //!   answers devices' and processes' memory from what the stand-in driver charged in every live
 //!   process (`tests/standin/common/standin_driver_state.h`), as a tracer finds DCMI next to the
@@ -22,7 +24,8 @@
 //!   `libc10_cuda.so` (a caching allocator with PyTorch's USDT probes and internal names, kept in
 //!   `.symtab` only), each findable from the next through DT_NEEDED and RUNPATH; beside them
 //!   `libnvidia-ml.so.1` (NVML, answering from what the stand-in libcuda.so.1 charged in every
-//!   live process); and `bin/static_cudart`, a program with the stand-in runtime compiled in
+//!   live process); `libnccl.so.2` (NCCL, taking its buffers from the driver itself); and
+//!   `bin/static_cudart`, a program with the stand-in runtime compiled in
 //!   (`cudart_static`).
 
 use std::path::{Path, PathBuf};
@@ -122,6 +125,13 @@ pub fn standins_in(tc: Toolchain, standin: &Path) -> anyhow::Result<Built> {
     let libascendcl = lib64.join("libascendcl.so");
     let runtime = sources.join("standin_ascendcl.c");
     compile_library(tc, &runtime, &libascendcl, "libascendcl.so", &[(&lib64, "ascend_hal")])?;
+    compile_library(
+        tc,
+        &sources.join("standin_hccl.c"),
+        &lib64.join("libhccl.so"),
+        "libhccl.so",
+        &[(&lib64, "ascendcl")],
+    )?;
     let late_lib = standin.join("late/libacl_rt.so");
     compile_library(tc, &runtime, &late_lib, "libacl_rt.so", &[(&lib64, "ascend_hal")])?;
     compile_library(
@@ -319,6 +329,9 @@ fn cuda(tc: Toolchain, root: &Path, standin: &Path) -> anyhow::Result<PathBuf> {
     let cudart = lib.join("libcudart.so.12");
     compile_library(tc, &sources.join("standin_cudart.c"), &cudart, "libcudart.so.12", &[(&lib, "cuda")])?;
     link("libcudart.so.12", "libcudart.so")?;
+    // NCCL's runtime is linked in: it calls the driver itself.
+    compile_library(tc, &sources.join("standin_nccl.c"), &lib.join("libnccl.so.2"), "libnccl.so.2", &[(&lib, "cuda")])?;
+    link("libnccl.so.2", "libnccl.so")?;
     // Hidden internals, not stripped: local functions of `.symtab`, as in the PyPI wheel.
     sh(tc
         .tool("g++")

@@ -8,7 +8,7 @@
 use memscope_common::spec::{cfg_kind, device_effect, layer, FieldRead, ProbeSpec};
 
 use super::op::{Op, Space};
-use super::{named, spec, Api, ApiDef, Family, RESULT};
+use super::{named, spec, with_caller, Api, ApiDef, Family, RESULT};
 use crate::raw::RawCall;
 
 /// `ACL_ERROR_RT_MEMORY_ALLOCATION`: the runtime's out-of-memory status.
@@ -26,6 +26,8 @@ const PHYS_PROP_DEVICE_OFFSET: u32 = 12;
 const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
 /// `*arg0` is the result (a pointer or a handle).
 const OUT0: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[FieldRead::arg_at_exit(0, 0, 8)]);
+/// [`OUT0`] of a call that takes memory: its caller may be a library that names the owner.
+const ALLOC: ProbeSpec = with_caller(OUT0);
 
 const fn with_cfg(mut s: ProbeSpec, cfg_arg: u32) -> ProbeSpec {
     s.cfg_kind = cfg_kind::MALLOC_CONFIG;
@@ -69,12 +71,12 @@ pub(super) static TABLE: [ApiDef; 18] = [
         ),
         |c| Op::GetDevice { device: c.result().map(|v| v as i32) },
     ),
-    row(Api::AclrtMalloc, "aclrtMalloc", OUT0, device_malloc),
-    row(Api::AclrtMallocAlign32, "aclrtMallocAlign32", OUT0, device_malloc),
-    row(Api::AclrtMallocCached, "aclrtMallocCached", OUT0, device_malloc),
-    row(Api::AclrtMallocWithCfg, "aclrtMallocWithCfg", with_cfg(OUT0, 3), device_malloc),
+    row(Api::AclrtMalloc, "aclrtMalloc", ALLOC, device_malloc),
+    row(Api::AclrtMallocAlign32, "aclrtMallocAlign32", ALLOC, device_malloc),
+    row(Api::AclrtMallocCached, "aclrtMallocCached", ALLOC, device_malloc),
+    row(Api::AclrtMallocWithCfg, "aclrtMallocWithCfg", with_cfg(ALLOC, 3), device_malloc),
     row(Api::AclrtFree, "aclrtFree", PLAIN, |c| Op::Free { space: Space::Device, ptr: c.args[0], driver: None }),
-    row(Api::AclrtMallocHost, "aclrtMallocHost", OUT0, |c| Op::Malloc {
+    row(Api::AclrtMallocHost, "aclrtMallocHost", ALLOC, |c| Op::Malloc {
         space: Space::Host,
         size: c.args[1],
         ptr: c.result(),
@@ -94,14 +96,14 @@ pub(super) static TABLE: [ApiDef; 18] = [
     row(
         Api::AclrtMallocPhysical,
         "aclrtMallocPhysical",
-        spec(
+        with_caller(spec(
             layer::RUNTIME,
             layer::POOL,
             &named(&[
                 (Physical::Handle as usize, FieldRead::arg_at_exit(0, 0, 8)),
                 (Physical::Device as usize, FieldRead::arg_at_entry(2, PHYS_PROP_DEVICE_OFFSET, 4)),
             ]),
-        ),
+        )),
         |c| Op::MallocPhysical {
             size: c.args[1],
             handle: c.result(),
@@ -120,9 +122,9 @@ pub(super) static TABLE: [ApiDef; 18] = [
     }),
     row(Api::AclrtUnmapMem, "aclrtUnmapMem", PLAIN, |c| Op::Unmap { va: c.args[0] }),
     // (void *ptr, uint64_t size, aclrtHostRegisterType type, void **devPtr): pins the range.
-    row(Api::AclrtHostRegister, "aclrtHostRegister", PLAIN, registered),
+    row(Api::AclrtHostRegister, "aclrtHostRegister", with_caller(PLAIN), registered),
     // (void *ptr, uint64_t size, uint32_t flag)
-    row(Api::AclrtHostRegisterV2, "aclrtHostRegisterV2", PLAIN, |c| {
+    row(Api::AclrtHostRegisterV2, "aclrtHostRegisterV2", with_caller(PLAIN), |c| {
         if c.args[2] & ACL_HOST_REG_PINNED != 0 {
             registered(c)
         } else {

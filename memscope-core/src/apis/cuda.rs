@@ -12,7 +12,7 @@
 use memscope_common::spec::{device_effect, layer, FieldRead, ProbeSpec};
 
 use super::op::{Op, Space};
-use super::{spec, Api, ApiDef, Family};
+use super::{spec, with_caller, Api, ApiDef, Family};
 use crate::raw::RawCall;
 
 /// `cudaErrorMemoryAllocation`: the runtime's out-of-memory status.
@@ -22,6 +22,8 @@ pub const CUDA_ERROR_MEMORY_ALLOCATION: i32 = 2;
 const PLAIN: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[]);
 /// `*arg0` is the result.
 const OUT0: ProbeSpec = spec(layer::RUNTIME, layer::POOL, &[FieldRead::arg_at_exit(0, 0, 8)]);
+/// [`OUT0`] of a call that takes memory: its caller may be a library that names the owner.
+const ALLOC: ProbeSpec = with_caller(OUT0);
 
 const fn with_effect(mut s: ProbeSpec, effect: u32) -> ProbeSpec {
     s.device_effect = effect;
@@ -60,20 +62,20 @@ pub(super) static TABLE: [ApiDef; 12] = [
         ),
         |c| Op::GetDevice { device: c.result().map(|v| v as i32) },
     ),
-    row(Api::CudaMalloc, "cudaMalloc", OUT0, |c| malloc(c, Space::Device)),
+    row(Api::CudaMalloc, "cudaMalloc", ALLOC, |c| malloc(c, Space::Device)),
     row(Api::CudaFree, "cudaFree", PLAIN, |c| free(c, Space::Device)),
     // (void **devPtr, size_t size, cudaStream_t stream): the cudaMallocAsync backend's blocks.
-    row(Api::CudaMallocAsync, "cudaMallocAsync", OUT0, |c| malloc(c, Space::Device)),
+    row(Api::CudaMallocAsync, "cudaMallocAsync", ALLOC, |c| malloc(c, Space::Device)),
     row(Api::CudaFreeAsync, "cudaFreeAsync", PLAIN, |c| free(c, Space::Device)),
-    row(Api::CudaMallocHost, "cudaMallocHost", OUT0, |c| malloc(c, Space::Host)),
+    row(Api::CudaMallocHost, "cudaMallocHost", ALLOC, |c| malloc(c, Space::Host)),
     // (void **pHost, size_t size, unsigned int flags): pinned host memory, as cudaMallocHost.
-    row(Api::CudaHostAlloc, "cudaHostAlloc", OUT0, |c| malloc(c, Space::Host)),
+    row(Api::CudaHostAlloc, "cudaHostAlloc", ALLOC, |c| malloc(c, Space::Host)),
     row(Api::CudaFreeHost, "cudaFreeHost", PLAIN, |c| free(c, Space::Host)),
     // (void **devPtr, size_t size, unsigned int flags): unified memory, counted on the device.
-    row(Api::CudaMallocManaged, "cudaMallocManaged", OUT0, |c| malloc(c, Space::Device)),
+    row(Api::CudaMallocManaged, "cudaMallocManaged", ALLOC, |c| malloc(c, Space::Device)),
     // (void *ptr, size_t size, unsigned int flags): pins the caller's memory (its driver call,
     // cuMemHostRegister_v2, folds into it).
-    row(Api::CudaHostRegister, "cudaHostRegister", PLAIN, super::acl::registered),
+    row(Api::CudaHostRegister, "cudaHostRegister", with_caller(PLAIN), super::acl::registered),
     row(Api::CudaHostUnregister, "cudaHostUnregister", PLAIN, |c| Op::Free {
         space: Space::Registered,
         ptr: c.args[0],

@@ -15,7 +15,7 @@
 use memscope_common::spec::{layer, FieldRead, ProbeSpec};
 
 use super::op::{DriverInfo, Op, Space};
-use super::{named, spec, Api, ApiDef, Family, Tracking, RESULT};
+use super::{named, spec, with_caller, Api, ApiDef, Family, Tracking, RESULT};
 use crate::raw::RawCall;
 
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
@@ -28,6 +28,9 @@ const PROP_DEVICE_OFFSET: u32 = 12;
 /// Inside a runtime call: folded into it.
 const PLAIN: ProbeSpec = spec(layer::HAL, layer::RUNTIME, &[]);
 const OUT0: ProbeSpec = spec(layer::HAL, layer::RUNTIME, &[FieldRead::arg_at_exit(0, 0, 8)]);
+/// [`OUT0`] of a call that takes memory: NCCL and cuBLAS, their runtime linked in, call these
+/// themselves, and their address names the owner.
+const ALLOC: ProbeSpec = with_caller(OUT0);
 /// Virtual memory: inside a pool's step, its segments.
 const VMM: ProbeSpec = spec(layer::HAL, layer::POOL, &[]);
 const VMM_OUT0: ProbeSpec = spec(layer::HAL, layer::POOL, &[FieldRead::arg_at_exit(0, 0, 8)]);
@@ -74,18 +77,18 @@ enum Create {
 const _: () = assert!(Create::Handle as usize == RESULT, "RawCall::result reads the handle");
 
 pub(super) static TABLE: [ApiDef; 16] = [
-    row(Api::CuMemAlloc, "cuMemAlloc_v2", OUT0, |c| malloc(c, Api::CuMemAlloc, Space::Device)),
+    row(Api::CuMemAlloc, "cuMemAlloc_v2", ALLOC, |c| malloc(c, Api::CuMemAlloc, Space::Device)),
     row(Api::CuMemFree, "cuMemFree_v2", PLAIN, |c| free(c, Api::CuMemFree, Space::Device)),
-    row(Api::CuMemAllocAsync, "cuMemAllocAsync", OUT0, |c| malloc(c, Api::CuMemAllocAsync, Space::Device)),
+    row(Api::CuMemAllocAsync, "cuMemAllocAsync", ALLOC, |c| malloc(c, Api::CuMemAllocAsync, Space::Device)),
     row(Api::CuMemFreeAsync, "cuMemFreeAsync", PLAIN, |c| free(c, Api::CuMemFreeAsync, Space::Device)),
-    row(Api::CuMemAllocManaged, "cuMemAllocManaged", OUT0, |c| malloc(c, Api::CuMemAllocManaged, Space::Device)),
-    row(Api::CuMemAllocHost, "cuMemAllocHost_v2", OUT0, |c| malloc(c, Api::CuMemAllocHost, Space::Host)),
+    row(Api::CuMemAllocManaged, "cuMemAllocManaged", ALLOC, |c| malloc(c, Api::CuMemAllocManaged, Space::Device)),
+    row(Api::CuMemAllocHost, "cuMemAllocHost_v2", ALLOC, |c| malloc(c, Api::CuMemAllocHost, Space::Host)),
     row(Api::CuMemFreeHost, "cuMemFreeHost", PLAIN, |c| free(c, Api::CuMemFreeHost, Space::Host)),
     // (void **pp, size_t bytesize, unsigned int Flags): pinned host memory, freed by
     // cuMemFreeHost (NCCL's bundled runtime pins its host buffers so).
-    row(Api::CuMemHostAlloc, "cuMemHostAlloc", OUT0, |c| malloc(c, Api::CuMemHostAlloc, Space::Host)),
+    row(Api::CuMemHostAlloc, "cuMemHostAlloc", ALLOC, |c| malloc(c, Api::CuMemHostAlloc, Space::Host)),
     // (void *p, size_t bytesize, unsigned int Flags): `cuMemHostRegister` in cuda.h.
-    row(Api::CuMemHostRegister, "cuMemHostRegister_v2", PLAIN, |c| {
+    row(Api::CuMemHostRegister, "cuMemHostRegister_v2", with_caller(PLAIN), |c| {
         let size = c.args[1];
         let ptr = (c.status() == 0).then_some(c.args[0]);
         let driver = info(Api::CuMemHostRegister, size);
@@ -97,14 +100,14 @@ pub(super) static TABLE: [ApiDef; 16] = [
     vmm_row(
         Api::CuMemCreate,
         "cuMemCreate",
-        spec(
+        with_caller(spec(
             layer::HAL,
             layer::POOL,
             &named(&[
                 (Create::Handle as usize, FieldRead::arg_at_exit(0, 0, 8)),
                 (Create::Device as usize, FieldRead::arg_at_entry(2, PROP_DEVICE_OFFSET, 4)),
             ]),
-        ),
+        )),
         |c| Op::MallocPhysical {
             size: c.args[1],
             handle: c.result(),

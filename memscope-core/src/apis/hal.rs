@@ -11,7 +11,7 @@
 use memscope_common::spec::{layer, FieldRead};
 
 use super::op::{DriverInfo, Op, PageType, Space};
-use super::{named, spec, Api, ApiDef, Family, Tracking, RESULT};
+use super::{named, spec, with_caller, Api, ApiDef, Family, Tracking, RESULT};
 use crate::raw::RawCall;
 
 /// `DRV_ERROR_OUT_OF_MEMORY`.
@@ -153,24 +153,29 @@ enum Create {
 const _: () = assert!(Create::Handle as usize == RESULT, "RawCall::result reads the handle");
 
 pub(super) static TABLE: [ApiDef; 4] = [
-    row(Api::HalMemAlloc, "halMemAlloc", spec(layer::HAL, layer::RUNTIME, &[FieldRead::arg_at_exit(0, 0, 8)]), |c| {
-        let flag = decode_flag(c.args[2]);
-        Op::Malloc {
-            space: if flag.mem_type == MEM_TYPE_HOST { Space::Host } else { Space::Device },
-            size: c.args[1],
-            ptr: c.result(),
-            policy: None,
-            device: Some(flag.device),
-            module: Some(flag.module),
-            driver: Some(DriverInfo {
-                api: Api::HalMemAlloc,
-                flag: Some(c.args[2]),
+    row(
+        Api::HalMemAlloc,
+        "halMemAlloc",
+        with_caller(spec(layer::HAL, layer::RUNTIME, &[FieldRead::arg_at_exit(0, 0, 8)])),
+        |c| {
+            let flag = decode_flag(c.args[2]);
+            Op::Malloc {
+                space: if flag.mem_type == MEM_TYPE_HOST { Space::Host } else { Space::Device },
                 size: c.args[1],
+                ptr: c.result(),
+                policy: None,
+                device: Some(flag.device),
                 module: Some(flag.module),
-                page: Some(flag.page),
-            }),
-        }
-    }),
+                driver: Some(DriverInfo {
+                    api: Api::HalMemAlloc,
+                    flag: Some(c.args[2]),
+                    size: c.args[1],
+                    module: Some(flag.module),
+                    page: Some(flag.page),
+                }),
+            }
+        },
+    ),
     row(Api::HalMemFree, "halMemFree", spec(layer::HAL, layer::RUNTIME, &[]), |c| Op::Free {
         space: Space::Device,
         ptr: c.args[0],
@@ -179,7 +184,7 @@ pub(super) static TABLE: [ApiDef; 4] = [
     row(
         Api::HalMemCreate,
         "halMemCreate",
-        spec(
+        with_caller(spec(
             layer::HAL,
             layer::RUNTIME,
             &named(&[
@@ -187,7 +192,7 @@ pub(super) static TABLE: [ApiDef; 4] = [
                 (Create::SideDevice as usize, FieldRead::arg_at_entry(2, 0, 8)),
                 (Create::ModulePage as usize, FieldRead::arg_at_entry(2, 8, 8)),
             ]),
-        ),
+        )),
         |c| {
             let side_dev = c.field(Create::SideDevice as usize);
             let module_page = c.field(Create::ModulePage as usize);

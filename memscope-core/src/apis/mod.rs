@@ -19,13 +19,16 @@ pub mod c10_cuda;
 pub mod cuda;
 mod cuda_driver;
 pub mod hal;
+pub mod libraries;
 pub mod markers;
 mod mstx;
 pub mod op;
 mod python_gc;
 pub mod torch_npu;
 
-use memscope_common::spec::{sample_kind, value_at, FieldRead, ProbeSpec, SampleRule, MAX_FIELDS, MAX_SPECS};
+use memscope_common::spec::{
+    field_source, sample_kind, value_at, FieldRead, ProbeSpec, SampleRule, MAX_FIELDS, MAX_SPECS,
+};
 
 use crate::raw::RawCall;
 pub use op::Op;
@@ -509,6 +512,18 @@ pub const fn named(reads: &[(usize, FieldRead)]) -> [FieldRead; MAX_FIELDS] {
 
 /// The slot [`RawCall::result`] reads: a spec's out-pointer read is its first.
 pub const RESULT: usize = 0;
+
+/// The field slot of the caller's address ([`with_caller`]): the last, which no other read of
+/// an allocating API takes.
+pub const CALLER_FIELD: usize = MAX_FIELDS - 1;
+
+/// `spec` reading its caller's address too, for the APIs that take memory: a library that calls
+/// them itself names the memory's owner ([`libraries`]). One read at entry, no stack walk.
+pub const fn with_caller(mut spec: ProbeSpec) -> ProbeSpec {
+    assert!(spec.fields[CALLER_FIELD].source == field_source::NONE, "the caller's slot is taken");
+    spec.fields[CALLER_FIELD] = FieldRead::caller();
+    spec
+}
 
 impl Api {
     /// Every API, in spec-id order.

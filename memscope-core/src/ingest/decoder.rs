@@ -8,9 +8,11 @@ use std::collections::HashMap;
 
 use memscope_common::record::RecordKind;
 
+use super::callers::Callers;
 use super::clock::Clock;
 use super::thread_stacks::ThreadStacks;
-use crate::apis::Api;
+use crate::apis::libraries::Library;
+use crate::apis::{Api, CALLER_FIELD};
 use crate::model::{Call, Event, EventKind};
 use crate::raw::{self as decode, RawBlob, RawCall, Record};
 use crate::stacks::capture::{CaptureStats, DebugFinder};
@@ -33,6 +35,7 @@ pub struct Decoder {
     /// (looked up for every record, hence the fast hash).
     blobs: HashMap<u32, RawBlob, foldhash::fast::RandomState>,
     stacks: ThreadStacks,
+    callers: Callers,
     /// Processes seen replacing their image, until the session takes them.
     execs: Vec<u32>,
     /// Processes whose dynamic linker reported a change, until the daemon or session takes them.
@@ -47,6 +50,7 @@ impl Decoder {
             clock,
             blobs: HashMap::default(),
             stacks: ThreadStacks::default(),
+            callers: Callers::default(),
             execs: Vec::new(),
             loads: Vec::new(),
             sample_bytes: 0,
@@ -122,7 +126,8 @@ impl Decoder {
             } else {
                 (self.stacks.of_call(&call), self.stacks.py_of_call(&call))
             };
-            call_event(&call, self.clock, stacks, self.sample_bytes)
+            let caller = self.caller(&call);
+            call_event(&call, self.clock, stacks, self.sample_bytes, caller)
         } else {
             match decode::decode(bytes) {
                 Ok(Record::Blob(blob)) => {
@@ -153,12 +158,14 @@ impl Decoder {
                 }
                 Ok(record @ Record::Exit { tgid, .. }) => {
                     self.stacks.process_exited(tgid);
+                    self.callers.process_exited(tgid);
                     to_event(record, self.clock)
                 }
                 Ok(Record::Exec { tgid, .. }) => {
                     // Its old image's stacks are all normalized (their records came first); the
                     // new one's mappings and interpreter are learnt afresh.
                     self.stacks.process_exited(tgid);
+                    self.callers.process_exited(tgid);
                     self.execs.push(tgid);
                     return;
                 }
@@ -179,6 +186,15 @@ impl Decoder {
         }
     }
 
+    /// The library that made the call, for an API whose spec reads its caller's address.
+    fn caller(&mut self, call: &RawCall) -> Option<Library> {
+        let api = Api::from_spec_id(call.spec_id)?;
+        if api.def().spec.fields[CALLER_FIELD].source != memscope_common::spec::field_source::CALLER {
+            return None;
+        }
+        self.callers.library(call.tgid, call.field(CALLER_FIELD)?)
+    }
+
     /// Gives a call the buffer its thread's last blob record copied, when that was the same
     /// call's (a blob whose call was not recorded is dropped with the next call).
     fn join_blob(&mut self, call: &mut RawCall) {
@@ -192,7 +208,13 @@ impl Decoder {
 
 /// A decoded call as a model event; `None` for an API this build does not know.
 #[inline]
-fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId), interval: u64) -> Option<Event> {
+fn call_event(
+    raw: &RawCall,
+    clock: Clock,
+    (stack, py_stack): (StackId, StackId),
+    interval: u64,
+    caller: Option<Library>,
+) -> Option<Event> {
     let api = Api::from_spec_id(raw.spec_id)?;
     let def = api.def();
     // A function without a status (void, or a pointer result) never fails by its return.
@@ -212,17 +234,19 @@ fn call_event(raw: &RawCall, clock: Clock, (stack, py_stack): (StackId, StackId)
             stack,
             py_stack,
             sample_weight: (raw.points > 0 && interval > 0).then(|| u64::from(raw.points) * interval),
+            caller,
         }),
     })
 }
 
 /// A decoded record as a model event; `None` for a call of an API this build does not know.
+/// Calls name no caller library: that needs the processes' mappings, which the [`Decoder`] reads.
 pub fn to_event(record: Record, clock: Clock) -> Option<Event> {
     Some(match record {
-        Record::Call(raw) => return call_event(&raw, clock, (NO_STACK, NO_STACK), 0),
+        Record::Call(raw) => return call_event(&raw, clock, (NO_STACK, NO_STACK), 0, None),
         // A USDT row's hit (PyTorch's `pytorch:malloc`) is a call like any other.
         Record::Usdt(raw) if raw.probe >= crate::apis::API_PROBE_BASE => {
-            return call_event(&crate::apis::usdt_call(&raw)?, clock, (NO_STACK, NO_STACK), 0)
+            return call_event(&crate::apis::usdt_call(&raw)?, clock, (NO_STACK, NO_STACK), 0, None)
         }
         Record::Usdt(raw) => Event {
             wall_ns: clock.to_wall(raw.mono_ns),
@@ -273,7 +297,7 @@ mod tests {
         let mut r = raw(Api::C10AllocCpu as u32, [700, 0, 0, 0, 0, 0], 0x5000, None);
         r.points = 3;
         let weight = |r: &RawCall, interval| {
-            let e = call_event(r, Clock::with_offset(0), (NO_STACK, NO_STACK), interval).unwrap();
+            let e = call_event(r, Clock::with_offset(0), (NO_STACK, NO_STACK), interval, None).unwrap();
             let EventKind::Call(c) = e.kind else { panic!() };
             c.sample_weight
         };

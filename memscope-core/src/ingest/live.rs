@@ -386,7 +386,7 @@ mod tests {
     }
 
     fn site(api: Api, weight: Option<u64>) -> Site {
-        Site { api, wall_ns: 1, pid: PID, tid: PID, gc: false, weight, py_stack: crate::stacks::NO_STACK }
+        Site { weight, ..Site::of(api, 1, PID, PID) }
     }
 
     fn pool_malloc(ptr: u64, size: u64, req: u64, owner: &str, weight: Option<u64>) -> Output {

@@ -7,6 +7,7 @@
 //! nothing past that point needs aya, so the consumer benchmark and the tests run the same
 //! path on records they make themselves.
 
+pub mod callers;
 pub mod clock;
 pub mod decoder;
 pub mod live;

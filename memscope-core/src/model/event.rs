@@ -2,6 +2,7 @@
 //! do not travel further than `record`. What a call did ([`Op`] and the kinds it names) is the
 //! catalogue's (`apis::op`), re-exported here; the DB's names for them are added here.
 
+use crate::apis::libraries::Library;
 pub use crate::apis::op::{level, DriverInfo, Marker, Op, PageType, Pool, Space};
 use crate::apis::Api;
 use crate::stacks::{Stack, StackId};
@@ -72,6 +73,9 @@ pub struct Call {
     /// Under the daemon's sampling, the requested bytes this recorded allocation stands for
     /// (a multiple of the interval; `memscope_common::sampling`); `None`: recorded in full.
     pub sample_weight: Option<u64>,
+    /// The library that made the call, when it is one known to take memory itself (its
+    /// caller's address lies in that library's file): the owner of what the call takes.
+    pub caller: Option<Library>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -60,13 +60,15 @@ pub struct Site {
     pub weight: Option<u64>,
     /// The thread's Python stack at the call ([`super::event::Call::py_stack`]), or none.
     pub py_stack: crate::stacks::StackId,
+    /// The library that made the call ([`super::event::Call::caller`]).
+    pub caller: Option<crate::apis::libraries::Library>,
 }
 
 impl Site {
     /// A call of `api` at `wall_ns` on `pid`'s thread `tid`, outside the garbage collector,
     /// unsampled, with no Python stack: the tracer's own rows (shadow frees) and tests.
     pub fn of(api: Api, wall_ns: u64, pid: u32, tid: u32) -> Self {
-        Self { api, wall_ns, pid, tid, gc: false, weight: None, py_stack: crate::stacks::NO_STACK }
+        Self { api, wall_ns, pid, tid, gc: false, weight: None, py_stack: crate::stacks::NO_STACK, caller: None }
     }
 }
 

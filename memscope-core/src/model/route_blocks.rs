@@ -94,17 +94,20 @@ impl Tracker {
     pub(super) fn add_block(&mut self, site: Site, block: NewBlock, out: &mut Vec<Output>) {
         let NewBlock { device, space, ptr, sizes: (size, req_size), origin } = block;
         let family = site.api.family();
+        // A library that called for the memory itself names its owner under the allocator's
+        // root; mapped pages are their physical memory's creator's.
+        let device_base = |module: Option<u16>| match family.backend() {
+            Some(Backend::Cuda) => OwnerBase::Cuda { driver: family == Family::CudaDriver },
+            _ => OwnerBase::Hal(module),
+        };
         let base = match (space, origin) {
-            (Space::Host | Space::Cpu | Space::Registered, _) => OwnerBase::Host,
-            (Space::Device, _) if family.backend() == Some(Backend::Cuda) => {
-                OwnerBase::Cuda { driver: family == Family::CudaDriver }
-            }
+            (Space::Host | Space::Cpu | Space::Registered, _) => OwnerBase::Host.called_by(site.caller),
             (Space::Device, Origin::Direct { module, driver, .. }) => {
-                OwnerBase::Hal(driver.and_then(|d| d.module).or(module))
+                device_base(driver.and_then(|d| d.module).or(module)).called_by(site.caller)
             }
-            // Mapped pages belong to the module that created their physical memory.
             (Space::Device, Origin::Mapped { handle, .. }) => {
-                OwnerBase::Hal(self.vmm.physical_module(site.pid, handle))
+                let (module, lib) = self.vmm.physical_creator(site.pid, handle);
+                device_base(module).called_by(lib)
             }
         };
         let NewOwner { labels, from } = self.new_owner(site);

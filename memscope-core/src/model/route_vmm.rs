@@ -49,7 +49,7 @@ impl Tracker {
                 let device = device.map_or_else(|| self.devices.thread_device(site, call), DeviceKey::Npu);
                 match handle {
                     Some(handle) if !failed => {
-                        self.vmm.add_physical(site.pid, handle, device, driver.and_then(|d| d.module));
+                        self.vmm.add_physical(site.pid, handle, device, (driver.and_then(|d| d.module), site.caller));
                         let step = VmmStep::MallocPhysical;
                         let size = Some(size);
                         out.push(Output::Vmm { site, device, step, addr: handle, size, driver, unmatched: false });

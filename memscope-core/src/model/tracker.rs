@@ -183,7 +183,8 @@ impl Tracker {
         if let EventKind::Call(call) = &event.kind {
             let gc = call.outer.is_some_and(|outer| outer.tracking().collects_garbage);
             let (wall_ns, pid, tid, weight) = (event.wall_ns, event.pid, event.tid, call.sample_weight);
-            let site = Site { api: call.api, wall_ns, pid, tid, gc, weight, py_stack: call.py_stack };
+            let site =
+                Site { api: call.api, wall_ns, pid, tid, gc, weight, py_stack: call.py_stack, caller: call.caller };
             self.devices.learn(site, call);
             if matches!(call.op, Op::Malloc { .. } | Op::PoolMalloc { .. }) {
                 self.observe_allocation(site, out);

@@ -9,6 +9,11 @@
 
 use super::event::DeviceKey;
 use super::keys::Map;
+use crate::apis::libraries::Library;
+
+/// Who created a physical handle: the CANN module its driver call named, and the library that
+/// called, each if seen. Its mappings are theirs.
+pub(super) type Creator = (Option<u16>, Option<Library>);
 
 /// A physical memory handle, until it is freed.
 #[derive(Clone, Copy, Debug)]
@@ -16,6 +21,8 @@ struct Physical {
     device: DeviceKey,
     /// The CANN module that created it (`halMemCreate`'s flag), the owner of its mappings.
     module: Option<u16>,
+    /// The library that created it, when one known to take memory itself (NCCL's buffers).
+    caller: Option<Library>,
 }
 
 /// Reserved ranges and physical handles, by (pid, address or handle).
@@ -40,17 +47,18 @@ impl Vmm {
         self.reserved.remove(&(pid, va));
     }
 
-    pub(super) fn add_physical(&mut self, pid: u32, handle: u64, device: DeviceKey, module: Option<u16>) {
-        self.physical.insert((pid, handle), Physical { device, module });
+    pub(super) fn add_physical(&mut self, pid: u32, handle: u64, device: DeviceKey, creator: Creator) {
+        let (module, caller) = creator;
+        self.physical.insert((pid, handle), Physical { device, module, caller });
     }
 
     pub(super) fn free_physical(&mut self, pid: u32, handle: u64) {
         self.physical.remove(&(pid, handle));
     }
 
-    /// The module that created a physical handle, if it was seen.
-    pub(super) fn physical_module(&self, pid: u32, handle: u64) -> Option<u16> {
-        self.physical.get(&(pid, handle)).and_then(|p| p.module)
+    /// The module and library that created a physical handle, as far as they were seen.
+    pub(super) fn physical_creator(&self, pid: u32, handle: u64) -> Creator {
+        self.physical.get(&(pid, handle)).map_or((None, None), |p| (p.module, p.caller))
     }
 
     /// The device of a physical handle, if it was seen.

@@ -191,7 +191,8 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     open.verdict = 0;
     if spec.reads_at_entry() {
         let args = open.args;
-        read_fields(spec, &args, 0, true, &mut open.fields, &mut open.fields_ok);
+        let caller = stack::return_address(ctx, sp);
+        read_fields(spec, &args, Phase::Entry { caller }, &mut open.fields, &mut open.fields_ok);
     }
     open.verdict = sample::at_entry(&spec.sample, (pid_tgid >> 32) as u32, &open.args, &open.fields, open.fields_ok);
     let verdict = open.verdict;
@@ -283,7 +284,7 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     let spec: &ProbeSpec = SPECS.get(open.spec_id)?;
     let ret: u64 = ctx.ret();
     let args = open.args;
-    read_fields(spec, &args, ret, false, &mut open.fields, &mut open.fields_ok);
+    read_fields(spec, &args, Phase::Return { ret }, &mut open.fields, &mut open.fields_ok);
     if spec.sample.kind != 0 {
         let values = Values { args: &open.args, fields: &open.fields, ok: open.fields_ok, ret };
         // SAFETY: the device field of the thread's state; `open` is another part of it.
@@ -382,10 +383,21 @@ fn read_user(at: u64, width: u8) -> Option<u64> {
     }
 }
 
-fn read_field(field: &FieldRead, args: &[u64; MAX_ARGS], ret: u64) -> Option<u64> {
-    let mut at = match field.source {
-        field_source::ARG => nonzero_arg(args, i64::from(field.arg))?,
-        field_source::RET => ret,
+/// When a spec's field reads happen, with what only that moment knows.
+#[derive(Clone, Copy)]
+enum Phase {
+    /// At entry: the caller's address (0 where the architecture's is not known).
+    Entry { caller: u64 },
+    /// At return: the return value.
+    Return { ret: u64 },
+}
+
+fn read_field(field: &FieldRead, args: &[u64; MAX_ARGS], phase: Phase) -> Option<u64> {
+    let mut at = match (field.source, phase) {
+        (field_source::ARG, _) => nonzero_arg(args, i64::from(field.arg))?,
+        (field_source::RET, Phase::Return { ret }) => ret,
+        // An address, not a pointer to read through.
+        (field_source::CALLER, Phase::Entry { caller }) => return (caller != 0).then_some(caller),
         _ => return None,
     };
     if at == 0 {
@@ -403,21 +415,15 @@ fn read_field(field: &FieldRead, args: &[u64; MAX_ARGS], ret: u64) -> Option<u64
 /// Performs the spec's field reads of one phase (entry or return) into `values`. Inlined: BPF
 /// calls take at most five arguments.
 #[inline(always)]
-fn read_fields(
-    spec: &ProbeSpec,
-    args: &[u64; MAX_ARGS],
-    ret: u64,
-    at_entry: bool,
-    values: &mut [u64; MAX_FIELDS],
-    ok: &mut u32,
-) {
+fn read_fields(spec: &ProbeSpec, args: &[u64; MAX_ARGS], phase: Phase, values: &mut [u64; MAX_FIELDS], ok: &mut u32) {
+    let at_entry = matches!(phase, Phase::Entry { .. });
     #[expect(clippy::needless_range_loop, reason = "the index is also the bit in `ok`")]
     for i in 0..MAX_FIELDS {
         let field = &spec.fields[i];
         if field.source == field_source::NONE || (field.at_entry == 1) != at_entry {
             continue;
         }
-        if let Some(value) = read_field(field, args, ret) {
+        if let Some(value) = read_field(field, args, phase) {
             values[i] = value;
             *ok |= 1 << i;
         }

@@ -40,21 +40,22 @@ pub fn enabled() -> bool {
     STACK_DEPTH.load() != 0
 }
 
+/// The traced function's return address at its entry: where its caller called it from.
 #[cfg(bpf_target_arch = "x86_64")]
-fn return_address(ctx: &ProbeContext, sp: u64) -> u64 {
+pub(super) fn return_address(ctx: &ProbeContext, sp: u64) -> u64 {
     let _ = ctx;
     // SAFETY: checked user read of the word the call instruction pushed.
     unsafe { aya_ebpf::helpers::bpf_probe_read_user(sp as *const u64) }.unwrap_or(0)
 }
 
 #[cfg(bpf_target_arch = "aarch64")]
-fn return_address(ctx: &ProbeContext, _sp: u64) -> u64 {
+pub(super) fn return_address(ctx: &ProbeContext, _sp: u64) -> u64 {
     // SAFETY: `regs` is the context pointer; reading a fixed field of it is allowed.
     unsafe { (*ctx.regs).regs[30] }
 }
 
 #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
-fn return_address(_ctx: &ProbeContext, _sp: u64) -> u64 {
+pub(super) fn return_address(_ctx: &ProbeContext, _sp: u64) -> u64 {
     0
 }
 

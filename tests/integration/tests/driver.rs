@@ -11,7 +11,10 @@
 //!   output's creation after an attach, and after the fact for a launched job);
 //! - `analyze --analysis unexplained` finds, at each of those readings, exactly the context's
 //!   bytes unexplained, also once everything traced is freed;
-//! - device memory rows after the first reading carry msMemScope's `process_used`.
+//! - device memory rows after the first reading carry msMemScope's `process_used`;
+//! - memory the communication library took itself (the stand-in HCCL's or NCCL's buffers, logged
+//!   by the library) is that library's (`CANN@HCCL`, `CUDA@NCCL`, `HOST@...`), known from where
+//!   its calls came from, while the job's own calls to the same APIs keep the allocator's owner.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -48,6 +51,8 @@ struct Run {
     charges: Vec<Charge>,
     /// (hold name, t0, t1) on device 0.
     holds: Vec<(String, u64, u64)>,
+    /// What the communication library logged of the memory it took and gave back.
+    comm: Vec<serde_json::Value>,
     bin: PathBuf,
     stderr: String,
 }
@@ -133,10 +138,11 @@ fn trace(stack: Stack) -> Run {
     let workload = env.workload.with_file_name("standin_driver.py");
     let (out, ledger, driver) =
         (env.scratch.join("out"), env.scratch.join("workload.jsonl"), env.scratch.join("driver.jsonl"));
+    let comm = env.scratch.join("comm.jsonl");
     let (out_s, ledger_s, workload_s) = (s(&out), s(&ledger), s(&workload));
     let context = CONTEXT.to_string();
     let mem = format!("{}M", DEVICE_MEM / MIB);
-    let mut job = vec!["python3", &workload_s, "--ledger", &ledger_s, "--hold-ms", "1200"];
+    let mut job = vec!["python3", &workload_s, "--ledger", &ledger_s, "--hold-ms", "1200", "--comm"];
     let cuda_lib = s(&var("MEMSCOPE_CUDA_LIB"));
     let (cudart, cuda) = (format!("{cuda_lib}/libcudart.so.12"), format!("{cuda_lib}/libcuda.so.1"));
     let (ledger_var, context_var, mem_var) = match stack {
@@ -154,6 +160,8 @@ fn trace(stack: Stack) -> Run {
         (context_var, Some(context.as_ref())),
         (mem_var, Some(mem.as_ref())),
         ("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str())),
+        ("STANDIN_COMM_LEDGER", Some(comm.as_os_str())),
+        ("HCCL_BUFFSIZE", Some("2".as_ref())),
     ];
     let stderr = match stack {
         // Attached: the first reading comes before the DB exists.
@@ -176,7 +184,7 @@ fn trace(stack: Stack) -> Run {
         .filter(|l| l["phase"] == "hold" && l["device"] == 0)
         .map(|l| (l["hold"].as_str().unwrap().to_owned(), l["t0"].as_u64().unwrap(), l["t1"].as_u64().unwrap()))
         .collect();
-    Run { out: read_output(&out), workload, charges: lines(&driver), holds, bin: env.bin, stderr }
+    Run { out: read_output(&out), workload, charges: lines(&driver), holds, comm: lines(&comm), bin: env.bin, stderr }
 }
 
 /// Every registration of host memory, and every pinned allocation the job made of the driver, is
@@ -208,9 +216,44 @@ fn check_pinned_host(run: &Run, stack: Stack) {
     }
 }
 
+/// The owner of the one MALLOC row at `ptr`.
+fn owner_at(run: &Run, ptr: u64, what: &str) -> String {
+    let found: Vec<&DbRow> =
+        run.out.rows().filter(|r| r.event == "MALLOC" && !r.is_shadow() && r.ptr_value() == Some(ptr)).collect();
+    assert_eq!(found.len(), 1, "{what} at {ptr:#x}: {found:#?}");
+    found[0].attr.get("owner").cloned().unwrap_or_else(|| panic!("{what}: no owner: {:?}", found[0]))
+}
+
+/// Every buffer the communication library took is its own, device and host alike (its calls
+/// come from its file); the job's own device buffers, from the same APIs, are not.
+fn check_comm(run: &Run, stack: Stack) {
+    let (lib, device_root, job_owner) = match stack {
+        Stack::Npu => ("HCCL", "CANN", "CANN@APP"),
+        Stack::Cuda => ("NCCL", "CUDA", "CUDA@RUNTIME"),
+    };
+    let takes = ["aclrtMalloc", "aclrtMallocHost", "cuMemAlloc_v2", "cuMemHostAlloc", "ncclMemAlloc"];
+    let taken: Vec<&serde_json::Value> =
+        run.comm.iter().filter(|l| l["rc"] == 0 && takes.contains(&l["api"].as_str().unwrap_or(""))).collect();
+    // Two device buffers and host memory (HCCL); a buffer, host memory and a mapped range (NCCL).
+    assert_eq!(taken.len(), 3, "{stack:?}: the library's buffers: {:?}", run.comm);
+    for l in taken {
+        let root = if l["space"] == "host" { "HOST" } else { device_root };
+        let what = format!("{stack:?}: the library's {}", l["api"]);
+        assert_eq!(owner_at(run, l["ptr"].as_u64().unwrap(), &what), format!("{root}@{lib}"), "{l}");
+    }
+    let own = if stack == Stack::Npu { "aclrtMalloc" } else { "cudaMalloc" };
+    let mine: Vec<u64> =
+        run.workload.iter().filter(|l| l["api"] == own && l["rc"] == 0).filter_map(|l| l["ptr"].as_u64()).collect();
+    assert_eq!(mine.len(), 3, "{stack:?}: the job's buffers");
+    for ptr in mine {
+        assert_eq!(owner_at(run, ptr, &format!("{stack:?}: the job's {own}")), job_owner);
+    }
+}
+
 fn check(stack: Stack) {
     let run = trace(stack);
     check_pinned_host(&run, stack);
+    check_comm(&run, stack);
     assert!(run.stderr.contains("the driver's figures:"), "{}", run.stderr);
     // Every reading in a hold has exactly what the driver charged the job then.
     let readings = readings(&run);

@@ -8,7 +8,7 @@ fn to_row(output: Output) -> Row<'static> {
 }
 
 fn site(api: Api) -> Site {
-    Site { api, wall_ns: 5, pid: 1, tid: 2, gc: false, weight: None, py_stack: crate::stacks::NO_STACK }
+    Site::of(api, 5, 1, 2)
 }
 
 #[test]
