@@ -9,7 +9,10 @@
 //!   Id`, thread ids non-zero, ends after starts, times of one width) and its nesting rule (a
 //!   thread's intervals by start, the stack popped while its top ends before the next starts:
 //!   `MemScopeParser`'s depth) gives each interval a parent that contains it, and a function
-//!   called from another the depth below it.
+//!   called from another the depth below it;
+//! - where `INSIGHT_SRC` names a MindStudio Insight checkout, Insight's own server code (its
+//!   memscope module, built unmodified by tests/insight-cpp) imports the DB and draws the same
+//!   slices at the same depths.
 
 use std::path::Path;
 use std::time::Duration;
@@ -138,8 +141,47 @@ fn python_trace_each_call_is_an_interval_within_a_sampling_period_and_nests_as_i
         forwards.len() == steps.len() && forwards.iter().all(|d| *d == steps[0] + 2),
         "step at {steps:?}, forward at {forwards:?}"
     );
+    insight_draws(output.db("device_0"), &depths);
     let db = rusqlite::Connection::open(output.db("device_0")).unwrap();
     let samples: String =
         db.query_row("SELECT value FROM ms_meta WHERE key = 'python_trace_samples'", [], |r| r.get(0)).unwrap();
     assert!(samples.parse::<u64>().unwrap() > HZ / 2, "{samples} samples in over a second of CPU");
+}
+
+/// Insight's own server code on the DB: tests/insight-cpp builds its memscope module from the
+/// checkout `INSIGHT_SRC` names (its sources are not where CI reaches, so CI skips this) and
+/// prints each slice Insight would send its flame graph, with the depth Insight gave it. They
+/// must be the table's slices, each at the depth its nesting rule gives ([`insight_depths`]).
+fn insight_draws(db: &Path, depths: &[(Slice, usize)]) {
+    let Some(src) = std::env::var_os("INSIGHT_SRC") else {
+        eprintln!("SKIPPED: Insight's own code on python_trace: set INSIGHT_SRC to a MindStudio Insight checkout");
+        return;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let harness = root.join("target/insight-cpp/insight-harness");
+    let build = std::process::Command::new(root.join("tests/insight-cpp/build.sh"))
+        .arg(&harness)
+        .env("INSIGHT_SRC", &src)
+        .output()
+        .expect("run tests/insight-cpp/build.sh");
+    assert!(build.status.success(), "building Insight's code: {}", String::from_utf8_lossy(&build.stderr));
+    let run = std::process::Command::new(&harness).arg(db).env("INSIGHT_HARNESS_QUIET", "1").output().unwrap();
+    assert!(run.status.success(), "Insight's import of {}: {}", db.display(), String::from_utf8_lossy(&run.stderr));
+    let mut drawn: Vec<(u64, u64, u64, String, usize)> = String::from_utf8_lossy(&run.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "slice")
+        .map(|v| {
+            let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
+            (n("tid"), n("start"), n("end"), v["func"].as_str().unwrap().to_owned(), n("depth") as usize)
+        })
+        .collect();
+    let mut ours: Vec<(u64, u64, u64, String, usize)> =
+        depths.iter().map(|(s, d)| (s.tid, s.start, s.end, s.info.clone(), *d)).collect();
+    drawn.sort();
+    ours.sort();
+    assert_eq!(drawn.len(), ours.len(), "Insight drew {} slices of the table's {}", drawn.len(), ours.len());
+    for (d, o) in drawn.iter().zip(&ours) {
+        assert_eq!(d, o, "Insight's slice, then the table's with its nesting depth");
+    }
 }
