@@ -6,6 +6,10 @@ It allocates --count tensors with sizes spread evenly on a log scale from --min 
 and holds what is live for --hold seconds. The allocator logs every block it hands out and takes
 back, with its own allocated-bytes counter (STANDIN_TORCH_LEDGER): tests compare the daemon's
 exact counters and its sampled estimates with that ledger, never with the tracer.
+
+With --go-file, it stops after the first half of its tensors, writes --ready-file then, and
+goes on once that file exists (a tracer attaches in between: the allocator's segments then
+predate the trace, and the second half's blocks lie in them too).
 """
 
 import argparse
@@ -31,6 +35,7 @@ def main():
     ap.add_argument("--ready-file", required=True)
     ap.add_argument("--delay", type=float, default=0,
                     help="seconds to wait once the allocator is loaded (a tracer finds it by the mappings)")
+    ap.add_argument("--go-file", help="after half the tensors, write --ready-file and wait for this file")
     args = ap.parse_args()
     if not args.lib:
         ap.error("no library: pass --lib or set ASCEND_HOME_PATH")
@@ -48,7 +53,11 @@ def main():
     lo, hi = math.log(args.min), math.log(args.max)
     live = []
     started = time.perf_counter()
-    for _ in range(args.count):
+    for i in range(args.count):
+        if args.go_file and i == args.count // 2:
+            ready(args.ready_file)
+            while not os.path.exists(args.go_file):
+                time.sleep(0.01)
         p = torch.standin_tensor_alloc(int(math.exp(rng.uniform(lo, hi))), args.device)
         if not p:
             print("the stand-in allocator gave up", file=sys.stderr)
@@ -58,10 +67,16 @@ def main():
             torch.standin_tensor_free(live.pop(rng.randrange(len(live))))
     # The loop's own time, for benchmarks: what a tracer adds to each allocation and free.
     print(f"loop_s={time.perf_counter() - started:.6f}", flush=True)
-    with open(args.ready_file, "w") as f:
-        f.write(str(os.getpid()))
+    if not args.go_file:
+        ready(args.ready_file)
     time.sleep(args.hold)
     return 0
+
+
+def ready(path):
+    with open(path + ".part", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".part", path)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@
 //! their neighbours as PyTorch merges them); its blocks are the `PTA` rows (`alloc`, and a free
 //! as `free_requested` then `free_completed`); an `OOM_TRIGGER` is an `oom`. The shadow frees a
 //! trace writes at its stop for blocks still alive are not frees: those blocks are live in the
-//! final segments. Blocks inside segments taken before the trace started have no segment to
-//! sit in: they are in the trace, and counted in [`Summary::outside`]. Each entry's, block's and
+//! final segments. Blocks inside segments taken before the trace started (an attach) would have
+//! no segment to sit in, and a snapshot reader that replays the trace from the final segments
+//! backwards (Insight's MemSnapDump) stops at the first: so each run of such blocks' addresses
+//! gets a segment made up of them, live through the whole trace (no `segment_alloc`), counted in
+//! [`Summary::pretrace_segments`]; its real size is not known. Each entry's, block's and
 //! segment's `frames` are its row's call stacks when the trace recorded them (`trace --call-stack
 //! c,python`; [`super::frames`]), else empty.
 
@@ -106,8 +109,11 @@ pub struct Summary {
     /// Blocks live at the end, and their requested bytes (what memory_viz counts as allocated).
     pub live_blocks: usize,
     pub live_requested: u64,
-    /// Live blocks outside every known segment (their segment predates the trace).
+    /// Live blocks outside every segment, made up ones included (only where a made-up segment
+    /// would overlap one the trace saw taken).
     pub outside: usize,
+    /// Segments made up for blocks whose own segment predates the trace.
+    pub pretrace_segments: usize,
     /// Entries with frames (their rows have call stacks: `trace --call-stack`).
     pub with_frames: usize,
 }
@@ -128,6 +134,9 @@ struct LiveSegment {
     row: i64,
 }
 
+/// Where a run of addresses lies: (process, start, end).
+type Extent = (i64, u64, u64);
+
 /// What a pending shadow free took away.
 #[derive(Clone, Copy)]
 enum Freed {
@@ -146,6 +155,10 @@ struct Replay {
     /// trace and restored at the end unless a later allocation at the address shows the block
     /// was really freed before.
     shadows: BTreeMap<(i64, u64, bool), (usize, Freed)>,
+    /// Blocks allocated where no segment the trace saw taken was live.
+    orphans: Vec<Extent>,
+    /// Every segment the trace saw taken.
+    taken: Vec<Extent>,
 }
 
 impl Replay {
@@ -173,6 +186,7 @@ impl Replay {
                 let size = num(&f.size).unwrap_or(0);
                 self.confirm((pid, ptr, true));
                 self.segments.insert((pid, ptr), LiveSegment { size, expandable, row });
+                self.taken.push((pid, ptr, ptr + size));
                 self.entry(if expandable { "segment_map" } else { "segment_alloc" }, ptr, size, (ts, row));
             } else if is(Event::Free) {
                 if let Some(seg) = self.segments.remove(&(pid, ptr)) {
@@ -188,6 +202,9 @@ impl Replay {
                 let size = num(&f.size).unwrap_or(0);
                 let requested = num(&f.req_size).unwrap_or(size);
                 self.confirm((pid, ptr, false));
+                if !self.in_segment(pid, ptr) {
+                    self.orphans.push((pid, ptr, ptr + size));
+                }
                 self.blocks.insert((pid, ptr), LiveBlock { size, requested, row });
                 // PyTorch's trace entries carry the size asked for (`alloc`: the request; the
                 // frees: the block's requested size), not the block's.
@@ -217,6 +234,34 @@ impl Replay {
             };
             self.trace.push(entry);
         }
+    }
+
+    /// Whether a live segment holds the address.
+    fn in_segment(&self, pid: i64, addr: u64) -> bool {
+        let before = self.segments.range((pid, 0)..=(pid, addr)).next_back();
+        before.is_some_and(|(&(_, start), seg)| addr < start + seg.size)
+    }
+
+    /// Segments for the blocks allocated outside every known one: each run of their touching or
+    /// overlapping addresses, unless it overlaps a segment the trace saw taken (then the blocks
+    /// stay outside, as the trace cannot tell what was where). Returns how many were made.
+    fn make_up_pretrace_segments(&mut self) -> usize {
+        let mut runs: Vec<Extent> = Vec::new();
+        self.orphans.sort_unstable();
+        for &(pid, start, end) in &self.orphans {
+            match runs.last_mut() {
+                Some(last) if last.0 == pid && start <= last.2 => last.2 = last.2.max(end),
+                _ => runs.push((pid, start, end)),
+            }
+        }
+        let overlaps = |&(pid, start, end): &Extent, other: &Extent| pid == other.0 && start < other.2 && other.1 < end;
+        let mut made = 0;
+        for run in runs.iter().filter(|run| !self.taken.iter().any(|t| overlaps(run, t))) {
+            let seg = LiveSegment { size: run.2 - run.1, expandable: false, row: 0 };
+            self.segments.insert((run.0, run.1), seg);
+            made += 1;
+        }
+        made
     }
 
     /// The shadow frees no later allocation confirmed: their blocks and segments were alive at
@@ -249,9 +294,9 @@ impl Replay {
     }
 }
 
-/// Reads `db` (one device's) and returns the snapshot's parts; `device` is the index its trace
-/// takes in `device_traces` and its segments' `device`.
-fn replay(db: &DumpDb) -> Result<Replay, ExportError> {
+/// Reads `db` (one device's) and returns the snapshot's parts, with how many segments were made
+/// up for blocks whose own predates the trace.
+fn replay(db: &DumpDb) -> Result<(Replay, usize), ExportError> {
     let events = [Event::Malloc.as_str(), Event::Free.as_str(), Event::OomDetail.as_str()];
     let mut replay = Replay::default();
     db.rows(Selection { events: &events, name: false, thread: false })?.for_each_row(|fed| match fed {
@@ -263,7 +308,8 @@ fn replay(db: &DumpDb) -> Result<Replay, ExportError> {
         }
     })?;
     replay.settle();
-    Ok(replay)
+    let made_up = replay.make_up_pretrace_segments();
+    Ok((replay, made_up))
 }
 
 /// Merges touching expandable ranges of a process into one segment, as PyTorch's expandable
@@ -374,8 +420,9 @@ impl<W: Write> Write for Protocol4<'_, W> {
 
 /// Writes `db` (the DB of one device, `device`) to `out` as a memory_viz snapshot.
 pub fn export(db: &DumpDb, device: u32, out: &mut impl Write) -> Result<Summary, ExportError> {
-    let replay = replay(db)?;
+    let (replay, pretrace_segments) = replay(db)?;
     let mut summary = Summary {
+        pretrace_segments,
         entries: replay.trace.len(),
         live_blocks: replay.blocks.len(),
         live_requested: replay.blocks.values().map(|b| b.requested.min(b.size)).sum(),
@@ -419,8 +466,8 @@ mod tests {
     }
 
     fn replayed(db: &TestDb) -> (Replay, Vec<Segment>, Summary) {
-        let replay = replay(&DumpDb::open_read(&db.path).unwrap()).unwrap();
-        let mut summary = Summary::default();
+        let (replay, pretrace_segments) = replay(&DumpDb::open_read(&db.path).unwrap()).unwrap();
+        let mut summary = Summary { pretrace_segments, ..Summary::default() };
         let segments = segments(&replay, 0, &mut summary);
         (replay, segments, summary)
     }
@@ -476,7 +523,7 @@ mod tests {
     }
 
     #[test]
-    fn expandable_pages_merge_into_one_segment_and_blocks_without_one_are_counted() {
+    fn expandable_pages_merge_into_one_segment_and_blocks_without_one_get_one_made_up() {
         let mut db = TestDb::create(&dir("mv-vmm").join("d.db"));
         for (i, ts) in [(0u64, 10), (1, 11)] {
             let ptr = SEG + i * 2048;
@@ -485,13 +532,40 @@ mod tests {
             db.row("MALLOC", "HAL", ts, 1, Some(ptr), attr);
         }
         block(&mut db, 20, SEG + 1024, 2048, 2048); // across the two pages
-        block(&mut db, 21, 0x9000_0000, 64, 64); // in a segment taken before the trace
+                                                    // In a segment taken before the trace: two blocks side by side, and one freed since.
+        block(&mut db, 21, 0x9000_0000, 64, 64);
+        block(&mut db, 22, 0x9000_0040, 64, 64);
+        block(&mut db, 23, 0x9000_1000, 512, 512);
+        db.row("FREE", "PTA", 24, 1, Some(0x9000_1000), Attr::new());
         let (replay, segments, summary) = replayed(&db);
         assert_eq!(replay.trace[0].action, "segment_map");
-        assert_eq!(segments.len(), 1);
+        assert_eq!(segments.len(), 3);
         assert!(segments[0].is_expandable && segments[0].total_size == 4096);
         assert_eq!(segments[0].blocks.iter().filter(|b| b.state == "active_allocated").count(), 1);
-        assert_eq!(summary.outside, 1);
+        // Made up: live through the trace (no segment_alloc), tiled by the blocks seen in it.
+        let made: Vec<(u64, u64, usize)> = segments[1..]
+            .iter()
+            .map(|s| (s.address, s.total_size, s.blocks.iter().filter(|b| b.state == "active_allocated").count()))
+            .collect();
+        assert_eq!(made, [(0x9000_0000, 128, 2), (0x9000_1000, 512, 0)]);
+        let segment_entries: Vec<&str> =
+            replay.trace.iter().filter(|e| e.action.starts_with("segment")).map(|e| e.action).collect();
+        assert_eq!(segment_entries, ["segment_map", "segment_map"], "the two pages, nothing of the made-up ones");
+        assert_eq!((summary.outside, summary.pretrace_segments), (0, 2));
+    }
+
+    /// A block seen before a segment the trace saw taken at its address (the old segment freed
+    /// unseen, a new one taken there) gets no made-up segment: it would overlap the new one.
+    #[test]
+    fn no_segment_is_made_up_over_one_the_trace_saw_taken() {
+        let mut db = TestDb::create(&dir("mv-overlap").join("d.db"));
+        block(&mut db, 10, SEG + 64, 64, 64);
+        db.row("FREE", "PTA", 11, 1, Some(SEG + 64), Attr::new());
+        segment(&mut db, 20, SEG, 4096);
+        block(&mut db, 30, SEG, 1024, 1000);
+        let (_, segments, summary) = replayed(&db);
+        assert_eq!(segments.len(), 1);
+        assert_eq!((segments[0].address, summary.pretrace_segments), (SEG, 0));
     }
 
     #[test]

@@ -21,7 +21,10 @@ use super::inputs::{self, write_atomically};
 /// torch/cuda/_memory_viz.py (segsum, trace, segment_plot, trace_plot). The segments are
 /// torch_npu's caching-pool segments as the trace saw them taken, its blocks inside them where
 /// the allocator placed them, each event and block with its call stack as frames when the trace
-/// recorded stacks (trace --call-stack c,python). One device.
+/// recorded stacks (trace --call-stack c,python). After an attach, the segments taken before it
+/// are unknown: each run of blocks seen in one is written as a segment of just those addresses,
+/// live through the whole trace, so every reader (MindStudio Insight's MemSnapDump too) finds
+/// each block in a segment. One device.
 ///
 /// perfetto: a Chrome JSON trace for Perfetto's UI (or chrome://tracing): per device, a counter
 /// track per owner (live bytes, as analyze --analysis decompose has them at any instant) and per
@@ -93,10 +96,17 @@ fn memory_viz_file(args: &Args, mut candidates: Vec<(DbFile, String)>) -> anyhow
     if summary.with_frames > 0 {
         eprintln!("memscope-bpf: {} events carry their call stacks as frames", summary.with_frames);
     }
+    if summary.pretrace_segments > 0 {
+        eprintln!(
+            "memscope-bpf: note: {} segments were taken before the trace started: each is written as the run of \
+             addresses its blocks took (its real size is not known), live through the whole trace",
+            summary.pretrace_segments
+        );
+    }
     if summary.outside > 0 {
         eprintln!(
-            "memscope-bpf: note: {} live blocks lie in segments taken before the trace started: they are in the \
-             trace, not in the segments",
+            "memscope-bpf: note: {} live blocks lie where a segment taken before the trace started was, and \
+             another is now: they are in the trace, not in the segments",
             summary.outside
         );
     }
