@@ -113,16 +113,27 @@ pub fn helper() -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(HELPER)).find(|p| p.is_file())
 }
 
-/// The job's CUDA ordinal for each NVML index: `CUDA_VISIBLE_DEVICES`, when it lists indices,
-/// renumbers the devices the job sees in its order; without it (or with UUIDs, which are not
-/// mapped here) the ordinal is the index.
-pub fn cuda_ordinals(environ: &[u8]) -> Option<Vec<u32>> {
-    let value = environ.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(b"CUDA_VISIBLE_DEVICES="))?;
+/// The variable through which a job sees only some devices, renumbered in its order: CUDA's
+/// for NVML's indices, the Ascend runtime's for DCMI's logical ids (`aclrtSetDevice(0)` under
+/// `ASCEND_RT_VISIBLE_DEVICES=4,5` is logical device 4).
+pub fn visible_var(kind: SourceKind) -> &'static str {
+    match kind {
+        SourceKind::Nvml => "CUDA_VISIBLE_DEVICES",
+        SourceKind::Dcmi => "ASCEND_RT_VISIBLE_DEVICES",
+    }
+}
+
+/// The job's device ordinal for each of the management library's device ids: the job's
+/// [`visible_var`], when it lists ids, renumbers the devices it sees in its order; without it
+/// (or with CUDA's UUIDs, which are not mapped here) the ordinal is the id.
+pub fn visible_ordinals(environ: &[u8], kind: SourceKind) -> Option<Vec<u32>> {
+    let prefix = format!("{}=", visible_var(kind));
+    let value = environ.split(|b| *b == 0).find_map(|kv| kv.strip_prefix(prefix.as_bytes()))?;
     let text = std::str::from_utf8(value).ok()?;
     text.split(',').map(|s| s.trim().parse::<u32>().ok()).collect()
 }
 
-/// The ordinal the job knows NVML device `index` by, given [`cuda_ordinals`]; `None` when the
+/// The ordinal the job knows device `index` by, given [`visible_ordinals`]; `None` when the
 /// job cannot see it.
 pub fn ordinal(visible: Option<&[u32]>, index: u32) -> Option<u32> {
     match visible {
@@ -167,15 +178,23 @@ mod tests {
     }
 
     #[test]
-    fn cuda_visible_devices_renumbers_nvml_indices() {
-        let env = b"PATH=/bin\0CUDA_VISIBLE_DEVICES=3,1\0HOME=/root\0";
-        let visible = cuda_ordinals(env);
+    fn visible_devices_renumber_nvml_indices_and_dcmi_logical_ids() {
+        let env = b"PATH=/bin\0CUDA_VISIBLE_DEVICES=3,1\0HOME=/root\0ASCEND_RT_VISIBLE_DEVICES=4, 5\0";
+        let visible = visible_ordinals(env, SourceKind::Nvml);
         assert_eq!(visible.as_deref(), Some(&[3, 1][..]));
         assert_eq!(ordinal(visible.as_deref(), 1), Some(1));
         assert_eq!(ordinal(visible.as_deref(), 3), Some(0));
         assert_eq!(ordinal(visible.as_deref(), 0), None, "hidden from the job");
         assert_eq!(ordinal(None, 2), Some(2));
-        assert_eq!(cuda_ordinals(b"CUDA_VISIBLE_DEVICES=GPU-8f2c\0"), None, "UUIDs are not mapped");
+        assert_eq!(
+            visible_ordinals(b"CUDA_VISIBLE_DEVICES=GPU-8f2c\0", SourceKind::Nvml),
+            None,
+            "UUIDs are not mapped"
+        );
+        let npu = visible_ordinals(env, SourceKind::Dcmi);
+        assert_eq!(npu.as_deref(), Some(&[4, 5][..]));
+        assert_eq!((ordinal(npu.as_deref(), 5), ordinal(npu.as_deref(), 0)), (Some(1), None));
+        assert_eq!(visible_ordinals(b"ASCEND_RT_VISIBLE_DEVICES_X=1\0", SourceKind::Dcmi), None);
         assert_eq!(kind_of(Path::new("/x/libnvidia-ml.so.1")), Some(SourceKind::Nvml));
         assert_eq!(kind_of(Path::new("libdcmi.so")), Some(SourceKind::Dcmi));
         assert_eq!(kind_of(Path::new("libfoo.so")), None);

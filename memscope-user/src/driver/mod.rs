@@ -46,7 +46,8 @@ pub struct Driver {
     every: Duration,
     library: Option<PathBuf>,
     state: State,
-    /// The job's CUDA ordinal for each NVML index (`CUDA_VISIBLE_DEVICES`).
+    /// The job's ordinal for each of the library's device ids (`CUDA_VISIBLE_DEVICES`,
+    /// `ASCEND_RT_VISIBLE_DEVICES`).
     visible: Option<Vec<u32>>,
     readings: u64,
     took_ns: (u64, u64),
@@ -84,9 +85,8 @@ impl Driver {
         let Some(helper) = find::helper() else {
             return self.off(format!("{} is not beside memscope-bpf nor on PATH", find::HELPER));
         };
-        if library.kind == SourceKind::Nvml {
-            self.visible = std::fs::read(format!("/proc/{pid}/environ")).ok().and_then(|e| find::cuda_ordinals(&e));
-        }
+        self.visible =
+            std::fs::read(format!("/proc/{pid}/environ")).ok().and_then(|e| find::visible_ordinals(&e, library.kind));
         match Watch::start(&helper, &library, self.every) {
             Ok(watch) => {
                 let name = library.path.display().to_string();
@@ -165,11 +165,7 @@ impl Driver {
     fn rows_of(&self, kind: SourceKind, r: &Reading, traced: &dyn Fn(u32) -> bool) -> Vec<DriverRow> {
         let mut rows = Vec::new();
         for d in &r.devices {
-            let device = match kind {
-                SourceKind::Dcmi => Some(d.device),
-                SourceKind::Nvml => find::ordinal(self.visible.as_deref(), d.device),
-            };
-            let Some(device) = device else { continue };
+            let Some(device) = find::ordinal(self.visible.as_deref(), d.device) else { continue };
             let row = |pid, process_used| DriverRow {
                 ts_ns: r.ts_ns,
                 device: DeviceKey::Npu(device),

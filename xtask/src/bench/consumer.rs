@@ -165,19 +165,26 @@ fn mib(kib: f64) -> f64 {
     kib / 1024.0
 }
 
-/// With `--baseline-bin`: the same replay by this build and by the older binary, alternating,
-/// `rounds` times each (a refactor against what it replaced, on a machine whose speed drifts).
+/// With `--baseline-bin`: the same replay by this build and by the other binary, alternating,
+/// `rounds` times each (a refactor against what it replaced, or the release's static build
+/// against this one, on a machine whose speed drifts): records per second and peak RSS.
 fn against_baseline(built: &Built, baseline: &Path, dir: &Path, pairs: u64, rounds: usize) -> anyhow::Result<String> {
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    let (mut ours, mut theirs) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
     for round in 1..=rounds {
         eprintln!("xtask bench: consumer round {round}/{rounds}, this build then {}", baseline.display());
-        ours.push(replay(&built.binary, &dir.join("replay"), pairs, pairs / 10)?.get("records_per_s")?);
-        theirs.push(replay(baseline, &dir.join("replay"), pairs, pairs / 10)?.get("records_per_s")?);
+        for (binary, (speed, rss)) in [(built.binary.as_path(), &mut ours), (baseline, &mut theirs)] {
+            let r = replay(binary, &dir.join("replay"), pairs, pairs / 10)?;
+            speed.push(r.get("records_per_s")?);
+            rss.push(r.get("peak_rss_kib")?);
+        }
     }
-    let (a, b) = (super::measure::median(ours), super::measure::median(theirs));
+    let median = super::measure::median;
+    let (a, b) = (median(ours.0), median(theirs.0));
+    let (ra, rb) = (mib(median(ours.1)), mib(median(theirs.1)));
     Ok(format!(
         "\nAgainst `{}` (`bench-consumer --pairs {pairs} --live {}`, {rounds} rounds alternating, medians): \
-         this build **{a:.0} records/s**, the baseline {b:.0} records/s: this / baseline {:.3}.\n",
+         this build **{a:.0} records/s**, peak RSS {ra:.0} MiB; the baseline {b:.0} records/s, peak RSS \
+         {rb:.0} MiB: this / baseline {:.3}.\n",
         baseline.display(),
         pairs / 10,
         a / b
