@@ -87,9 +87,6 @@ fn live_blocks(ledger: &Path) -> HashMap<u64, (u64, u64)> {
 fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks() {
     let env = env("export_memory_viz");
     let Some((python, _)) = real_torch() else { return };
-    let site = Command::new(&python).args(["-c", "import torch, os; print(os.path.dirname(torch.__file__))"]).output();
-    let viz = Path::new(String::from_utf8_lossy(&site.unwrap().stdout).trim()).join("cuda/_memory_viz.py");
-    assert!(viz.is_file(), "no {}", viz.display());
 
     // A job that ends holding about half its tensors: the trace's stop writes shadow frees for
     // them, which the export must not take for frees.
@@ -112,18 +109,7 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
         .unwrap();
     assert!(export.status.success(), "{}", String::from_utf8_lossy(&export.stderr));
 
-    let check = Command::new(&python)
-        .arg(env.workload.with_file_name("memory_viz_check.py"))
-        .args([&viz, &snapshot])
-        .arg("0")
-        .output()
-        .unwrap();
-    assert!(
-        check.status.success(),
-        "PyTorch's _memory_viz.py refused the export:\n{}",
-        String::from_utf8_lossy(&check.stderr)
-    );
-    let said: serde_json::Value = serde_json::from_slice(&check.stdout).unwrap();
+    let said = pytorch_reads(&env, &python, &snapshot);
     // PyTorch's own accounting of the segments equals the allocator's ledger.
     let requested: u64 = live.values().map(|(req, _)| req).sum();
     assert_eq!(said["allocated"].as_u64(), Some(requested), "{said}");
@@ -189,8 +175,6 @@ fn a_memory_viz_export_is_read_by_pytorchs_own_code_with_the_ledgers_live_blocks
 fn an_attached_traces_export_has_segments_for_the_blocks_of_segments_taken_before_the_attach() {
     let env = env("export_memory_viz_attached");
     let Some((python, _)) = real_torch() else { return };
-    let site = Command::new(&python).args(["-c", "import torch, os; print(os.path.dirname(torch.__file__))"]).output();
-    let viz = Path::new(String::from_utf8_lossy(&site.unwrap().stdout).trim()).join("cuda/_memory_viz.py");
     let (ledger, ready, go, out) =
         (env.scratch.join("pool.jsonl"), env.scratch.join("ready"), env.scratch.join("go"), env.scratch.join("out"));
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
@@ -204,6 +188,7 @@ fn an_attached_traces_export_has_segments_for_the_blocks_of_segments_taken_befor
         .arg(&go)
         .env("ASCEND_HOME_PATH", &env.ascend_home)
         .env("STANDIN_TORCH_LEDGER", &ledger)
+        .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -248,9 +233,22 @@ fn an_attached_traces_export_has_segments_for_the_blocks_of_segments_taken_befor
         seen.len(),
         live.len()
     );
-    let check = Command::new(&python)
+    let said = pytorch_reads(&env, &python, &snapshot);
+    assert_eq!(said["active_blocks"].as_u64(), Some(seen.len() as u64), "{said}");
+    assert_eq!(said["allocated"].as_u64(), Some(seen.iter().sum::<u64>()), "{said}");
+    memsnapdump_loads(&env, &snapshot, seen.len(), 1000);
+}
+
+/// What PyTorch's own `_memory_viz.py` (of the real torch wheel, run by `python`) says of the
+/// snapshot on device 0 (tests/workloads/memory_viz_check.py).
+fn pytorch_reads(env: &TestEnv, python: &Path, snapshot: &Path) -> serde_json::Value {
+    let site = Command::new(python).args(["-c", "import torch, os; print(os.path.dirname(torch.__file__))"]).output();
+    let viz = Path::new(String::from_utf8_lossy(&site.unwrap().stdout).trim()).join("cuda/_memory_viz.py");
+    assert!(viz.is_file(), "no {}", viz.display());
+    let check = Command::new(python)
         .arg(env.workload.with_file_name("memory_viz_check.py"))
-        .args([&viz, &snapshot])
+        .arg(&viz)
+        .arg(snapshot)
         .arg("0")
         .output()
         .unwrap();
@@ -259,10 +257,7 @@ fn an_attached_traces_export_has_segments_for_the_blocks_of_segments_taken_befor
         "PyTorch's _memory_viz.py refused the export:\n{}",
         String::from_utf8_lossy(&check.stderr)
     );
-    let said: serde_json::Value = serde_json::from_slice(&check.stdout).unwrap();
-    assert_eq!(said["active_blocks"].as_u64(), Some(seen.len() as u64), "{said}");
-    assert_eq!(said["allocated"].as_u64(), Some(seen.iter().sum::<u64>()), "{said}");
-    memsnapdump_loads(&env, &snapshot, seen.len(), 1000);
+    serde_json::from_slice(&check.stdout).unwrap()
 }
 
 /// MindStudio Insight opens a snapshot by running its own MemSnapDump scripts on it
