@@ -525,6 +525,11 @@ pub const fn with_caller(mut spec: ProbeSpec) -> ProbeSpec {
     spec
 }
 
+/// The caller's address a call recorded, for an API [`with_caller`] made read it.
+pub fn caller_address(api: Api, call: &RawCall) -> Option<u64> {
+    (api.def().spec.fields[CALLER_FIELD].source == field_source::CALLER).then(|| call.field(CALLER_FIELD)).flatten()
+}
+
 impl Api {
     /// Every API, in spec-id order.
     pub fn all() -> impl Iterator<Item = &'static ApiDef> {
@@ -756,6 +761,26 @@ mod tests {
         assert!(twice.is_err(), "two reads for one field");
         let gap = std::panic::catch_unwind(|| named(&[(1, a)]));
         assert!(gap.is_err(), "a slot below the last without a read");
+    }
+
+    /// Every call that takes device, host or registered memory outside a pool reads its
+    /// caller (a library calling it itself owns what it takes), and nothing else hands one out.
+    #[test]
+    fn every_call_that_takes_memory_reads_its_caller_and_only_those() {
+        for def in Api::all() {
+            // Flags with every bit a call may test (aclrtHostRegisterV2 pins only with PINNED).
+            let call = call_with(def.api, [0x1000_1000; 6], [Some(0x2000); MAX_FIELDS]);
+            let takes = match (def.decode)(&call) {
+                Op::Malloc { space, .. } => space != op::Space::Cpu,
+                Op::MallocPhysical { .. } => true,
+                _ => false,
+            };
+            let caller = caller_address(def.api, &call);
+            assert_eq!(caller.is_some(), takes, "{:?}: takes memory {takes}, caller {caller:?}", def.api);
+            if takes {
+                assert_eq!(caller, Some(0x2000));
+            }
+        }
     }
 
     #[test]

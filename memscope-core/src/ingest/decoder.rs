@@ -12,7 +12,7 @@ use super::callers::Callers;
 use super::clock::Clock;
 use super::thread_stacks::ThreadStacks;
 use crate::apis::libraries::Library;
-use crate::apis::{Api, CALLER_FIELD};
+use crate::apis::Api;
 use crate::model::{Call, Event, EventKind};
 use crate::raw::{self as decode, RawBlob, RawCall, Record};
 use crate::stacks::capture::{CaptureStats, DebugFinder};
@@ -188,11 +188,8 @@ impl Decoder {
 
     /// The library that made the call, for an API whose spec reads its caller's address.
     fn caller(&mut self, call: &RawCall) -> Option<Library> {
-        let api = Api::from_spec_id(call.spec_id)?;
-        if api.def().spec.fields[CALLER_FIELD].source != memscope_common::spec::field_source::CALLER {
-            return None;
-        }
-        self.callers.library(call.tgid, call.field(CALLER_FIELD)?)
+        let addr = crate::apis::caller_address(Api::from_spec_id(call.spec_id)?, call)?;
+        self.callers.library(call.tgid, addr)
     }
 
     /// Gives a call the buffer its thread's last blob record copied, when that was the same
