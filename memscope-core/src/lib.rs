@@ -22,12 +22,14 @@
 //!           beside stacks)
 //! vocab     the DB's Event, Event Type and Attr names (below store and analysis, beside all)
 //! sampling  the daemon's gap table and the error of sampled totals (beside all)
+//! cluster   a traced process's rank and job, from its launcher's variables (beside all)
 //! files     opening what the user names as input: regular files only, never blocking (beside all)
 //! printable text the traced process controls, escaped for terminals and logs (beside all)
 //! ```
 
 pub mod analysis;
 pub mod apis;
+pub mod cluster;
 pub mod export;
 pub mod files;
 pub mod import;

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use memscope_core::apis::{Api, Backend, Family};
+use memscope_core::cluster::identity::Identity;
 use memscope_core::ingest::clock::{self, Clock};
 use memscope_core::ingest::live::{self, LiveView};
 use memscope_core::ingest::recorder::{Recorder, WriteFailed};
@@ -22,7 +23,7 @@ use memscope_core::stacks::NO_STACK;
 use memscope_core::store::{DbWriter, Format, Meta, ProbeRow, RunLayout, Store, Writer};
 
 use crate::metrics::{self, JobTotals};
-use crate::session::facts::{allocator_env, command_line, kernel_release};
+use crate::session::facts::{allocator_env, command_line, identity, kernel_release};
 
 /// What every job's DB records about the daemon that wrote it.
 pub struct Context {
@@ -42,6 +43,8 @@ pub struct Context {
 
 struct Job {
     comm: String,
+    /// Its rank and job, for its series' labels.
+    identity: Identity,
     recorder: Recorder,
     run_dir: PathBuf,
     last_event: Instant,
@@ -188,7 +191,8 @@ impl Jobs {
         self.jobs
             .iter_mut()
             .map(|(pid, job)| {
-                let totals = JobTotals::of(*pid, job.comm.clone(), &job.recorder.tracker);
+                let mut totals = JobTotals::of(*pid, job.comm.clone(), &job.recorder.tracker);
+                totals.identity = job.identity.clone();
                 match &mut job.recorder.live {
                     Some(view) => {
                         view.tick(now_ns);
@@ -309,6 +313,8 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
         ("backend".into(), Backend::meta(&backends)),
     ];
     meta.extend(allocator_env(pid));
+    let identity = identity(pid);
+    meta.extend(identity.meta());
     let mut store = Store::new(layout, cx.format, start_wall, meta);
     store.db_writer = cx.writer;
     let mut store = Writer::start(store);
@@ -317,7 +323,7 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     // Python stacks serve the owner rules and sites; rows carry no stack column.
     recorder.python_column = false;
     recorder.live = Some(LiveView::new(cx.live.clone()));
-    Ok(Job { comm, recorder, run_dir, last_event: Instant::now(), dirty: true })
+    Ok(Job { comm, identity, recorder, run_dir, last_event: Instant::now(), dirty: true })
 }
 
 /// Where a job's folders go: shown once at the start.

@@ -27,7 +27,7 @@ fn gauges<'a>(
 }
 
 fn job_labels(job: &JobTotals) -> Labels {
-    vec![("pid", job.pid.to_string()), ("comm", job.comm.clone())]
+    job.labels()
 }
 
 /// A job's verdicts with their labels.

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::sample_class;
+use memscope_core::cluster::identity::Identity;
 use memscope_core::ingest::live::{LiveView, OwnerLive, SeriesTrend, StepSource};
 use memscope_core::model::{DeviceKey, DeviceStats, Pool, PoolStats, Tracker};
 use prometheus_client::collector::Collector;
@@ -36,6 +37,8 @@ pub struct JobTotals {
     pub trends: Vec<SeriesTrend>,
     /// The driver's latest figure for the job's processes on each device (`--driver-every`).
     pub driver: Vec<(DeviceKey, u64)>,
+    /// Its rank and job, from its launcher's variables (the daemon's jobs).
+    pub identity: Identity,
 }
 
 impl JobTotals {
@@ -47,6 +50,14 @@ impl JobTotals {
             pools: tracker.pools().map(|(k, s)| (k, s.clone())).collect(),
             ..Self::default()
         }
+    }
+
+    /// The labels every series of the job carries: `pid`, `comm`, and `rank` and `job_id` when
+    /// its launcher set them.
+    pub fn labels(&self) -> Labels {
+        let mut labels = vec![("pid", self.pid.to_string()), ("comm", self.comm.clone())];
+        labels.extend(self.identity.labels());
+        labels
     }
 
     /// Adds what the job's live view knows: its `top` owners, its step and its verdicts.
@@ -270,8 +281,8 @@ impl Collector for Published {
         for f in &DEVICE_FAMILIES {
             let series = s.jobs.iter().flat_map(|job| {
                 job.devices.iter().map(move |(d, stats)| {
-                    let labels =
-                        vec![("pid", job.pid.to_string()), ("comm", job.comm.clone()), ("device", device_label(*d))];
+                    let mut labels = job.labels();
+                    labels.push(("device", device_label(*d)));
                     (labels, (f.value)(stats))
                 })
             });
@@ -280,12 +291,10 @@ impl Collector for Published {
         for f in &POOL_FAMILIES {
             let series = s.jobs.iter().flat_map(|job| {
                 job.pools.iter().map(move |((d, p, pid), stats)| {
-                    let labels = vec![
-                        ("pid", pid.to_string()),
-                        ("comm", job.comm.clone()),
-                        ("device", device_label(*d)),
-                        ("pool", pool_label(*p).to_owned()),
-                    ];
+                    // The pool's own process (a job's child may have one).
+                    let mut labels = vec![("pid", pid.to_string()), ("comm", job.comm.clone())];
+                    labels.extend(job.identity.labels());
+                    labels.extend([("device", device_label(*d)), ("pool", pool_label(*p).to_owned())]);
                     (labels, (f.value)(stats))
                 })
             });
@@ -298,8 +307,8 @@ impl Collector for Published {
             let series = s.jobs.iter().flat_map(|job| {
                 job.driver.iter().map(move |(d, process)| {
                     let live = job.devices.iter().find(|(k, _)| k == d).map_or(0, |(_, s)| s.used);
-                    let labels =
-                        vec![("pid", job.pid.to_string()), ("comm", job.comm.clone()), ("device", device_label(*d))];
+                    let mut labels = job.labels();
+                    labels.push(("device", device_label(*d)));
                     (labels, if i == 0 { *process } else { process.saturating_sub(live) })
                 })
             });
@@ -352,6 +361,39 @@ mod tests {
         assert_eq!(at("memscope_driver_process_bytes", "1"), Some(10_000), "{text}");
         assert_eq!(at("memscope_unexplained_bytes", "1"), Some(10_000 - 4096));
         assert_eq!(at("memscope_unexplained_bytes", "2"), Some(300), "nothing traced there");
+    }
+
+    /// A rank of a launch: every series of its job carries `rank` and `job_id` after `pid` and
+    /// `comm`; a job with no launcher's variables carries neither.
+    #[test]
+    fn a_ranks_series_carry_its_rank_and_job() {
+        let env: std::collections::HashMap<String, String> =
+            [("RANK", "3"), ("MASTER_ADDR", "10.0.0.7"), ("MASTER_PORT", "29500")]
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        let mut device = DeviceStats::default();
+        device.used = 4096;
+        let pool = PoolStats { used: 512, ..PoolStats::default() };
+        let job = |pid, identity| JobTotals {
+            pid,
+            comm: "python3".into(),
+            devices: vec![(DeviceKey::Npu(1), device.clone())],
+            pools: vec![((DeviceKey::Npu(1), Pool::Caching, pid), pool.clone())],
+            identity,
+            ..JobTotals::default()
+        };
+        let jobs = vec![job(7, Identity::from_env(&env)), job(8, Identity::default())];
+        let text = encoded(Snapshot { jobs, ..Snapshot::default() });
+        let rank = r#"pid="7",comm="python3",rank="3",job_id="10.0.0.7:29500",device="1""#;
+        assert_eq!(sample(&text, &format!("memscope_live_bytes{{{rank}}}")), Some(4096), "{text}");
+        assert_eq!(
+            sample(&text, &format!(r#"memscope_pool_used_bytes{{{rank},pool="caching"}}"#)),
+            Some(512),
+            "{text}"
+        );
+        let plain = r#"memscope_live_bytes{pid="8",comm="python3",device="1"}"#;
+        assert_eq!(sample(&text, plain), Some(4096), "{text}");
     }
 
     #[test]

@@ -30,6 +30,12 @@ pub(crate) fn allocator_env(pid: u32) -> Vec<(String, String)> {
     ALLOCATOR_ENV.iter().filter_map(|k| env.get(*k).map(|v| (format!("env.{k}"), v.clone()))).collect()
 }
 
+/// The process's rank and job, from its launcher's variables (none when it has no environment
+/// left to read).
+pub(crate) fn identity(pid: u32) -> memscope_core::cluster::identity::Identity {
+    libs::process_env(pid).map(|env| memscope_core::cluster::identity::Identity::from_env(&env)).unwrap_or_default()
+}
+
 pub(crate) use crate::attach::loader::kernel_gap::kernel_release;
 
 pub(crate) fn command_line(pid: u32) -> String {

@@ -313,6 +313,9 @@ fn run_meta(f: RunFacts, probe_links: String, backends: &[Backend]) -> Meta {
         ("backend".into(), Backend::meta(backends)),
     ];
     meta.extend(allocator_env(f.pid));
+    // The target's rank and job (a launched command's are its own environment's, which a
+    // launcher like torchrun gives each worker, not itself).
+    meta.extend(facts::identity(f.pid).meta());
     meta
 }
 

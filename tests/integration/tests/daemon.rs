@@ -68,7 +68,7 @@ impl Job {
     /// Starts `standin_hold.py` with `python` on `device`, inside `cgroup` if given (it moves
     /// itself there before it execs Python, so its first call is made inside).
     fn start(env: &TestEnv, name: &str, python: &Path, device: u32, blocks: u32, cgroup: Option<&Path>) -> Self {
-        Self::start_with(env, name, python, device, blocks, cgroup, &[])
+        Self::start_with(env, name, python, device, blocks, cgroup, (&[], &[]))
     }
 
     fn start_with(
@@ -78,7 +78,7 @@ impl Job {
         device: u32,
         blocks: u32,
         cgroup: Option<&Path>,
-        extra: &[&str],
+        (extra, vars): (&[&str], &[(&str, &str)]),
     ) -> Self {
         let (ledger, ready) = (env.scratch.join(format!("{name}.jsonl")), env.scratch.join(format!("{name}.ready")));
         let hold = env.workload.with_file_name("standin_hold.py");
@@ -88,6 +88,7 @@ impl Job {
             .args(["--ledger", &ledger.display().to_string(), "--ready-file", &ready.display().to_string()])
             .args(["--device", &device.to_string(), "--blocks", &blocks.to_string(), "--size", "5000", "--hold", "300"])
             .args(extra)
+            .envs(vars.iter().copied())
             .env("ASCEND_HOME_PATH", &env.ascend_home)
             // The stand-in driver has 2 devices unless told otherwise.
             .env("STANDIN_ACL_DEVICE_COUNT", "4")
@@ -179,7 +180,8 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
     let inside = Some(cgroup.dir.as_path());
     let mut jobs = [
         Job::start(&env, "a", &python, 0, 200, inside),
-        Job::start(&env, "b", &python, 1, 300, inside),
+        // A torchrun worker: its rank and its launch's rendezvous label its series and DB.
+        Job::start_with(&env, "b", &python, 1, 300, inside, (&[], RANK_VARS)),
         // Inside the cgroup, but its name is denied.
         Job::start(&env, "denied", &denied_name, 2, 100, inside),
         // Not denied by name, but outside the cgroup.
@@ -213,7 +215,11 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
         assert!(Instant::now() < deadline, "Prometheus {got:?} against the ledgers {wanted:?}:\n{}", daemon.stderr());
         std::thread::sleep(Duration::from_millis(500));
     }
+    let ranked =
+        format!(r#"memscope_live_bytes{{job="memscope",pid="{}",rank="1",job_id="127.0.0.1:29500"}}"#, pids[1]);
+    assert_eq!(query(prometheus, &ranked), want(1).0, "job b's series by its rank and job");
     let (_, body) = get(metrics, "/metrics").unwrap();
+    assert!(!body.contains(&format!(r#"pid="{}",comm="python3",rank"#, pids[0])), "job a has no rank:\n{body}");
     for denied in &pids[2..] {
         assert!(!body.contains(&format!("pid=\"{denied}\"")), "denied job {denied} has series:\n{body}");
     }
@@ -235,8 +241,13 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
     let (code, stderr) = daemon.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
 
-    // One folder per admitted job, none for the denied ones; each DB holds its ledger's calls.
-    let folders = run_folders(&out);
+    check_job_folders(&out, &pids, &ledgers, &stderr);
+}
+
+/// One folder per admitted job (jobs 0 and 1), none for the denied ones; each DB holds its
+/// ledger's calls, its stop's reason, and job 1's rank.
+fn check_job_folders(out: &Path, pids: &[u32], ledgers: &[Vec<Entry>], stderr: &str) {
+    let folders = run_folders(out);
     let mut admitted = pids[..2].to_vec();
     admitted.sort();
     assert_eq!(folders.iter().map(|(p, _)| *p).collect::<Vec<_>>(), admitted, "{stderr}");
@@ -248,8 +259,14 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
         assert_eq!(meta(db, "stop_reason").as_deref(), Some(reason), "job {i}");
         assert_eq!(meta(db, "mode").as_deref(), Some("daemon"));
         assert_eq!(meta(db, "target_pid"), Some(pids[i].to_string()));
+        let rank = (i == 1).then(|| "1".to_owned());
+        assert_eq!((meta(db, "rank"), meta(db, "world_size")), (rank.clone(), rank.map(|_| "2".to_owned())), "job {i}");
     }
 }
+
+/// The variables torchrun gives its worker of rank 1 of 2.
+const RANK_VARS: &[(&str, &str)] =
+    &[("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
 
 /// The one DB file under a run folder's device folder (the daemon's DB need not be finished).
 fn device_db(run: &Path, device: u32) -> PathBuf {
@@ -270,7 +287,8 @@ fn a_killed_daemon_leaves_its_jobs_running_without_probes_and_dbs_that_open_with
     let daemon = live_daemon(&env, &out, &[]);
     assert!(bpf_program_names().iter().any(|n| n == "call_exit"), "the daemon's probes are not loaded");
     let oom_size = 1u64 << 40;
-    let mut job = Job::start_with(&env, "oom", &real_python(), 0, 100, None, &["--oom-size", &oom_size.to_string()]);
+    let mut job =
+        Job::start_with(&env, "oom", &real_python(), 0, 100, None, (&["--oom-size", &oom_size.to_string()], &[]));
     let pid = job.wait_ready();
     // The OOM is committed as it is seen, not at the next second's commit, which this kill
     // comes before (the job wrote its ready file after the failure, and the daemon drains every
@@ -376,7 +394,7 @@ fn on_sighup_a_job_that_took_an_excluded_name_is_no_longer_traced_and_its_db_is_
     let env = env("daemon_sighup");
     let out = env.scratch.join("out");
     let daemon = live_daemon(&env, &out, &["--exclude-comm", "renamed_job"]);
-    let mut job = Job::start_with(&env, "renamed", &real_python(), 0, 100, None, &["--rename", "renamed_job"]);
+    let mut job = Job::start_with(&env, "renamed", &real_python(), 0, 100, None, (&["--rename", "renamed_job"], &[]));
     let pid = job.wait_ready();
     let metrics = metrics_address(&daemon.stderr());
     let label = format!("pid=\"{pid}\"");
@@ -431,7 +449,7 @@ fn a_library_a_job_loads_long_after_its_start_is_probed_before_its_first_call() 
     // daemon's discovery before the linker hook, which lost this job's first calls ~80 % of the
     // time), not so soon that a busy 2-CPU runner's attach could lag it.
     let settle = ["--lib", &s(&lib), "--delay", "1", "--settle", "0.2"];
-    let mut job = Job::start_with(&env, "late", &real_python(), 0, 50, None, &settle);
+    let mut job = Job::start_with(&env, "late", &real_python(), 0, 50, None, (&settle, &[]));
     let pid = job.wait_ready();
     let ledger = read_ledger(&job.ledger);
     daemon.signal(libc::SIGTERM);
@@ -629,7 +647,7 @@ fn an_out_of_memory_failure_raises_the_jobs_counters() {
     let out = env.scratch.join("out");
     let daemon = live_daemon(&env, &out, &[]);
     let oom = ["--oom-size", "1099511627776"];
-    let mut job = Job::start_with(&env, "oom", &real_python(), 0, 10, None, &oom);
+    let mut job = Job::start_with(&env, "oom", &real_python(), 0, 10, None, (&oom, &[]));
     let pid = job.wait_ready();
     let failed = read_ledger(&job.ledger).iter().filter(|e| e.rc != 0).count();
     assert_eq!(failed, 1, "the job's one failure, by its own ledger");
