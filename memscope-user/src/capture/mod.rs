@@ -38,4 +38,6 @@ pub struct Plan {
     pub status: Mode,
     /// `--driver-every`, `--driver-lib`.
     pub driver: crate::driver::Config,
+    /// `--node-root`.
+    pub node_root: PathBuf,
 }

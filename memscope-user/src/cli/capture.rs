@@ -82,6 +82,13 @@ pub struct CaptureArgs {
     /// usual place.
     #[arg(long, value_name = "PATH")]
     pub driver_lib: Option<PathBuf>,
+
+    /// Where the node's files are, for the Kubernetes pod and container of each traced process
+    /// (its container runtime's configs under run/, the kubelet's var/log/pods): `/`, or where a
+    /// DaemonSet mounts the node's root (e.g. /host). Their names go in ms_meta (k8s_*) and on
+    /// the daemon's series (namespace, pod, container).
+    #[arg(long, value_name = "PATH", default_value = "/")]
+    pub node_root: PathBuf,
 }
 
 /// `--driver-every`: a period, or off.
@@ -124,6 +131,7 @@ impl CaptureArgs {
             quiet: self.quiet,
             status,
             driver: crate::driver::Config { every: self.driver_every.0, library: self.driver_lib.clone() },
+            node_root: self.node_root.clone(),
         }
     }
 

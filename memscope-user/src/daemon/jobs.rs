@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::Context as _;
 use memscope_core::apis::{Api, Backend, Family};
 use memscope_core::cluster::identity::Identity;
+use memscope_core::cluster::pod::Pod;
 use memscope_core::ingest::clock::{self, Clock};
 use memscope_core::ingest::live::{self, LiveView};
 use memscope_core::ingest::recorder::{Recorder, WriteFailed};
@@ -39,12 +40,15 @@ pub struct Context {
     pub live: live::Options,
     /// `--owner-labels`.
     pub owner_labels: usize,
+    /// `--node-root`: where the node's Kubernetes records are.
+    pub node_root: PathBuf,
 }
 
 struct Job {
     comm: String,
-    /// Its rank and job, for its series' labels.
+    /// Its rank and job, and its pod, for its series' labels.
     identity: Identity,
+    pod: Option<Pod>,
     recorder: Recorder,
     run_dir: PathBuf,
     last_event: Instant,
@@ -193,6 +197,7 @@ impl Jobs {
             .map(|(pid, job)| {
                 let mut totals = JobTotals::of(*pid, job.comm.clone(), &job.recorder.tracker);
                 totals.identity = job.identity.clone();
+                totals.pod = job.pod.clone();
                 match &mut job.recorder.live {
                     Some(view) => {
                         view.tick(now_ns);
@@ -315,6 +320,8 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     meta.extend(allocator_env(pid));
     let identity = identity(pid);
     meta.extend(identity.meta());
+    let pod = crate::session::k8s::pod_of(pid, &cx.node_root);
+    meta.extend(pod.as_ref().map(Pod::meta).unwrap_or_default());
     let mut store = Store::new(layout, cx.format, start_wall, meta);
     store.db_writer = cx.writer;
     let mut store = Writer::start(store);
@@ -323,7 +330,7 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     // Python stacks serve the owner rules and sites; rows carry no stack column.
     recorder.python_column = false;
     recorder.live = Some(LiveView::new(cx.live.clone()));
-    Ok(Job { comm, identity, recorder, run_dir, last_event: Instant::now(), dirty: true })
+    Ok(Job { comm, identity, pod, recorder, run_dir, last_event: Instant::now(), dirty: true })
 }
 
 /// Where a job's folders go: shown once at the start.

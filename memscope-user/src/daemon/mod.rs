@@ -115,6 +115,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         sample_bytes: plan.sampling.map_or(0, |s| s.interval),
         live: plan.live.clone(),
         owner_labels: plan.owner_labels,
+        node_root: plan.capture.node_root.clone(),
     };
     let plan_status = plan.capture.status;
     let plan_driver = plan.capture.driver.clone();

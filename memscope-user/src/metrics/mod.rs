@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use memscope_common::sampling::{CounterKey, Counters};
 use memscope_common::spec::sample_class;
 use memscope_core::cluster::identity::Identity;
+use memscope_core::cluster::pod::Pod;
 use memscope_core::ingest::live::{LiveView, OwnerLive, SeriesTrend, StepSource};
 use memscope_core::model::{DeviceKey, DeviceStats, Pool, PoolStats, Tracker};
 use prometheus_client::collector::Collector;
@@ -39,6 +40,8 @@ pub struct JobTotals {
     pub driver: Vec<(DeviceKey, u64)>,
     /// Its rank and job, from its launcher's variables (the daemon's jobs).
     pub identity: Identity,
+    /// Its Kubernetes pod, from the node's records (the daemon's jobs).
+    pub pod: Option<Pod>,
 }
 
 impl JobTotals {
@@ -52,11 +55,12 @@ impl JobTotals {
         }
     }
 
-    /// The labels every series of the job carries: `pid`, `comm`, and `rank` and `job_id` when
-    /// its launcher set them.
+    /// The labels every series of the job carries: `pid`, `comm`; `rank` and `job_id` when its
+    /// launcher set them; `namespace`, `pod` and `container` when it runs in a pod.
     pub fn labels(&self) -> Labels {
         let mut labels = vec![("pid", self.pid.to_string()), ("comm", self.comm.clone())];
         labels.extend(self.identity.labels());
+        labels.extend(self.pod.iter().flat_map(Pod::labels));
         labels
     }
 
@@ -294,6 +298,7 @@ impl Collector for Published {
                     // The pool's own process (a job's child may have one).
                     let mut labels = vec![("pid", pid.to_string()), ("comm", job.comm.clone())];
                     labels.extend(job.identity.labels());
+                    labels.extend(job.pod.iter().flat_map(Pod::labels));
                     labels.extend([("device", device_label(*d)), ("pool", pool_label(*p).to_owned())]);
                     (labels, (f.value)(stats))
                 })

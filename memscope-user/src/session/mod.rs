@@ -14,6 +14,7 @@
 //! started under the probes, and what is checked before anything is loaded.
 
 pub mod facts;
+pub mod k8s;
 pub mod launch;
 pub mod preflight;
 pub mod summary;
@@ -167,7 +168,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
         bpf_log,
         listen,
     } = plan;
-    let capture::Plan { output, duration, format, writer, probe_set, ring_bytes, quiet, status, driver } = capture;
+    let capture::Plan { output, duration, format, writer, probe_set, ring_bytes, quiet, status, driver, node_root } =
+        capture;
     let pid = target.pid();
     // Before anything is attached: a port in use fails the trace at once.
     let metrics = serve_metrics(listen, quiet).await?;
@@ -192,7 +194,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Finished> {
     let layout =
         RunLayout::create(&output, pid, (start_wall / 1_000_000_000) as i64, Backend::folder_suffix(&backends))?;
     let command = command.unwrap_or_else(|| command_line(pid));
-    let facts = RunFacts { pid, launch_mode, command, start_wall, clock, ring_bytes, format };
+    let facts = RunFacts { pid, launch_mode, command, start_wall, clock, ring_bytes, format, node_root };
     let mut meta = run_meta(facts, tracer.link_kind(), &backends);
     if !skipped.is_empty() {
         meta.extend(skipped_meta(&skipped));
@@ -287,6 +289,8 @@ fn start_driver(config: &crate::driver::Config, pid: u32, quiet: bool, store: &m
 /// What a trace's `ms_meta` says about the run itself.
 struct RunFacts {
     pid: u32,
+    /// `--node-root`: where the node's Kubernetes records are.
+    node_root: std::path::PathBuf,
     launch_mode: bool,
     command: String,
     start_wall: u64,
@@ -316,6 +320,7 @@ fn run_meta(f: RunFacts, probe_links: String, backends: &[Backend]) -> Meta {
     // The target's rank and job (a launched command's are its own environment's, which a
     // launcher like torchrun gives each worker, not itself).
     meta.extend(facts::identity(f.pid).meta());
+    meta.extend(k8s::pod_of(f.pid, &f.node_root).map(|p| p.meta()).unwrap_or_default());
     meta
 }
 

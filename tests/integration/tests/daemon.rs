@@ -46,6 +46,56 @@ impl Drop for Cgroup {
     }
 }
 
+/// A pod's cgroup as the kubelet's systemd driver lays it out, under a test cgroup, and the
+/// record containerd keeps of its container under a node root: `ml/llama-0`, container `trainer`.
+struct PodCgroup {
+    /// The container's cgroup (the leaf), then the folders above it up to the test cgroup.
+    dirs: Vec<PathBuf>,
+    dir: PathBuf,
+}
+
+impl PodCgroup {
+    fn make(under: &Path, node_root: &Path) -> Self {
+        let (uid, id) = ("0f1e2d3c-4b5a-6978-8a9b-0c1d2e3f4a5b", "9a8b7c6d5e4f3021".repeat(4));
+        let parts = [
+            "kubepods.slice".to_owned(),
+            "kubepods-besteffort.slice".to_owned(),
+            format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")),
+            format!("cri-containerd-{id}.scope"),
+        ];
+        let mut dirs = Vec::new();
+        let mut at = under.to_owned();
+        for p in &parts {
+            at = at.join(p);
+            std::fs::create_dir(&at).unwrap_or_else(|e| panic!("{}: {e}", at.display()));
+            dirs.push(at.clone());
+        }
+        dirs.reverse();
+        let config = node_root.join(format!("run/containerd/io.containerd.runtime.v2.task/k8s.io/{id}"));
+        std::fs::create_dir_all(&config).unwrap();
+        let annotations = serde_json::json!({"annotations": {
+            "io.kubernetes.cri.sandbox-namespace": "ml",
+            "io.kubernetes.cri.sandbox-name": "llama-0",
+            "io.kubernetes.cri.container-name": "trainer",
+        }});
+        std::fs::write(config.join("config.json"), annotations.to_string()).unwrap();
+        Self { dir: at, dirs }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        for dir in &self.dirs {
+            for _ in 0..50 {
+                if std::fs::remove_dir(dir).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
 /// A command that moves itself into `cgroup` (if given) and then execs its arguments, so the
 /// program's first call is made inside.
 fn in_cgroup(cgroup: Option<&Path>) -> Command {
@@ -160,6 +210,8 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
     };
     let out = env.scratch.join("out");
     let s = |p: &Path| p.display().to_string();
+    // Job b runs in a pod-shaped cgroup, its pod named by containerd's record under the node root.
+    let pod = PodCgroup::make(&cgroup.dir, &env.scratch.join("node"));
     let args = [
         "daemon",
         "--output",
@@ -170,6 +222,8 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
         &cgroup.inside,
         "--exclude-comm",
         "denied_job",
+        "--node-root",
+        &s(&env.scratch.join("node")),
     ];
     let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
     daemon.wait_live(Duration::from_secs(60));
@@ -181,7 +235,7 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
     let mut jobs = [
         Job::start(&env, "a", &python, 0, 200, inside),
         // A torchrun worker: its rank and its launch's rendezvous label its series and DB.
-        Job::start_with(&env, "b", &python, 1, 300, inside, (&[], RANK_VARS)),
+        Job::start_with(&env, "b", &python, 1, 300, Some(&pod.dir), (&[], RANK_VARS)),
         // Inside the cgroup, but its name is denied.
         Job::start(&env, "denied", &denied_name, 2, 100, inside),
         // Not denied by name, but outside the cgroup.
@@ -215,9 +269,11 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
         assert!(Instant::now() < deadline, "Prometheus {got:?} against the ledgers {wanted:?}:\n{}", daemon.stderr());
         std::thread::sleep(Duration::from_millis(500));
     }
-    let ranked =
-        format!(r#"memscope_live_bytes{{job="memscope",pid="{}",rank="1",job_id="127.0.0.1:29500"}}"#, pids[1]);
-    assert_eq!(query(prometheus, &ranked), want(1).0, "job b's series by its rank and job");
+    let ranked = format!(
+        r#"memscope_live_bytes{{job="memscope",pid="{}",rank="1",job_id="127.0.0.1:29500",namespace="ml",pod="llama-0",container="trainer"}}"#,
+        pids[1]
+    );
+    assert_eq!(query(prometheus, &ranked), want(1).0, "job b's series by its rank, job and pod");
     let (_, body) = get(metrics, "/metrics").unwrap();
     assert!(!body.contains(&format!(r#"pid="{}",comm="python3",rank"#, pids[0])), "job a has no rank:\n{body}");
     for denied in &pids[2..] {
@@ -260,6 +316,8 @@ fn check_job_folders(out: &Path, pids: &[u32], ledgers: &[Vec<Entry>], stderr: &
         assert_eq!(meta(db, "mode").as_deref(), Some("daemon"));
         assert_eq!(meta(db, "target_pid"), Some(pids[i].to_string()));
         let rank = (i == 1).then(|| "1".to_owned());
+        let pod = (i == 1).then(|| "llama-0".to_owned());
+        assert_eq!((meta(db, "k8s_pod"), meta(db, "k8s_pod_uid").is_some()), (pod.clone(), pod.is_some()), "job {i}");
         assert_eq!((meta(db, "rank"), meta(db, "world_size")), (rank.clone(), rank.map(|_| "2".to_owned())), "job {i}");
     }
 }
