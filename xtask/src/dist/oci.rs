@@ -39,7 +39,7 @@ fn blob(layout: &Path, media_type: &str, data: &[u8]) -> anyhow::Result<Value> {
 }
 
 /// The root file system: the binary, and the folders the DaemonSet mounts (`/var/lib/memscope`,
-/// `/etc/memscope`, /sys's) or a runtime mounts (`/proc`, `/dev`), so that a read-only root works.
+/// `/etc/memscope`, /sys's, the node's records under `/host`) or a runtime mounts (`/proc`, `/dev`), so that a read-only root works.
 fn rootfs(binary: &Path) -> Vec<Entry> {
     let mut entries: Vec<Entry> = ["dev", "etc", "etc/memscope", "proc", "sys", "usr", "usr/local", "usr/local/bin"]
         .iter()
@@ -52,6 +52,9 @@ fn rootfs(binary: &Path) -> Vec<Entry> {
     });
     entries.push(Entry::dir("tmp", 0o1777));
     entries.extend(["var", "var/lib", "var/lib/memscope"].iter().map(|d| Entry::dir(d, 0o755)));
+    // `--node-root=/host`: the node's container records, for the pods' names.
+    let host = ["host", "host/run", "host/run/containerd", "host/var", "host/var/log", "host/var/log/pods"];
+    entries.extend(host.iter().map(|d| Entry::dir(d, 0o755)));
     entries
 }
 
