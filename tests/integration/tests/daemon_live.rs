@@ -192,13 +192,22 @@ fn the_daemon_exports_each_jobs_owners_and_the_offline_degradation_verdict_while
         let steps: Vec<_> =
             pids.iter().map(|p| one(&body, "memscope_step", &[pid_label(*p), "source=\"markers\"".into()])).collect();
         let window = one(&body, "memscope_step", &[pid_label(unmarked_pid), "source=\"window\"".into()]);
-        // The verdict is redone now and then, so it can trail the steps by a round (seen on a
-        // slow VM): its points are the last thing waited for.
-        let points = one(&body, "memscope_degradation_points", &pta(pids[0]));
+        // The verdicts are redone now and then, so each can trail the steps by a round (seen on
+        // a slow VM, for either job and either layer): their points are the last thing waited
+        // for, every job's and layer's that is compared with the offline analysis below.
+        let points: Vec<Option<i64>> = pids
+            .iter()
+            .flat_map(|&pid| {
+                ["HAL", "PTA"].map(|layer| {
+                    let labels = [pid_label(pid), "device=\"0\"".into(), format!("layer=\"{layer}\"")];
+                    one(&body, "memscope_degradation_points", &labels)
+                })
+            })
+            .collect();
         if got == owners
             && steps == [Some(STEPS as i64); 2]
             && window.is_some_and(|w| w >= 2)
-            && points == Some(STEPS as i64)
+            && points.iter().all(|p| *p == Some(STEPS as i64))
         {
             break body;
         }
