@@ -54,6 +54,7 @@ class Job:
         self.torch.standin_tensor_free.argtypes = [ctypes.c_void_p]
         self.lines = []
         self.step = 1
+        self.device = args.device
 
     def log(self, **fields):
         self.lines.append(fields)
@@ -61,7 +62,7 @@ class Job:
     def tensor(self, size, owner, leak=False):
         with memscope.describe(owner):
             t0 = now()
-            ptr = self.torch.standin_tensor_alloc(size, 0)
+            ptr = self.torch.standin_tensor_alloc(size, self.device)
             t1 = now()
         if not ptr:
             raise RuntimeError(f"stand-in allocator returned null for {size} bytes")
@@ -150,6 +151,7 @@ def main():
     ap.add_argument("--ledger", required=True)
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--device", type=int, default=0, help="the device its tensors and buffers are on")
     ap.add_argument("--tracer-timeout", type=float, default=30.0)
     ap.add_argument("--hold", type=float, default=0.0, help="after the last step, sleep this long before freeing")
     ap.add_argument("--ready-file", help="with --hold: the pid goes here once the ledger so far is written")
@@ -158,7 +160,7 @@ def main():
         ap.error("--hold needs --ready-file")
 
     job = Job(args)
-    job.acl.aclrtSetDevice(0)
+    job.acl.aclrtSetDevice(args.device)
     if not memscope.wait_for_tracer(timeout=args.tracer_timeout):
         print(f"standin_leaky: no tracer attached within {args.tracer_timeout} s", file=sys.stderr)
         return 1

@@ -264,6 +264,27 @@ pub struct Timeline {
     pub changes: Vec<(i64, u32, i64)>,
 }
 
+impl Timeline {
+    /// Calls `f(ts, totals, bytes)` once per distinct timestamp, after all its changes: the live
+    /// bytes per family (indexed by `Family as usize`) and per owner index then.
+    pub fn instants(&self, mut f: impl FnMut(i64, &[i64; 3], &[i64])) {
+        let mut totals = [0i64; 3];
+        let mut bytes = vec![0i64; self.owners.len()];
+        let mut i = 0;
+        let changes = &self.changes;
+        while i < changes.len() {
+            let ts = changes[i].0;
+            while i < changes.len() && changes[i].0 == ts {
+                let (_, slot, delta) = changes[i];
+                totals[self.owners[slot as usize].0 as usize] += delta;
+                bytes[slot as usize] += delta;
+                i += 1;
+            }
+            f(ts, &totals, &bytes);
+        }
+    }
+}
+
 /// The decomposition's changes over a DB (see [`Timeline`]).
 pub fn timeline(db: &DumpDb) -> Result<Timeline, AnalysisError> {
     let mut replay = TimelineReplay::default();

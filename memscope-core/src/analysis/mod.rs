@@ -26,6 +26,8 @@
 //!   exports and the report draw on a timeline).
 //! - [`compare`]: two runs owner by owner at the instants both reached, and where what grew is
 //!   judged (`compare` and `report A B` alike).
+//! - [`ranks`]: a distributed job's ranks side by side, and the ones that stand out, with why
+//!   (`compare` and `report` over a job's traces).
 //! - [`calls`], [`opdiff`], [`calldiff`]: a trace's operator or kernel sequence with each call's
 //!   memory delta, Myers' shortest edit script between two of them, and the report of
 //!   `compare --level`.
@@ -52,6 +54,7 @@ pub mod opdiff;
 pub mod pass;
 pub mod pool;
 pub mod py_stacks;
+pub mod ranks;
 pub mod render;
 pub mod simulate;
 pub mod sites;

@@ -562,7 +562,6 @@ impl Timeline {
         }
     }
 
-    /// Replays a whole DB.
     /// Replays a whole DB. A `--step-marker` that names no mark is refused: it is a typo far
     /// more often than a trace without steps, and a report without steps would hide that.
     pub fn replay(db: &StepDb<'_>, step_marker: Option<&str>, sink: &mut impl BlockSink) -> Result<Self, StepError> {
@@ -576,19 +575,21 @@ impl Timeline {
             }
         })?;
         timeline.finish(sink);
-        if let Some(marker) = step_marker {
-            if timeline.boundaries.is_empty() {
-                let marks = &timeline.detector.marks_seen;
-                let seen = if marks.is_empty() {
-                    "the trace has no MSTX marks or ranges".to_owned()
-                } else {
-                    let marks: Vec<_> = marks.iter().map(|m| printable(m)).collect();
-                    format!("marks and ranges in this trace: {}", marks.join(", "))
-                };
-                return Err(StepError::NoSuchMarker { path: db.db.path().to_owned(), marker: marker.to_owned(), seen });
-            }
-        }
+        timeline.check_marker(db, step_marker)?;
         Ok(timeline)
+    }
+
+    /// Refuses a finished replay whose `--step-marker` found no boundary.
+    fn check_marker(&self, db: &StepDb<'_>, step_marker: Option<&str>) -> Result<(), StepError> {
+        let Some(marker) = step_marker.filter(|_| self.boundaries.is_empty()) else { return Ok(()) };
+        let marks = &self.detector.marks_seen;
+        let seen = if marks.is_empty() {
+            "the trace has no MSTX marks or ranges".to_owned()
+        } else {
+            let marks: Vec<_> = marks.iter().map(|m| printable(m)).collect();
+            format!("marks and ranges in this trace: {}", marks.join(", "))
+        };
+        Err(StepError::NoSuchMarker { path: db.db.path().to_owned(), marker: marker.to_owned(), seen })
     }
 
     pub fn owner(&self, slot: u32) -> (Family, &str) {
@@ -678,6 +679,53 @@ impl Timeline {
             families: Family::ALL.into_iter().filter(|f| self.live.mallocs[*f as usize] > 0).collect(),
             unreadable: self.live.unreadable,
         }
+    }
+}
+
+/// A [`Timeline`] fed by a shared pass ([`super::pass`]) with other replays, its blocks' ends
+/// going to `sink`: what [`Timeline::replay`] does on a pass of its own.
+pub struct Replay<S> {
+    pub timeline: Timeline,
+    pub sink: S,
+    marker: Option<String>,
+    pattern: Vec<i64>,
+}
+
+impl<S: BlockSink> Replay<S> {
+    pub fn new(db: &StepDb<'_>, step_marker: Option<&str>, sink: S) -> Result<Self, AnalysisError> {
+        let pattern = db.pattern(step_marker)?;
+        let timeline = Timeline::with_pattern(step_marker, &pattern);
+        Ok(Self { timeline, sink, marker: step_marker.map(str::to_owned), pattern })
+    }
+
+    /// After the pass: the finished timeline and the sink, or [`Timeline::replay`]'s refusal of
+    /// a marker that named no boundary.
+    pub fn finish(mut self, db: &StepDb<'_>) -> Result<(Timeline, S), StepError> {
+        self.timeline.finish(&mut self.sink);
+        self.timeline.check_marker(db, self.marker.as_deref())?;
+        Ok((self.timeline, self.sink))
+    }
+
+    /// [`Self::finish`] for a replay without a step marker (it cannot be refused).
+    pub fn finish_unmarked(mut self) -> (Timeline, S) {
+        debug_assert!(self.marker.is_none());
+        self.timeline.finish(&mut self.sink);
+        (self.timeline, self.sink)
+    }
+}
+
+impl<S: BlockSink> super::pass::Consumer for Replay<S> {
+    fn selection(&self) -> Selection<'static> {
+        SELECTION
+    }
+
+    fn row(&mut self, row: DumpRow<'_>) {
+        self.timeline.apply(&row, &mut self.sink);
+    }
+
+    fn restart(&mut self) {
+        self.timeline = Timeline::with_pattern(self.marker.as_deref(), &self.pattern);
+        self.sink.restart();
     }
 }
 

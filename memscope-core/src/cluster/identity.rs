@@ -51,6 +51,14 @@ impl Identity {
         }
     }
 
+    /// The identity a trace recorded in its `ms_meta` ([`Self::meta`]'s keys, read by `get`); a
+    /// value that is not a number reads as absent.
+    pub fn from_meta(mut get: impl FnMut(&str) -> Option<String>) -> Self {
+        let mut number = |key: &str| get(key).and_then(|v| v.parse::<u32>().ok());
+        let (rank, local_rank, world_size) = (number("rank"), number("local_rank"), number("world_size"));
+        Self { rank, local_rank, world_size, device: get("rank_device"), job: get("job_id") }
+    }
+
     /// Its `ms_meta` keys, only those known.
     pub fn meta(&self) -> Vec<(String, String)> {
         let mut meta = Vec::new();
@@ -129,5 +137,20 @@ mod tests {
         let id = Identity::from_env(&env(&[("RANK", "x"), ("RANK_ID", "2"), ("MASTER_ADDR", "h")]));
         assert_eq!(id.rank, None, "the first variable set decides, and RANK is not a number");
         assert_eq!(id.job, None, "an address without a port is no rendezvous");
+    }
+
+    #[test]
+    fn the_identity_a_trace_recorded_reads_back_as_it_was() {
+        let id = Identity::from_env(&env(&[
+            ("RANK_ID", "3"),
+            ("LOCAL_RANK", "1"),
+            ("RANK_SIZE", "16"),
+            ("DEVICE_ID", "3"),
+            ("RANK_TABLE_FILE", "/job/hccl_16p.json"),
+        ]));
+        let meta = id.meta();
+        let read = Identity::from_meta(|k| meta.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()));
+        assert_eq!(read, id);
+        assert_eq!(Identity::from_meta(|k| (k == "rank").then(|| "two".to_owned())), Identity::default());
     }
 }

@@ -35,25 +35,6 @@ struct Extremes {
     high: (i64, i64),
 }
 
-/// Calls `f(ts, totals, bytes)` once per distinct timestamp, after all its changes: the live
-/// bytes per family and per owner then.
-fn replay(timeline: &Timeline, mut f: impl FnMut(i64, &[i64; 3], &[i64])) {
-    let mut totals = [0i64; 3];
-    let mut bytes = vec![0i64; timeline.owners.len()];
-    let mut i = 0;
-    let changes = &timeline.changes;
-    while i < changes.len() {
-        let ts = changes[i].0;
-        while i < changes.len() && changes[i].0 == ts {
-            let (_, slot, delta) = changes[i];
-            totals[timeline.owners[slot as usize].0 as usize] += delta;
-            bytes[slot as usize] += delta;
-            i += 1;
-        }
-        f(ts, &totals, &bytes);
-    }
-}
-
 /// The curves of every family with blocks, `origin` the report's time zero, the trace spanning
 /// `start..=end` (absolute ns).
 pub fn curves(timeline: &Timeline, origin: i64, (start, end): (i64, i64), buckets: usize) -> Vec<Curve> {
@@ -62,7 +43,7 @@ pub fn curves(timeline: &Timeline, origin: i64, (start, end): (i64, i64), bucket
     let bucket = |ts: i64| (((ts - start).max(0) as i128 * buckets as i128 / span) as usize).min(buckets - 1);
     let mut count = [0usize; 3];
     let mut extremes: [Vec<Option<Extremes>>; 3] = std::array::from_fn(|_| vec![None; buckets]);
-    replay(timeline, |ts, totals, _| {
+    timeline.instants(|ts, totals, _| {
         for f in 0..3 {
             count[f] += 1;
             let e = extremes[f][bucket(ts)].get_or_insert(Extremes { low: (totals[f], ts), high: (totals[f], ts) });
@@ -100,7 +81,7 @@ pub fn curves(timeline: &Timeline, origin: i64, (start, end): (i64, i64), bucket
         })
         .collect();
     let mut next = vec![0usize; families.len()];
-    replay(timeline, |ts, totals, bytes| {
+    timeline.instants(|ts, totals, bytes| {
         for (k, &f) in families.iter().enumerate() {
             let keep = if all(f) {
                 true

@@ -54,8 +54,10 @@ mod tests {
                 label: "</script><script>alert(1)</script>".into(),
                 origin_ns: "0".into(),
                 devices: vec![],
+                identity: None,
             }],
             compare: vec![],
+            ranks: None,
         };
         let mut out = Vec::new();
         write(&page, "<b>t</b>", &mut out).unwrap();

@@ -17,13 +17,14 @@ pub mod html;
 use serde::Serialize;
 
 use crate::analysis::db::DumpDb;
-use crate::analysis::db::{DumpRow, Selection};
 use crate::analysis::decompose::{self, By, ByReplay, Family};
 use crate::analysis::instants::{self, Instant};
 use crate::analysis::pass::{self, Consumer};
 use crate::analysis::py_stacks;
-use crate::analysis::steps::{self, BlockSink as _, StepDb, StepPoint, Timeline};
+use crate::analysis::ranks;
+use crate::analysis::steps::{self, StepDb, StepPoint, Timeline};
 use crate::analysis::AnalysisError;
+use crate::cluster::identity::Identity;
 
 /// How much of a trace the page gets.
 #[derive(Clone, Copy, Debug)]
@@ -86,6 +87,9 @@ pub struct DeviceReport {
     pub summarised: Vec<String>,
     /// For msMemScope's capture, what its data lacks ([`DumpDb::capture_note`]).
     pub capture: Option<String>,
+    /// Its step ends and peaks, for the Ranks section ([`ranks`]).
+    #[serde(skip)]
+    pub profile: ranks::Profile,
 }
 
 /// The earliest `Timestamp(ns)` of a DB: the run's origin is the earliest of its devices'.
@@ -127,51 +131,26 @@ fn step_end(p: &StepPoint, steps: &Timeline, owners: &mut Vec<(&'static str, Str
     StepEnd { step: p.step.unwrap_or(0), t: p.ts - origin, totals: p.totals, owners }
 }
 
-/// The step replay with the table's sink, for the shared pass.
-struct StepReplay {
-    timeline: Timeline,
-    top: blocks::TopBlocks,
-    /// Steps from the allocations' pattern, for a trace without any ([`StepDb::pattern`]).
-    pattern: Vec<i64>,
-}
-
-impl Consumer for StepReplay {
-    fn selection(&self) -> Selection<'static> {
-        steps::SELECTION
-    }
-
-    fn row(&mut self, row: DumpRow<'_>) {
-        self.timeline.apply(&row, &mut self.top);
-    }
-
-    fn restart(&mut self) {
-        self.timeline = Timeline::with_pattern(None, &self.pattern);
-        self.top.restart();
-    }
-}
-
 /// Everything the page shows of one device's DB.
 pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Result<DeviceReport, AnalysisError> {
     let mut notes = Vec::new();
     let step_db = StepDb::new(db)?;
     // One pass feeds the replays: reading the rows is most of the cost.
     let mut changes = decompose::TimelineReplay::default();
-    let pattern = step_db.pattern(None)?;
-    let timeline = Timeline::with_pattern(None, &pattern);
-    let mut step_replay = StepReplay { timeline, top: blocks::TopBlocks::new(options.top_blocks), pattern };
+    let mut step_replay = steps::Replay::new(&step_db, None, blocks::TopBlocks::new(options.top_blocks))?;
     let mut instant_reader = instants::Reader::default();
     let mut by_stack = if py_stacks::present(db)? { Some(ByReplay::new(db, By::Stack)?) } else { None };
     let mut consumers: Vec<&mut dyn Consumer> = vec![&mut changes, &mut step_replay, &mut instant_reader];
     consumers.extend(by_stack.as_mut().map(|r| r as &mut dyn Consumer));
     pass::run(db, &mut consumers)?;
     let timeline = changes.finish();
-    let StepReplay { timeline: mut steps, mut top, .. } = step_replay;
-    steps.finish(&mut top);
+    let (steps, top) = step_replay.finish_unmarked();
     let end_ns = steps.end_point().map_or(origin, |p| p.ts);
     let start_ns = steps.start_ns().unwrap_or(origin);
     let bounds = (start_ns.min(end_ns), end_ns);
 
     let curves = curves::curves(&timeline, origin, bounds, options.buckets);
+    let profile = ranks::Profile::of(&timeline, &steps);
     for c in curves.iter().filter(|c| c.t.len() < c.instants) {
         notes.push(format!(
             "{} memory over time: {} instants drawn as {} (each of {} intervals keeps its highest and lowest; every peak is exact)",
@@ -236,6 +215,7 @@ pub fn device(db: &DumpDb, device: &str, origin: i64, options: &Options) -> Resu
         findings,
         summarised: notes,
         capture: db.capture_note()?,
+        profile,
     })
 }
 
@@ -286,6 +266,9 @@ pub struct Run {
     /// The run's time zero, `Timestamp(ns)` as text.
     pub origin_ns: String,
     pub devices: Vec<DeviceReport>,
+    /// The rank and job the run's trace recorded (a run of one DB).
+    #[serde(skip)]
+    pub identity: Option<Identity>,
 }
 
 /// What the page is given.
@@ -297,6 +280,24 @@ pub struct Page {
     pub runs: Vec<Run>,
     /// With two runs: their devices paired.
     pub compare: Vec<compare::Pair>,
+    /// With a job's ranks as runs: the ranks compared.
+    pub ranks: Option<ranks::Comparison>,
+}
+
+/// The runs as the ranks of jobs, each device of each run a rank.
+pub fn ranks(runs: &[Run]) -> ranks::Comparison {
+    let members: Vec<ranks::Member> = runs
+        .iter()
+        .flat_map(|r| {
+            r.devices.iter().map(|d| ranks::Member {
+                label: if r.devices.len() == 1 { r.label.clone() } else { format!("{} device {}", r.label, d.device) },
+                device: d.device.clone(),
+                identity: r.identity.clone().unwrap_or_default(),
+                profile: d.profile.clone(),
+            })
+        })
+        .collect();
+    ranks::compare_ranks(&members)
 }
 
 #[cfg(test)]

@@ -57,9 +57,23 @@ pub struct Args {
     #[arg(value_name = "A")]
     pub a: PathBuf,
 
-    /// The trace compared with it, likewise.
+    /// The trace compared with it, likewise. Left out: A is a folder of a job's traces, one
+    /// per rank (see --ranks).
     #[arg(value_name = "B")]
-    pub b: PathBuf,
+    pub b: Option<PathBuf>,
+
+    /// More traces: with them, every trace given is a rank of a distributed job (see --ranks).
+    #[arg(value_name = "MORE")]
+    pub more: Vec<PathBuf>,
+
+    /// Compare the traces as the ranks of distributed jobs rather than A against B: per rank
+    /// its peak and the owners then, its growth per step and its live bytes at each step's end;
+    /// the ranks that stand out, with why. Ranks are grouped into jobs by the job id each trace
+    /// recorded (torchrun's, the rendezvous address, HCCL's rank table). The default with more
+    /// than two traces, or with folders holding several traces of one device (a daemon's
+    /// output folder, one per node).
+    #[arg(long, conflicts_with = "level")]
+    pub ranks: bool,
 
     /// Only this device: 0, 1, ..., cpu, unknown.
     #[arg(long, value_name = "D")]
@@ -322,7 +336,8 @@ type ByDevice = BTreeMap<(u8, u64, String), (String, DbFile)>;
 /// Pairs the DBs of A and B by device; two single files are a pair whatever their devices.
 fn pairs(args: &Args) -> anyhow::Result<Vec<(String, DbFile, DbFile)>> {
     let files_a = inputs::files(std::slice::from_ref(&args.a)).with_context(|| "A")?;
-    let files_b = inputs::files(std::slice::from_ref(&args.b)).with_context(|| "B")?;
+    let Some(b) = &args.b else { bail!("compare needs a second trace (B)") };
+    let files_b = inputs::files(std::slice::from_ref(b)).with_context(|| "B")?;
     let want = args.device.as_deref().map(inputs::normalise_device);
     let by_device = |files: &[DbFile]| -> anyhow::Result<ByDevice> {
         let mut map = BTreeMap::new();
@@ -338,7 +353,7 @@ fn pairs(args: &Args) -> anyhow::Result<Vec<(String, DbFile, DbFile)>> {
         }
         Ok(map)
     };
-    if files_a.len() == 1 && files_b.len() == 1 && args.a.is_file() && args.b.is_file() {
+    if files_a.len() == 1 && files_b.len() == 1 && args.a.is_file() && b.is_file() {
         let device = inputs::device_of_file(&files_a[0])?;
         let other = inputs::device_of_file(&files_b[0])?;
         let label = if device == other { device } else { format!("{device} (A) vs {other} (B)") };
@@ -470,6 +485,11 @@ fn print<T: Serialize>(json: bool, reports: &[T], text: impl Fn(&T) -> String) -
     } else {
         reports.iter().map(text).collect::<Vec<_>>().join("\n")
     };
+    write_stdout(&out)
+}
+
+/// Writes the report; a reader that went away (`| head`) is no error.
+pub(super) fn write_stdout(out: &str) -> anyhow::Result<()> {
     use std::io::Write as _;
     let mut stdout = std::io::stdout().lock();
     match stdout.write_all(out.as_bytes()).and_then(|()| stdout.flush()) {
@@ -479,6 +499,9 @@ fn print<T: Serialize>(json: bool, reports: &[T], text: impl Fn(&T) -> String) -
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(files) = super::compare_ranks::wanted(&args)? {
+        return super::compare_ranks::run(&args, files);
+    }
     match args.level {
         Some(level) => print(args.json, &call_reports(&args, level)?, |d| calldiff::text(d, args.rows)),
         None => print(args.json, &step_reports(&args)?, text),

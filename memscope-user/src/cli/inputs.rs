@@ -172,6 +172,56 @@ pub fn device_files(input: &Path, want: Option<&str>) -> anyhow::Result<Vec<(DbF
     }
 }
 
+/// The DBs of the inputs as the ranks of distributed jobs, when they are: `explicit` (--ranks,
+/// or more traces than two given), or an input holding several traces (a daemon's output
+/// folder, a node's folders). `None` when they are one or two traces to view or compare. An
+/// input's error names it by `names` (A, B), where the verb has names.
+pub fn rank_files(
+    inputs: &[PathBuf],
+    names: &[&str],
+    want: Option<&str>,
+    explicit: bool,
+) -> anyhow::Result<Option<Vec<(DbFile, String)>>> {
+    if !explicit && inputs.len() == 2 && inputs.iter().all(|i| i.is_file()) {
+        return Ok(None);
+    }
+    let mut files = Vec::new();
+    let mut several = false;
+    for (i, input) in inputs.iter().enumerate() {
+        let found = match (device_files(input, want), names.get(i)) {
+            (Err(e), Some(name)) => return Err(e.context(name.to_string())),
+            (found, _) => found?,
+        };
+        several |= several_traces(&found);
+        files.extend(found);
+    }
+    if !explicit && !several {
+        return Ok(None);
+    }
+    files.sort_by(|(fa, da), (fb, db)| {
+        (db::device_order(Some(da)), &fa.path).cmp(&(db::device_order(Some(db)), &fb.path))
+    });
+    files.dedup_by(|a, b| a.0.path == b.0.path);
+    Ok(Some(files))
+}
+
+/// Whether one input's DBs are several traces: of more than one trace folder (the folder above
+/// `device_<id>/dump/` or `dump/`), or more than one of a device.
+fn several_traces(files: &[(DbFile, String)]) -> bool {
+    let trace = |p: &Path| -> PathBuf {
+        let dump = p.parent().filter(|d| d.file_name().is_some_and(|n| n == "dump"));
+        let above = dump.and_then(Path::parent);
+        let run = match above {
+            Some(d) if d.file_name().is_some_and(|n| n.to_string_lossy().starts_with("device_")) => d.parent(),
+            other => other,
+        };
+        run.unwrap_or(p).to_owned()
+    };
+    let runs: HashSet<PathBuf> = files.iter().map(|(f, _)| trace(&f.path)).collect();
+    let devices: HashSet<&str> = files.iter().map(|(_, d)| d.as_str()).collect();
+    runs.len() > 1 || devices.len() < files.len()
+}
+
 /// `--device` as written (`0`, `device_0`, `npu:0`, `cpu`) -> the id DB folders use.
 pub fn normalise_device(device: &str) -> &str {
     let d = device.trim();

@@ -6,6 +6,7 @@ mod bench_consumer;
 mod bench_simulate;
 mod capture;
 pub mod compare;
+mod compare_ranks;
 pub mod daemon;
 pub mod export;
 pub mod import;

@@ -7,10 +7,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
-use memscope_core::analysis::db::{self, DumpDb};
+use memscope_core::analysis::db::{self, DbFile, DumpDb};
+use memscope_core::analysis::ranks;
 use memscope_core::report::{self, compare, html, DeviceReport, Options, Page, Run};
 
 use super::inputs::{self, write_atomically};
+use crate::terminal::say::say;
 
 /// Write a trace as one HTML page: memory over time by owner, the owner tree at the peak and at
 /// any instant clicked, the peak by Python stack, the blocks, the analyses' findings; two
@@ -33,6 +35,13 @@ use super::inputs::{self, write_atomically};
 /// With two traces (A, then B) the page also compares them per device: per-step curves of both
 /// and the owners that grew from A to B at the last step both ended (else at their ends).
 ///
+/// With a job's traces, one per rank (more than two, or folders of several, or --ranks), the
+/// page compares the ranks: per rank its peak and the owners then, its growth per step, the
+/// ranks that stand out and why (a higher peak by which owners, a leak only there), and a
+/// rank × step view; each rank's own curves, tree and blocks are a click away.
+///
+///   memscope-bpf report node1/msout node2/msout -o job.html
+///
 /// Big traces are summarised, never truncated silently: the curves keep each of --points
 /// intervals' highest and lowest instant (every peak is exact), the table the --top-blocks
 /// largest blocks, and the page lists what was cut.
@@ -41,8 +50,16 @@ use super::inputs::{self, write_atomically};
 pub struct Args {
     /// A trace DB (memscope_dump_*.db) or CSV, or a trace's output folder; a second one to
     /// compare with the first (A, then B). msMemScope's own captures too: its CSV (read through a temporary DB) or DB, and its folders (msmemscope_<pid>_<time>_ascend/, memscopeDumpResults/, leaksDumpResults/).
-    #[arg(value_name = "DB|DIR", num_args = 1..=2, required = true)]
+    /// More than two: each trace is a rank of a distributed job (see --ranks).
+    #[arg(value_name = "DB|DIR", num_args = 1.., required = true)]
     pub inputs: Vec<PathBuf>,
+
+    /// Take every trace given as a rank of a distributed job: the page gets a Ranks section
+    /// (per rank its peak and the owners then, its growth per step, the ranks that stand out
+    /// and why, a rank × step view) and a picker of the ranks. The default with more than two
+    /// traces, or with folders holding several traces of one device (a daemon's output folder).
+    #[arg(long)]
+    pub ranks: bool,
 
     /// Where to write the page. An existing file is replaced only once the new one is complete.
     #[arg(short, long, value_name = "FILE", default_value = "report.html")]
@@ -75,6 +92,11 @@ pub struct Args {
 fn run_of(input: &Path, want: Option<&str>, options: &Options, analyses: bool) -> anyhow::Result<Run> {
     let mut files = inputs::device_files(input, want)?;
     files.sort_by_key(|(_, d)| db::device_order(Some(d)));
+    run_of_files(input.display().to_string(), &files, options, analyses)
+}
+
+/// These DBs as one run of the page, called `label`.
+fn run_of_files(label: String, files: &[(DbFile, String)], options: &Options, analyses: bool) -> anyhow::Result<Run> {
     let store = if analyses { inputs::Store::Default } else { inputs::Store::Never };
     let dbs = files
         .iter()
@@ -96,10 +118,27 @@ fn run_of(input: &Path, want: Option<&str>, options: &Options, analyses: bool) -
     let origin = origin.unwrap_or(0);
     let devices = dbs
         .iter()
-        .zip(&files)
+        .zip(files)
         .map(|(db, (_, device))| Ok(report::device(db, device, origin, options)?))
         .collect::<anyhow::Result<Vec<DeviceReport>>>()?;
-    Ok(Run { label: input.display().to_string(), origin_ns: origin.to_string(), devices })
+    let identity = match dbs.as_slice() {
+        [one] => Some(ranks::identity_of(one)?),
+        _ => None,
+    };
+    Ok(Run { label, origin_ns: origin.to_string(), devices, identity })
+}
+
+/// With --ranks, more than two inputs or folders holding several traces: every DB is a run of
+/// its own, a rank.
+fn rank_runs(args: &Args, want: Option<&str>, options: &Options, analyses: bool) -> anyhow::Result<Option<Vec<Run>>> {
+    let explicit = args.ranks || args.inputs.len() > 2;
+    let Some(files) = inputs::rank_files(&args.inputs, &[], want, explicit)? else { return Ok(None) };
+    say!("memscope-bpf: {} traces, each a rank", files.len());
+    let runs = files
+        .into_iter()
+        .map(|file| run_of_files(file.0.shown().display().to_string(), &[file], options, analyses))
+        .collect::<anyhow::Result<Vec<Run>>>()?;
+    Ok(Some(runs))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -111,9 +150,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let want = args.device.as_deref().map(inputs::normalise_device);
     let analyses = !args.no_analyses;
-    let runs = args.inputs.iter().map(|i| run_of(i, want, &options, analyses)).collect::<anyhow::Result<Vec<Run>>>()?;
+    let ranked = rank_runs(&args, want, &options, analyses)?;
+    let ranked_mode = ranked.is_some();
+    let runs = match ranked {
+        Some(runs) => runs,
+        None => {
+            args.inputs.iter().map(|i| run_of(i, want, &options, analyses)).collect::<anyhow::Result<Vec<Run>>>()?
+        }
+    };
+    let ranks = ranked_mode.then(|| report::ranks(&runs));
     let compare = match runs.as_slice() {
-        [a, b] => {
+        [a, b] if ranks.is_none() => {
             let pairs = compare::pairs(&a.devices, &b.devices);
             if pairs.is_empty() {
                 let names = |r: &Run| r.devices.iter().map(|d| d.device.as_str()).collect::<Vec<_>>().join(", ");
@@ -128,10 +175,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         _ => Vec::new(),
     };
     let title = match runs.as_slice() {
+        _ if ranks.is_some() => format!("memscope-bpf report: {} ranks", runs.len()),
         [a, b] => format!("memscope-bpf report: {} vs {}", a.label, b.label),
         _ => format!("memscope-bpf report: {}", runs[0].label),
     };
-    let page = Page { tool: "memscope-bpf", version: env!("CARGO_PKG_VERSION"), runs, compare };
+    let page = Page { tool: "memscope-bpf", version: env!("CARGO_PKG_VERSION"), runs, compare, ranks };
     let size = write_atomically(&args.output, |out| Ok(html::write(&page, &title, out)?))?;
     let devices: usize = page.runs.iter().map(|r| r.devices.len()).sum();
     let notes: usize = page.runs.iter().flat_map(|r| &r.devices).map(|d| d.summarised.len()).sum();
@@ -183,6 +231,33 @@ mod tests {
             .filter_map(Result::ok)
             .any(|e| e.file_name().to_string_lossy().ends_with(".partial"));
         assert!(!partial);
+    }
+
+    /// Three traces are ranks: the page carries their comparison, each trace a run of its own.
+    #[test]
+    fn more_than_two_traces_are_compared_as_ranks() {
+        use memscope_core::analysis::steps::testrows::noisy_run;
+        let dbs: Vec<String> = (0..3)
+            .map(|r| {
+                let db = noisy_run(&format!("cli-report-rank{r}"), r == 1);
+                let conn = rusqlite::Connection::open(&db).unwrap();
+                conn.execute("INSERT INTO ms_meta (key, value) VALUES ('rank', ?1)", [r.to_string()]).unwrap();
+                db.display().to_string()
+            })
+            .collect();
+        let page = dir("cli-report-ranks").join("ranks.html");
+        let mut argv: Vec<&str> = dbs.iter().map(String::as_str).collect();
+        argv.extend(["--no-analyses", "-o", page.to_str().unwrap()]);
+        run(&argv).unwrap();
+        let html = std::fs::read_to_string(&page).unwrap();
+        let data = html.split("id=\"memscope-data\">").nth(1).unwrap().split("</script>").next().unwrap();
+        let data: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(data["runs"].as_array().unwrap().len(), 3);
+        let job = &data["ranks"]["jobs"][0];
+        assert_eq!(job["job"], serde_json::Value::Null);
+        assert_eq!(job["outliers"].as_array().unwrap().len(), 1, "{job:#}");
+        assert_eq!(job["outliers"][0]["rank"], 1, "{job:#}");
+        assert_eq!(job["ranks"][1]["label"], data["runs"][1]["label"], "a rank is found by its run's label");
     }
 
     fn tables(db: &std::path::Path) -> Vec<String> {

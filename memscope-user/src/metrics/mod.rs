@@ -542,6 +542,31 @@ mod tests {
         assert_eq!(at(&format!("memscope_degradation_points{{{labels}}}")), Some(8));
     }
 
+    /// The label names a query file uses: in `by (...)`, `on (...)`, selectors and `{{legend}}`s.
+    fn labels_used(body: &str) -> std::collections::BTreeSet<String> {
+        let ident = |s: &str| s.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect::<String>();
+        let mut used = std::collections::BTreeSet::new();
+        for key in ["by (", "on (", "without ("] {
+            for (at, _) in body.match_indices(key) {
+                let list = body[at + key.len()..].split(')').next().unwrap_or("");
+                used.extend(list.split(',').map(|l| l.trim().to_owned()).filter(|l| !l.is_empty()));
+            }
+        }
+        for (at, _) in body.match_indices("{{") {
+            used.insert(ident(&body[at + 2..]));
+        }
+        for (at, _) in body.match_indices("memscope_").chain(body.match_indices("process_")) {
+            let rest = &body[at..];
+            let name = ident(rest);
+            let Some(selector) = rest[name.len()..].strip_prefix('{') else { continue };
+            for matcher in selector.split('}').next().unwrap_or("").split(',') {
+                used.insert(ident(matcher.trim()));
+            }
+        }
+        used.retain(|l| !l.is_empty() && !l.starts_with("__"));
+        used
+    }
+
     /// Prometheus's own linter reads the exposition: the format, the names' conventions (units,
     /// `_total`) and the help texts.
     #[test]
@@ -570,7 +595,23 @@ mod tests {
     #[test]
     fn the_deploy_files_query_exported_series_and_promtool_accepts_them() {
         let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy");
-        let text = encoded(one_job());
+        let mut snapshot = one_job();
+        let identity = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        snapshot.jobs[0].identity =
+            Identity::from_env(&identity.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        snapshot.jobs[0].pod = Some(memscope_core::cluster::pod::Pod {
+            namespace: "ml".into(),
+            name: "llama-0".into(),
+            container: Some("trainer".into()),
+            uid: "u".into(),
+        });
+        let text = encoded(snapshot);
+        // Prometheus's own labels, and the node the scrape job adds.
+        let mut labels: std::collections::BTreeSet<String> = ["job", "instance", "node"].map(String::from).into();
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            let inner = l.split_once('{').and_then(|(_, r)| r.rsplit_once('}')).map_or("", |(i, _)| i);
+            labels.extend(inner.split(',').filter_map(|kv| Some(kv.split_once('=')?.0.to_owned())));
+        }
         let exported: std::collections::BTreeSet<&str> =
             text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
         for file in ["alerts.yml", "grafana-dashboard.json"] {
@@ -582,6 +623,9 @@ mod tests {
                 queried += 1;
             }
             assert!(queried >= 3, "{file}: {queried}");
+            for used in labels_used(&body) {
+                assert!(labels.contains(&used), "{file} uses the label {used}, which no series has: {labels:?}");
+            }
         }
         let promtool = |what: &str, file: &std::path::Path| {
             let out = Command::new("promtool").args(["check", what]).arg(file).output().ok()?;
@@ -595,6 +639,29 @@ mod tests {
             return;
         };
         assert!(ok, "promtool check rules alerts.yml: {said}");
+        // The dashboard's queries, as recording rules, parse as PromQL (its variables as
+        // Grafana fills them with "All").
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(deploy.join("grafana-dashboard.json")).unwrap()).unwrap();
+        let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+        for (i, target) in
+            dashboard["panels"].as_array().unwrap().iter().flat_map(|p| p["targets"].as_array().unwrap()).enumerate()
+        {
+            let expr = target["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$node", ".*")
+                .replace("$namespace", ".*")
+                .replace("$job_id", ".*");
+            rules += &format!(
+                "      - record: dashboard:query{i}\n        expr: {}\n",
+                serde_json::to_string(&expr).unwrap()
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("dashboard.yml"), rules).unwrap();
+        let (ok, said) = promtool("rules", &dir.path().join("dashboard.yml")).unwrap();
+        assert!(ok, "the dashboard's queries: {said}");
         let scrape = deploy.join("prometheus-scrape.yml");
         let (mut ok, mut said) = promtool("config", &scrape).unwrap();
         if !ok && said.contains("field kubernetes_sd_configs not found") {

@@ -413,21 +413,10 @@ impl DumpDb {
 
     /// Where this DB came from, from its `ms_meta` (msMemScope writes none).
     pub fn origin(&self) -> Result<Origin, AnalysisError> {
-        let read = self.read_err();
-        let has: i64 = self
-            .conn
-            .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
-            .map_err(&read)?;
-        if has == 0 {
+        if !self.has_meta()? {
             return Ok(Origin::MsMemScope);
         }
-        let get = |key: &str| -> Result<Option<String>, AnalysisError> {
-            self.conn
-                .query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get(0))
-                .map(Some)
-                .or_else(|e| if e == rusqlite::Error::QueryReturnedNoRows { Ok(None) } else { Err(e) })
-                .map_err(&read)
-        };
+        let get = |key: &str| self.meta(key);
         Ok(match get("imported_from")? {
             None => Origin::Trace,
             Some(source) => match get("source_format")?.as_deref() {
@@ -438,6 +427,27 @@ impl DumpDb {
                 format => Origin::Imported { csv: source, ours: format == Some("memscope-bpf-csv") },
             },
         })
+    }
+
+    fn has_meta(&self) -> Result<bool, AnalysisError> {
+        let has: i64 = self
+            .conn
+            .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ms_meta'", [], |r| r.get(0))
+            .map_err(self.read_err())?;
+        Ok(has > 0)
+    }
+
+    /// One `ms_meta` value; `None` where the key is absent or the DB has no `ms_meta`
+    /// (msMemScope's).
+    pub fn meta(&self, key: &str) -> Result<Option<String>, AnalysisError> {
+        if !self.has_meta()? {
+            return Ok(None);
+        }
+        self.conn
+            .query_row("SELECT value FROM ms_meta WHERE key = ?1", [key], |r| r.get(0))
+            .map(Some)
+            .or_else(|e| if e == rusqlite::Error::QueryReturnedNoRows { Ok(None) } else { Err(e) })
+            .map_err(self.read_err())
     }
 
     /// The connection, for an analysis's own queries (settings, one row's details).

@@ -49,7 +49,7 @@ function pickers() {
     items.forEach((label, i) => b.append(el("button", { class: "pick" + (on(i) ? " on" : ""), type: "button",
       "data-pick": label, onclick: () => pick(i) }, label)));
   };
-  mk("run-picker", DATA.runs.map((r, i) => (DATA.runs.length > 1 ? "AB"[i] + ": " : "") + r.label),
+  mk("run-picker", DATA.runs.map((r, i) => runName(i)),
     (i) => i === state.run, (i) => { state.run = i; state.device = Math.min(state.device, run().devices.length - 1); reset(); });
   mk("device-picker", run().devices.map((d) => "device " + d.device), (i) => i === state.device,
     (i) => { state.device = i; reset(); });
@@ -516,6 +516,92 @@ function findings() {
   }
 }
 
+// ------------------------------------------------------------------ ranks
+
+// What a run is called: its rank and job when the page compares ranks, A or B of two runs.
+function runName(i) {
+  const r = DATA.runs[i];
+  if (DATA.ranks) {
+    for (const job of DATA.ranks.jobs) {
+      const k = job.ranks.find((x) => x.label === r.label);
+      if (k) return rankName(k) + (DATA.ranks.jobs.length > 1 ? " of " + (job.job || "no job id") : "");
+    }
+  }
+  return (DATA.runs.length > 1 ? "AB"[i] + ": " : "") + r.label;
+}
+function rankName(r) { return r.rank === null ? "device " + r.device + " (" + r.label + ")" : "rank " + r.rank; }
+
+function whyText(w) {
+  if (w.kind === "peak") {
+    return w.family + " peak " + bytes(w.peak) + " against the other ranks' median " + bytes(w.median) + " (" + signed(w.peak - w.median) + "), by " +
+      w.by.map((e) => e.owner + " " + bytes(e.bytes) + " (others " + bytes(e.others_median) + ")").join(", ");
+  }
+  return w.owner + " grew " + signed(w.per_step) + " per step over steps " + w.from + ".." + w.to + " (" + signed(w.total) +
+    ") and never gave it back; the other ranks' " + signed(w.others_per_step) + " per step";
+}
+
+// At most `max` of the steps, evenly spread, first and last kept: a table cannot show thousands.
+function someSteps(steps, max) {
+  if (steps.length <= max) return steps.map((_, i) => i);
+  const out = [];
+  for (let k = 0; k < max; k++) out.push(Math.round(k * (steps.length - 1) / (max - 1)));
+  return [...new Set(out)];
+}
+
+function rankGrid(job) {
+  const cols = someSteps(job.steps, 40);
+  const values = job.ranks.flatMap((r) => cols.map((c) => r.at_steps[c])).filter((v) => v !== null);
+  const lo = Math.min(...values), hi = Math.max(...values);
+  const head = el("tr", {}, el("th", {}, "Rank, step"), ...cols.map((c) => el("th", { class: "num" }, String(job.steps[c]))));
+  const body = el("tbody");
+  job.ranks.forEach((r) => {
+    const row = el("tr", { "data-rank": String(r.rank) }, el("th", {}, rankName(r)));
+    cols.forEach((c) => {
+      const v = r.at_steps[c];
+      const share = v === null || hi === lo ? 0 : (v - lo) / (hi - lo);
+      row.append(el("td", { class: "num heat", style: "background: rgba(198, 40, 40, " + (0.08 + 0.6 * share).toFixed(2) + ")",
+        "data-bytes": v === null ? "" : String(v), title: rankName(r) + ", step " + job.steps[c] + ": " + bytes(v) }, v === null ? "–" : bytes(v)));
+    });
+    body.append(row);
+  });
+  const note = cols.length < job.steps.length ? " (" + cols.length + " of " + job.steps.length + " steps, evenly spread)" : "";
+  return [el("h4", {}, (job.family || "") + " live bytes at each step's end" + note), el("div", { class: "table-wrap" }, el("table", { class: "rank-grid" }, el("thead", {}, head), body))];
+}
+
+function ranks() {
+  const sec = $("ranks-section"), box = $("ranks");
+  sec.hidden = !DATA.ranks;
+  if (!DATA.ranks) return;
+  box.textContent = "";
+  for (const job of DATA.ranks.jobs) {
+    const part = el("div", { class: "rank-job", "data-job": job.job || "" });
+    box.append(part);
+    const compared = job.compared && job.compared[0] < job.compared[1] ? ", steps " + job.compared[0] + ".." + job.compared[1] + " compared" : "";
+    part.append(el("h3", {}, (job.job ? "Job " + job.job : "Traces without a job id") + ": " + job.ranks.length + " rank(s)" +
+      (job.world_size ? " of " + job.world_size : "") + ", " + (job.family || "no") + " live bytes" + compared));
+    if (job.missing.length) part.append(el("p", { class: "note" }, "Ranks not given: " + job.missing.join(", ")));
+    const outliers = el("ul", { class: "outliers" });
+    if (!job.outliers.length) outliers.append(el("li", {}, "No rank stands out."));
+    for (const o of job.outliers) {
+      outliers.append(el("li", { class: "outlier", "data-rank": String(o.rank) },
+        el("strong", {}, rankName(job.ranks[o.index]) + " stands out: "), o.why.map(whyText).join("; ") + "."));
+    }
+    part.append(outliers);
+    const body = el("tbody");
+    job.ranks.forEach((r, i) => {
+      const run = DATA.runs.findIndex((x) => x.label === r.label);
+      const pick = () => { if (run >= 0) { state.run = run; state.device = 0; reset(); $("overview").scrollIntoView(); } };
+      body.append(el("tr", { class: job.outliers.some((o) => o.index === i) ? "outlier" : "", "data-rank": String(r.rank), title: r.label, onclick: pick },
+        el("td", {}, rankName(r)), el("td", {}, r.device), el("td", { class: "num" }, bytes(r.peak)),
+        el("td", { class: "num" }, r.growth_per_step === null ? "–" : signed(r.growth_per_step)),
+        el("td", {}, r.owners.slice(0, 4).map((h) => h.owner + " " + bytes(h.bytes)).join(", "))));
+    });
+    const head = el("tr", {}, ...["Rank", "Device", "Peak", "Growth per step", "Owners at the peak"].map((h) => el("th", {}, h)));
+    part.append(el("table", { class: "rank-table" }, el("thead", {}, head), body));
+    if (job.steps.length) part.append(...rankGrid(job));
+  }
+}
+
 // ------------------------------------------------------------------ page
 
 function summarised() {
@@ -537,10 +623,10 @@ function render() {
 }
 
 function main() {
-  $("runs").textContent = DATA.runs.map((r, i) => (DATA.runs.length > 1 ? "AB"[i] + ": " : "") + r.label +
+  $("runs").textContent = DATA.ranks ? DATA.runs.length + " traces compared as ranks; pick one to see its memory below." : DATA.runs.map((r, i) => runName(i) +
     " (origin " + new Date(Number(BigInt(r.origin_ns) / 1000000n)).toISOString() + ")").join(" · ");
   $("footer").textContent = "Written by " + DATA.tool + " " + DATA.version + ". Times are seconds after each run's first event.";
-  timelineEvents(); blockEvents();
+  timelineEvents(); blockEvents(); ranks();
   let resized = null;
   window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(() => { drawTimeline(); steps(); compare(); }, 100); });
   reset();
