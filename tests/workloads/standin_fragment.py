@@ -225,6 +225,8 @@ def main():
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--wait-tracer", action="store_true",
                     help="wait until a tracer has attached the markers (traced runs)")
+    ap.add_argument("--hold", type=float, default=0.0,
+                    help="after the scenario and its ledger, sleep this long before exiting (a live view's)")
     args = ap.parse_args()
     if args.wait_tracer and memscope is not None and not memscope.wait_for_tracer(timeout=30):
         print("no tracer attached to the markers within 30 s", file=sys.stderr)
@@ -238,6 +240,7 @@ def main():
     for p in live:
         job.free(p)
     job.dump(args.ledger)
+    time.sleep(args.hold)
     return 0
 
 

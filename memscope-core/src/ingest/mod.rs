@@ -10,6 +10,7 @@
 pub mod callers;
 pub mod clock;
 pub mod decoder;
+pub mod flight;
 pub mod live;
 pub mod py_trace;
 pub mod recorder;

@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 
 use thiserror::Error;
 
+use super::flight::Window;
 use super::live::LiveView;
 use super::py_trace::Builder as PyTraceBuilder;
 use crate::model::{Event, EventKind, Output, Tracker};
@@ -50,6 +51,8 @@ pub struct Recorder {
     is_running_process: fn(u32) -> bool,
     /// `--python-trace`: the function intervals being built from the samples.
     pub py_trace: Option<PyTraceBuilder>,
+    /// The daemon's flight recorder: the job's recent rows, every live block's kept.
+    pub window: Option<Window>,
 }
 
 impl Recorder {
@@ -66,6 +69,7 @@ impl Recorder {
             python_column: true,
             is_running_process,
             py_trace: None,
+            window: None,
         }
     }
 
@@ -117,6 +121,9 @@ impl Recorder {
             EventKind::PyStack { .. } => {
                 let EventKind::PyStack { id, text } = event.kind else { unreachable!("matched above") };
                 self.tracker.learn_py_stack(id, &text);
+                if let Some(w) = &mut self.window {
+                    w.add_py_stack(id, &text);
+                }
                 // Kept whether or not the rows carry the column: `ms_py_stacks` has each once.
                 if let Err(e) = self.store.add_py_stack(id, text) {
                     self.error.get_or_insert(WriteFailed::trace(e));
@@ -125,6 +132,9 @@ impl Recorder {
             }
             EventKind::Stack(_) => {
                 let EventKind::Stack(stack) = event.kind else { unreachable!("matched above") };
+                if let Some(w) = &mut self.window {
+                    w.add_stack(&stack);
+                }
                 if let Err(e) = self.store.add_stack(stack) {
                     self.error.get_or_insert(WriteFailed::trace(e));
                 }
@@ -146,6 +156,10 @@ impl Recorder {
             // Before the store takes a retag's owner.
             self.outputs.iter().for_each(|o| live.observe(o));
             live.settle();
+        }
+        if let Some(window) = &mut self.window {
+            // Before the store takes a retag's owner too.
+            self.outputs.iter().for_each(|o| window.push(o, stacks));
         }
         // After the first error nothing more is written: the trace stops on it.
         let writing = if self.error.is_none() { self.outputs.len() } else { 0 };

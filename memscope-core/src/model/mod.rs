@@ -35,7 +35,7 @@ mod route_pools;
 mod route_vmm;
 pub mod tags;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 pub mod tracker;
 mod vmm;
 

@@ -135,6 +135,20 @@ pub struct Args {
     /// judge its growth too; its first marked step replaces them (0: none).
     #[arg(long, value_name = "TIME", default_value = "1m", value_parser = parse_duration)]
     pub step_window: Duration,
+
+    /// The flight recorder: each job's last N rows kept in memory, with every block still live
+    /// however old, and written at once as a run folder of its own in OUTPUT/flight/ (its DB
+    /// with the OOM forensics stored, a memory_viz snapshot per device and report.html) when an
+    /// allocation fails for want of memory (once a minute per job at most), on SIGUSR1 (every
+    /// job) and on `curl -X POST http://127.0.0.1:9464/flight-recording[?pid=N]` from the node
+    /// itself. 0: off. Its memory is bounded by this and --flight-blocks (docs/benchmarks.md).
+    #[arg(long, value_name = "N", default_value_t = 100_000)]
+    pub flight_rows: usize,
+
+    /// The most live blocks a job's flight recorder holds beyond its last rows; past it the
+    /// oldest are dropped, and its recordings say how many (`ms_meta.flight_held_dropped`).
+    #[arg(long, value_name = "N", default_value_t = 200_000)]
+    pub flight_blocks: usize,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -182,6 +196,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             trend_every_ns: TREND_EVERY.as_nanos() as u64,
         },
         owner_labels: args.owner_labels,
+        flight: (args.flight_rows > 0)
+            .then_some(memscope_core::ingest::flight::Limits { recent: args.flight_rows, held: args.flight_blocks }),
     };
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")?;

@@ -23,6 +23,7 @@ use memscope_core::printable::printable;
 use memscope_core::stacks::NO_STACK;
 use memscope_core::store::{DbWriter, Format, Meta, ProbeRow, RunLayout, Store, Writer};
 
+use super::flight;
 use crate::metrics::{self, JobTotals};
 use crate::session::facts::{allocator_env, command_line, identity, kernel_release};
 
@@ -42,6 +43,8 @@ pub struct Context {
     pub owner_labels: usize,
     /// `--node-root`: where the node's Kubernetes records are.
     pub node_root: PathBuf,
+    /// `--flight-rows`, `--flight-blocks`: each job's flight-recorder window (`None`: off).
+    pub flight: Option<memscope_core::ingest::flight::Limits>,
 }
 
 struct Job {
@@ -51,6 +54,9 @@ struct Job {
     pod: Option<Pod>,
     recorder: Recorder,
     run_dir: PathBuf,
+    /// Its `ms_meta` facts and folder suffix, for its flight recordings.
+    meta: Meta,
+    suffix: &'static str,
     last_event: Instant,
     /// Rows came since the last commit (an idle job's commit would be an empty transaction).
     dirty: bool,
@@ -71,6 +77,8 @@ pub enum Outcome {
     WriteFailed(u32),
     /// Its run folder could not be made: the process is not recorded from then on.
     Failed(u32, anyhow::Error),
+    /// An allocation failed for want of memory: its flight recording is due.
+    OutOfMemory(u32),
 }
 
 #[derive(Default)]
@@ -128,6 +136,8 @@ impl Jobs {
             Some(Outcome::Exited(pid))
         } else if job.recorder.error.is_some() {
             Some(Outcome::WriteFailed(pid))
+        } else if oom && job.recorder.window.is_some() {
+            Some(Outcome::OutOfMemory(pid))
         } else {
             None
         }
@@ -140,6 +150,14 @@ impl Jobs {
             .into_iter()
             .filter_map(|pid| self.jobs.get(&pid).map(|j| (pid, j.comm.clone(), j.run_dir.clone())))
             .collect()
+    }
+
+    /// A copy of job `pid`'s flight-recorder window, to be written for `reason`; `None` when the
+    /// job is not open or has no window.
+    pub fn flight_snapshot(&self, pid: u32, reason: flight::Reason) -> Option<flight::Snapshot> {
+        let job = self.jobs.get(&pid)?;
+        let window = job.recorder.window.clone()?;
+        Some(flight::Snapshot { pid, reason, window, meta: job.meta.clone(), suffix: job.suffix })
     }
 
     /// The pids of the jobs now open.
@@ -322,7 +340,7 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     meta.extend(identity.meta());
     let pod = crate::session::k8s::pod_of(pid, &cx.node_root);
     meta.extend(pod.as_ref().map(Pod::meta).unwrap_or_default());
-    let mut store = Store::new(layout, cx.format, start_wall, meta);
+    let mut store = Store::new(layout, cx.format, start_wall, meta.clone());
     store.db_writer = cx.writer;
     let mut store = Writer::start(store);
     store.add_probes(probes.to_vec())?;
@@ -330,7 +348,9 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     // Python stacks serve the owner rules and sites; rows carry no stack column.
     recorder.python_column = false;
     recorder.live = Some(LiveView::new(cx.live.clone()));
-    Ok(Job { comm, identity, pod, recorder, run_dir, last_event: Instant::now(), dirty: true })
+    recorder.window = cx.flight.map(memscope_core::ingest::flight::Window::new);
+    let last_event = Instant::now();
+    Ok(Job { comm, identity, pod, recorder, run_dir, meta, suffix, last_event, dirty: true })
 }
 
 /// Where a job's folders go: shown once at the start.

@@ -16,6 +16,7 @@
 
 pub mod discover;
 pub mod filters;
+pub mod flight;
 pub mod jobs;
 pub mod judge;
 pub mod retention;
@@ -68,6 +69,20 @@ pub struct Plan {
     pub live: memscope_core::ingest::live::Options,
     /// `--owner-labels`.
     pub owner_labels: usize,
+    /// `--flight-rows`, `--flight-blocks` (`None`: no flight recorder).
+    pub flight: Option<memscope_core::ingest::flight::Limits>,
+}
+
+/// SIGUSR1 asks for a flight recording of every job.
+fn ask_on_sigusr1(requests: flight::Requests) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut usr1 = signal(SignalKind::user_defined1()).context("cannot handle SIGUSR1")?;
+    tokio::spawn(async move {
+        while usr1.recv().await.is_some() {
+            requests.ask(None);
+        }
+    });
+    Ok(())
 }
 
 /// What the daemon did, once it stopped (its probes still being detached).
@@ -82,7 +97,15 @@ pub struct Stopped {
 /// Runs the daemon until a stop signal or `--duration`.
 pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
     // Before anything is attached: a port in use fails the daemon at once.
-    let metrics = metrics::serve(plan.listen, plan.capture.quiet).await?;
+    let requests = flight::Requests::default();
+    let ask: Option<metrics::http::FlightAsk> = plan.flight.map(|_| {
+        let requests = requests.clone();
+        std::sync::Arc::new(move |pid| requests.ask(pid)) as metrics::http::FlightAsk
+    });
+    let metrics = metrics::serve(plan.listen, plan.capture.quiet, ask).await?;
+    if plan.flight.is_some() {
+        ask_on_sigusr1(requests.clone())?;
+    }
     let clock = Clock::calibrate();
     let opts = LoadOptions {
         ring_bytes: plan.capture.ring_bytes,
@@ -116,7 +139,9 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         live: plan.live.clone(),
         owner_labels: plan.owner_labels,
         node_root: plan.capture.node_root.clone(),
+        flight: plan.flight,
     };
+    let recordings = flight::Recordings::new(&plan.capture.output, plan.capture.writer);
     let plan_status = plan.capture.status;
     let plan_driver = plan.capture.driver.clone();
     let mut daemon = Daemon {
@@ -138,6 +163,8 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         sweep_every: Every::new(SWEEP_EVERY),
         driver: crate::driver::Driver::new(&plan_driver),
         driver_look: Every::new(std::time::Duration::from_secs(1)),
+        recordings,
+        requests,
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
@@ -202,6 +229,9 @@ struct Daemon {
     driver: crate::driver::Driver,
     /// When the jobs' maps are next read for a driver library, while none is found.
     driver_look: Every,
+    /// The flight recordings made and being made, and those asked for from outside the loop.
+    recordings: flight::Recordings,
+    requests: flight::Requests,
 }
 
 impl Daemon {
@@ -387,11 +417,47 @@ impl Daemon {
                 Outcome::Exited(pid) => self.finish(pid, "process exited"),
                 Outcome::WriteFailed(pid) => self.finish(pid, "write error"),
                 Outcome::Failed(pid, e) => say!("memscope-bpf: warning: process {pid} is not recorded: {e:#}"),
+                Outcome::OutOfMemory(pid) => self.record(pid, flight::Reason::Oom),
+            }
+        }
+    }
+
+    /// Starts job `pid`'s flight recording for `reason`, unless one was made for it just now.
+    fn record(&mut self, pid: u32, reason: flight::Reason) {
+        if !self.recordings.due(pid, reason) {
+            return;
+        }
+        if let Some(snapshot) = self.jobs.flight_snapshot(pid, reason) {
+            self.recordings.start(snapshot);
+        }
+    }
+
+    /// The recordings asked for since the last look, started; those finished, told.
+    fn flight_work(&mut self) {
+        for asked in self.requests.take() {
+            let pids = match asked {
+                Some(pid) if !self.jobs.pids().contains(&pid) => {
+                    say!("memscope-bpf: warning: a flight recording of process {pid} was asked for: it is no job of this daemon");
+                    continue;
+                }
+                Some(pid) => vec![pid],
+                None => self.jobs.pids(),
+            };
+            for pid in pids {
+                self.record(pid, flight::Reason::Request);
+            }
+        }
+        for done in self.recordings.finished() {
+            let (pid, why) = (done.pid, done.reason.as_str());
+            match done.result {
+                Ok(dir) => say!("memscope-bpf: job {pid}: flight recording ({why}) in {}", dir.display()),
+                Err(e) => say!("memscope-bpf: warning: job {pid}: the flight recording ({why}) failed: {e:#}"),
             }
         }
     }
 
     fn finish(&mut self, pid: u32, reason: &str) {
+        self.recordings.forget(pid);
         if self.plan.sampling.is_some() {
             let _ = self.tracer.forget_counters(&std::iter::once(pid).collect());
         }
@@ -427,6 +493,28 @@ impl Daemon {
                 Ok(counters) => metrics::apply_exact(&mut jobs, &counters),
                 Err(e) => say!("memscope-bpf: warning: cannot read the kernel's counters: {e}"),
             }
+        }
+        // A job whose live bytes now rise for good gets its flight recording, once.
+        let rising: Vec<u32> = jobs
+            .iter()
+            .filter(|j| {
+                j.trends.iter().any(|t| t.trend.verdict == memscope_core::analysis::degradation::Verdict::SustainedRise)
+            })
+            .map(|j| j.pid)
+            .collect();
+        for pid in rising {
+            self.record(pid, flight::Reason::Degradation);
+        }
+        for job in &mut jobs {
+            job.flights = self
+                .recordings
+                .counts
+                .iter()
+                .filter(|((p, _), _)| *p == job.pid)
+                .map(|((_, r), n)| (r.as_str(), *n))
+                .collect();
+            job.flights.sort_unstable();
+            job.flight_latest = self.recordings.latest.get(&job.pid).map(|d| d.display().to_string());
         }
         if self.status.shown() && self.status_every.due() {
             self.status.renew(&status::facts(&jobs, calls, lost));
@@ -509,6 +597,7 @@ impl event_loop::Capturing for Daemon {
     }
 
     fn tick(&mut self) -> anyhow::Result<Option<String>> {
+        self.flight_work();
         self.scan();
         self.driver_readings();
         if self.sweep_every.due() || self.swept_at < self.ended {

@@ -2,8 +2,9 @@
 //! oldest of them first while everything under OUTPUT is over `--max-db`.
 //!
 //! Only folders named as run folders are touched (`memscope_<pid>_<time>_ascend`, with an
-//! optional `_<n>`), so an operator's other files in OUTPUT are never removed; folders of an
-//! earlier daemon run count as finished. A folder's age is that of its newest file (the job's
+//! optional `_<n>`), in OUTPUT and in OUTPUT/flight (the flight recordings, named with their
+//! reason: `..._ascend_oom`), so an operator's other files in OUTPUT are never removed; folders
+//! of an earlier daemon run count as finished. A folder's age is that of its newest file (the job's
 //! last write). A running job's folder is never removed: when running jobs alone are over the
 //! cap the sweep says so, and the daemon warns.
 
@@ -45,13 +46,16 @@ fn is_run_folder(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("memscope_") else { return false };
     let mut parts = rest.split('_');
     let digits = |p: Option<&str>| p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
-    digits(parts.next())
-        && digits(parts.next())
-        && matches!(parts.next(), Some("ascend" | "cuda"))
-        && match parts.next() {
+    digits(parts.next()) && digits(parts.next()) && matches!(parts.next(), Some("ascend" | "cuda")) && {
+        let mut next = parts.next();
+        if matches!(next, Some("oom" | "degradation" | "request")) {
+            next = parts.next();
+        }
+        match next {
             None => true,
             n => digits(n) && parts.next().is_none(),
         }
+    }
 }
 
 /// Bytes on disk and the newest modification time under `dir`.
@@ -77,8 +81,9 @@ fn measure(dir: &Path) -> (u64, SystemTime) {
 }
 
 fn run_folders(output: &Path) -> Vec<Folder> {
-    let Ok(entries) = std::fs::read_dir(output) else { return Vec::new() };
-    entries
+    let read = |dir: &Path| std::fs::read_dir(dir).into_iter().flatten();
+    read(output)
+        .chain(read(&output.join("flight")))
         .filter_map(Result::ok)
         .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()) && e.file_name().to_str().is_some_and(is_run_folder))
         .map(|e| {
@@ -153,9 +158,16 @@ mod tests {
         assert!(is_run_folder("memscope_4242_20261203114938_ascend"));
         assert!(is_run_folder("memscope_4242_20261203114938_ascend_2"));
         assert!(is_run_folder("memscope_4242_20261203114938_cuda"));
-        for name in
-            ["memscope_4242_ascend", "memscope_x_1_ascend", "memscope_1_2_ascend_", "notes", "memscope_1_2_ascend_2_3"]
-        {
+        assert!(is_run_folder("memscope_4242_20261203114938_ascend_oom"));
+        assert!(is_run_folder("memscope_4242_20261203114938_cuda_request_2"));
+        for name in [
+            "memscope_4242_ascend",
+            "memscope_x_1_ascend",
+            "memscope_1_2_ascend_",
+            "notes",
+            "memscope_1_2_ascend_2_3",
+            "memscope_1_2_ascend_oops",
+        ] {
             assert!(!is_run_folder(name), "{name}");
         }
     }
@@ -166,12 +178,16 @@ mod tests {
         let old = folder(out.path(), "memscope_1_20260101000000_ascend", 4096, Duration::from_secs(3600));
         let running = folder(out.path(), "memscope_2_20260101000000_ascend", 4096, Duration::from_secs(3600));
         let young = folder(out.path(), "memscope_3_20260101000000_ascend", 4096, Duration::from_secs(1));
+        let flight =
+            folder(&out.path().join("flight"), "memscope_1_20260101000000_ascend_oom", 4096, Duration::from_secs(3600));
         let other = out.path().join("keep_me");
         std::fs::create_dir(&other).unwrap();
         std::fs::File::open(&other).unwrap().set_modified(SystemTime::now() - Duration::from_secs(7200)).unwrap();
         let limits = Limits { retention: Some(Duration::from_secs(600)), max_bytes: None };
         let swept = sweep(out.path(), std::slice::from_ref(&running), limits, SystemTime::now());
-        assert_eq!(swept.removed.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>(), vec![old.clone()]);
+        let mut removed: Vec<PathBuf> = swept.removed.iter().map(|(p, _)| p.clone()).collect();
+        removed.sort();
+        assert_eq!(removed, vec![flight.clone(), old.clone()], "a flight recording is a finished folder too");
         assert!(!old.exists() && running.exists() && young.exists() && other.exists());
     }
 

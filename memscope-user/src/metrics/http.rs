@@ -1,5 +1,7 @@
 //! The HTTP side of `--listen`: `GET /metrics` (Prometheus text format 0.0.4) and `GET /healthz`
-//! on hyper's HTTP/1 server, one task per connection on the session's own runtime.
+//! on hyper's HTTP/1 server, one task per connection on the session's own runtime; for the
+//! daemon, `POST /flight-recording[?pid=N]` asks for flight recordings, from a loopback address
+//! only (a recording writes files on the node: not something for the network to ask).
 //!
 //! The listener must never cost the trace anything: unbounded, ~20,000 idle connections used up
 //! the tracer's file descriptors (no new job could be recorded) and its memory. So at most
@@ -50,24 +52,28 @@ pub async fn bind(addr: SocketAddr) -> Result<Listener, ListenError> {
     Ok(Listener { listener, addr })
 }
 
+/// Told of each accepted `POST /flight-recording`: the pid asked for, or `None` for every job.
+pub type FlightAsk = Arc<dyn Fn(Option<u32>) + Send + Sync>;
+
 impl Listener {
     /// Serves until the runtime ends (the trace's end).
-    pub fn serve(self, registry: Registry) {
+    pub fn serve(self, registry: Registry, flight: Option<FlightAsk>) {
         let registry = Arc::new(registry);
         let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         tokio::spawn(async move {
             loop {
                 // A failed accept (out of descriptors) is the client's loss, not the trace's; the
                 // pause keeps a lasting one from spinning.
-                let Ok((stream, _)) = self.listener.accept().await else {
+                let Ok((stream, peer)) = self.listener.accept().await else {
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                     continue;
                 };
                 // Over the bound: closed at once (dropped), so it holds no descriptor.
                 let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { continue };
                 let registry = Arc::clone(&registry);
+                let flight = flight.clone().filter(|_| peer.ip().is_loopback());
                 tokio::spawn(async move {
-                    let service = service_fn(move |req| answer(req, Arc::clone(&registry)));
+                    let service = service_fn(move |req| answer(req, Arc::clone(&registry), flight.clone()));
                     let connection = hyper::server::conn::http1::Builder::new()
                         .timer(hyper_util::rt::TokioTimer::new())
                         .header_read_timeout(HEADER_WAIT)
@@ -89,9 +95,15 @@ fn text(status: StatusCode, content_type: &'static str, body: String) -> Respons
     response
 }
 
-async fn answer(req: Request<Incoming>, registry: Arc<Registry>) -> Result<Response<Full<Bytes>>, Infallible> {
-    const PLAIN: &str = "text/plain; charset=utf-8";
+const PLAIN: &str = "text/plain; charset=utf-8";
+
+async fn answer(
+    req: Request<Incoming>,
+    registry: Arc<Registry>,
+    flight: Option<FlightAsk>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     Ok(match (req.method(), req.uri().path()) {
+        (&Method::POST, "/flight-recording") => flight_recording(req.uri().query(), flight.as_ref()),
         (&Method::GET, "/metrics") => {
             let mut body = String::new();
             match prometheus_text::encode(&mut body, &registry) {
@@ -102,6 +114,31 @@ async fn answer(req: Request<Incoming>, registry: Arc<Registry>) -> Result<Respo
         (&Method::GET, "/healthz") => text(StatusCode::OK, PLAIN, "ok\n".into()),
         (_, path) => text(StatusCode::NOT_FOUND, PLAIN, format!("no {path} here: GET /metrics or /healthz\n")),
     })
+}
+
+/// `POST /flight-recording[?pid=N]`: asked of the daemon, from a loopback address.
+fn flight_recording(query: Option<&str>, flight: Option<&FlightAsk>) -> Response<Full<Bytes>> {
+    let Some(ask) = flight else {
+        return text(
+            StatusCode::FORBIDDEN,
+            PLAIN,
+            "flight recordings are asked for by the daemon's own node: POST from a loopback address\n".into(),
+        );
+    };
+    let pid = match query.map(|q| q.split('&').find_map(|kv| kv.strip_prefix("pid="))) {
+        None | Some(None) => None,
+        Some(Some(v)) => match v.parse::<u32>() {
+            Ok(pid) => Some(pid),
+            Err(_) => return text(StatusCode::BAD_REQUEST, PLAIN, format!("pid={v} is not a process id\n")),
+        },
+    };
+    ask(pid);
+    let what = pid.map_or("every job".to_owned(), |p| format!("job {p}"));
+    text(
+        StatusCode::ACCEPTED,
+        PLAIN,
+        format!("flight recording of {what} asked for: the daemon's log names each folder\n"),
+    )
 }
 
 #[cfg(test)]
@@ -144,7 +181,7 @@ mod tests {
     async fn idle_connections_are_bounded_and_timed_out_and_scrapes_come_back() {
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.addr;
-        listener.serve(Registry::default());
+        listener.serve(Registry::default(), None);
         assert!(healthz(addr).await.ends_with("ok\n"));
         // 300 clients that connect and say nothing (the sweep used 20,000).
         let idle: Vec<std::net::TcpStream> = (0..300).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
@@ -164,5 +201,37 @@ mod tests {
         assert!(closed >= MAX_CONNECTIONS, "the server closed the idle connections it served ({closed})");
         drop(idle);
         assert!(healthz(addr).await.ends_with("ok\n"));
+    }
+
+    async fn post(addr: SocketAddr, target: &'static str) -> String {
+        tokio::task::spawn_blocking(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            write!(s, "POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+            let mut text = String::new();
+            s.read_to_string(&mut text).unwrap();
+            text
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn flight_recordings_are_asked_for_from_loopback_and_a_bad_pid_is_refused() {
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = Arc::clone(&asked);
+        let ask: FlightAsk = Arc::new(move |pid| sink.lock().unwrap().push(pid));
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.addr;
+        listener.serve(Registry::default(), Some(ask));
+        assert!(post(addr, "/flight-recording?pid=42").await.starts_with("HTTP/1.1 202"));
+        assert!(post(addr, "/flight-recording").await.contains("of every job asked for"));
+        let bad = post(addr, "/flight-recording?pid=x").await;
+        assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("pid=x is not a process id"), "{bad}");
+        assert_eq!(*asked.lock().unwrap(), [Some(42), None]);
+        // A server not told to take them (`trace --listen`) refuses.
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.addr;
+        listener.serve(Registry::default(), None);
+        assert!(post(addr, "/flight-recording").await.starts_with("HTTP/1.1 403"));
     }
 }

@@ -42,6 +42,9 @@ pub struct JobTotals {
     pub identity: Identity,
     /// Its Kubernetes pod, from the node's records (the daemon's jobs).
     pub pod: Option<Pod>,
+    /// Its flight recordings so far, by reason, and the last one's folder (the daemon's jobs).
+    pub flights: Vec<(&'static str, u64)>,
+    pub flight_latest: Option<String>,
 }
 
 impl JobTotals {
@@ -162,11 +165,15 @@ impl Published {
 }
 
 /// Binds `addr` and serves the latest published totals there until the runtime ends.
-pub async fn serve(addr: std::net::SocketAddr, quiet: bool) -> Result<Published, http::ListenError> {
+pub async fn serve(
+    addr: std::net::SocketAddr,
+    quiet: bool,
+    flight: Option<http::FlightAsk>,
+) -> Result<Published, http::ListenError> {
     let listener = http::bind(addr).await?;
     crate::terminal::say::note(quiet, format!("metrics: http://{}/metrics", listener.addr));
     let published = Published::default();
-    listener.serve(published.registry());
+    listener.serve(published.registry(), flight);
     Ok(published)
 }
 
@@ -271,6 +278,21 @@ const DRIVER_FAMILIES: [Family<()>; 2] = [
     ),
 ];
 
+/// The daemon's flight recordings: the values come with the series.
+const FLIGHT_FAMILIES: [Family<()>; 2] = [
+    counter(
+        "memscope_flight_recordings",
+        "Flight recordings written for the job (reason: oom, degradation, request)",
+        |_| 0,
+    ),
+    gauge(
+        "memscope_flight_recording_latest",
+        "1, labelled with the folder of the job's last flight recording",
+        false,
+        |_| 0,
+    ),
+];
+
 /// Per map: the value comes with the series, not from a field.
 const MAP_MEMORY: Family<()> = gauge(
     "memscope_bpf_map_memory",
@@ -319,6 +341,20 @@ impl Collector for Published {
             });
             family(&mut encoder, f, series)?;
         }
+        let flights = s.jobs.iter().flat_map(|job| {
+            job.flights.iter().map(move |(reason, n)| {
+                let mut labels = job.labels();
+                labels.push(("reason", (*reason).to_owned()));
+                (labels, *n)
+            })
+        });
+        family(&mut encoder, &FLIGHT_FAMILIES[0], flights)?;
+        let latest = s.jobs.iter().filter_map(|job| {
+            let mut labels = job.labels();
+            labels.push(("folder", job.flight_latest.clone()?));
+            Some((labels, 1))
+        });
+        family(&mut encoder, &FLIGHT_FAMILIES[1], latest)?;
         let maps = s.maps.iter().map(|(name, bytes)| (vec![("map", name.clone())], *bytes));
         family(&mut encoder, &MAP_MEMORY, maps)?;
         live::encode(&mut encoder, &s.jobs)?;

@@ -347,7 +347,7 @@ fn stacks_asked(stacks: &StackOptions) -> Meta {
 /// `--listen`: binds the address and serves the totals published from then on.
 async fn serve_metrics(listen: Option<SocketAddr>, quiet: bool) -> anyhow::Result<Option<Published>> {
     Ok(match listen {
-        Some(addr) => Some(metrics::serve(addr, quiet).await?),
+        Some(addr) => Some(metrics::serve(addr, quiet, None).await?),
         None => None,
     })
 }

@@ -320,3 +320,26 @@ pub fn insight_dbs_under(root: &Path) -> Vec<PathBuf> {
     found.sort();
     found
 }
+
+/// What PyTorch's own `_memory_viz.py` (of the real torch wheel, run by `python`) says of the
+/// snapshot on device 0 (tests/workloads/memory_viz_check.py).
+pub fn pytorch_reads(env: &crate::environment::TestEnv, python: &Path, snapshot: &Path) -> serde_json::Value {
+    let site = std::process::Command::new(python)
+        .args(["-c", "import torch, os; print(os.path.dirname(torch.__file__))"])
+        .output();
+    let viz = Path::new(String::from_utf8_lossy(&site.unwrap().stdout).trim()).join("cuda/_memory_viz.py");
+    assert!(viz.is_file(), "no {}", viz.display());
+    let check = std::process::Command::new(python)
+        .arg(env.workload.with_file_name("memory_viz_check.py"))
+        .arg(&viz)
+        .arg(snapshot)
+        .arg("0")
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "PyTorch's _memory_viz.py refused the export:\n{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    serde_json::from_slice(&check.stdout).unwrap()
+}

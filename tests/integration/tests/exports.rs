@@ -239,27 +239,6 @@ fn an_attached_traces_export_has_segments_for_the_blocks_of_segments_taken_befor
     memsnapdump_loads(&env, &snapshot, seen.len(), 1000);
 }
 
-/// What PyTorch's own `_memory_viz.py` (of the real torch wheel, run by `python`) says of the
-/// snapshot on device 0 (tests/workloads/memory_viz_check.py).
-fn pytorch_reads(env: &TestEnv, python: &Path, snapshot: &Path) -> serde_json::Value {
-    let site = Command::new(python).args(["-c", "import torch, os; print(os.path.dirname(torch.__file__))"]).output();
-    let viz = Path::new(String::from_utf8_lossy(&site.unwrap().stdout).trim()).join("cuda/_memory_viz.py");
-    assert!(viz.is_file(), "no {}", viz.display());
-    let check = Command::new(python)
-        .arg(env.workload.with_file_name("memory_viz_check.py"))
-        .arg(&viz)
-        .arg(snapshot)
-        .arg("0")
-        .output()
-        .unwrap();
-    assert!(
-        check.status.success(),
-        "PyTorch's _memory_viz.py refused the export:\n{}",
-        String::from_utf8_lossy(&check.stderr)
-    );
-    serde_json::from_slice(&check.stdout).unwrap()
-}
-
 /// MindStudio Insight opens a snapshot by running its own MemSnapDump scripts on it
 /// (`tools/dump2db.py`, which replays the trace backwards from the final segments and refuses
 /// any inconsistency) and reading the tables they write. Those scripts are not in any registry

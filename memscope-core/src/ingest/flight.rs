@@ -1,0 +1,345 @@
+//! The OOM flight recorder's window: a job's recent rows kept in memory, bounded, so that when
+//! something goes wrong (an allocation fails for want of memory, a degradation verdict, a
+//! request) a DB holding the full detail of the moments before can be written at once, though
+//! the job's own DB is sampled.
+//!
+//! A window of the last N rows alone would not do: the OOM forensics rebuild the pool's and the
+//! device's state from every block still live at the failure, and the weights loaded at the
+//! start are as live as the activations of the last step. So a block's MALLOC that leaves the
+//! recent rows while the block is still live is *held* (with the owner changes made to it since)
+//! until its FREE comes: the window's DB has every live block and the last N rows, which is what
+//! the forensics read. A FREE of a held block drops both rows: the window then has neither.
+//!
+//! Blocks are paired as the rows are in the DB (a MALLOC opens the block of its process, kind
+//! and address, the next FREE of that key closes it: `analysis::blocks`), on the rows' own
+//! facts ([`block_of`]). Bounds: `recent` rows and `held` blocks (past it the oldest held are
+//! dropped and counted, and the DB says so); stacks are kept once each, as the job's DB keeps
+//! them.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::model::Output;
+use crate::stacks::{Stack, StackId};
+use crate::store::{Retag, StoreError, Writer};
+use crate::vocab::EventType;
+
+/// How much a window keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Rows of any kind, the most recent.
+    pub recent: usize,
+    /// Live blocks whose MALLOC left the recent rows.
+    pub held: usize,
+}
+
+/// A block as the DB's rows name it: (process, `Event Type`, address).
+pub type BlockId = (u32, EventType, u64);
+
+/// Whether a row opens or closes a block, and which (shadow FREEs, written at a stop for live
+/// blocks, close nothing).
+pub fn block_of(output: &Output) -> Option<(bool, BlockId)> {
+    Some(match output {
+        Output::Malloc { site, space, ptr, .. } => (true, (site.pid, space.event_type(), *ptr)),
+        Output::Free { site, space, ptr, shadow: false, .. } => (false, (site.pid, space.event_type(), *ptr)),
+        Output::PoolMalloc { site, ptr, .. } => (true, (site.pid, EventType::Pta, *ptr)),
+        Output::PoolFree { site, ptr, shadow: false, .. } => (false, (site.pid, EventType::Pta, *ptr)),
+        _ => return None,
+    })
+}
+
+/// The block an owner change is for.
+fn retagged(output: &Output) -> Option<BlockId> {
+    match output {
+        Output::Retag { pid, event_type, ptr, .. } => Some((*pid, *event_type, *ptr)),
+        _ => None,
+    }
+}
+
+/// A row and its call's stacks.
+#[derive(Clone, Debug)]
+struct Entry {
+    seq: u64,
+    output: Output,
+    stacks: (StackId, StackId),
+}
+
+/// A held block: its MALLOC and the owner changes made to it since.
+#[derive(Clone, Debug)]
+struct Held {
+    seq: u64,
+    rows: Vec<Entry>,
+}
+
+/// What the window dropped, for the DB to say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dropped {
+    /// Rows older than the recent ones that were not live blocks.
+    pub rows: u64,
+    /// Live blocks dropped past the `held` bound: the DB lacks them.
+    pub held: u64,
+}
+
+#[derive(Clone)]
+pub struct Window {
+    limits: Limits,
+    next: u64,
+    recent: VecDeque<Entry>,
+    held: HashMap<BlockId, Held>,
+    /// The live blocks of the recent rows: their MALLOC's sequence number.
+    live: HashMap<BlockId, u64>,
+    stacks: Vec<Stack>,
+    py_stacks: Vec<(StackId, Box<str>)>,
+    dropped: Dropped,
+}
+
+impl Window {
+    pub fn new(limits: Limits) -> Self {
+        Self {
+            limits,
+            next: 0,
+            recent: VecDeque::with_capacity(limits.recent.min(1 << 16)),
+            held: HashMap::new(),
+            live: HashMap::new(),
+            stacks: Vec::new(),
+            py_stacks: Vec::new(),
+            dropped: Dropped::default(),
+        }
+    }
+
+    pub fn add_stack(&mut self, stack: &Stack) {
+        self.stacks.push(stack.clone());
+    }
+
+    pub fn add_py_stack(&mut self, id: StackId, text: &str) {
+        self.py_stacks.push((id, text.into()));
+    }
+
+    /// One row, in the order the job's DB gets them.
+    pub fn push(&mut self, output: &Output, stacks: (StackId, StackId)) {
+        let seq = self.next;
+        self.next += 1;
+        match block_of(output) {
+            Some((true, id)) => {
+                self.live.insert(id, seq);
+                // A MALLOC over a held block's address: the held one ended unseen.
+                self.held.remove(&id);
+            }
+            Some((false, id)) => {
+                if self.live.remove(&id).is_none() && self.held.remove(&id).is_some() {
+                    // Its MALLOC was held: the window keeps neither row.
+                    return;
+                }
+            }
+            None => {
+                if let Some(id) = retagged(output) {
+                    if !self.live.contains_key(&id) {
+                        if let Some(h) = self.held.get_mut(&id) {
+                            h.rows.push(Entry { seq, output: output.clone(), stacks });
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+        self.recent.push_back(Entry { seq, output: output.clone(), stacks });
+        while self.recent.len() > self.limits.recent {
+            let old = self.recent.pop_front().expect("longer than the bound");
+            self.evict(old);
+        }
+    }
+
+    /// A row leaves the recent ones: a live block's MALLOC (and an owner change of a held
+    /// block) is held, anything else dropped.
+    fn evict(&mut self, old: Entry) {
+        match block_of(&old.output) {
+            Some((true, id)) if self.live.get(&id) == Some(&old.seq) => {
+                self.live.remove(&id);
+                self.held.insert(id, Held { seq: old.seq, rows: vec![old] });
+                if self.held.len() > self.limits.held {
+                    self.drop_oldest_held();
+                }
+            }
+            _ => match retagged(&old.output).and_then(|id| self.held.get_mut(&id)) {
+                Some(h) => h.rows.push(old),
+                None => self.dropped.rows += 1,
+            },
+        }
+    }
+
+    fn drop_oldest_held(&mut self) {
+        let oldest = self.held.iter().min_by_key(|(_, h)| h.seq).map(|(id, _)| *id);
+        if let Some(id) = oldest {
+            self.held.remove(&id);
+            self.dropped.held += 1;
+        }
+    }
+
+    pub fn dropped(&self) -> Dropped {
+        self.dropped
+    }
+
+    /// Rows now kept: recent, and held (with their owner changes).
+    pub fn len(&self) -> (usize, usize) {
+        (self.recent.len(), self.held.values().map(|h| h.rows.len()).sum())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.recent.is_empty() && self.held.is_empty()
+    }
+
+    /// The earliest instant of a row kept (the window's DB starts there).
+    pub fn start_ns(&self) -> Option<u64> {
+        let held = self.held.values().flat_map(|h| &h.rows).filter_map(|e| wall_ns(&e.output));
+        let recent = self.recent.iter().filter_map(|e| wall_ns(&e.output));
+        held.chain(recent).min()
+    }
+
+    /// Writes the window to `store`: the stacks, then the held blocks oldest first, then the
+    /// recent rows in order.
+    pub fn write(&self, store: &mut Writer) -> Result<(), StoreError> {
+        for stack in &self.stacks {
+            store.add_stack(Box::new(stack.clone()))?;
+        }
+        for (id, text) in &self.py_stacks {
+            store.add_py_stack(*id, text.clone())?;
+        }
+        let mut held: Vec<&Held> = self.held.values().collect();
+        held.sort_by_key(|h| h.seq);
+        for entry in held.into_iter().flat_map(|h| &h.rows).chain(&self.recent) {
+            match &entry.output {
+                Output::Retag { device, pid, event_type, ptr, owner, by } => store.retag(Retag {
+                    device: *device,
+                    pid: *pid,
+                    event_type: *event_type,
+                    ptr: *ptr,
+                    owner: owner.clone(),
+                    by: *by,
+                })?,
+                output => store.write_output(output, entry.stacks)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A row's instant, where it has one.
+fn wall_ns(output: &Output) -> Option<u64> {
+    match output {
+        Output::Malloc { site, .. }
+        | Output::Free { site, .. }
+        | Output::Failed { site, .. }
+        | Output::Vmm { site, .. }
+        | Output::PoolMalloc { site, .. }
+        | Output::PoolFree { site, .. }
+        | Output::Access { site, .. }
+        | Output::AtbLaunch { site, .. }
+        | Output::KernelLaunch { site, .. }
+        | Output::OomBlock { site, .. } => Some(site.wall_ns),
+        Output::OpAccess { wall_ns, .. }
+        | Output::OpLaunch { wall_ns, .. }
+        | Output::Step { wall_ns, .. }
+        | Output::Mstx { wall_ns, .. } => Some(*wall_ns),
+        Output::Retag { .. } => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::contract::{Analysis as _, Oom};
+    use crate::analysis::db::DumpDb;
+    use crate::apis::Api;
+    use crate::model::testing::{call, malloc, pool_malloc, run, with_outer};
+    use crate::model::{Event, Op, Pool};
+    use crate::stacks::NO_STACK;
+    use crate::store::{layout, Format, RunLayout, Store};
+
+    const MIB: u64 = 1 << 20;
+
+    fn pool_free(ptr: u64, size: u64) -> Event {
+        let op = Op::PoolFree { pool: Pool::Caching, ptr: Some(ptr), handle: None, size: Some(size), device: Some(0) };
+        call(Api::DeviceCachingAllocatorFree, 1, None, 0, op)
+    }
+
+    /// A pool that takes two segments, keeps a weight in each, serves `steps` short-lived
+    /// activations, then fails to grow for a 40 MiB block.
+    fn job(steps: u64) -> Vec<Output> {
+        let segment = |ptr| with_outer(malloc(Some(ptr), 20 * MIB, Some(0), 0), Api::DeviceCachingAllocatorMalloc);
+        let mut events = vec![segment(0x1000_0000), pool_malloc(0x1000_0000, 8 * MIB, 0)];
+        events.extend([segment(0x2000_0000), pool_malloc(0x2000_0000, 8 * MIB, 0)]);
+        for i in 0..steps {
+            let ptr = 0x1080_0000 + (i % 4) * 0x10_0000;
+            events.extend([pool_malloc(ptr, MIB, 0), pool_free(ptr, MIB)]);
+        }
+        events.push(pool_malloc(0x2080_0000, 2 * MIB, 0));
+        let refused = malloc(None, 40 * MIB, Some(0), 207_001);
+        events.push(with_outer(refused, Api::DeviceCachingAllocatorMalloc));
+        let failed = Op::PoolMalloc {
+            pool: Pool::Caching,
+            ptr: None,
+            size: None,
+            req: Some(40 * MIB),
+            device: Some(0),
+            handle: None,
+            stream: None,
+        };
+        events.push(call(Api::DeviceCachingAllocatorMalloc, 1, Some(0), 207_001, failed));
+        run(&events).1
+    }
+
+    fn write(name: &str, rows: impl FnOnce(&mut Writer)) -> std::path::PathBuf {
+        let out = std::env::temp_dir().join(format!("memscope-flight-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let layout = RunLayout::create_for(&out, 100, 1_700_000_000, "ascend", layout::Owner::default()).unwrap();
+        let mut store = Writer::start(Store::new(layout, Format::Db, 900, vec![]));
+        rows(&mut store);
+        let written = store.finish(1_000_000, vec![], vec![]).unwrap();
+        written[0].path.clone()
+    }
+
+    fn forensics(path: &std::path::Path) -> serde_json::Value {
+        let db = DumpDb::open_read(path).unwrap();
+        serde_json::to_value(Oom::analyse(&db, &10).unwrap().incidents).unwrap()
+    }
+
+    #[test]
+    fn a_window_far_shorter_than_the_job_gives_the_ooms_forensics_of_the_whole_trace() {
+        let rows = job(400);
+        let full = write("full", |s| rows.iter().for_each(|o| s.write_output(o, (NO_STACK, NO_STACK)).unwrap()));
+        let mut window = Window::new(Limits { recent: 40, held: 100 });
+        rows.iter().for_each(|o| window.push(o, (NO_STACK, NO_STACK)));
+        let (recent, held) = window.len();
+        assert_eq!(recent, 40);
+        assert!(held >= 4, "the two segments and their weights are held: {held}");
+        assert!(window.dropped().rows > 700, "{:?}", window.dropped());
+        let flight = write("window", |s| window.write(s).unwrap());
+        let (a, b) = (forensics(&full), forensics(&flight));
+        assert_eq!(a.as_array().map(Vec::len), Some(1), "one OOM: {a:#}");
+        assert_eq!(a, b, "the window's forensics are the whole trace's");
+        assert!(a[0]["state"]["reserved"].as_u64() == Some(40 * MIB), "{a:#}");
+    }
+
+    #[test]
+    fn a_held_block_freed_leaves_the_window_and_the_held_bound_drops_the_oldest() {
+        let rows = run(&[
+            malloc(Some(0x100), 64, Some(0), 0),
+            malloc(Some(0x200), 64, Some(0), 0),
+            malloc(Some(0x300), 64, Some(0), 0),
+            crate::model::testing::free(0x100, Some(0)),
+        ])
+        .1;
+        let mut window = Window::new(Limits { recent: 1, held: 1 });
+        rows.iter().for_each(|o| window.push(o, (NO_STACK, NO_STACK)));
+        // Each MALLOC is held as the next row comes, and the bound keeps one: 0x100, then
+        // 0x200 dropped for the younger; 0x100's FREE is a row of a block the window no longer has.
+        assert_eq!(window.dropped().held, 2);
+        let held: Vec<u64> = window.held.keys().map(|k| k.2).collect();
+        assert_eq!(held, [0x300]);
+        let mut w2 = Window::new(Limits { recent: 1, held: 8 });
+        rows.iter().for_each(|o| w2.push(o, (NO_STACK, NO_STACK)));
+        let held: std::collections::BTreeSet<u64> = w2.held.keys().map(|k| k.2).collect();
+        assert_eq!(held, [0x200].into(), "0x100's FREE took its held MALLOC with it");
+        let recent: Vec<Option<(bool, BlockId)>> = w2.recent.iter().map(|e| block_of(&e.output)).collect();
+        assert_eq!(recent, [Some((true, (100, EventType::Hal, 0x300)))], "and left no row of its own");
+    }
+}

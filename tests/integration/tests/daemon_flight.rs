@@ -1,0 +1,157 @@
+//! Privileged test of the daemon's flight recorder: a stand-in job whose caching allocator runs
+//! out of memory twice (tests/workloads/standin_fragment.py's `oom` scenario: fragmentation,
+//! then a full device) gets a recording at its first OOM and another on request (`POST
+//! /flight-recording?pid=N`), each a run folder in OUTPUT/flight/ whose DB's OOM forensics are
+//! those of the job's own full DB at the same failures, with PyTorch's memory snapshot and the
+//! report beside it; the metrics name the recordings.
+//!
+//! Ground truth: the job's own DB (the daemon records every call here, `--sample-bytes 0`: a
+//! full trace of the same run), the allocator's ledger (the two failures it gave up on),
+//! PyTorch's `_memory_viz.py` for the snapshot.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use memscope_integration::*;
+
+/// The folder the daemon's log names for job `pid`'s recording for `reason`, once it does.
+fn recording(daemon: &Tracer, pid: u32, reason: &str, within: Duration) -> PathBuf {
+    let said = format!("job {pid}: flight recording ({reason}) in ");
+    let deadline = Instant::now() + within;
+    loop {
+        let stderr = daemon.stderr();
+        if let Some(line) = stderr.lines().find(|l| l.contains(&said)) {
+            return PathBuf::from(line.split(&said).nth(1).unwrap().trim());
+        }
+        assert!(!stderr.lines().any(|l| l.contains("flight recording") && l.contains("failed")), "{stderr}");
+        assert!(Instant::now() < deadline, "no {reason} recording of job {pid}:\n{stderr}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `analyze --analysis oom --json` of a run folder's device 0: its incidents, numbers left out.
+fn incidents(env: &TestEnv, run: &Path) -> Vec<serde_json::Value> {
+    let out = Command::new(&env.bin)
+        .args(["analyze", "--analysis", "oom", "--device", "0", "--json", "--no-write"])
+        .arg(run)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = all.as_array().unwrap().first().expect("device 0's report");
+    let mut incidents = report["incidents"].as_array().unwrap().clone();
+    for i in &mut incidents {
+        i.as_object_mut().unwrap().remove("number");
+    }
+    incidents
+}
+
+#[test]
+fn an_oom_under_the_daemon_is_recorded_with_the_forensics_of_the_jobs_full_db() {
+    let env = env("daemon_flight");
+    let s = |p: &Path| p.display().to_string();
+    let (out, torch) = (env.scratch.join("out"), var("MEMSCOPE_TORCH_WITH_DEBUG"));
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--lib", &s(&torch), "--sample-bytes", "0"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let ledger = env.scratch.join("oom.jsonl");
+    let pool = pool_ledger_path(&ledger);
+    let mut job = Killed(
+        Command::new("python3")
+            .arg(env.workload.with_file_name("standin_fragment.py"))
+            .args(["--scenario", "oom", "--wait-tracer", "--hold", "300", "--torch-lib", &s(&torch)])
+            .args(["--ledger", &s(&ledger)])
+            .env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .env("STANDIN_TORCH_LEDGER", &pool)
+            .env("STANDIN_ACL_DEVICE_MEM", "256M")
+            .env_remove("PYTORCH_NPU_ALLOC_CONF")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start the stand-in job"),
+    );
+    let pid = job.0.id();
+    let oom = recording(&daemon, pid, "oom", Duration::from_secs(120));
+    // The ledger is written once the scenario is over (both failures), before the hold.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ledger.exists() {
+        assert!(Instant::now() < deadline && job.0.try_wait().unwrap().is_none(), "the job ended early");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let metrics = metrics_address(&daemon.stderr());
+    let (status, said) = post(metrics, &format!("/flight-recording?pid={pid}"));
+    assert_eq!(status, 202, "{said}");
+    let asked = recording(&daemon, pid, "request", Duration::from_secs(60));
+    // The metrics are renewed every half second: the recordings show at the next renewal.
+    let pid_label = format!("pid=\"{pid}\"");
+    let folder = format!("folder=\"{}\"", asked.display());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = get(metrics, "/metrics").unwrap();
+        let count = |reason: &str| {
+            body.lines()
+                .find(|l| {
+                    l.starts_with("memscope_flight_recordings_total{") && l.contains(&pid_label) && l.contains(reason)
+                })
+                .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        };
+        let counts = (count("reason=\"oom\""), count("reason=\"request\""));
+        if counts == (Some(1), Some(1)) && body.contains(&folder) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "recordings {counts:?}, the last one named {folder}?\n{body}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    job.0.kill().unwrap();
+    job.0.wait().unwrap();
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+
+    // The job's own DB: every call, so the forensics of a full trace of this run.
+    let runs: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(&format!("memscope_{pid}_")))
+        .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let full = incidents(&env, &runs[0]);
+    let gave_up = read_pool_ledger(&pool).iter().filter(|e| e.ev == "oom").count();
+    let failures = full.iter().filter(|i| i["verdict"] != "recovered").count();
+    assert_eq!(failures, gave_up, "the job's DB has the allocator's failures");
+    let at_oom = incidents(&env, &oom);
+    assert!(!at_oom.is_empty() && full.starts_with(&at_oom), "at the OOM: {at_oom:#?}\nfull: {full:#?}");
+    assert_eq!(incidents(&env, &asked), full, "asked for after both failures");
+    for dir in [&oom, &asked] {
+        assert!(oom.parent().unwrap().ends_with("flight"), "{}", dir.display());
+        let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
+        assert!(html.contains("\"table\":\"ms_oom\"") && html.trim_end().ends_with("</html>"), "{}", dir.display());
+        let dump = dir.join("device_0/dump");
+        let db = std::fs::read_dir(&dump)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|x| x == "db"));
+        let db = rusqlite::Connection::open(db.expect("the recording's DB")).unwrap();
+        let stored: i64 = db.query_row("SELECT count(*) FROM ms_oom", [], |r| r.get(0)).unwrap();
+        assert!(stored >= 1, "the forensics are stored in {}", dir.display());
+        let mode: String = db.query_row("SELECT value FROM ms_meta WHERE key = 'mode'", [], |r| r.get(0)).unwrap();
+        assert_eq!(mode, "flight");
+    }
+    if let Some((python, _)) = real_torch() {
+        let said = pytorch_reads(&env, &python, &asked.join("snapshot_0.pickle"));
+        assert!(said["segments"].as_u64().is_some(), "{said}");
+    }
+}
+
+/// A `POST` with an empty body: (status, body).
+fn post(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, text)
+}
