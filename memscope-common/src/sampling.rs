@@ -55,6 +55,10 @@ pub fn weigh(countdown: &mut u64, size: u64, interval: u64, mut gap: impl FnMut(
 /// recorded": the call still counts, and a failed allocation is still recorded.
 pub const SKIP: u32 = 0xff;
 
+/// [`crate::record::CallRecord::points`] of a call sampling left out that is sent all the same,
+/// for the daemon's flight recorder alone (its window holds every call; the job's DB does not).
+pub const WINDOW_ONLY: u8 = 0xff;
+
 /// The key of a counted block: the process and the block's address (or the pool's handle).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 
 use memscope_common::record::RecordKind;
+use memscope_common::sampling::WINDOW_ONLY;
 
 use super::callers::Callers;
 use super::clock::Clock;
@@ -230,7 +231,9 @@ fn call_event(
             op: (def.decode)(raw),
             stack,
             py_stack,
-            sample_weight: (raw.points > 0 && interval > 0).then(|| u64::from(raw.points) * interval),
+            sample_weight: (raw.points > 0 && raw.points != WINDOW_ONLY && interval > 0)
+                .then(|| u64::from(raw.points) * interval),
+            window_only: raw.points == WINDOW_ONLY,
             caller,
         }),
     })
@@ -302,6 +305,10 @@ mod tests {
         assert_eq!(weight(&r, 0), None, "no sampling: no weight");
         r.points = 0;
         assert_eq!(weight(&r, 1 << 19), None, "recorded in full");
+        r.points = memscope_common::sampling::WINDOW_ONLY;
+        let e = call_event(&r, Clock::with_offset(0), (NO_STACK, NO_STACK), 1 << 19, None).unwrap();
+        let EventKind::Call(c) = e.kind else { panic!() };
+        assert_eq!((c.sample_weight, c.window_only), (None, true), "left out by sampling, sent for the window");
     }
 
     #[test]

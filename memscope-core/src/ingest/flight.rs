@@ -16,12 +16,23 @@
 //! dropped and counted, and the DB says so); stacks are kept once each, as the job's DB keeps
 //! them.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use crate::model::Output;
-use crate::stacks::{Stack, StackId};
-use crate::store::{Retag, StoreError, Writer};
+/// Every row looks one up: the fast hash, as the model's tables have.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+use crate::model::{DeviceKey, Event, EventKind, Output, Tracker};
+use crate::stacks::{Stack, StackId, NO_STACK};
+use crate::store::{DriverRow, Retag, StoreError, Writer};
 use crate::vocab::EventType;
+
+/// The most heap bytes a window takes per recent row, measured (`tests/flight_memory.rs`):
+/// docs/metrics.md states it, the daemon's memory test adds it up.
+pub const ROW_BYTES: u64 = 320;
+/// ... per block it holds past the recent rows.
+pub const BLOCK_BYTES: u64 = 320;
+/// ... per live block a [`Feed`]'s own tracker follows (a sampled job's every block).
+pub const TRACKED_BYTES: u64 = 320;
 
 /// How much a window keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,11 +74,51 @@ struct Entry {
     stacks: (StackId, StackId),
 }
 
-/// A held block: its MALLOC and the owner changes made to it since.
+/// A held block: its MALLOC's slot and those of the owner changes made to it since (most have
+/// none: no allocation for them).
 #[derive(Clone, Debug)]
 struct Held {
     seq: u64,
-    rows: Vec<Entry>,
+    malloc: u32,
+    retags: Vec<u32>,
+}
+
+impl Held {
+    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::once(self.malloc).chain(self.retags.iter().copied())
+    }
+}
+
+/// The rows, each in a slot of its own from its push until it is dropped: rows are 200 bytes,
+/// and the recent queue and the held table then move slot numbers rather than rows.
+#[derive(Clone, Default)]
+struct Slab {
+    slots: Vec<Option<Entry>>,
+    free: Vec<u32>,
+}
+
+impl Slab {
+    fn put(&mut self, entry: Entry) -> u32 {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = Some(entry);
+                i
+            }
+            None => {
+                self.slots.push(Some(entry));
+                (self.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    fn get(&self, i: u32) -> &Entry {
+        self.slots[i as usize].as_ref().expect("a slot in use")
+    }
+
+    fn drop_row(&mut self, i: u32) {
+        self.slots[i as usize] = None;
+        self.free.push(i);
+    }
 }
 
 /// What the window dropped, for the DB to say.
@@ -83,12 +134,22 @@ pub struct Dropped {
 pub struct Window {
     limits: Limits,
     next: u64,
-    recent: VecDeque<Entry>,
-    held: HashMap<BlockId, Held>,
+    rows: Slab,
+    /// The recent rows' slots, oldest first.
+    recent: VecDeque<u32>,
+    held: Map<BlockId, Held>,
+    /// The held blocks in the order they were held, which is their MALLOCs' order (rows leave
+    /// the recent ones first in, first out): the oldest is dropped first. Entries of blocks no
+    /// longer held are skipped when they come to the front, and cleared out when they are
+    /// as many as the held blocks.
+    held_order: VecDeque<(u64, BlockId)>,
     /// The live blocks of the recent rows: their MALLOC's sequence number.
-    live: HashMap<BlockId, u64>,
+    live: Map<BlockId, u64>,
     stacks: Vec<Stack>,
     py_stacks: Vec<(StackId, Box<str>)>,
+    /// The driver's first reading of each device (its capacity goes on `START_TRACE`, as in the
+    /// job's DB) and its latest.
+    driver: BTreeMap<(DeviceKey, bool), DriverRow>,
     dropped: Dropped,
 }
 
@@ -97,11 +158,19 @@ impl Window {
         Self {
             limits,
             next: 0,
-            recent: VecDeque::with_capacity(limits.recent.min(1 << 16)),
-            held: HashMap::new(),
-            live: HashMap::new(),
+            recent: VecDeque::with_capacity(limits.recent.saturating_add(1)),
+            // Their bounds at once: doubling as they fill would leave up to half of them slack,
+            // and the pages untouched are not resident.
+            rows: Slab {
+                slots: Vec::with_capacity(limits.recent.saturating_add(limits.held).saturating_add(1)),
+                free: Vec::new(),
+            },
+            held: Map::default(),
+            held_order: VecDeque::new(),
+            live: Map::default(),
             stacks: Vec::new(),
             py_stacks: Vec::new(),
+            driver: BTreeMap::new(),
             dropped: Dropped::default(),
         }
     }
@@ -114,34 +183,45 @@ impl Window {
         self.py_stacks.push((id, text.into()));
     }
 
+    /// One of the driver's readings for the job.
+    pub fn add_driver(&mut self, row: &DriverRow) {
+        self.driver.entry((row.device, false)).or_insert_with(|| row.clone());
+        self.driver.insert((row.device, true), row.clone());
+    }
+
     /// One row, in the order the job's DB gets them.
     pub fn push(&mut self, output: &Output, stacks: (StackId, StackId)) {
+        self.push_owned(output.clone(), stacks);
+    }
+
+    /// [`Self::push`] of a row the caller has no more use for.
+    pub fn push_owned(&mut self, output: Output, stacks: (StackId, StackId)) {
         let seq = self.next;
         self.next += 1;
-        match block_of(output) {
+        match block_of(&output) {
             Some((true, id)) => {
                 self.live.insert(id, seq);
                 // A MALLOC over a held block's address: the held one ended unseen.
-                self.held.remove(&id);
+                self.unhold(&id);
             }
             Some((false, id)) => {
-                if self.live.remove(&id).is_none() && self.held.remove(&id).is_some() {
+                if self.live.remove(&id).is_none() && self.unhold(&id) {
                     // Its MALLOC was held: the window keeps neither row.
                     return;
                 }
             }
             None => {
-                if let Some(id) = retagged(output) {
-                    if !self.live.contains_key(&id) {
-                        if let Some(h) = self.held.get_mut(&id) {
-                            h.rows.push(Entry { seq, output: output.clone(), stacks });
-                            return;
-                        }
+                if let Some(id) = retagged(&output) {
+                    if !self.live.contains_key(&id) && self.held.contains_key(&id) {
+                        let slot = self.rows.put(Entry { seq, output, stacks });
+                        self.held.get_mut(&id).expect("checked").retags.push(slot);
+                        return;
                     }
                 }
             }
         }
-        self.recent.push_back(Entry { seq, output: output.clone(), stacks });
+        let slot = self.rows.put(Entry { seq, output, stacks });
+        self.recent.push_back(slot);
         while self.recent.len() > self.limits.recent {
             let old = self.recent.pop_front().expect("longer than the bound");
             self.evict(old);
@@ -150,28 +230,49 @@ impl Window {
 
     /// A row leaves the recent ones: a live block's MALLOC (and an owner change of a held
     /// block) is held, anything else dropped.
-    fn evict(&mut self, old: Entry) {
-        match block_of(&old.output) {
-            Some((true, id)) if self.live.get(&id) == Some(&old.seq) => {
+    fn evict(&mut self, slot: u32) {
+        let entry = self.rows.get(slot);
+        let seq = entry.seq;
+        match block_of(&entry.output) {
+            Some((true, id)) if self.live.get(&id) == Some(&seq) => {
                 self.live.remove(&id);
-                self.held.insert(id, Held { seq: old.seq, rows: vec![old] });
+                self.held_order.push_back((seq, id));
+                self.held.insert(id, Held { seq, malloc: slot, retags: Vec::new() });
                 if self.held.len() > self.limits.held {
                     self.drop_oldest_held();
                 }
             }
-            _ => match retagged(&old.output).and_then(|id| self.held.get_mut(&id)) {
-                Some(h) => h.rows.push(old),
-                None => self.dropped.rows += 1,
+            _ => match retagged(&entry.output).and_then(|id| self.held.get_mut(&id)) {
+                Some(h) => h.retags.push(slot),
+                None => {
+                    self.rows.drop_row(slot);
+                    self.dropped.rows += 1;
+                }
             },
         }
     }
 
     fn drop_oldest_held(&mut self) {
-        let oldest = self.held.iter().min_by_key(|(_, h)| h.seq).map(|(id, _)| *id);
-        if let Some(id) = oldest {
-            self.held.remove(&id);
-            self.dropped.held += 1;
+        while let Some((seq, id)) = self.held_order.pop_front() {
+            if self.held.get(&id).is_some_and(|h| h.seq == seq) {
+                self.unhold(&id);
+                self.dropped.held += 1;
+                return;
+            }
         }
+    }
+
+    /// Drops a held block and its rows; whether there was one.
+    fn unhold(&mut self, id: &BlockId) -> bool {
+        let Some(h) = self.held.remove(id) else { return false };
+        for slot in h.slots() {
+            self.rows.drop_row(slot);
+        }
+        if self.held_order.len() > 2 * self.held.len() + 64 {
+            let held = &self.held;
+            self.held_order.retain(|(seq, id)| held.get(id).is_some_and(|h| h.seq == *seq));
+        }
+        true
     }
 
     pub fn dropped(&self) -> Dropped {
@@ -180,18 +281,25 @@ impl Window {
 
     /// Rows now kept: recent, and held (with their owner changes).
     pub fn len(&self) -> (usize, usize) {
-        (self.recent.len(), self.held.values().map(|h| h.rows.len()).sum())
+        (self.recent.len(), self.held.values().map(|h| 1 + h.retags.len()).sum())
     }
 
     pub fn is_empty(&self) -> bool {
         self.recent.is_empty() && self.held.is_empty()
     }
 
+    /// The rows in the order the window's DB gets them: the held blocks' oldest first, then the
+    /// recent ones.
+    fn ordered(&self) -> impl Iterator<Item = &Entry> {
+        let mut held: Vec<&Held> = self.held.values().collect();
+        held.sort_by_key(|h| h.seq);
+        let held: Vec<u32> = held.into_iter().flat_map(Held::slots).collect();
+        held.into_iter().chain(self.recent.iter().copied()).map(|slot| self.rows.get(slot))
+    }
+
     /// The earliest instant of a row kept (the window's DB starts there).
     pub fn start_ns(&self) -> Option<u64> {
-        let held = self.held.values().flat_map(|h| &h.rows).filter_map(|e| wall_ns(&e.output));
-        let recent = self.recent.iter().filter_map(|e| wall_ns(&e.output));
-        held.chain(recent).min()
+        self.ordered().filter_map(|e| wall_ns(&e.output)).min()
     }
 
     /// Writes the window to `store`: the stacks, then the held blocks oldest first, then the
@@ -203,9 +311,8 @@ impl Window {
         for (id, text) in &self.py_stacks {
             store.add_py_stack(*id, text.clone())?;
         }
-        let mut held: Vec<&Held> = self.held.values().collect();
-        held.sort_by_key(|h| h.seq);
-        for entry in held.into_iter().flat_map(|h| &h.rows).chain(&self.recent) {
+        store.add_driver(self.driver.values().cloned().collect())?;
+        for entry in self.ordered() {
             match &entry.output {
                 Output::Retag { device, pid, event_type, ptr, owner, by } => store.retag(Retag {
                     device: *device,
@@ -219,6 +326,50 @@ impl Window {
             }
         }
         Ok(())
+    }
+}
+
+/// A window fed from the events of a job the daemon samples: its own tracker sees every call,
+/// each at its real size (a sampled call's weight is the sampled rows' business, and the calls
+/// sampling left out come marked [`crate::model::Call::window_only`]), so the window's rows are
+/// those of a full trace. A job recorded in full needs none: its recorder's rows feed its
+/// window ([`crate::ingest::recorder::Recorder::window`]).
+pub struct Feed {
+    tracker: Tracker,
+    pub window: Window,
+    outputs: Vec<Output>,
+}
+
+impl Feed {
+    pub fn new(limits: Limits) -> Self {
+        Self { tracker: Tracker::new(), window: Window::new(limits), outputs: Vec::new() }
+    }
+
+    pub fn on_event(&mut self, event: &Event) {
+        match &event.kind {
+            EventKind::Stack(stack) => self.window.add_stack(stack),
+            EventKind::PyStack { id, text } => {
+                self.tracker.learn_py_stack(*id, text);
+                self.window.add_py_stack(*id, text);
+            }
+            EventKind::PySample(_) => {}
+            kind => {
+                let mut event = Event { wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, kind: kind.clone() };
+                let stacks = match &mut event.kind {
+                    EventKind::Call(call) => {
+                        call.sample_weight = None;
+                        call.window_only = false;
+                        // The job's rows carry no Python stack column either (`python_column`).
+                        (call.stack, NO_STACK)
+                    }
+                    _ => (NO_STACK, NO_STACK),
+                };
+                self.tracker.apply(event, &mut self.outputs);
+                for output in self.outputs.drain(..) {
+                    self.window.push_owned(output, stacks);
+                }
+            }
+        }
     }
 }
 
@@ -264,6 +415,10 @@ mod tests {
     /// A pool that takes two segments, keeps a weight in each, serves `steps` short-lived
     /// activations, then fails to grow for a 40 MiB block.
     fn job(steps: u64) -> Vec<Output> {
+        run(&job_events(steps)).1
+    }
+
+    fn job_events(steps: u64) -> Vec<Event> {
         let segment = |ptr| with_outer(malloc(Some(ptr), 20 * MIB, Some(0), 0), Api::DeviceCachingAllocatorMalloc);
         let mut events = vec![segment(0x1000_0000), pool_malloc(0x1000_0000, 8 * MIB, 0)];
         events.extend([segment(0x2000_0000), pool_malloc(0x2000_0000, 8 * MIB, 0)]);
@@ -284,7 +439,7 @@ mod tests {
             stream: None,
         };
         events.push(call(Api::DeviceCachingAllocatorMalloc, 1, Some(0), 207_001, failed));
-        run(&events).1
+        events
     }
 
     fn write(name: &str, rows: impl FnOnce(&mut Writer)) -> std::path::PathBuf {
@@ -339,7 +494,50 @@ mod tests {
         rows.iter().for_each(|o| w2.push(o, (NO_STACK, NO_STACK)));
         let held: std::collections::BTreeSet<u64> = w2.held.keys().map(|k| k.2).collect();
         assert_eq!(held, [0x200].into(), "0x100's FREE took its held MALLOC with it");
-        let recent: Vec<Option<(bool, BlockId)>> = w2.recent.iter().map(|e| block_of(&e.output)).collect();
+        let recent: Vec<Option<(bool, BlockId)>> =
+            w2.recent.iter().map(|slot| block_of(&w2.rows.get(*slot).output)).collect();
         assert_eq!(recent, [Some((true, (100, EventType::Hal, 0x300)))], "and left no row of its own");
+    }
+
+    /// What the daemon's sampling sends: most pool calls left out (sent for the window only),
+    /// the others weighed; the runtime's calls and the failures in full.
+    fn sampled(events: &[Event]) -> Vec<Event> {
+        let mut n = 0;
+        events
+            .iter()
+            .cloned()
+            .map(|mut e| {
+                if let EventKind::Call(c) = &mut e.kind {
+                    if matches!(c.op, Op::PoolMalloc { ptr: Some(_), .. } | Op::PoolFree { .. }) {
+                        n += 1;
+                        if n % 7 == 0 {
+                            c.sample_weight = Some(512 << 10);
+                        } else {
+                            c.window_only = true;
+                        }
+                    }
+                }
+                e
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_feed_of_a_sampled_jobs_events_gives_the_window_of_a_full_trace() {
+        let events = job_events(300);
+        let limits = Limits { recent: 40, held: 100 };
+        let mut full = Window::new(limits);
+        run(&events).1.iter().for_each(|o| full.push(o, (NO_STACK, NO_STACK)));
+        let mut feed = Feed::new(limits);
+        sampled(&events).iter().for_each(|e| feed.on_event(e));
+        let rows = |w: &Window| {
+            let held: std::collections::BTreeMap<u64, Vec<Output>> =
+                w.held.values().map(|h| (h.seq, h.slots().map(|i| w.rows.get(i).output.clone()).collect())).collect();
+            (held, w.recent.iter().map(|i| w.rows.get(*i).output.clone()).collect::<Vec<_>>())
+        };
+        assert_eq!(rows(&feed.window), rows(&full), "every call at its real size, none weighed");
+        let a = write("feed-full", |s| full.write(s).unwrap());
+        let b = write("feed-sampled", |s| feed.window.write(s).unwrap());
+        assert_eq!(forensics(&a), forensics(&b));
     }
 }

@@ -54,6 +54,7 @@ mod tests {
             stack: crate::stacks::NO_STACK,
             py_stack: crate::stacks::NO_STACK,
             sample_weight: None,
+            window_only: false,
             caller: None,
         };
         Event { wall_ns, pid: 100, tid: 7, kind: EventKind::Call(call) }

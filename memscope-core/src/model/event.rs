@@ -73,6 +73,9 @@ pub struct Call {
     /// Under the daemon's sampling, the requested bytes this recorded allocation stands for
     /// (a multiple of the interval; `memscope_common::sampling`); `None`: recorded in full.
     pub sample_weight: Option<u64>,
+    /// Left out by the daemon's sampling, sent for its flight recorder's window alone: the
+    /// job's own rows and live view never see it.
+    pub window_only: bool,
     /// The library that made the call, when it is one known to take memory itself (its
     /// caller's address lies in that library's file): the owner of what the call takes.
     pub caller: Option<Library>,

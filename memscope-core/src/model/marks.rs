@@ -190,6 +190,7 @@ mod tests {
             stack: crate::stacks::NO_STACK,
             py_stack: crate::stacks::NO_STACK,
             sample_weight: None,
+            window_only: false,
             caller: None,
         };
         at(tid, 2, EventKind::Call(call))

@@ -107,6 +107,7 @@ mod tests {
             stack: crate::stacks::NO_STACK,
             py_stack: crate::stacks::NO_STACK,
             sample_weight: None,
+            window_only: false,
             caller: None,
         };
         Event { wall_ns, pid: 1, tid: 1, kind: EventKind::Call(call) }

@@ -31,6 +31,7 @@ pub fn call(api: Api, tid: u32, device: Option<u32>, status: i32, op: Op) -> Eve
             stack: crate::stacks::NO_STACK,
             py_stack: crate::stacks::NO_STACK,
             sample_weight: None,
+            window_only: false,
             caller: None,
         }),
     }

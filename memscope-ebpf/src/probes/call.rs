@@ -9,7 +9,9 @@
 //! gives one record, named after the outermost function.
 //!
 //! Under the daemon's sampling (`sample`) a pool allocation or free is decided at entry: one left
-//! out is counted at return but sends no record, and captures no stack. A sampled free that
+//! out is counted at return but sends no record, and captures no stack, unless the daemon's
+//! flight recorder wants every call (`sample::window_all`): then its record is sent marked
+//! `WINDOW_ONLY`, for the recorder's window alone, still without a stack. A sampled free that
 //! needs nothing from its return (`SampleRule::at_entry_only`) has no return probe at all: it
 //! is counted, and its record sent, at entry, and it opens no slot.
 //!
@@ -30,7 +32,7 @@ use aya_ebpf::{
 };
 use memscope_common::{
     record::{BlobRecord, CallRecord, CallTextRecord, RecordHeader, RecordKind, BLOB_LEN, MAX_ARGS, NO_MODULE},
-    sampling::SKIP,
+    sampling::{SKIP, WINDOW_ONLY},
     spec::{
         acl_layout, cfg_kind, device_effect, field_source, layer, ret_kind, split_cookie, FieldRead, ProbeSpec,
         MAX_FIELDS,
@@ -214,7 +216,7 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     if spec.blob_arg >= 0 && verdict != SKIP {
         copy_blob(spec, spec_id, &args, pid_tgid);
     }
-    if entry_only && verdict != SKIP {
+    if entry_only && (verdict != SKIP || sample::window_all()) {
         // The slot was filled as scratch (its depth stays 0): the record is complete now.
         let state: *mut ThreadState = state;
         // SAFETY: the thread's state, alive in the map; only this thread touches it.
@@ -223,6 +225,9 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
         // SAFETY: a reserved, exclusively owned slot; every field is written before submit.
         let record = unsafe { &mut *entry.as_mut_ptr() };
         fill_call(record, RecordKind::Call, spec, open, 0, pid_tgid, state);
+        if verdict == SKIP {
+            record.points = WINDOW_ONLY;
+        }
         submit(entry);
     }
     Some(())
@@ -285,12 +290,16 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
     let ret: u64 = ctx.ret();
     let args = open.args;
     read_fields(spec, &args, Phase::Return { ret }, &mut open.fields, &mut open.fields_ok);
+    let mut window_only = false;
     if spec.sample.kind != 0 {
         let values = Values { args: &open.args, fields: &open.fields, ok: open.fields_ok, ret };
         // SAFETY: the device field of the thread's state; `open` is another part of it.
         let device = unsafe { (*state).device };
         if !sample::at_exit(&spec.sample, open.verdict, pid_tgid, values, device) {
-            return Some(());
+            if !sample::window_all() {
+                return Some(());
+            }
+            window_only = true;
         }
     }
     // The record is built in place in the ring buffer: it and the open call together would not
@@ -301,6 +310,9 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
         // SAFETY: a reserved, exclusively owned slot; every field is written before submit.
         let record = unsafe { &mut *entry.as_mut_ptr() };
         fill_call(&mut record.call, RecordKind::CallText, spec, open, ret, pid_tgid, state);
+        if window_only {
+            record.call.points = WINDOW_ONLY;
+        }
         // Only the terminator: the string read writes the rest.
         record.text[0] = 0;
         if let Some(text) = nonzero_arg(&record.call.args, i64::from(spec.text_arg)) {
@@ -313,6 +325,9 @@ fn try_exit(ctx: &RetProbeContext) -> Option<()> {
         // SAFETY: as above.
         let record = unsafe { &mut *entry.as_mut_ptr() };
         fill_call(record, RecordKind::Call, spec, open, ret, pid_tgid, state);
+        if window_only {
+            record.points = WINDOW_ONLY;
+        }
         submit(entry);
     }
     Some(())

@@ -25,6 +25,11 @@ use memscope_common::{
 #[no_mangle]
 static SAMPLE_INTERVAL: Global<u64> = Global::new(0);
 
+/// 1: the calls sampling leaves out are sent all the same, marked
+/// [`memscope_common::sampling::WINDOW_ONLY`], for the daemon's flight recorder.
+#[no_mangle]
+static WINDOW_ALL: Global<u8> = Global::new(0);
+
 /// Exponential gaps with the interval's mean, filled by userspace before anything is attached.
 #[map]
 static GAPS: Array<u64> = Array::with_max_entries(GAP_TABLE_LEN, 0);
@@ -45,6 +50,11 @@ pub static COUNTERS: HashMap<CounterKey, Counters> = HashMap::with_max_entries(4
 
 pub fn enabled() -> bool {
     SAMPLE_INTERVAL.load() != 0
+}
+
+/// Whether a call sampling left out is sent for the flight recorder's window.
+pub fn window_all() -> bool {
+    WINDOW_ALL.load() != 0
 }
 
 /// A rule's value: an argument, a field read that succeeded, or the return value.

@@ -139,15 +139,19 @@ pub struct Args {
     /// The flight recorder: each job's last N rows kept in memory, with every block still live
     /// however old, and written at once as a run folder of its own in OUTPUT/flight/ (its DB
     /// with the OOM forensics stored, a memory_viz snapshot per device and report.html) when an
-    /// allocation fails for want of memory (once a minute per job at most), on SIGUSR1 (every
-    /// job) and on `curl -X POST http://127.0.0.1:9464/flight-recording[?pid=N]` from the node
-    /// itself. 0: off. Its memory is bounded by this and --flight-blocks (docs/benchmarks.md).
-    #[arg(long, value_name = "N", default_value_t = 100_000)]
+    /// allocation fails for want of memory (once a minute per job at most), when its
+    /// degradation verdict turns to a sustained rise (once), on SIGUSR1 (every job) and on
+    /// `curl -X POST http://127.0.0.1:9464/flight-recording[?pid=N]` from the node itself (a
+    /// loopback peer, or one at the address it reached the daemon at). 0: off. Under
+    /// --sample-bytes every call is sent for the window (the job's rows stay sampled). Memory:
+    /// at most 320 bytes per row or block kept per job, and under sampling 320 per live block
+    /// (docs/metrics.md).
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
     pub flight_rows: usize,
 
     /// The most live blocks a job's flight recorder holds beyond its last rows; past it the
     /// oldest are dropped, and its recordings say how many (`ms_meta.flight_held_dropped`).
-    #[arg(long, value_name = "N", default_value_t = 200_000)]
+    #[arg(long, value_name = "N", default_value_t = 50_000)]
     pub flight_blocks: usize,
 }
 

@@ -217,7 +217,8 @@ fn several_traces(files: &[(DbFile, String)]) -> bool {
         };
         run.unwrap_or(p).to_owned()
     };
-    let runs: HashSet<PathBuf> = files.iter().map(|(f, _)| trace(&f.path)).collect();
+    // As the user named them: a CSV read through a temporary DB is where the CSV is.
+    let runs: HashSet<PathBuf> = files.iter().map(|(f, _)| trace(f.shown())).collect();
     let devices: HashSet<&str> = files.iter().map(|(_, d)| d.as_str()).collect();
     runs.len() > 1 || devices.len() < files.len()
 }

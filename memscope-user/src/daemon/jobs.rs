@@ -16,6 +16,7 @@ use memscope_core::apis::{Api, Backend, Family};
 use memscope_core::cluster::identity::Identity;
 use memscope_core::cluster::pod::Pod;
 use memscope_core::ingest::clock::{self, Clock};
+use memscope_core::ingest::flight::{Feed, Window};
 use memscope_core::ingest::live::{self, LiveView};
 use memscope_core::ingest::recorder::{Recorder, WriteFailed};
 use memscope_core::model::{Event, EventKind, Tracker};
@@ -54,6 +55,9 @@ struct Job {
     pod: Option<Pod>,
     recorder: Recorder,
     run_dir: PathBuf,
+    /// Its flight-recorder window's own feed, when its calls are sampled (else its recorder's
+    /// rows feed the window: [`Recorder::window`]).
+    feed: Option<Feed>,
     /// Its `ms_meta` facts and folder suffix, for its flight recordings.
     meta: Meta,
     suffix: &'static str,
@@ -122,6 +126,13 @@ impl Jobs {
             },
         };
         job.last_event = Instant::now();
+        if let Some(feed) = &mut job.feed {
+            feed.on_event(&event);
+        }
+        if matches!(&event.kind, EventKind::Call(call) if call.window_only) {
+            // Sampling left it out of the job's rows; its window has it.
+            return None;
+        }
         job.dirty = true;
         let oom = matches!(&event.kind, EventKind::Call(call) if call.out_of_memory);
         job.recorder.on_event(event);
@@ -136,7 +147,7 @@ impl Jobs {
             Some(Outcome::Exited(pid))
         } else if job.recorder.error.is_some() {
             Some(Outcome::WriteFailed(pid))
-        } else if oom && job.recorder.window.is_some() {
+        } else if oom && (job.recorder.window.is_some() || job.feed.is_some()) {
             Some(Outcome::OutOfMemory(pid))
         } else {
             None
@@ -156,7 +167,7 @@ impl Jobs {
     /// job is not open or has no window.
     pub fn flight_snapshot(&self, pid: u32, reason: flight::Reason) -> Option<flight::Snapshot> {
         let job = self.jobs.get(&pid)?;
-        let window = job.recorder.window.clone()?;
+        let window = job.recorder.window.clone().or_else(|| Some(job.feed.as_ref()?.window.clone()))?;
         Some(flight::Snapshot { pid, reason, window, meta: job.meta.clone(), suffix: job.suffix })
     }
 
@@ -187,6 +198,9 @@ impl Jobs {
             let Some(pid) = row.pid else { continue };
             if let Some(job) = self.jobs.get_mut(&pid) {
                 job.dirty = true;
+                if let Some(w) = job.recorder.window.as_mut().or(job.feed.as_mut().map(|f| &mut f.window)) {
+                    w.add_driver(&row);
+                }
                 if let Err(e) = job.recorder.store.add_driver(vec![row]) {
                     failed.push((pid, anyhow::Error::new(e)));
                 }
@@ -348,9 +362,12 @@ fn open(pid: u32, first: &Event, cx: &Context, probes: &[ProbeRow]) -> anyhow::R
     // Python stacks serve the owner rules and sites; rows carry no stack column.
     recorder.python_column = false;
     recorder.live = Some(LiveView::new(cx.live.clone()));
-    recorder.window = cx.flight.map(memscope_core::ingest::flight::Window::new);
+    // Sampled, the job's rows are not every call: its window gets a feed of its own.
+    let sampled = cx.sample_bytes > 0;
+    recorder.window = cx.flight.filter(|_| !sampled).map(Window::new);
+    let feed = cx.flight.filter(|_| sampled).map(Feed::new);
     let last_event = Instant::now();
-    Ok(Job { comm, identity, pod, recorder, run_dir, meta, suffix, last_event, dirty: true })
+    Ok(Job { comm, identity, pod, recorder, run_dir, feed, meta, suffix, last_event, dirty: true })
 }
 
 /// Where a job's folders go: shown once at the start.

@@ -122,6 +122,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         bpf_log: None,
         admission: Some(plan.admission.clone()),
         sampling: plan.sampling,
+        window_all: plan.flight.is_some(),
     };
     // No target (pid 0 is never a process's tgid): the kernel admits processes by the rules.
     let mut tracer = Tracer::load(&opts, 0, None).context("cannot load the eBPF programs")?;

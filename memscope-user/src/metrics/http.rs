@@ -1,7 +1,8 @@
 //! The HTTP side of `--listen`: `GET /metrics` (Prometheus text format 0.0.4) and `GET /healthz`
 //! on hyper's HTTP/1 server, one task per connection on the session's own runtime; for the
-//! daemon, `POST /flight-recording[?pid=N]` asks for flight recordings, from a loopback address
-//! only (a recording writes files on the node: not something for the network to ask).
+//! daemon, `POST /flight-recording[?pid=N]` asks for flight recordings, from the node itself only
+//! (a loopback peer, or one at the address it reached the daemon at): a recording writes files
+//! on the node, not something for the network to ask.
 //!
 //! The listener must never cost the trace anything: unbounded, ~20,000 idle connections used up
 //! the tracer's file descriptors (no new job could be recorded) and its memory. So at most
@@ -71,7 +72,10 @@ impl Listener {
                 // Over the bound: closed at once (dropped), so it holds no descriptor.
                 let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else { continue };
                 let registry = Arc::clone(&registry);
-                let flight = flight.clone().filter(|_| peer.ip().is_loopback());
+                // From the node itself: a loopback peer, or one at the address it connected to
+                // (a process beside the daemon, in its pod, reaching it at the pod's IP).
+                let local = stream.local_addr().ok().map(|a| a.ip());
+                let flight = flight.clone().filter(|_| peer.ip().is_loopback() || Some(peer.ip()) == local);
                 tokio::spawn(async move {
                     let service = service_fn(move |req| answer(req, Arc::clone(&registry), flight.clone()));
                     let connection = hyper::server::conn::http1::Builder::new()

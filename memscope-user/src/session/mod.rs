@@ -375,6 +375,7 @@ fn load(
         bpf_log,
         admission: None,
         sampling: None,
+        window_all: false,
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.

@@ -5,9 +5,13 @@
 //! those of the job's own full DB at the same failures, with PyTorch's memory snapshot and the
 //! report beside it; the metrics name the recordings.
 //!
-//! Ground truth: the job's own DB (the daemon records every call here, `--sample-bytes 0`: a
-//! full trace of the same run), the allocator's ledger (the two failures it gave up on),
-//! PyTorch's `_memory_viz.py` for the snapshot.
+//! Under the daemon's sampling the job's own DB lacks most of the blocks; its recording must
+//! not: its forensics are those of a full `trace` of the same workload.
+//!
+//! Ground truth: the job's own DB (the daemon records every call in the first test,
+//! `--sample-bytes 0`: a full trace of the same run), a `trace` of the same deterministic
+//! workload (the second), the allocator's ledger (the two failures it gave up on), PyTorch's
+//! `_memory_viz.py` for the snapshot.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -154,4 +158,112 @@ fn post(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     s.read_to_string(&mut text).unwrap();
     let status = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     (status, text)
+}
+
+/// The stand-in job of the `oom` scenario, held after it so its series stay.
+fn oom_job(env: &TestEnv, tag: &str) -> (Killed, PathBuf) {
+    let s = |p: &Path| p.display().to_string();
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
+    let ledger = env.scratch.join(format!("{tag}.jsonl"));
+    let child = Command::new("python3")
+        .arg(env.workload.with_file_name("standin_fragment.py"))
+        .args(["--scenario", "oom", "--wait-tracer", "--hold", "300", "--torch-lib", &s(&torch)])
+        .args(["--ledger", &s(&ledger)])
+        .env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
+        .env("ASCEND_HOME_PATH", &env.ascend_home)
+        .env("STANDIN_TORCH_LEDGER", pool_ledger_path(&ledger))
+        .env("STANDIN_ACL_DEVICE_MEM", "256M")
+        .env_remove("PYTORCH_NPU_ALLOC_CONF")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the stand-in job");
+    (Killed(child), ledger)
+}
+
+/// An incident as two runs of one workload share it: without instants, processes, threads and
+/// addresses (the stand-in device's come from the host's heap), nor the device's capacity: it
+/// comes from the driver's first reading, a second after a job starts, so a trace has it by
+/// its end and a recording made at an OOM in the job's first second has not.
+fn portable(mut v: serde_json::Value) -> serde_json::Value {
+    match &mut v {
+        serde_json::Value::Object(map) => {
+            for key in ["ts_ns", "pid", "tid", "ptr", "capacity"] {
+                map.remove(key);
+            }
+            for value in map.values_mut() {
+                *value = portable(value.take());
+            }
+        }
+        serde_json::Value::Array(items) => {
+            for item in items.iter_mut() {
+                *item = portable(item.take());
+            }
+        }
+        _ => {}
+    }
+    v
+}
+
+/// MALLOC rows of the pool in a run folder's device 0 DB.
+fn pool_mallocs(run: &Path) -> i64 {
+    let dump = run.join("device_0/dump");
+    let db =
+        std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|x| x == "db"));
+    let db = rusqlite::Connection::open(db.expect("a DB")).unwrap();
+    db.query_row("SELECT count(*) FROM memscope_dump WHERE Event = 'MALLOC' AND \"Event Type\" = 'PTA'", [], |r| {
+        r.get(0)
+    })
+    .unwrap()
+}
+
+#[test]
+fn an_oom_under_the_sampling_daemon_is_recorded_as_a_full_trace_has_it() {
+    let env = env("daemon_flight_sampled");
+    let s = |p: &Path| p.display().to_string();
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
+    // The full trace: the same workload under `trace`, every call recorded.
+    let traced = env.scratch.join("traced");
+    let ledger = env.scratch.join("traced.jsonl");
+    let mut child = Command::new(&env.bin)
+        .args(["trace", "--output", &s(&traced), "--lib", &s(&torch), "--", "python3"])
+        .arg(env.workload.with_file_name("standin_fragment.py"))
+        .args(["--scenario", "oom", "--wait-tracer", "--torch-lib", &s(&torch), "--ledger", &s(&ledger)])
+        .env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
+        .env("ASCEND_HOME_PATH", &env.ascend_home)
+        .env("STANDIN_TORCH_LEDGER", pool_ledger_path(&ledger))
+        .env("STANDIN_ACL_DEVICE_MEM", "256M")
+        .env_remove("PYTORCH_NPU_ALLOC_CONF")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start memscope-bpf trace");
+    assert_eq!(wait_child(&mut child, Duration::from_secs(120)), 0, "the trace of the workload failed");
+    let full: Vec<serde_json::Value> = incidents(&env, &run_dir(&traced)).into_iter().map(portable).collect();
+    assert!(full.len() >= 2, "{full:#?}");
+
+    // Every block below 64 MiB sampled: the job's own rows are a few of its blocks.
+    let out = env.scratch.join("out");
+    let args =
+        ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--lib", &s(&torch), "--sample-bytes", "64MiB"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let (mut job, _) = oom_job(&env, "sampled");
+    let pid = job.0.id();
+    let oom = recording(&daemon, pid, "oom", Duration::from_secs(120));
+    job.0.kill().unwrap();
+    job.0.wait().unwrap();
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    let recorded: Vec<serde_json::Value> = incidents(&env, &oom).into_iter().map(portable).collect();
+    assert!(!recorded.is_empty() && full.starts_with(&recorded), "recorded: {recorded:#?}\nfull trace: {full:#?}");
+    let job_run = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with(&format!("memscope_{pid}_")))
+        .expect("the job's run folder");
+    let (sampled, window) = (pool_mallocs(&job_run), pool_mallocs(&oom));
+    assert!(sampled * 2 < window, "the job's DB is sampled ({sampled} pool blocks), its recording is not ({window})");
 }

@@ -174,6 +174,9 @@ pub struct LoadOptions {
     pub admission: Option<Admission>,
     /// The daemon's sampling of pool blocks (`None`: every call recorded).
     pub sampling: Option<Sampling>,
+    /// The daemon's flight recorder wants the calls sampling leaves out too (sent marked
+    /// `WINDOW_ONLY`, for its window alone).
+    pub window_all: bool,
 }
 
 /// `--sample-bytes` and the kernel's bound on the blocks it counts (`--max-blocks`).
@@ -282,6 +285,7 @@ impl Tracer {
             .map_max_entries("EVENTS", opts.ring_bytes)
             .map_max_entries("BLOCKS", max_blocks)
             .override_global("SAMPLE_INTERVAL", &interval, true)
+            .override_global("WINDOW_ALL", &u8::from(opts.window_all && interval > 0), true)
             .override_global("WAKEUP_BYTES", &opts.wakeup_bytes, true)
             .override_global("FOLLOW_FORKS", &follow, true)
             .override_global("STACK_DEPTH", &opts.stack_depth, true)
