@@ -92,6 +92,8 @@ pub struct Recordings {
     pub counts: HashMap<(u32, Reason), u64>,
     /// Each job's last recording's folder.
     pub latest: HashMap<u32, PathBuf>,
+    /// The recordings being written.
+    writing: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Recordings {
@@ -105,6 +107,7 @@ impl Recordings {
             rx,
             counts: HashMap::new(),
             latest: HashMap::new(),
+            writing: Vec::new(),
         }
     }
 
@@ -124,20 +127,29 @@ impl Recordings {
     }
 
     /// Writes `snapshot` on a thread of its own.
-    pub fn start(&self, snapshot: Snapshot) {
+    pub fn start(&mut self, snapshot: Snapshot) {
         let (output, writer, tx) = (self.output.clone(), self.writer, self.tx.clone());
         let spawned = std::thread::Builder::new().name("memscope-flight".into()).spawn(move || {
             let (pid, reason) = (snapshot.pid, snapshot.reason);
             let result = write(&output, writer, snapshot);
             let _ = tx.send(Finished { pid, reason, result });
         });
-        if let Err(e) = spawned {
-            crate::terminal::say::say!("memscope-bpf: warning: cannot start a flight recording: {e}");
+        match spawned {
+            Ok(thread) => self.writing.push(thread),
+            Err(e) => crate::terminal::say::say!("memscope-bpf: warning: cannot start a flight recording: {e}"),
+        }
+    }
+
+    /// Waits for the recordings being written (the daemon stops: none is left half made).
+    pub fn wait(&mut self) {
+        for thread in self.writing.drain(..) {
+            let _ = thread.join();
         }
     }
 
     /// The recordings finished since the last call, counted.
     pub fn finished(&mut self) -> Vec<Finished> {
+        self.writing.retain(|t| !t.is_finished());
         let done: Vec<Finished> = self.rx.try_iter().collect();
         for f in &done {
             if let Ok(dir) = &f.result {

@@ -560,6 +560,10 @@ impl Daemon {
         self.status.finish();
         note(self.plan.capture.quiet, format!("stopping ({reason})…"));
         self.drain();
+        // The recordings asked for or made until now are written whole first.
+        self.flight_work();
+        self.recordings.wait();
+        self.flight_work();
         let stop_reason = format!("daemon stopped: {reason}");
         for pid in self.jobs.pids() {
             self.finish(pid, &stop_reason);

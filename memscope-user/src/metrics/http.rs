@@ -168,17 +168,26 @@ mod tests {
             .count()
     }
 
-    /// A scrape from a plain blocking client (off the runtime's threads).
-    async fn healthz(addr: SocketAddr) -> String {
+    /// A request from a plain blocking client (off the runtime's threads): its whole answer.
+    async fn request(addr: SocketAddr, method: &'static str, target: &'static str) -> String {
         tokio::task::spawn_blocking(move || {
             let mut s = std::net::TcpStream::connect(addr).unwrap();
-            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+            write!(s, "{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                .unwrap();
             let mut text = String::new();
             s.read_to_string(&mut text).unwrap();
             text
         })
         .await
         .unwrap()
+    }
+
+    async fn healthz(addr: SocketAddr) -> String {
+        request(addr, "GET", "/healthz").await
+    }
+
+    async fn post(addr: SocketAddr, target: &'static str) -> String {
+        request(addr, "POST", target).await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,18 +214,6 @@ mod tests {
         assert!(closed >= MAX_CONNECTIONS, "the server closed the idle connections it served ({closed})");
         drop(idle);
         assert!(healthz(addr).await.ends_with("ok\n"));
-    }
-
-    async fn post(addr: SocketAddr, target: &'static str) -> String {
-        tokio::task::spawn_blocking(move || {
-            let mut s = std::net::TcpStream::connect(addr).unwrap();
-            write!(s, "POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
-            let mut text = String::new();
-            s.read_to_string(&mut text).unwrap();
-            text
-        })
-        .await
-        .unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -59,23 +59,8 @@ fn an_oom_under_the_daemon_is_recorded_with_the_forensics_of_the_jobs_full_db() 
     let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--lib", &s(&torch), "--sample-bytes", "0"];
     let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
     daemon.wait_live(Duration::from_secs(60));
-    let ledger = env.scratch.join("oom.jsonl");
+    let (mut job, ledger) = oom_job(&env, "oom");
     let pool = pool_ledger_path(&ledger);
-    let mut job = Killed(
-        Command::new("python3")
-            .arg(env.workload.with_file_name("standin_fragment.py"))
-            .args(["--scenario", "oom", "--wait-tracer", "--hold", "300", "--torch-lib", &s(&torch)])
-            .args(["--ledger", &s(&ledger)])
-            .env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
-            .env("ASCEND_HOME_PATH", &env.ascend_home)
-            .env("STANDIN_TORCH_LEDGER", &pool)
-            .env("STANDIN_ACL_DEVICE_MEM", "256M")
-            .env_remove("PYTORCH_NPU_ALLOC_CONF")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start the stand-in job"),
-    );
     let pid = job.0.id();
     let oom = recording(&daemon, pid, "oom", Duration::from_secs(120));
     // The ledger is written once the scenario is over (both failures), before the hold.
@@ -88,9 +73,22 @@ fn an_oom_under_the_daemon_is_recorded_with_the_forensics_of_the_jobs_full_db() 
     let (status, said) = post(metrics, &format!("/flight-recording?pid={pid}"));
     assert_eq!(status, 202, "{said}");
     let asked = recording(&daemon, pid, "request", Duration::from_secs(60));
+    // SIGUSR1 asks for every job's.
+    daemon.signal(libc::SIGUSR1);
+    let said = format!("job {pid}: flight recording (request) in ");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let latest = loop {
+        let stderr = daemon.stderr();
+        let folders: Vec<&str> = stderr.lines().filter_map(|l| l.split(&said).nth(1)).collect();
+        if let [_, second] = folders[..] {
+            break PathBuf::from(second.trim());
+        }
+        assert!(Instant::now() < deadline, "no second request recording after SIGUSR1:\n{stderr}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
     // The metrics are renewed every half second: the recordings show at the next renewal.
     let pid_label = format!("pid=\"{pid}\"");
-    let folder = format!("folder=\"{}\"", asked.display());
+    let folder = format!("folder=\"{}\"", latest.display());
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let (_, body) = get(metrics, "/metrics").unwrap();
@@ -102,7 +100,7 @@ fn an_oom_under_the_daemon_is_recorded_with_the_forensics_of_the_jobs_full_db() 
                 .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         };
         let counts = (count("reason=\"oom\""), count("reason=\"request\""));
-        if counts == (Some(1), Some(1)) && body.contains(&folder) {
+        if counts == (Some(1), Some(2)) && body.contains(&folder) {
             break;
         }
         assert!(Instant::now() < deadline, "recordings {counts:?}, the last one named {folder}?\n{body}");
@@ -160,24 +158,34 @@ fn post(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     (status, text)
 }
 
-/// The stand-in job of the `oom` scenario, held after it so its series stay.
-fn oom_job(env: &TestEnv, tag: &str) -> (Killed, PathBuf) {
+/// The `oom` scenario's command line (`python3 standin_fragment.py ...`), held `hold` seconds
+/// after it, and its ledger.
+fn oom_scenario(env: &TestEnv, tag: &str, hold: &str) -> (Vec<String>, PathBuf) {
     let s = |p: &Path| p.display().to_string();
-    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
-    let ledger = env.scratch.join(format!("{tag}.jsonl"));
-    let child = Command::new("python3")
-        .arg(env.workload.with_file_name("standin_fragment.py"))
-        .args(["--scenario", "oom", "--wait-tracer", "--hold", "300", "--torch-lib", &s(&torch)])
-        .args(["--ledger", &s(&ledger)])
-        .env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
+    let (torch, ledger) = (var("MEMSCOPE_TORCH_WITH_DEBUG"), env.scratch.join(format!("{tag}.jsonl")));
+    let workload = env.workload.with_file_name("standin_fragment.py");
+    let args = ["python3", &s(&workload), "--scenario", "oom", "--wait-tracer", "--hold", hold];
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["--torch-lib".into(), s(&torch), "--ledger".into(), s(&ledger)]);
+    (args, ledger)
+}
+
+/// Its variables: a 256 MiB stand-in device, the allocator's ledger beside the job's.
+fn oom_vars<'a>(cmd: &'a mut Command, env: &TestEnv, ledger: &Path) -> &'a mut Command {
+    cmd.env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
         .env("ASCEND_HOME_PATH", &env.ascend_home)
-        .env("STANDIN_TORCH_LEDGER", pool_ledger_path(&ledger))
+        .env("STANDIN_TORCH_LEDGER", pool_ledger_path(ledger))
         .env("STANDIN_ACL_DEVICE_MEM", "256M")
         .env_remove("PYTORCH_NPU_ALLOC_CONF")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .spawn()
-        .expect("start the stand-in job");
+}
+
+/// The stand-in job of the `oom` scenario, held after it so its series stay.
+fn oom_job(env: &TestEnv, tag: &str) -> (Killed, PathBuf) {
+    let (args, ledger) = oom_scenario(env, tag, "300");
+    let child =
+        oom_vars(Command::new(&args[0]).args(&args[1..]), env, &ledger).spawn().expect("start the stand-in job");
     (Killed(child), ledger)
 }
 
@@ -224,21 +232,11 @@ fn an_oom_under_the_sampling_daemon_is_recorded_as_a_full_trace_has_it() {
     let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     // The full trace: the same workload under `trace`, every call recorded.
     let traced = env.scratch.join("traced");
-    let ledger = env.scratch.join("traced.jsonl");
-    let mut child = Command::new(&env.bin)
-        .args(["trace", "--output", &s(&traced), "--lib", &s(&torch), "--", "python3"])
-        .arg(env.workload.with_file_name("standin_fragment.py"))
-        .args(["--scenario", "oom", "--wait-tracer", "--torch-lib", &s(&torch), "--ledger", &s(&ledger)])
-        .env("PYTHONPATH", var("MEMSCOPE_MARKERS"))
-        .env("ASCEND_HOME_PATH", &env.ascend_home)
-        .env("STANDIN_TORCH_LEDGER", pool_ledger_path(&ledger))
-        .env("STANDIN_ACL_DEVICE_MEM", "256M")
-        .env_remove("PYTORCH_NPU_ALLOC_CONF")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start memscope-bpf trace");
+    let (args, ledger) = oom_scenario(&env, "traced", "0");
+    let mut trace = Command::new(&env.bin);
+    trace.args(["trace", "--output", &s(&traced), "--lib", &s(&torch), "--"]).args(&args);
+    let mut child =
+        oom_vars(&mut trace, &env, &ledger).stderr(Stdio::null()).spawn().expect("start memscope-bpf trace");
     assert_eq!(wait_child(&mut child, Duration::from_secs(120)), 0, "the trace of the workload failed");
     let full: Vec<serde_json::Value> = incidents(&env, &run_dir(&traced)).into_iter().map(portable).collect();
     assert!(full.len() >= 2, "{full:#?}");

@@ -139,6 +139,19 @@ fn start_unmarked(env: &TestEnv) -> (Killed, PathBuf) {
     (Killed(process), ready)
 }
 
+/// The leaking job's sustained verdict wrote its flight recording, once; the clean one's none.
+fn degradation_recorded(daemon: &Tracer, leaking: u32, clean: u32) {
+    let said = |pid: u32| format!("job {pid}: flight recording (degradation) in ");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !daemon.stderr().contains(&said(leaking)) {
+        assert!(Instant::now() < deadline, "no degradation recording of the leaking job:\n{}", daemon.stderr());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let stderr = daemon.stderr();
+    assert_eq!(stderr.matches(&said(leaking)).count(), 1, "{stderr}");
+    assert!(!stderr.contains(&said(clean)), "the clean job has no sustained rise:\n{stderr}");
+}
+
 #[test]
 fn the_daemon_exports_each_jobs_owners_and_the_offline_degradation_verdict_while_it_runs() {
     let env = env("daemon_live");
@@ -236,6 +249,7 @@ fn the_daemon_exports_each_jobs_owners_and_the_offline_degradation_verdict_while
         })
         .collect();
 
+    degradation_recorded(&daemon, pids[0], pids[1]);
     for l in &mut loops {
         l.process.0.kill().unwrap();
         l.process.0.wait().unwrap();

@@ -145,7 +145,11 @@ fn sampled_pool_blocks_have_exact_counters_and_weights_within_the_stated_error_o
     assert_eq!(code, Some(0), "{stderr}");
 
     // Sampled: the DB's PTA rows of blocks live at the end (their FREE is the stop's shadow).
-    let folder = std::fs::read_dir(&out).unwrap().next().unwrap().unwrap().path();
+    let folder = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| !p.ends_with("flight"))
+        .expect("the job's run folder");
     let run = read_run(&folder);
     let db = rusqlite::Connection::open(run.db("device_0")).unwrap();
     assert_eq!(meta(run.db("device_0"), "sample_bytes").as_deref(), Some("16384"));
