@@ -142,7 +142,8 @@ fn start_unmarked(env: &TestEnv) -> (Killed, PathBuf) {
 /// The leaking job's sustained verdict wrote its flight recording, once; the clean one's none.
 fn degradation_recorded(daemon: &Tracer, leaking: u32, clean: u32) {
     let said = |pid: u32| format!("job {pid}: flight recording (degradation) in ");
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // The log names it once written (its DB, forensics, snapshot and page): slow under emulation.
+    let deadline = Instant::now() + Duration::from_secs(180);
     while !daemon.stderr().contains(&said(leaking)) {
         assert!(Instant::now() < deadline, "no degradation recording of the leaking job:\n{}", daemon.stderr());
         std::thread::sleep(Duration::from_millis(200));
