@@ -28,7 +28,7 @@ use serde::Serialize;
 use super::inputs;
 use crate::terminal::say::say;
 
-/// Compare two traces: what grew from A to B, per step and per owner, or (--level) which ops or kernels differ.
+/// Compare two traces: what grew from A to B, per step and per owner, or (--level) which ops or kernels differ; or a job's ranks.
 ///
 /// The live bytes per family and per owner at the end of each step in A and in B, the
 /// difference, and the owners that grew (or shrank) in B.
@@ -39,6 +39,14 @@ use crate::terminal::say::say;
 /// Steps come from memscope.step() or mstx `step start` ranges (or --step-marker), numbered as in
 /// `analyze --analysis leaks`; steps only one trace has are listed, not compared. The ends of the
 /// traces are always compared, so traces without steps can be compared too. Nothing is written.
+///
+/// With a distributed job's traces, one per rank (more than two, a daemon's output folder, the
+/// nodes' folders, or --ranks), it compares the ranks instead: per rank its peak and the owners
+/// then, its growth per step, a rank × step table, and the ranks that stand out with why (a
+/// higher peak by which owners, a leak only there), each job (its job_id) apart.
+///
+///   memscope-bpf compare node1/msout node2/msout
+///   memscope-bpf compare /var/lib/memscope --json
 ///
 /// --level op|kernel compares the call sequences instead, as msMemScope's compare does: the
 /// operators (OP_LAUNCH rows, from memscope.torch.trace_ops()) or the kernel launches
