@@ -55,6 +55,12 @@ pub fn weigh(countdown: &mut u64, size: u64, interval: u64, mut gap: impl FnMut(
 /// recorded": the call still counts, and a failed allocation is still recorded.
 pub const SKIP: u32 = 0xff;
 
+/// The verdict kept for a sampled free while the daemon's flight recorder gets every call: the
+/// kernel keeps no blocks then (userspace's window follows every block and tells a sampled
+/// block's free from the others'), so the free is sent unjudged, at its plain size and without
+/// a stack. Above any `points` value, so it never reaches a record.
+pub const UNJUDGED: u32 = 0x100;
+
 /// [`crate::record::CallRecord::points`] of a call sampling left out that is sent all the same,
 /// for the daemon's flight recorder alone (its window holds every call; the job's DB does not).
 pub const WINDOW_ONLY: u8 = 0xff;

@@ -334,18 +334,32 @@ impl Window {
 /// sampling left out come marked [`crate::model::Call::window_only`]), so the window's rows are
 /// those of a full trace. A job recorded in full needs none: its recorder's rows feed its
 /// window ([`crate::ingest::recorder::Recorder::window`]).
+///
+/// Its tracker's totals are therefore the job's exact counts, which the daemon publishes. The
+/// kernel keeps no block of its own while it sends every call, so a sampled free comes unjudged:
+/// the feed remembers which live blocks sampling left out and says, at their free, that the
+/// job's rows skip it too.
 pub struct Feed {
     tracker: Tracker,
     pub window: Window,
     outputs: Vec<Output>,
+    /// Live blocks sampling left out of the job's rows.
+    left_out: Map<BlockId, ()>,
 }
 
 impl Feed {
     pub fn new(limits: Limits) -> Self {
-        Self { tracker: Tracker::new(), window: Window::new(limits), outputs: Vec::new() }
+        Self { tracker: Tracker::new(), window: Window::new(limits), outputs: Vec::new(), left_out: Map::default() }
     }
 
-    pub fn on_event(&mut self, event: &Event) {
+    /// The totals of every call: a full trace's.
+    pub fn tracker(&self) -> &Tracker {
+        &self.tracker
+    }
+
+    /// Takes one event; whether the job's own (sampled) rows leave it out: a call sampling left
+    /// out, or the free of a block it left out.
+    pub fn on_event(&mut self, event: &Event) -> bool {
         match &event.kind {
             EventKind::Stack(stack) => self.window.add_stack(stack),
             EventKind::PyStack { id, text } => {
@@ -355,21 +369,35 @@ impl Feed {
             EventKind::PySample(_) => {}
             kind => {
                 let mut event = Event { wall_ns: event.wall_ns, pid: event.pid, tid: event.tid, kind: kind.clone() };
-                let stacks = match &mut event.kind {
+                let (stacks, left_out) = match &mut event.kind {
                     EventKind::Call(call) => {
+                        let left_out = call.window_only;
                         call.sample_weight = None;
                         call.window_only = false;
                         // The job's rows carry no Python stack column either (`python_column`).
-                        (call.stack, NO_STACK)
+                        ((call.stack, NO_STACK), left_out)
                     }
-                    _ => (NO_STACK, NO_STACK),
+                    _ => ((NO_STACK, NO_STACK), false),
                 };
                 self.tracker.apply(event, &mut self.outputs);
+                let mut skip = left_out;
                 for output in self.outputs.drain(..) {
+                    match block_of(&output) {
+                        Some((true, id)) if left_out => {
+                            self.left_out.insert(id, ());
+                        }
+                        Some((true, id)) => {
+                            self.left_out.remove(&id);
+                        }
+                        Some((false, id)) => skip |= self.left_out.remove(&id).is_some(),
+                        None => {}
+                    }
                     self.window.push_owned(output, stacks);
                 }
+                return skip;
             }
         }
+        false
     }
 }
 
@@ -529,7 +557,9 @@ mod tests {
         let mut full = Window::new(limits);
         run(&events).1.iter().for_each(|o| full.push(o, (NO_STACK, NO_STACK)));
         let mut feed = Feed::new(limits);
-        sampled(&events).iter().for_each(|e| feed.on_event(e));
+        sampled(&events).iter().for_each(|e| {
+            feed.on_event(e);
+        });
         let rows = |w: &Window| {
             let held: std::collections::BTreeMap<u64, Vec<Output>> =
                 w.held.values().map(|h| (h.seq, h.slots().map(|i| w.rows.get(i).output.clone()).collect())).collect();
@@ -539,5 +569,48 @@ mod tests {
         let a = write("feed-full", |s| full.write(s).unwrap());
         let b = write("feed-sampled", |s| feed.window.write(s).unwrap());
         assert_eq!(forensics(&a), forensics(&b));
+    }
+
+    /// What the daemon sends while its flight recorder gets every call: the kernel keeps no
+    /// blocks, so a free comes unjudged (unmarked) whether its block was sampled or not.
+    fn unjudged(events: &[Event]) -> Vec<Event> {
+        let mut events = sampled(events);
+        for e in &mut events {
+            if let EventKind::Call(c) = &mut e.kind {
+                if matches!(c.op, Op::PoolFree { .. }) {
+                    (c.window_only, c.sample_weight) = (false, None);
+                }
+            }
+        }
+        events
+    }
+
+    #[test]
+    fn a_feed_leaves_out_the_frees_of_blocks_sampling_left_out_and_counts_every_block() {
+        let events = job_events(300);
+        let mut feed = Feed::new(Limits { recent: 40, held: 100 });
+        let (mut recorded, mut passed_frees) = (std::collections::HashSet::new(), 0);
+        for e in unjudged(&events) {
+            let left_out = feed.on_event(&e);
+            let EventKind::Call(c) = &e.kind else { continue };
+            match c.op {
+                Op::PoolMalloc { ptr: Some(ptr), .. } if !left_out => {
+                    recorded.insert(ptr);
+                }
+                Op::PoolFree { ptr: Some(ptr), .. } => {
+                    assert_eq!(left_out, !recorded.remove(&ptr), "the free of {ptr:#x}");
+                    passed_frees += u32::from(!left_out);
+                }
+                _ => {}
+            }
+        }
+        assert!(passed_frees > 10 && passed_frees < 100, "{passed_frees} frees of sampled blocks");
+        let (full, _) = run(&events);
+        let stats = |t: &Tracker| {
+            let pools: Vec<_> = t.pools().map(|(k, s)| (k, s.used, s.peak_used, s.live_blocks)).collect();
+            let devices: Vec<_> = t.devices().map(|(k, s)| (k, s.used, s.peak, s.mallocs, s.frees)).collect();
+            (pools, devices)
+        };
+        assert_eq!(stats(feed.tracker()), stats(&full), "the feed's totals are a full trace's");
     }
 }

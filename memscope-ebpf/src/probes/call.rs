@@ -11,7 +11,8 @@
 //! Under the daemon's sampling (`sample`) a pool allocation or free is decided at entry: one left
 //! out is counted at return but sends no record, and captures no stack, unless the daemon's
 //! flight recorder wants every call (`sample::window_all`): then its record is sent marked
-//! `WINDOW_ONLY`, for the recorder's window alone, still without a stack. A sampled free that
+//! `WINDOW_ONLY`, for the recorder's window alone, still without a stack, and the kernel counts
+//! nothing (userspace sees every block); a free is then sent unjudged, without a stack. A sampled free that
 //! needs nothing from its return (`SampleRule::at_entry_only`) has no return probe at all: it
 //! is counted, and its record sent, at entry, and it opens no slot.
 //!
@@ -201,7 +202,7 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let args = open.args;
     let stacks = stack::enabled() || stack::windowed() || python::enabled();
     // The stack check reads the whole state: `open` is not used past here.
-    if stacks && verdict != SKIP && no_other_call_open(state, layer) {
+    if stacks && sample::wants_stacks(verdict) && no_other_call_open(state, layer) {
         if python::enabled() && python::wanted(spec.sample.kind) {
             let _ = python::capture(ctx, pid_tgid, entry_ns);
         }
@@ -357,7 +358,7 @@ fn fill_call(
     record.fields = open.fields;
     record.fields_ok = open.fields_ok as u8;
     record.outer_spec = 0;
-    record.points = if open.verdict == SKIP { 0 } else { open.verdict as u8 };
+    record.points = if sample::wants_stacks(open.verdict) { open.verdict as u8 } else { 0 };
     record.cfg_device = -1;
     record.cfg_module = NO_MODULE;
     if spec.cfg_kind == cfg_kind::MALLOC_CONFIG {

@@ -5,6 +5,12 @@
 //! recorded pays for no stack capture either; at return it is counted in any case. Counting
 //! needs each block's size at its free (pool frees carry none), so every block of a sampled API
 //! is kept in [`BLOCKS`] until then; the verdict kept with it says whether the free is recorded.
+//!
+//! Unless every call is sent anyway ([`window_all`], the daemon's flight recorder): then
+//! userspace sees every block and counts them itself, so the kernel keeps nothing. The block
+//! map was most of a sampled call's cost here (an insert took ~500 ns of the ~1.2 µs an
+//! allocation's return probe ran, measured with `kernel.bpf_stats_enabled` on the pool loop),
+//! more than the record it saved.
 //! The counters are shared by every CPU, so they are updated with atomic adds and the peak with
 //! a compare-and-swap: a per-CPU copy would sum to the right live bytes but never to the peak.
 
@@ -17,7 +23,7 @@ use aya_ebpf::{
 };
 use memscope_common::{
     record::MAX_ARGS,
-    sampling::{weigh, BlockKey, CountedBlock, CounterKey, Counters, GAP_TABLE_LEN, SKIP},
+    sampling::{weigh, BlockKey, CountedBlock, CounterKey, Counters, GAP_TABLE_LEN, SKIP, UNJUDGED},
     spec::{sample_kind, value_at, SampleRule, MAX_FIELDS},
 };
 
@@ -94,8 +100,14 @@ fn gap() -> u64 {
     GAPS.get(i).copied().unwrap_or(1)
 }
 
+/// Whether a call with this verdict gets its stacks captured: a sampled-out call's are not
+/// worth their cost, nor an unjudged free's (most frees are of blocks sampling left out).
+pub fn wants_stacks(verdict: u32) -> bool {
+    verdict != SKIP && verdict != UNJUDGED
+}
+
 /// The verdict at a sampled API's entry, kept in its open slot: 0 (recorded in full), the
-/// sample points in its bytes, or [`SKIP`]. A free is counted here, while its block's key is at
+/// sample points in its bytes, [`SKIP`], or for a free under [`window_all`], [`UNJUDGED`]. A free is counted here, while its block's key is at
 /// hand.
 #[inline(always)]
 pub fn at_entry(rule: &SampleRule, tgid: u32, args: &[u64; MAX_ARGS], fields: &[u64; MAX_FIELDS], ok: u32) -> u32 {
@@ -103,6 +115,9 @@ pub fn at_entry(rule: &SampleRule, tgid: u32, args: &[u64; MAX_ARGS], fields: &[
         return 0;
     }
     if rule.kind == sample_kind::FREE {
+        if window_all() {
+            return UNJUDGED;
+        }
         return match value(rule.ptr, args, fields, ok, 0) {
             Some(ptr) if ptr != 0 => free(tgid, ptr, rule.class),
             _ => SKIP,
@@ -143,6 +158,10 @@ pub fn at_exit(rule: &SampleRule, verdict: u32, pid_tgid: u64, values: Values<'_
         None if rule.device_else[0] == value_at::THREAD_DEVICE => thread_device,
         None => value(rule.device_else, args, fields, ok, ret).map_or(-1, |d| d as i32),
     };
+    if window_all() {
+        // Userspace follows every block (see the module's doc).
+        return verdict != SKIP;
+    }
     let tgid = (pid_tgid >> 32) as u32;
     let key = BlockKey { tgid, _pad: 0, ptr };
     let recorded = u8::from(verdict != SKIP);

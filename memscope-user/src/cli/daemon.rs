@@ -106,13 +106,15 @@ pub struct Args {
     /// every call). A block of the interval or more is always recorded at its size; a smaller
     /// one is recorded when a sample point falls in it, its DB row carrying the bytes it stands
     /// for (Attr `weight`). Runtime and driver calls and failed allocations are always recorded,
-    /// and the metrics' live bytes, peaks and counts are exact: the kernel counts every block.
+    /// and the metrics' live bytes, peaks and counts are exact: every block is counted (by each
+    /// job's flight-recorder window, which gets every call; with --flight-rows 0, by the kernel).
     #[arg(long, value_name = "SIZE", default_value = "512KiB", value_parser = memscope_core::units::parse_bytes)]
     pub sample_bytes: u64,
 
-    /// The most sampled-family blocks the kernel counts at once, all jobs together (96 bytes of
-    /// kernel memory each, taken at the start: 96 MiB at the default). Past it the oldest are
-    /// forgotten, and their frees are counted as untracked.
+    /// With --flight-rows 0, the most sampled-family blocks the kernel counts at once, all jobs
+    /// together (96 bytes of kernel memory each, taken at the start: 96 MiB at the default).
+    /// Past it the oldest are forgotten, and their frees are counted as untracked. With the
+    /// flight recorder on, the kernel counts none: each job's window does.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_BLOCKS)]
     pub max_blocks: u32,
 

@@ -126,10 +126,11 @@ impl Jobs {
             },
         };
         job.last_event = Instant::now();
-        if let Some(feed) = &mut job.feed {
-            feed.on_event(&event);
-        }
-        if matches!(&event.kind, EventKind::Call(call) if call.window_only) {
+        let left_out = match &mut job.feed {
+            Some(feed) => feed.on_event(&event),
+            None => matches!(&event.kind, EventKind::Call(call) if call.window_only),
+        };
+        if left_out {
             // Sampling left it out of the job's rows; its window has it.
             return None;
         }
@@ -227,7 +228,9 @@ impl Jobs {
         self.jobs
             .iter_mut()
             .map(|(pid, job)| {
-                let mut totals = JobTotals::of(*pid, job.comm.clone(), &job.recorder.tracker);
+                // A sampled job's feed counts every call: its totals are exact.
+                let tracker = job.feed.as_ref().map_or(&job.recorder.tracker, |f| f.tracker());
+                let mut totals = JobTotals::of(*pid, job.comm.clone(), tracker);
                 totals.identity = job.identity.clone();
                 totals.pod = job.pod.clone();
                 match &mut job.recorder.live {

@@ -489,7 +489,9 @@ impl Daemon {
             let pid = job.pid;
             job.driver = self.driver.latest(&|p| p == pid);
         }
-        if self.plan.sampling.is_some() {
+        // The kernel counts a sampled job's blocks only while no flight recorder gets every call
+        // (else the job's feed counts them: `Jobs::totals`).
+        if self.plan.sampling.is_some() && self.plan.flight.is_none() {
             match self.tracer.exact_counters() {
                 Ok(counters) => metrics::apply_exact(&mut jobs, &counters),
                 Err(e) => say!("memscope-bpf: warning: cannot read the kernel's counters: {e}"),

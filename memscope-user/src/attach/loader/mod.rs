@@ -279,13 +279,15 @@ impl Tracer {
         let admit_any = u32::from(admission.is_some());
 
         let interval = opts.sampling.map_or(0, |s| s.interval);
-        // Unsampled, the block map is never touched: one entry rather than the daemon's million.
-        let max_blocks = opts.sampling.map_or(1, |s| s.max_blocks.max(1));
+        // Unsampled, or sampled with every call sent to userspace (which then counts the blocks),
+        // the block map is never touched: one entry rather than the daemon's million.
+        let window_all = opts.window_all && interval > 0;
+        let max_blocks = opts.sampling.filter(|_| !window_all).map_or(1, |s| s.max_blocks.max(1));
         let mut ebpf = EbpfLoader::new()
             .map_max_entries("EVENTS", opts.ring_bytes)
             .map_max_entries("BLOCKS", max_blocks)
             .override_global("SAMPLE_INTERVAL", &interval, true)
-            .override_global("WINDOW_ALL", &u8::from(opts.window_all && interval > 0), true)
+            .override_global("WINDOW_ALL", &u8::from(window_all), true)
             .override_global("WAKEUP_BYTES", &opts.wakeup_bytes, true)
             .override_global("FOLLOW_FORKS", &follow, true)
             .override_global("STACK_DEPTH", &opts.stack_depth, true)
