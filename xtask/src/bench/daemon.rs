@@ -10,9 +10,8 @@
 //!   does (the peer, and about the least a uprobe tool can do per call), under the daemon
 //!   recording every call (`--sample-bytes 0`), under its default sampling, and under `trace`,
 //!   timed by the workload's own loop;
-//! - a real PyTorch training loop on the CPU (PyTorch's own allocator between real kernels):
-//!   nothing attached, under bpftrace's memleak count, under the daemon recording every call and
-//!   under its default sampling.
+//! - a real PyTorch training loop on the CPU (PyTorch's own allocator between real kernels),
+//!   under bpftrace's memleak count and each daemon, inside one process (`torch_ab`).
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -24,17 +23,17 @@ use crate::build::Built;
 use crate::util::privileged;
 
 /// A running daemon with its output in `out`; killed if dropped before [`Daemon::stop`].
-struct Daemon(Child);
+pub(super) struct Daemon(Child);
 
 impl Daemon {
     fn start(built: &Built, out: &Path) -> anyhow::Result<Self> {
-        Self::start_with(built, out, &[])
+        Self::start_with(built, &built.binary, out, &[])
     }
 
-    fn start_with(built: &Built, out: &Path, extra: &[&str]) -> anyhow::Result<Self> {
+    pub(super) fn start_with(built: &Built, binary: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Self> {
         let _ = std::fs::remove_dir_all(out);
         std::fs::create_dir_all(out)?;
-        let child = privileged(built.binary.to_str().expect("utf-8 path"))
+        let child = privileged(binary.to_str().expect("utf-8 path"))
             .args(["daemon", "--quiet", "--listen", "127.0.0.1:0", "--output"])
             .arg(out.join("jobs"))
             .args(extra)
@@ -89,7 +88,7 @@ impl Daemon {
         total
     }
 
-    fn stop(mut self) -> anyhow::Result<()> {
+    pub(super) fn stop(mut self) -> anyhow::Result<()> {
         // SAFETY: plain kill(2) on our child.
         unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
         let status = self.0.wait()?;
@@ -130,7 +129,7 @@ fn train(built: &Built, root: &Path, out: &Path, traced: bool) -> anyhow::Result
     Ok(start.elapsed().as_secs_f64())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -243,6 +242,28 @@ fn ten_jobs(built: &Built, root: &Path, out: &Path, blocks: u64) -> anyhow::Resu
     ))
 }
 
+/// A daemon timed on the pool and PyTorch loops: its row's name, binary and flags.
+pub(super) struct Variant<'a> {
+    pub(super) name: String,
+    pub(super) binary: &'a Path,
+    pub(super) extra: &'static [&'static str],
+}
+
+/// The daemon recording every call and at its defaults, this build's and, with
+/// `--baseline-bin`, the older binary's, timed in the same rounds.
+fn variants<'a>(built: &'a Built, baseline: Option<&'a Path>) -> Vec<Variant<'a>> {
+    let mut all = Vec::new();
+    for (who, binary) in std::iter::once(("", built.binary.as_path())).chain(baseline.map(|b| (" (baseline)", b))) {
+        all.push(Variant {
+            name: format!("`daemon --sample-bytes 0` (every call recorded){who}"),
+            binary,
+            extra: &["--sample-bytes", "0"],
+        });
+        all.push(Variant { name: format!("`daemon` (default sampling, 512 KiB){who}"), binary, extra: &[] });
+    }
+    all
+}
+
 /// Allocations (and about as many frees) each pool run makes.
 const POOL_ALLOCS: u64 = 200_000;
 
@@ -296,7 +317,7 @@ fn loop_seconds(run: &std::process::Output, what: &str) -> anyhow::Result<f64> {
 /// `alloc` and `free` symbols in `lib` (an entry and a return probe per allocation, an entry
 /// probe per free, as the daemon has under sampling); the allocations counted are printed at
 /// exit (`@calls`).
-fn memleak_script(lib: &Path, alloc: &str, free: &str) -> String {
+pub(super) fn memleak_script(lib: &Path, alloc: &str, free: &str) -> String {
     let l = lib.display();
     format!(
         "uprobe:{l}:{alloc} {{ @size[tid] = arg0; @calls = count(); }} \
@@ -329,10 +350,10 @@ impl Drop for BpfStats {
 }
 
 /// A bpftrace running `script` until dropped; started once its probes are attached.
-struct Bpftrace(Child);
+pub(super) struct Bpftrace(Child);
 
 impl Bpftrace {
-    fn start(script: &str, out: &Path) -> anyhow::Result<Self> {
+    pub(super) fn start(script: &str, out: &Path) -> anyhow::Result<Self> {
         let log = out.join("bpftrace.out");
         let child = privileged("bpftrace")
             .arg("-e")
@@ -364,15 +385,16 @@ impl Drop for Bpftrace {
     }
 }
 
-/// Pool allocations off / under bpftrace's memleak count / under the daemon recording all /
-/// under its default sampling / under `trace`.
-fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize) -> anyhow::Result<String> {
+/// Pool allocations off / under bpftrace's memleak count / under each daemon variant / under
+/// `trace`.
+fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize, daemons: &[Variant]) -> anyhow::Result<String> {
     let have_bpftrace = Command::new("bpftrace").arg("--version").output().is_ok_and(|o| o.status.success());
-    let mut runs: [Vec<f64>; 5] = Default::default();
+    // off, the peer, `trace`, then the daemons.
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); 3 + daemons.len()];
     // The kernel times each BPF program run while this is on (it costs two clock reads a run,
-    // in both daemon rows alike).
+    // in every daemon row alike).
     let stats = BpfStats::on();
-    let mut programs = [(0u64, 0u64); 2];
+    let mut programs = vec![(0u64, 0u64); daemons.len()];
     for round in 1..=rounds {
         eprintln!("xtask bench: daemon, pool allocations, round {round}/{rounds}");
         runs[0].push(pool_loop(built, root, out)?);
@@ -384,141 +406,74 @@ fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize) -> anyhow::R
             runs[1].push(pool_loop(built, root, out)?);
             drop(peer);
         }
-        for (i, extra) in [&["--sample-bytes", "0"][..], &[]].into_iter().enumerate() {
-            let daemon = Daemon::start_with(built, &out.join("daemon"), extra)?;
-            runs[2 + i].push(pool_loop(built, root, out)?);
+        runs[2].push(pool_loop_with(built, root, out, Some(&out.join("pool-trace")))?);
+        for (i, v) in daemons.iter().enumerate() {
+            let daemon = Daemon::start_with(built, v.binary, &out.join("daemon"), v.extra)?;
+            runs[3 + i].push(pool_loop(built, root, out)?);
             let (n, ns) = daemon.program_time();
             programs[i] = (programs[i].0 + n, programs[i].1 + ns);
             daemon.stop()?;
         }
-        runs[4].push(pool_loop_with(built, root, out, Some(&out.join("pool-trace")))?);
     }
     drop(stats);
-    let [off, peer, full, sampled, traced] = runs.map(|v| if v.is_empty() { f64::NAN } else { median(v) });
-    let per_run = |(n, ns): (u64, u64)| if n == 0 { f64::NAN } else { ns as f64 / n as f64 };
-    let bpf = format!(
-        "\nBPF program time (kernel.bpf_stats_enabled, all rounds): {:.0} ns per program run recording \
-         every call, {:.0} ns under the default sampling; {:.2} and {:.2} program runs per allocation (its \
-         share of frees and the process tracepoints included).\n",
-        per_run(programs[0]),
-        per_run(programs[1]),
-        programs[0].0 as f64 / (rounds as u64 * POOL_ALLOCS) as f64,
-        programs[1].0 as f64 / (rounds as u64 * POOL_ALLOCS) as f64,
-    );
+    let medians: Vec<f64> = runs.into_iter().map(|v| if v.is_empty() { f64::NAN } else { median(v) }).collect();
+    let off = medians[0];
     // Each allocation is one traced call and each free another: about 1.5 calls per allocation.
     let per_alloc = |t: f64| (t - off) * 1e9 / POOL_ALLOCS as f64;
-    let row = |name: &str, t: f64| {
+    let row = |name: &str, t: f64, bpf: String| {
         if t.is_nan() {
-            format!("| {name} | not run (no bpftrace) | – | – |\n")
+            format!("| {name} | not run (no bpftrace) | – | – | – | – |\n")
         } else {
-            format!("| {name} | {t:.3} | {:+.1} % | {:.0} |\n", (t / off - 1.0) * 100.0, per_alloc(t))
+            let peer = per_alloc(t) / per_alloc(medians[1]);
+            format!(
+                "| {name} | {t:.3} | {:+.1} % | {:.0} | {peer:.2} | {bpf} |\n",
+                (t / off - 1.0) * 100.0,
+                per_alloc(t)
+            )
         }
     };
+    let mut table = row(
+        "bpftrace, bcc memleak's exact count (entry + return per allocation, entry per free)",
+        medians[1],
+        "–".into(),
+    );
+    table.push_str(&row("`trace` (every call recorded, start and stop outside the loop)", medians[2], "–".into()));
+    for (i, v) in daemons.iter().enumerate() {
+        let (n, ns) = programs[i];
+        let bpf = if n == 0 {
+            "–".to_owned()
+        } else {
+            format!("{:.0} ns × {:.2}", ns as f64 / n as f64, n as f64 / (rounds as u64 * POOL_ALLOCS) as f64)
+        };
+        table.push_str(&row(&v.name, medians[3 + i], bpf));
+    }
     Ok(format!(
         "\n## Daemon: pool allocations (standin_pool_hold.py --count {POOL_ALLOCS}: tensors of 256 B to 64 KiB on \
          the stand-in caching allocator, about half freed again; the loop's own time, median of {rounds} \
          interleaved rounds)\n\n\
-         | run | loop s | vs off | ns per allocation (with its share of frees) |\n|---|---|---|---|\n\
-         | nothing attached | {off:.3} | – | – |\n{}{}{}{}{bpf}",
-        row("bpftrace, bcc memleak's exact count (entry + return per allocation, entry per free)", peer),
-        row("`daemon --sample-bytes 0` (every call recorded)", full),
-        row("`daemon` (default sampling, 512 KiB)", sampled),
-        row("`trace` (every call recorded, start and stop outside the loop)", traced),
+         | run | loop s | vs off | ns per allocation (with its share of frees) | × memleak's | BPF time per program run × runs per allocation (kernel.bpf_stats_enabled, all rounds) |\n\
+         |---|---|---|---|---|---|\n\
+         | nothing attached | {off:.3} | – | – | – | – |\n{table}"
     ))
-}
-
-/// One run of the real PyTorch loop with `python`: its loop's seconds.
-fn torch_loop(python: &Path, root: &Path) -> anyhow::Result<f64> {
-    let run = Command::new(python)
-        .arg(root.join("tests/workloads/torch_cpu_loop.py"))
-        .args(["--steps", "300", "--delay", "2"])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()?;
-    loop_seconds(&run, "the PyTorch loop")
 }
 
 /// PyTorch's CPU allocator, as libc10.so exports it.
-const C10_ALLOC: &str = "_ZN3c109alloc_cpuEm";
-const C10_FREE: &str = "_ZN3c108free_cpuEPv";
-
-/// A real PyTorch training loop on the CPU (an MLP, 512 wide, batch 64, 300 steps): nothing
-/// attached, under bpftrace's memleak count, under the daemon recording every call, and under
-/// its default sampling. Skipped where `cargo xtask setup` could not make the torch venv.
-fn real_torch(root: &Path, out: &Path, built: &Built, rounds: usize) -> anyhow::Result<String> {
-    let python = match crate::torch_env::python() {
-        Ok(p) => p,
-        Err(why) => return Ok(format!("\n## Daemon: a real PyTorch loop\n\nNot run: {why}\n")),
-    };
-    let site = Command::new(&python)
-        .args(["-c", "import torch, os; print(os.path.dirname(torch.__file__))"])
-        .stderr(Stdio::null())
-        .output()?;
-    let libc10 = Path::new(String::from_utf8_lossy(&site.stdout).trim()).join("lib/libc10.so");
-    let have_bpftrace = Command::new("bpftrace").arg("--version").output().is_ok_and(|o| o.status.success());
-    let mut runs: [Vec<f64>; 4] = Default::default();
-    let mut allocs = 0;
-    // Twice the rounds, each starting one variant later: this loop is short and the VM's drift
-    // is of the size of the cost sought.
-    for round in 0..2 * rounds {
-        eprintln!("xtask bench: daemon, a real PyTorch loop, round {}/{}", round + 1, 2 * rounds);
-        for k in 0..4 {
-            let variant = (round + k) % 4;
-            let t = match variant {
-                0 => torch_loop(&python, root)?,
-                1 if have_bpftrace => {
-                    let peer = Bpftrace::start(&memleak_script(&libc10, C10_ALLOC, C10_FREE), out)?;
-                    let t = torch_loop(&python, root)?;
-                    drop(peer);
-                    let said = std::fs::read_to_string(out.join("bpftrace.out")).unwrap_or_default();
-                    allocs = said.lines().find_map(|l| l.strip_prefix("@calls: ")?.trim().parse().ok()).unwrap_or(0);
-                    t
-                }
-                1 => continue,
-                _ => {
-                    let extra: &[&str] = if variant == 2 { &["--sample-bytes", "0"] } else { &[] };
-                    let daemon = Daemon::start_with(built, &out.join("daemon"), extra)?;
-                    let t = torch_loop(&python, root)?;
-                    daemon.stop()?;
-                    t
-                }
-            };
-            runs[variant].push(t);
-        }
-    }
-    let spread = {
-        let off = &runs[0];
-        let (lo, hi) = off.iter().fold((f64::MAX, 0f64), |(lo, hi), t| (lo.min(*t), hi.max(*t)));
-        (hi - lo) / median(off.clone()) * 100.0
-    };
-    let [off, peer, full, sampled] = runs.map(|v| if v.is_empty() { f64::NAN } else { median(v) });
-    let row = |name: &str, t: f64| {
-        if t.is_nan() {
-            format!("| {name} | not run (no bpftrace) | – |\n")
-        } else {
-            format!("| {name} | {t:.3} | {:+.2} % |\n", (t / off - 1.0) * 100.0)
-        }
-    };
-    Ok(format!(
-        "\n## Daemon: a real PyTorch training loop on the CPU (torch_cpu_loop.py: MLP 512-1024-1024-512, Adam, \
-         batch 64, 300 steps, 1 thread; {allocs} c10::alloc_cpu calls, {:.0} a second; the loop's own time, \
-         median of {} rounds in rotating order; the untraced runs spread over {spread:.1} % of their median)\n\n\
-         | run | loop s | vs off |\n|---|---|---|\n\
-         | nothing attached | {off:.3} | – |\n{}{}{}",
-        allocs as f64 / off,
-        2 * rounds,
-        row("bpftrace, bcc memleak's exact count on alloc_cpu/free_cpu", peer),
-        row("`daemon --sample-bytes 0` (every call recorded)", full),
-        row("`daemon` (default sampling, 512 KiB)", sampled),
-    ))
-}
+pub(super) const C10_ALLOC: &str = "_ZN3c109alloc_cpuEm";
+pub(super) const C10_FREE: &str = "_ZN3c108free_cpuEPv";
 
 /// The daemon's part of results.md.
-pub fn run(built: &Built, root: &Path, out: &Path, rounds: usize, blocks: u64) -> anyhow::Result<String> {
+pub fn run(
+    built: &Built,
+    root: &Path,
+    out: &Path,
+    (rounds, blocks): (usize, u64),
+    baseline: Option<&Path>,
+) -> anyhow::Result<String> {
     std::fs::create_dir_all(out)?;
+    let daemons = variants(built, baseline);
     let mut md = wall_time(built, root, out, rounds)?;
-    md.push_str(&pool_cost(built, root, out, rounds)?);
-    md.push_str(&real_torch(root, out, built, rounds)?);
+    md.push_str(&pool_cost(built, root, out, rounds, &daemons)?);
+    md.push_str(&super::torch_ab::run(root, out, built, rounds, &daemons)?);
     md.push_str(&ten_jobs(built, root, out, blocks)?);
     Ok(md)
 }

@@ -23,6 +23,7 @@ mod report_page;
 mod simulate;
 mod stacks;
 mod stop;
+mod torch_ab;
 mod usdt;
 mod writers;
 
@@ -90,7 +91,8 @@ pub struct Options {
     pub analysis_rounds: usize,
     /// An older memscope-bpf timed in the same run, alternating with this build's (a refactor
     /// against what it replaced): its analyses on the same DB (`--analysis-only`), and its
-    /// consumer on the same records (`--consumer-only`, `--rounds` times each).
+    /// consumer on the same records (`--consumer-only`, `--rounds` times each), and its daemon
+    /// on the pool and PyTorch loops (`--daemon-only`).
     #[arg(long, value_name = "PATH")]
     pub baseline_bin: Option<std::path::PathBuf>,
     /// Only the daemon's cost: the training workload's wall time off, under the daemon and under
@@ -297,7 +299,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         return report(&dir.join("results-vm.md"), &md);
     }
     if opts.daemon_only {
-        let md = daemon::run(&built, &root, &dir.join("out-daemon"), opts.daemon_rounds.max(1), opts.daemon_blocks)?;
+        let sizes = (opts.daemon_rounds.max(1), opts.daemon_blocks);
+        let md = daemon::run(&built, &root, &dir.join("out-daemon"), sizes, opts.baseline_bin.as_deref())?;
         std::fs::write(dir.join("results-daemon.md"), &md)?;
         println!("{md}");
         return Ok(());
@@ -376,7 +379,8 @@ fn everything(
         md.push_str(&stop::run(built, &root, &dir.join("out-stop"), opts.stop_blocks, opts.stop_rounds)?);
     }
     if opts.daemon_rounds > 0 {
-        md.push_str(&daemon::run(built, &root, &dir.join("out-daemon"), opts.daemon_rounds, opts.daemon_blocks)?);
+        let sizes = (opts.daemon_rounds, opts.daemon_blocks);
+        md.push_str(&daemon::run(built, &root, &dir.join("out-daemon"), sizes, opts.baseline_bin.as_deref())?);
     }
     Ok(md)
 }
