@@ -1,6 +1,6 @@
 //! The daemon's live status (`crate::terminal::status`, as `trace` shows it) from the totals it publishes
 //! for Prometheus: each running job's devices (live and peak bytes, out-of-memory failures, the
-//! kernel's exact counts when sampling) and its largest owners, labelled `PID (COMM)`, with its
+//! exact counts when sampling) and its largest owners, labelled `PID (COMM)`, with its
 //! current step when it marks steps.
 
 use crate::metrics::{self, JobTotals};

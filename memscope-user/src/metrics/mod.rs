@@ -76,9 +76,10 @@ impl JobTotals {
     }
 }
 
-/// Puts the kernel's exact counters (`--sample-bytes`) over what the sampled rows say: a pool's
-/// bytes handed out, its peak and its live blocks, and the CPU allocator's device totals. A
-/// pool's reserved memory is exact already (its segments are runtime calls, never sampled).
+/// Puts the kernel's exact counters (`--sample-bytes` with `--flight-rows 0`) over what the
+/// sampled rows say: a pool's bytes handed out, its peak and its live blocks, and the CPU
+/// allocator's device totals. A pool's reserved memory is exact already (its segments are
+/// runtime calls, never sampled).
 pub fn apply_exact(jobs: &mut [JobTotals], counters: &[(CounterKey, Counters)]) {
     for job in jobs {
         let mine = counters.iter().filter(|(k, _)| k.tgid == job.pid);
