@@ -145,9 +145,11 @@ pub struct Args {
     /// degradation verdict turns to a sustained rise (once), on SIGUSR1 (every job) and on
     /// `curl -X POST http://127.0.0.1:9464/flight-recording[?pid=N]` from the node itself (a
     /// loopback peer, or one at the address it reached the daemon at). 0: off. Under
-    /// --sample-bytes every call is sent for the window (the job's rows stay sampled). Memory:
-    /// at most 320 bytes per row or block kept per job, and under sampling 320 per live block
-    /// (docs/metrics.md).
+    /// --sample-bytes every call is sent for the window (the job's rows stay sampled), and the
+    /// window counts every block for the metrics. Memory: at most 320 bytes per row or block
+    /// kept per job, and under sampling 320 per live block (docs/metrics.md). Turning it off
+    /// under sampling does not make tracing cheaper: the kernel then counts the blocks in a map,
+    /// which costs more per call than sending them (docs/benchmarks.md, issue 41).
     #[arg(long, value_name = "N", default_value_t = 20_000)]
     pub flight_rows: usize,
 
