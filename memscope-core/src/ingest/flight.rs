@@ -16,7 +16,7 @@
 //! dropped and counted, and the DB says so); stacks are kept once each, as the job's DB keeps
 //! them.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 /// Every row looks one up: the fast hash, as the model's tables have.
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -344,12 +344,12 @@ pub struct Feed {
     pub window: Window,
     outputs: Vec<Output>,
     /// Live blocks sampling left out of the job's rows.
-    left_out: Map<BlockId, ()>,
+    left_out: HashSet<BlockId, foldhash::fast::RandomState>,
 }
 
 impl Feed {
     pub fn new(limits: Limits) -> Self {
-        Self { tracker: Tracker::new(), window: Window::new(limits), outputs: Vec::new(), left_out: Map::default() }
+        Self { tracker: Tracker::new(), window: Window::new(limits), outputs: Vec::new(), left_out: HashSet::default() }
     }
 
     /// The totals of every call: a full trace's.
@@ -384,12 +384,12 @@ impl Feed {
                 for output in self.outputs.drain(..) {
                     match block_of(&output) {
                         Some((true, id)) if left_out => {
-                            self.left_out.insert(id, ());
+                            self.left_out.insert(id);
                         }
                         Some((true, id)) => {
                             self.left_out.remove(&id);
                         }
-                        Some((false, id)) => skip |= self.left_out.remove(&id).is_some(),
+                        Some((false, id)) => skip |= self.left_out.remove(&id),
                         None => {}
                     }
                     self.window.push_owned(output, stacks);
