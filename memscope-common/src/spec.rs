@@ -205,7 +205,12 @@ pub struct SampleRule {
     /// daemon: a free returns nothing the record needs, and its return trap is a third of the
     /// cost of an allocation and its free).
     pub at_entry_only: u8,
-    pub _pad: [u8; 3],
+    /// The daemon's window this spec's probes were last attached for (mod 256; 0: not
+    /// windowed). A call left open on a thread when its probes went (its return never seen)
+    /// belongs to an older window, so the next window's first call replaces it rather than
+    /// nesting in it.
+    pub window: u8,
+    pub _pad: [u8; 2],
 }
 
 impl SampleRule {
@@ -218,7 +223,8 @@ impl SampleRule {
         device: [0; 2],
         device_else: [0; 2],
         at_entry_only: 0,
-        _pad: [0; 3],
+        window: 0,
+        _pad: [0; 2],
     };
 }
 

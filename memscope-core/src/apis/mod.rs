@@ -562,6 +562,12 @@ impl Api {
         self.def().family
     }
 
+    /// Whether the daemon samples its blocks (pool, workspace and CPU-tensor calls): the calls
+    /// its windows probe only part of the time.
+    pub fn sampled(self) -> bool {
+        self.def().spec.sample.kind != sample_kind::NONE
+    }
+
     /// What the tracker does with its calls beyond their [`Op`].
     pub fn tracking(self) -> Tracking {
         self.def().tracking

@@ -389,7 +389,7 @@ impl Feed {
                         Some((true, id)) => {
                             self.left_out.remove(&id);
                         }
-                        Some((false, id)) => skip |= self.left_out.remove(&id),
+                        Some((false, id)) => skip |= self.left_out.remove(&id) || unseen_sampled(&output),
                         None => {}
                     }
                     self.window.push_owned(output, stacks);
@@ -398,6 +398,30 @@ impl Feed {
             }
         }
         false
+    }
+
+    /// Forgets the live blocks of the sampled APIs (a window of the daemon's closed:
+    /// [`Tracker::forget_sampled`]) at `wall_ns`; returns how many.
+    pub fn forget_sampled(&mut self, wall_ns: u64) -> usize {
+        let forgotten = self.tracker.forget_sampled(wall_ns, &mut self.outputs);
+        for output in self.outputs.drain(..) {
+            self.window.push_owned(output, (NO_STACK, NO_STACK));
+        }
+        // Every block sampling left out is of a sampled API, so none is live now.
+        self.left_out.clear();
+        forgotten
+    }
+}
+
+/// A free of a sampled API's block this feed never saw (born before the trace or outside the
+/// daemon's windows): whether sampling would have recorded the block cannot be told, so the
+/// job's sampled rows leave it out; the tracker counts it among the untracked frees.
+fn unseen_sampled(output: &Output) -> bool {
+    match output {
+        Output::PoolFree { site, allocation_id: None, .. } | Output::Free { site, allocation_id: None, .. } => {
+            site.api.sampled()
+        }
+        _ => false,
     }
 }
 
@@ -583,6 +607,33 @@ mod tests {
             }
         }
         events
+    }
+
+    #[test]
+    fn a_feed_between_windows_leaves_out_unseen_frees_and_forgets_what_outlived_the_drain() {
+        let mut feed = Feed::new(Limits { recent: 40, held: 100 });
+        // The runtime's calls are probed at all times; the pool's weight was born before the
+        // window, unseen.
+        let segment = with_outer(malloc(Some(0x1000_0000), 20 * MIB, Some(0), 0), Api::DeviceCachingAllocatorMalloc);
+        assert!(!feed.on_event(&segment));
+        // In the window: three blocks, one freed, and the weight's free; in the drain after it,
+        // another block's free.
+        let (a, b, c) = (0x1080_0000, 0x1100_0000, 0x1180_0000);
+        let window = [pool_malloc(a, MIB, 0), pool_malloc(b, MIB, 0), pool_malloc(c, MIB, 0)];
+        let frees = [pool_free(0x1000_0000, 8 * MIB), pool_free(a, MIB), pool_free(b, MIB)];
+        let left_out: Vec<bool> = window.iter().chain(&frees).map(|e| feed.on_event(e)).collect();
+        assert_eq!(left_out, [false, false, false, true, false, false], "only the unseen weight's free");
+        assert_eq!(feed.tracker().sampled_blocks(), 1);
+        assert_eq!(feed.forget_sampled(10_000_000), 1, "c outlived the drain");
+        let pid = segment.pid;
+        assert!(!feed.window.live.contains_key(&(pid, EventType::Pta, c)), "its implied free closed it");
+        let pools: Vec<_> = feed.tracker().pools().map(|(_, s)| (s.used, s.live_blocks)).collect();
+        assert_eq!(pools, [(0, 0)]);
+        let devices: Vec<_> = feed.tracker().devices().map(|(_, s)| (s.used, s.untracked_frees)).collect();
+        assert_eq!(devices, [(20 * MIB, 1)], "the segment stays; the weight's free is counted");
+        // The next window starts clean: its blocks pair as before.
+        assert!(!feed.on_event(&pool_malloc(c, MIB, 0)) && !feed.on_event(&pool_free(c, MIB)));
+        assert_eq!(feed.tracker().sampled_blocks(), 0);
     }
 
     #[test]

@@ -149,6 +149,14 @@ impl Recorder {
         self.flush_outputs(stacks);
     }
 
+    /// Forgets the live blocks of the sampled APIs at `wall_ns` (a window of the daemon's
+    /// closed: [`Tracker::forget_sampled`]) and writes their implied FREEs; returns how many.
+    pub fn forget_sampled(&mut self, wall_ns: u64) -> usize {
+        let forgotten = self.tracker.forget_sampled(wall_ns, &mut self.outputs);
+        self.flush_outputs((NO_STACK, NO_STACK));
+        forgotten
+    }
+
     /// Writes the facts of the last event, with its call's stack; the list keeps its capacity
     /// for the next one.
     fn flush_outputs(&mut self, stacks: (StackId, StackId)) {

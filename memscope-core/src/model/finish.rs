@@ -54,6 +54,7 @@ impl Tracker {
                 allocation_id: Some(block.allocation_id),
                 used: *remaining,
                 shadow: true,
+                implied: false,
                 driver: None,
             })?;
         }

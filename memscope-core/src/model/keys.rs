@@ -56,7 +56,7 @@ impl Live {
         site: Site,
         (_, space, ptr): Key,
         used: u64,
-        shadow: bool,
+        (shadow, implied): (bool, bool),
         driver: Option<DriverInfo>,
     ) -> Output {
         Output::Free {
@@ -68,6 +68,7 @@ impl Live {
             allocation_id: Some(self.allocation_id),
             used,
             shadow,
+            implied,
             driver,
         }
     }

@@ -38,6 +38,7 @@ pub mod tags;
 pub(crate) mod testing;
 pub mod tracker;
 mod vmm;
+mod window;
 
 pub use devices::DeviceStats;
 pub use event::{level, Call, DeviceKey, DriverInfo, Event, EventKind, Marker, Op, PageType, Pool, Space};

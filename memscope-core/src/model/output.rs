@@ -135,6 +135,9 @@ pub enum Output {
         /// Written by [`Tracker::finish`] for blocks still alive at the end, so that every MALLOC
         /// has a FREE (as msMemScope does); not a real call.
         shadow: bool,
+        /// The free was not seen: the daemon's window closed while the block was live, and the
+        /// block was forgotten (`Tracker::forget_windowed`).
+        implied: bool,
         /// The driver call behind the free, when seen.
         driver: Option<DriverInfo>,
     },

@@ -186,7 +186,7 @@ impl Reuse {
         match (slot, d.retired) {
             (Slot::Block(key), Retired::Block(block)) if !block.hidden => {
                 let used = devices.used(block.device);
-                out.push(block.free_row(d.reuse, key, used, true, None));
+                out.push(block.free_row(d.reuse, key, used, (true, false), None));
             }
             (Slot::Pool(_, ptr), Retired::Pool(block)) if !block.hidden => {
                 out.push(pools.free_row(d.reuse, ptr, &block, (true, false)));

@@ -49,6 +49,8 @@ pub(super) struct BlockFree {
     pub(super) fallback: DeviceKey,
     /// Made up by the tracker (the block's free was missed), not a call's.
     pub(super) shadow: bool,
+    /// Not seen, but known to have been missed: the daemon's window closed (`window`).
+    pub(super) implied: bool,
     pub(super) driver: Option<DriverInfo>,
 }
 
@@ -86,7 +88,7 @@ impl Tracker {
             self.late_free(site, key, (fallback, driver), out);
         } else {
             self.settle_displaced(Slot::Block(key), out);
-            self.remove_block(site, BlockFree { space, ptr, fallback, shadow: false, driver }, out);
+            self.remove_block(site, BlockFree { space, ptr, fallback, shadow: false, implied: false, driver }, out);
             self.pools.remove_segment(site.pid, ptr);
         }
     }
@@ -145,7 +147,7 @@ impl Tracker {
     }
 
     pub(super) fn remove_block(&mut self, site: Site, free: BlockFree, out: &mut Vec<Output>) {
-        let BlockFree { space, ptr, fallback, shadow, driver } = free;
+        let BlockFree { space, ptr, fallback, shadow, implied, driver } = free;
         let key = (site.pid, space, ptr);
         let Some(block) = self.blocks.remove(&key) else {
             return self.untracked_free(site, key, fallback, driver, out);
@@ -159,7 +161,7 @@ impl Tracker {
             let (device, event_type, by) = (block.device, space.event_type(), OwnerBy::Inferred);
             out.push(Output::Retag { device, pid: site.pid, event_type, ptr, owner, by });
         }
-        out.push(block.free_row(site, key, used, shadow, driver));
+        out.push(block.free_row(site, key, used, (shadow, implied), driver));
     }
 
     /// A free of an address the trace never saw allocated: counted on `fallback`, no size or id.
@@ -175,8 +177,19 @@ impl Tracker {
         if self.is_paused(site.pid) {
             return;
         }
-        let (size, allocation_id, shadow) = (None, None, false);
-        out.push(Output::Free { site, device: fallback, space, ptr, size, allocation_id, used, shadow, driver });
+        let (size, allocation_id, shadow, implied) = (None, None, false, false);
+        out.push(Output::Free {
+            site,
+            device: fallback,
+            space,
+            ptr,
+            size,
+            allocation_id,
+            used,
+            shadow,
+            implied,
+            driver,
+        });
     }
 
     /// Writes a late free: the displaced block's real FREE row, else an untracked free.
@@ -192,7 +205,7 @@ impl Tracker {
         };
         if !block.hidden {
             let used = self.devices.used(block.device);
-            out.push(block.free_row(site, key, used, false, driver));
+            out.push(block.free_row(site, key, used, (false, false), driver));
         }
     }
 }

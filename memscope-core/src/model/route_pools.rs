@@ -30,18 +30,19 @@ struct NewPoolBlock {
 }
 
 /// A block a framework pool took back (or the tracker retired).
-struct PoolBlockFree {
-    ptr: u64,
-    pool: Pool,
+pub(super) struct PoolBlockFree {
+    pub(super) ptr: u64,
+    pub(super) pool: Pool,
     /// Where a free of a block never seen is counted.
-    fallback: DeviceKey,
+    pub(super) fallback: DeviceKey,
     /// Made up by the tracker (the block was handed out again), not a call's.
-    shadow: bool,
-    /// Inferred from the next workspace use (no free of it is probed).
-    implied: bool,
+    pub(super) shadow: bool,
+    /// Not seen but known: inferred from the next workspace use (no free of it is probed), or
+    /// missed because the daemon's window closed (`window`).
+    pub(super) implied: bool,
     /// When the freeing call was entered (0: not a call of this block's): a free entered before
     /// the live block at its address was handed out is the block's before it (`reuse`).
-    entry_ns: u64,
+    pub(super) entry_ns: u64,
 }
 
 impl Tracker {
@@ -217,7 +218,7 @@ impl Tracker {
         }
     }
 
-    fn remove_pool_block(&mut self, site: Site, free: PoolBlockFree, out: &mut Vec<Output>) {
+    pub(super) fn remove_pool_block(&mut self, site: Site, free: PoolBlockFree, out: &mut Vec<Output>) {
         let PoolBlockFree { ptr, pool, fallback, shadow, implied, entry_ns } = free;
         let block = if self.pools.is_late_free(site.pid, ptr, entry_ns) {
             // The block now at the address is not this free's.

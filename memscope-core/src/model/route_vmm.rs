@@ -89,7 +89,14 @@ impl Tracker {
                 } else {
                     self.remove_block(
                         site,
-                        BlockFree { space: Space::Device, ptr: va, fallback, shadow: false, driver: None },
+                        BlockFree {
+                            space: Space::Device,
+                            ptr: va,
+                            fallback,
+                            shadow: false,
+                            implied: false,
+                            driver: None,
+                        },
                         out,
                     );
                     self.pools.remove_segment(site.pid, va);

@@ -493,7 +493,8 @@ mod tests {
     fn free(device: DeviceKey, size: Option<u64>) -> Batch {
         let site = Site::of(Api::AclrtFree, 7, 1, 1);
         let (space, ptr, allocation_id, used, shadow, driver) = (Space::Device, 0x10, size.map(|_| 1), 0, false, None);
-        let output = Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver };
+        let output =
+            Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, implied: false, driver };
         batch::single(&insight::to_row(&output).unwrap(), Format::Db)
     }
 
@@ -518,7 +519,8 @@ mod tests {
         };
         let site = Site { api: Api::AclrtFree, ..site };
         let (size, allocation_id, driver) = (Some(8), Some(1), None);
-        let free = Output::Free { site, device, space, ptr, size, allocation_id, used: 0, shadow, driver };
+        let free =
+            Output::Free { site, device, space, ptr, size, allocation_id, used: 0, shadow, implied: false, driver };
         let mut batch = Batch::default();
         for output in [malloc, free] {
             batch.push(

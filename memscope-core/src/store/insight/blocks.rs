@@ -175,7 +175,7 @@ impl MallocTail {
 
 /// FREE of a device or host block.
 pub(super) fn free<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>, Pairs<'o>) {
-    let Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, driver } = output else {
+    let Output::Free { site, device, space, ptr, size, allocation_id, used, shadow, implied, driver } = output else {
         unreachable!("called for a Free")
     };
     let mut attr = attr
@@ -189,7 +189,7 @@ pub(super) fn free<'a, 'o>(output: &'a Output, attr: Pairs<'o>) -> (Columns<'a>,
     if pinned(*space) {
         attr = attr.with(attr::pinned, TRUE);
     }
-    let flags = FreeFlags { unmatched: size.is_none(), shadow: *shadow, implied: false, gc: site.gc };
+    let flags = FreeFlags { unmatched: size.is_none(), shadow: *shadow, implied: *implied, gc: site.gc };
     let attr = with_driver(with_free_flags(attr, flags), site, driver.as_ref());
     let mut c = Columns::at(site, Event::Free, space.event_type(), *device, Some(*ptr));
     (c.head.untracked, c.head.shadow) = (size.is_none(), *shadow);

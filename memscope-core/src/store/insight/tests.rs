@@ -127,7 +127,7 @@ fn a_sampled_pool_block_carries_its_weight_scaled_from_its_request_to_its_size()
 
 #[test]
 fn free_carries_size_and_shadow_mark() {
-    let r = to_row(Output::Free {
+    let free = |shadow, implied| Output::Free {
         site: site(Api::AclrtFree),
         device: DeviceKey::Npu(0),
         space: Space::Device,
@@ -135,13 +135,20 @@ fn free_carries_size_and_shadow_mark() {
         size: Some(64),
         allocation_id: Some(1),
         used: 0,
-        shadow: true,
+        shadow,
+        implied,
         driver: None,
-    });
+    };
+    let r = to_row(free(true, false));
     assert_eq!((r.head.event.as_str(), r.head.event_type.as_str()), ("FREE", "HAL"));
     assert_eq!(r.attr.get("size").as_deref(), Some("64"));
     assert_eq!(r.attr.get("shadow").as_deref(), Some("true"));
+    assert_eq!(r.attr.get("implied"), None);
     assert!(r.head.shadow && !r.head.untracked);
+    // A block a closed window forgot: a real row, marked.
+    let r = to_row(free(false, true));
+    assert_eq!((r.attr.get("implied").as_deref(), r.attr.get("shadow")), (Some("true"), None));
+    assert!(!r.head.shadow && !r.head.untracked);
 }
 
 #[test]
@@ -186,6 +193,7 @@ fn a_free_of_a_block_never_seen_is_kept_out_of_insights_table() {
         allocation_id: size.map(|_| 1),
         used: 0,
         shadow: false,
+        implied: false,
         driver: None,
     };
     assert!(is_untracked_free(&to_row(free(None))));
