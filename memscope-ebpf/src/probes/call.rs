@@ -64,6 +64,8 @@ pub struct Pending {
     /// Sampling's verdict at entry ([`sample::at_entry`]): 0 or the sample points, recorded;
     /// [`SKIP`], not (but counted).
     verdict: u32,
+    /// The spec's window at entry (`SampleRule::window`).
+    window: u32,
 }
 
 /// Everything the probes keep per thread.
@@ -175,7 +177,8 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     let state = thread_state(pid_tgid as u32)?;
     let open = slot(state, layer)?;
     let sp = stack_pointer(ctx);
-    if open.depth > 0 && (sp == 0 || sp <= open.entry_sp) {
+    let window = u32::from(spec.sample.window);
+    if open.depth > 0 && open.window == window && (sp == 0 || sp <= open.entry_sp) {
         if !entry_only {
             open.depth += 1;
         }
@@ -183,6 +186,7 @@ fn try_enter(ctx: &ProbeContext) -> Option<()> {
     }
     open.spec_id = spec_id;
     open.depth = u32::from(!entry_only);
+    open.window = window;
     // SAFETY: helper without arguments.
     let entry_ns = unsafe { bpf_ktime_get_ns() };
     open.entry_ns = entry_ns;

@@ -18,6 +18,7 @@ use crate::attach::libs;
 use crate::attach::loader::Sampling;
 use crate::attach::ProbeSet;
 use crate::daemon::filters::Filters;
+use crate::daemon::windows::{Schedule, Windowing};
 use crate::daemon::{self, Plan, Stopped};
 use crate::session::preflight;
 use crate::terminal::say::say;
@@ -157,6 +158,35 @@ pub struct Args {
     /// oldest are dropped, and its recordings say how many (`ms_meta.flight_held_dropped`).
     #[arg(long, value_name = "N", default_value_t = 50_000)]
     pub flight_blocks: usize,
+
+    /// Probe the pool and CPU-tensor calls (those --sample-bytes samples) only in windows: for
+    /// LENGTH at the start of every EVERY (default 30s/5m), or `always`. Every probed call costs
+    /// a trap into the kernel whether or not it is recorded; between windows those calls cost
+    /// nothing. The runtime's and driver's calls are probed at all times, so the device series
+    /// (live bytes, peaks, reserved memory, OOMs) stay exact; the pool and device="cpu" series
+    /// count the blocks born in windows, and memscope_window_open says when one is open
+    /// (docs/metrics.md). After a window the frees stay probed until its blocks are freed, for
+    /// LENGTH more at most; those still live then are forgotten, their rows ended by a FREE
+    /// marked implied. Windows need the flight recorder's count: with --sample-bytes 0 or
+    /// --flight-rows 0 the default is `always`, and a schedule is refused.
+    #[arg(long, value_name = "LENGTH/EVERY|always", value_parser = daemon::windows::parse)]
+    pub windows: Option<Windowing>,
+}
+
+/// The windows in force: `--windows`, else the default where the flight recorder counts every
+/// block, else none.
+fn windows(args: &Args) -> anyhow::Result<Option<Schedule>> {
+    let counted = args.sample_bytes > 0 && args.flight_rows > 0;
+    Ok(match args.windows {
+        Some(Windowing::Always) => None,
+        None if !counted => None,
+        None => Some(daemon::windows::DEFAULT),
+        Some(Windowing::Every(_)) if !counted => bail!(
+            "--windows needs every pool block counted by the flight recorder, and --sample-bytes 0 or --flight-rows 0 turns that off; \
+             drop --windows (or give --windows always)"
+        ),
+        Some(Windowing::Every(schedule)) => Some(schedule),
+    })
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -169,6 +199,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         filters.extend(daemon::filters::read_file(path)?);
     }
     let admission = filters.admission()?;
+    let windows = windows(&args)?;
     preflight::check_output(&args.output)?;
     crate::attach::loader::check_object()?;
     preflight::check_daemon_caps()?;
@@ -204,6 +235,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             trend_every_ns: TREND_EVERY.as_nanos() as u64,
         },
         owner_labels: args.owner_labels,
+        windows,
         flight: (args.flight_rows > 0)
             .then_some(memscope_core::ingest::flight::Limits { recent: args.flight_rows, held: args.flight_blocks }),
     };
@@ -240,5 +272,27 @@ mod tests {
         assert!(err.contains("/no/such/cgroup/here"), "{err}");
         let cli = Cli::try_parse_from(["memscope-bpf", "daemon", "--ring-mb", "3"]).unwrap();
         assert!(format!("{:#}", cli.run().unwrap_err()).contains("power of two"));
+    }
+
+    fn windows(args: &[&str]) -> anyhow::Result<Option<crate::daemon::windows::Schedule>> {
+        let cli = Cli::try_parse_from(["memscope-bpf", "daemon"].iter().chain(args)).unwrap();
+        let crate::cli::Command::Daemon(args) = cli.command else { panic!("not the daemon") };
+        super::windows(&args)
+    }
+
+    #[test]
+    fn windows_are_the_default_where_the_flight_recorder_counts_every_block() {
+        assert_eq!(windows(&[]).unwrap(), Some(crate::daemon::windows::DEFAULT));
+        assert_eq!(windows(&["--windows", "always"]).unwrap(), None);
+        assert!(windows(&["--windows", "10s/1m"]).unwrap().is_some_and(|w| w.every.as_secs() == 60));
+        for counted_by_none in [["--sample-bytes", "0"], ["--flight-rows", "0"]] {
+            assert_eq!(windows(&counted_by_none).unwrap(), None, "{counted_by_none:?}");
+            let mut explicit = counted_by_none.to_vec();
+            explicit.extend(["--windows", "10s/1m"]);
+            let err = windows(&explicit).unwrap_err().to_string();
+            assert!(err.contains("--windows") && err.contains(counted_by_none[0]), "{err}");
+        }
+        let err = Cli::try_parse_from(["memscope-bpf", "daemon", "--windows", "1m/10s"]).unwrap_err().to_string();
+        assert!(err.contains("LENGTH/EVERY"), "{err}");
     }
 }

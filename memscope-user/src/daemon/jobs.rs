@@ -244,6 +244,27 @@ impl Jobs {
             .collect()
     }
 
+    /// Live blocks of the sampled APIs, every job's together (those born in the daemon's
+    /// windows: `daemon::windows`).
+    pub fn sampled_blocks(&self) -> usize {
+        self.jobs.values().filter_map(|j| j.feed.as_ref()).map(|f| f.tracker().sampled_blocks()).sum()
+    }
+
+    /// Forgets the live blocks of the sampled APIs in every job at `wall_ns`: the window's
+    /// probes are gone, so their frees cannot be seen. Each job's rows get an implied FREE for
+    /// those it recorded. Returns how many blocks were forgotten.
+    pub fn forget_sampled(&mut self, wall_ns: u64) -> usize {
+        let mut forgotten = 0;
+        for job in self.jobs.values_mut() {
+            let Some(feed) = &mut job.feed else { continue };
+            forgotten += feed.forget_sampled(wall_ns);
+            if job.recorder.forget_sampled(wall_ns) > 0 {
+                job.dirty = true;
+            }
+        }
+        forgotten
+    }
+
     pub fn calls(&self) -> u64 {
         self.jobs.values().map(|j| j.recorder.calls).sum()
     }

@@ -22,6 +22,7 @@ pub mod judge;
 pub mod retention;
 pub mod rules;
 mod status;
+pub mod windows;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -71,6 +72,8 @@ pub struct Plan {
     pub owner_labels: usize,
     /// `--flight-rows`, `--flight-blocks` (`None`: no flight recorder).
     pub flight: Option<memscope_core::ingest::flight::Limits>,
+    /// `--windows` (`None`: the sampled APIs' probes attached at all times).
+    pub windows: Option<windows::Schedule>,
 }
 
 /// SIGUSR1 asks for a flight recording of every job.
@@ -123,6 +126,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         admission: Some(plan.admission.clone()),
         sampling: plan.sampling,
         window_all: plan.flight.is_some(),
+        windowed: plan.windows.is_some(),
     };
     // No target (pid 0 is never a process's tgid): the kernel admits processes by the rules.
     let mut tracer = Tracer::load(&opts, 0, None).context("cannot load the eBPF programs")?;
@@ -143,6 +147,18 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         flight: plan.flight,
     };
     let recordings = flight::Recordings::new(&plan.capture.output, plan.capture.writer);
+    let windows = match plan.windows {
+        Some(schedule) if tracer.windowed() => Some(windows::Windows::new(schedule, std::time::Instant::now())),
+        Some(_) => {
+            let why = tracer.link_kind();
+            note(
+                plan.capture.quiet,
+                format!("no windows: the kernel cannot link uprobes as one ({why}); the pool and CPU-tensor calls are probed at all times"),
+            );
+            None
+        }
+        None => None,
+    };
     let plan_status = plan.capture.status;
     let plan_driver = plan.capture.driver.clone();
     let mut daemon = Daemon {
@@ -166,6 +182,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         driver_look: Every::new(std::time::Duration::from_secs(1)),
         recordings,
         requests,
+        windows,
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
@@ -233,6 +250,8 @@ struct Daemon {
     /// The flight recordings made and being made, and those asked for from outside the loop.
     recordings: flight::Recordings,
     requests: flight::Requests,
+    /// `--windows` (`None`: the sampled APIs' probes attached at all times).
+    windows: Option<windows::Windows>,
 }
 
 impl Daemon {
@@ -359,6 +378,15 @@ impl Daemon {
                 "no runtime library found yet: looking at each program started and each library loaded",
             );
         }
+        if let (Some(w), true) = (plan.windows, self.windows.is_some()) {
+            let (length, every) = (w.length.as_secs_f64(), w.every.as_secs_f64());
+            note(
+                plan.capture.quiet,
+                format!(
+                    "pool and CPU-tensor calls probed in windows: {length} s every {every} s, from now (--windows)"
+                ),
+            );
+        }
     }
 
     /// SIGHUP: the filter file is read again (a file with an error leaves the rules as they
@@ -457,6 +485,39 @@ impl Daemon {
         }
     }
 
+    /// Takes the window's next step, if one is due.
+    fn window_work(&mut self) {
+        let Some(w) = &mut self.windows else { return };
+        let (jobs, tracer) = (&self.jobs, &self.tracer);
+        let Some(step) = w.next(std::time::Instant::now(), || jobs.sampled_blocks(), || tracer.window_detached())
+        else {
+            return;
+        };
+        match step {
+            windows::Step::Open => match self.tracer.open_window() {
+                Ok(failed) => {
+                    for e in failed {
+                        say!(
+                            "memscope-bpf: warning: this window misses a library's pool and CPU calls: {}",
+                            crate::attach::with_causes(&e)
+                        );
+                    }
+                }
+                Err(e) => say!("memscope-bpf: warning: cannot open a window: {}", crate::attach::with_causes(&e)),
+            },
+            windows::Step::Close => self.tracer.close_window(),
+            windows::Step::EndDrain => self.tracer.end_drain(),
+            windows::Step::Forget => {
+                // Every free that ran while its probe was attached is in the ring: seen first.
+                self.drain();
+                let forgotten = self.jobs.forget_sampled(clock::wall_ns());
+                if let Some(w) = &mut self.windows {
+                    w.forgotten += forgotten as u64;
+                }
+            }
+        }
+    }
+
     fn finish(&mut self, pid: u32, reason: &str) {
         self.recordings.forget(pid);
         if self.plan.sampling.is_some() {
@@ -522,7 +583,11 @@ impl Daemon {
         if self.status.shown() && self.status_every.due() {
             self.status.renew(&status::facts(&jobs, calls, lost));
         }
-        self.metrics.publish(Snapshot { jobs, calls, lost, maps: self.tracer.map_memory() });
+        let windows =
+            Some(self.windows.as_ref().map_or(metrics::WindowFacts { open: true, ..Default::default() }, |w| {
+                metrics::WindowFacts { open: w.is_open(), opened: w.opened, forgotten: w.forgotten }
+            }));
+        self.metrics.publish(Snapshot { jobs, calls, lost, maps: self.tracer.map_memory(), windows });
     }
 
     /// Commits every job's rows; finishes the jobs whose process is gone without an exit record
@@ -604,6 +669,7 @@ impl event_loop::Capturing for Daemon {
     }
 
     fn tick(&mut self) -> anyhow::Result<Option<String>> {
+        self.window_work();
         self.flight_work();
         self.scan();
         self.driver_readings();

@@ -141,6 +141,17 @@ pub struct Snapshot {
     pub lost: u64,
     /// Kernel memory charged to each of the tracer's BPF maps, by name.
     pub maps: Vec<(String, u64)>,
+    /// The daemon's windows (`None`: not a daemon).
+    pub windows: Option<WindowFacts>,
+}
+
+/// What the daemon's windows did (`daemon --windows`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WindowFacts {
+    /// The pool and CPU-tensor probes are attached now (always, under `--windows always`).
+    pub open: bool,
+    pub opened: u64,
+    pub forgotten: u64,
 }
 
 /// A process's command name, as `/proc/PID/comm` gives it ("" once it is gone).
@@ -294,6 +305,21 @@ const FLIGHT_FAMILIES: [Family<()>; 2] = [
     ),
 ];
 
+const WINDOW_FAMILIES: [Family<WindowFacts>; 3] = [
+    gauge(
+        "memscope_window_open",
+        "1 while the pool and CPU-tensor calls are probed (daemon --windows): their series count the blocks born in windows",
+        false,
+        |w| u64::from(w.open),
+    ),
+    counter("memscope_windows", "Windows opened (daemon --windows)", |w| w.opened),
+    counter(
+        "memscope_window_forgotten_blocks",
+        "Blocks still live when a window's last probe went: forgotten, their rows ended by a FREE marked implied",
+        |w| w.forgotten,
+    ),
+];
+
 /// Per map: the value comes with the series, not from a field.
 const MAP_MEMORY: Family<()> = gauge(
     "memscope_bpf_map_memory",
@@ -330,6 +356,10 @@ impl Collector for Published {
         }
         for f in &TRACER_FAMILIES {
             family(&mut encoder, f, std::iter::once((Labels::new(), (f.value)(&s))))?;
+        }
+        for f in WINDOW_FAMILIES.iter().filter(|_| s.windows.is_some()) {
+            let w = s.windows.unwrap_or_default();
+            family(&mut encoder, f, std::iter::once((Labels::new(), (f.value)(&w))))?;
         }
         for (i, f) in DRIVER_FAMILIES.iter().enumerate() {
             let series = s.jobs.iter().flat_map(|job| {
@@ -384,6 +414,16 @@ mod tests {
 
     fn sample(text: &str, series: &str) -> Option<u64> {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn the_window_series_are_the_daemons_alone() {
+        let text = encoded(one_job());
+        assert_eq!(sample(&text, "memscope_window_open"), Some(1));
+        assert_eq!(sample(&text, "memscope_windows_total"), Some(3));
+        assert_eq!(sample(&text, "memscope_window_forgotten_blocks_total"), Some(2));
+        let text = encoded(Snapshot { windows: None, ..one_job() });
+        assert!(!text.contains("memscope_window"), "{text}");
     }
 
     #[test]
@@ -451,7 +491,8 @@ mod tests {
             pools: vec![((DeviceKey::Npu(1), Pool::Caching, 4242), pool)],
             ..JobTotals::default()
         };
-        let snapshot = Snapshot { jobs: vec![job], calls: 10, lost: 0, maps: vec![("BLOCKS".into(), 96 << 20)] };
+        let maps = vec![("BLOCKS".into(), 96 << 20)];
+        let snapshot = Snapshot { jobs: vec![job], calls: 10, lost: 0, maps, windows: None };
         let text = encoded(snapshot);
         assert_eq!(sample(&text, r#"memscope_live_bytes{pid="4242",comm="python3",device="1"}"#), Some(4096), "{text}");
         assert_eq!(sample(&text, r#"memscope_peak_bytes{pid="4242",comm="python3",device="1"}"#), Some(8192));
@@ -521,6 +562,7 @@ mod tests {
             calls: 1,
             lost: 2,
             maps: vec![("EVENTS".into(), 1 << 20)],
+            windows: Some(WindowFacts { open: true, opened: 3, forgotten: 2 }),
         }
     }
 

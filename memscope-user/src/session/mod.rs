@@ -376,6 +376,7 @@ fn load(
         admission: None,
         sampling: None,
         window_all: false,
+        windowed: false,
     };
     // A child's uprobes hit in its own address space: following children means probing every
     // process and filtering by the traced set in the kernel, as launch mode always does.
@@ -485,7 +486,7 @@ impl Live {
             let (pid, children) = (self.pid, &self.recorder.children);
             job.driver = self.driver.latest(&|p| p == pid || children.contains(&p));
             let maps = self.tracer.map_memory();
-            metrics.publish(Snapshot { jobs: vec![job], calls: self.recorder.calls, lost, maps });
+            metrics.publish(Snapshot { jobs: vec![job], calls: self.recorder.calls, lost, maps, windows: None });
         }
     }
 

@@ -14,6 +14,11 @@ use crate::ledgers::{driver_ledger_path, pool_ledger_path};
 use crate::readers::{read_output, Output};
 
 /// A running tracer with its stderr collected line by line (with arrival times).
+/// `daemon` flags that probe the pool and CPU-tensor calls at all times: for the daemon tests
+/// that are not about its windows (tests/windows.rs is), whose jobs may run past the default's
+/// first window on a slow machine.
+pub const ALWAYS_PROBED: [&str; 2] = ["--windows", "always"];
+
 pub struct Tracer {
     pub child: Child,
     lines: Arc<Mutex<Vec<(u64, String)>>>,

@@ -343,7 +343,8 @@ fn the_daemon_traces_a_cuda_job_it_never_saw_start() {
     let env = env("cuda_daemon");
     let lib = var("MEMSCOPE_CUDA_LIB");
     let out = env.scratch.join("out");
-    let args = ["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0", "--comm", "python3"];
+    let mut args = vec!["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0", "--comm", "python3"];
+    args.extend(ALWAYS_PROBED);
     let mut daemon = Tracer::spawn_with(&env, &args, &[("ASCEND_HOME_PATH", None), ("LD_LIBRARY_PATH", None)]);
     daemon.wait_live(Duration::from_secs(60));
     let (pool, ledger) = (env.scratch.join("c10.jsonl"), env.scratch.join("workload.jsonl"));

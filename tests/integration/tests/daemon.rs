@@ -158,6 +158,7 @@ impl Job {
 /// (probed at the start) and `extra` flags; returned once its probes are live.
 fn live_daemon(env: &TestEnv, out: &Path, extra: &[&str]) -> Tracer {
     let mut args = vec!["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+    args.extend(ALWAYS_PROBED);
     args.extend_from_slice(extra);
     let mut daemon = Tracer::spawn(env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
     daemon.wait_live(Duration::from_secs(60));
@@ -214,6 +215,8 @@ fn the_daemon_traces_each_admitted_job_in_its_own_folder_and_prometheus_sees_its
     let pod = PodCgroup::make(&cgroup.dir, &env.scratch.join("node"));
     let args = [
         "daemon",
+        ALWAYS_PROBED[0],
+        ALWAYS_PROBED[1],
         "--output",
         &s(&out),
         "--listen",
@@ -498,7 +501,7 @@ fn a_library_a_job_loads_long_after_its_start_is_probed_before_its_first_call() 
     std::fs::copy(&env.libascendcl, &lib).unwrap();
     let out = env.scratch.join("out");
     let s = |p: &Path| p.display().to_string();
-    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0"];
+    let args = ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", ALWAYS_PROBED[0], ALWAYS_PROBED[1]];
     let mut daemon = Tracer::spawn_with(&env, &args, &[("ASCEND_HOME_PATH", None)]);
     daemon.wait_live(Duration::from_secs(60));
 

@@ -243,8 +243,10 @@ fn an_oom_under_the_sampling_daemon_is_recorded_as_a_full_trace_has_it() {
 
     // Every block below 64 MiB sampled: the job's own rows are a few of its blocks.
     let out = env.scratch.join("out");
-    let args =
-        ["daemon", "--output", &s(&out), "--listen", "127.0.0.1:0", "--lib", &s(&torch), "--sample-bytes", "64MiB"];
+    let (out_s, torch_s) = (s(&out), s(&torch));
+    let mut args =
+        vec!["daemon", "--output", &out_s, "--listen", "127.0.0.1:0", "--lib", &torch_s, "--sample-bytes", "64MiB"];
+    args.extend(ALWAYS_PROBED);
     let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
     daemon.wait_live(Duration::from_secs(60));
     let (mut job, _) = oom_job(&env, "sampled");

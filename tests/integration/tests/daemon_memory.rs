@@ -57,7 +57,8 @@ fn start_job(env: &TestEnv, i: u32) -> (Killed, PathBuf, PathBuf) {
 fn the_daemons_peak_memory_stays_within_its_documented_bound() {
     let env = env("daemon_memory");
     let out = env.scratch.join("out");
-    let args = ["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+    let mut args = vec!["daemon", "--output", out.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+    args.extend(ALWAYS_PROBED);
     let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
     daemon.wait_live(Duration::from_secs(60));
     let idle = status_bytes(daemon.child.id(), "VmRSS:");

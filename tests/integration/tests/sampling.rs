@@ -167,7 +167,10 @@ fn sampled_job(name: &str, flight: bool) {
     let s = |p: &Path| p.display().to_string();
     let output = s(&out);
     let mut args = vec!["daemon", "--output", &output, "--listen", "127.0.0.1:0", "--sample-bytes", "16KiB"];
-    if !flight {
+    if flight {
+        args.extend(ALWAYS_PROBED);
+    } else {
+        // The kernel counts: no windows (they need the flight recorder's count).
         args.extend(["--flight-rows", "0"]);
     }
     let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);

@@ -247,19 +247,55 @@ pub(super) struct Variant<'a> {
     pub(super) name: String,
     pub(super) binary: &'a Path,
     pub(super) extra: &'static [&'static str],
+    /// This build's daemon with a window open, or between windows: the default's cost is the
+    /// mean of the two over its duty cycle ([`duty_mean`]).
+    pub(super) window: Option<bool>,
 }
 
-/// The daemon recording every call and at its defaults, this build's and, with
-/// `--baseline-bin`, the older binary's, timed in the same rounds.
+/// The share of the time the default `--windows 30s/5m` probes the pool: a window of 30 s and
+/// its drain (the frees alone, 30 s at most) every 300 s, counted as open throughout.
+const DUTY: f64 = 60.0 / 300.0;
+
+/// The default daemon's cost over its duty cycle, from `cost` of each variant (in `daemons`'
+/// order): an upper bound, as the drain costs less than an open window.
+pub(super) fn duty_mean(daemons: &[Variant], cost: &[f64]) -> Option<f64> {
+    let of = |open| daemons.iter().position(|v| v.window == Some(open)).map(|i| cost[i]);
+    Some(DUTY * of(true)? + (1.0 - DUTY) * of(false)?)
+}
+
+/// The daemon recording every call, at its defaults with a window open and between windows,
+/// this build's and, with `--baseline-bin`, the older binary's (recording every call and at its
+/// defaults), timed in the same rounds.
 fn variants<'a>(built: &'a Built, baseline: Option<&'a Path>) -> Vec<Variant<'a>> {
-    let mut all = Vec::new();
-    for (who, binary) in std::iter::once(("", built.binary.as_path())).chain(baseline.map(|b| (" (baseline)", b))) {
-        all.push(Variant {
-            name: format!("`daemon --sample-bytes 0` (every call recorded){who}"),
+    let binary = built.binary.as_path();
+    let mut all = vec![
+        Variant {
+            name: "`daemon --sample-bytes 0` (every call recorded)".into(),
             binary,
             extra: &["--sample-bytes", "0"],
+            window: None,
+        },
+        Variant {
+            name: "`daemon --windows always` (default sampling, 512 KiB; as in a window)".into(),
+            binary,
+            extra: &["--windows", "always"],
+            window: Some(true),
+        },
+        Variant {
+            name: "`daemon --windows 1s/1h`, after its window (as between windows)".into(),
+            binary,
+            extra: &["--windows", "1s/1h"],
+            window: Some(false),
+        },
+    ];
+    if let Some(binary) = baseline {
+        all.push(Variant {
+            name: "`daemon --sample-bytes 0` (every call recorded) (baseline)".into(),
+            binary,
+            extra: &["--sample-bytes", "0"],
+            window: None,
         });
-        all.push(Variant { name: format!("`daemon` (default sampling, 512 KiB){who}"), binary, extra: &[] });
+        all.push(Variant { name: "`daemon` (its defaults) (baseline)".into(), binary, extra: &[], window: None });
     }
     all
 }
@@ -447,6 +483,9 @@ fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize, daemons: &[V
         };
         table.push_str(&row(&v.name, medians[3 + i], bpf));
     }
+    if let Some(mean) = duty_mean(daemons, &medians[3..]) {
+        table.push_str(&row(DEFAULT_MEAN, mean, "–".into()));
+    }
     Ok(format!(
         "\n## Daemon: pool allocations (standin_pool_hold.py --count {POOL_ALLOCS}: tensors of 256 B to 64 KiB on \
          the stand-in caching allocator, about half freed again; the loop's own time, median of {rounds} \
@@ -456,6 +495,10 @@ fn pool_cost(built: &Built, root: &Path, out: &Path, rounds: usize, daemons: &[V
          | nothing attached | {off:.3} | – | – | – | – |\n{table}"
     ))
 }
+
+/// The row of the default daemon's cost over its duty cycle.
+pub(super) const DEFAULT_MEAN: &str =
+    "**`daemon` (its defaults: `--windows 30s/5m`), over the duty cycle: 0.2 × in a window + 0.8 × between**";
 
 /// PyTorch's CPU allocator, as libc10.so exports it.
 pub(super) const C10_ALLOC: &str = "_ZN3c109alloc_cpuEm";

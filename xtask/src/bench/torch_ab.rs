@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 
-use super::daemon::{median, memleak_script, Bpftrace, Daemon, Variant, C10_ALLOC, C10_FREE};
+use super::daemon::{duty_mean, median, memleak_script, Bpftrace, Daemon, Variant, C10_ALLOC, C10_FREE, DEFAULT_MEAN};
 use crate::build::Built;
 
 /// Seconds of each phase that count.
@@ -252,6 +252,8 @@ pub fn run(root: &Path, out: &Path, built: &Built, rounds: usize, daemons: &[Var
     tracers.extend(daemons.iter().map(Tracer::Daemon));
     let phases = 2 * rounds.max(1);
     let (mut table, mut rate, mut step_ms) = (String::new(), None, f64::NAN);
+    // Each daemon's median system time and wall slowdown, for the duty cycle's mean.
+    let (mut systems, mut walls) = (Vec::new(), Vec::new());
     for tracer in &tracers {
         eprintln!("xtask bench: daemon, a real PyTorch loop, {} phases of {}", phases, tracer.name());
         let m = measure(&python, root, out, built, tracer, phases)?;
@@ -262,6 +264,13 @@ pub fn run(root: &Path, out: &Path, built: &Built, rounds: usize, daemons: &[Var
         step_ms = m.step_ms();
         let (wall, system): (Vec<f64>, Vec<f64>) = m.phases().into_iter().unzip();
         table.push_str(&format!("| {} | {} | {} |\n", tracer.name(), spread(&system), spread(&wall)));
+        if let Tracer::Daemon(_) = tracer {
+            systems.push(median(system));
+            walls.push(median(wall));
+        }
+    }
+    if let (Some(system), Some(wall)) = (duty_mean(daemons, &systems), duty_mean(daemons, &walls)) {
+        table.push_str(&format!("| {DEFAULT_MEAN} | {:+.2} % | {:+.2} % |\n", system * 100.0, wall * 100.0));
     }
     let rate = rate.map_or("–".to_owned(), |r| format!("{r:.0}"));
     Ok(format!(

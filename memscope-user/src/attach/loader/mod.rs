@@ -50,6 +50,7 @@ mod admission;
 pub mod bpf_log;
 pub mod kernel_gap;
 mod linker_hook;
+mod windows;
 
 pub use admission::Admission;
 
@@ -177,6 +178,9 @@ pub struct LoadOptions {
     /// The daemon's flight recorder wants the calls sampling leaves out too (sent marked
     /// `WINDOW_ONLY`, for its window alone).
     pub window_all: bool,
+    /// The sampled APIs' probes are attached only in the daemon's windows ([`Tracer::open_window`]),
+    /// where the kernel can link them as one (else they stay attached: [`Tracer::windowed`]).
+    pub windowed: bool,
 }
 
 /// `--sample-bytes` and the kernel's bound on the blocks it counts (`--max-blocks`).
@@ -221,6 +225,8 @@ pub struct Tracer {
     /// detaches all its probes.
     multi_links: Vec<OwnedFd>,
     sampling: Option<Sampling>,
+    /// The sampled APIs' probes and the open window's links, when windowed.
+    windows: Option<windows::Windows>,
     /// The ring buffer's kernel memory, measured before [`Self::take_ring`] took it.
     ring_memory: Option<(String, u64)>,
 }
@@ -303,12 +309,17 @@ impl Tracer {
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .load(EBPF_OBJECT)?;
 
+        let multi = MultiPrograms::load(EBPF_OBJECT, &ebpf).map_err(|e| super::with_causes(&e));
+        let mut windows = (opts.windowed && multi.is_ok()).then(windows::Windows::default);
         {
             let map = ebpf.map_mut("SPECS").ok_or(LoadError::Missing("SPECS"))?;
             let mut specs: Array<_, ProbeSpec> =
                 Array::try_from(map).map_err(|source| LoadError::Map { name: "SPECS", source })?;
             for def in Api::all() {
-                let spec = kernel_spec(def.spec, opts.sampling);
+                let mut spec = kernel_spec(def.spec, opts.sampling);
+                if let Some(w) = windows.as_mut().filter(|_| def.api.sampled()) {
+                    spec = w.spec(def.api.spec_id(), spec);
+                }
                 specs.set(def.api.spec_id(), spec, 0).map_err(|source| LoadError::Map { name: "SPECS", source })?;
             }
         }
@@ -347,7 +358,6 @@ impl Tracer {
             prog.load().map_err(|source| refused(name, source))?;
         }
         let scope = scope_pid.and_then(NonZeroU32::new).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
-        let multi = MultiPrograms::load(EBPF_OBJECT, &ebpf).map_err(|e| super::with_causes(&e));
         Ok(Self {
             ebpf,
             attached_files: HashSet::new(),
@@ -362,6 +372,7 @@ impl Tracer {
             multi,
             multi_links: Vec::new(),
             sampling: opts.sampling,
+            windows,
             ring_memory: None,
         })
     }
@@ -408,7 +419,9 @@ impl Tracer {
     /// Takes the multi-uprobe links out, so that they can be closed in parallel (each close
     /// waits for the kernel on its own).
     pub fn take_multi_links(&mut self) -> Vec<OwnedFd> {
-        std::mem::take(&mut self.multi_links)
+        let mut links = std::mem::take(&mut self.multi_links);
+        links.extend(self.windows.as_mut().map(windows::Windows::take_links).unwrap_or_default());
+        links
     }
 
     /// Takes the marker sites' links out, for the same reason (their closes overlap less: each
@@ -524,7 +537,10 @@ impl Tracer {
             let mut specs: Array<_, ProbeSpec> =
                 Array::try_from(map).map_err(|source| AttachError::Spec(Box::new(source)))?;
             for (api, spec) in &plan.specs {
-                let spec = kernel_spec(*spec, self.sampling);
+                let mut spec = kernel_spec(*spec, self.sampling);
+                if let Some(w) = self.windows.as_mut().filter(|_| api.sampled()) {
+                    spec = w.spec(api.spec_id(), spec);
+                }
                 specs.set(api.spec_id(), spec, 0).map_err(|source| AttachError::Spec(Box::new(source)))?;
             }
         }
@@ -537,7 +553,15 @@ impl Tracer {
             })
             .cloned()
             .collect();
-        if self.attach_multi(lib, &plan.probes, &returns) {
+        if self.windowed() {
+            let always = |probes: &[AttachedProbe]| -> Vec<AttachedProbe> {
+                probes.iter().filter(|p| !p.api.sampled()).cloned().collect()
+            };
+            if self.attach_multi(lib, &always(&plan.probes), &always(&returns)) {
+                self.add_windowed(&lib.path, &plan.probes, &returns);
+                return Ok(plan.probes);
+            }
+        } else if self.attach_multi(lib, &plan.probes, &returns) {
             return Ok(plan.probes);
         }
         for (program, kind) in [("call_exit", "return probe"), ("call_enter", "entry probe")] {

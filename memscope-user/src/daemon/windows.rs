@@ -1,0 +1,152 @@
+//! When the daemon's windows open and close (`--windows LENGTH/EVERY`): the sampled APIs'
+//! probes are attached for LENGTH at the start of every EVERY (`attach::loader::windows`).
+//!
+//! A window goes through four phases: open; draining (the allocations' probes gone, the
+//! frees' kept until every block born in the window is freed, or for LENGTH more at most);
+//! detaching (the frees' probes going); closed. Only once the last probe is gone are the
+//! blocks still live forgotten (`Tracker::forget_sampled`): a free that ran before that is seen.
+
+use std::time::{Duration, Instant};
+
+/// `--windows LENGTH/EVERY`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    pub length: Duration,
+    pub every: Duration,
+}
+
+/// `--windows`: a schedule, or the probes attached at all times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Windowing {
+    Always,
+    Every(Schedule),
+}
+
+/// The schedule when none is given.
+pub const DEFAULT: Schedule = Schedule { length: Duration::from_secs(30), every: Duration::from_secs(300) };
+
+/// Parses `--windows`: `always` or `LENGTH/EVERY`.
+pub fn parse(text: &str) -> Result<Windowing, String> {
+    if text == "always" {
+        return Ok(Windowing::Always);
+    }
+    let usage = "expected LENGTH/EVERY (e.g. 20s/5m) or `always`";
+    let (length, every) = text.split_once('/').ok_or_else(|| format!("`{text}`: {usage}"))?;
+    let parse = |part: &str| crate::cli::parse_duration(part).map_err(|e| format!("`{text}`: {e}; {usage}"));
+    let (length, every) = (parse(length)?, parse(every)?);
+    if length.is_zero() || length > every {
+        return Err(format!(
+            "`{text}`: a window must last more than 0 s and no longer than the time between openings ({usage})"
+        ));
+    }
+    Ok(Windowing::Every(Schedule { length, every }))
+}
+
+/// What the daemon does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Attach the sampled APIs' probes.
+    Open,
+    /// Detach the allocations' probes.
+    Close,
+    /// Detach the frees' probes.
+    EndDrain,
+    /// Drain the ring, then forget the blocks still live.
+    Forget,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Closed { next: Instant },
+    Open { since: Instant },
+    Draining { since: Instant, closed: Instant },
+    Detaching { since: Instant },
+}
+
+/// The schedule and where it stands, with what the metrics say of it.
+#[derive(Debug)]
+pub struct Windows {
+    schedule: Schedule,
+    phase: Phase,
+    /// Windows opened so far.
+    pub opened: u64,
+    /// Blocks still live when a window's last probe went, all windows together.
+    pub forgotten: u64,
+}
+
+impl Windows {
+    /// The first window opens at once.
+    pub fn new(schedule: Schedule, now: Instant) -> Self {
+        Self { schedule, phase: Phase::Closed { next: now }, opened: 0, forgotten: 0 }
+    }
+
+    /// Whether the allocations' probes are attached.
+    pub fn is_open(&self) -> bool {
+        matches!(self.phase, Phase::Open { .. })
+    }
+
+    /// The step due at `now`, given the blocks born in windows that are still live and whether
+    /// the probes taken off so far are gone (each asked only in the phase that needs it).
+    pub fn next(
+        &mut self,
+        now: Instant,
+        live: impl FnOnce() -> usize,
+        detached: impl FnOnce() -> bool,
+    ) -> Option<Step> {
+        let Schedule { length, every } = self.schedule;
+        let (phase, step) = match self.phase {
+            Phase::Closed { next } if now >= next => (Phase::Open { since: now }, Step::Open),
+            Phase::Open { since } if now >= since + length => (Phase::Draining { since, closed: now }, Step::Close),
+            Phase::Draining { since, closed } if now >= closed + length || live() == 0 => {
+                (Phase::Detaching { since }, Step::EndDrain)
+            }
+            Phase::Detaching { since } if detached() => {
+                (Phase::Closed { next: (since + every).max(now) }, Step::Forget)
+            }
+            _ => return None,
+        };
+        self.phase = phase;
+        if step == Step::Open {
+            self.opened += 1;
+        }
+        Some(step)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn schedules_parse_and_bad_ones_say_what_is_expected() {
+        assert_eq!(parse("always"), Ok(Windowing::Always));
+        assert_eq!(parse("20s/5m"), Ok(Windowing::Every(Schedule { length: 20 * S, every: 300 * S })));
+        for bad in ["20s", "5m/20s", "0s/1m", "x/1m"] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.contains("LENGTH/EVERY") && e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_window_opens_closes_drains_and_forgets_only_once_its_probes_are_gone() {
+        let t0 = Instant::now();
+        let mut w = Windows::new(Schedule { length: 10 * S, every: 60 * S }, t0);
+        assert_eq!(w.next(t0, || 0, || true), Some(Step::Open));
+        assert!(w.is_open());
+        assert_eq!(w.next(t0 + 9 * S, || 5, || true), None);
+        assert_eq!(w.next(t0 + 10 * S, || 5, || true), Some(Step::Close));
+        assert!(!w.is_open());
+        // Blocks born in the window are live: the frees stay, up to LENGTH more.
+        assert_eq!(w.next(t0 + 12 * S, || 3, || true), None);
+        assert_eq!(w.next(t0 + 13 * S, || 0, || true), Some(Step::EndDrain), "all freed");
+        assert_eq!(w.next(t0 + 14 * S, || 0, || false), None, "the frees' probes are still going");
+        assert_eq!(w.next(t0 + 15 * S, || 0, || true), Some(Step::Forget));
+        assert_eq!(w.next(t0 + 59 * S, || 0, || true), None);
+        assert_eq!(w.next(t0 + 60 * S, || 0, || true), Some(Step::Open), "EVERY counts from the last opening");
+        assert_eq!(w.next(t0 + 70 * S, || 9, || true), Some(Step::Close));
+        assert_eq!(w.next(t0 + 80 * S, || 9, || true), Some(Step::EndDrain), "the drain lasts LENGTH at most");
+        assert_eq!(w.opened, 2);
+    }
+}
