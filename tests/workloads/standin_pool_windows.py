@@ -12,6 +12,11 @@ The test opens a window of the daemon's around phase 2 and closes it before phas
 frees are of blocks born before the window, B's second quarter is freed in the drain and B's
 second half outlives it; C is born after the window. The allocator's ledger
 (STANDIN_TORCH_LEDGER) is the truth; the test splits it by phase at each readyK.
+
+With --paused, instead: (1) the runtime set up; (2) one tensor allocated while the allocator is
+told to wait inside the call (STANDIN_TORCH_PAUSE, which the test sets and whose file it
+removes once the window's probes are gone); (3) --count tensors allocated on the same thread
+and kept; (4) all freed.
 """
 
 import argparse
@@ -39,6 +44,7 @@ def main():
     ap.add_argument("--dir", required=True, help="where the readyK and goK files are")
     ap.add_argument("--count", type=int, default=400)
     ap.add_argument("--size", type=int, default=64 << 10, help="bytes per block")
+    ap.add_argument("--paused", action="store_true", help="the second scenario (above)")
     args = ap.parse_args()
     if not args.lib:
         ap.error("no library: pass --lib or set ASCEND_HOME_PATH")
@@ -63,6 +69,14 @@ def main():
             torch.standin_tensor_free(p)
 
     n = args.count
+    if args.paused:
+        ready(args.dir, 1)
+        held = [torch.standin_tensor_alloc(args.size, 0)]
+        ready(args.dir, 2)
+        held += blocks()
+        ready(args.dir, 3)
+        free(held)
+        return 0
     a = blocks()
     ready(args.dir, 1)
     free(a[: n // 2])

@@ -196,3 +196,62 @@ fn a_window_sees_its_blocks_freed_in_the_drain_forgets_the_rest_and_keeps_the_de
     assert_eq!(mallocs, COUNT, "every block born in the window, and none other");
     assert_eq!(implied, l.outlived, "the implied FREEs are the blocks that outlived the drain");
 }
+
+/// A call in flight when its window's probes go never returns through them, so its thread's
+/// slot stays open in the kernel; the next window's calls on that thread must be recorded, not
+/// taken for calls nested in it (the spec's window number tells them apart).
+#[test]
+fn a_call_in_flight_when_its_window_closed_hides_nothing_of_the_next_window() {
+    let env = env("daemon_windows_in_flight");
+    let out = env.scratch.join("out");
+    let dir = env.scratch.join("phases");
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &Path| p.display().to_string();
+    let output = s(&out);
+    let args =
+        ["daemon", "--output", &output, "--listen", "127.0.0.1:0", "--sample-bytes", "16KiB", "--windows", "4s/12s"];
+    let mut daemon = Tracer::spawn(&env, &args, &[("ASCEND_HOME_PATH", &env.ascend_home)]);
+    daemon.wait_live(Duration::from_secs(60));
+    let metrics = metrics_address(&daemon.stderr());
+    let pause = dir.join("pause");
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
+    let mut job = Killed(
+        Command::new("python3")
+            .arg(env.workload.with_file_name("standin_pool_windows.py"))
+            .args(["--torch-lib", &s(&torch), "--dir", &s(&dir), "--count", "50", "--paused"])
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .env("STANDIN_TORCH_PAUSE", &pause)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start the stand-in pool job"),
+    );
+    let pid: u32 = wait_for_file(&dir.join("ready1"), &mut job.0, Duration::from_secs(120)).trim().parse().unwrap();
+    let total = |body: &str| scraped(body, "memscope_windows_total", &[]).unwrap_or(0);
+    let open = |body: &str| scraped(body, "memscope_window_open", &[]);
+    // The allocation enters in a window opened since (the whole of it ahead) and waits there
+    // until that window's probes are gone.
+    let (_, before) = get(metrics, "/metrics").unwrap();
+    let first = scrape_until(metrics, &daemon, "a window open", |b| open(b) == Some(1) && total(b) > total(&before));
+    std::fs::write(&pause, "").unwrap();
+    std::fs::write(dir.join("go1"), "").unwrap();
+    scrape_until(metrics, &daemon, "the window closed", |b| open(b) == Some(0) && total(b) == total(&first));
+    // Closing a link takes ~0.1 s; nothing of the window is live, so its frees go at once too.
+    std::thread::sleep(Duration::from_secs(1));
+    std::fs::remove_file(&pause).unwrap();
+    wait_for_file(&dir.join("ready2"), &mut job.0, Duration::from_secs(30));
+
+    let next = scrape_until(metrics, &daemon, "the next window open", |b| total(b) > total(&first));
+    assert_eq!(open(&next), Some(1));
+    std::fs::write(dir.join("go2"), "").unwrap();
+    wait_for_file(&dir.join("ready3"), &mut job.0, Duration::from_secs(30));
+    let labels = [format!("pid=\"{pid}\""), "device=\"0\"".to_owned(), "pool=\"caching\"".to_owned()];
+    let body = scrape_until(metrics, &daemon, "the next window's 50 blocks counted", |b| {
+        scraped(b, "memscope_pool_live_blocks", &labels) == Some(50)
+    });
+    assert_eq!(open(&body), Some(1), "the next window closed before its blocks were counted: too slow a test");
+    std::fs::write(dir.join("go3"), "").unwrap();
+    assert_eq!(wait_child(&mut job.0, Duration::from_secs(30)), 0);
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+}

@@ -44,6 +44,9 @@
  *
  * Ground truth for tests: with STANDIN_TORCH_LEDGER=<path>, every block and segment event is
  * appended as one JSON line with the allocator's own allocated/reserved counters after it.
+ *
+ * With STANDIN_TORCH_PAUSE=<path>, DeviceCachingAllocator::malloc waits inside (past its entry)
+ * while that file exists: a test holds a call in flight while a tracer's probes come and go.
  */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -843,9 +846,18 @@ Block *DeviceCachingAllocator::align_base(BlockPool &pool, Block *block, size_t 
     return rest;
 }
 
+/* STANDIN_TORCH_PAUSE (see the top). */
+static void pause_while_asked() {
+    static const char *path = std::getenv("STANDIN_TORCH_PAUSE");
+    while (path != nullptr && *path != '\0' && access(path, F_OK) == 0) {
+        usleep(10000);
+    }
+}
+
 HIDDEN_NOINLINE Block *DeviceCachingAllocator::malloc(int device, size_t orig_size, aclrtStream stream,
                                                       uint8_t allocator_type) {
     (void)allocator_type;
+    pause_while_asked();
     std::lock_guard<std::recursive_mutex> guard(mutex_);
     if (!Config::get().valid || device != device_) {
         return nullptr;
