@@ -51,6 +51,10 @@ use jobs::{Context, Jobs, Outcome};
 /// How often `--max-db` and `--retention` are applied (and whenever a job ends).
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
+/// A device this full (the driver's figure: used over total) opens a window at once, so that an
+/// OOM's flight recording has the pool's blocks.
+const NEAR_FULL: f64 = 0.9;
+
 pub struct Plan {
     /// `--lib` and the runtime folders of the daemon's own environment: probed at the start.
     pub libraries: Vec<Library>,
@@ -183,6 +187,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         recordings,
         requests,
         windows,
+        rising: Default::default(),
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
@@ -252,6 +257,8 @@ struct Daemon {
     requests: flight::Requests,
     /// `--windows` (`None`: the sampled APIs' probes attached at all times).
     windows: Option<windows::Windows>,
+    /// Jobs whose live bytes rose for good: each brought a window forward once.
+    rising: std::collections::HashSet<u32>,
 }
 
 impl Daemon {
@@ -485,8 +492,25 @@ impl Daemon {
         }
     }
 
+    /// Brings the next window forward, saying why, unless one is open, draining or due.
+    fn open_window_soon(&mut self, why: impl FnOnce() -> String) {
+        if let Some(w) = &mut self.windows {
+            if w.open_soon(std::time::Instant::now()) {
+                note(self.plan.capture.quiet, format!("a window opens early: {}", why()));
+            }
+        }
+    }
+
     /// Takes the window's next step, if one is due.
     fn window_work(&mut self) {
+        if let Some((device, used, total)) = self.driver.fullest() {
+            if used as f64 >= NEAR_FULL * total as f64 {
+                let device = metrics::device_label(device);
+                self.open_window_soon(|| {
+                    format!("device {device} holds {} of its {} MiB (the driver's figure)", used >> 20, total >> 20)
+                });
+            }
+        }
         let Some(w) = &mut self.windows else { return };
         let (jobs, tracer) = (&self.jobs, &self.tracer);
         let Some(step) = w.next(std::time::Instant::now(), || jobs.sampled_blocks(), || tracer.window_detached())
@@ -568,6 +592,9 @@ impl Daemon {
             .collect();
         for pid in rising {
             self.record(pid, flight::Reason::Degradation);
+            if self.rising.insert(pid) {
+                self.open_window_soon(|| format!("job {pid}'s live bytes rise for good"));
+            }
         }
         for job in &mut jobs {
             job.flights = self

@@ -80,6 +80,19 @@ impl Windows {
         Self { schedule, phase: Phase::Closed { next: now }, opened: 0, forgotten: 0 }
     }
 
+    /// Brings the next opening forward to `now` (a trigger: the card nearly full, a job's live
+    /// bytes rising for good); whether it did (a window is open or draining already, or the
+    /// next one is due anyway).
+    pub fn open_soon(&mut self, now: Instant) -> bool {
+        match &mut self.phase {
+            Phase::Closed { next } if *next > now => {
+                *next = now;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the allocations' probes are attached.
     pub fn is_open(&self) -> bool {
         matches!(self.phase, Phase::Open { .. })
@@ -148,5 +161,13 @@ mod tests {
         assert_eq!(w.next(t0 + 70 * S, || 9, || true), Some(Step::Close));
         assert_eq!(w.next(t0 + 80 * S, || 9, || true), Some(Step::EndDrain), "the drain lasts LENGTH at most");
         assert_eq!(w.opened, 2);
+        // A trigger brings the next opening forward, only while closed.
+        assert_eq!(w.next(t0 + 81 * S, || 0, || true), Some(Step::Forget));
+        assert!(w.open_soon(t0 + 90 * S));
+        assert!(!w.open_soon(t0 + 90 * S), "due already");
+        assert_eq!(w.next(t0 + 90 * S, || 0, || true), Some(Step::Open));
+        assert!(!w.open_soon(t0 + 91 * S), "open already");
+        assert_eq!(w.next(t0 + 100 * S, || 0, || true), Some(Step::Close));
+        assert!(!w.open_soon(t0 + 101 * S), "draining");
     }
 }

@@ -53,6 +53,8 @@ pub struct Driver {
     took_ns: (u64, u64),
     /// The latest figure for each (device, process), for the metrics.
     latest: std::collections::BTreeMap<(DeviceKey, u32), u64>,
+    /// Each device's latest (used, total) bytes, for the daemon's windows.
+    devices: std::collections::BTreeMap<DeviceKey, (u64, u64)>,
 }
 
 impl Driver {
@@ -62,8 +64,9 @@ impl Driver {
             Some(_) => State::Waiting,
         };
         let every = config.every.unwrap_or(DEFAULT_EVERY);
-        let latest = Default::default();
-        Self { every, library: config.library.clone(), state, visible: None, readings: 0, took_ns: (0, 0), latest }
+        let (latest, devices) = Default::default();
+        let library = config.library.clone();
+        Self { every, library, state, visible: None, readings: 0, took_ns: (0, 0), latest, devices }
     }
 
     /// Starts the helper once `pid` maps a driver library (at once with `--driver-lib`); the
@@ -155,6 +158,9 @@ impl Driver {
                     if let (Some(pid), Some(bytes)) = (row.pid, row.process_used) {
                         self.latest.insert((row.device, pid), bytes);
                     }
+                    if let Some((free, total)) = row.free_total() {
+                        self.devices.insert(row.device, (total - free, total));
+                    }
                 }
                 rows.extend(new);
             }
@@ -182,6 +188,13 @@ impl Driver {
             }
         }
         rows
+    }
+
+    /// The device whose memory is the most used, by the driver's latest reading: (device, used,
+    /// total).
+    pub fn fullest(&self) -> Option<(DeviceKey, u64, u64)> {
+        let share = |(used, total): (u64, u64)| used as f64 / total.max(1) as f64;
+        self.devices.iter().max_by(|a, b| share(*a.1).total_cmp(&share(*b.1))).map(|(d, (u, t))| (*d, *u, *t))
     }
 
     /// The driver's latest figure for the processes `traced` says are the job's, per device.

@@ -308,7 +308,7 @@ const FLIGHT_FAMILIES: [Family<()>; 2] = [
 const WINDOW_FAMILIES: [Family<WindowFacts>; 3] = [
     gauge(
         "memscope_window_open",
-        "1 while the pool and CPU-tensor calls are probed (daemon --windows): their series count the blocks born in windows",
+        "1 while a window is open (daemon --windows): the pool's and CPU tensors' allocations are probed, and their series count the blocks born in windows",
         false,
         |w| u64::from(w.open),
     ),

@@ -7,6 +7,9 @@
 //!   the drain is forgotten: counted, and its row ended by a FREE marked implied;
 //! - frees of blocks born outside the window leave no row in the job's DB (they are counted
 //!   among the untracked frees), and the pool series hold nothing once the window is over.
+//!
+//! Then: a call in flight as its window's probes go hides nothing of the next window, and a
+//! device nearly full by the driver's figure opens a window before its time.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -254,4 +257,46 @@ fn a_call_in_flight_when_its_window_closed_hides_nothing_of_the_next_window() {
     daemon.signal(libc::SIGTERM);
     let (code, stderr) = daemon.finish(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// A device nearly full by the driver's own figure (the stand-in DCMI's, from what the stand-in
+/// driver charged) opens a window before its time, so an OOM coming finds the pool's blocks.
+#[test]
+fn a_nearly_full_device_opens_a_window_before_its_time() {
+    let env = env("daemon_windows_near_full");
+    let out = env.scratch.join("out");
+    let s = |p: &Path| p.display().to_string();
+    let output = s(&out);
+    // The first window opens at the start; the next is an hour away.
+    let args =
+        ["daemon", "--output", &output, "--listen", "127.0.0.1:0", "--windows", "2s/1h", "--driver-every", "200ms"];
+    let mem = std::ffi::OsStr::new("256M");
+    let vars = [("ASCEND_HOME_PATH", Some(env.ascend_home.as_os_str())), ("STANDIN_ACL_DEVICE_MEM", Some(mem))];
+    let mut daemon = Tracer::spawn_with(&env, &args, &vars);
+    daemon.wait_live(Duration::from_secs(60));
+    let metrics = metrics_address(&daemon.stderr());
+    let total = |body: &str| scraped(body, "memscope_windows_total", &[]);
+    let open = |body: &str| scraped(body, "memscope_window_open", &[]);
+    scrape_until(metrics, &daemon, "the first window over", |b| total(b) == Some(1) && open(b) == Some(0));
+
+    // 240 of the device's 256 MiB, held.
+    let ready = env.scratch.join("ready");
+    let mut job = Killed(
+        Command::new("python3")
+            .arg(env.workload.with_file_name("standin_hold.py"))
+            .args(["--ledger", &s(&env.scratch.join("hold.jsonl")), "--blocks", "240", "--size", "1048576"])
+            .args(["--ready-file", &s(&ready), "--hold", "60"])
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .env("STANDIN_ACL_DEVICE_MEM", mem)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start the stand-in job"),
+    );
+    wait_for_file(&ready, &mut job.0, Duration::from_secs(60));
+    scrape_until(metrics, &daemon, "a window opened by the full device", |b| total(b) == Some(2));
+    drop(job);
+    daemon.signal(libc::SIGTERM);
+    let (code, stderr) = daemon.finish(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("a window opens early: device 0 holds"), "the log says why: {stderr}");
 }

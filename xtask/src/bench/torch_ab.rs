@@ -250,10 +250,19 @@ pub fn run(root: &Path, out: &Path, built: &Built, rounds: usize, daemons: &[Var
         tracers.push(Tracer::Peer(&libc10));
     }
     tracers.extend(daemons.iter().map(Tracer::Daemon));
+    // The default's duty cycle measured too, scaled to the phases: a window of 1 s every 5 s (and
+    // its drain) inside each 5 s phase, as 30 s every 5 min.
+    let scaled = Variant {
+        name: "`daemon --windows 1s/5s` (the default's duty cycle, scaled to the 5 s phases)".into(),
+        binary: &built.binary,
+        extra: &["--windows", "1s/5s"],
+        window: None,
+    };
+    tracers.push(Tracer::Daemon(&scaled));
     let phases = 2 * rounds.max(1);
     let (mut table, mut rate, mut step_ms) = (String::new(), None, f64::NAN);
-    // Each daemon's median system time and wall slowdown, for the duty cycle's mean.
-    let (mut systems, mut walls) = (Vec::new(), Vec::new());
+    // Each daemon's system time and wall slowdown (median, least, most), for the duty cycle's mean.
+    let (mut systems, mut walls) = (vec![Vec::new(); 3], vec![Vec::new(); 3]);
     for tracer in &tracers {
         eprintln!("xtask bench: daemon, a real PyTorch loop, {} phases of {}", phases, tracer.name());
         let m = measure(&python, root, out, built, tracer, phases)?;
@@ -264,13 +273,22 @@ pub fn run(root: &Path, out: &Path, built: &Built, rounds: usize, daemons: &[Var
         step_ms = m.step_ms();
         let (wall, system): (Vec<f64>, Vec<f64>) = m.phases().into_iter().unzip();
         table.push_str(&format!("| {} | {} | {} |\n", tracer.name(), spread(&system), spread(&wall)));
+        // The scaled daemon comes last: the others' figures line up with `daemons`.
         if let Tracer::Daemon(_) = tracer {
-            systems.push(median(system));
-            walls.push(median(wall));
+            for (all, values) in [(&mut systems, system), (&mut walls, wall)] {
+                let (lo, hi) = values.iter().fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+                for (i, figure) in [median(values), lo, hi].into_iter().enumerate() {
+                    all[i].push(figure);
+                }
+            }
         }
     }
-    if let (Some(system), Some(wall)) = (duty_mean(daemons, &systems), duty_mean(daemons, &walls)) {
-        table.push_str(&format!("| {DEFAULT_MEAN} | {:+.2} % | {:+.2} % |\n", system * 100.0, wall * 100.0));
+    let mean = |figures: &[Vec<f64>]| -> Option<String> {
+        let [m, lo, hi] = [0, 1, 2].map(|i| duty_mean(daemons, &figures[i]).map(|f| f * 100.0));
+        Some(format!("{:+.2} % ({:+.1} … {:+.1})", m?, lo?, hi?))
+    };
+    if let (Some(system), Some(wall)) = (mean(&systems), mean(&walls)) {
+        table.push_str(&format!("| {DEFAULT_MEAN} | {system} | {wall} |\n"));
     }
     let rate = rate.map_or("–".to_owned(), |r| format!("{r:.0}"));
     Ok(format!(
