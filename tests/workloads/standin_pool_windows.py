@@ -20,10 +20,11 @@ and kept; (4) all freed.
 """
 
 import argparse
-import ctypes
 import os
 import sys
 import time
+
+import standin_ctypes
 
 
 def ready(directory, k):
@@ -37,26 +38,14 @@ def ready(directory, k):
 
 
 def main():
-    home = os.environ.get("ASCEND_HOME_PATH")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lib", default=os.path.join(home, "lib64", "libascendcl.so") if home else None)
     ap.add_argument("--torch-lib", required=True, help="the stand-in libtorch_npu.so")
     ap.add_argument("--dir", required=True, help="where the readyK and goK files are")
     ap.add_argument("--count", type=int, default=400)
     ap.add_argument("--size", type=int, default=64 << 10, help="bytes per block")
     ap.add_argument("--paused", action="store_true", help="the second scenario (above)")
     args = ap.parse_args()
-    if not args.lib:
-        ap.error("no library: pass --lib or set ASCEND_HOME_PATH")
-    acl = ctypes.CDLL(args.lib)
-    acl.aclrtSetDevice.argtypes = [ctypes.c_int32]
-    if acl.aclrtSetDevice(0) != 0:
-        print("aclrtSetDevice failed", file=sys.stderr)
-        return 1
-    torch = ctypes.CDLL(args.torch_lib)
-    torch.standin_tensor_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
-    torch.standin_tensor_alloc.restype = ctypes.c_void_p
-    torch.standin_tensor_free.argtypes = [ctypes.c_void_p]
+    _, torch = standin_ctypes.load(args.torch_lib)
 
     def blocks():
         out = [torch.standin_tensor_alloc(args.size, 0) for _ in range(args.count)]

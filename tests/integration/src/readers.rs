@@ -201,6 +201,15 @@ fn read_dump_file(file: &Path, folder: &str, untracked: &mut Vec<DbRow>) -> Vec<
 pub fn read_output(output: &Path) -> Output {
     read_run(&run_dir(output))
 }
+/// The run of a daemon's one job under `output` (its flight recordings' folder aside).
+pub fn read_daemon_job(output: &Path) -> Output {
+    let folder = std::fs::read_dir(output)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| !p.ends_with("flight"))
+        .expect("the job's run folder");
+    read_run(&folder)
+}
 /// As [`read_output`], for one run folder among several (the daemon writes one per job).
 pub fn read_run(run_dir: &Path) -> Output {
     let run_dir = run_dir.to_owned();

@@ -127,12 +127,7 @@ fn wait_exact(metrics: std::net::SocketAddr, pid: u32, t: &Truth, daemon: &Trace
 /// and the blocks recorded. Every FREE it has is of a block it recorded, and it has no untracked
 /// one: a free of a block sampling left out belongs to the flight recorder's window alone.
 fn sampled_rows(out: &Path) -> (f64, u32) {
-    let folder = std::fs::read_dir(out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| !p.ends_with("flight"))
-        .expect("the job's run folder");
-    let run = read_run(&folder);
+    let run = read_daemon_job(out);
     let db = rusqlite::Connection::open(run.db("device_0")).unwrap();
     assert_eq!(meta(run.db("device_0"), "sample_bytes").as_deref(), Some("16384"));
     let mut rows =

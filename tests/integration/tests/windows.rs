@@ -81,6 +81,28 @@ fn ledger(path: &Path, ends: &[usize]) -> Ledger {
     l
 }
 
+/// standin_pool_windows.py with `args`, pacing files in `dir` and the variable `set` (its
+/// ledger or its pause file), once it has written `ready1`: (the job, its pid).
+fn pool_job(env: &TestEnv, dir: &Path, args: &[&str], set: (&str, &Path)) -> (Killed, u32) {
+    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
+    let mut job = Killed(
+        Command::new("python3")
+            .arg(env.workload.with_file_name("standin_pool_windows.py"))
+            .arg("--torch-lib")
+            .arg(&torch)
+            .arg("--dir")
+            .arg(dir)
+            .args(args)
+            .env("ASCEND_HOME_PATH", &env.ascend_home)
+            .env(set.0, set.1)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start the stand-in pool job"),
+    );
+    let pid = wait_for_file(&dir.join("ready1"), &mut job.0, Duration::from_secs(120)).trim().parse().unwrap();
+    (job, pid)
+}
+
 fn lines(path: &Path) -> usize {
     std::fs::read_to_string(path).unwrap().lines().count()
 }
@@ -88,12 +110,7 @@ fn lines(path: &Path) -> usize {
 /// The job's DB: its PTA rows, each block's MALLOC with one FREE, and the addresses of the FREEs
 /// marked implied.
 fn pta_rows(out: &Path) -> (usize, HashSet<u64>) {
-    let folder = std::fs::read_dir(out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| !p.ends_with("flight"))
-        .expect("the job's run folder");
-    let run = read_run(&folder);
+    let run = read_daemon_job(out);
     let db = rusqlite::Connection::open(run.db("device_0")).unwrap();
     let mut rows =
         db.prepare("SELECT Event, Ptr, Attr FROM memscope_dump WHERE \"Event Type\" = 'PTA' ORDER BY ID").unwrap();
@@ -128,20 +145,10 @@ fn a_window_sees_its_blocks_freed_in_the_drain_forgets_the_rest_and_keeps_the_de
     let dir = env.scratch.join("phases");
     std::fs::create_dir_all(&dir).unwrap();
     let s = |p: &Path| p.display().to_string();
-    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
     let ledger_path = env.scratch.join("pool.torch.jsonl");
     // Phase 1 runs before the daemon: its blocks and segments are born unseen.
-    let mut job = Killed(
-        Command::new("python3")
-            .arg(env.workload.with_file_name("standin_pool_windows.py"))
-            .args(["--torch-lib", &s(&torch), "--dir", &s(&dir), "--count", &COUNT.to_string()])
-            .env("ASCEND_HOME_PATH", &env.ascend_home)
-            .env("STANDIN_TORCH_LEDGER", &ledger_path)
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start the stand-in pool job"),
-    );
-    let pid: u32 = wait_for_file(&dir.join("ready1"), &mut job.0, Duration::from_secs(120)).trim().parse().unwrap();
+    let count = COUNT.to_string();
+    let (mut job, pid) = pool_job(&env, &dir, &["--count", &count], ("STANDIN_TORCH_LEDGER", &ledger_path));
     let mut ends = vec![lines(&ledger_path)];
 
     // One window, from the daemon's start, of 6 s (every block here is over the interval:
@@ -217,18 +224,7 @@ fn a_call_in_flight_when_its_window_closed_hides_nothing_of_the_next_window() {
     daemon.wait_live(Duration::from_secs(60));
     let metrics = metrics_address(&daemon.stderr());
     let pause = dir.join("pause");
-    let torch = var("MEMSCOPE_TORCH_WITH_DEBUG");
-    let mut job = Killed(
-        Command::new("python3")
-            .arg(env.workload.with_file_name("standin_pool_windows.py"))
-            .args(["--torch-lib", &s(&torch), "--dir", &s(&dir), "--count", "50", "--paused"])
-            .env("ASCEND_HOME_PATH", &env.ascend_home)
-            .env("STANDIN_TORCH_PAUSE", &pause)
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start the stand-in pool job"),
-    );
-    let pid: u32 = wait_for_file(&dir.join("ready1"), &mut job.0, Duration::from_secs(120)).trim().parse().unwrap();
+    let (mut job, pid) = pool_job(&env, &dir, &["--count", "50", "--paused"], ("STANDIN_TORCH_PAUSE", &pause));
     let total = |body: &str| scraped(body, "memscope_windows_total", &[]).unwrap_or(0);
     let open = |body: &str| scraped(body, "memscope_window_open", &[]);
     // The allocation enters in a window opened since (the whole of it ahead) and waits there

@@ -203,6 +203,25 @@ fn kernel_spec(mut spec: ProbeSpec, sampling: Option<Sampling>) -> ProbeSpec {
     spec
 }
 
+/// Every API's spec as the kernel gets it ([`kernel_spec`]), the windowed ones numbered.
+fn write_specs(
+    ebpf: &mut Ebpf,
+    sampling: Option<Sampling>,
+    mut windows: Option<&mut windows::Windows>,
+) -> Result<(), LoadError> {
+    let map = ebpf.map_mut("SPECS").ok_or(LoadError::Missing("SPECS"))?;
+    let mut specs: Array<_, ProbeSpec> =
+        Array::try_from(map).map_err(|source| LoadError::Map { name: "SPECS", source })?;
+    for def in Api::all() {
+        let mut spec = kernel_spec(def.spec, sampling);
+        if let Some(w) = windows.as_deref_mut().filter(|_| def.api.sampled()) {
+            spec = w.spec(def.api.spec_id(), spec);
+        }
+        specs.set(def.api.spec_id(), spec, 0).map_err(|source| LoadError::Map { name: "SPECS", source })?;
+    }
+    Ok(())
+}
+
 pub struct Tracer {
     ebpf: Ebpf,
     attached_files: HashSet<(u64, u64)>,
@@ -311,18 +330,7 @@ impl Tracer {
 
         let multi = MultiPrograms::load(EBPF_OBJECT, &ebpf).map_err(|e| super::with_causes(&e));
         let mut windows = (opts.windowed && multi.is_ok()).then(windows::Windows::default);
-        {
-            let map = ebpf.map_mut("SPECS").ok_or(LoadError::Missing("SPECS"))?;
-            let mut specs: Array<_, ProbeSpec> =
-                Array::try_from(map).map_err(|source| LoadError::Map { name: "SPECS", source })?;
-            for def in Api::all() {
-                let mut spec = kernel_spec(def.spec, opts.sampling);
-                if let Some(w) = windows.as_mut().filter(|_| def.api.sampled()) {
-                    spec = w.spec(def.api.spec_id(), spec);
-                }
-                specs.set(def.api.spec_id(), spec, 0).map_err(|source| LoadError::Map { name: "SPECS", source })?;
-            }
-        }
+        write_specs(&mut ebpf, opts.sampling, windows.as_mut())?;
 
         if let Some(admission) = &admission {
             admission::write_rules(&mut ebpf, admission, &admission.allow_pids)?;
