@@ -107,8 +107,9 @@ pub struct Args {
     /// every call). A block of the interval or more is always recorded at its size; a smaller
     /// one is recorded when a sample point falls in it, its DB row carrying the bytes it stands
     /// for (Attr `weight`). Runtime and driver calls and failed allocations are always recorded,
-    /// and the metrics' live bytes, peaks and counts are exact: every block is counted (by each
-    /// job's flight-recorder window, which gets every call; with --flight-rows 0, by the kernel).
+    /// and the metrics' live bytes, peaks and counts are exact: every block probed is counted (by
+    /// each job's flight-recorder window, which gets every call; with --flight-rows 0, by the
+    /// kernel), and these calls are probed in --windows only.
     #[arg(long, value_name = "SIZE", default_value = "512KiB", value_parser = memscope_core::units::parse_bytes)]
     pub sample_bytes: u64,
 
@@ -150,7 +151,8 @@ pub struct Args {
     /// window counts every block for the metrics. Memory: at most 320 bytes per row or block
     /// kept per job, and under sampling 320 per live block (docs/metrics.md). Turning it off
     /// under sampling does not make tracing cheaper: the kernel then counts the blocks in a map,
-    /// which costs more per call than sending them (docs/benchmarks.md, issue 41).
+    /// which costs more per call than sending them, and the pool's probes stay attached, since
+    /// --windows need this count (docs/benchmarks.md, issue 41).
     #[arg(long, value_name = "N", default_value_t = 20_000)]
     pub flight_rows: usize,
 
