@@ -167,8 +167,9 @@ pub struct Args {
     /// nothing. The runtime's and driver's calls are probed at all times, so the device series
     /// (live bytes, peaks, reserved memory, OOMs) stay exact; the pool and device="cpu" series
     /// count the blocks born in windows, and memscope_window_open says when one is open
-    /// (docs/metrics.md). A window opens at once when a device is 90 % full by the driver's
-    /// figure, and when a job's live bytes turn to a sustained rise (once per job). After a window the frees stay probed until its blocks are freed, for
+    /// (docs/metrics.md). A window opens at once when a device fills to 90 % by the driver's
+    /// figure (once per crossing), and when a job's live bytes turn to a sustained rise (once per
+    /// job). After a window the frees stay probed until its blocks are freed, for
     /// LENGTH more at most; those still live then are forgotten, their rows ended by a FREE
     /// marked implied. Windows need the flight recorder's count: with --sample-bytes 0 or
     /// --flight-rows 0 the default is `always`, and a schedule is refused.

@@ -51,10 +51,6 @@ use jobs::{Context, Jobs, Outcome};
 /// How often `--max-db` and `--retention` are applied (and whenever a job ends).
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
-/// A device this full (the driver's figure: used over total) opens a window at once, so that an
-/// OOM's flight recording has the pool's blocks.
-const NEAR_FULL: f64 = 0.9;
-
 pub struct Plan {
     /// `--lib` and the runtime folders of the daemon's own environment: probed at the start.
     pub libraries: Vec<Library>,
@@ -188,6 +184,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<Stopped> {
         requests,
         windows,
         rising: Default::default(),
+        full: Default::default(),
     };
     let start: Vec<(Option<u32>, Library)> = daemon.plan.libraries.iter().map(|l| (None, l.clone())).collect();
     daemon.attach(start, "given at the start");
@@ -259,6 +256,8 @@ struct Daemon {
     windows: Option<windows::Windows>,
     /// Jobs whose live bytes rose for good: each brought a window forward once.
     rising: std::collections::HashSet<u32>,
+    /// The devices that filled up (`windows::Fill`).
+    full: windows::Fill,
 }
 
 impl Daemon {
@@ -501,16 +500,22 @@ impl Daemon {
         }
     }
 
-    /// Takes the window's next step, if one is due.
-    fn window_work(&mut self) {
-        if let Some((device, used, total)) = self.driver.fullest() {
-            if used as f64 >= NEAR_FULL * total as f64 {
+    /// A device that filled up brings the next window forward.
+    fn near_full(&mut self) {
+        let memory: Vec<_> = self.driver.device_memory().collect();
+        for (device, used, total) in memory {
+            if self.full.crossed(device, used, total) {
                 let device = metrics::device_label(device);
                 self.open_window_soon(|| {
                     format!("device {device} holds {} of its {} MiB (the driver's figure)", used >> 20, total >> 20)
                 });
             }
         }
+    }
+
+    /// Takes the window's next step, if one is due.
+    fn window_work(&mut self) {
+        self.near_full();
         let Some(w) = &mut self.windows else { return };
         let (jobs, tracer) = (&self.jobs, &self.tracer);
         let Some(step) = w.next(std::time::Instant::now(), || jobs.sampled_blocks(), || tracer.window_detached())

@@ -6,7 +6,10 @@
 //! detaching (the frees' probes going); closed. Only once the last probe is gone are the
 //! blocks still live forgotten (`Tracker::forget_sampled`): a free that ran before that is seen.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
+
+use memscope_core::model::DeviceKey;
 
 /// `--windows LENGTH/EVERY`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +43,30 @@ pub fn parse(text: &str) -> Result<Windowing, String> {
         ));
     }
     Ok(Windowing::Every(Schedule { length, every }))
+}
+
+/// A device that fills to this share of its memory (the driver's figure) opens a window at once,
+/// so that an OOM's flight recording has the pool's blocks.
+pub const NEAR_FULL: f64 = 0.9;
+/// ... once per crossing: many jobs sit that full for good (vLLM's KV cache, a caching
+/// allocator's reserve), so a device must fall under this share to open another.
+pub const NEAR_FULL_AGAIN: f64 = 0.8;
+
+/// The devices that crossed [`NEAR_FULL`] and have not fallen under [`NEAR_FULL_AGAIN`] since.
+#[derive(Debug, Default)]
+pub struct Fill(HashSet<DeviceKey>);
+
+impl Fill {
+    /// Takes a device's reading; whether it has just filled up.
+    pub fn crossed(&mut self, device: DeviceKey, used: u64, total: u64) -> bool {
+        let share = used as f64 / total.max(1) as f64;
+        if share < NEAR_FULL_AGAIN {
+            self.0.remove(&device);
+            false
+        } else {
+            share >= NEAR_FULL && self.0.insert(device)
+        }
+    }
 }
 
 /// What the daemon does next.
@@ -131,6 +158,15 @@ mod tests {
     use super::*;
 
     const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn a_device_opens_a_window_once_per_filling_up() {
+        let mut fill = Fill::default();
+        let (npu0, npu1) = (DeviceKey::Npu(0), DeviceKey::Npu(1));
+        let readings = [(npu0, 50), (npu0, 91), (npu0, 95), (npu1, 92), (npu0, 85), (npu0, 93), (npu0, 79), (npu0, 90)];
+        let crossed: Vec<bool> = readings.iter().map(|&(d, used)| fill.crossed(d, used, 100)).collect();
+        assert_eq!(crossed, [false, true, false, true, false, false, false, true]);
+    }
 
     #[test]
     fn schedules_parse_and_bad_ones_say_what_is_expected() {

@@ -190,11 +190,9 @@ impl Driver {
         rows
     }
 
-    /// The device whose memory is the most used, by the driver's latest reading: (device, used,
-    /// total).
-    pub fn fullest(&self) -> Option<(DeviceKey, u64, u64)> {
-        let share = |(used, total): (u64, u64)| used as f64 / total.max(1) as f64;
-        self.devices.iter().max_by(|a, b| share(*a.1).total_cmp(&share(*b.1))).map(|(d, (u, t))| (*d, *u, *t))
+    /// Each device's memory by the driver's latest reading: (device, used, total).
+    pub fn device_memory(&self) -> impl Iterator<Item = (DeviceKey, u64, u64)> + '_ {
+        self.devices.iter().map(|(d, (used, total))| (*d, *used, *total))
     }
 
     /// The driver's latest figure for the processes `traced` says are the job's, per device.

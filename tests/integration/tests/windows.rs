@@ -255,8 +255,9 @@ fn a_call_in_flight_when_its_window_closed_hides_nothing_of_the_next_window() {
     assert_eq!(code, Some(0), "{stderr}");
 }
 
-/// A device nearly full by the driver's own figure (the stand-in DCMI's, from what the stand-in
-/// driver charged) opens a window before its time, so an OOM coming finds the pool's blocks.
+/// A device filling up by the driver's own figure (the stand-in DCMI's, from what the stand-in
+/// driver charged) opens a window before its time, so an OOM coming finds the pool's blocks;
+/// once, while it stays full.
 #[test]
 fn a_nearly_full_device_opens_a_window_before_its_time() {
     let env = env("daemon_windows_near_full");
@@ -290,6 +291,11 @@ fn a_nearly_full_device_opens_a_window_before_its_time() {
     );
     wait_for_file(&ready, &mut job.0, Duration::from_secs(60));
     scrape_until(metrics, &daemon, "a window opened by the full device", |b| total(b) == Some(2));
+    // Once per crossing: the device stays full, and no window follows this one at once.
+    scrape_until(metrics, &daemon, "that window over", |b| open(b) == Some(0));
+    std::thread::sleep(Duration::from_secs(3));
+    let (_, body) = get(metrics, "/metrics").unwrap();
+    assert_eq!(total(&body), Some(2), "a device that stays full opened window after window");
     drop(job);
     daemon.signal(libc::SIGTERM);
     let (code, stderr) = daemon.finish(Duration::from_secs(60));
