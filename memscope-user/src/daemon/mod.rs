@@ -288,6 +288,12 @@ impl Daemon {
         let quiet = self.plan.capture.quiet;
         let (added, markers) =
             attach_found(&mut self.tracer, libs, self.plan.capture.probe_set, quiet, &mut self.skipped);
+        for e in self.tracer.take_window_failures() {
+            say!(
+                "memscope-bpf: warning: {}; its pool and CPU-tensor calls are seen from the next window",
+                crate::attach::with_causes(&e)
+            );
+        }
         let now = clock::wall_ns();
         let mut rows = probe_rows(&added, now);
         rows.extend(usdt_rows(&markers, now));

@@ -69,6 +69,9 @@ impl Fill {
     }
 }
 
+/// How often a drain counts the blocks still live.
+const LOOK_EVERY: Duration = Duration::from_millis(500);
+
 /// What the daemon does next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -95,6 +98,8 @@ enum Phase {
 pub struct Windows {
     schedule: Schedule,
     phase: Phase,
+    /// When a drain last counted the blocks still live (a walk of every job's blocks).
+    looked: Option<Instant>,
     /// Windows opened so far.
     pub opened: u64,
     /// Blocks still live when a window's last probe went, all windows together.
@@ -104,7 +109,7 @@ pub struct Windows {
 impl Windows {
     /// The first window opens at once.
     pub fn new(schedule: Schedule, now: Instant) -> Self {
-        Self { schedule, phase: Phase::Closed { next: now }, opened: 0, forgotten: 0 }
+        Self { schedule, phase: Phase::Closed { next: now }, looked: None, opened: 0, forgotten: 0 }
     }
 
     /// Brings the next opening forward to `now` (a trigger: the card nearly full, a job's live
@@ -125,6 +130,16 @@ impl Windows {
         matches!(self.phase, Phase::Open { .. })
     }
 
+    /// Whether a drain's blocks are all freed, counted at most every [`LOOK_EVERY`] (the loop
+    /// asks every 20 ms, and the count walks every block of every job).
+    fn drained(&mut self, now: Instant, live: impl FnOnce() -> usize) -> bool {
+        if self.looked.is_some_and(|at| now < at + LOOK_EVERY) {
+            return false;
+        }
+        self.looked = Some(now);
+        live() == 0
+    }
+
     /// The step due at `now`, given the blocks born in windows that are still live and whether
     /// the probes taken off so far are gone (each asked only in the phase that needs it).
     pub fn next(
@@ -134,10 +149,11 @@ impl Windows {
         detached: impl FnOnce() -> bool,
     ) -> Option<Step> {
         let Schedule { length, every } = self.schedule;
-        let (phase, step) = match self.phase {
+        let current = self.phase;
+        let (phase, step) = match current {
             Phase::Closed { next } if now >= next => (Phase::Open { since: now }, Step::Open),
             Phase::Open { since } if now >= since + length => (Phase::Draining { since, closed: now }, Step::Close),
-            Phase::Draining { since, closed } if now >= closed + length || live() == 0 => {
+            Phase::Draining { since, closed } if now >= closed + length || self.drained(now, live) => {
                 (Phase::Detaching { since }, Step::EndDrain)
             }
             Phase::Detaching { since } if detached() => {
@@ -189,6 +205,7 @@ mod tests {
         assert!(!w.is_open());
         // Blocks born in the window are live: the frees stay, up to LENGTH more.
         assert_eq!(w.next(t0 + 12 * S, || 3, || true), None);
+        assert_eq!(w.next(t0 + 12 * S + LOOK_EVERY / 2, || 0, || true), None, "not counted again so soon");
         assert_eq!(w.next(t0 + 13 * S, || 0, || true), Some(Step::EndDrain), "all freed");
         assert_eq!(w.next(t0 + 14 * S, || 0, || false), None, "the frees' probes are still going");
         assert_eq!(w.next(t0 + 15 * S, || 0, || true), Some(Step::Forget));

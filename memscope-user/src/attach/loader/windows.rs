@@ -67,6 +67,8 @@ pub(super) struct Windows {
     frees: Vec<OwnedFd>,
     /// Closes the links taken off last (the allocations', then the frees').
     closing: Option<JoinHandle<()>>,
+    /// [`Tracer::take_window_failures`].
+    failed: Vec<MultiError>,
 }
 
 impl Windows {
@@ -141,12 +143,17 @@ impl Tracer {
         windows.libs.push(lib);
         if windows.open {
             if let Err(e) = self.attach_window_lib(index, true).and_then(|()| self.attach_window_lib(index, false)) {
-                crate::terminal::say::say!(
-                    "memscope-bpf: warning: {}; its pool and CPU calls are seen from the next window",
-                    crate::attach::with_causes(&e)
-                );
+                if let Some(windows) = &mut self.windows {
+                    windows.failed.push(e);
+                }
             }
         }
+    }
+
+    /// The libraries found while a window was open whose windowed probes could not be attached
+    /// then (they are from the next window), for the caller to say.
+    pub fn take_window_failures(&mut self) -> Vec<MultiError> {
+        self.windows.as_mut().map(|w| std::mem::take(&mut w.failed)).unwrap_or_default()
     }
 
     /// Attaches library `index`'s frees (`frees`) or allocations, returns before entries.
